@@ -1,0 +1,10 @@
+"""rayconv: multi-GPU ConvNet training on Ray actors (data parallel, pipeline stages, filter split).
+
+Reproduces Yadan, Adams, Taigman and Ranzato, "Multi-GPU Training of ConvNets" (2013). Entry points:
+``python -m rayconv.run`` (training) and ``rayconv.driver.fit(Config(...))``.
+"""
+
+from .config import Config, ConfigError
+
+__all__ = ["Config", "ConfigError", "__version__"]
+__version__ = "0.1.0"

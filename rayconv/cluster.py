@@ -1,0 +1,158 @@
+"""The only place that talks to Ray: connect, place and start the actors, call them, tear down.
+
+Bootstrap follows Ray Train's: one placement-group bundle per actor (PACK, so that neighbouring ranks
+share a node), actors ordered by (node, bundle) so that ranks of one node are contiguous and the
+filter-split groups (innermost mesh axis) stay inside a node; rank 0 picks the rendezvous address and
+every actor joins the torch.distributed process group at once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from .config import Config, ConfigError
+from .mesh import Mesh
+from .worker import Worker, exception_summary
+
+NAMESPACE = "rayconv"
+
+
+class ClusterError(RuntimeError):
+    """The Ray cluster cannot run the layout (unreachable, too few devices, an actor failed)."""
+
+
+def connect(address: Optional[str], quiet: bool = True) -> None:
+    """Connect to the cluster at ``address``, else to RAY_ADDRESS or a running local cluster
+    (``ray start --head``), else start a local one (dashboard on 127.0.0.1). Raises ClusterError."""
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=not quiet,
+                 configure_logging=True, logging_level="WARNING")
+    except (ConnectionError, TimeoutError, RuntimeError, ValueError) as e:
+        where = address or os.environ.get("RAY_ADDRESS") or "a local cluster"
+        raise ClusterError(f"cannot connect to Ray at {where} ({e}): check --address / RAY_ADDRESS, "
+                           "or run `ray start --head` first") from None
+
+
+def available_devices(device: str) -> tuple[str, int]:
+    """(resolved device kind, number of actor slots): GPUs for cuda, CPUs for cpu. Raises ConfigError."""
+    res = ray.cluster_resources()
+    gpus = int(res.get("GPU", 0))
+    if device == "cuda" and gpus == 0:
+        raise ConfigError("--device cuda but the Ray cluster has no GPUs: use --device cpu (or auto)")
+    kind = "cuda" if device == "cuda" or (device == "auto" and gpus > 0) else "cpu"
+    return kind, gpus if kind == "cuda" else int(res.get("CPU", 0))
+
+
+def resolve_layout(cfg: Config) -> Mesh:
+    """Fill in ``cfg.device`` and ``cfg.dp`` from the cluster and check the mesh fits. Raises ConfigError."""
+    kind, slots = available_devices(cfg.device)
+    cfg.device = kind
+    per_actor = 1 if kind == "cuda" else cfg.num_cpus_per_actor
+    devices = slots // per_actor
+    unit = "GPU" if kind == "cuda" else f"CPU slot ({per_actor} CPU each)"
+    if cfg.dp is None:
+        cfg.dp = max(1, devices // (cfg.pp * cfg.fs))
+    mesh = Mesh(cfg.dp, cfg.pp, cfg.fs)
+    if mesh.world_size > devices:
+        raise ConfigError(f"layout {mesh.describe()} needs {mesh.world_size} {unit}s but the cluster has "
+                          f"{devices}: lower --dp/--pp/--fs, or add nodes")
+    if cfg.global_batch_size < cfg.dp:
+        raise ConfigError(f"--global-batch-size {cfg.global_batch_size} is smaller than --dp {cfg.dp}: "
+                          f"each replica needs at least one sample; raise it to >= {cfg.dp}")
+    return mesh
+
+
+@dataclass
+class Gang:
+    """The started actors of one run, index = rank."""
+
+    actors: list[Any]
+    roles: list[str]
+    pg: Any
+    info: list[dict[str, Any]]
+
+    def call(self, method: str, *args, ranks: Optional[Sequence[int]] = None, timeout_s: Optional[float] = None):
+        """Call ``method(*args)`` on the actors (all, or ``ranks``); results in rank order (see ``call_each``)."""
+        ranks = list(range(len(self.actors))) if ranks is None else list(ranks)
+        return self.call_each(method, [args] * len(ranks), ranks=ranks, timeout_s=timeout_s)
+
+    def call_each(self, method: str, args: Sequence[Sequence[Any]], ranks: Optional[Sequence[int]] = None,
+                  timeout_s: Optional[float] = None) -> list[Any]:
+        """Call ``method(*args[i])`` on actor ``ranks[i]`` (default: all, in rank order); return the results.
+
+        If any actor raises, the others may be blocked in a collective: all actors are killed and a
+        ClusterError names the failing actor's role and its error (no hang). Same after ``timeout_s``."""
+        ranks = list(range(len(self.actors))) if ranks is None else list(ranks)
+        refs = [getattr(self.actors[r], method).remote(*a) for r, a in zip(ranks, args)]
+        pending = list(refs)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not done:
+                self.kill()
+                raise ClusterError(f"{method} did not finish within {timeout_s} s: actors stopped")
+            try:
+                ray.get(done[0])
+            except Exception as e:  # noqa: BLE001 - re-raised with the actor's role
+                r = ranks[refs.index(done[0])]
+                self.kill()
+                raise ClusterError(f"actor {self.roles[r]} (rank {r}) failed in {method}: "
+                                   f"{exception_summary(e)}") from None
+        return ray.get(refs)
+
+    def kill(self) -> None:
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        try:
+            remove_placement_group(self.pg)
+        except Exception:  # noqa: BLE001 - already removed
+            pass
+
+
+def start_workers(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float = 120.0) -> Gang:
+    """Reserve one bundle per actor, start the actors, named ``rayconv/<run>/<role>`` in rank order.
+
+    Raises ClusterError if the bundles cannot be placed within ``timeout_s`` seconds."""
+    gpu = cfg.device == "cuda"
+    bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": cfg.num_cpus_per_actor}
+    pg = placement_group([dict(bundle) for _ in range(mesh.world_size)], strategy="PACK",
+                         name=f"rayconv/{run_name}")
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise ClusterError(f"could not reserve {mesh.world_size} x {bundle} within {timeout_s:.0f} s: "
+                           "the cluster is busy or too small; free resources or lower the layout") from None
+    # Rank order: by node (in order of first appearance), then bundle index.
+    nodes = placement_group_table(pg)["bundles_to_node_id"]
+    node_order: dict[str, int] = {}
+    for b in range(mesh.world_size):
+        node_order.setdefault(nodes[b], len(node_order))
+    bundles = sorted(range(mesh.world_size), key=lambda b: (node_order[nodes[b]], b))
+    env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if (gpu and cfg.all_gpus_visible) else {}
+    remote = ray.remote(Worker)
+    actors, roles = [], []
+    for rank, b in enumerate(bundles):
+        role = mesh.role(rank)
+        actors.append(remote.options(
+            name=f"rayconv/{run_name}/{role}", namespace=NAMESPACE, num_cpus=bundle["CPU"], num_gpus=1 if gpu else 0,
+            max_restarts=0, runtime_env={"env_vars": env} if env else None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
+        ).remote(cfg.to_dict(), run_name, role))
+        roles.append(role)
+    gang = Gang(actors, roles, pg, [])
+    gang.info = gang.call("whereami", timeout_s=timeout_s)
+    return gang

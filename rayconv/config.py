@@ -1,0 +1,183 @@
+"""The run configuration: one flat dataclass, its validation and its command-line form.
+
+Every field is a flag of ``python -m rayconv.run`` (``global_batch_size`` is ``--global-batch-size``)
+and a key of a JSON config file (``--config FILE``; flags given on the command line win). The resolved
+configuration is written to ``<out>/config.json`` and can be passed back with ``--config``.
+
+Errors a user can cause raise :class:`ConfigError` (a ``ValueError``) whose message names the flag
+and what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+MODELS_HELP = "convnet (small test ConvNet), alexnet, or any torchvision classification ConvNet name"
+DATA_CHOICES = ("digits", "synthetic", "imagefolder")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+SCHEDULE_CHOICES = ("gpipe", "1f1b")
+PLAN_CHOICES = ("none", "krizhevsky2014")
+PRECISION_CHOICES = ("fp32", "bf16", "fp64")
+LR_SCHEDULE_CHOICES = ("constant", "cosine")
+
+
+class ConfigError(ValueError):
+    """A setting the user can change is invalid; the message says which flag and how."""
+
+
+@dataclass
+class Config:
+    """Resolved settings of one training run. Units are given per field."""
+
+    # what to train
+    model: str = field(default="convnet", metadata={"help": MODELS_HELP})
+    data: str = field(default="digits", metadata={"help": "digits (embedded real scans), synthetic, imagefolder",
+                                                  "choices": DATA_CHOICES})
+    data_dir: Optional[str] = field(default=None, metadata={"help": "ImageNet-layout folder with train/ and val/"})
+    num_classes: Optional[int] = field(default=None, metadata={"help": "classes; default: follows the data"})
+    image_size: int = field(default=224, metadata={"help": "side in pixels for synthetic and imagefolder data"})
+    synthetic_samples: int = field(default=4096, metadata={"help": "train samples of synthetic data"})
+    # layout: a mesh of dp * pp * fs actors
+    dp: Optional[int] = field(default=None, metadata={"help": "data-parallel replicas; default: all devices / (pp*fs)"})
+    pp: int = field(default=1, metadata={"help": "pipeline stages (model split by layers)"})
+    fs: int = field(default=1, metadata={"help": "filter split: output channels of each layer over fs actors"})
+    plan: str = field(default="none", metadata={"help": "per-layer plan; krizhevsky2014 = conv data parallel, FC split",
+                                                "choices": PLAN_CHOICES})
+    stages: Optional[str] = field(default=None, metadata={"help": "pipeline cut points by hand, e.g. '5,9' (layer indices)"})
+    num_microbatches: int = field(default=1, metadata={"help": "micro-batches per replica per step"})
+    schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule", "choices": SCHEDULE_CHOICES})
+    # optimisation (synchronous SGD)
+    global_batch_size: int = field(default=64, metadata={"help": "images per step over all replicas"})
+    epochs: Optional[int] = field(default=None, metadata={"help": "epochs to train (default 10 when --steps is not given)"})
+    steps: Optional[int] = field(default=None, metadata={"help": "optimizer steps to train (overrides --epochs)"})
+    lr: float = field(default=0.05, metadata={"help": "learning rate for the global batch"})
+    lr_schedule: str = field(default="cosine", metadata={"help": "learning-rate schedule", "choices": LR_SCHEDULE_CHOICES})
+    momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
+    weight_decay: float = field(default=5e-4, metadata={"help": "L2 weight decay"})
+    seed: int = field(default=0, metadata={"help": "seed of weights, data order and augmentation"})
+    precision: str = field(default="fp32", metadata={"help": "fp32, bf16 (autocast) or fp64", "choices": PRECISION_CHOICES})
+    sync_batchnorm: bool = field(default=False, metadata={"help": "batch-norm statistics over the global batch"})
+    # where
+    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda", "choices": DEVICE_CHOICES})
+    address: Optional[str] = field(default=None, metadata={"help": "Ray cluster address (default: RAY_ADDRESS, "
+                                                                   "a running cluster, else a new local one)"})
+    num_cpus_per_actor: int = field(default=1, metadata={"help": "CPUs reserved per actor (threads on CPU)"})
+    all_gpus_visible: bool = field(default=False, metadata={"help": "actors see every GPU of their node and pick "
+                                                                   "theirs by index (for NVSwitch hosts, Ray issue 61073)"})
+    collective_timeout_s: float = field(default=300.0, metadata={"help": "seconds before a stuck collective fails"})
+    loader_workers: int = field(default=2, metadata={"help": "decode processes per actor for imagefolder data"})
+    # output
+    out: Optional[str] = field(default=None, metadata={"help": "output folder (default: a new folder under runs/)"})
+    eval_every: Optional[int] = field(default=None, metadata={"help": "steps between test evaluations (default: each epoch)"})
+    log_every: int = field(default=10, metadata={"help": "steps between progress lines"})
+    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> "Config":
+        """Check what can be checked without a cluster or data; return self. Raises ConfigError."""
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        need(self.data in DATA_CHOICES, f"unknown --data {self.data!r}: choose one of {', '.join(DATA_CHOICES)}")
+        need(self.device in DEVICE_CHOICES, f"unknown --device {self.device!r}: choose auto, cpu or cuda")
+        need(self.schedule in SCHEDULE_CHOICES, f"unknown --schedule {self.schedule!r}: choose gpipe or 1f1b")
+        need(self.plan in PLAN_CHOICES, f"unknown --plan {self.plan!r}: choose one of {', '.join(PLAN_CHOICES)}")
+        need(self.precision in PRECISION_CHOICES, f"unknown --precision {self.precision!r}: choose fp32, bf16 or fp64")
+        need(self.lr_schedule in LR_SCHEDULE_CHOICES, f"unknown --lr-schedule {self.lr_schedule!r}: constant or cosine")
+        need(self.data != "imagefolder" or bool(self.data_dir),
+             "--data imagefolder needs --data-dir DIR (a folder with train/<class>/*.JPEG and val/<class>/...)")
+        for name in ("pp", "fs", "num_microbatches", "global_batch_size", "log_every", "num_cpus_per_actor"):
+            need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
+        for name in ("dp", "steps", "epochs", "eval_every", "num_classes"):
+            v = getattr(self, name)
+            need(v is None or v >= 1, f"--{name.replace('_', '-')} must be >= 1 (got {v})")
+        need(self.lr > 0, f"--lr must be > 0 (got {self.lr})")
+        need(0 <= self.momentum < 1, f"--momentum must be in [0, 1) (got {self.momentum})")
+        need(self.weight_decay >= 0, f"--weight-decay must be >= 0 (got {self.weight_decay})")
+        need(self.collective_timeout_s > 0, "--collective-timeout-s must be > 0")
+        need(self.image_size >= 32, f"--image-size must be >= 32 pixels (got {self.image_size})")
+        need(self.loader_workers >= 0, "--loader-workers must be >= 0")
+        if self.plan != "none":
+            need(self.pp == 1 and self.fs == 1,
+                 f"--plan {self.plan} spreads the model over all actors itself: drop --pp/--fs and set only --dp")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """Actors in the mesh: dp * pp * fs (dp must be resolved)."""
+        assert self.dp is not None, "dp is resolved against the cluster first"
+        return self.dp * self.pp * self.fs
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+# ---------------------------------------------------------------------- command line
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """An argparse parser with one flag per Config field (defaults left unset to detect what was given)."""
+    p = argparse.ArgumentParser(
+        prog="python -m rayconv.run",
+        description="Train a ConvNet with synchronous SGD across Ray actors (data parallel, pipeline, filter split).",
+        argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", help="JSON file of settings (e.g. a run's config.json); flags override it")
+    for f in fields(Config):
+        meta = dict(f.metadata)
+        kw: dict[str, Any] = {"help": meta.get("help", "") + f" (default: {f.default})"}
+        if f.type in ("bool", bool):
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = _parse_type(f.type)
+        if "choices" in meta:
+            kw["choices"] = meta["choices"]
+        p.add_argument(_flag(f.name), dest=f.name, **kw)
+    return p
+
+
+def _parse_type(t: Any):
+    t = str(t)
+    if "int" in t:
+        return int
+    if "float" in t:
+        return float
+    return str
+
+
+def from_mapping(values: dict[str, Any]) -> Config:
+    """Config from a dict; unknown keys raise ConfigError naming them."""
+    known = {f.name for f in fields(Config)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}: known are {', '.join(sorted(known))}")
+    return Config(**values)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> Config:
+    """Parse the command line (and --config file) into a validated Config. Raises ConfigError."""
+    ns = vars(build_parser().parse_args(argv))
+    values: dict[str, Any] = {}
+    cfg_file = ns.pop("config", None)
+    if cfg_file is not None:
+        path = Path(cfg_file)
+        if not path.is_file():
+            raise ConfigError(f"--config {cfg_file}: no such file")
+        try:
+            values = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--config {cfg_file} is not valid JSON ({e}): fix the file") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"--config {cfg_file} must hold a JSON object of settings")
+    values.update(ns)
+    return from_mapping(values).validate()

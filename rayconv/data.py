@@ -1,0 +1,259 @@
+"""Data sources and the deterministic sharding of each global batch over data-parallel replicas.
+
+Sources (``--data``):
+
+* ``digits``: the 1,797 real 8x8 handwritten-digit scans that ship inside scikit-learn (UCI optdigits
+  test set), 10 classes; a fixed 80/20 split gives 1,437 train and 360 held-out images. No download.
+* ``imagefolder``: an ImageNet-layout folder, ``<dir>/train/<class>/*.JPEG`` and ``<dir>/val/<class>/...``,
+  decoded and augmented by torchvision (RandomResizedCrop + flip for training; resize + center crop for
+  evaluation), read by a ``torch.utils.data.DataLoader`` with worker processes.
+* ``synthetic``: ImageNet-shaped images (3 x S x S, 1000 classes) made directly on the device, for
+  throughput; labels are a fixed function of the sample index.
+
+Sharding: the train set is permuted once per epoch from (seed, epoch); global step ``s`` of the epoch
+takes the next ``global_batch_size`` samples (the last batch of an epoch may be smaller); replica ``r``
+takes its contiguous slice of that batch, slices as even as possible (sizes differ by at most 1).
+Every actor computes the same indices alone, so data never passes through the driver. Gradients are
+weighted by sample count (loss summed over samples and divided by the global count), so uneven
+slices stay exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from .config import Config, ConfigError
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+class DataError(ValueError):
+    """The data cannot be read (missing folder, empty class list, a file that does not decode)."""
+
+
+def stable_seed(*parts: object) -> int:
+    """A 31-bit seed from ints and strings, the same in every process (unlike ``hash`` of a str)."""
+    import zlib
+
+    return zlib.crc32(repr(parts).encode()) & 0x7FFF_FFFF
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    """Sizes of ``parts`` contiguous slices of ``n`` items, as even as possible (first ones larger)."""
+    q, r = divmod(n, parts)
+    return [q + (1 if i < r else 0) for i in range(parts)]
+
+
+def split_slices(n: int, parts: int) -> list[slice]:
+    out, start = [], 0
+    for size in split_sizes(n, parts):
+        out.append(slice(start, start + size))
+        start += size
+    return out
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """Which train samples each replica reads at each step.
+
+    ``train_size`` samples, ``global_batch_size`` per step, ``dp`` replicas; ``steps_per_epoch`` counts
+    the last partial batch.
+    """
+
+    train_size: int
+    global_batch_size: int
+    dp: int
+    seed: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return -(-self.train_size // self.global_batch_size)
+
+    def epoch_permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch, 0x5EED]).permutation(self.train_size)
+
+    def global_batch(self, epoch: int, step_in_epoch: int) -> np.ndarray:
+        """Sample indices of the whole global batch, shape (B,), B <= global_batch_size."""
+        start = step_in_epoch * self.global_batch_size
+        return self.epoch_permutation(epoch)[start:start + self.global_batch_size]
+
+    def replica_batch(self, epoch: int, step_in_epoch: int, replica: int) -> tuple[np.ndarray, int]:
+        """(this replica's sample indices, number of samples in the global batch)."""
+        batch = self.global_batch(epoch, step_in_epoch)
+        return batch[split_slices(len(batch), self.dp)[replica]], len(batch)
+
+
+def test_shard(test_size: int, dp: int, replica: int) -> np.ndarray:
+    """Held-out indices evaluated by ``replica``: every sample exactly once over all replicas."""
+    return np.arange(test_size)[split_slices(test_size, dp)[replica]]
+
+
+# ---------------------------------------------------------------------- sources
+class Source:
+    """Train and test data of one kind, as seen by one actor.
+
+    ``num_classes``; ``sample_shape`` (C, H, W); ``train_size`` and ``test_size`` in samples.
+    ``images(split, idx, device)`` -> float tensor (len(idx), C, H, W); ``labels(split, idx)`` -> int64 (len(idx),).
+    """
+
+    num_classes: int
+    sample_shape: tuple[int, int, int]
+    train_size: int
+    test_size: int
+
+    def images(self, split: str, idx: np.ndarray, device: torch.device, epoch: int = 0) -> torch.Tensor:
+        raise NotImplementedError
+
+    def labels(self, split: str, idx: np.ndarray) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TensorSource(Source):
+    """A data set held in memory as tensors (digits)."""
+
+    def __init__(self, train: TensorDataset, test: TensorDataset, num_classes: int):
+        self.sets = {"train": train, "test": test}
+        self.num_classes = num_classes
+        self.sample_shape = tuple(train.tensors[0].shape[1:])  # type: ignore[assignment]
+        self.train_size, self.test_size = len(train), len(test)
+
+    def images(self, split, idx, device, epoch=0):
+        return self.sets[split].tensors[0][torch.as_tensor(idx, dtype=torch.long)].to(device, non_blocking=True)
+
+    def labels(self, split, idx):
+        return self.sets[split].tensors[1][torch.as_tensor(idx, dtype=torch.long)]
+
+
+def load_digits(seed: int = 0) -> TensorSource:
+    """scikit-learn's digits: (N, 1, 8, 8) float32, pixel values scaled to mean 0, std 1; 10 classes."""
+    from sklearn.datasets import load_digits as _load
+
+    d = _load()
+    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0   # x_N1HW in [0, 1]
+    x = (x - 0.3) / 0.4                                                   # roughly mean 0, std 1
+    y = torch.tensor(d.target, dtype=torch.long)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(1234))  # fixed split, not --seed
+    n_test = len(x) // 5
+    te, tr = perm[:n_test], perm[n_test:]
+    return TensorSource(TensorDataset(x[tr], y[tr]), TensorDataset(x[te], y[te]), num_classes=10)
+
+
+class SyntheticSource(Source):
+    """ImageNet-shaped synthetic data generated on the device (no host-to-device copy)."""
+
+    def __init__(self, image_size: int, num_classes: int, train_size: int, seed: int):
+        self.sample_shape = (3, image_size, image_size)
+        self.num_classes = num_classes
+        self.train_size, self.test_size = train_size, max(1, train_size // 8)
+        self.seed = seed
+        self._gens: dict[torch.device, torch.Generator] = {}
+
+    def images(self, split, idx, device, epoch=0):
+        dev = torch.device(device)
+        g = self._gens.get(dev)
+        if g is None:
+            g = self._gens[dev] = torch.Generator(device=dev)
+        first = int(idx[0]) if len(idx) else 0
+        g.manual_seed(stable_seed(self.seed, split, epoch, first, len(idx)))
+        return torch.randn((len(idx), *self.sample_shape), generator=g, device=dev)
+
+    def labels(self, split, idx):
+        offset = 0 if split == "train" else 7
+        return torch.as_tensor((np.asarray(idx, dtype=np.int64) * 7919 + offset) % self.num_classes)
+
+
+class _CheckedImageFolder(Dataset):
+    """torchvision ImageFolder whose decode errors name the file and what to do."""
+
+    def __init__(self, root: Path, transform):
+        from torchvision.datasets import ImageFolder
+
+        self.inner = ImageFolder(str(root), transform=transform)
+        self.targets = torch.tensor(self.inner.targets, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        try:
+            return self.inner[i]
+        except Exception as e:  # PIL.UnidentifiedImageError, OSError for truncated files, ...
+            path = self.inner.samples[i][0]
+            raise DataError(f"cannot decode image {path} ({type(e).__name__}: {e}): "
+                            "remove or replace that file") from None
+
+
+class ImageFolderSource(Source):
+    """An ImageNet-layout folder read through torchvision's ImageFolder and a DataLoader."""
+
+    def __init__(self, root: str, image_size: int, seed: int, workers: int):
+        from torchvision.transforms import v2 as T
+
+        base = Path(root)
+        for split in ("train", "val"):
+            check_image_folder(base / split)
+        norm = [T.ToImage(), T.ToDtype(torch.float32, scale=True),
+                T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]
+        self.sets = {
+            "train": _CheckedImageFolder(base / "train", T.Compose(
+                [T.RandomResizedCrop(image_size, antialias=True), T.RandomHorizontalFlip(), *norm])),
+            "test": _CheckedImageFolder(base / "val", T.Compose(
+                [T.Resize(image_size * 8 // 7, antialias=True), T.CenterCrop(image_size), *norm])),
+        }
+        train_classes = self.sets["train"].inner.classes
+        if self.sets["test"].inner.classes != train_classes:
+            raise DataError(f"{base}/val has classes {self.sets['test'].inner.classes[:5]}... but train has "
+                            f"{train_classes[:5]}...: both need the same class folders")
+        self.num_classes = len(train_classes)
+        self.sample_shape = (3, image_size, image_size)
+        self.train_size, self.test_size = len(self.sets["train"]), len(self.sets["test"])
+        self.seed, self.workers = seed, workers
+
+    def images(self, split, idx, device, epoch=0):
+        ds = self.sets[split]
+        if len(idx) == 0:
+            return torch.empty((0, *self.sample_shape), device=device)
+        # Augmentation is seeded by (seed, split, epoch, first index): the same on every run.
+        g = torch.Generator().manual_seed(stable_seed(self.seed, split, epoch, int(idx[0])))
+        loader = DataLoader(ds, batch_size=len(idx), sampler=[int(i) for i in idx], generator=g,
+                            num_workers=min(self.workers, len(idx)), pin_memory=torch.device(device).type == "cuda")
+        x, _ = next(iter(loader))
+        return x.to(device, non_blocking=True)
+
+    def labels(self, split, idx):
+        return self.sets[split].targets[torch.as_tensor(idx, dtype=torch.long)]
+
+
+def check_image_folder(path: Path) -> None:
+    """Raise DataError unless ``path`` holds class folders with at least one image file."""
+    if not path.is_dir():
+        raise DataError(f"data folder {path} does not exist: --data-dir must hold train/<class>/*.JPEG "
+                        "and val/<class>/*.JPEG")
+    classes = [p for p in path.iterdir() if p.is_dir()]
+    if not classes:
+        raise DataError(f"data folder {path} has no class folders: put images in {path}/<class>/")
+    if not any(f.suffix.lower() in IMAGE_SUFFIXES for c in classes for f in c.iterdir()):
+        raise DataError(f"data folder {path} has class folders but no image files "
+                        f"({', '.join(IMAGE_SUFFIXES)})")
+
+
+def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
+    """The data source named by ``cfg.data``. Raises DataError / ConfigError."""
+    if cfg.data == "digits":
+        src: Source = load_digits()
+    elif cfg.data == "synthetic":
+        src = SyntheticSource(cfg.image_size, cfg.num_classes or 1000, cfg.synthetic_samples, cfg.seed)
+    elif cfg.data == "imagefolder":
+        src = ImageFolderSource(cfg.data_dir or "", cfg.image_size, cfg.seed, cfg.loader_workers)
+    else:
+        raise ConfigError(f"unknown --data {cfg.data!r}")
+    if cfg.num_classes is not None and cfg.num_classes != src.num_classes:
+        raise ConfigError(f"--num-classes {cfg.num_classes} but --data {cfg.data} has {src.num_classes} classes: "
+                          "drop --num-classes (it follows the data)")
+    return src

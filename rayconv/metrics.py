@@ -1,0 +1,75 @@
+"""Step metrics: reduction of the actors' numbers, progress display, Parquet and JSON files.
+
+One row per step (``kind="train"``): step, epoch, loss (mean over the global batch), lr,
+images_per_s (global batch / step wall time), step_ms (driver wall time of the step). One row per
+evaluation (``kind="eval"``): test_loss, test_error and test_accuracy over every held-out sample once.
+Files are written atomically (temporary file, then rename): a crash never leaves half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SCHEMA = pa.schema([
+    ("kind", pa.string()), ("step", pa.int64()), ("epoch", pa.int64()), ("loss", pa.float64()),
+    ("lr", pa.float64()), ("images_per_s", pa.float64()), ("step_ms", pa.float64()),
+    ("compute_ms", pa.float64()), ("test_loss", pa.float64()), ("test_error", pa.float64()),
+    ("test_accuracy", pa.float64()),
+])
+
+
+def reduce_step(results: Iterable[dict[str, Any]]) -> dict[str, float]:
+    """Global loss (mean per sample) and sample count from the actors' step results."""
+    results = list(results)
+    rep = [r for r in results if r["reports"]]
+    samples = sum(r["samples"] for r in rep)
+    loss_sum = sum(r["loss_sum"] for r in rep)
+    return {"loss": loss_sum / max(1, samples), "samples": samples,
+            "correct": sum(r["correct"] for r in rep),
+            "compute_ms": max(r.get("compute_ms", 0.0) for r in results)}
+
+
+class MetricsLog:
+    """Rows of the run, kept in memory and flushed to ``metrics.parquet``."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, **row: Any) -> None:
+        self.rows.append({name: row.get(name) for name in SCHEMA.names})
+
+    def table(self) -> pa.Table:
+        return pa.Table.from_pylist(self.rows, schema=SCHEMA)
+
+    def write(self, path: Path) -> None:
+        atomic_write(path, lambda tmp: pq.write_table(self.table(), tmp))
+
+    def last(self, kind: str, key: str) -> Optional[float]:
+        for r in reversed(self.rows):
+            if r["kind"] == kind and r[key] is not None:
+                return r[key]
+        return None
+
+
+def atomic_write(path: Path, write) -> None:
+    """Call ``write(tmp_path)`` then rename over ``path`` (same folder, so the rename is atomic)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, obj: Any) -> None:
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2) + "\n"))

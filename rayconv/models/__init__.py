@@ -1,0 +1,90 @@
+"""Models: a small test ConvNet, Krizhevsky's AlexNet and any torchvision classification ConvNet.
+
+``build_model`` returns an unchanged ``nn.Module`` whose ``state_dict`` is what the model's own builder
+loads (``torchvision.models.get_model(name, num_classes=K)`` or ``rayconv.models.ConvNet``).
+``to_layers`` views that model as the flat sequence of layers its forward runs, which is what the
+pipeline cuts into stages and the filter split divides; the layers are the model's own modules, so the
+flat view and the model share parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torchvision
+from torch import nn
+
+from ..config import ConfigError
+from .convnet import ConvNet
+
+__all__ = ["ConvNet", "build_model", "to_layers", "model_names"]
+
+
+def model_names() -> list[str]:
+    """Names accepted by --model: convnet plus torchvision's classification models."""
+    return ["convnet"] + sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: int = 224,
+                batch_norm: bool = False) -> nn.Module:
+    """A freshly initialised model (weights from the current torch RNG state).
+
+    ``alexnet`` is torchvision's single-column AlexNet (Krizhevsky et al. 2012 / "One weird trick" 2014).
+    Raises ConfigError for unknown names and for models that cannot take the data's image shape.
+    """
+    if name == "convnet":
+        return ConvNet(in_channels=in_channels, num_classes=num_classes, batch_norm=batch_norm)
+    names = model_names()
+    if name not in names:
+        close = [n for n in names if n.startswith(name[:3])][:8]
+        hint = f" (close: {', '.join(close)})" if close else ""
+        raise ConfigError(f"unknown --model {name!r}{hint}: use convnet, alexnet, resnet18, resnet50, vgg11, ... "
+                          "(any torchvision classification model)")
+    if in_channels != 3:
+        raise ConfigError(f"--model {name} takes 3-channel images but the data has {in_channels} channel(s): "
+                          "use --model convnet for --data digits, or --data synthetic/imagefolder")
+    if image_size < 32:
+        raise ConfigError(f"--model {name} needs images of at least 32x32 pixels (data gives {image_size}): "
+                          "use --model convnet for --data digits")
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+
+
+def to_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The flat sequence of (qualified name, module) that ``model.forward`` applies in order.
+
+    Known families: rayconv ConvNet and any ``nn.Sequential``; models with ``features`` / ``avgpool`` /
+    ``classifier`` (AlexNet, VGG, MobileNet, EfficientNet, ...); ResNets (stem, blocks, pool, fc).
+    Any other model is one unsplittable layer: it trains data parallel but cannot be cut or split.
+    The equality of the flat view and ``model(x)`` is checked in tests/test_models.py.
+    """
+    if isinstance(model, nn.Sequential):
+        return [(n, m) for n, m in model.named_children()]
+    if isinstance(model, torchvision.models.ResNet):
+        out = [(n, getattr(model, n)) for n in ("conv1", "bn1", "relu", "maxpool")]
+        for ln in ("layer1", "layer2", "layer3", "layer4"):
+            out += [(f"{ln}.{i}", blk) for i, blk in getattr(model, ln).named_children()]
+        return out + [("avgpool", model.avgpool), ("flatten", nn.Flatten(1)), ("fc", model.fc)]
+    if all(hasattr(model, a) for a in ("features", "avgpool", "classifier")) and isinstance(model.features, nn.Sequential) \
+            and type(model).forward in _FEATURES_FORWARD:
+        out = [(f"features.{n}", m) for n, m in model.features.named_children()]
+        out += [("avgpool", model.avgpool), ("flatten", nn.Flatten(1))]
+        cls = model.classifier
+        out += [(f"classifier.{n}", m) for n, m in cls.named_children()] if isinstance(cls, nn.Sequential) \
+            else [("classifier", cls)]
+        return out
+    return [("", model)]
+
+
+# Models whose forward is exactly features -> avgpool -> flatten(1) -> classifier.
+_FEATURES_FORWARD = {
+    torchvision.models.AlexNet.forward,
+    torchvision.models.VGG.forward,
+    torchvision.models.MobileNetV2.forward,
+    torchvision.models.MobileNetV3.forward,
+    torchvision.models.EfficientNet.forward,
+}
+
+
+def run_layers(layers: list[tuple[str, nn.Module]], x: torch.Tensor) -> torch.Tensor:
+    for _, m in layers:
+        x = m(x)
+    return x

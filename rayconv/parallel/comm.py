@@ -1,0 +1,119 @@
+"""The only torch.distributed calls of rayconv: process groups, point-to-point and collectives.
+
+Actors join one process group (NCCL on GPUs, gloo on CPU) and make one subgroup per mesh group
+(torch requires every rank to create every subgroup, in the same order). Groups are passed
+explicitly; nothing else uses the default group.
+
+Legend: N batch, C channels, H, W height, width; ``x_NCHW`` is an activation.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..mesh import AXES, Mesh
+
+
+@dataclass
+class Groups:
+    """This rank's process groups along each mesh axis, plus the world (all actors)."""
+
+    rank: int
+    mesh: Mesh
+    world: Optional[dist.ProcessGroup]
+    axis: dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict)
+    ranks: dict[str, list[int]] = field(default_factory=dict)
+
+    def size(self, axis: str) -> int:
+        return len(self.ranks[axis])
+
+    def index(self, axis: str) -> int:
+        """This rank's position inside its group along ``axis``."""
+        return self.ranks[axis].index(self.rank)
+
+
+def init_process_groups(mesh: Mesh, rank: int, master: str, backend: str, timeout_s: float) -> Groups:
+    """Join the world process group at ``master`` ("host:port") and make every mesh subgroup.
+
+    Called at once by all ``mesh.world_size`` actors; blocks until all have joined or ``timeout_s``
+    passes (then raises RuntimeError from torch.distributed).
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend, init_method=f"tcp://{master}", rank=rank,
+                            world_size=mesh.world_size, timeout=timeout)
+    groups = Groups(rank=rank, mesh=mesh, world=dist.group.WORLD)
+    for axis in AXES:
+        for ranks in mesh.groups(axis):
+            # Every rank creates every group, in the same order; singleton groups are kept cheap.
+            g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+            if rank in ranks:
+                groups.axis[axis], groups.ranks[axis] = g, ranks
+    return groups
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(t: torch.Tensor, group: Optional[dist.ProcessGroup], async_op: bool = False):
+    """In-place sum over ``group`` (no-op for a singleton group)."""
+    if group is None:
+        return None
+    return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def broadcast(t: torch.Tensor, src: int, group: Optional[dist.ProcessGroup]) -> None:
+    """Broadcast ``t`` in place from global rank ``src`` to ``group``."""
+    if group is not None:
+        dist.broadcast(t, src=src, group=group)
+
+
+def isend(t: torch.Tensor, dst: int, group: Optional[dist.ProcessGroup]):
+    """Non-blocking send to global rank ``dst``; the caller keeps ``t`` alive until ``wait()``."""
+    return dist.isend(t.contiguous(), dst=dst, group=group)
+
+
+def recv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int,
+         group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Blocking receive of a tensor of known ``shape`` from global rank ``src``."""
+    buf = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(buf, src=src, group=group)
+    return buf
+
+
+def all_gather_dim(t: torch.Tensor, dim: int, sizes: list[int], group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Concatenate each rank's ``t`` along ``dim`` (sizes along ``dim`` may differ by rank)."""
+    if group is None:
+        return t
+    shape = list(t.shape)
+    parts = []
+    for s in sizes:
+        shape[dim] = s
+        parts.append(torch.empty(shape, dtype=t.dtype, device=t.device))
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def reduce_scatter_dim(t: torch.Tensor, dim: int, sizes: list[int], index: int,
+                       group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Sum ``t`` over ``group`` and keep this rank's slice along ``dim`` (rank ``index`` of ``sizes``).
+
+    gloo has no reduce-scatter, so on CPU this is an all-reduce followed by a slice.
+    """
+    if group is None:
+        return t
+    t = t.contiguous()
+    start = sum(sizes[:index])
+    if dist.get_backend(group) == "nccl" and len(set(sizes)) == 1 and dim == 0:
+        out = torch.empty_like(t.narrow(dim, start, sizes[index]))
+        dist.reduce_scatter_tensor(out, t, group=group)
+        return out
+    t = t.clone()
+    dist.all_reduce(t, group=group)
+    return t.narrow(dim, start, sizes[index]).contiguous()

@@ -1,0 +1,109 @@
+"""Data parallelism: identical start, then gradients summed over the replicas of each shard.
+
+Each replica's loss is ``sum of per-sample losses / global batch size`` (weights by sample count, so
+uneven shards and a last partial batch stay exact), hence the all-reduce is a plain SUM and one step
+equals one single-device SGD step on the global batch (Yadan et al. 2013, section 3.1; the
+bucketing and overlap with the backward pass follow PyTorch DDP, Li et al. VLDB 2020, section 3.2).
+
+Buckets of about ``bucket_mb`` MB are formed in reverse parameter order (the order in which the
+backward pass produces gradients). When armed (the last backward of a step), a hook on each parameter
+notes its gradient as ready; a bucket is launched as an asynchronous all-reduce as soon as it is full
+and every earlier bucket has been launched, so all replicas issue collectives in the same order.
+``finish()`` launches what is left (parameters that got no gradient contribute zeros), waits, and
+copies the sums back.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import comm
+
+
+class GradientSync:
+    """Bucketed, backward-overlapped gradient all-reduce of ``params`` over ``group``.
+
+    ``group`` None (one replica) makes every method a no-op. ``bucket_mb`` is in MB (2**20 bytes).
+    """
+
+    def __init__(self, params: list[nn.Parameter], group: Optional[dist.ProcessGroup], bucket_mb: float = 25.0):
+        self.group = group
+        self.params = [p for p in params if p.requires_grad]
+        self.buckets: list[list[nn.Parameter]] = []
+        if group is None:
+            return
+        limit = int(bucket_mb * 2**20)
+        cur: list[nn.Parameter] = []
+        size = 0
+        for p in reversed(self.params):
+            if cur and (size + p.numel() * p.element_size() > limit or p.dtype != cur[0].dtype):
+                self.buckets.append(cur)
+                cur, size = [], 0
+            cur.append(p)
+            size += p.numel() * p.element_size()
+        if cur:
+            self.buckets.append(cur)
+        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self.armed = False
+        self._reset()
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _reset(self) -> None:
+        self.missing = [len(b) for b in self.buckets]
+        self.launched: list[tuple[torch.Tensor, object]] = []
+
+    def arm(self) -> None:
+        """Call before the last backward pass of the step: from now on, full buckets are sent."""
+        if self.group is not None:
+            self.armed = True
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self.armed:
+            return
+        i = self.bucket_of[id(p)]
+        self.missing[i] -= 1
+        while len(self.launched) < len(self.buckets) and self.missing[len(self.launched)] == 0:
+            self._launch(len(self.launched))
+
+    def _launch(self, i: int) -> None:
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in self.buckets[i]])
+        self.launched.append((flat, comm.all_reduce_sum(flat, self.group, async_op=True)))
+
+    def finish(self) -> None:
+        """Launch remaining buckets, wait for all and write the summed gradients back."""
+        if self.group is None:
+            return
+        while len(self.launched) < len(self.buckets):
+            self._launch(len(self.launched))
+        for i, (flat, work) in enumerate(self.launched):
+            work.wait()
+            offset = 0
+            for p in self.buckets[i]:
+                n = p.numel()
+                g = flat[offset:offset + n].view_as(p)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+                offset += n
+        self.armed = False
+        self._reset()
+
+
+def broadcast_module(module: nn.Module, src: int, group: Optional[dist.ProcessGroup], buffers_only: bool = False) -> None:
+    """Copy parameters (unless ``buffers_only``) and buffers of ``module`` from global rank ``src``
+    to every rank of ``group``, so replicas start identical and batch-norm running statistics follow
+    replica 0, as in DDP's ``broadcast_buffers``."""
+    if group is None:
+        return
+    tensors = [] if buffers_only else [p.data for p in module.parameters()]
+    tensors += [b for b in module.buffers()]
+    with torch.no_grad():
+        for t in tensors:
+            comm.broadcast(t, src, group)

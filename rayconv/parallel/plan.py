@@ -1,0 +1,98 @@
+"""The parallel plan: what the driver computes once and sends to every actor.
+
+``make_plan`` views the model as its flat layer list (``models.to_layers``), measures each layer's
+forward FLOPs and output shape with one CPU forward of a single sample, cuts the pipeline stages,
+builds and validates the schedule, and checks the layout against the model. Everything here raises
+``PlanError`` (a ValueError) with what to change, before any actor starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..config import Config
+from ..mesh import Mesh
+from ..models import to_layers
+from ..schedule import Schedule, make_schedule, validate
+from .pipeline import PlanError, balance, parse_stages
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Layout of one run, identical on every actor.
+
+    ``layer_names``: qualified names of the flat layers; ``out_shapes[i]``: per-sample output shape
+    of layer i (``in_shape`` for the input); ``flops[i]``: forward FLOPs of layer i per sample;
+    ``stages``: [start, end) layer ranges, one per pipeline stage; ``schedule``: the micro-batch
+    program of each stage.
+    """
+
+    mesh: Mesh
+    layer_names: tuple[str, ...]
+    in_shape: tuple[int, ...]
+    out_shapes: tuple[tuple[int, ...], ...]
+    flops: tuple[float, ...]
+    params: tuple[int, ...]
+    stages: tuple[tuple[int, int], ...]
+    schedule: Schedule
+    plan: str = "none"
+
+    def stage_in_shape(self, stage: int) -> tuple[int, ...]:
+        start = self.stages[stage][0]
+        return self.in_shape if start == 0 else self.out_shapes[start - 1]
+
+    def stage_out_shape(self, stage: int) -> tuple[int, ...]:
+        return self.out_shapes[self.stages[stage][1] - 1]
+
+    def stage_params(self) -> list[int]:
+        return [sum(self.params[a:b]) for a, b in self.stages]
+
+
+def layer_profile(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, ...]):
+    """(per-sample output shapes, forward FLOPs per sample, parameter counts), one per layer,
+    from one eval-mode CPU forward of a batch of 1."""
+    x = torch.zeros((1, *sample_shape))
+    shapes, flops, params = [], [], []
+    with torch.no_grad():
+        for _, m in layers:
+            was_training = m.training
+            m.eval()
+            counter = FlopCounterMode(display=False)
+            with counter:
+                x = m(x)
+            m.train(was_training)
+            shapes.append(tuple(x.shape[1:]))
+            flops.append(float(counter.get_total_flops()))
+            params.append(sum(p.numel() for p in m.parameters()))
+    return shapes, flops, params
+
+
+def make_plan(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[int, ...]) -> Plan:
+    """Plan ``model`` (built with the run's settings) for ``mesh``. Raises PlanError."""
+    layers = to_layers(model)
+    shapes, flops, params = layer_profile(layers, sample_shape)
+    if mesh.pp > 1 and len(layers) == 1:
+        raise PlanError(f"--model {cfg.model} cannot be cut into pipeline stages (rayconv does not know its "
+                        "layer order): use --pp 1")
+    if cfg.stages:
+        stages = parse_stages(cfg.stages, len(layers), mesh.pp)
+    else:
+        # Balance by forward FLOPs, parameters as a tie-breaker for layers without compute.
+        stages = balance([f + p for f, p in zip(flops, params)], mesh.pp)
+    per_replica = cfg.global_batch_size // mesh.dp
+    if cfg.global_batch_size % mesh.dp == 0 and per_replica % cfg.num_microbatches != 0:
+        raise PlanError(f"--num-microbatches {cfg.num_microbatches} does not divide the per-replica batch "
+                        f"{per_replica} (= --global-batch-size {cfg.global_batch_size} / dp {mesh.dp}): "
+                        "choose a divisor")
+    if per_replica < cfg.num_microbatches:
+        raise PlanError(f"--num-microbatches {cfg.num_microbatches} exceeds the per-replica batch {per_replica}: "
+                        "lower it or raise --global-batch-size")
+    schedule = make_schedule(cfg.schedule, mesh.pp, cfg.num_microbatches)
+    validate(schedule)
+    return Plan(mesh=mesh, layer_names=tuple(n for n, _ in layers), in_shape=tuple(sample_shape),
+                out_shapes=tuple(shapes), flops=tuple(flops), params=tuple(params), stages=tuple(stages),
+                schedule=schedule, plan=cfg.plan)

@@ -1,0 +1,38 @@
+"""``python -m rayconv.run``: parse the command line, train, exit 0 on success.
+
+With no arguments it trains the small ConvNet on the embedded digits data, data parallel over every
+device of the Ray cluster (a local one is started when none is running). Errors a user can fix are
+printed as one line naming what to change, with exit status 2; a failed actor gives exit status 1.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from .cluster import ClusterError
+from .config import ConfigError, parse_args
+from .data import DataError
+from .parallel.pipeline import PlanError
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        cfg = parse_args(argv)
+        from .driver import fit  # imports torch/ray: after argument errors are out of the way
+
+        fit(cfg)
+        return 0
+    except (ConfigError, DataError, PlanError, FileExistsError) as e:
+        print(f"rayconv: error: {e}", file=sys.stderr)
+        return 2
+    except (ClusterError, FloatingPointError) as e:
+        print(f"rayconv: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("rayconv: interrupted: actors stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

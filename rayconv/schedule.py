@@ -1,0 +1,315 @@
+"""Pipeline step programs as data: which stage runs which forward/backward, in what order.
+
+A *schedule* assigns to every pipeline stage a *program*: the order in which that
+stage runs its actions. An action is ``F<m>`` (forward of micro-batch ``m``) or
+``B<m>`` (backward of micro-batch ``m``). Programs are plain data so they can be
+validated, simulated and printed before any Ray actor or GPU is involved (the
+same idea as ``torch.distributed.pipelining``'s ``_Action`` lists).
+
+Schedules provided
+------------------
+* ``gpipe`` -- GPipe (Huang et al. 2019, "GPipe: Efficient Training of Giant
+  Neural Networks using Pipeline Parallelism", arXiv:1811.06965, section 2.2):
+  every stage runs all forwards ``F0..F(M-1)``, then all backwards. Backwards run
+  in order ``B0..B(M-1)``, as ``torch.distributed.pipelining.ScheduleGPipe``
+  does. Every stage holds the activations of all ``M`` micro-batches.
+* ``1f1b`` -- one-forward-one-backward, non-interleaved (PipeDream-Flush:
+  Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN Training",
+  ICML 2021, section 3.1; also Narayanan et al. 2021, "Efficient Large-Scale
+  Language Model Training on GPU Clusters Using Megatron-LM", section 2.2.1,
+  ``forward_backward_pipelining_without_interleaving``). Stage ``s`` of ``P``
+  runs ``min(P - s - 1, M)`` warm-up forwards, then alternates one forward and
+  one backward, then drains the remaining backwards. Stage ``s`` holds at most
+  ``min(P - s, M)`` micro-batches' activations.
+
+Communication model (used by ``validate``/``simulate``)
+-------------------------------------------------------
+* ``F(m)`` on stage ``s > 0`` blocks until stage ``s - 1`` has completed ``F(m)``
+  (it receives that activation).
+* ``B(m)`` on stage ``s < P - 1`` blocks until stage ``s + 1`` has completed
+  ``B(m)`` (it receives that gradient).
+* Sends are non-blocking (buffered), so they never wait.
+* Every action takes one time tick (the ideal unit-time model, F = B = 1).
+
+Legend for ``format_grid``: ``F3`` = forward of micro-batch 3, ``B3`` = backward
+of micro-batch 3, ``.`` = stage idle for that tick.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+__all__ = [
+    "Action", "Schedule", "ScheduleError", "SCHEDULE_NAMES", "gpipe", "one_f_one_b",
+    "make_schedule", "validate", "simulate", "bubble_fraction", "peak_in_flight", "format_grid",
+]
+
+FORWARD = "F"
+BACKWARD = "B"
+
+
+class ScheduleError(ValueError):
+    """A schedule is malformed (missing/duplicate/misordered actions) or deadlocks."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """One unit of work on one stage.
+
+    Attributes:
+        kind: ``"F"`` (forward) or ``"B"`` (backward).
+        microbatch: micro-batch index, ``>= 0``.
+
+    Raises:
+        ValueError: if ``kind`` is not ``"F"``/``"B"`` or ``microbatch`` is negative.
+    """
+
+    kind: str  # "F" or "B"
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in (FORWARD, BACKWARD):
+            raise ValueError(f"Action.kind must be 'F' or 'B', got {self.kind!r}")
+        if self.microbatch < 0:
+            raise ValueError(f"Action.microbatch must be >= 0, got {self.microbatch}")
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-stage action programs for one training step.
+
+    Attributes:
+        name: schedule name, e.g. ``"gpipe"`` or ``"1f1b"``.
+        num_stages: number of pipeline stages ``P``.
+        num_microbatches: number of micro-batches ``M`` per step.
+        programs: one tuple of actions per stage (index = stage), in run order.
+
+    Construction does not check consistency; call ``validate`` for that.
+    """
+
+    name: str
+    num_stages: int
+    num_microbatches: int
+    programs: tuple[tuple[Action, ...], ...]
+
+
+def _check_sizes(num_stages: int, num_microbatches: int) -> None:
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(
+            f"num_stages must be an int >= 1 (got {num_stages!r}); "
+            "use at least one pipeline stage"
+        )
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(
+            f"num_microbatches must be an int >= 1 (got {num_microbatches!r}); "
+            "split each batch into at least one micro-batch"
+        )
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """GPipe: all forwards ``F0..F(M-1)``, then all backwards ``B0..B(M-1)``, on every stage.
+
+    Raises:
+        ValueError: if ``num_stages < 1`` or ``num_microbatches < 1``.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    fwd = tuple(Action(FORWARD, m) for m in range(num_microbatches))
+    bwd = tuple(Action(BACKWARD, m) for m in range(num_microbatches))
+    return Schedule("gpipe", num_stages, num_microbatches, tuple(fwd + bwd for _ in range(num_stages)))
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """Non-interleaved 1F1B (PipeDream-Flush / Megatron without interleaving).
+
+    Stage ``s`` runs ``w = min(P - s - 1, M)`` warm-up forwards, then ``M - w`` pairs
+    of (next forward, oldest backward), then the ``w`` remaining backwards.
+
+    Raises:
+        ValueError: if ``num_stages < 1`` or ``num_microbatches < 1``.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    programs: list[tuple[Action, ...]] = []
+    for s in range(num_stages):
+        warmup = min(num_stages - s - 1, num_microbatches)
+        remaining = num_microbatches - warmup
+        prog = [Action(FORWARD, m) for m in range(warmup)]
+        next_f, next_b = warmup, 0
+        for _ in range(remaining):
+            prog.append(Action(FORWARD, next_f))
+            prog.append(Action(BACKWARD, next_b))
+            next_f += 1
+            next_b += 1
+        prog.extend(Action(BACKWARD, m) for m in range(next_b, num_microbatches))
+        programs.append(tuple(prog))
+    return Schedule("1f1b", num_stages, num_microbatches, tuple(programs))
+
+
+_BUILDERS: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+SCHEDULE_NAMES: tuple[str, ...] = tuple(_BUILDERS)
+
+
+def make_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
+    """Build a schedule by name (one of ``SCHEDULE_NAMES``: ``"gpipe"``, ``"1f1b"``).
+
+    Raises:
+        ValueError: for an unknown ``name``, ``num_stages < 1`` or ``num_microbatches < 1``.
+    """
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown schedule {name!r}; allowed names: {', '.join(SCHEDULE_NAMES)}")
+    return _BUILDERS[name](num_stages, num_microbatches)
+
+
+def _check_programs(schedule: Schedule) -> None:
+    """Structural checks: stage count, exactly one F and one B per micro-batch, F before B."""
+    P, M = schedule.num_stages, schedule.num_microbatches
+    if P < 1 or M < 1:
+        raise ScheduleError(f"num_stages ({P}) and num_microbatches ({M}) must be >= 1")
+    if len(schedule.programs) != P:
+        raise ScheduleError(f"schedule has {len(schedule.programs)} programs but num_stages={P}")
+    expected = {Action(k, m) for k in (FORWARD, BACKWARD) for m in range(M)}
+    for s, prog in enumerate(schedule.programs):
+        counts = Counter(prog)
+        missing = sorted(map(str, expected - counts.keys()))
+        extra = sorted(str(a) for a in counts if a not in expected)
+        dups = sorted(str(a) for a, c in counts.items() if c > 1 and a in expected)
+        problems = []
+        if missing:
+            problems.append(f"missing {' '.join(missing)}")
+        if extra:
+            problems.append(f"unexpected {' '.join(extra)} (micro-batches are 0..{M - 1})")
+        if dups:
+            problems.append(f"duplicated {' '.join(dups)}")
+        if problems:
+            raise ScheduleError(
+                f"stage {s}: program must hold exactly one F and one B per micro-batch "
+                f"0..{M - 1}: {'; '.join(problems)}"
+            )
+        seen_f: set[int] = set()
+        for a in prog:
+            if a.kind == FORWARD:
+                seen_f.add(a.microbatch)
+            elif a.microbatch not in seen_f:
+                raise ScheduleError(f"stage {s}: B{a.microbatch} comes before F{a.microbatch}")
+
+
+def _dependency(schedule: Schedule, stage: int, action: Action) -> tuple[int, Action] | None:
+    """The (stage, action) that must complete before ``action`` can run on ``stage``, if any."""
+    if action.kind == FORWARD and stage > 0:
+        return stage - 1, action
+    if action.kind == BACKWARD and stage < schedule.num_stages - 1:
+        return stage + 1, action
+    return None
+
+
+def simulate(schedule: Schedule) -> list[list[Action | None]]:
+    """Run the schedule in the unit-time model and return its time grid.
+
+    Each tick (one time unit), every stage whose next action's dependency was
+    completed in an earlier tick runs that action; other stages idle.
+
+    Returns:
+        One row per stage, one column per tick; ``None`` where the stage idles.
+        All rows have the same length (the step's makespan in ticks).
+
+    Raises:
+        ScheduleError: if the programs are malformed (see ``validate``) or the
+            schedule deadlocks (the message names each stage's stuck action).
+    """
+    _check_programs(schedule)
+    P = schedule.num_stages
+    done: set[tuple[int, Action]] = set()  # completed before the current tick
+    pc = [0] * P  # index of each stage's next action
+    grid: list[list[Action | None]] = [[] for _ in range(P)]
+    while any(pc[s] < len(schedule.programs[s]) for s in range(P)):
+        ran: list[tuple[int, Action]] = []
+        for s in range(P):
+            prog = schedule.programs[s]
+            if pc[s] < len(prog):
+                action = prog[pc[s]]
+                dep = _dependency(schedule, s, action)
+                if dep is None or dep in done:
+                    ran.append((s, action))
+                    grid[s].append(action)
+                    pc[s] += 1
+                    continue
+            grid[s].append(None)
+        if not ran:
+            stuck = []
+            for s in range(P):
+                if pc[s] < len(schedule.programs[s]):
+                    action = schedule.programs[s][pc[s]]
+                    dep = _dependency(schedule, s, action)
+                    assert dep is not None
+                    stuck.append(f"stage {s} waits at {action} for {dep[1]} from stage {dep[0]}")
+            raise ScheduleError(f"schedule {schedule.name!r} deadlocks: " + "; ".join(stuck))
+        done.update(ran)
+    return grid
+
+
+def validate(schedule: Schedule) -> None:
+    """Check a schedule; return ``None`` if it is runnable.
+
+    Raises:
+        ScheduleError: if the number of programs differs from ``num_stages``; a
+            stage's program does not contain exactly one ``F(m)`` and one ``B(m)``
+            for each micro-batch ``0..M-1``; a ``B(m)`` precedes ``F(m)`` on a stage;
+            or the schedule deadlocks under the blocking-receive model.
+    """
+    simulate(schedule)
+
+
+def bubble_fraction(schedule: Schedule) -> float:
+    """Idle slots / total slots (stages x ticks) of the unit-time ``simulate`` grid.
+
+    For GPipe this is ``(P - 1) / (M + P - 1)``. Unitless, in ``[0, 1)``.
+
+    Raises:
+        ScheduleError: as ``validate``.
+    """
+    grid = simulate(schedule)
+    total = sum(len(row) for row in grid)
+    idle = sum(1 for row in grid for a in row if a is None)
+    return idle / total
+
+
+def peak_in_flight(schedule: Schedule) -> list[int]:
+    """Per stage, the most micro-batches whose F has run and whose B has not.
+
+    This is the peak number of micro-batches' activations a stage holds (in
+    micro-batches). For ``1f1b`` it is ``min(P - s, M)``; for ``gpipe`` it is ``M``.
+
+    Raises:
+        ScheduleError: if the programs are malformed (see ``validate``).
+    """
+    _check_programs(schedule)
+    peaks: list[int] = []
+    for prog in schedule.programs:
+        live = peak = 0
+        for a in prog:
+            live += 1 if a.kind == FORWARD else -1
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
+
+
+def format_grid(schedule: Schedule) -> str:
+    """Printable ``simulate`` grid: one line per stage, ``.`` for idle ticks, aligned columns.
+
+    Example line: ``stage 0 | F0 F1 .  B0 B1``.
+
+    Raises:
+        ScheduleError: as ``validate``.
+    """
+    grid = simulate(schedule)
+    width = max((len(str(a)) for row in grid for a in row if a is not None), default=1)
+    label = len(str(schedule.num_stages - 1))
+    lines = []
+    for s, row in enumerate(grid):
+        cells = " ".join(("." if a is None else str(a)).ljust(width) for a in row)
+        lines.append(f"stage {s:>{label}} | {cells}".rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,201 @@
+"""The Ray actor: one per device, holding one part of the model (a replica, a stage, a filter shard).
+
+The driver creates the actors (``cluster.py``), sends each its rank and the plan once (``setup``),
+then makes one ``train_step`` call per actor per step. Inside the step, the actor reads its own data
+shard, runs its stage program, exchanges activations and gradients with its neighbours and all-reduces
+gradients with its data-parallel group, all through torch.distributed (``parallel/comm.py``): no
+tensor of the training path passes through the driver or the Ray object store.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any, Optional
+
+import numpy as np
+import ray
+import torch
+from torch import nn
+
+from . import data as data_mod
+from .config import Config
+from .mesh import Mesh
+from .models import build_model, to_layers
+from .parallel import comm
+from .parallel.data_parallel import GradientSync, broadcast_module
+from .parallel.pipeline import StageRunner
+from .parallel.plan import Plan
+from .schedule import Action
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.float32, "fp64": torch.float64}
+
+
+class Worker:
+    """One actor of the mesh. Created by ``cluster.start_workers`` as a Ray actor."""
+
+    def __init__(self, cfg: dict[str, Any], run_name: str, role: str):
+        self.cfg = Config(**cfg)
+        self.run_name, self.role = run_name, role
+        torch.set_num_threads(max(1, self.cfg.num_cpus_per_actor))
+
+    def __repr__(self) -> str:  # the Ray dashboard shows this
+        return f"rayconv/{self.run_name}/{self.role}"
+
+    # ------------------------------------------------------------------ bootstrap
+    def whereami(self) -> dict[str, Any]:
+        """Node id, node IP and GPU ids Ray assigned, for ranking by (node, GPU)."""
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
+
+    def free_address(self) -> str:
+        """host:port for the process-group rendezvous (called on rank 0)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"{ray.util.get_node_ip_address()}:{port}"
+
+    def _pick_device(self) -> torch.device:
+        if self.cfg.device != "cuda":
+            return torch.device("cpu")
+        ids = ray.get_gpu_ids()
+        if not ids:
+            raise RuntimeError("actor has no GPU assigned by Ray")
+        if self.cfg.all_gpus_visible:
+            # Actors see every GPU of the node (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1): pick ours by index.
+            index = int(ids[0])
+        else:
+            index = 0  # Ray narrowed CUDA_VISIBLE_DEVICES to our GPU
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+
+    def setup(self, rank: int, master: str, plan: Plan) -> dict[str, Any]:
+        """Join the process groups, build this actor's part of the model and its optimizer.
+
+        Returns parameters held (count) and the device. Raises what data and model loading raise.
+        """
+        cfg, mesh = self.cfg, plan.mesh
+        self.rank, self.plan, self.mesh = rank, plan, mesh
+        self.coord = mesh.coord(rank)
+        self.device = self._pick_device()
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.groups = comm.init_process_groups(mesh, rank, master, backend, cfg.collective_timeout_s)
+        self.source = data_mod.make_source(cfg)
+        self.sharding = data_mod.Sharding(self.source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed)
+
+        # Every actor builds the same full model from the seed, then keeps its part.
+        torch.manual_seed(cfg.seed)
+        self.model = build_model(cfg.model, self.source.num_classes, self.source.sample_shape[0],
+                                 self.source.sample_shape[1])
+        layers = to_layers(self.model)
+        assert tuple(n for n, _ in layers) == plan.layer_names, "plan was made for another model"
+        stage = self.coord.pp
+        start, end = plan.stages[stage]
+        self.part = nn.Sequential(*[m for _, m in layers[start:end]])
+        self.part_names = plan.layer_names[start:end]
+        if cfg.sync_batchnorm:
+            self.part = nn.SyncBatchNorm.convert_sync_batchnorm(self.part, process_group=self.groups.axis["dp"])
+        dtype = DTYPES[cfg.precision]
+        self.part.to(device=self.device, dtype=dtype)
+        if self.device.type == "cuda":
+            self.part.to(memory_format=torch.channels_last)
+        self.dtype = dtype
+        self.autocast = torch.bfloat16 if cfg.precision == "bf16" else None
+        wire = torch.bfloat16 if cfg.precision == "bf16" else dtype
+
+        dp_group = self.groups.axis["dp"]
+        dp_root = self.groups.ranks["dp"][0]
+        broadcast_module(self.part, dp_root, dp_group)
+        self.sync = GradientSync(list(self.part.parameters()), dp_group)
+        self.optimizer = torch.optim.SGD(self.part.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                                         weight_decay=cfg.weight_decay)
+        pp_ranks = self.groups.ranks["pp"]
+        self.runner = StageRunner(
+            self.part, self.groups.axis["pp"],
+            prev=pp_ranks[stage - 1] if stage > 0 else None,
+            next_=pp_ranks[stage + 1] if stage + 1 < mesh.pp else None,
+            in_shape=plan.stage_in_shape(stage), out_shape=plan.stage_out_shape(stage),
+            wire_dtype=wire, device=self.device, autocast=self.autocast)
+        self.program = plan.schedule.programs[stage]
+        self.is_first, self.is_last = stage == 0, stage == mesh.pp - 1
+        self.reports = self.is_last and self.coord.fs == 0
+        return {"rank": rank, "role": self.role, "device": str(self.device),
+                "parameters": sum(p.numel() for p in self.part.parameters())}
+
+    # ------------------------------------------------------------------ per step
+    def _microbatches(self, idx: np.ndarray, split: str, epoch: int, n_mb: int):
+        slices = data_mod.split_slices(len(idx), n_mb)
+        sizes = [s.stop - s.start for s in slices]
+        x_all = self.source.images(split, idx, self.device, epoch).to(self.dtype) if self.is_first else None
+        if x_all is not None and self.device.type == "cuda" and x_all.dim() == 4:
+            x_all = x_all.contiguous(memory_format=torch.channels_last)
+        y_all = self.source.labels(split, idx) if self.is_last else None
+        inputs = (lambda m: x_all[slices[m]]) if x_all is not None else (lambda m: None)
+        labels = (lambda m: y_all[slices[m]]) if y_all is not None else (lambda m: None)
+        return sizes, inputs, labels
+
+    def train_step(self, step: int, lr: float) -> dict[str, Any]:
+        """One synchronous SGD step (``step`` counts from 0 over the whole run; ``lr`` for this step).
+
+        Returns this actor's metrics: loss sum and correct count (reporting actor only), samples,
+        compute time in ms. Raises what the model or the data raise.
+        """
+        t0 = time.perf_counter()
+        epoch, step_in_epoch = divmod(step, self.sharding.steps_per_epoch)
+        idx, global_count = self.sharding.replica_batch(epoch, step_in_epoch, self.coord.dp)
+        sizes, inputs, labels = self._microbatches(idx, "train", epoch, self.plan.schedule.num_microbatches)
+        self.part.train()
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        res = self.runner.run(self.program, inputs, labels, sizes, global_count, self.sync.arm)
+        self.sync.finish()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if any(True for _ in self.part.buffers()) and not self.cfg.sync_batchnorm:
+            # Per-replica batch-norm statistics (as DDP): running stats follow dp replica 0.
+            broadcast_module(self.part, self.groups.ranks["dp"][0], self.groups.axis["dp"], buffers_only=True)
+        return {"rank": self.rank, "reports": self.reports, "loss_sum": res.loss_sum, "correct": res.correct,
+                "samples": len(idx), "global_count": global_count, "epoch": epoch,
+                "compute_ms": (time.perf_counter() - t0) * 1e3}
+
+    def evaluate(self) -> dict[str, Any]:
+        """Loss sum and correct count over this replica's share of the held-out set (each sample once)."""
+        idx = data_mod.test_shard(self.source.test_size, self.mesh.dp, self.coord.dp)
+        chunk = max(1, self.cfg.global_batch_size // self.mesh.dp)
+        n_chunks = max(1, -(-len(idx) // chunk))
+        sizes, inputs, labels = self._microbatches(idx, "test", 0, n_chunks)
+        self.part.eval()
+        program = [Action("F", m) for m in range(n_chunks)]
+        res = self.runner.run(program, inputs, labels, sizes, max(1, len(idx)), lambda: None, train=False)
+        return {"reports": self.reports, "loss_sum": res.loss_sum, "correct": res.correct, "samples": len(idx)}
+
+    # ------------------------------------------------------------------ export
+    def state(self) -> dict[str, torch.Tensor]:
+        """This actor's parameters and buffers on CPU, keyed by the whole model's state_dict names."""
+        out = {}
+        for name, sub in zip(self.part_names, self.part):
+            for k, v in sub.state_dict().items():
+                out[f"{name}.{k}" if name else k] = v.detach().to("cpu", copy=True)
+        return out
+
+    def split_dims(self) -> dict[str, int]:
+        """state_dict keys that filter split cuts, and the dimension (empty without filter split)."""
+        return {}
+
+    def memory(self) -> dict[str, Any]:
+        """Peak device memory in GiB (CUDA only; None on CPU)."""
+        if self.device.type != "cuda":
+            return {"rank": self.rank, "peak_gib": None}
+        return {"rank": self.rank, "peak_gib": torch.cuda.max_memory_allocated(self.device) / 2**30}
+
+    def shutdown(self) -> None:
+        comm.destroy()
+
+
+def exception_summary(e: BaseException) -> str:
+    """The one-line message of the innermost user-facing error in ``e``."""
+    cause: Optional[BaseException] = e
+    while isinstance(cause, ray.exceptions.RayTaskError) and cause.cause is not None:
+        cause = cause.cause
+    return f"{type(cause).__name__}: {cause}"

@@ -1,0 +1,204 @@
+"""Tests for rayconv.schedule (pure Python: no Ray, no torch)."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from rayconv.schedule import (
+    SCHEDULE_NAMES,
+    Action,
+    Schedule,
+    ScheduleError,
+    bubble_fraction,
+    format_grid,
+    gpipe,
+    make_schedule,
+    one_f_one_b,
+    peak_in_flight,
+    simulate,
+    validate,
+)
+
+SIZES = [(1, 1), (1, 4), (2, 1), (2, 2), (2, 4), (2, 8), (3, 2), (4, 4), (4, 8), (4, 2)]
+
+
+def F(m: int) -> Action:
+    return Action("F", m)
+
+
+def B(m: int) -> Action:
+    return Action("B", m)
+
+
+def _parse(text: str) -> tuple[Action, ...]:
+    return tuple(Action(tok[0], int(tok[1:])) for tok in text.split())
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("P,M", SIZES)
+def test_builtin_schedules_validate_and_are_well_formed(name: str, P: int, M: int) -> None:
+    sched = make_schedule(name, P, M)
+    assert sched.name == name
+    assert (sched.num_stages, sched.num_microbatches) == (P, M)
+    assert len(sched.programs) == P
+    validate(sched)  # must not raise
+    for prog in sched.programs:
+        assert len(prog) == 2 * M
+        assert sorted(prog, key=lambda a: (a.kind, a.microbatch)) == [B(m) for m in range(M)] + [
+            F(m) for m in range(M)
+        ]
+        for m in range(M):
+            assert prog.index(F(m)) < prog.index(B(m))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("P,M", SIZES)
+def test_simulated_grid_respects_dependencies(name: str, P: int, M: int) -> None:
+    grid = simulate(make_schedule(name, P, M))
+    assert len(grid) == P
+    assert len({len(row) for row in grid}) == 1
+    tick = {(s, a): t for s, row in enumerate(grid) for t, a in enumerate(row) if a is not None}
+    assert len(tick) == 2 * M * P
+    for m in range(M):
+        for s in range(1, P):
+            assert tick[(s, F(m))] > tick[(s - 1, F(m))]
+        for s in range(P - 1):
+            assert tick[(s, B(m))] > tick[(s + 1, B(m))]
+    # Unit-time makespan of both schedules is 2 * (M + P - 1) ticks.
+    assert len(grid[0]) == 2 * (M + P - 1)
+
+
+@pytest.mark.parametrize("P,M", SIZES)
+def test_peak_in_flight(P: int, M: int) -> None:
+    assert peak_in_flight(gpipe(P, M)) == [M] * P
+    peaks = peak_in_flight(one_f_one_b(P, M))
+    for s, peak in enumerate(peaks):
+        assert peak <= P - s
+        assert peak == min(P - s, M)
+
+
+@pytest.mark.parametrize("P,M", SIZES)
+def test_gpipe_bubble_fraction_exact(P: int, M: int) -> None:
+    expected = Fraction(P - 1, M + P - 1)
+    assert bubble_fraction(gpipe(P, M)) == float(expected)
+    # Non-interleaved 1F1B has the same bubble as GPipe (PipeDream-Flush sec. 3.1).
+    assert bubble_fraction(one_f_one_b(P, M)) == float(expected)
+
+
+def test_bubble_fraction_values() -> None:
+    assert bubble_fraction(gpipe(1, 4)) == 0.0
+    assert bubble_fraction(gpipe(2, 4)) == 0.2
+    assert bubble_fraction(gpipe(4, 4)) == 3 / 7
+
+
+def test_one_f_one_b_programs_match_megatron_order() -> None:
+    sched = one_f_one_b(4, 8)
+    assert sched.programs[0] == _parse("F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7")
+    assert sched.programs[2] == _parse("F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7")
+    assert sched.programs[3] == _parse("F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7")
+    # More stages than micro-batches: warm-up is capped at M.
+    assert one_f_one_b(4, 2).programs[0] == _parse("F0 F1 B0 B1")
+
+
+def test_gpipe_program_order() -> None:
+    assert gpipe(3, 3).programs == (_parse("F0 F1 F2 B0 B1 B2"),) * 3
+
+
+def test_simulate_exact_grid_small() -> None:
+    grid = simulate(gpipe(2, 2))
+    assert grid == [[F(0), F(1), None, None, B(0), B(1)], [None, F(0), F(1), B(0), B(1), None]]
+
+
+def test_format_grid() -> None:
+    text = format_grid(gpipe(2, 2))
+    assert text.splitlines() == ["stage 0 | F0 F1 .  .  B0 B1", "stage 1 | .  F0 F1 B0 B1 ."]
+    for P, M in [(4, 8), (3, 12)]:
+        sched = one_f_one_b(P, M)
+        lines = format_grid(sched).splitlines()
+        assert len(lines) == P
+        assert [ln.split(" | ")[0] for ln in lines] == [f"stage {s}" for s in range(P)]
+        # Aligned: cells have the width of the widest action plus one space.
+        width = len(str(F(M - 1))) + 1
+        for row, line in zip(simulate(sched), lines):
+            body = line.split(" | ")[1]
+            cells = [body[i : i + width].strip() for i in range(0, len(body), width)]
+            assert cells == ["." if a is None else str(a) for a in row]
+
+
+def test_format_grid_label_alignment_many_stages() -> None:
+    lines = format_grid(gpipe(11, 1)).splitlines()
+    assert len(lines) == 11
+    assert lines[0].startswith("stage  0 | ")
+    assert lines[10].startswith("stage 10 | ")
+
+
+def test_real_deadlock_raises() -> None:
+    sched = Schedule("bad", 2, 2, (_parse("F0 B0 F1 B1"), _parse("F1 B1 F0 B0")))
+    with pytest.raises(ScheduleError, match="deadlock") as info:
+        validate(sched)
+    msg = str(info.value)
+    assert "stage 0 waits at B0" in msg
+    assert "stage 1 waits at F1" in msg
+    with pytest.raises(ScheduleError):
+        simulate(sched)
+    with pytest.raises(ScheduleError):
+        bubble_fraction(sched)
+
+
+def test_backward_before_forward_raises() -> None:
+    sched = Schedule("bad", 2, 1, (_parse("F0 B0"), _parse("B0 F0")))
+    with pytest.raises(ScheduleError, match="stage 1: B0 comes before F0"):
+        validate(sched)
+
+
+def test_missing_microbatch_raises() -> None:
+    sched = Schedule("bad", 2, 3, (_parse("F0 F1 F2 B0 B1 B2"), _parse("F0 F1 B0 B1")))
+    with pytest.raises(ScheduleError, match=r"stage 1: .*missing B2 F2"):
+        validate(sched)
+    with pytest.raises(ScheduleError):
+        peak_in_flight(sched)
+
+
+def test_duplicate_and_out_of_range_raise() -> None:
+    dup = Schedule("bad", 1, 2, (_parse("F0 F0 F1 B0 B1"),))
+    with pytest.raises(ScheduleError, match="duplicated F0"):
+        validate(dup)
+    extra = Schedule("bad", 1, 1, (_parse("F0 B0 F1 B1"),))
+    with pytest.raises(ScheduleError, match="unexpected B1 F1"):
+        validate(extra)
+
+
+def test_wrong_number_of_programs_raises() -> None:
+    sched = Schedule("bad", 3, 1, (_parse("F0 B0"), _parse("F0 B0")))
+    with pytest.raises(ScheduleError, match="2 programs but num_stages=3"):
+        validate(sched)
+
+
+def test_schedule_error_is_value_error() -> None:
+    assert issubclass(ScheduleError, ValueError)
+
+
+def test_unknown_name_raises() -> None:
+    with pytest.raises(ValueError, match="allowed names: gpipe, 1f1b"):
+        make_schedule("interleaved", 2, 4)
+    assert SCHEDULE_NAMES == ("gpipe", "1f1b")
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_bad_sizes_raise(name: str) -> None:
+    with pytest.raises(ValueError, match="num_stages must be an int >= 1"):
+        make_schedule(name, 0, 4)
+    with pytest.raises(ValueError, match="num_microbatches must be an int >= 1"):
+        make_schedule(name, 2, 0)
+
+
+def test_action() -> None:
+    assert str(F(3)) == "F3"
+    assert str(B(12)) == "B12"
+    assert F(1) == Action("F", 1) and F(1) != B(1)
+    with pytest.raises(ValueError):
+        Action("X", 0)
+    with pytest.raises(ValueError):
+        Action("F", -1)
