@@ -48,9 +48,10 @@ def new_run_dir(cfg: Config) -> Path:
     return Path("runs") / f"{stamp}-{cfg.model}-{cfg.data}"
 
 
-def fit(cfg: Config, log=print) -> dict[str, Any]:
+def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
     """Train as ``cfg`` says; write config.json, metrics.parquet, summary.json and model.pt into the
-    output folder; return the summary. Raises ConfigError / DataError / PlanError before anything is
+    output folder; return the summary. ``on_step(gang, step)``, if given, is called after each step
+    (tests use it to inspect every actor). Raises ConfigError / DataError / PlanError before anything is
     written, ClusterError if an actor fails (the output folder is then removed if this run made it).
     """
     t_start = time.perf_counter()
@@ -102,6 +103,8 @@ def fit(cfg: Config, log=print) -> dict[str, Any]:
             if (step + 1) % eval_every == 0 or step + 1 == total_steps:
                 last_eval = evaluate(gang)
                 metrics.add(kind="eval", step=step, epoch=epoch, **last_eval)
+            if on_step is not None:
+                on_step(gang, step)
             bar.update(1)
             bar.set_postfix(loss=f"{r['loss']:.4f}", img_s=f"{ips:.0f}",
                             **({"test_acc": f"{last_eval['test_accuracy']:.4f}"} if last_eval else {}))
