@@ -14,24 +14,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from .mesh import Mesh
 from .metrics import atomic_write
 
 
-def assemble(mesh: Mesh, states: dict[int, dict[str, torch.Tensor]], split_dims: dict[str, int]) -> dict[str, torch.Tensor]:
-    """One state_dict from the states of replica 0's actors (``states[rank]``).
+def assemble(states: list[dict[str, torch.Tensor]], split_dims: dict[str, int]) -> dict[str, torch.Tensor]:
+    """One state_dict from the parts held by ``states`` (in rank order, one replica's actors).
 
-    ``split_dims[key]`` is the dimension along which filter-split shards of ``key`` are cut (keys not
-    listed are replicated over fs, or fs is 1).
+    A key held by several parts is concatenated along ``split_dims[key]`` if it is a filter-split
+    shard, else (replicated) taken from the first holder.
     """
     out: dict[str, torch.Tensor] = {}
-    for p in range(mesh.pp):
-        shards = [states[mesh.rank((0, p, f))] for f in range(mesh.fs)]
-        for key in shards[0]:
-            if key in split_dims and mesh.fs > 1:
-                out[key] = torch.cat([s[key] for s in shards], dim=split_dims[key])
-            else:
-                out[key] = shards[0][key]
+    keys = dict.fromkeys(k for s in states for k in s)
+    for key in keys:
+        parts = [s[key] for s in states if key in s]
+        out[key] = torch.cat(parts, dim=split_dims[key]) if key in split_dims and len(parts) > 1 else parts[0]
     return out
 
 

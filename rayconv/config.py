@@ -17,7 +17,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
-MODELS_HELP = "convnet (small test ConvNet), alexnet, or any torchvision classification ConvNet name"
+MODELS_HELP = ("convnet (small test ConvNet; convnet_bn with batch norm; convnet2col two-column), alexnet, "
+               "alexnet2012 (two-column), or any torchvision classification ConvNet name")
 DATA_CHOICES = ("digits", "synthetic", "imagefolder")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 SCHEDULE_CHOICES = ("gpipe", "1f1b")

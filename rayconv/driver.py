@@ -115,12 +115,16 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
         train_s = time.perf_counter() - t_train
 
         # Export: replica 0's actors hold the whole model between them.
-        ranks0 = [mesh.rank((0, p, f)) for p in range(mesh.pp) for f in range(mesh.fs)]
-        states = dict(zip(ranks0, gang.call("state", ranks=ranks0)))
-        split_dims = gang.call("split_dims", ranks=[0])[0] if mesh.fs > 1 else {}
+        # (Under the per-layer plan every actor holds a slice of the FC layers.)
+        holders = list(range(mesh.world_size)) if cfg.plan != "none" else \
+            [mesh.rank((0, p, f)) for p in range(mesh.pp) for f in range(mesh.fs)]
+        states = gang.call("state", ranks=holders)
+        split_dims: dict[str, int] = {}
+        for d in gang.call("split_dims", ranks=holders):
+            split_dims.update(d)
         torch.manual_seed(cfg.seed)
         fresh = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1])
-        export_model(out / "model.pt", assemble(mesh, states, split_dims), fresh)
+        export_model(out / "model.pt", assemble(states, split_dims), fresh)
         memory = gang.call("memory")
         metrics.write(out / "metrics.parquet")
         train_rows = [row for row in metrics.rows if row["kind"] == "train"]

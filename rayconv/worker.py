@@ -23,8 +23,8 @@ from . import data as data_mod
 from .config import Config
 from .mesh import Mesh
 from .models import build_model, to_layers
-from .parallel import comm
-from .parallel.data_parallel import GradientSync, broadcast_module
+from .parallel import comm, filter_split
+from .parallel.data_parallel import GradientSync, broadcast_modules
 from .parallel.pipeline import StageRunner
 from .parallel.plan import Plan
 from .schedule import Action
@@ -91,11 +91,36 @@ class Worker:
         layers = to_layers(self.model)
         assert tuple(n for n, _ in layers) == plan.layer_names, "plan was made for another model"
         stage = self.coord.pp
-        start, end = plan.stages[stage]
-        self.part = nn.Sequential(*[m for _, m in layers[start:end]])
-        self.part_names = plan.layer_names[start:end]
+        fs_index, fs_size, fs_group = self.coord.fs, mesh.fs, self.groups.axis["fs"]
+        self.plan_mode = plan.plan == "krizhevsky2014"
+        if self.plan_mode:
+            part = filter_split.krizhevsky2014(layers, plan.in_shape, list(plan.out_shapes), self.coord.dp,
+                                               mesh.dp, self.groups.axis["dp"])
+            in_sizes = None
+        else:
+            # Shard every stage in order (cheap slicing) to learn the shard sizes at our stage's input.
+            in_sizes = None
+            for p, (start, end) in enumerate(plan.stages):
+                stage_layers = layers[start:end]
+                if fs_size == 1:
+                    part, out_sizes = filter_split.whole_part(stage_layers), None
+                else:
+                    part = filter_split.shard_layers(stage_layers, plan.stage_in_shape(p),
+                                                     list(plan.out_shapes[start:end]), in_sizes, fs_index, fs_size,
+                                                     fs_group, is_last=p == mesh.pp - 1)
+                    out_sizes = part.out_sizes
+                if p == stage:
+                    break
+                in_sizes = out_sizes
+        self.sharded = part
+        modules = part.modules
         if cfg.sync_batchnorm:
-            self.part = nn.SyncBatchNorm.convert_sync_batchnorm(self.part, process_group=self.groups.axis["dp"])
+            # Batch-norm statistics over the global batch (all replicas), on request.
+            modules = [nn.SyncBatchNorm.convert_sync_batchnorm(m, process_group=self.groups.axis["dp"])
+                       for m in modules]
+        replicated_at = [any(m is s for s in part.synced) for m in part.modules]
+        self.part = nn.Sequential(*modules)
+        self.part_names = part.names
         dtype = DTYPES[cfg.precision]
         self.part.to(device=self.device, dtype=dtype)
         if self.device.type == "cuda":
@@ -106,8 +131,11 @@ class Worker:
 
         dp_group = self.groups.axis["dp"]
         dp_root = self.groups.ranks["dp"][0]
-        broadcast_module(self.part, dp_root, dp_group)
-        self.sync = GradientSync(list(self.part.parameters()), dp_group)
+        # Modules replicated over the dp group start identical; only their gradients are all-reduced.
+        self.replicated = [m for m, r in zip(self.part, replicated_at) if r]
+        broadcast_modules(self.replicated, dp_root, dp_group)
+        self.sync = GradientSync([p for m in self.replicated for p in m.parameters()], dp_group)
+        self.has_buffers = any(True for m in self.replicated for _ in m.buffers())
         self.optimizer = torch.optim.SGD(self.part.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                                          weight_decay=cfg.weight_decay)
         pp_ranks = self.groups.ranks["pp"]
@@ -115,25 +143,44 @@ class Worker:
             self.part, self.groups.axis["pp"],
             prev=pp_ranks[stage - 1] if stage > 0 else None,
             next_=pp_ranks[stage + 1] if stage + 1 < mesh.pp else None,
-            in_shape=plan.stage_in_shape(stage), out_shape=plan.stage_out_shape(stage),
+            in_shape=_local(plan.stage_in_shape(stage), in_sizes, fs_index),
+            out_shape=_local(plan.stage_out_shape(stage), part.out_sizes, fs_index),
             wire_dtype=wire, device=self.device, autocast=self.autocast)
         self.program = plan.schedule.programs[stage]
         self.is_first, self.is_last = stage == 0, stage == mesh.pp - 1
-        self.reports = self.is_last and self.coord.fs == 0
+        self.reports = self.is_last and self.coord.fs == 0 and not (self.plan_mode and self.coord.dp != 0)
         return {"rank": rank, "role": self.role, "device": str(self.device),
                 "parameters": sum(p.numel() for p in self.part.parameters())}
 
     # ------------------------------------------------------------------ per step
-    def _microbatches(self, idx: np.ndarray, split: str, epoch: int, n_mb: int):
+    def _microbatches(self, split: str, epoch: int, replica_idx: list[np.ndarray], n_mb: int):
+        """Micro-batch sizes and accessors for this actor, from every replica's sample indices.
+
+        Returns (sizes, inputs(m), labels(m), before_forward(m)). Under the per-layer plan the FC
+        layers see the whole gathered batch, so labels are those of micro-batch m of every replica."""
+        idx = replica_idx[self.coord.dp]
         slices = data_mod.split_slices(len(idx), n_mb)
         sizes = [s.stop - s.start for s in slices]
-        x_all = self.source.images(split, idx, self.device, epoch).to(self.dtype) if self.is_first else None
-        if x_all is not None and self.device.type == "cuda" and x_all.dim() == 4:
-            x_all = x_all.contiguous(memory_format=torch.channels_last)
-        y_all = self.source.labels(split, idx) if self.is_last else None
+        x_all = None
+        if self.is_first:
+            x_all = self.source.images(split, idx, self.device, epoch).to(self.dtype)
+            if self.device.type == "cuda" and x_all.dim() == 4:
+                x_all = x_all.contiguous(memory_format=torch.channels_last)
         inputs = (lambda m: x_all[slices[m]]) if x_all is not None else (lambda m: None)
-        labels = (lambda m: y_all[slices[m]]) if y_all is not None else (lambda m: None)
-        return sizes, inputs, labels
+        labels = lambda m: None  # noqa: E731
+        before_forward = None
+        if self.plan_mode:
+            per_replica = [data_mod.split_slices(len(r), n_mb) for r in replica_idx]
+            y = [self.source.labels(split, r) for r in replica_idx]
+            labels = lambda m: torch.cat([yr[sl[m]] for yr, sl in zip(y, per_replica)])  # noqa: E731
+            gather = self.sharded.batch_gather
+
+            def before_forward(m: int) -> None:
+                gather.sizes = [sl[m].stop - sl[m].start for sl in per_replica]
+        elif self.is_last:
+            y_all = self.source.labels(split, idx)
+            labels = lambda m: y_all[slices[m]]  # noqa: E731
+        return sizes, inputs, labels, before_forward
 
     def train_step(self, step: int, lr: float) -> dict[str, Any]:
         """One synchronous SGD step (``step`` counts from 0 over the whole run; ``lr`` for this step).
@@ -143,45 +190,60 @@ class Worker:
         """
         t0 = time.perf_counter()
         epoch, step_in_epoch = divmod(step, self.sharding.steps_per_epoch)
-        idx, global_count = self.sharding.replica_batch(epoch, step_in_epoch, self.coord.dp)
-        sizes, inputs, labels = self._microbatches(idx, "train", epoch, self.plan.schedule.num_microbatches)
+        replica_idx = [self.sharding.replica_batch(epoch, step_in_epoch, r)[0] for r in range(self.mesh.dp)]
+        global_count = sum(len(r) for r in replica_idx)
+        sizes, inputs, labels, before_forward = self._microbatches(
+            "train", epoch, replica_idx, self.plan.schedule.num_microbatches)
+        # Dropout masks: the same for every actor of a replica (and, in the plan's FC part, of the run).
+        torch.manual_seed(data_mod.stable_seed(self.cfg.seed, step, self.coord.dp))
+        if self.sharded.batch_gather is not None:
+            self.sharded.batch_gather.seed = data_mod.stable_seed(self.cfg.seed, step, "fc")
         self.part.train()
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        res = self.runner.run(self.program, inputs, labels, sizes, global_count, self.sync.arm)
+        res = self.runner.run(self.program, inputs, labels, sizes, global_count, self.sync.arm,
+                              before_forward=before_forward)
         self.sync.finish()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if any(True for _ in self.part.buffers()) and not self.cfg.sync_batchnorm:
+        if self.has_buffers and not self.cfg.sync_batchnorm:
             # Per-replica batch-norm statistics (as DDP): running stats follow dp replica 0.
-            broadcast_module(self.part, self.groups.ranks["dp"][0], self.groups.axis["dp"], buffers_only=True)
+            broadcast_modules(self.replicated, self.groups.ranks["dp"][0], self.groups.axis["dp"], buffers_only=True)
         return {"rank": self.rank, "reports": self.reports, "loss_sum": res.loss_sum, "correct": res.correct,
-                "samples": len(idx), "global_count": global_count, "epoch": epoch,
-                "compute_ms": (time.perf_counter() - t0) * 1e3}
+                "samples": global_count if self.plan_mode else sum(sizes), "global_count": global_count,
+                "epoch": epoch, "compute_ms": (time.perf_counter() - t0) * 1e3}
 
     def evaluate(self) -> dict[str, Any]:
         """Loss sum and correct count over this replica's share of the held-out set (each sample once)."""
-        idx = data_mod.test_shard(self.source.test_size, self.mesh.dp, self.coord.dp)
+        replica_idx = [data_mod.test_shard(self.source.test_size, self.mesh.dp, r) for r in range(self.mesh.dp)]
         chunk = max(1, self.cfg.global_batch_size // self.mesh.dp)
-        n_chunks = max(1, -(-len(idx) // chunk))
-        sizes, inputs, labels = self._microbatches(idx, "test", 0, n_chunks)
+        # The same number of chunks on every replica (replica 0's shard is the largest): the plan's
+        # batch gather is a collective over all of them.
+        n_chunks = max(1, -(-len(replica_idx[0]) // chunk))
+        sizes, inputs, labels, before_forward = self._microbatches("test", 0, replica_idx, n_chunks)
+        if self.sharded.batch_gather is not None:
+            self.sharded.batch_gather.seed = None
         self.part.eval()
         program = [Action("F", m) for m in range(n_chunks)]
-        res = self.runner.run(program, inputs, labels, sizes, max(1, len(idx)), lambda: None, train=False)
-        return {"reports": self.reports, "loss_sum": res.loss_sum, "correct": res.correct, "samples": len(idx)}
+        count = sum(len(r) for r in replica_idx) if self.plan_mode else sum(sizes)
+        res = self.runner.run(program, inputs, labels, sizes, max(1, count), lambda: None, train=False,
+                              before_forward=before_forward)
+        return {"reports": self.reports, "loss_sum": res.loss_sum, "correct": res.correct, "samples": count}
 
     # ------------------------------------------------------------------ export
     def state(self) -> dict[str, torch.Tensor]:
         """This actor's parameters and buffers on CPU, keyed by the whole model's state_dict names."""
         out = {}
         for name, sub in zip(self.part_names, self.part):
+            if name is None:
+                continue  # an exchange, no state
             for k, v in sub.state_dict().items():
                 out[f"{name}.{k}" if name else k] = v.detach().to("cpu", copy=True)
         return out
 
     def split_dims(self) -> dict[str, int]:
         """state_dict keys that filter split cuts, and the dimension (empty without filter split)."""
-        return {}
+        return dict(self.sharded.split_dims)
 
     def memory(self) -> dict[str, Any]:
         """Peak device memory in GiB (CUDA only; None on CPU)."""
@@ -199,3 +261,8 @@ def exception_summary(e: BaseException) -> str:
     while isinstance(cause, ray.exceptions.RayTaskError) and cause.cause is not None:
         cause = cause.cause
     return f"{type(cause).__name__}: {cause}"
+
+
+def _local(shape: tuple[int, ...], sizes, index: int) -> tuple[int, ...]:
+    """Per-sample shape of this actor's shard of an activation (dim 1 of the batch = dim 0 here)."""
+    return shape if sizes is None else (sizes[index], *shape[1:])

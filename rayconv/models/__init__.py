@@ -21,7 +21,7 @@ __all__ = ["ConvNet", "build_model", "to_layers", "model_names"]
 
 def model_names() -> list[str]:
     """Names accepted by --model: convnet plus torchvision's classification models."""
-    return ["convnet"] + sorted(torchvision.models.list_models(module=torchvision.models))
+    return list(RAYCONV_MODELS) + sorted(torchvision.models.list_models(module=torchvision.models))
 
 
 def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: int = 224,
@@ -31,8 +31,14 @@ def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: i
     ``alexnet`` is torchvision's single-column AlexNet (Krizhevsky et al. 2012 / "One weird trick" 2014).
     Raises ConfigError for unknown names and for models that cannot take the data's image shape.
     """
-    if name == "convnet":
-        return ConvNet(in_channels=in_channels, num_classes=num_classes, batch_norm=batch_norm)
+    if name in RAYCONV_MODELS:
+        if name == "alexnet2012":
+            if in_channels != 3 or image_size < 63:
+                raise ConfigError("--model alexnet2012 needs 3-channel images of at least 63x63 pixels: "
+                                  "use --data synthetic or imagefolder")
+            return alexnet_two_column(num_classes)
+        return ConvNet(in_channels=in_channels, num_classes=num_classes,
+                       batch_norm=batch_norm or name == "convnet_bn", columns=2 if name == "convnet2col" else 1)
     names = model_names()
     if name not in names:
         close = [n for n in names if n.startswith(name[:3])][:8]
@@ -46,6 +52,21 @@ def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: i
         raise ConfigError(f"--model {name} needs images of at least 32x32 pixels (data gives {image_size}): "
                           "use --model convnet for --data digits")
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+
+
+RAYCONV_MODELS = ("convnet", "convnet_bn", "convnet2col", "alexnet2012")
+
+
+def alexnet_two_column(num_classes: int = 1000) -> nn.Module:
+    """torchvision's AlexNet with Krizhevsky et al. 2012's column structure (section 3.5, figure 2):
+    conv2, conv4 and conv5 connect only within a column (``groups=2``); conv3 and the fully connected
+    layers connect across. Load its state_dict with ``rayconv.models.alexnet_two_column(K)``."""
+    model = torchvision.models.alexnet(weights=None, num_classes=num_classes)
+    for i in (3, 8, 10):
+        old = model.features[i]
+        model.features[i] = nn.Conv2d(old.in_channels, old.out_channels, old.kernel_size, old.stride,
+                                      old.padding, groups=2)
+    return model
 
 
 def to_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:

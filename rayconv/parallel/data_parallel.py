@@ -96,14 +96,15 @@ class GradientSync:
         self._reset()
 
 
-def broadcast_module(module: nn.Module, src: int, group: Optional[dist.ProcessGroup], buffers_only: bool = False) -> None:
-    """Copy parameters (unless ``buffers_only``) and buffers of ``module`` from global rank ``src``
+def broadcast_modules(modules: list[nn.Module], src: int, group: Optional[dist.ProcessGroup],
+                      buffers_only: bool = False) -> None:
+    """Copy parameters (unless ``buffers_only``) and buffers of ``modules`` from global rank ``src``
     to every rank of ``group``, so replicas start identical and batch-norm running statistics follow
     replica 0, as in DDP's ``broadcast_buffers``."""
     if group is None:
         return
-    tensors = [] if buffers_only else [p.data for p in module.parameters()]
-    tensors += [b for b in module.buffers()]
     with torch.no_grad():
-        for t in tensors:
-            comm.broadcast(t, src, group)
+        for m in modules:
+            tensors = [] if buffers_only else [p.data for p in m.parameters()]
+            for t in tensors + list(m.buffers()):
+                comm.broadcast(t, src, group)

@@ -106,7 +106,8 @@ class StageRunner:
 
     def run(self, program: Sequence[Action], inputs: Callable[[int], torch.Tensor],
             labels: Callable[[int], torch.Tensor], mb_sizes: list[int], global_count: int,
-            before_last_backward: Callable[[], None], train: bool = True) -> StepResult:
+            before_last_backward: Callable[[], None], train: bool = True,
+            before_forward: Optional[Callable[[int], None]] = None) -> StepResult:
         """Run ``program`` (all F and B actions of this stage; only F when ``train`` is False).
 
         ``inputs(m)`` gives micro-batch m's images (first stage), ``labels(m)`` its labels (last
@@ -118,6 +119,8 @@ class StageRunner:
         for i, a in enumerate(program):
             m, n = a.microbatch, mb_sizes[a.microbatch]
             if a.kind == "F":
+                if before_forward is not None:
+                    before_forward(m)
                 if self.prev is None:
                     x, x_in = inputs(m), None
                 else:

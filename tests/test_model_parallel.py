@@ -1,0 +1,61 @@
+"""Filter split, pipeline stages, hybrids and the per-layer plan equal single-device SGD."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import assert_same_state, reference_sgd
+from rayconv.config import Config
+from rayconv.driver import fit
+
+STEPS = 4  # global batch 96 of the 1438 digits: 4 full steps
+
+
+LAYOUTS = {
+    "fs2": dict(fs=2),
+    "fs3-uneven": dict(fs=3),                      # 32/64/10 channels over 3 actors: 11,11,10 ...
+    "fs2-batchnorm": dict(fs=2, model="convnet_bn"),  # batch norm over a channel shard is exact
+    "fs2-two-column": dict(fs=2, model="convnet2col"),  # grouped conv2 needs no exchange
+    "pp2-gpipe-m1": dict(pp=2, schedule="gpipe", num_microbatches=1),
+    "pp2-gpipe-m4": dict(pp=2, schedule="gpipe", num_microbatches=4),
+    "pp2-1f1b-m3": dict(pp=2, schedule="1f1b", num_microbatches=3),
+    "pp3-1f1b-m4": dict(pp=3, schedule="1f1b", num_microbatches=4),
+    "dp2-fs2": dict(dp=2, fs=2),
+    "dp2-pp2": dict(dp=2, pp=2, num_microbatches=2),
+    "pp2-fs2": dict(pp=2, fs=2, num_microbatches=2, schedule="gpipe"),
+    "plan-krizhevsky2014-dp2": dict(dp=2, plan="krizhevsky2014"),
+    "plan-krizhevsky2014-dp3": dict(dp=3, plan="krizhevsky2014", num_microbatches=2),
+}
+
+
+def layout_config(tmp_path, name, **kw) -> Config:
+    base = dict(model="convnet", data="digits", dp=1, global_batch_size=96, steps=STEPS, lr=0.05,
+                momentum=0.9, weight_decay=5e-4, precision="fp64", device="cpu", progress=False,
+                eval_every=STEPS, out=str(tmp_path / name))
+    base.update(kw)
+    return Config(**base).validate()
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_device_sgd(ray_cluster, tmp_path, name):
+    cfg = layout_config(tmp_path, name, **LAYOUTS[name])
+    summary = fit(cfg, log=lambda *_: None)
+    assert summary["layout"]["world_size"] == cfg.dp * cfg.pp * cfg.fs
+    got = torch.load(tmp_path / name / "model.pt", weights_only=True)
+    want = reference_sgd(cfg, STEPS)
+    assert_same_state(got, want, atol=1e-10)
+    # Each actor holds about 1/K of the parameters under pp=K or fs=K.
+    params = [a["parameters"] for a in summary["actors"]]
+    total = sum(v.numel() for k, v in want.items() if "running" not in k and "num_batches" not in k)
+    if cfg.plan == "none" and cfg.pp * cfg.fs > 1:
+        assert sum(params) == total * cfg.dp
+        assert max(params) < total
+
+
+def test_summary_reports_layout(ray_cluster, tmp_path):
+    cfg = layout_config(tmp_path, "report", pp=2, num_microbatches=2, schedule="gpipe", steps=1)
+    s = fit(cfg, log=lambda *_: None)
+    assert s["layout"] == {"dp": 1, "pp": 2, "fs": 1, "world_size": 2, "plan": "none", "schedule": "gpipe",
+                           "num_microbatches": 2, "stages": s["layout"]["stages"]}
+    assert len(s["layout"]["stages"]) == 2 and s["layout"]["stages"][0][0] == 0
