@@ -113,6 +113,9 @@ class Source:
     def labels(self, split: str, idx: np.ndarray) -> torch.Tensor:
         raise NotImplementedError
 
+    def prefetch(self, split: str, epoch: int, batches: list[np.ndarray]) -> None:
+        """Announce the batches ``images`` will be asked for next (sources that decode files start now)."""
+
 
 class TensorSource(Source):
     """A data set held in memory as tensors (digits)."""
@@ -174,15 +177,24 @@ class _CheckedImageFolder(Dataset):
     def __init__(self, root: Path, transform):
         from torchvision.datasets import ImageFolder
 
-        self.inner = ImageFolder(str(root), transform=transform)
+        try:
+            self.inner = ImageFolder(str(root), transform=transform)
+        except FileNotFoundError as e:  # a class folder without image files
+            raise DataError(f"data folder {root}: {e}: put images in every class folder or remove the empty ones") \
+                from None
         self.targets = torch.tensor(self.inner.targets, dtype=torch.long)
 
     def __len__(self) -> int:
         return len(self.inner)
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, item: tuple[int, int]):
+        """``item`` = (sample index, augmentation seed): the random crop and flip of a sample depend only
+        on its seed, not on which loader process decodes it or what else is in its batch."""
+        i, seed = item
         try:
-            return self.inner[i]
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                return self.inner[i]
         except Exception as e:  # PIL.UnidentifiedImageError, OSError for truncated files, ...
             path = self.inner.samples[i][0]
             raise DataError(f"cannot decode image {path} ({type(e).__name__}: {e}): "
@@ -215,15 +227,32 @@ class ImageFolderSource(Source):
         self.train_size, self.test_size = len(self.sets["train"]), len(self.sets["test"])
         self.seed, self.workers = seed, workers
 
-    def images(self, split, idx, device, epoch=0):
+    def prefetch(self, split: str, epoch: int, batches: list[np.ndarray]) -> None:
+        """Start decoding ``batches`` (this actor's, in the order it will ask for them) in
+        ``workers`` background processes; ``images`` then takes them in turn."""
         ds = self.sets[split]
+        plan = [[(int(i), stable_seed(self.seed, split, epoch, int(i))) for i in b] for b in batches if len(b)]
+        # (Its own generator: creating the iterator must not draw from the global torch RNG.)
+        loader = DataLoader(ds, batch_sampler=plan, num_workers=self.workers, generator=torch.Generator(),
+                            prefetch_factor=2 if self.workers else None, pin_memory=torch.cuda.is_available())
+        self._pending = (split, epoch, [np.asarray(b) for b in batches if len(b)], iter(loader))
+
+    def images(self, split, idx, device, epoch=0):
         if len(idx) == 0:
             return torch.empty((0, *self.sample_shape), device=device)
-        # Augmentation is seeded by (seed, split, epoch, first index): the same on every run.
-        g = torch.Generator().manual_seed(stable_seed(self.seed, split, epoch, int(idx[0])))
-        loader = DataLoader(ds, batch_size=len(idx), sampler=[int(i) for i in idx], generator=g,
-                            num_workers=min(self.workers, len(idx)), pin_memory=torch.device(device).type == "cuda")
-        x, _ = next(iter(loader))
+        pending = getattr(self, "_pending", None)
+        if pending is None or pending[:2] != (split, epoch) or not pending[2] \
+                or not np.array_equal(pending[2][0], idx):
+            self.prefetch(split, epoch, [idx])          # not announced: decode this batch alone
+            pending = self._pending
+        pending[2].pop(0)
+        try:
+            x, _ = next(pending[3])
+        except DataError as e:
+            # A worker's error comes back as "Caught DataError in DataLoader worker ...\n<traceback>":
+            # keep the one line that names the file.
+            msg = str(e).strip().splitlines()
+            raise DataError(msg[-1].split("DataError: ", 1)[-1] if len(msg) > 1 else str(e)) from None
         return x.to(device, non_blocking=True)
 
     def labels(self, split, idx):

@@ -148,6 +148,7 @@ class Worker:
             wire_dtype=wire, device=self.device, autocast=self.autocast)
         self.program = plan.schedule.programs[stage]
         self.is_first, self.is_last = stage == 0, stage == mesh.pp - 1
+        self.first_step = 0
         self.reports = self.is_last and self.coord.fs == 0 and not (self.plan_mode and self.coord.dp != 0)
         return {"rank": rank, "role": self.role, "device": str(self.device),
                 "parameters": sum(p.numel() for p in self.part.parameters())}
@@ -192,6 +193,11 @@ class Worker:
         epoch, step_in_epoch = divmod(step, self.sharding.steps_per_epoch)
         replica_idx = [self.sharding.replica_batch(epoch, step_in_epoch, r)[0] for r in range(self.mesh.dp)]
         global_count = sum(len(r) for r in replica_idx)
+        if self.is_first and (step_in_epoch == 0 or step == self.first_step):
+            # Announce the rest of the epoch to the loader so that decoding runs ahead of the steps.
+            self.source.prefetch("train", epoch, [
+                self.sharding.replica_batch(epoch, s, self.coord.dp)[0]
+                for s in range(step_in_epoch, self.sharding.steps_per_epoch)])
         sizes, inputs, labels, before_forward = self._microbatches(
             "train", epoch, replica_idx, self.plan.schedule.num_microbatches)
         # Dropout masks: the same for every actor of a replica (and, in the plan's FC part, of the run).

@@ -1,0 +1,181 @@
+"""Mistakes a user can make: each gives one clear error line naming what to change, a non-zero exit,
+no hang, and leaves no output behind (a folder that already existed is left as it was)."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+from PIL import Image
+
+from rayconv.run import main
+
+# Small and fast on the test cluster; each case adds the flag it gets wrong.
+BASE = ["--steps", "2", "--device", "cpu", "--dp", "2", "--global-batch-size", "32", "--no-progress",
+        "--loader-workers", "0"]
+
+
+@pytest.fixture(autouse=True)
+def no_hang():
+    """Fail (instead of hanging CI) if one case takes more than 3 minutes."""
+    def on_alarm(signum, frame):
+        raise TimeoutError("rayconv.run.main did not return within 180 s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(180)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def run_failing(argv: list[str], capsys, code: int | None = 2) -> str:
+    """Run main, check it fails (with ``code`` when given), return its one ``rayconv: error:`` line."""
+    capsys.readouterr()
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc != 0, "expected a failure"
+    if code is not None:
+        assert rc == code, err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("rayconv: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def write_images(folder: Path, n: int, seed: int = 0, suffix: str = ".png") -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        Image.fromarray(rng.integers(0, 256, (36, 36, 3), dtype=np.uint8)).save(folder / f"img{i}{suffix}")
+
+
+def image_tree(root: Path, classes=("a", "b"), train=3, val=1) -> Path:
+    for i, c in enumerate(classes):
+        write_images(root / "train" / c, train, seed=2 * i)
+        write_images(root / "val" / c, val, seed=2 * i + 1)
+    return root
+
+
+# ---------------------------------------------------------------------- caught before Ray is needed
+def test_unknown_data_is_an_argparse_error(tmp_path, capsys):
+    out = tmp_path / "x"
+    with pytest.raises(SystemExit) as e:
+        main([*BASE, "--data", "mnist", "--out", str(out)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--data" in err and "mnist" in err and "imagefolder" in err  # names the flag and the choices
+    assert not out.exists()
+
+
+def test_imagefolder_without_data_dir(tmp_path, capsys):
+    out = tmp_path / "x"
+    line = run_failing([*BASE, "--data", "imagefolder", "--out", str(out)], capsys)
+    assert "--data-dir" in line
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------- on the test cluster
+def test_unknown_model(ray_cluster, tmp_path, capsys):
+    out = tmp_path / "x"
+    line = run_failing([*BASE, "--model", "resnet1000", "--out", str(out)], capsys)
+    assert "--model" in line and "resnet1000" in line and "resnet18" in line  # suggests close names
+    assert not out.exists()
+
+
+def test_unknown_model_leaves_an_existing_empty_folder_empty(ray_cluster, tmp_path, capsys):
+    out = tmp_path / "x"
+    out.mkdir()
+    run_failing([*BASE, "--model", "nosuchnet", "--out", str(out)], capsys)
+    assert out.is_dir() and list(out.iterdir()) == []
+
+
+def test_data_dir_does_not_exist(ray_cluster, tmp_path, capsys):
+    out = tmp_path / "x"
+    missing = tmp_path / "no-such-data"
+    line = run_failing([*BASE, "--data", "imagefolder", "--data-dir", str(missing), "--image-size", "32",
+                        "--out", str(out)], capsys)
+    assert str(missing) in line and "--data-dir" in line and "does not exist" in line
+    assert not out.exists()
+
+
+def test_class_folders_without_images(ray_cluster, tmp_path, capsys):
+    root = tmp_path / "data"
+    for split in ("train", "val"):
+        for c in ("cat", "dog"):
+            (root / split / c).mkdir(parents=True)
+            (root / split / c / "notes.txt").write_text("not an image")
+    out = tmp_path / "x"
+    line = run_failing([*BASE, "--data", "imagefolder", "--data-dir", str(root), "--image-size", "32",
+                        "--out", str(out)], capsys)
+    assert str(root / "train") in line and "no image files" in line
+    assert not out.exists()
+
+
+def test_one_class_folder_without_images(ray_cluster, tmp_path, capsys):
+    root = image_tree(tmp_path / "data")
+    (root / "train" / "empty").mkdir()
+    (root / "val" / "empty").mkdir()
+    out = tmp_path / "x"
+    line = run_failing([*BASE, "--data", "imagefolder", "--data-dir", str(root), "--image-size", "32",
+                        "--out", str(out)], capsys)
+    assert "empty" in line and str(root / "train") in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("workers, out_exists", [(0, False), (2, True)])
+def test_corrupt_image_names_the_file(ray_cluster, tmp_path, capsys, workers, out_exists):
+    """Only an actor decoding the file finds it: training starts, then stops with the file's path."""
+    root = image_tree(tmp_path / "data", train=4)
+    bad = root / "train" / "b" / "broken.jpg"
+    bad.write_bytes(b"\xff\xd8\xff\xe0 this is not a JPEG")
+    out = tmp_path / "x"
+    if out_exists:
+        out.mkdir()
+    # 9 train files and a global batch of 32: step 1 decodes all of them, over both replicas.
+    line = run_failing(["--steps", "2", "--device", "cpu", "--dp", "2", "--global-batch-size", "32",
+                        "--no-progress", "--data", "imagefolder", "--data-dir", str(root), "--image-size", "32",
+                        "--loader-workers", str(workers), "--out", str(out)], capsys, code=None)
+    assert str(bad) in line and "train_step" in line and "remove or replace" in line
+    if out_exists:
+        assert out.is_dir() and list(out.iterdir()) == []
+    else:
+        assert not out.exists()
+
+
+def test_dp_larger_than_the_cluster(ray_cluster, tmp_path, capsys):
+    out = tmp_path / "x"
+    line = run_failing(["--steps", "1", "--device", "cpu", "--dp", "8", "--no-progress", "--out", str(out)], capsys)
+    assert "--dp" in line and "8" in line and "4" in line  # wanted and available
+    assert not out.exists()
+
+
+def test_global_batch_smaller_than_dp(ray_cluster, tmp_path, capsys):
+    out = tmp_path / "x"
+    line = run_failing(["--steps", "1", "--device", "cpu", "--dp", "4", "--global-batch-size", "3",
+                        "--no-progress", "--out", str(out)], capsys)
+    assert "--global-batch-size" in line and "--dp" in line
+    assert not out.exists()
+
+
+def test_cuda_without_gpus(ray_cluster, tmp_path, capsys):
+    if ray.cluster_resources().get("GPU", 0) > 0:
+        pytest.skip("the test cluster has GPUs")
+    out = tmp_path / "x"
+    line = run_failing(["--steps", "1", "--device", "cuda", "--no-progress", "--out", str(out)], capsys)
+    assert "--device" in line and "cpu" in line
+    assert not out.exists()
+
+
+def test_out_folder_with_files_is_not_overwritten(ray_cluster, tmp_path, capsys):
+    out = tmp_path / "x"
+    out.mkdir()
+    (out / "summary.json").write_text("precious")
+    (out / "notes.txt").write_text("keep me")
+    line = run_failing([*BASE, "--out", str(out)], capsys)
+    assert "--out" in line and str(out) in line
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "summary.json"]
+    assert (out / "summary.json").read_text() == "precious"
+    assert (out / "notes.txt").read_text() == "keep me"

@@ -1,0 +1,114 @@
+"""``--data imagefolder`` end to end on real image files (PNG and JPEG written with PIL)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+
+from rayconv.data import ImageFolderSource
+from rayconv.models import ConvNet
+from rayconv.run import main
+
+CLASSES = ("red", "green", "blue")
+TRAIN_PER_CLASS, VAL_PER_CLASS = 6, 2
+N_VAL = len(CLASSES) * VAL_PER_CLASS
+
+
+@pytest.fixture(scope="module")
+def image_root(tmp_path_factory) -> Path:
+    """ImageNet layout: train/<class>/ (6 each) and val/<class>/ (2 each), 40x40 RGB, a class colour plus
+    noise (so that crops and flips change the pixels), alternating PNG and JPEG."""
+    root = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    for split, n in (("train", TRAIN_PER_CLASS), ("val", VAL_PER_CLASS)):
+        for c, name in enumerate(CLASSES):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(n):
+                pixels = rng.integers(0, 80, (40, 40, 3))
+                pixels[..., c] += 170
+                img = Image.fromarray(pixels.astype(np.uint8))
+                img.save(folder / (f"{name}{i}.png" if i % 2 == 0 else f"{name}{i}.JPEG"))
+    return root
+
+
+def test_imagefolder_end_to_end(ray_cluster, image_root, tmp_path):
+    out = tmp_path / "run"
+    rc = main(["--data", "imagefolder", "--data-dir", str(image_root), "--image-size", "32", "--model", "convnet",
+               "--dp", "2", "--steps", "3", "--global-batch-size", "8", "--loader-workers", "0",
+               "--device", "cpu", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.parquet", "model.pt", "summary.json"]
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["data"] == "imagefolder" and config["data_dir"] == str(image_root) and config["dp"] == 2
+
+    state = torch.load(out / "model.pt", weights_only=True)
+    assert state["fc2.weight"].shape[0] == len(CLASSES)      # classes follow the folders
+    assert state["conv1.weight"].shape[1] == 3                 # RGB
+    model = ConvNet(3, len(CLASSES))
+    model.load_state_dict(state, strict=True)
+
+    rows = pq.read_table(out / "metrics.parquet").to_pylist()
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [0, 1, 2]
+    assert all(np.isfinite(r["loss"]) for r in rows if r["kind"] == "train")
+    assert any(r["kind"] == "eval" for r in rows)
+
+    # Evaluation counted every val image once: a whole count out of 6, and the loss and accuracy of
+    # the exported model on the 6 val images.
+    summary = json.loads((out / "summary.json").read_text())
+    acc = summary["test_accuracy"]
+    assert abs(acc * N_VAL - round(acc * N_VAL)) < 1e-9
+    src = ImageFolderSource(str(image_root), 32, seed=0, workers=0)
+    assert (src.train_size, src.test_size, src.num_classes) == (18, N_VAL, 3)
+    idx = np.arange(N_VAL)
+    x, y = src.images("test", idx, torch.device("cpu")), src.labels("test", idx)
+    with torch.no_grad():
+        logits = model.eval()(x)
+    assert nn.functional.cross_entropy(logits, y).item() == pytest.approx(summary["test_loss"], rel=1e-4)
+    top2 = logits.topk(2, dim=1).values
+    near_ties = int(((top2[:, 0] - top2[:, 1]) < 1e-4).sum())
+    want_correct = int((logits.argmax(1) == y).sum())
+    assert abs(round(acc * N_VAL) - want_correct) <= near_ties
+
+
+def test_imagefolder_labels_follow_class_folders(image_root):
+    src = ImageFolderSource(str(image_root), 32, seed=0, workers=0)
+    assert src.sets["train"].inner.classes == sorted(CLASSES)
+    idx = np.arange(src.train_size)
+    paths = [Path(p) for p, _ in src.sets["train"].inner.samples]
+    want = torch.tensor([sorted(CLASSES).index(p.parent.name) for p in paths])
+    assert torch.equal(src.labels("train", idx), want)
+
+
+def test_imagefolder_loading_is_deterministic(image_root):
+    idx = np.array([5, 0, 11, 17, 3])
+    cpu = torch.device("cpu")
+    src = ImageFolderSource(str(image_root), 32, seed=0, workers=0)
+    a = src.images("train", idx, cpu, epoch=1)
+    assert a.shape == (5, 3, 32, 32) and a.dtype == torch.float32
+    # Same (split, idx, epoch): the same tensor, also from a fresh source and whatever the global RNG.
+    torch.manual_seed(123)
+    assert torch.equal(src.images("train", idx, cpu, epoch=1), a)
+    torch.manual_seed(456)
+    assert torch.equal(ImageFolderSource(str(image_root), 32, seed=0, workers=0).images("train", idx, cpu, epoch=1), a)
+    # ...and not disturbing the caller's RNG stream.
+    torch.manual_seed(7)
+    want_next = torch.rand(3)
+    torch.manual_seed(7)
+    src.images("train", idx, cpu, epoch=1)
+    assert torch.equal(torch.rand(3), want_next)
+    # The augmentation is real: another epoch crops differently (so the equality above means something).
+    assert not torch.equal(src.images("train", idx, cpu, epoch=2), a)
+    # Decoding in a worker process gives the same images as decoding in the actor.
+    assert torch.equal(ImageFolderSource(str(image_root), 32, seed=0, workers=1).images("train", idx, cpu, epoch=1), a)
+    # Evaluation images are not augmented.
+    t = src.images("test", np.arange(N_VAL), cpu)
+    assert torch.equal(src.images("test", np.arange(N_VAL), cpu, epoch=3), t)

@@ -1,0 +1,330 @@
+"""Unit tests without Ray: configuration, mesh arithmetic, data sharding, flat layer views, stage balancing."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from rayconv.config import Config, ConfigError, parse_args
+from rayconv import data as data_mod
+from rayconv.data import Sharding
+from rayconv.mesh import AXES, Mesh
+from rayconv.models import ConvNet, build_model, run_layers, to_layers
+from rayconv.parallel.pipeline import PlanError, balance, parse_stages
+
+
+# ---------------------------------------------------------------------- config
+def test_no_flags_gives_the_defaults():
+    assert parse_args([]) == Config()
+
+
+def test_flags_set_fields():
+    cfg = parse_args(["--model", "alexnet", "--data", "synthetic", "--dp", "2", "--pp", "3", "--fs", "2",
+                      "--global-batch-size", "128", "--lr", "0.1", "--steps", "7", "--precision", "bf16",
+                      "--no-progress", "--sync-batchnorm", "--stages", "5,9", "--out", "somewhere"])
+    assert (cfg.model, cfg.data, cfg.dp, cfg.pp, cfg.fs) == ("alexnet", "synthetic", 2, 3, 2)
+    assert cfg.global_batch_size == 128 and isinstance(cfg.global_batch_size, int)
+    assert cfg.lr == 0.1 and isinstance(cfg.lr, float)
+    assert (cfg.steps, cfg.precision, cfg.stages, cfg.out) == (7, "bf16", "5,9", "somewhere")
+    assert cfg.progress is False and cfg.sync_batchnorm is True
+    # Untouched fields keep their defaults.
+    assert cfg.momentum == Config().momentum and cfg.seed == Config().seed
+
+
+def test_bad_flag_type_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--dp", "two"])
+    assert e.value.code == 2
+    assert "--dp" in capsys.readouterr().err
+
+
+def test_config_file_with_flags_overriding(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"model": "resnet18", "data": "synthetic", "lr": 0.2, "dp": 4, "steps": 3}))
+    cfg = parse_args(["--config", str(path), "--lr", "0.01", "--steps", "9"])
+    assert (cfg.model, cfg.data, cfg.dp) == ("resnet18", "synthetic", 4)   # from the file
+    assert (cfg.lr, cfg.steps) == (0.01, 9)                                 # flags win
+    assert cfg.global_batch_size == Config().global_batch_size             # neither: default
+
+
+def test_written_config_reads_back(tmp_path):
+    cfg = Config(model="vgg11", data="synthetic", dp=3, image_size=64, steps=11, progress=False,
+                 out=str(tmp_path / "x")).validate()
+    cfg.to_json(tmp_path / "config.json")
+    assert parse_args(["--config", str(tmp_path / "config.json")]) == cfg
+
+
+def test_unknown_key_in_config_file_is_rejected(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"model": "convnet", "learning_rate": 0.1}))
+    with pytest.raises(ConfigError, match="learning_rate"):
+        parse_args(["--config", str(path)])
+
+
+@pytest.mark.parametrize("content, match", [("{not json", "not valid JSON"), ("[1, 2]", "JSON object")])
+def test_malformed_config_file(tmp_path, content, match):
+    path = tmp_path / "run.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=match) as e:
+        parse_args(["--config", str(path)])
+    assert "--config" in str(e.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="--config .*no such file"):
+        parse_args(["--config", str(tmp_path / "nope.json")])
+
+
+def test_bad_value_in_config_file_names_the_flag(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"pp": 0}))
+    with pytest.raises(ConfigError, match="--pp"):
+        parse_args(["--config", str(path)])
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--pp", "0"], "--pp"),
+    (["--fs", "0"], "--fs"),
+    (["--dp", "0"], "--dp"),
+    (["--steps", "0"], "--steps"),
+    (["--epochs", "-1"], "--epochs"),
+    (["--global-batch-size", "0"], "--global-batch-size"),
+    (["--num-microbatches", "0"], "--num-microbatches"),
+    (["--num-classes", "0"], "--num-classes"),
+    (["--eval-every", "0"], "--eval-every"),
+    (["--lr", "0"], "--lr"),
+    (["--momentum", "1.0"], "--momentum"),
+    (["--weight-decay", "-0.1"], "--weight-decay"),
+    (["--image-size", "16"], "--image-size"),
+    (["--loader-workers", "-1"], "--loader-workers"),
+    (["--collective-timeout-s", "0"], "--collective-timeout-s"),
+    (["--data", "imagefolder"], "--data-dir"),
+    (["--plan", "krizhevsky2014", "--pp", "2"], "--pp"),
+])
+def test_validation_error_names_the_flag(argv, flag):
+    with pytest.raises(ConfigError) as e:
+        parse_args(argv)
+    assert flag in str(e.value)
+
+
+# ---------------------------------------------------------------------- mesh
+MESHES = [(1, 1, 1), (4, 1, 1), (1, 3, 1), (1, 1, 4), (2, 3, 2), (3, 2, 4), (2, 1, 3)]
+
+
+@pytest.mark.parametrize("shape", MESHES)
+def test_mesh_rank_coord_round_trip(shape):
+    mesh = Mesh(*shape)
+    assert mesh.world_size == shape[0] * shape[1] * shape[2]
+    coords = [mesh.coord(r) for r in range(mesh.world_size)]
+    assert sorted(coords) == list(itertools.product(*(range(n) for n in shape)))  # a bijection
+    for r, c in enumerate(coords):
+        assert mesh.rank(c) == r
+        assert mesh.rank(tuple(c)) == r
+    assert mesh.coord(mesh.world_size - 1) == tuple(n - 1 for n in shape)
+
+
+@pytest.mark.parametrize("shape", MESHES)
+@pytest.mark.parametrize("axis", AXES)
+def test_mesh_groups_partition_the_ranks(shape, axis):
+    mesh = Mesh(*shape)
+    i = AXES.index(axis)
+    groups = mesh.groups(axis)
+    flat = [r for g in groups for r in g]
+    assert sorted(flat) == list(range(mesh.world_size))           # every rank exactly once
+    assert len(groups) == mesh.world_size // shape[i]
+    for g in groups:
+        assert len(g) == shape[i]
+        cs = [mesh.coord(r) for r in g]
+        assert [c[i] for c in cs] == list(range(shape[i]))         # in coordinate order
+        others = {tuple(v for j, v in enumerate(c) if j != i) for c in cs}
+        assert len(others) == 1                                     # differ only along `axis`
+        for r in g:
+            assert mesh.group_of(r, axis) == g
+
+
+@pytest.mark.parametrize("shape", MESHES)
+def test_fs_groups_are_contiguous_ranks(shape):
+    mesh = Mesh(*shape)
+    for g in mesh.groups("fs"):
+        assert g == list(range(g[0], g[0] + mesh.fs))
+
+
+def test_mesh_role_names():
+    assert Mesh(1, 1, 1).role(0) == "dp0"
+    assert [Mesh(3, 1, 1).role(r) for r in range(3)] == ["dp0", "dp1", "dp2"]
+    assert [Mesh(1, 2, 1).role(r) for r in range(2)] == ["pp0", "pp1"]
+    assert [Mesh(1, 1, 2).role(r) for r in range(2)] == ["fs0", "fs1"]
+    assert Mesh(2, 2, 2).role(5) == "dp1-pp0-fs1"
+    assert Mesh(2, 3, 1).role(5) == "dp1-pp2"
+    for shape in MESHES:
+        mesh = Mesh(*shape)
+        roles = [mesh.role(r) for r in range(mesh.world_size)]
+        assert len(set(roles)) == len(roles)
+
+
+def test_mesh_rejects_degree_zero():
+    with pytest.raises(ValueError, match="fs"):
+        Mesh(2, 1, 0)
+
+
+# ---------------------------------------------------------------------- sharding
+SHARDINGS = [(1438, 102, 4), (1438, 64, 2), (10, 3, 3), (7, 7, 2), (5, 8, 2), (100, 10, 1), (9, 4, 4)]
+
+
+@pytest.mark.parametrize("n, batch, dp", SHARDINGS)
+def test_each_epoch_covers_every_train_sample_once(n, batch, dp):
+    sh = Sharding(n, batch, dp, seed=3)
+    assert sh.steps_per_epoch == -(-n // batch)
+    for epoch in range(3):
+        batches = [sh.global_batch(epoch, s) for s in range(sh.steps_per_epoch)]
+        assert all(len(b) == batch for b in batches[:-1])
+        assert 1 <= len(batches[-1]) <= batch
+        assert np.array_equal(np.sort(np.concatenate(batches)), np.arange(n))
+
+
+@pytest.mark.parametrize("n, batch, dp", SHARDINGS)
+def test_replica_slices_split_the_global_batch(n, batch, dp):
+    sh = Sharding(n, batch, dp, seed=5)
+    for epoch in range(2):
+        for s in range(sh.steps_per_epoch):
+            whole = sh.global_batch(epoch, s)
+            parts = [sh.replica_batch(epoch, s, r) for r in range(dp)]
+            assert all(count == len(whole) for _, count in parts)
+            idx = [p for p, _ in parts]
+            assert np.array_equal(np.concatenate(idx), whole)         # disjoint, cover, in order
+            sizes = [len(p) for p in idx]
+            assert max(sizes) - min(sizes) <= 1
+
+
+def test_sharding_is_deterministic_and_depends_on_seed_and_epoch():
+    a, b = Sharding(500, 32, 4, seed=1), Sharding(500, 32, 4, seed=1)
+    for epoch, s, r in [(0, 0, 0), (0, 15, 3), (2, 7, 1)]:
+        assert np.array_equal(a.replica_batch(epoch, s, r)[0], b.replica_batch(epoch, s, r)[0])
+    assert not np.array_equal(a.global_batch(0, 0), a.global_batch(1, 0))                        # reshuffled
+    assert not np.array_equal(a.global_batch(0, 0), Sharding(500, 32, 4, seed=2).global_batch(0, 0))
+
+
+@pytest.mark.parametrize("n, dp", [(359, 4), (360, 4), (6, 2), (3, 4), (1, 1), (17, 5)])
+def test_test_shard_covers_the_test_set_once(n, dp):
+    shards = [data_mod.test_shard(n, dp, r) for r in range(dp)]
+    assert np.array_equal(np.concatenate(shards), np.arange(n))
+    sizes = [len(s) for s in shards]
+    assert max(sizes) - min(sizes) <= 1
+
+
+# ---------------------------------------------------------------------- flat layer views
+@pytest.mark.parametrize("name, shape", [
+    ("convnet", (1, 8, 8)),
+    ("convnet-bn", (3, 32, 32)),
+    ("alexnet", (3, 64, 64)),
+    ("resnet18", (3, 32, 32)),
+    ("vgg11", (3, 32, 32)),
+])
+def test_flat_layers_compute_the_model(name, shape):
+    torch.manual_seed(0)
+    if name == "convnet-bn":
+        model = ConvNet(shape[0], 10, batch_norm=True)
+    else:
+        model = build_model(name, 10, shape[0], shape[1])
+    model = model.double().eval()
+    if name in ("convnet-bn", "resnet18"):
+        # Non-trivial batch-norm statistics, so that eval mode actually uses them.
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+    layers = to_layers(model)
+    assert len(layers) > 1, "a known family must be cuttable"
+    # The flat view holds the model's own parameters, all of them.
+    flat_params = {id(p) for _, m in layers for p in m.parameters()}
+    assert flat_params == {id(p) for p in model.parameters()}
+    x = torch.randn(3, *shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(x)
+        got = run_layers(layers, x)
+    assert want.shape == (3, 10)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_unknown_family_is_one_layer():
+    model = torch.nn.Module()
+    assert to_layers(model) == [("", model)]
+
+
+# ---------------------------------------------------------------------- stage balancing
+def _max_stage(costs, bounds):
+    return max(sum(costs[a:b]) for a, b in bounds)
+
+
+def _brute_force(costs, k):
+    n = len(costs)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        edges = [0, *cuts, n]
+        best = min(best, _max_stage(costs, list(zip(edges, edges[1:]))))
+    return best
+
+
+def _check_bounds(bounds, n, k):
+    assert len(bounds) == k
+    assert bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(a < b for a, b in bounds)                               # non-empty
+    assert all(b == c for (_, b), (c, _) in zip(bounds, bounds[1:]))  # contiguous
+
+
+@pytest.mark.parametrize("costs, k, want", [
+    ([1, 1, 1, 1], 2, [(0, 2), (2, 4)]),
+    ([5, 1, 1, 1, 1, 1], 2, [(0, 1), (1, 6)]),
+    ([1, 1, 1, 1, 1, 5], 2, [(0, 5), (5, 6)]),
+    ([3, 3, 3], 3, [(0, 1), (1, 2), (2, 3)]),
+    ([0, 0, 0], 3, [(0, 1), (1, 2), (2, 3)]),
+    ([4, 2, 7], 1, [(0, 3)]),
+    ([1, 2, 3, 4, 5, 6, 7, 8, 9], 3, [(0, 5), (5, 7), (7, 9)]),  # 15 | 13 | 17: max 17 is optimal
+])
+def test_balance_hand_cases(costs, k, want):
+    got = balance(costs, k)
+    _check_bounds(got, len(costs), k)
+    assert _max_stage(costs, got) == _max_stage(costs, want) == _brute_force(costs, k)
+    if costs != [1, 2, 3, 4, 5, 6, 7, 8, 9]:   # unique optimum
+        assert got == want
+
+
+def test_balance_is_optimal_on_random_cases():
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        n = int(rng.integers(1, 9))
+        k = int(rng.integers(1, n + 1))
+        costs = [float(c) for c in rng.integers(0, 20, n)]
+        got = balance(costs, k)
+        _check_bounds(got, n, k)
+        assert _max_stage(costs, got) == _brute_force(costs, k), (costs, k, got)
+
+
+def test_balance_more_stages_than_layers():
+    with pytest.raises(PlanError, match="--pp"):
+        balance([1.0, 2.0], 3)
+
+
+def test_parse_stages():
+    assert parse_stages("5,9", 12, 3) == [(0, 5), (5, 9), (9, 12)]
+    assert parse_stages(" 5 , 9 ", 12, 3) == [(0, 5), (5, 9), (9, 12)]
+    assert parse_stages("1", 2, 2) == [(0, 1), (1, 2)]
+    assert parse_stages("", 12, 1) == [(0, 12)]
+
+
+@pytest.mark.parametrize("spec, layers, stages, match", [
+    ("5", 12, 3, "--pp"),          # too few cut points
+    ("3,5,9", 12, 3, "--pp"),      # too many
+    ("9,5", 12, 3, "--stages"),    # decreasing
+    ("5,5", 12, 3, "--stages"),    # empty stage
+    ("0,5", 12, 3, "--stages"),    # empty first stage
+    ("5,12", 12, 3, "--stages"),   # empty last stage
+    ("a,b", 12, 3, "--stages"),    # not integers
+])
+def test_parse_stages_errors(spec, layers, stages, match):
+    with pytest.raises(PlanError, match=match):
+        parse_stages(spec, layers, stages)
