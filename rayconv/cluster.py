@@ -65,6 +65,9 @@ def resolve_layout(cfg: Config) -> Mesh:
     if mesh.world_size > devices:
         raise ConfigError(f"layout {mesh.describe()} needs {mesh.world_size} {unit}s but the cluster has "
                           f"{devices}: lower --dp/--pp/--fs, or add nodes")
+    if cfg.sync_batchnorm and kind != "cuda":
+        raise ConfigError("--sync-batchnorm needs GPUs (torch's SyncBatchNorm runs on CUDA only): "
+                          "drop it on CPU (batch norm then uses per-replica statistics, as DDP)")
     if cfg.global_batch_size < cfg.dp:
         raise ConfigError(f"--global-batch-size {cfg.global_batch_size} is smaller than --dp {cfg.dp}: "
                           f"each replica needs at least one sample; raise it to >= {cfg.dp}")
