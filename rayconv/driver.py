@@ -88,29 +88,41 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
         t_train = time.perf_counter()
         bar = tqdm(total=total_steps, desc="train", unit="step", disable=not cfg.progress, dynamic_ncols=True)
         last_eval: dict[str, float] = {}
-        for step in range(total_steps):
-            lr = learning_rate(cfg, step, total_steps)
-            t0 = time.perf_counter()
-            results = gang.call("train_step", step, lr)
-            step_ms = (time.perf_counter() - t0) * 1e3
-            r = reduce_step(results)
-            epoch = results[0]["epoch"]
-            ips = results[0]["global_count"] / (step_ms / 1e3)
-            metrics.add(kind="train", step=step, epoch=epoch, loss=r["loss"], lr=lr, images_per_s=ips,
-                        step_ms=step_ms, compute_ms=r["compute_ms"])
+        lrs: dict[int, float] = {}
+        t_last = [time.perf_counter()]
+
+        def record(results: list) -> None:
+            """Log the step whose metrics came back (one step behind the launches)."""
+            results = [x for x in results if x is not None]
+            if not results:
+                return
+            now = time.perf_counter()
+            step_s, t_last[0] = now - t_last[0], now
+            r, k = reduce_step(results), results[0]["step"]
+            ips = results[0]["global_count"] / step_s
+            metrics.add(kind="train", step=k, epoch=results[0]["epoch"], loss=r["loss"], lr=lrs.pop(k),
+                        images_per_s=ips, step_ms=step_s * 1e3, time_s=now - t_train)
             if not math.isfinite(r["loss"]):
-                raise FloatingPointError(f"loss is {r['loss']} at step {step}: lower --lr (now {cfg.lr})")
-            if (step + 1) % eval_every == 0 or step + 1 == total_steps:
-                last_eval = evaluate(gang)
-                metrics.add(kind="eval", step=step, epoch=epoch, **last_eval)
-            if on_step is not None:
-                on_step(gang, step)
+                raise FloatingPointError(f"loss is {r['loss']} at step {k}: lower --lr (now {cfg.lr})")
             bar.update(1)
             bar.set_postfix(loss=f"{r['loss']:.4f}", img_s=f"{ips:.0f}",
                             **({"test_acc": f"{last_eval['test_accuracy']:.4f}"} if last_eval else {}))
-            if not cfg.progress and (step % cfg.log_every == 0 or step + 1 == total_steps):
-                log(f"step {step:5d} epoch {epoch:3d} loss {r['loss']:.4f} lr {lr:.4g} {ips:8.0f} images/s"
-                    + (f" test_acc {last_eval['test_accuracy']:.4f}" if last_eval else ""))
+            if not cfg.progress and (k % cfg.log_every == 0 or k + 1 == total_steps):
+                log(f"step {k:5d} epoch {results[0]['epoch']:3d} loss {r['loss']:.4f} lr {metrics.rows[-1]['lr']:.4g} "
+                    f"{ips:8.0f} images/s" + (f" test_acc {last_eval['test_accuracy']:.4f}" if last_eval else ""))
+
+        for step in range(total_steps):
+            lrs[step] = learning_rate(cfg, step, total_steps)
+            record(gang.call("train_step", step, lrs[step]))
+            if (step + 1) % eval_every == 0 or step + 1 == total_steps or on_step is not None:
+                record(gang.call("flush"))
+            if (step + 1) % eval_every == 0 or step + 1 == total_steps:
+                last_eval = evaluate(gang)
+                metrics.add(kind="eval", step=step, epoch=step // sharding.steps_per_epoch,
+                            time_s=time.perf_counter() - t_train, **last_eval)
+                t_last[0] = time.perf_counter()  # evaluation time is not a training step's
+            if on_step is not None:
+                on_step(gang, step)
         bar.close()
         train_s = time.perf_counter() - t_train
 

@@ -3,6 +3,7 @@
 One row per step (``kind="train"``): step, epoch, loss (mean over the global batch), lr,
 images_per_s (global batch / step wall time), step_ms (driver wall time of the step). One row per
 evaluation (``kind="eval"``): test_loss, test_error and test_accuracy over every held-out sample once.
+``time_s`` is seconds since training began (for test error against wall-clock time).
 Files are written atomically (temporary file, then rename): a crash never leaves half a file.
 """
 
@@ -20,7 +21,7 @@ import pyarrow.parquet as pq
 SCHEMA = pa.schema([
     ("kind", pa.string()), ("step", pa.int64()), ("epoch", pa.int64()), ("loss", pa.float64()),
     ("lr", pa.float64()), ("images_per_s", pa.float64()), ("step_ms", pa.float64()),
-    ("compute_ms", pa.float64()), ("test_loss", pa.float64()), ("test_error", pa.float64()),
+    ("time_s", pa.float64()), ("test_loss", pa.float64()), ("test_error", pa.float64()),
     ("test_accuracy", pa.float64()),
 ])
 
@@ -32,8 +33,7 @@ def reduce_step(results: Iterable[dict[str, Any]]) -> dict[str, float]:
     samples = sum(r["samples"] for r in rep)
     loss_sum = sum(r["loss_sum"] for r in rep)
     return {"loss": loss_sum / max(1, samples), "samples": samples,
-            "correct": sum(r["correct"] for r in rep),
-            "compute_ms": max(r.get("compute_ms", 0.0) for r in results)}
+            "correct": sum(r["correct"] for r in rep)}
 
 
 class MetricsLog:

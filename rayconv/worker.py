@@ -149,6 +149,8 @@ class Worker:
         self.program = plan.schedule.programs[stage]
         self.is_first, self.is_last = stage == 0, stage == mesh.pp - 1
         self.first_step = 0
+        self.pending: Optional[dict[str, Any]] = None
+        self.last_return: Optional[float] = None
         self.reports = self.is_last and self.coord.fs == 0 and not (self.plan_mode and self.coord.dp != 0)
         return {"rank": rank, "role": self.role, "device": str(self.device),
                 "parameters": sum(p.numel() for p in self.part.parameters())}
@@ -183,13 +185,17 @@ class Worker:
             labels = lambda m: y_all[slices[m]]  # noqa: E731
         return sizes, inputs, labels, before_forward
 
-    def train_step(self, step: int, lr: float) -> dict[str, Any]:
-        """One synchronous SGD step (``step`` counts from 0 over the whole run; ``lr`` for this step).
+    def train_step(self, step: int, lr: float, profile: bool = False) -> Optional[dict[str, Any]]:
+        """Launch one synchronous SGD step (``step`` counts from 0 over the run; ``lr`` for this step).
 
-        Returns this actor's metrics: loss sum and correct count (reporting actor only), samples,
-        compute time in ms. Raises what the model or the data raise.
+        The device is not waited for: the call returns the metrics of the *previous* step (None for
+        the first), whose values are ready by now, so the GPU never idles between steps while the
+        driver's call travels (``flush`` returns the last step's). With ``profile`` the step is
+        synchronised and split into compute, receive wait and gradient all-reduce wait (ms).
+        Raises what the model or the data raise.
         """
         t0 = time.perf_counter()
+        idle_ms = (t0 - self.last_return) * 1e3 if self.last_return is not None else None
         epoch, step_in_epoch = divmod(step, self.sharding.steps_per_epoch)
         replica_idx = [self.sharding.replica_batch(epoch, step_in_epoch, r)[0] for r in range(self.mesh.dp)]
         global_count = sum(len(r) for r in replica_idx)
@@ -207,17 +213,40 @@ class Worker:
         self.part.train()
         for g in self.optimizer.param_groups:
             g["lr"] = lr
+        self.runner.profile = profile
+        if profile:
+            _sync(self.device)
+        t_run = time.perf_counter()
         res = self.runner.run(self.program, inputs, labels, sizes, global_count, self.sync.arm,
                               before_forward=before_forward)
+        if profile:
+            _sync(self.device)
+        t_sync = time.perf_counter()
         self.sync.finish()
+        if profile:
+            _sync(self.device)
+        allreduce_s = time.perf_counter() - t_sync
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.has_buffers and not self.cfg.sync_batchnorm:
             # Per-replica batch-norm statistics (as DDP): running stats follow dp replica 0.
             broadcast_modules(self.replicated, self.groups.ranks["dp"][0], self.groups.axis["dp"], buffers_only=True)
-        return {"rank": self.rank, "reports": self.reports, "loss_sum": res.loss_sum, "correct": res.correct,
-                "samples": global_count if self.plan_mode else sum(sizes), "global_count": global_count,
-                "epoch": epoch, "compute_ms": (time.perf_counter() - t0) * 1e3}
+        current = {"rank": self.rank, "step": step, "reports": self.reports, "loss_sum": res.loss_sum,
+                   "correct": res.correct, "samples": global_count if self.plan_mode else sum(sizes),
+                   "global_count": global_count, "epoch": epoch, "idle_ms": idle_ms}
+        if profile:
+            _sync(self.device)
+            total = time.perf_counter() - t_run
+            current.update(step_actor_ms=total * 1e3, wait_ms=res.wait_s * 1e3, allreduce_ms=allreduce_s * 1e3,
+                           compute_ms=(total - res.wait_s - allreduce_s) * 1e3)
+        previous, self.pending = self.pending, current
+        self.last_return = time.perf_counter()
+        return _materialise(previous)
+
+    def flush(self) -> Optional[dict[str, Any]]:
+        """The metrics of the last step launched (waits for the device)."""
+        previous, self.pending = self.pending, None
+        return _materialise(previous)
 
     def evaluate(self) -> dict[str, Any]:
         """Loss sum and correct count over this replica's share of the held-out set (each sample once)."""
@@ -234,7 +263,8 @@ class Worker:
         count = sum(len(r) for r in replica_idx) if self.plan_mode else sum(sizes)
         res = self.runner.run(program, inputs, labels, sizes, max(1, count), lambda: None, train=False,
                               before_forward=before_forward)
-        return {"reports": self.reports, "loss_sum": res.loss_sum, "correct": res.correct, "samples": count}
+        return {"reports": self.reports, "loss_sum": float(res.loss_sum), "correct": int(res.correct),
+                "samples": count}
 
     # ------------------------------------------------------------------ export
     def state(self) -> dict[str, torch.Tensor]:
@@ -272,3 +302,15 @@ def exception_summary(e: BaseException) -> str:
 def _local(shape: tuple[int, ...], sizes, index: int) -> tuple[int, ...]:
     """Per-sample shape of this actor's shard of an activation (dim 1 of the batch = dim 0 here)."""
     return shape if sizes is None else (sizes[index], *shape[1:])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _materialise(m: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """Device scalars of a step's metrics to Python numbers (waits for that step only)."""
+    if m is None:
+        return None
+    return {**m, "loss_sum": float(m["loss_sum"]), "correct": int(m["correct"])}

@@ -14,6 +14,7 @@ Legend: N micro-batch size, C channels, H, W height, width; ``x_NCHW`` an activa
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -77,8 +78,10 @@ def parse_stages(spec: str, num_layers: int, num_stages: int) -> list[tuple[int,
 
 @dataclass
 class StepResult:
-    loss_sum: float = 0.0     # sum of per-sample losses over this replica's samples (last stage only)
-    correct: int = 0          # correctly classified samples (last stage only)
+    # Kept on the device (no synchronisation inside the step); read with float()/int() when needed.
+    loss_sum: object = 0.0    # sum of per-sample losses over this replica's samples (last stage only)
+    correct: object = 0       # correctly classified samples (last stage only)
+    wait_s: float = 0.0       # seconds blocked in receives (measured only when profiling)
     samples: int = 0          # samples this replica saw
     sends: list = field(default_factory=list)
 
@@ -100,6 +103,18 @@ class StageRunner:
         first = next(iter(module.children()), None)
         if prev is not None and getattr(first, "inplace", False):
             first.inplace = False  # the received activation is a leaf that needs its gradient
+
+    profile = False  # when True, time spent blocked in receives is measured (synchronising the device)
+
+    def _recv(self, shape: tuple[int, ...], src: int, res: StepResult) -> torch.Tensor:
+        if not self.profile:
+            return comm.recv(shape, self.wire_dtype, self.device, src, self.group)
+        _sync(self.device)
+        t = time.perf_counter()
+        buf = comm.recv(shape, self.wire_dtype, self.device, src, self.group)
+        _sync(self.device)
+        res.wait_s += time.perf_counter() - t
+        return buf
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.autocast is None:
@@ -127,16 +142,16 @@ class StageRunner:
                 if self.prev is None:
                     x, x_in = inputs(m), None
                 else:
-                    x_in = comm.recv((n, *self.in_shape), self.wire_dtype, self.device, self.prev, self.group)
+                    x_in = self._recv((n, *self.in_shape), self.prev, res)
                     x = x_in.requires_grad_(train)
                 with torch.set_grad_enabled(train):
                     out = self._forward(x)
                     if self.next is None:
                         logits = out.float() if out.dtype in (torch.bfloat16, torch.float16) else out
-                        y = labels(m).to(self.device)
+                        y = labels(m).to(self.device, non_blocking=True)
                         loss = nn.functional.cross_entropy(logits, y, reduction="sum")
-                        res.loss_sum += float(loss.detach())
-                        res.correct += int((logits.detach().argmax(1) == y).sum())
+                        res.loss_sum = res.loss_sum + loss.detach()
+                        res.correct = res.correct + (logits.detach().argmax(1) == y).sum()
                         out = loss / global_count
                 if self.next is not None:
                     res.sends.append(comm.isend(out.detach().to(self.wire_dtype), self.next, self.group))
@@ -149,7 +164,7 @@ class StageRunner:
                 if self.next is None:
                     out.backward()
                 else:
-                    g = comm.recv((n, *self.out_shape), self.wire_dtype, self.device, self.next, self.group)
+                    g = self._recv((n, *self.out_shape), self.next, res)
                     out.backward(g.to(out.dtype))
                 if self.prev is not None:
                     assert x_in is not None and x_in.grad is not None
@@ -158,3 +173,8 @@ class StageRunner:
             w.wait()
         res.sends.clear()
         return res
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
