@@ -62,6 +62,8 @@ class Config:
     weight_decay: float = field(default=5e-4, metadata={"help": "L2 weight decay"})
     seed: int = field(default=0, metadata={"help": "seed of weights, data order and augmentation"})
     precision: str = field(default="fp32", metadata={"help": "fp32, bf16 (autocast) or fp64", "choices": PRECISION_CHOICES})
+    compile: bool = field(default=False, metadata={"help": "torch.compile each actor's part (compile time is "
+                                                           "spent in the first steps)"})
     sync_batchnorm: bool = field(default=False, metadata={"help": "batch-norm statistics over the global batch"})
     # where
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda", "choices": DEVICE_CHOICES})

@@ -48,6 +48,30 @@ def new_run_dir(cfg: Config) -> Path:
     return Path("runs") / f"{stamp}-{cfg.model}-{cfg.data}"
 
 
+def prepare(cfg: Config):
+    """Connect to Ray, resolve the layout against the cluster, open the data and plan the model.
+
+    Returns (mesh, source, plan). Raises ConfigError / DataError / PlanError / ClusterError before
+    any actor starts."""
+    cluster.connect(cfg.address)
+    mesh = cluster.resolve_layout(cfg)
+    source = make_source(cfg)
+    torch.manual_seed(cfg.seed)
+    reference = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1])
+    return mesh, source, make_plan(cfg, mesh, reference, source.sample_shape)
+
+
+def launch(cfg: Config, mesh, plan, run_name: str):
+    """Start the actors and set them up (process groups, model parts). Returns (gang, setup reports)."""
+    gang = cluster.start_workers(cfg, mesh, run_name)
+    try:
+        master = gang.call("free_address", ranks=[0])[0]
+        return gang, gang.call_each("setup", [(r, master, plan) for r in range(mesh.world_size)])
+    except BaseException:
+        gang.kill()
+        raise
+
+
 def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
     """Train as ``cfg`` says; write config.json, metrics.parquet, summary.json and model.pt into the
     output folder; return the summary. ``on_step(gang, step)``, if given, is called after each step
@@ -55,12 +79,7 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
     written, ClusterError if an actor fails (the output folder is then removed if this run made it).
     """
     t_start = time.perf_counter()
-    cluster.connect(cfg.address)
-    mesh = cluster.resolve_layout(cfg)
-    source = make_source(cfg)
-    torch.manual_seed(cfg.seed)
-    reference = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1])
-    plan = make_plan(cfg, mesh, reference, source.sample_shape)
+    mesh, source, plan = prepare(cfg)
     sharding = Sharding(source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed)
     total_steps = cfg.steps or (cfg.epochs or 10) * sharding.steps_per_epoch
     eval_every = cfg.eval_every or sharding.steps_per_epoch
@@ -81,12 +100,11 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
         if mesh.pp > 1:
             log(f"pipeline stages {list(plan.stages)}, schedule {cfg.schedule}, "
                 f"{cfg.num_microbatches} micro-batches:\n{format_grid(plan.schedule)}")
-        gang = cluster.start_workers(cfg, mesh, run_name)
-        master = gang.call("free_address", ranks=[0])[0]
-        setups = gang.call_each("setup", [(r, master, plan) for r in range(mesh.world_size)])
+        gang, setups = launch(cfg, mesh, plan, run_name)
         metrics = MetricsLog()
         t_train = time.perf_counter()
-        bar = tqdm(total=total_steps, desc="train", unit="step", disable=not cfg.progress, dynamic_ncols=True)
+        bar = tqdm(total=total_steps, desc="train", unit="step", disable=not cfg.progress, dynamic_ncols=True,
+                   mininterval=1.0)
         last_eval: dict[str, float] = {}
         lrs: dict[int, float] = {}
         t_last = [time.perf_counter()]

@@ -139,8 +139,10 @@ class Worker:
         self.optimizer = torch.optim.SGD(self.part.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                                          weight_decay=cfg.weight_decay)
         pp_ranks = self.groups.ranks["pp"]
+        if self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = True
         self.runner = StageRunner(
-            self.part, self.groups.axis["pp"],
+            torch.compile(self.part) if cfg.compile else self.part, self.groups.axis["pp"],
             prev=pp_ranks[stage - 1] if stage > 0 else None,
             next_=pp_ranks[stage + 1] if stage + 1 < mesh.pp else None,
             in_shape=_local(plan.stage_in_shape(stage), in_sizes, fs_index),

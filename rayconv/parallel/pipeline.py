@@ -100,7 +100,7 @@ class StageRunner:
         self.module, self.group, self.prev, self.next = module, group, prev, next_
         self.in_shape, self.out_shape = in_shape, out_shape
         self.wire_dtype, self.device, self.autocast = wire_dtype, device, autocast
-        first = next(iter(module.children()), None)
+        first = next(iter(getattr(module, "_orig_mod", module).children()), None)
         if prev is not None and getattr(first, "inplace", False):
             first.inplace = False  # the received activation is a leaf that needs its gradient
 

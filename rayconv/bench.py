@@ -1,0 +1,350 @@
+"""``python -m rayconv.bench``: the paper's experiments (Yadan et al. 2013, section 4) as one command.
+
+For each model and layout: start the actors, run ``--warmup`` steps, then time ``--steps`` steps on
+synthetic ImageNet-shaped data (3 x 224 x 224, 1000 classes) and a few profiled steps that split the
+step into compute, receive wait and all-reduce wait. In the same run the anchors are measured under
+the same precision and global batch: plain PyTorch on 1 device and torchrun DDP on the layout's
+devices (``rayconv.anchor``). Writes into ``--out``:
+
+* ``bench.parquet``: one row per (model, layout): images_per_s, step_ms, speedup over rayconv on 1
+  device, ratios to the anchors, peak memory per device (GiB), parameters per actor, compute /
+  receive-wait / all-reduce-wait / driver-idle time per step (ms), pipeline bubble fraction;
+* ``bench.md``: the Markdown table; ``speedup.png``: bars of speedup over 1 device.
+
+``--sweep batch`` measures images/s and peak memory over per-device batch sizes 16..1024 (until one
+does not fit); ``--sweep memory`` finds the largest global batch each layout can train;
+``--curve`` trains each layout on the real digits data and plots test error against wall-clock time
+(the paper's Figure 1). Layout names: ``1gpu``, ``dp2``, ``fs2``, ``pp2`` (``pp2m4`` fixes 4
+micro-batches; plain ``pp2`` tries 2, 4 and 8 and keeps the fastest), ``plan2`` (Krizhevsky 2014's
+per-layer plan on 2 actors), and products such as ``dp2xfs2``, ``dp2xpp2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from . import cluster
+from .config import Config, ConfigError
+from .driver import fit, launch, prepare
+from .metrics import atomic_write
+from .schedule import bubble_fraction
+
+
+def parse_layout(name: str) -> dict[str, Any]:
+    """``dp2xfs2`` -> {"dp": 2, "fs": 2}; ``1gpu`` -> {"dp": 1}; ``plan4`` -> plan over 4 actors;
+    ``pp2m4`` -> pp=2 with 4 micro-batches. Raises ConfigError for anything else."""
+    if name in ("1gpu", "1"):
+        return {"dp": 1}
+    out: dict[str, Any] = {}
+    for part in name.split("x"):
+        m = re.fullmatch(r"(dp|pp|fs|plan)(\d+)(?:m(\d+))?", part)
+        if not m or (m.group(3) and m.group(1) != "pp"):
+            raise ConfigError(f"unknown layout {name!r}: use e.g. 1gpu, dp2, fs2, pp2, pp2m4, plan2, dp2xfs2")
+        axis, n = m.group(1), int(m.group(2))
+        if axis == "plan":
+            out.update(dp=n, plan="krizhevsky2014")
+        else:
+            out[axis] = n
+        if m.group(3):
+            out["num_microbatches"] = int(m.group(3))
+    out.setdefault("dp", 1)
+    return out
+
+
+def layout_size(name: str) -> int:
+    lay = parse_layout(name)
+    return lay.get("dp", 1) * lay.get("pp", 1) * lay.get("fs", 1)
+
+
+def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3) -> dict[str, Any]:
+    """Images/s and step time of ``cfg`` over ``steps`` timed steps after ``warmup`` steps, then a
+    profiled split. Raises ClusterError (e.g. out of memory) from the actors."""
+    mesh, source, plan = prepare(cfg)
+    gang, setups = launch(cfg, mesh, plan, f"bench-{os.getpid()}-{time.monotonic_ns() % 10**9}")
+    try:
+        t0 = time.perf_counter()
+        for s in range(warmup):
+            gang.call("train_step", s, cfg.lr)
+        gang.call("flush")
+        warmup_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        results = []
+        for s in range(warmup, warmup + steps):
+            results.append(gang.call("train_step", s, cfg.lr))
+        results.append(gang.call("flush"))
+        elapsed = time.perf_counter() - t0
+        # Driver overhead: per step, the least time any actor waited for the driver's next call (the
+        # actor that finished last waited only for the driver's round trip).
+        idle = [min(r["idle_ms"] for r in rs) for rs in results
+                if rs and all(r is not None and r.get("idle_ms") is not None for r in rs)]
+        prof = []
+        for s in range(warmup + steps, warmup + steps + profile_steps):
+            gang.call("train_step", s, cfg.lr, True)
+            prof.append(gang.call("flush"))
+        memory = gang.call("memory")
+    finally:
+        gang.kill()
+    step_ms = elapsed / steps * 1e3
+
+    def mean_of(key: str) -> Optional[float]:
+        vals = [max(r[key] for r in rs) for rs in prof if rs and rs[0].get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    peaks = [m["peak_gib"] for m in memory]
+    return {
+        "images_per_s": cfg.global_batch_size * steps / elapsed, "step_ms": step_ms, "warmup_s": warmup_s,
+        "peak_gib_max": max(peaks) if all(p is not None for p in peaks) else None,
+        "peak_gib_per_actor": json.dumps([None if p is None else round(p, 3) for p in peaks]),
+        "params_per_actor": json.dumps([s["parameters"] for s in setups]),
+        "compute_ms": mean_of("compute_ms"), "recv_wait_ms": mean_of("wait_ms"),
+        "allreduce_wait_ms": mean_of("allreduce_ms"),
+        "driver_idle_ms": sum(idle) / len(idle) if idle else None,
+        "bubble_fraction": bubble_fraction(plan.schedule) if mesh.pp > 1 else 0.0,
+        "num_microbatches": cfg.num_microbatches, "world_size": mesh.world_size,
+    }
+
+
+def run_anchor(model: str, devices: int, global_batch: int, args) -> Optional[dict[str, Any]]:
+    """Plain PyTorch (devices == 1) or torchrun DDP (devices > 1) at the same global batch."""
+    per_device = global_batch // devices
+    base = ["-m", "rayconv.anchor", "--model", model, "--batch", str(per_device), "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--precision", "bf16" if args.precision == "bf16" else "fp32",
+            "--device", args.device_kind, "--image-size", str(args.image_size)]
+    if devices == 1:
+        cmd = [sys.executable, *base]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={devices}",
+               *base, "--ddp"]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.anchor_timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return None
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    print(f"anchor failed ({' '.join(cmd)}):\n{out.stderr[-2000:]}", file=sys.stderr)
+    return None
+
+
+def base_config(args, model: str, layout: dict[str, Any], global_batch: int) -> Config:
+    kw: dict[str, Any] = dict(model=model, data="synthetic", image_size=args.image_size, num_classes=1000,
+                              synthetic_samples=max(global_batch * 4, 1024), global_batch_size=global_batch,
+                              precision=args.precision, device=args.device, address=args.address,
+                              progress=False, lr=0.01, compile=args.compile, all_gpus_visible=args.all_gpus_visible)
+    kw.update(layout)
+    return Config(**kw).validate()
+
+
+def write_table(rows: list[dict[str, Any]], out: Path) -> None:
+    atomic_write(out / "bench.parquet", lambda tmp: pq.write_table(pa.Table.from_pylist(rows), tmp))
+    cols = ["model", "layout", "global_batch_size", "images_per_s", "step_ms", "speedup_vs_1",
+            "vs_plain_pytorch", "vs_torchrun_ddp", "peak_gib_max", "compute_ms", "recv_wait_ms",
+            "allreduce_wait_ms", "driver_idle_ms", "bubble_fraction", "note"]
+
+    def fmt(v: Any) -> str:
+        if v is None:
+            return "not measured"
+        return f"{v:.3g}" if isinstance(v, float) and abs(v) < 10 else (f"{v:.0f}" if isinstance(v, float) else str(v))
+
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    atomic_write(out / "bench.md", lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [r for r in rows if r.get("speedup_vs_1") is not None]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.7), 4))
+    labels = [f"{r['model']}\n{r['layout']}\nB={r['global_batch_size']}" for r in rows]
+    ax.bar(range(len(rows)), [r["speedup_vs_1"] for r in rows], color="tab:blue")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel("speedup over rayconv on 1 device")
+    ax.set_title("rayconv speedups (same run, synthetic 224x224)")
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=120)
+    plt.close(fig)
+
+
+def main_bench(args) -> list[dict[str, Any]]:
+    out = Path(args.out)
+    rows: list[dict[str, Any]] = []
+    layouts = args.layouts.split(",")
+    jobs = [(m, b, lay) for m in args.models.split(",") for b in args.global_batch_size for lay in layouts]
+    bar = tqdm(total=len(jobs), desc="bench", unit="layout")
+    single: dict[tuple[str, int], float] = {}
+    anchors: dict[tuple[str, int, int], Optional[dict[str, Any]]] = {}
+    for model, gb, name in jobs:
+        bar.set_postfix_str(f"{model} {name} B={gb}")
+        lay = parse_layout(name)
+        row: dict[str, Any] = {"model": model, "layout": name, "global_batch_size": gb, "note": ""}
+        tries = [lay]
+        if lay.get("pp", 1) > 1 and "num_microbatches" not in lay:
+            tries = [{**lay, "num_microbatches": m} for m in (2, 4, 8) if gb // lay["dp"] % m == 0]
+        best: Optional[dict[str, Any]] = None
+        for t in tries:
+            try:
+                r = measure(base_config(args, model, t, gb), args.warmup, args.steps)
+            except (cluster.ClusterError, ValueError) as e:
+                row["note"] = str(e).splitlines()[0][:200]
+                continue
+            if best is None or r["images_per_s"] > best["images_per_s"]:
+                best = r
+        if best is not None:
+            row.update(best)
+            if name in ("1gpu", "1"):
+                single[(model, gb)] = best["images_per_s"]
+        devices = layout_size(name)
+        for n in {1, devices}:
+            if args.anchors and (model, gb, n) not in anchors:
+                anchors[(model, gb, n)] = run_anchor(model, n, gb, args)
+        one = single.get((model, gb))
+        ips = row.get("images_per_s")
+        row["speedup_vs_1"] = ips / one if ips and one else None
+        a1, an = anchors.get((model, gb, 1)), anchors.get((model, gb, devices))
+        row["plain_pytorch_images_per_s"] = a1["images_per_s"] if a1 else None
+        row["vs_plain_pytorch"] = ips / a1["images_per_s"] if ips and a1 else None
+        row["torchrun_ddp_images_per_s"] = an["images_per_s"] if an and devices > 1 else None
+        row["vs_torchrun_ddp"] = ips / an["images_per_s"] if ips and an and devices > 1 else None
+        if ips and row.get("driver_idle_ms") is not None:
+            row["driver_overhead"] = row["driver_idle_ms"] / row["step_ms"]
+        rows.append(row)
+        write_table(rows, out)  # after every layout: a cut-short run keeps what it measured
+        print(f"RESULT {model} {name} B={gb}: " + (f"{ips:.0f} images/s, speedup {row['speedup_vs_1'] or 0:.2f}x, "
+              f"vs plain {row['vs_plain_pytorch'] or 0:.2f}x, vs DDP {row['vs_torchrun_ddp'] or 0:.2f}x"
+              if ips else f"failed: {row['note']}"), flush=True)
+        bar.update(1)
+    bar.close()
+    return rows
+
+
+def sweep_batch(args, until_largest: bool) -> list[dict[str, Any]]:
+    """Per-device batch 16, 32, ..., 1024 for each layout (RQ4); stop at the first that does not fit."""
+    out = Path(args.out)
+    rows = []
+    for model in args.models.split(","):
+        for name in args.layouts.split(","):
+            n = layout_size(name)
+            per = 16
+            while per <= args.max_batch:
+                gb = per * (parse_layout(name)["dp"] if "plan" not in name else n)
+                try:
+                    r = measure(base_config(args, model, parse_layout(name), gb), 2, max(3, args.steps // 4), 0)
+                    rows.append({"model": model, "layout": name, "batch_per_device": per, "global_batch_size": gb,
+                                 "fits": True, "images_per_s": r["images_per_s"], "peak_gib_max": r["peak_gib_max"]})
+                except (cluster.ClusterError, ValueError) as e:
+                    rows.append({"model": model, "layout": name, "batch_per_device": per, "global_batch_size": gb,
+                                 "fits": False, "images_per_s": None, "peak_gib_max": None,
+                                 "note": str(e).splitlines()[0][:200]})
+                    break
+                print(f"SWEEP {model} {name} per-device {per}: {r['images_per_s']:.0f} images/s, "
+                      f"{r['peak_gib_max']} GiB", flush=True)
+                per *= 2
+    name = "sweep_memory.parquet" if until_largest else "sweep_batch.parquet"
+    atomic_write(out / name, lambda tmp: pq.write_table(pa.Table.from_pylist(rows), tmp))
+    return rows
+
+
+def training_curve(args) -> list[dict[str, Any]]:
+    """Test error against wall-clock time for each layout on the real digits data (Figure 1)."""
+    out = Path(args.out)
+    rows = []
+    for name in args.layouts.split(","):
+        cfg = Config(**{**dict(model="convnet", data="digits", epochs=args.curve_epochs, device=args.device,
+                               address=args.address, progress=False, eval_every=5, out=str(out / f"curve-{name}")),
+                        **parse_layout(name)}).validate()
+        shutil.rmtree(cfg.out, ignore_errors=True)
+        fit(cfg, log=lambda *_: None)
+        table = pq.read_table(Path(cfg.out) / "metrics.parquet").to_pylist()
+        rows += [{"layout": name, "time_s": r["time_s"], "step": r["step"], "test_error": r["test_error"]}
+                 for r in table if r["kind"] == "eval"]
+    atomic_write(out / "curve.parquet", lambda tmp: pq.write_table(pa.Table.from_pylist(rows), tmp))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return rows
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in args.layouts.split(","):
+        pts = [r for r in rows if r["layout"] == name]
+        ax.plot([p["time_s"] for p in pts], [p["test_error"] for p in pts], marker="o", ms=3, label=name)
+    ax.set_xlabel("wall-clock time (s)")
+    ax.set_ylabel("test error")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.set_title("test error vs time, digits (Yadan et al. 2013, Fig. 1)")
+    fig.tight_layout()
+    fig.savefig(out / "curve.png", dpi=120)
+    plt.close(fig)
+    return rows
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m rayconv.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--layouts", default="1gpu,dp2,fs2,pp2,plan2")
+    p.add_argument("--models", default="alexnet,resnet50")
+    p.add_argument("--global-batch-size", default="256", help="comma-separated, e.g. 256,1024")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per layout")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--address", default=None)
+    p.add_argument("--compile", action="store_true", help="torch.compile each actor's part")
+    p.add_argument("--all-gpus-visible", action="store_true")
+    p.add_argument("--anchors", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--anchor-timeout", type=float, default=600)
+    p.add_argument("--sweep", choices=("batch", "memory"), default=None)
+    p.add_argument("--max-batch", type=int, default=1024, help="largest per-device batch of a sweep")
+    p.add_argument("--curve", action="store_true", help="test error vs wall-clock time on digits")
+    p.add_argument("--curve-epochs", type=int, default=5)
+    p.add_argument("--out", default="benchmarks/latest")
+    args = p.parse_args(argv)
+    args.global_batch_size = [int(b) for b in str(args.global_batch_size).split(",")]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        for name in args.layouts.split(","):
+            parse_layout(name)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        cluster.connect(args.address)
+        args.device_kind, _ = cluster.available_devices(args.device)
+        if args.sweep:
+            sweep_batch(args, until_largest=args.sweep == "memory")
+        elif args.curve:
+            training_curve(args)
+        else:
+            main_bench(args)
+    except (ConfigError, cluster.ClusterError) as e:
+        print(f"rayconv.bench: error: {e}", file=sys.stderr)
+        return 2
+    print(f"results in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
