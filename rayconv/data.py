@@ -127,7 +127,8 @@ class TensorSource(Source):
         self.train_size, self.test_size = len(train), len(test)
 
     def images(self, split, idx, device, epoch=0):
-        return self.sets[split].tensors[0][torch.as_tensor(idx, dtype=torch.long)].to(device, non_blocking=True)
+        x = self.sets[split].tensors[0][torch.as_tensor(idx, dtype=torch.long)]
+        return x.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else x
 
     def labels(self, split, idx):
         return self.sets[split].tensors[1][torch.as_tensor(idx, dtype=torch.long)]

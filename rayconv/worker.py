@@ -241,9 +241,21 @@ class Worker:
             total = time.perf_counter() - t_run
             current.update(step_actor_ms=total * 1e3, wait_ms=res.wait_s * 1e3, allreduce_ms=allreduce_s * 1e3,
                            compute_ms=(total - res.wait_s - allreduce_s) * 1e3)
+        if self.device.type == "cuda":
+            # Copy the step's scalars to pinned host memory behind the step's work and mark the point
+            # with an event: reading them later waits for this step only (``.item()`` would wait for
+            # everything queued on the stream, including the step launched after it).
+            vals = torch.stack([torch.as_tensor(res.loss_sum, dtype=torch.float64, device=self.device),
+                                torch.as_tensor(res.correct, dtype=torch.float64, device=self.device)])
+            host = torch.empty(2, dtype=torch.float64, pin_memory=True)
+            host.copy_(vals, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            current.update(loss_sum=host[0], correct=host[1], event=event)
         previous, self.pending = self.pending, current
+        out = _materialise(previous)
         self.last_return = time.perf_counter()
-        return _materialise(previous)
+        return out
 
     def flush(self) -> Optional[dict[str, Any]]:
         """The metrics of the last step launched (waits for the device)."""
@@ -315,4 +327,7 @@ def _materialise(m: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     """Device scalars of a step's metrics to Python numbers (waits for that step only)."""
     if m is None:
         return None
+    event = m.pop("event", None)
+    if event is not None:
+        event.synchronize()
     return {**m, "loss_sum": float(m["loss_sum"]), "correct": int(m["correct"])}

@@ -110,10 +110,12 @@ def reduce_scatter_dim(t: torch.Tensor, dim: int, sizes: list[int], index: int,
         return t
     t = t.contiguous()
     start = sum(sizes[:index])
-    if dist.get_backend(group) == "nccl" and len(set(sizes)) == 1 and dim == 0:
-        out = torch.empty_like(t.narrow(dim, start, sizes[index]))
-        dist.reduce_scatter_tensor(out, t, group=group)
-        return out
+    if dist.get_backend(group) == "nccl" and len(set(sizes)) == 1:
+        # NCCL reduce-scatters along dim 0: move ``dim`` there and back (half the traffic of all-reduce).
+        t0 = t.movedim(dim, 0).contiguous()
+        out = torch.empty_like(t0.narrow(0, 0, sizes[index]))
+        dist.reduce_scatter_tensor(out, t0, group=group)
+        return out.movedim(0, dim).contiguous()
     t = t.clone()
     dist.all_reduce(t, group=group)
     return t.narrow(dim, start, sizes[index]).contiguous()

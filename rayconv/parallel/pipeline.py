@@ -148,7 +148,7 @@ class StageRunner:
                     out = self._forward(x)
                     if self.next is None:
                         logits = out.float() if out.dtype in (torch.bfloat16, torch.float16) else out
-                        y = labels(m).to(self.device, non_blocking=True)
+                        y = to_device(labels(m), self.device)
                         loss = nn.functional.cross_entropy(logits, y, reduction="sum")
                         res.loss_sum = res.loss_sum + loss.detach()
                         res.correct = res.correct + (logits.detach().argmax(1) == y).sum()
@@ -178,3 +178,11 @@ class StageRunner:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor to ``device`` without a stream synchronisation (a copy from pageable memory would
+    wait for all queued work first): through pinned memory, asynchronously."""
+    if device.type != "cuda" or t.device.type == "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
