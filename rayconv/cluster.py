@@ -149,8 +149,10 @@ class Gang:
                 self.kill()
                 lost = _is_lost(err)
                 what = "was lost (process or node died)" if lost else "failed"
-                raise ClusterError(f"actor {self.roles[r]} (rank {r}) {what} in {method}: "
-                                   f"{exception_summary(err)}",
+                summary = exception_summary(err)
+                if lost:  # Ray's explanation runs over several lines; its first says it all
+                    summary = summary.splitlines()[0]
+                raise ClusterError(f"actor {self.roles[r]} (rank {r}) {what} in {method}: {summary}",
                                    recoverable=lost or _is_collective_failure(err)) from None
         return ray.get(refs)
 
