@@ -93,7 +93,7 @@ def write_json(path: Path, obj: Any) -> None:
 GAUGES = {
     "images_per_s": "images per second (actor: its samples / its step compute time; driver: global batch / step wall time)",
     "step_ms": "milliseconds per step (actor: compute inside the step; driver: wall time of the step)",
-    "loss": "training loss of the last step (mean over the global batch)",
+    "loss": "training loss of the last step (driver: mean over the global batch; actor: over its replica)",
     "peak_memory_gib": "peak device memory allocated, GiB (CUDA actors only)",
     "step": "last finished step",
 }
