@@ -198,3 +198,15 @@ def test_checkpoint_write_is_atomic(tmp_path):
     assert latest_checkpoint(tmp_path).name == "step-2"
     ckpt = load_checkpoint(tmp_path)
     assert ckpt.step == 2 and torch.load(io.BytesIO(ckpt.shard(0)), weights_only=True)["w"].sum() == 3
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--checkpoint-every", "-1"], ["--checkpoint-every", ">= 0"]),
+    (["--keep-checkpoints", "-2"], ["--keep-checkpoints"]),
+    (["--max-failures", "2"], ["--max-failures", "--checkpoint-every"]),
+    (["--max-failures", "2", "--checkpoint-every", "5", "--max-wait", "0"], ["--max-wait", "> 0"]),
+])
+def test_operations_flags_are_validated(argv, words, tmp_path, capsys):
+    line = run_failing([*argv, "--out", str(tmp_path / "x")], capsys)
+    assert all(w in line for w in words), line
+    assert not (tmp_path / "x").exists()
