@@ -77,13 +77,15 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3) -> dic
     try:
         t0 = time.perf_counter()
         for s in range(warmup):
-            gang.call("train_step", s, cfg.lr)
+            gang.call("train_step", s, cfg.lr)  # (one at a time: compile and autotuning happen here)
         gang.call("flush")
         warmup_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         results = []
-        for s in range(warmup, warmup + steps):
-            results.append(gang.call("train_step", s, cfg.lr))
+        in_flight = gang.submit("train_step", warmup, cfg.lr)
+        for s in range(warmup, warmup + steps):  # as the driver's loop: the next step queued before waiting
+            current, in_flight = in_flight, (gang.submit("train_step", s + 1, cfg.lr) if s + 1 < warmup + steps else None)
+            results.append(gang.collect(current))
         results.append(gang.call("flush"))
         elapsed = time.perf_counter() - t0
         # Driver overhead: per step, the least time any actor waited for the driver's next call (the

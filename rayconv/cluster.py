@@ -22,10 +22,36 @@ from .mesh import Mesh
 from .worker import Worker, exception_summary
 
 NAMESPACE = "rayconv"
+LOST_GRACE_S = 2.0  # after an actor error, how long to look for a lost actor that caused it
 
 
 class ClusterError(RuntimeError):
-    """The Ray cluster cannot run the layout (unreachable, too few devices, an actor failed)."""
+    """The Ray cluster cannot run the layout (unreachable, too few devices, an actor failed).
+
+    ``recoverable`` is True when restarting the actors may help: an actor process or its node was
+    lost, a call timed out, or a collective failed (a peer vanished or hung); False for an error the
+    actor's own code raised (bad data, a model that does not fit), which would happen again."""
+
+    def __init__(self, msg: str, recoverable: bool = False):
+        super().__init__(msg)
+        self.recoverable = recoverable
+
+
+def _is_lost(e: BaseException) -> bool:
+    """An actor that is gone (process killed, node lost), rather than one that raised."""
+    return isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+                          ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError))
+
+
+def _is_collective_failure(e: BaseException) -> bool:
+    """A torch.distributed failure inside the actor: a peer vanished, a collective timed out."""
+    cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None else e
+    import torch.distributed as dist
+
+    if isinstance(cause, getattr(dist, "DistError", ())):
+        return True
+    text = str(cause)
+    return any(w in text for w in ("gloo", "Gloo", "NCCL", "Connection closed by peer", "Connection reset"))
 
 
 def connect(address: Optional[str], quiet: bool = True) -> None:
@@ -75,6 +101,15 @@ def resolve_layout(cfg: Config) -> Mesh:
 
 
 @dataclass
+class Pending:
+    """A call started on some actors: method name, ranks and their result references."""
+
+    method: str
+    ranks: list[int]
+    refs: list[Any]
+
+
+@dataclass
 class Gang:
     """The started actors of one run, index = rank."""
 
@@ -94,8 +129,20 @@ class Gang:
 
         If any actor raises, the others may be blocked in a collective: all actors are killed and a
         ClusterError names the failing actor's role and its error (no hang). Same after ``timeout_s``."""
+        return self.collect(self.submit_each(method, args, ranks), timeout_s=timeout_s)
+
+    def submit(self, method: str, *args) -> "Pending":
+        """Start ``method(*args)`` on every actor without waiting; ``collect`` gets the results.
+        Calls to one actor run in submission order, so the next step can be queued while one runs."""
+        return self.submit_each(method, [args] * len(self.actors))
+
+    def submit_each(self, method: str, args: Sequence[Sequence[Any]], ranks: Optional[Sequence[int]] = None) -> "Pending":
         ranks = list(range(len(self.actors))) if ranks is None else list(ranks)
-        refs = [getattr(self.actors[r], method).remote(*a) for r, a in zip(ranks, args)]
+        return Pending(method, ranks, [getattr(self.actors[r], method).remote(*a) for r, a in zip(ranks, args)])
+
+    def collect(self, call: "Pending", timeout_s: Optional[float] = None) -> list[Any]:
+        """Results of a submitted call in rank order; on failure as ``call_each`` says."""
+        method, ranks, refs = call.method, call.ranks, call.refs
         pending = list(refs)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while pending:
@@ -103,14 +150,31 @@ class Gang:
             done, pending = ray.wait(pending, num_returns=1, timeout=left)
             if not done:
                 self.kill()
-                raise ClusterError(f"{method} did not finish within {timeout_s} s: actors stopped")
+                raise ClusterError(f"{method} did not finish within {timeout_s:.0f} s (a stuck actor or "
+                                   "collective): actors stopped", recoverable=True)
             try:
                 ray.get(done[0])
             except Exception as e:  # noqa: BLE001 - re-raised with the actor's role
-                r = ranks[refs.index(done[0])]
+                r, err = ranks[refs.index(done[0])], e
+                if not _is_lost(e):
+                    # A peer that died makes the others' collectives fail first: look briefly for a
+                    # lost actor, whose loss is the cause worth reporting.
+                    late, _ = ray.wait(pending, num_returns=len(pending), timeout=LOST_GRACE_S)
+                    for ref in late:
+                        try:
+                            ray.get(ref)
+                        except Exception as e2:  # noqa: BLE001
+                            if _is_lost(e2):
+                                r, err = ranks[refs.index(ref)], e2
+                                break
                 self.kill()
-                raise ClusterError(f"actor {self.roles[r]} (rank {r}) failed in {method}: "
-                                   f"{exception_summary(e)}") from None
+                lost = _is_lost(err)
+                what = "was lost (process or node died)" if lost else "failed"
+                summary = exception_summary(err)
+                if lost:  # Ray's explanation runs over several lines; its first says it all
+                    summary = summary.splitlines()[0]
+                raise ClusterError(f"actor {self.roles[r]} (rank {r}) {what} in {method}: {summary}",
+                                   recoverable=lost or _is_collective_failure(err)) from None
         return ray.get(refs)
 
     def kill(self) -> None:
@@ -148,6 +212,7 @@ def start_workers(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float = 120
     env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if (gpu and cfg.all_gpus_visible) else {}
     remote = ray.remote(Worker)
     actors, roles = [], []
+    _wait_names_free([f"rayconv/{run_name}/{mesh.role(r)}" for r in range(mesh.world_size)], timeout_s)
     for rank, b in enumerate(bundles):
         role = mesh.role(rank)
         actors.append(remote.options(
@@ -159,3 +224,19 @@ def start_workers(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float = 120
     gang = Gang(actors, roles, pg, [])
     gang.info = gang.call("whereami", timeout_s=timeout_s)
     return gang
+
+
+def _wait_names_free(names: list[str], timeout_s: float) -> None:
+    """Wait until no live actor holds one of ``names`` (actors of a previous attempt of this run that
+    were just killed release their names asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    for name in names:
+        while True:
+            try:
+                ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                break
+            if time.monotonic() > deadline:
+                raise ClusterError(f"an actor named {name} is still alive after {timeout_s:.0f} s: another run "
+                                   "writes into the same output folder? give a new --out")
+            time.sleep(0.2)

@@ -79,6 +79,21 @@ class Config:
     eval_every: Optional[int] = field(default=None, metadata={"help": "steps between test evaluations (default: each epoch)"})
     log_every: int = field(default=10, metadata={"help": "steps between progress lines"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    # operations: checkpoints, resume, recovery, dashboard metrics
+    checkpoint_every: int = field(default=0, metadata={"help": "steps between checkpoints written to "
+                                                               "<out>/checkpoints/step-<k>/ (0: none)"})
+    keep_checkpoints: int = field(default=2, metadata={"help": "newest checkpoints kept; older ones are deleted "
+                                                               "(0: keep all)"})
+    resume: Optional[str] = field(default=None, metadata={"help": "continue from a checkpoint: a run folder (its "
+                                                                 "newest checkpoint) or a checkpoints/step-<k> folder; "
+                                                                 "settings come from it, flags given override them"})
+    max_failures: int = field(default=0, metadata={"help": "actor failures (process or node lost, collective "
+                                                           "timeout) to recover from by restarting the actors and "
+                                                           "reloading the last checkpoint"})
+    max_wait: float = field(default=120.0, metadata={"help": "seconds to wait for the cluster to have resources "
+                                                            "for all actors (at start and after a failure)"})
+    metrics: bool = field(default=True, metadata={"help": "export per-actor and per-run gauges to Ray's "
+                                                          "metrics (dashboard Metrics view, Prometheus)"})
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> "Config":
@@ -106,6 +121,14 @@ class Config:
         need(self.collective_timeout_s > 0, "--collective-timeout-s must be > 0")
         need(self.image_size >= 32, f"--image-size must be >= 32 pixels (got {self.image_size})")
         need(self.loader_workers >= 0, "--loader-workers must be >= 0")
+        need(self.checkpoint_every >= 0, f"--checkpoint-every must be >= 0 steps (got {self.checkpoint_every}; "
+                                         "0 writes no checkpoints)")
+        need(self.keep_checkpoints >= 0, f"--keep-checkpoints must be >= 0 (got {self.keep_checkpoints}; 0 keeps all)")
+        need(self.max_failures >= 0, f"--max-failures must be >= 0 (got {self.max_failures})")
+        need(self.max_wait > 0, f"--max-wait must be > 0 seconds (got {self.max_wait})")
+        need(self.max_failures == 0 or self.checkpoint_every > 0 or self.resume is not None,
+             f"--max-failures {self.max_failures} restarts from the last checkpoint: also set --checkpoint-every N "
+             "(without checkpoints a recovery would start the run over)")
         if self.plan != "none":
             need(self.pp == 1 and self.fs == 1,
                  f"--plan {self.plan} spreads the model over all actors itself: drop --pp/--fs and set only --dp")
@@ -183,4 +206,25 @@ def parse_args(argv: Optional[list[str]] = None) -> Config:
         if not isinstance(values, dict):
             raise ConfigError(f"--config {cfg_file} must hold a JSON object of settings")
     values.update(ns)
+    if values.get("resume"):
+        values = {**resumed_settings(values["resume"]), **values}
     return from_mapping(values).validate()
+
+
+# Settings a resumed run does not take over from its checkpoint: where it runs and writes.
+NOT_RESUMED = ("out", "resume", "address")
+
+
+def resumed_settings(resume: str) -> dict[str, Any]:
+    """The settings saved in the checkpoint that ``--resume`` names (flags given override them; the
+    output folder defaults to the checkpoint's run folder). Raises ConfigError (CheckpointError)."""
+    from .checkpoint import find_checkpoint  # the checkpoint module imports this one
+
+    ckpt = find_checkpoint(resume)
+    try:
+        saved = json.loads((ckpt / "manifest.json").read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--resume {resume}: {ckpt / 'manifest.json'} cannot be read ({e}): "
+                          "resume from another checkpoint") from None
+    known = {f.name for f in fields(Config)}
+    return {k: v for k, v in saved.items() if k in known and k not in NOT_RESUMED}

@@ -76,7 +76,12 @@ class Sharding:
         return -(-self.train_size // self.global_batch_size)
 
     def epoch_permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch, 0x5EED]).permutation(self.train_size)
+        """The epoch's sample order (computed once per epoch: ImageNet's is 1.28 M long)."""
+        cached = self.__dict__.get("_perm")
+        if cached is None or cached[0] != epoch:
+            cached = (epoch, np.random.default_rng([self.seed, epoch, 0x5EED]).permutation(self.train_size))
+            object.__setattr__(self, "_perm", cached)
+        return cached[1]
 
     def global_batch(self, epoch: int, step_in_epoch: int) -> np.ndarray:
         """Sample indices of the whole global batch, shape (B,), B <= global_batch_size."""

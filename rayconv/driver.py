@@ -6,7 +6,11 @@
     for step in range(total_steps):
         gang.train_step(step, lr(step))              # one call per actor per step; tensors stay in actors
         every eval_every steps: gang.evaluate()      # exact test error over the held-out set
+        every checkpoint_every steps: checkpoints/step-<k>/ <- gang.checkpoint_shard()
     model.pt <- assemble(gang.state())              # a plain state_dict of the whole model
+
+An actor lost mid-run (process or node died, collective timed out) ends the step for all; with
+--max-failures F the driver then starts new actors, reloads the last checkpoint and continues (F times).
 
 Synchronous SGD unchanged (Yadan et al. 2013): every step equals one single-device step on the
 global batch, whatever the layout.
@@ -25,10 +29,11 @@ import torch
 from tqdm import tqdm
 
 from . import cluster
-from .checkpoint import assemble, export_model
+from .checkpoint import (Checkpoint, CheckpointError, assemble, check_resumable, export_model, latest_checkpoint,
+                         list_checkpoints, load_checkpoint, remove_partial, shard_for, write_checkpoint)
 from .config import Config
 from .data import Sharding, make_source
-from .metrics import MetricsLog, reduce_step, write_json
+from .metrics import MetricsLog, actor_gauges, read_rows, reduce_step, write_json
 from .models import build_model
 from .parallel.plan import make_plan
 from .schedule import format_grid
@@ -74,18 +79,29 @@ def launch(cfg: Config, mesh, plan, run_name: str):
 
 def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
     """Train as ``cfg`` says; write config.json, metrics.parquet, summary.json and model.pt into the
-    output folder; return the summary. ``on_step(gang, step)``, if given, is called after each step
-    (tests use it to inspect every actor). Raises ConfigError / DataError / PlanError before anything is
-    written, ClusterError if an actor fails (the output folder is then removed if this run made it).
+    output folder (and checkpoints/ every ``cfg.checkpoint_every`` steps); return the summary.
+    ``on_step(gang, step)``, if given, is called after each step (tests use it to inspect every actor).
+    Raises ConfigError / DataError / PlanError / CheckpointError before anything is written,
+    ClusterError if an actor fails more than ``cfg.max_failures`` times. On failure the output folder
+    is removed if this run made it and it holds no checkpoint; checkpoints are never deleted.
     """
     t_start = time.perf_counter()
+    resume = load_checkpoint(cfg.resume) if cfg.resume else None
     mesh, source, plan = prepare(cfg)
     sharding = Sharding(source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed)
     total_steps = cfg.steps or (cfg.epochs or 10) * sharding.steps_per_epoch
     eval_every = cfg.eval_every or sharding.steps_per_epoch
+    if resume is not None:
+        check_resumable(resume, cfg, mesh, plan.stages, source.num_classes, tuple(source.sample_shape))
 
-    out = new_run_dir(cfg)
-    if out.exists() and any(out.iterdir()):
+    out = new_run_dir(cfg) if (cfg.out or resume is None) else resume.run_dir
+    same_run = resume is not None and out.resolve() == resume.run_dir.resolve()
+    if same_run:
+        newer = [p.name for p in list_checkpoints(out) if int(p.name.split("-")[1]) > resume.step]
+        if newer:
+            raise CheckpointError(f"--resume {resume.path} is older than {', '.join(newer)} of the same run: "
+                                  f"resume from the newest, or give --out NEW to branch off from step {resume.step}")
+    elif out.exists() and any(out.iterdir()):
         raise FileExistsError(f"--out {out} already holds files: choose a new folder (nothing was overwritten)")
     made_out = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
@@ -100,49 +116,25 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
         if mesh.pp > 1:
             log(f"pipeline stages {list(plan.stages)}, schedule {cfg.schedule}, "
                 f"{cfg.num_microbatches} micro-batches:\n{format_grid(plan.schedule)}")
-        gang, setups = launch(cfg, mesh, plan, run_name)
-        metrics = MetricsLog()
-        t_train = time.perf_counter()
-        bar = tqdm(total=total_steps, desc="train", unit="step", disable=not cfg.progress, dynamic_ncols=True,
-                   mininterval=1.0)
-        last_eval: dict[str, float] = {}
-        lrs: dict[int, float] = {}
-        t_last = [time.perf_counter()]
-
-        def record(results: list) -> None:
-            """Log the step whose metrics came back (one step behind the launches)."""
-            results = [x for x in results if x is not None]
-            if not results:
-                return
-            now = time.perf_counter()
-            step_s, t_last[0] = now - t_last[0], now
-            r, k = reduce_step(results), results[0]["step"]
-            ips = results[0]["global_count"] / step_s
-            metrics.add(kind="train", step=k, epoch=results[0]["epoch"], loss=r["loss"], lr=lrs.pop(k),
-                        images_per_s=ips, step_ms=step_s * 1e3, time_s=now - t_train)
-            if not math.isfinite(r["loss"]):
-                raise FloatingPointError(f"loss is {r['loss']} at step {k}: lower --lr (now {cfg.lr})")
-            bar.update(1)
-            bar.set_postfix(loss=f"{r['loss']:.4f}", img_s=f"{ips:.0f}",
-                            **({"test_acc": f"{last_eval['test_accuracy']:.4f}"} if last_eval else {}))
-            if not cfg.progress and (k % cfg.log_every == 0 or k + 1 == total_steps):
-                log(f"step {k:5d} epoch {results[0]['epoch']:3d} loss {r['loss']:.4f} lr {metrics.rows[-1]['lr']:.4g} "
-                    f"{ips:8.0f} images/s" + (f" test_acc {last_eval['test_accuracy']:.4f}" if last_eval else ""))
-
-        for step in range(total_steps):
-            lrs[step] = learning_rate(cfg, step, total_steps)
-            record(gang.call("train_step", step, lrs[step]))
-            if (step + 1) % eval_every == 0 or step + 1 == total_steps or on_step is not None:
-                record(gang.call("flush"))
-            if (step + 1) % eval_every == 0 or step + 1 == total_steps:
-                last_eval = evaluate(gang)
-                metrics.add(kind="eval", step=step, epoch=step // sharding.steps_per_epoch,
-                            time_s=time.perf_counter() - t_train, **last_eval)
-                t_last[0] = time.perf_counter()  # evaluation time is not a training step's
-            if on_step is not None:
-                on_step(gang, step)
-        bar.close()
-        train_s = time.perf_counter() - t_train
+        run = _Run(cfg, mesh, plan, source, sharding, total_steps, eval_every, out, run_name, log, on_step)
+        ckpt, failures = resume, 0
+        while True:
+            try:
+                gang = run.start(ckpt)
+                run.train(gang, start=ckpt.step if ckpt is not None else 0)
+                break
+            except cluster.ClusterError as e:
+                if gang is not None:
+                    gang.kill()
+                    gang = None
+                if not e.recoverable or failures >= cfg.max_failures:
+                    raise
+                failures += 1
+                latest = latest_checkpoint(out)
+                ckpt = load_checkpoint(latest) if latest is not None else resume
+                log(f"rayconv: {e}\nrayconv: recovering ({failures} of --max-failures {cfg.max_failures}): "
+                    f"new actors, continuing from {ckpt.path if ckpt else 'the start'}")
+        train_s = run.train_s
 
         # Export: replica 0's actors hold the whole model between them.
         # (Under the per-layer plan every actor holds a slice of the FC layers.)
@@ -156,9 +148,11 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
         fresh = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1])
         export_model(out / "model.pt", assemble(states, split_dims), fresh)
         memory = gang.call("memory")
+        metrics = run.metrics
         metrics.write(out / "metrics.parquet")
         train_rows = [row for row in metrics.rows if row["kind"] == "train"]
         steady = train_rows[min(len(train_rows) - 1, 2):]  # skip warm-up steps
+        last_eval = run.last_eval
         summary = {
             "model": cfg.model, "data": cfg.data, "device": cfg.device,
             "layout": {"dp": mesh.dp, "pp": mesh.pp, "fs": mesh.fs, "world_size": mesh.world_size,
@@ -166,22 +160,27 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
                        "num_microbatches": cfg.num_microbatches, "stages": [list(s) for s in plan.stages]},
             "global_batch_size": cfg.global_batch_size, "steps": total_steps,
             "epochs": total_steps / sharding.steps_per_epoch,
-            "final_train_loss": train_rows[-1]["loss"],
+            "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
             "test_accuracy": last_eval.get("test_accuracy"), "test_error": last_eval.get("test_error"),
             "test_loss": last_eval.get("test_loss"),
-            "images_per_s": sum(x["images_per_s"] for x in steady) / len(steady),
+            "images_per_s": sum(x["images_per_s"] for x in steady) / len(steady) if steady else None,
             "train_time_s": train_s, "wall_time_s": time.perf_counter() - t_start,
-            "actors": [{**s, **m} for s, m in zip(setups, memory)],
+            "resumed_from": str(resume.path) if resume is not None else None, "failures_recovered": failures,
+            "actors": [{**s, **m} for s, m in zip(run.setups, memory)],
         }
         write_json(out / "summary.json", summary)
         log(f"done: train loss {summary['final_train_loss']:.4f}, test accuracy {summary['test_accuracy']:.4f}, "
             f"{summary['images_per_s']:.0f} images/s, {summary['wall_time_s']:.1f} s -> {out}")
         return summary
     except BaseException:
-        # Nothing half-written stays behind: the folder was empty (or new) when this run began.
-        if made_out:
+        # Nothing half-written stays behind, but checkpoints are never deleted: a folder holding one
+        # keeps it (and config.json) so that the run can be resumed.
+        remove_partial(out)
+        if list_checkpoints(out):
+            pass
+        elif made_out:
             shutil.rmtree(out, ignore_errors=True)
-        else:
+        else:  # the folder was empty when this run began
             for p in out.iterdir():
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
         raise
@@ -190,9 +189,142 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
             gang.kill()
 
 
-def evaluate(gang: "cluster.Gang") -> dict[str, float]:
+class _Run:
+    """The state of one run across attempts (a recovery starts new actors and continues)."""
+
+    def __init__(self, cfg, mesh, plan, source, sharding, total_steps, eval_every, out, run_name, log, on_step):
+        self.cfg, self.mesh, self.plan, self.source, self.sharding = cfg, mesh, plan, source, sharding
+        self.total_steps, self.eval_every, self.out, self.run_name = total_steps, eval_every, out, run_name
+        self.log, self.on_step = log, on_step
+        self.metrics = MetricsLog()
+        self.last_eval: dict[str, float] = {}
+        self.setups: list[dict[str, Any]] = []
+        self.train_s = 0.0
+        # Per-call limit: a collective fails after --collective-timeout-s inside the actors; this
+        # catches an actor stuck outside any collective.
+        self.call_timeout_s = 2 * cfg.collective_timeout_s + 30
+
+    def start(self, ckpt: Optional[Checkpoint]) -> "cluster.Gang":
+        """Start the actors, set them up, and load ``ckpt`` (and its metrics rows) if given."""
+        cfg, mesh = self.cfg, self.mesh
+        gang = cluster.start_workers(cfg, mesh, self.run_name, timeout_s=cfg.max_wait)
+        try:
+            master = gang.call("free_address", ranks=[0])[0]
+            self.setups = gang.call_each("setup", [(r, master, self.plan) for r in range(mesh.world_size)])
+            self.metrics = MetricsLog()
+            self.last_eval = {}
+            if ckpt is not None:
+                gang.call_each("load_shard", [(shard_for(ckpt, mesh, r), ckpt.step) for r in range(mesh.world_size)],
+                               timeout_s=self.call_timeout_s)
+                if "metrics.parquet" in ckpt.files:
+                    self.metrics.rows = [r for r in read_rows(ckpt.files["metrics.parquet"]) if r["step"] < ckpt.step]
+                    evals = [r for r in self.metrics.rows if r["kind"] == "eval"]
+                    if evals:
+                        self.last_eval = {k: evals[-1][k] for k in ("test_loss", "test_accuracy", "test_error")}
+        except BaseException:
+            gang.kill()
+            raise
+        return gang
+
+    def train(self, gang: "cluster.Gang", start: int) -> None:
+        """Steps ``start`` .. total_steps - 1, with evaluations and checkpoints.
+
+        Two steps are in flight: step k+1 is queued on the actors before step k's call returns, and
+        each call returns the metrics of the step before it, so neither the device nor the actor
+        waits for the driver between steps (measured on 2 x H200: ``benchmarks/RESULTS.md``)."""
+        cfg, total_steps = self.cfg, self.total_steps
+        metrics = self.metrics
+        t_train = time.perf_counter()
+        t_last = [t_train]
+        lrs: dict[int, float] = {}
+        bar = tqdm(total=total_steps, initial=start, desc="train", unit="step", disable=not cfg.progress,
+                   dynamic_ncols=True, mininterval=1.0)
+
+        def record(results: list) -> None:
+            """Log the step whose metrics came back."""
+            results = [x for x in results if x is not None]
+            if not results:
+                return
+            now = time.perf_counter()
+            step_s, t_last[0] = now - t_last[0], now
+            r, k, epoch = reduce_step(results), results[0]["step"], results[0]["epoch"]
+            ips = results[0]["global_count"] / step_s
+            metrics.add(kind="train", step=k, epoch=epoch, loss=r["loss"], lr=lrs.pop(k), images_per_s=ips,
+                        step_ms=step_s * 1e3, time_s=self.train_s + now - t_train)
+            if cfg.metrics:
+                actor_gauges(self.run_name, "driver", images_per_s=ips, step_ms=step_s * 1e3, loss=r["loss"], step=k)
+            if not math.isfinite(r["loss"]):
+                raise FloatingPointError(f"loss is {r['loss']} at step {k}: lower --lr (now {cfg.lr})")
+            bar.update(1)
+            bar.set_postfix(loss=f"{r['loss']:.4f}", img_s=f"{ips:.0f}",
+                            **({"test_acc": f"{self.last_eval['test_accuracy']:.4f}"} if self.last_eval else {}))
+            if not cfg.progress and (k % cfg.log_every == 0 or k + 1 == total_steps):
+                self.log(f"step {k:5d} epoch {epoch:3d} loss {r['loss']:.4f} lr {metrics.rows[-1]['lr']:.4g} "
+                         f"{ips:8.0f} images/s"
+                         + (f" test_acc {self.last_eval['test_accuracy']:.4f}" if self.last_eval else ""))
+
+        def boundary(step: int) -> bool:
+            """After this step the driver needs the actors quiet (evaluation, checkpoint, test hook)."""
+            return ((step + 1) % self.eval_every == 0 or step + 1 == total_steps or self.on_step is not None
+                    or bool(cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0))
+
+        try:
+            in_flight = None
+            for step in range(start, total_steps):
+                if in_flight is None:
+                    lrs[step] = learning_rate(cfg, step, total_steps)
+                    in_flight = gang.submit("train_step", step, lrs[step])
+                current, in_flight = in_flight, None
+                if not boundary(step):  # queue the next step before waiting for this one
+                    lrs[step + 1] = learning_rate(cfg, step + 1, total_steps)
+                    in_flight = gang.submit("train_step", step + 1, lrs[step + 1])
+                record(gang.collect(current, timeout_s=self.call_timeout_s))
+                if not boundary(step):
+                    continue
+                record(gang.call("flush", timeout_s=self.call_timeout_s))
+                if (step + 1) % self.eval_every == 0 or step + 1 == total_steps:
+                    self.last_eval = evaluate(gang, self.call_timeout_s)
+                    metrics.add(kind="eval", step=step, epoch=step // self.sharding.steps_per_epoch,
+                                time_s=self.train_s + time.perf_counter() - t_train, **self.last_eval)
+                if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == total_steps):
+                    self.checkpoint(gang, step + 1)
+                if self.on_step is not None:
+                    self.on_step(gang, step)
+                t_last[0] = time.perf_counter()  # evaluation and checkpoint time is not a step's
+        finally:
+            bar.close()
+            self.train_s += time.perf_counter() - t_train
+
+    def checkpoint(self, gang: "cluster.Gang", step: int) -> Path:
+        """Write checkpoints/step-<step>/ (``step`` steps done) atomically; prune to --keep-checkpoints."""
+        cfg, mesh = self.cfg, self.mesh
+        shards = gang.call("checkpoint_shard", timeout_s=self.call_timeout_s)
+        epoch, step_in_epoch = divmod(step, self.sharding.steps_per_epoch)
+        manifest = {
+            "model": cfg.model, "num_classes": self.source.num_classes,
+            "sample_shape": list(self.source.sample_shape), "precision": cfg.precision,
+            "layout": {"dp": mesh.dp, "pp": mesh.pp, "fs": mesh.fs, "plan": cfg.plan,
+                       "world_size": mesh.world_size, "stages": [list(s) for s in self.plan.stages],
+                       "roles": [mesh.role(r) for r in range(mesh.world_size)]},
+            "data": {"data": cfg.data, "next_step": step, "epoch": epoch, "step_in_epoch": step_in_epoch,
+                     "steps_per_epoch": self.sharding.steps_per_epoch, "seed": cfg.seed,
+                     "global_batch_size": cfg.global_batch_size},
+            "lr_schedule": {"schedule": cfg.lr_schedule, "lr": cfg.lr, "total_steps": self.total_steps,
+                            "next_step": step,
+                            "next_lr": learning_rate(cfg, step, self.total_steps) if step < self.total_steps else None},
+            "config": cfg.to_dict(),
+            "written": datetime.now().isoformat(timespec="seconds"),
+        }
+        path = write_checkpoint(self.out, step, shards, manifest,
+                                extra={"metrics.parquet": self.metrics.to_bytes()}, keep=cfg.keep_checkpoints)
+        if not cfg.progress:
+            self.log(f"checkpoint {path}")
+        return path
+
+
+def evaluate(gang: "cluster.Gang", timeout_s: Optional[float] = None) -> dict[str, float]:
     """Test loss, error and accuracy over every held-out sample once (summed over replicas)."""
-    res = [r for r in gang.call("evaluate") if r["reports"]]
+    res = [r for r in gang.call("evaluate", timeout_s=timeout_s) if r["reports"]]
     n = sum(r["samples"] for r in res)
     correct = sum(r["correct"] for r in res)
     return {"test_loss": sum(r["loss_sum"] for r in res) / max(1, n),

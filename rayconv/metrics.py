@@ -51,11 +51,22 @@ class MetricsLog:
     def write(self, path: Path) -> None:
         atomic_write(path, lambda tmp: pq.write_table(self.table(), tmp))
 
+    def to_bytes(self) -> bytes:
+        """The rows as a Parquet file's bytes (stored in checkpoints)."""
+        sink = pa.BufferOutputStream()
+        pq.write_table(self.table(), sink)
+        return sink.getvalue().to_pybytes()
+
     def last(self, kind: str, key: str) -> Optional[float]:
         for r in reversed(self.rows):
             if r["kind"] == kind and r[key] is not None:
                 return r[key]
         return None
+
+
+def read_rows(parquet: bytes) -> list[dict[str, Any]]:
+    """Rows of a Parquet file's bytes written by ``MetricsLog.to_bytes``."""
+    return pq.read_table(pa.BufferReader(parquet)).to_pylist()
 
 
 def atomic_write(path: Path, write) -> None:
@@ -73,3 +84,36 @@ def atomic_write(path: Path, write) -> None:
 
 def write_json(path: Path, obj: Any) -> None:
     atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2) + "\n"))
+
+
+# ---------------------------------------------------------------------- Ray metrics (dashboard)
+# Gauges exported through Ray's metrics agent (Prometheus names ray_rayconv_*), shown in the Ray
+# dashboard's Metrics view and Grafana when configured. Tags: run (the output folder's name) and role
+# (an actor's mesh role such as dp1.pp0.fs0, or "driver" for the per-run numbers).
+GAUGES = {
+    "images_per_s": "images per second (actor: its samples / its step compute time; driver: global batch / step wall time)",
+    "step_ms": "milliseconds per step (actor: compute inside the step; driver: wall time of the step)",
+    "loss": "training loss of the last step (driver: mean over the global batch; actor: over its replica)",
+    "peak_memory_gib": "peak device memory allocated, GiB (CUDA actors only)",
+    "step": "last finished step",
+}
+_gauges: dict[str, Any] = {}
+
+
+def _gauge(name: str):
+    if name not in _gauges:
+        from ray.util.metrics import Gauge
+
+        _gauges[name] = Gauge(f"rayconv_{name}", description=GAUGES[name], tag_keys=("run", "role"))
+    return _gauges[name]
+
+
+def actor_gauges(run: str, role: str, **values: Optional[float]) -> None:
+    """Set the gauges named in ``values`` (None skipped) for ``run`` and ``role``; never raises
+    (metrics must not stop training)."""
+    try:
+        for name, v in values.items():
+            if v is not None:
+                _gauge(name).set(float(v), tags={"run": run, "role": role})
+    except Exception:  # noqa: BLE001 - e.g. no metrics agent on this node
+        pass

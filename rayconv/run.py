@@ -17,6 +17,7 @@ from .parallel.pipeline import PlanError
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    cfg = None
     try:
         cfg = parse_args(argv)
         from .driver import fit  # imports torch/ray: after argument errors are out of the way
@@ -28,10 +29,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     except (ClusterError, FloatingPointError) as e:
         print(f"rayconv: error: {e}", file=sys.stderr)
+        _resume_hint(cfg)
         return 1
     except KeyboardInterrupt:
         print("rayconv: interrupted: actors stopped", file=sys.stderr)
+        _resume_hint(cfg)
         return 130
+
+
+def _resume_hint(cfg) -> None:
+    """After a failure: where the last checkpoint is, and how to continue from it."""
+    if cfg is None or not cfg.out:
+        return
+    from .checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(cfg.out)
+    if ckpt is not None:
+        print(f"rayconv: last checkpoint {ckpt}: continue with `python -m rayconv.run --resume {cfg.out}`",
+              file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ tensor of the training path passes through the driver or the Ray object store.
 
 from __future__ import annotations
 
+import io
 import os
+import random
 import socket
 import time
 from typing import Any, Optional
@@ -153,6 +155,7 @@ class Worker:
         self.first_step = 0
         self.pending: Optional[dict[str, Any]] = None
         self.last_return: Optional[float] = None
+        self.last_start: Optional[float] = None
         self.reports = self.is_last and self.coord.fs == 0 and not (self.plan_mode and self.coord.dp != 0)
         return {"rank": rank, "role": self.role, "device": str(self.device),
                 "parameters": sum(p.numel() for p in self.part.parameters())}
@@ -235,7 +238,9 @@ class Worker:
             broadcast_modules(self.replicated, self.groups.ranks["dp"][0], self.groups.axis["dp"], buffers_only=True)
         current = {"rank": self.rank, "step": step, "reports": self.reports, "loss_sum": res.loss_sum,
                    "correct": res.correct, "samples": global_count if self.plan_mode else sum(sizes),
-                   "global_count": global_count, "epoch": epoch, "idle_ms": idle_ms}
+                   "global_count": global_count, "epoch": epoch, "idle_ms": idle_ms,
+                   "interval_ms": (t0 - self.last_start) * 1e3 if self.last_start is not None else None}
+        self.last_start = t0
         if profile:
             _sync(self.device)
             total = time.perf_counter() - t_run
@@ -254,13 +259,16 @@ class Worker:
             current.update(loss_sum=host[0], correct=host[1], event=event)
         previous, self.pending = self.pending, current
         out = _materialise(previous)
+        self._report(out)
         self.last_return = time.perf_counter()
         return out
 
     def flush(self) -> Optional[dict[str, Any]]:
         """The metrics of the last step launched (waits for the device)."""
         previous, self.pending = self.pending, None
-        return _materialise(previous)
+        out = _materialise(previous)
+        self._report(out)
+        return out
 
     def evaluate(self) -> dict[str, Any]:
         """Loss sum and correct count over this replica's share of the held-out set (each sample once)."""
@@ -304,6 +312,69 @@ class Worker:
     def shutdown(self) -> None:
         comm.destroy()
 
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_shard(self) -> bytes:
+        """This actor's shard as ``torch.save`` bytes: model state (keys as in ``state()``), optimizer
+        state_dict and RNG states, all tensors and plain types (loads with ``weights_only=True``)."""
+        np_state = np.random.get_state()
+        rng = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+               "numpy_pos": int(np_state[2]), "numpy_has_gauss": int(np_state[3]),
+               "numpy_cached_gaussian": float(np_state[4]), "python": _plain(random.getstate())}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        payload = {"rank": self.rank, "role": self.role, "coord": list(self.coord), "model": self.state(),
+                   "optimizer": _to_cpu(self.optimizer.state_dict()), "rng": rng}
+        buf = io.BytesIO()
+        torch.save(payload, buf)
+        return buf.getvalue()
+
+    def load_shard(self, blob: bytes, next_step: int) -> None:
+        """Load a shard written by ``checkpoint_shard`` (this rank's, or replica 0's after a --dp change);
+        the next ``train_step`` is ``next_step``. Raises RuntimeError if it does not fit this part."""
+        payload = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        self.load_state(payload["model"])
+        self.optimizer.load_state_dict(payload["optimizer"])
+        rng = payload["rng"]
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(("MT19937", rng["numpy_keys"].numpy().astype(np.uint32), rng["numpy_pos"],
+                             rng["numpy_has_gauss"], rng["numpy_cached_gaussian"]))
+        py = rng["python"]
+        random.setstate((py[0], tuple(py[1]), py[2]))
+        if "cuda" in rng and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+        self.first_step = next_step
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Inverse of ``state()``: copy parameters and buffers into this part (strict: every key of the
+        part present, none left over). Raises RuntimeError naming the keys that do not match."""
+        used = set()
+        for name, sub in zip(self.part_names, self.part):
+            if name is None:
+                continue
+            mine = {}
+            for k in sub.state_dict():
+                full = f"{name}.{k}" if name else k
+                if full in state:
+                    mine[k] = state[full]
+                    used.add(full)
+            sub.load_state_dict(mine, strict=True)
+        extra = sorted(set(state) - used)
+        if extra:
+            raise RuntimeError(f"checkpoint shard holds keys this part does not have: {extra[:5]}")
+
+    # ------------------------------------------------------------------ dashboard metrics
+    def _report(self, result: Optional[dict[str, Any]]) -> None:
+        """Per-actor gauges in Ray's metrics (dashboard Metrics view): images/s, step ms, loss, peak memory."""
+        if not self.cfg.metrics or result is None or not result.get("interval_ms"):
+            return
+        from .metrics import actor_gauges
+
+        ms = result["interval_ms"]
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+        loss = result["loss_sum"] / max(1, result["samples"]) if result["reports"] else None
+        actor_gauges(self.run_name, self.role, images_per_s=result["samples"] / max(ms / 1e3, 1e-9),
+                     step_ms=ms, loss=loss, peak_memory_gib=peak, step=result["step"])
+
 
 def exception_summary(e: BaseException) -> str:
     """The one-line message of the innermost user-facing error in ``e``."""
@@ -311,6 +382,22 @@ def exception_summary(e: BaseException) -> str:
     while isinstance(cause, ray.exceptions.RayTaskError) and cause.cause is not None:
         cause = cause.cause
     return f"{type(cause).__name__}: {cause}"
+
+
+def _to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor moved to the CPU (dicts and lists rebuilt)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _plain(obj: Any) -> Any:
+    """Tuples as lists, recursively (plain types that ``weights_only`` loading accepts)."""
+    return [_plain(v) for v in obj] if isinstance(obj, (list, tuple)) else obj
 
 
 def _local(shape: tuple[int, ...], sizes, index: int) -> tuple[int, ...]:
