@@ -84,12 +84,12 @@ def resolve_layout(cfg: Config) -> Mesh:
     cfg.device = kind
     per_actor = 1 if kind == "cuda" else cfg.num_cpus_per_actor
     devices = slots // per_actor
-    unit = "GPU" if kind == "cuda" else f"CPU slot ({per_actor} CPU each)"
+    unit = "GPUs" if kind == "cuda" else f"CPU slots ({per_actor} CPU each)"
     if cfg.dp is None:
         cfg.dp = max(1, devices // (cfg.pp * cfg.fs))
     mesh = Mesh(cfg.dp, cfg.pp, cfg.fs)
     if mesh.world_size > devices:
-        raise ConfigError(f"layout {mesh.describe()} needs {mesh.world_size} {unit}s but the cluster has "
+        raise ConfigError(f"layout {mesh.describe()} needs {mesh.world_size} {unit} but the cluster has "
                           f"{devices}: lower --dp/--pp/--fs, or add nodes")
     if cfg.sync_batchnorm and kind != "cuda":
         raise ConfigError("--sync-batchnorm needs GPUs (torch's SyncBatchNorm runs on CUDA only): "

@@ -71,6 +71,24 @@ def layer_profile(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, 
     return shapes, flops, params
 
 
+def check_split(cfg: Config, mesh: Mesh, layers, sample_shape, shapes, stages) -> None:
+    """Apply the filter split (or the per-layer plan) to every stage as actor 0 would, so that a
+    layer that cannot be split is refused here, before any actor starts. Raises PlanError."""
+    from .filter_split import krizhevsky2014, shard_layers  # (imports this module's PlanError)
+
+    if cfg.plan == "krizhevsky2014":
+        krizhevsky2014(layers, tuple(sample_shape), list(shapes), 0, mesh.dp, None)
+        return
+    if mesh.fs == 1:
+        return
+    in_sizes = None
+    for p, (start, end) in enumerate(stages):
+        in_shape = tuple(sample_shape) if start == 0 else shapes[start - 1]
+        part = shard_layers(layers[start:end], in_shape, list(shapes[start:end]), in_sizes, 0, mesh.fs, None,
+                            is_last=p == len(stages) - 1)
+        in_sizes = part.out_sizes
+
+
 def make_plan(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[int, ...]) -> Plan:
     """Plan ``model`` (built with the run's settings) for ``mesh``. Raises PlanError."""
     layers = to_layers(model)
@@ -93,6 +111,7 @@ def make_plan(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[int
                         "lower it or raise --global-batch-size")
     schedule = make_schedule(cfg.schedule, mesh.pp, cfg.num_microbatches)
     validate(schedule)
+    check_split(cfg, mesh, layers, sample_shape, shapes, stages)
     return Plan(mesh=mesh, layer_names=tuple(n for n, _ in layers), in_shape=tuple(sample_shape),
                 out_shapes=tuple(shapes), flops=tuple(flops), params=tuple(params), stages=tuple(stages),
                 schedule=schedule, plan=cfg.plan)

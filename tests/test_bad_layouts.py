@@ -1,0 +1,33 @@
+"""Layouts that cannot work are refused with a clear error before any actor starts (exit 2, no output)."""
+
+from __future__ import annotations
+
+import pytest
+from rayconv.run import main
+
+CASES = {
+    "mesh-larger-than-cluster": (["--dp", "3", "--fs", "2"], "--dp/--pp/--fs"),
+    "pp-on-uncuttable-model": (["--dp", "1", "--pp", "2", "--model", "densenet121", "--data", "synthetic",
+                                "--image-size", "32"], "--pp 1"),
+    "microbatches-not-dividing": (["--dp", "1", "--pp", "2", "--num-microbatches", "5",
+                                   "--global-batch-size", "64"], "--num-microbatches"),
+    "fs-more-than-channels": (["--dp", "1", "--fs", "4", "--model", "convnet", "--num-classes", "3",
+                               "--data", "synthetic", "--image-size", "32"], "--fs"),
+    "fs-on-unsplittable-model": (["--dp", "1", "--fs", "2", "--model", "resnet18", "--data", "synthetic",
+                                  "--image-size", "32"], "--fs 1"),
+    "bad-stage-cut": (["--dp", "1", "--pp", "2", "--stages", "0"], "--stages"),
+    "plan-with-pp": (["--dp", "2", "--pp", "2", "--plan", "krizhevsky2014"], "--plan"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_layout_refused_before_actors(ray_cluster, tmp_path, capsys, name):
+    args, must_name = CASES[name]
+    out = tmp_path / "out"
+    rc = main(args + ["--steps", "2", "--out", str(out), "--device", "cpu", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2, err
+    assert len(err) == 1 and err[0].startswith("rayconv: error:") and must_name in err[0], err
+    assert not out.exists()
+    # Refused by the driver's plan, not by an actor that started and failed ("actor ... failed in setup").
+    assert "failed in" not in err[0] and "(rank" not in err[0], err
