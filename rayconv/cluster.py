@@ -78,19 +78,32 @@ def available_devices(device: str) -> tuple[str, int]:
     return kind, gpus if kind == "cuda" else int(res.get("CPU", 0))
 
 
-def resolve_layout(cfg: Config) -> Mesh:
-    """Fill in ``cfg.device`` and ``cfg.dp`` from the cluster and check the mesh fits. Raises ConfigError."""
+def resolve_layout(cfg: Config, log=print) -> Mesh:
+    """Fill in ``cfg.device`` and ``cfg.dp`` from the cluster and check the mesh fits. Raises ConfigError.
+
+    On a cluster given by --address or RAY_ADDRESS (one that can grow: autoscaler, nodes joining),
+    a layout larger than the cluster waits up to --max-wait seconds for the devices, saying so; a
+    local cluster cannot grow, so there the error is immediate."""
     kind, slots = available_devices(cfg.device)
     cfg.device = kind
     per_actor = 1 if kind == "cuda" else cfg.num_cpus_per_actor
-    devices = slots // per_actor
     unit = "GPUs" if kind == "cuda" else f"CPU slots ({per_actor} CPU each)"
     if cfg.dp is None:
-        cfg.dp = max(1, devices // (cfg.pp * cfg.fs))
+        cfg.dp = max(1, slots // per_actor // (cfg.pp * cfg.fs))
     mesh = Mesh(cfg.dp, cfg.pp, cfg.fs)
+    can_grow = bool(cfg.address or os.environ.get("RAY_ADDRESS"))
+    deadline = time.monotonic() + cfg.max_wait
+    if mesh.world_size > slots // per_actor and can_grow:
+        log(f"rayconv: layout {mesh.describe()} needs {mesh.world_size} {unit}, the cluster has "
+            f"{slots // per_actor}: waiting up to {cfg.max_wait:.0f} s (--max-wait) for more")
+    while mesh.world_size > slots // per_actor and can_grow and time.monotonic() < deadline:
+        time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+        slots = available_devices(cfg.device)[1]
+    devices = slots // per_actor
     if mesh.world_size > devices:
+        waited = f" after waiting {cfg.max_wait:.0f} s" if can_grow else ""
         raise ConfigError(f"layout {mesh.describe()} needs {mesh.world_size} {unit} but the cluster has "
-                          f"{devices}: lower --dp/--pp/--fs, or add nodes")
+                          f"{devices}{waited}: lower --dp/--pp/--fs, or add nodes")
     if cfg.sync_batchnorm and kind != "cuda":
         raise ConfigError("--sync-batchnorm needs GPUs (torch's SyncBatchNorm runs on CUDA only): "
                           "drop it on CPU (batch norm then uses per-replica statistics, as DDP)")

@@ -53,13 +53,13 @@ def new_run_dir(cfg: Config) -> Path:
     return Path("runs") / f"{stamp}-{cfg.model}-{cfg.data}"
 
 
-def prepare(cfg: Config):
+def prepare(cfg: Config, log=print):
     """Connect to Ray, resolve the layout against the cluster, open the data and plan the model.
 
     Returns (mesh, source, plan). Raises ConfigError / DataError / PlanError / ClusterError before
     any actor starts."""
     cluster.connect(cfg.address)
-    mesh = cluster.resolve_layout(cfg)
+    mesh = cluster.resolve_layout(cfg, log)
     source = make_source(cfg)
     torch.manual_seed(cfg.seed)
     reference = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1])
@@ -87,7 +87,7 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
     """
     t_start = time.perf_counter()
     resume = load_checkpoint(cfg.resume) if cfg.resume else None
-    mesh, source, plan = prepare(cfg)
+    mesh, source, plan = prepare(cfg, log)
     sharding = Sharding(source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed)
     total_steps = cfg.steps or (cfg.epochs or 10) * sharding.steps_per_epoch
     eval_every = cfg.eval_every or sharding.steps_per_epoch

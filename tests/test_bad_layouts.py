@@ -31,3 +31,21 @@ def test_bad_layout_refused_before_actors(ray_cluster, tmp_path, capsys, name):
     assert not out.exists()
     # Refused by the driver's plan, not by an actor that started and failed ("actor ... failed in setup").
     assert "failed in" not in err[0] and "(rank" not in err[0], err
+
+
+def test_too_small_external_cluster_waits_then_fails(ray_cluster, tmp_path, capsys):
+    # A cluster named by --address can grow: rayconv waits --max-wait seconds, saying so, then fails.
+    import time
+
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    t0 = time.monotonic()
+    rc = main(["--dp", "6", "--steps", "1", "--max-wait", "3", "--address", address, "--device", "cpu",
+               "--out", str(tmp_path / "o"), "--no-progress"])
+    waited = time.monotonic() - t0
+    captured = capsys.readouterr()
+    assert rc == 2 and not (tmp_path / "o").exists()
+    assert "waiting up to 3 s (--max-wait)" in captured.out
+    assert "after waiting 3 s" in captured.err and "--dp/--pp/--fs" in captured.err
+    assert waited >= 3
