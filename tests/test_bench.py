@@ -45,3 +45,16 @@ def test_bench_sweep_stops_at_max(ray_cluster, tmp_path):
     assert rc == 0
     rows = pq.read_table(out / "sweep_batch.parquet").to_pylist()
     assert [r["batch_per_device"] for r in rows] == [16, 32] and all(r["fits"] for r in rows)
+
+
+def test_training_curve_writes_error_against_time(ray_cluster, tmp_path):
+    out = tmp_path / "curve"
+    rc = bench.main(["--curve", "--curve-epochs", "1", "--layouts", "1gpu,dp2", "--device", "cpu", "--out", str(out)])
+    assert rc == 0
+    rows = pq.read_table(out / "curve.parquet").to_pylist()
+    assert {r["layout"] for r in rows} == {"1gpu", "dp2"}
+    for name in ("1gpu", "dp2"):
+        times = [r["time_s"] for r in rows if r["layout"] == name]
+        assert times == sorted(times) and times[0] > 0
+        assert all(0 <= r["test_error"] <= 1 for r in rows)
+    assert (out / "curve.png").stat().st_size > 1000
