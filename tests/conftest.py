@@ -11,12 +11,17 @@ import ray
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def local_ray(num_cpus: int, **kw):
+    """Start a fresh local Ray cluster (no dashboard unless asked), yield, shut it down."""
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=num_cpus, **{"include_dashboard": False, "namespace": "rayconv", "log_to_driver": False,
+                                   "configure_logging": True, "logging_level": "WARNING", **kw})
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A local Ray cluster with 4 logical CPUs (enough for dp=4 on a 2-core machine), no dashboard."""
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, namespace="rayconv", log_to_driver=False,
-             configure_logging=True, logging_level="WARNING")
-    yield
-    ray.shutdown()
+    yield from local_ray(4)

@@ -4,8 +4,8 @@ equal to single-device SGD in float64, and short bf16 runs of AlexNet under filt
 from __future__ import annotations
 
 import pytest
-import ray
 import torch
+from conftest import local_ray
 
 from helpers import assert_same_state, reference_sgd
 from rayconv.config import Config
@@ -17,12 +17,7 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.fixture(scope="module")
 def gpu_cluster():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=8, num_gpus=torch.cuda.device_count(), include_dashboard=False, namespace="rayconv",
-             log_to_driver=True)
-    yield
-    ray.shutdown()
+    yield from local_ray(8, num_gpus=torch.cuda.device_count(), log_to_driver=True)
 
 
 LAYOUTS = {

@@ -4,8 +4,8 @@ that every such layout runs and gives the single-device result)."""
 from __future__ import annotations
 
 import pytest
-import ray
 import torch
+from conftest import local_ray
 
 from helpers import assert_same_state, reference_sgd
 from rayconv.config import Config
@@ -14,12 +14,8 @@ from rayconv.driver import fit
 
 @pytest.fixture(scope="module")
 def ray_cluster8():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=8, include_dashboard=False, namespace="rayconv", log_to_driver=False,
-             configure_logging=True, logging_level="WARNING")
-    yield
-    ray.shutdown()
+    """8 logical CPUs: one slot per actor of the 8-way layouts."""
+    yield from local_ray(8)
 
 
 LAYOUTS = {
