@@ -25,10 +25,10 @@ from . import data as data_mod
 from .config import Config
 from .mesh import Mesh
 from .models import build_model, to_layers
-from .parallel import comm, filter_split
+from .parallel import comm
 from .parallel.data_parallel import GradientSync, broadcast_modules
 from .parallel.pipeline import StageRunner
-from .parallel.plan import Plan
+from .parallel.plan import Plan, build_part
 from .schedule import Action
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.float32, "fp64": torch.float64}
@@ -92,28 +92,10 @@ class Worker:
                                  self.source.sample_shape[1])
         layers = to_layers(self.model)
         assert tuple(n for n, _ in layers) == plan.layer_names, "plan was made for another model"
-        stage = self.coord.pp
-        fs_index, fs_size, fs_group = self.coord.fs, mesh.fs, self.groups.axis["fs"]
+        stage, fs_index = self.coord.pp, self.coord.fs
         self.plan_mode = plan.plan == "krizhevsky2014"
-        if self.plan_mode:
-            part = filter_split.krizhevsky2014(layers, plan.in_shape, list(plan.out_shapes), self.coord.dp,
-                                               mesh.dp, self.groups.axis["dp"])
-            in_sizes = None
-        else:
-            # Shard every stage in order (cheap slicing) to learn the shard sizes at our stage's input.
-            in_sizes = None
-            for p, (start, end) in enumerate(plan.stages):
-                stage_layers = layers[start:end]
-                if fs_size == 1:
-                    part, out_sizes = filter_split.whole_part(stage_layers), None
-                else:
-                    part = filter_split.shard_layers(stage_layers, plan.stage_in_shape(p),
-                                                     list(plan.out_shapes[start:end]), in_sizes, fs_index, fs_size,
-                                                     fs_group, is_last=p == mesh.pp - 1)
-                    out_sizes = part.out_sizes
-                if p == stage:
-                    break
-                in_sizes = out_sizes
+        part, in_sizes = build_part(plan, layers, stage, fs_index, self.groups.axis["fs"], self.coord.dp,
+                                    self.groups.axis["dp"])
         self.sharded = part
         modules = part.modules
         if cfg.sync_batchnorm:

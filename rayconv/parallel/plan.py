@@ -71,22 +71,26 @@ def layer_profile(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, 
     return shapes, flops, params
 
 
-def check_split(cfg: Config, mesh: Mesh, layers, sample_shape, shapes, stages) -> None:
-    """Apply the filter split (or the per-layer plan) to every stage as actor 0 would, so that a
-    layer that cannot be split is refused here, before any actor starts. Raises PlanError."""
-    from .filter_split import krizhevsky2014, shard_layers  # (imports this module's PlanError)
+def build_part(plan: Plan, layers, stage: int, fs_index: int, fs_group, dp_index: int, dp_group):
+    """This actor's runnable part (a ``filter_split.ShardedPart``) and the shard sizes of its input
+    (None when replicated): the stage's layers, filter-split over fs, or the per-layer plan.
+    Stages before ``stage`` are sharded too (cheap slicing) to learn those sizes. Raises PlanError for
+    a layer that cannot be split; the driver calls it once with actor 0's coordinates to check."""
+    from .filter_split import krizhevsky2014, shard_layers, whole_part  # (filter_split imports PlanError)
 
-    if cfg.plan == "krizhevsky2014":
-        krizhevsky2014(layers, tuple(sample_shape), list(shapes), 0, mesh.dp, None)
-        return
-    if mesh.fs == 1:
-        return
+    if plan.plan == "krizhevsky2014":
+        return krizhevsky2014(layers, plan.in_shape, list(plan.out_shapes), dp_index, plan.mesh.dp, dp_group), None
     in_sizes = None
-    for p, (start, end) in enumerate(stages):
-        in_shape = tuple(sample_shape) if start == 0 else shapes[start - 1]
-        part = shard_layers(layers[start:end], in_shape, list(shapes[start:end]), in_sizes, 0, mesh.fs, None,
-                            is_last=p == len(stages) - 1)
+    for p, (start, end) in enumerate(plan.stages):
+        if plan.mesh.fs == 1:
+            part = whole_part(layers[start:end])
+        else:
+            part = shard_layers(layers[start:end], plan.stage_in_shape(p), list(plan.out_shapes[start:end]),
+                                in_sizes, fs_index, plan.mesh.fs, fs_group, is_last=p == plan.mesh.pp - 1)
+        if p == stage:
+            return part, in_sizes
         in_sizes = part.out_sizes
+    raise AssertionError(f"stage {stage} out of range")
 
 
 def make_plan(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[int, ...]) -> Plan:
@@ -111,7 +115,8 @@ def make_plan(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[int
                         "lower it or raise --global-batch-size")
     schedule = make_schedule(cfg.schedule, mesh.pp, cfg.num_microbatches)
     validate(schedule)
-    check_split(cfg, mesh, layers, sample_shape, shapes, stages)
-    return Plan(mesh=mesh, layer_names=tuple(n for n, _ in layers), in_shape=tuple(sample_shape),
+    plan = Plan(mesh=mesh, layer_names=tuple(n for n, _ in layers), in_shape=tuple(sample_shape),
                 out_shapes=tuple(shapes), flops=tuple(flops), params=tuple(params), stages=tuple(stages),
                 schedule=schedule, plan=cfg.plan)
+    build_part(plan, layers, mesh.pp - 1, 0, None, 0, None)  # refuse unsplittable layers before any actor
+    return plan
