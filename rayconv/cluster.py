@@ -9,6 +9,7 @@ every actor joins the torch.distributed process group at once.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -54,18 +55,41 @@ def _is_collective_failure(e: BaseException) -> bool:
     return any(w in text for w in ("gloo", "Gloo", "NCCL", "Connection closed by peer", "Connection reset"))
 
 
-def connect(address: Optional[str], quiet: bool = True) -> None:
+def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] = None) -> None:
     """Connect to the cluster at ``address``, else to RAY_ADDRESS or a running local cluster
-    (``ray start --head``), else start a local one (dashboard on 127.0.0.1). Raises ClusterError."""
+    (``ray start --head``), else start a local one (dashboard on 127.0.0.1). A local one started
+    here gets at least ``min_cpus`` logical CPUs, so that a layout with more CPU actors than cores
+    (``--dp 2 --fs 2`` on a 2-core laptop) still runs, oversubscribed. Raises ClusterError."""
+    _probe(address or os.environ.get("RAY_ADDRESS"))
     if ray.is_initialized():
         return
+    kw = dict(address=address, namespace=NAMESPACE, log_to_driver=not quiet, configure_logging=True,
+              logging_level="WARNING")
+    extra = {"num_cpus": min_cpus} if min_cpus and min_cpus > (os.cpu_count() or 1) else {}
     try:
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=not quiet,
-                 configure_logging=True, logging_level="WARNING")
+        try:
+            ray.init(**kw, **extra)
+        except ValueError as e:
+            if not extra or "num_cpus" not in str(e):
+                raise
+            ray.init(**kw)  # an existing cluster was found: its resources are what they are
     except (ConnectionError, TimeoutError, RuntimeError, ValueError) as e:
         where = address or os.environ.get("RAY_ADDRESS") or "a local cluster"
         raise ClusterError(f"cannot connect to Ray at {where} ({e}): check --address / RAY_ADDRESS, "
                            "or run `ray start --head` first") from None
+
+
+def _probe(address: Optional[str], timeout_s: float = 5.0) -> None:
+    """Fail fast on a ``host:port`` cluster address nobody answers on (Ray itself retries for minutes)."""
+    if not address or "://" in address or address == "auto" or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as e:
+        raise ClusterError(f"cannot reach a Ray cluster at {address} ({e}): check --address / RAY_ADDRESS "
+                           "(the head's GCS address, e.g. 10.0.0.5:6379), or run `ray start --head` first") from None
 
 
 def available_devices(device: str) -> tuple[str, int]:

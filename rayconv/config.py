@@ -161,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="JSON file of settings (e.g. a run's config.json); flags override it")
     for f in fields(Config):
         meta = dict(f.metadata)
-        kw: dict[str, Any] = {"help": meta.get("help", "") + f" (default: {f.default})"}
+        text = meta.get("help", "")
+        kw: dict[str, Any] = {"help": text if "default" in text else f"{text} (default: {f.default})"}
         if f.type in ("bool", bool):
             kw["action"] = argparse.BooleanOptionalAction
         else:
@@ -205,6 +206,8 @@ def parse_args(argv: Optional[list[str]] = None) -> Config:
             raise ConfigError(f"--config {cfg_file} is not valid JSON ({e}): fix the file") from None
         if not isinstance(values, dict):
             raise ConfigError(f"--config {cfg_file} must hold a JSON object of settings")
+        # A run's config.json names its output folder: a re-run writes to a new one unless --out says.
+        values.pop("out", None)
     values.update(ns)
     if values.get("resume"):
         values = {**resumed_settings(values["resume"]), **values}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -34,7 +35,7 @@ from .checkpoint import (Checkpoint, CheckpointError, assemble, check_resumable,
 from .config import Config
 from .data import Sharding, make_source
 from .metrics import MetricsLog, actor_gauges, read_rows, reduce_step, write_json
-from .models import build_model
+from .models import build_model, model_names
 from .parallel.plan import make_plan
 from .schedule import format_grid
 
@@ -58,7 +59,10 @@ def prepare(cfg: Config, log=print):
 
     Returns (mesh, source, plan). Raises ConfigError / DataError / PlanError / ClusterError before
     any actor starts."""
-    cluster.connect(cfg.address)
+    if cfg.model not in model_names():
+        build_model(cfg.model, 1)  # raises ConfigError naming --model, before Ray starts
+    wanted = cfg.dp * cfg.pp * cfg.fs * cfg.num_cpus_per_actor if cfg.dp else None
+    cluster.connect(cfg.address, min_cpus=wanted if cfg.device != "cuda" else None)
     mesh = cluster.resolve_layout(cfg, log)
     source = make_source(cfg)
     torch.manual_seed(cfg.seed)
@@ -111,7 +115,8 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
     try:
         cfg.to_json(out / "config.json")
         log(f"rayconv: {cfg.model} on {cfg.data} ({source.train_size} train / {source.test_size} test images, "
-            f"{source.num_classes} classes), layout {mesh.describe()} on {cfg.device}, "
+            f"{source.num_classes} classes), layout {mesh.describe()}"
+            f"{' plan ' + cfg.plan if cfg.plan != 'none' else ''} on {cfg.device}, "
             f"global batch {cfg.global_batch_size}, {total_steps} steps -> {out}")
         if mesh.pp > 1:
             log(f"pipeline stages {list(plan.stages)}, schedule {cfg.schedule}, "
@@ -237,7 +242,9 @@ class _Run:
         t_train = time.perf_counter()
         t_last = [t_train]
         lrs: dict[int, float] = {}
-        bar = tqdm(total=total_steps, initial=start, desc="train", unit="step", disable=not cfg.progress,
+        # A progress bar on a terminal; plain progress lines every --log-every steps otherwise (a log file).
+        use_bar = cfg.progress and sys.stderr.isatty()
+        bar = tqdm(total=total_steps, initial=start, desc="train", unit="step", disable=not use_bar,
                    dynamic_ncols=True, mininterval=1.0)
 
         def record(results: list) -> None:
@@ -258,7 +265,7 @@ class _Run:
             bar.update(1)
             bar.set_postfix(loss=f"{r['loss']:.4f}", img_s=f"{ips:.0f}",
                             **({"test_acc": f"{self.last_eval['test_accuracy']:.4f}"} if self.last_eval else {}))
-            if not cfg.progress and (k % cfg.log_every == 0 or k + 1 == total_steps):
+            if not use_bar and (k % cfg.log_every == 0 or k + 1 == total_steps):
                 self.log(f"step {k:5d} epoch {epoch:3d} loss {r['loss']:.4f} lr {metrics.rows[-1]['lr']:.4g} "
                          f"{ips:8.0f} images/s"
                          + (f" test_acc {self.last_eval['test_accuracy']:.4f}" if self.last_eval else ""))
@@ -286,6 +293,11 @@ class _Run:
                     self.last_eval = evaluate(gang, self.call_timeout_s)
                     metrics.add(kind="eval", step=step, epoch=step // self.sharding.steps_per_epoch,
                                 time_s=self.train_s + time.perf_counter() - t_train, **self.last_eval)
+                    bar.set_postfix(loss=f"{metrics.last('train', 'loss'):.4f}",
+                                    test_acc=f"{self.last_eval['test_accuracy']:.4f}")
+                    if not use_bar:
+                        self.log(f"step {step:5d} test_loss {self.last_eval['test_loss']:.4f} "
+                                 f"test_accuracy {self.last_eval['test_accuracy']:.4f}")
                 if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == total_steps):
                     self.checkpoint(gang, step + 1)
                 if self.on_step is not None:

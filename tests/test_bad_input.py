@@ -179,3 +179,17 @@ def test_out_folder_with_files_is_not_overwritten(ray_cluster, tmp_path, capsys)
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "summary.json"]
     assert (out / "summary.json").read_text() == "precious"
     assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_unreachable_address_fails_fast(tmp_path, capsys):
+    import time
+
+    from rayconv.run import main
+
+    out = tmp_path / "x"
+    t0 = time.monotonic()
+    rc = main(["--address", "127.0.0.1:9", "--steps", "1", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 1 and time.monotonic() - t0 < 30
+    assert "cannot reach a Ray cluster at 127.0.0.1:9" in err and "--address" in err
+    assert not out.exists()

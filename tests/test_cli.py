@@ -57,7 +57,8 @@ def test_main_writes_the_run_files(ray_cluster, tmp_path):
     assert saved["dp"] == 2 and saved["device"] == "cpu" and saved["steps"] == 5 and saved["out"] == str(out)
     assert saved["progress"] is False
     cfg = parse_args(["--config", str(out / "config.json")])
-    assert cfg == Config(**saved)
+    assert cfg == Config(**{**saved, "out": None})  # a re-run goes to a new folder unless --out says
+    assert parse_args(["--config", str(out / "config.json"), "--out", "elsewhere"]).out == "elsewhere"
 
     # metrics.parquet: one row per step, one evaluation at the end.
     table = pq.read_table(out / "metrics.parquet")
