@@ -12,7 +12,8 @@ devices (``rayconv.anchor``). Writes into ``--out``:
 * ``bench.md``: the Markdown table; ``speedup.png``: bars of speedup over 1 device.
 
 ``--sweep batch`` measures images/s and peak memory over per-device batch sizes 16..1024 (until one
-does not fit); ``--sweep memory`` finds the largest global batch each layout can train;
+does not fit); ``--sweep memory`` keeps doubling the batch until it does not fit (the largest
+trainable batch per layout, to within a factor of 2);
 ``--curve`` trains each layout on the real digits data and plots test error against wall-clock time
 (the paper's Figure 1). Layout names: ``1gpu``, ``dp2``, ``fs2``, ``pp2`` (``pp2m4`` fixes 4
 micro-batches; plain ``pp2`` tries 2, 4 and 8 and keeps the fastest), ``plan2`` (Krizhevsky 2014's
@@ -240,7 +241,12 @@ def main_bench(args) -> list[dict[str, Any]]:
 
 
 def sweep_batch(args, until_largest: bool) -> list[dict[str, Any]]:
-    """Per-device batch 16, 32, ..., 1024 for each layout (RQ4); stop at the first that does not fit."""
+    """Per-device batch 16, 32, ... up to --max-batch for each layout (RQ4), stopping at the first that
+    does not fit. With ``until_largest`` (``--sweep memory``, RQ5) the cap is lifted to 65536 unless
+    --max-batch was given, so each layout doubles until it runs out of memory: the last row that fits is
+    its largest trainable batch (to within a factor of 2)."""
+    if until_largest and args.max_batch == 1024:
+        args.max_batch = 65536
     out = Path(args.out)
     rows = []
     for model in args.models.split(","):

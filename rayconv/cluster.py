@@ -234,30 +234,35 @@ def start_workers(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float = 120
     bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": cfg.num_cpus_per_actor}
     pg = placement_group([dict(bundle) for _ in range(mesh.world_size)], strategy="PACK",
                          name=f"rayconv/{run_name}")
+    actors: list[Any] = []
+    roles: list[str] = []
     try:
-        ray.get(pg.ready(), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(pg)
-        raise ClusterError(f"could not reserve {mesh.world_size} x {bundle} within {timeout_s:.0f} s: "
-                           "the cluster is busy or too small; free resources or lower the layout") from None
-    # Rank order: by node (in order of first appearance), then bundle index.
-    nodes = placement_group_table(pg)["bundles_to_node_id"]
-    node_order: dict[str, int] = {}
-    for b in range(mesh.world_size):
-        node_order.setdefault(nodes[b], len(node_order))
-    bundles = sorted(range(mesh.world_size), key=lambda b: (node_order[nodes[b]], b))
-    env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if (gpu and cfg.all_gpus_visible) else {}
-    remote = ray.remote(Worker)
-    actors, roles = [], []
-    _wait_names_free([f"rayconv/{run_name}/{mesh.role(r)}" for r in range(mesh.world_size)], timeout_s)
-    for rank, b in enumerate(bundles):
-        role = mesh.role(rank)
-        actors.append(remote.options(
-            name=f"rayconv/{run_name}/{role}", namespace=NAMESPACE, num_cpus=bundle["CPU"], num_gpus=1 if gpu else 0,
-            max_restarts=0, runtime_env={"env_vars": env} if env else None,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
-        ).remote(cfg.to_dict(), run_name, role))
-        roles.append(role)
+        try:
+            ray.get(pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise ClusterError(f"could not reserve {mesh.world_size} x {bundle} within {timeout_s:.0f} s: "
+                               "the cluster is busy or too small; free resources or lower the layout") from None
+        # Rank order: by node (in order of first appearance), then bundle index.
+        nodes = placement_group_table(pg)["bundles_to_node_id"]
+        node_order: dict[str, int] = {}
+        for b in range(mesh.world_size):
+            node_order.setdefault(nodes[b], len(node_order))
+        bundles = sorted(range(mesh.world_size), key=lambda b: (node_order[nodes[b]], b))
+        env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if (gpu and cfg.all_gpus_visible) else {}
+        remote = ray.remote(Worker)
+        _wait_names_free([f"rayconv/{run_name}/{mesh.role(r)}" for r in range(mesh.world_size)], timeout_s)
+        for rank, b in enumerate(bundles):
+            role = mesh.role(rank)
+            actors.append(remote.options(
+                name=f"rayconv/{run_name}/{role}", namespace=NAMESPACE, num_cpus=bundle["CPU"],
+                num_gpus=1 if gpu else 0, max_restarts=0, runtime_env={"env_vars": env} if env else None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
+            ).remote(cfg.to_dict(), run_name, role))
+            roles.append(role)
+    except BaseException:
+        # Nothing stays reserved when the start fails (a busy cluster, a name in use, Ctrl-C).
+        Gang(actors, roles, pg, []).kill()
+        raise
     gang = Gang(actors, roles, pg, [])
     gang.info = gang.call("whereami", timeout_s=timeout_s)
     return gang

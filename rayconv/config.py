@@ -184,10 +184,19 @@ def _parse_type(t: Any):
 
 def from_mapping(values: dict[str, Any]) -> Config:
     """Config from a dict; unknown keys raise ConfigError naming them."""
-    known = {f.name for f in fields(Config)}
-    unknown = sorted(set(values) - known)
+    known = {f.name: f for f in fields(Config)}
+    unknown = sorted(set(values) - set(known))
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}: known are {', '.join(sorted(known))}")
+    for key, v in values.items():  # JSON gives any type: check each against the field's
+        t = str(known[key].type)
+        ok = (v is None and "Optional" in t) or (
+            isinstance(v, bool) if "bool" in t else
+            isinstance(v, int) and not isinstance(v, bool) if "int" in t else
+            isinstance(v, (int, float)) and not isinstance(v, bool) if "float" in t else isinstance(v, str))
+        if not ok:
+            raise ConfigError(f"setting {key} = {v!r} has the wrong type: {_flag(key)} takes "
+                              f"{t.replace('Optional[', '').rstrip(']')}")
     return Config(**values)
 
 
@@ -206,8 +215,10 @@ def parse_args(argv: Optional[list[str]] = None) -> Config:
             raise ConfigError(f"--config {cfg_file} is not valid JSON ({e}): fix the file") from None
         if not isinstance(values, dict):
             raise ConfigError(f"--config {cfg_file} must hold a JSON object of settings")
-        # A run's config.json names its output folder: a re-run writes to a new one unless --out says.
-        values.pop("out", None)
+        # A run's config.json names its output folder (and checkpoint, cluster): a re-run is a new run,
+        # into a new folder, unless flags say otherwise.
+        for key in NOT_RESUMED:
+            values.pop(key, None)
     values.update(ns)
     if values.get("resume"):
         values = {**resumed_settings(values["resume"]), **values}

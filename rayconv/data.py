@@ -232,6 +232,7 @@ class ImageFolderSource(Source):
         self.sample_shape = (3, image_size, image_size)
         self.train_size, self.test_size = len(self.sets["train"]), len(self.sets["test"])
         self.seed, self.workers = seed, workers
+        self._pending: dict[str, tuple] = {}
 
     def prefetch(self, split: str, epoch: int, batches: list[np.ndarray]) -> None:
         """Start decoding ``batches`` (this actor's, in the order it will ask for them) in
@@ -241,19 +242,18 @@ class ImageFolderSource(Source):
         # (Its own generator: creating the iterator must not draw from the global torch RNG.)
         loader = DataLoader(ds, batch_sampler=plan, num_workers=self.workers, generator=torch.Generator(),
                             prefetch_factor=2 if self.workers else None, pin_memory=torch.cuda.is_available())
-        self._pending = (split, epoch, [np.asarray(b) for b in batches if len(b)], iter(loader))
+        self._pending[split] = (epoch, [np.asarray(b) for b in batches if len(b)], iter(loader))
 
     def images(self, split, idx, device, epoch=0):
         if len(idx) == 0:
             return torch.empty((0, *self.sample_shape), device=device)
-        pending = getattr(self, "_pending", None)
-        if pending is None or pending[:2] != (split, epoch) or not pending[2] \
-                or not np.array_equal(pending[2][0], idx):
+        pending = self._pending.get(split)   # one announced sequence per split: evaluation keeps training's
+        if pending is None or pending[0] != epoch or not pending[1] or not np.array_equal(pending[1][0], idx):
             self.prefetch(split, epoch, [idx])          # not announced: decode this batch alone
-            pending = self._pending
-        pending[2].pop(0)
+            pending = self._pending[split]
+        pending[1].pop(0)
         try:
-            x, _ = next(pending[3])
+            x, _ = next(pending[2])
         except DataError as e:
             # A worker's error comes back as "Caught DataError in DataLoader worker ...\n<traceback>":
             # keep the one line that names the file.

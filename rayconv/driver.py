@@ -74,8 +74,9 @@ def launch(cfg: Config, mesh, plan, run_name: str):
     """Start the actors and set them up (process groups, model parts). Returns (gang, setup reports)."""
     gang = cluster.start_workers(cfg, mesh, run_name)
     try:
-        master = gang.call("free_address", ranks=[0])[0]
-        return gang, gang.call_each("setup", [(r, master, plan) for r in range(mesh.world_size)])
+        limit = 2 * cfg.collective_timeout_s + 30
+        master = gang.call("free_address", ranks=[0], timeout_s=limit)[0]
+        return gang, gang.call_each("setup", [(r, master, plan) for r in range(mesh.world_size)], timeout_s=limit)
     except BaseException:
         gang.kill()
         raise
@@ -105,6 +106,8 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
         if newer:
             raise CheckpointError(f"--resume {resume.path} is older than {', '.join(newer)} of the same run: "
                                   f"resume from the newest, or give --out NEW to branch off from step {resume.step}")
+    elif out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file: choose a folder (nothing was overwritten)")
     elif out.exists() and any(out.iterdir()):
         raise FileExistsError(f"--out {out} already holds files: choose a new folder (nothing was overwritten)")
     made_out = not out.exists()
@@ -145,14 +148,14 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
         # (Under the per-layer plan every actor holds a slice of the FC layers.)
         holders = list(range(mesh.world_size)) if cfg.plan != "none" else \
             [mesh.rank((0, p, f)) for p in range(mesh.pp) for f in range(mesh.fs)]
-        states = gang.call("state", ranks=holders)
+        states = gang.call("state", ranks=holders, timeout_s=run.call_timeout_s)
         split_dims: dict[str, int] = {}
-        for d in gang.call("split_dims", ranks=holders):
+        for d in gang.call("split_dims", ranks=holders, timeout_s=run.call_timeout_s):
             split_dims.update(d)
         torch.manual_seed(cfg.seed)
         fresh = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1])
         export_model(out / "model.pt", assemble(states, split_dims), fresh)
-        memory = gang.call("memory")
+        memory = gang.call("memory", timeout_s=run.call_timeout_s)
         metrics = run.metrics
         metrics.write(out / "metrics.parquet")
         train_rows = [row for row in metrics.rows if row["kind"] == "train"]
@@ -214,8 +217,9 @@ class _Run:
         cfg, mesh = self.cfg, self.mesh
         gang = cluster.start_workers(cfg, mesh, self.run_name, timeout_s=cfg.max_wait)
         try:
-            master = gang.call("free_address", ranks=[0])[0]
-            self.setups = gang.call_each("setup", [(r, master, self.plan) for r in range(mesh.world_size)])
+            master = gang.call("free_address", ranks=[0], timeout_s=self.call_timeout_s)[0]
+            self.setups = gang.call_each("setup", [(r, master, self.plan) for r in range(mesh.world_size)],
+                                         timeout_s=self.call_timeout_s)
             self.metrics = MetricsLog()
             self.last_eval = {}
             if ckpt is not None:

@@ -28,6 +28,7 @@ from .models import build_model, to_layers
 from .parallel import comm
 from .parallel.data_parallel import GradientSync, broadcast_modules
 from .parallel.pipeline import StageRunner
+from .parallel.filter_split import ShardedDropout
 from .parallel.plan import Plan, build_part
 from .schedule import Action
 
@@ -151,12 +152,18 @@ class Worker:
         idx = replica_idx[self.coord.dp]
         slices = data_mod.split_slices(len(idx), n_mb)
         sizes = [s.stop - s.start for s in slices]
-        x_all = None
-        if self.is_first:
-            x_all = self.source.images(split, idx, self.device, epoch).to(self.dtype)
-            if self.device.type == "cuda" and x_all.dim() == 4:
-                x_all = x_all.contiguous(memory_format=torch.channels_last)
-        inputs = (lambda m: x_all[slices[m]]) if x_all is not None else (lambda m: None)
+        def load(sub: np.ndarray) -> torch.Tensor:
+            x = self.source.images(split, sub, self.device, epoch).to(self.dtype)
+            return x.contiguous(memory_format=torch.channels_last) if self.device.type == "cuda" and x.dim() == 4 else x
+
+        inputs = lambda m: None  # noqa: E731
+        if self.is_first and split == "train":
+            x_all = load(idx)  # the step's batch at once (announced ahead to the loader), sliced
+            inputs = lambda m: x_all[slices[m]]  # noqa: E731
+        elif self.is_first:
+            # Evaluation reads chunk by chunk (the held-out shard can be far larger than a batch).
+            self.source.prefetch(split, epoch, [idx[sl] for sl in slices])
+            inputs = lambda m: load(idx[slices[m]])  # noqa: E731
         labels = lambda m: None  # noqa: E731
         before_forward = None
         if self.plan_mode:
@@ -193,10 +200,14 @@ class Worker:
                 for s in range(step_in_epoch, self.sharding.steps_per_epoch)])
         sizes, inputs, labels, before_forward = self._microbatches(
             "train", epoch, replica_idx, self.plan.schedule.num_microbatches)
-        # Dropout masks: the same for every actor of a replica (and, in the plan's FC part, of the run).
-        torch.manual_seed(data_mod.stable_seed(self.cfg.seed, step, self.coord.dp))
-        if self.sharded.batch_gather is not None:
-            self.sharded.batch_gather.seed = data_mod.stable_seed(self.cfg.seed, step, "fc")
+        # Dropout: each (replica, stage) has its own stream, the same on the actors of its filter split;
+        # sharded dropouts draw full-width masks from a generator shared by all actors of the split
+        # (all actors of the run for the per-layer plan's FC part), one stream per layer.
+        torch.manual_seed(data_mod.stable_seed(self.cfg.seed, step, self.coord.dp, self.coord.pp))
+        split_key = "fc" if self.plan_mode else self.coord.dp
+        for name, mod in self.part.named_modules():
+            if isinstance(mod, ShardedDropout):
+                mod.reseed(data_mod.stable_seed(self.cfg.seed, step, split_key, self.coord.pp, name), self.device)
         self.part.train()
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -228,12 +239,12 @@ class Worker:
             total = time.perf_counter() - t_run
             current.update(step_actor_ms=total * 1e3, wait_ms=res.wait_s * 1e3, allreduce_ms=allreduce_s * 1e3,
                            compute_ms=(total - res.wait_s - allreduce_s) * 1e3)
-        if self.device.type == "cuda":
-            # Copy the step's scalars to pinned host memory behind the step's work and mark the point
+        if self.device.type == "cuda" and isinstance(res.loss_sum, torch.Tensor):
+            # Copy the step's scalars (the last stage's; a host number copied to the device would
+            # synchronise the stream) to pinned host memory behind the step's work and mark the point
             # with an event: reading them later waits for this step only (``.item()`` would wait for
             # everything queued on the stream, including the step launched after it).
-            vals = torch.stack([torch.as_tensor(res.loss_sum, dtype=torch.float64, device=self.device),
-                                torch.as_tensor(res.correct, dtype=torch.float64, device=self.device)])
+            vals = torch.stack([res.loss_sum.to(torch.float64), torch.as_tensor(res.correct).to(torch.float64)])
             host = torch.empty(2, dtype=torch.float64, pin_memory=True)
             host.copy_(vals, non_blocking=True)
             event = torch.cuda.Event()
@@ -260,8 +271,6 @@ class Worker:
         # batch gather is a collective over all of them.
         n_chunks = max(1, -(-len(replica_idx[0]) // chunk))
         sizes, inputs, labels, before_forward = self._microbatches("test", 0, replica_idx, n_chunks)
-        if self.sharded.batch_gather is not None:
-            self.sharded.batch_gather.seed = None
         self.part.eval()
         program = [Action("F", m) for m in range(n_chunks)]
         count = sum(len(r) for r in replica_idx) if self.plan_mode else sum(sizes)

@@ -16,6 +16,8 @@ CASES = {
     "fs-on-unsplittable-model": (["--dp", "1", "--fs", "2", "--model", "resnet18", "--data", "synthetic",
                                   "--image-size", "32"], "--fs 1"),
     "bad-stage-cut": (["--dp", "1", "--pp", "2", "--stages", "0"], "--stages"),
+    "image-too-small-for-model": (["--dp", "1", "--model", "alexnet", "--data", "synthetic", "--image-size", "32"],
+                                  "--image-size"),
     "plan-with-pp": (["--dp", "2", "--pp", "2", "--plan", "krizhevsky2014"], "--plan"),
 }
 

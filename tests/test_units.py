@@ -330,3 +330,43 @@ def test_parse_stages():
 def test_parse_stages_errors(spec, layers, stages, match):
     with pytest.raises(PlanError, match=match):
         parse_stages(spec, layers, stages)
+
+
+def test_sharded_dropout_shards_make_up_one_full_mask():
+    from rayconv.parallel.filter_split import ShardedDropout
+
+    x = torch.ones(4, 6, 3, 3)
+    cpu = torch.device("cpu")
+    whole = ShardedDropout(0.5, [6], 0)
+    whole.reseed(123, cpu)
+    want = whole(x)
+    parts = []
+    for index in (0, 1):
+        d = ShardedDropout(0.5, [3, 3], index)
+        d.reseed(123, cpu)
+        parts.append(d(x[:, 3 * index:3 * index + 3]))
+    assert torch.equal(torch.cat(parts, dim=1), want)
+    assert not torch.equal(parts[0], parts[1])          # the shards do not repeat one mask
+    assert set(want.unique().tolist()) == {0.0, 2.0}    # inverted dropout scaling
+    d.reseed(124, cpu)
+    assert not torch.equal(d(x[:, 3:]), parts[1])       # a new step draws new masks
+    assert torch.equal(d.eval()(x[:, 3:]), x[:, 3:])
+
+
+def test_config_file_types_are_checked(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"dp": "2"}))
+    with pytest.raises(ConfigError, match="dp = '2' has the wrong type: --dp takes int"):
+        parse_args(["--config", str(path)])
+    path.write_text(json.dumps({"stages": [5, 9]}))
+    with pytest.raises(ConfigError, match="--stages takes str"):
+        parse_args(["--config", str(path)])
+    path.write_text(json.dumps({"lr": 1, "progress": False, "dp": None}))   # an int is a fine float
+    assert parse_args(["--config", str(path)]).lr == 1
+
+
+def test_config_file_of_a_resumed_run_starts_a_new_run(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"steps": 4, "out": "runs/r1", "resume": "runs/r1", "address": "10.0.0.5:6379"}))
+    cfg = parse_args(["--config", str(path)])
+    assert (cfg.steps, cfg.out, cfg.resume, cfg.address) == (4, None, None, None)

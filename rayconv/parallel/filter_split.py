@@ -113,19 +113,47 @@ class Scatter(nn.Module):
 class BatchGather(nn.Module):
     """Krizhevsky 2014's switch from data to model parallelism: gather every actor's batch shard
     (dim 0, sizes set per micro-batch by the worker in ``sizes``); backward reduce-scatters the partial
-    gradients to each actor's own shard. ``seed`` (set per step) reseeds the RNG so that dropout in the
-    replicated FC region draws the same masks on every actor."""
+    gradients to each actor's own shard."""
 
     def __init__(self, index: int, group):
         super().__init__()
         self.index, self.group = index, group
         self.sizes: list[int] = []
-        self.seed: Optional[int] = None
 
     def forward(self, x):
-        if self.seed is not None:
-            torch.manual_seed(self.seed)
         return _Gather.apply(x, 0, list(self.sizes), self.index, self.group, True)
+
+
+class ShardedDropout(nn.Module):
+    """Dropout on a channel (or unit) shard: the mask is drawn for the whole activation, from a
+    generator that every actor of the split seeds alike each step (``reseed``), and each actor keeps
+    its slice, so the shards together drop exactly what one device would draw for the full tensor
+    (independent units, not the same mask repeated in every shard). Successive micro-batches of a
+    step continue the generator's stream."""
+
+    def __init__(self, p: float, sizes: list[int], index: int):
+        super().__init__()
+        self.p, self.sizes, self.index = p, sizes, index
+        self.generator: Optional[torch.Generator] = None
+
+    def reseed(self, seed: int, device: torch.device) -> None:
+        if self.generator is None or self.generator.device != device:
+            self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        if self.generator is None:
+            raise RuntimeError("ShardedDropout.reseed must be called before training")
+        full = list(x.shape)
+        full[1] = sum(self.sizes)
+        keep = torch.rand(full, generator=self.generator, device=x.device) >= self.p
+        keep = keep.narrow(1, sum(self.sizes[:self.index]), self.sizes[self.index])
+        return x * keep.to(x.dtype) / (1.0 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, sizes={self.sizes}"
 
 
 COMM_MODULES = (Gather, Scatter, BatchGather)
@@ -195,8 +223,8 @@ def shard_layers(layers: list[tuple[str, nn.Module]], in_shape: tuple[int, ...],
         if isinstance(m, (nn.Conv2d, nn.Linear)):
             cout = m.out_channels if isinstance(m, nn.Conv2d) else m.out_features
             if cout < size:
-                raise PlanError(f"--fs {size} is larger than layer {name}'s {cout} output channels: "
-                                f"lower --fs to at most {cout}")
+                raise PlanError(f"splitting over {size} actors (--fs, or --dp under --plan) exceeds layer {name}'s "
+                                f"{cout} output channels: use at most {cout}")
             sizes_out = split_sizes(cout, size)
             groups = getattr(m, "groups", 1)
             cin = m.in_channels if isinstance(m, nn.Conv2d) else m.in_features
@@ -227,6 +255,8 @@ def shard_layers(layers: list[tuple[str, nn.Module]], in_shape: tuple[int, ...],
                 m = _shard_module(name, m, sizes, index, 0, part)
             elif isinstance(m, (nn.BatchNorm2d, nn.BatchNorm1d)):
                 raise PlanError(f"batch norm {name} on a replicated activation cannot be split")
+            elif isinstance(m, nn.Dropout) and sizes is not None:
+                m = ShardedDropout(m.p, sizes, index)
             part.modules.append(m)
             part.names.append(name)
         elif isinstance(m, nn.Flatten) and m.start_dim == 1:

@@ -62,8 +62,12 @@ def layer_profile(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, 
             was_training = m.training
             m.eval()
             counter = FlopCounterMode(display=False)
-            with counter:
-                x = m(x)
+            try:
+                with counter:
+                    x = m(x)
+            except RuntimeError as e:
+                raise PlanError(f"the model cannot take {tuple(sample_shape)} images ({str(e).splitlines()[0]}): "
+                                "raise --image-size or pick a model for small images (convnet)") from None
             m.train(was_training)
             shapes.append(tuple(x.shape[1:]))
             flops.append(float(counter.get_total_flops()))
