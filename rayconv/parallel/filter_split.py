@@ -51,6 +51,8 @@ def _padded_all_gather(x: torch.Tensor, dim: int, sizes: list[int], group) -> to
         pad_shape[dim] = top - x.shape[dim]
         x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
     full = comm.all_gather_dim(x, dim, [top] * len(sizes), group)
+    if all(s == top for s in sizes):
+        return full  # no padding to trim: skip a copy of the whole activation
     parts = [full.narrow(dim, i * top, s) for i, s in enumerate(sizes)]
     return torch.cat(parts, dim=dim)
 

@@ -136,6 +136,9 @@ class StageRunner:
         last_b = max((i for i, a in enumerate(program) if a.kind == "B"), default=-1)
         for i, a in enumerate(program):
             m, n = a.microbatch, mb_sizes[a.microbatch]
+            # Release sends that have completed (and their buffers), so held activations stay bounded
+            # by the schedule's in-flight count rather than growing over the step.
+            res.sends = [w for w in res.sends if not w.is_completed()]
             if a.kind == "F":
                 if before_forward is not None:
                     before_forward(m)
