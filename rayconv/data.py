@@ -252,6 +252,8 @@ class ImageFolderSource(Source):
             self.prefetch(split, epoch, [idx])          # not announced: decode this batch alone
             pending = self._pending[split]
         pending[1].pop(0)
+        if not pending[1]:
+            del self._pending[split]  # the last announced batch: the loader and its workers go with it
         try:
             x, _ = next(pending[2])
         except DataError as e:

@@ -25,3 +25,12 @@ def local_ray(num_cpus: int, **kw):
 def ray_cluster():
     """A local Ray cluster with 4 logical CPUs (enough for dp=4 on a 2-core machine), no dashboard."""
     yield from local_ray(4)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Leave nothing for interpreter shutdown to tear down: no Ray connection, no loader workers."""
+    import gc
+
+    if ray.is_initialized():
+        ray.shutdown()
+    gc.collect()
