@@ -27,6 +27,9 @@ def ray_cluster():
     yield from local_ray(4)
 
 
+_EXIT_STATUS: list[int] = []
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Leave nothing for interpreter shutdown to tear down: no Ray connection, no loader workers."""
     import gc
@@ -34,3 +37,19 @@ def pytest_sessionfinish(session, exitstatus):
     if ray.is_initialized():
         ray.shutdown()
     gc.collect()
+    _EXIT_STATUS.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """End the process with pytest's own exit status, skipping native libraries' exit-time destructors.
+
+    Workaround, root cause not found: on 2 of 4 clean-clone CI runs every test passed and the
+    interpreter then died of SIGSEGV during its final teardown (after faulthandler is disabled, so no
+    Python stack: a native destructor). The status returned is exactly pytest's (5 when no tests ran)."""
+    if _EXIT_STATUS:
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT_STATUS[-1])
