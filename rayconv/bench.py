@@ -152,6 +152,18 @@ def base_config(args, model: str, layout: dict[str, Any], global_batch: int) -> 
     return Config(**kw).validate()
 
 
+def _pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None without matplotlib (charts skipped)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
 def write_table(rows: list[dict[str, Any]], out: Path) -> None:
     atomic_write(out / "bench.parquet", lambda tmp: pq.write_table(pa.Table.from_pylist(rows), tmp))
     cols = ["model", "layout", "global_batch_size", "images_per_s", "step_ms", "speedup_vs_1",
@@ -166,12 +178,8 @@ def write_table(rows: list[dict[str, Any]], out: Path) -> None:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
     atomic_write(out / "bench.md", lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return
     rows = [r for r in rows if r.get("speedup_vs_1") is not None]
     if not rows:
@@ -286,12 +294,8 @@ def training_curve(args) -> list[dict[str, Any]]:
         rows += [{"layout": name, "time_s": r["time_s"], "step": r["step"], "test_error": r["test_error"]}
                  for r in table if r["kind"] == "eval"]
     atomic_write(out / "curve.parquet", lambda tmp: pq.write_table(pa.Table.from_pylist(rows), tmp))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return rows
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in args.layouts.split(","):

@@ -27,7 +27,7 @@ from .mesh import Mesh
 from .models import build_model, to_layers
 from .parallel import comm
 from .parallel.data_parallel import GradientSync, broadcast_modules
-from .parallel.pipeline import StageRunner
+from .parallel.pipeline import StageRunner, sync_device
 from .parallel.filter_split import ShardedDropout
 from .parallel.plan import Plan, build_part
 from .schedule import Action
@@ -213,16 +213,16 @@ class Worker:
             g["lr"] = lr
         self.runner.profile = profile
         if profile:
-            _sync(self.device)
+            sync_device(self.device)
         t_run = time.perf_counter()
         res = self.runner.run(self.program, inputs, labels, sizes, global_count, self.sync.arm,
                               before_forward=before_forward)
         if profile:
-            _sync(self.device)
+            sync_device(self.device)
         t_sync = time.perf_counter()
         self.sync.finish()
         if profile:
-            _sync(self.device)
+            sync_device(self.device)
         allreduce_s = time.perf_counter() - t_sync
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -235,7 +235,7 @@ class Worker:
                    "interval_ms": (t0 - self.last_start) * 1e3 if self.last_start is not None else None}
         self.last_start = t0
         if profile:
-            _sync(self.device)
+            sync_device(self.device)
             total = time.perf_counter() - t_run
             current.update(step_actor_ms=total * 1e3, wait_ms=res.wait_s * 1e3, allreduce_ms=allreduce_s * 1e3,
                            compute_ms=(total - res.wait_s - allreduce_s) * 1e3)
@@ -394,11 +394,6 @@ def _plain(obj: Any) -> Any:
 def _local(shape: tuple[int, ...], sizes, index: int) -> tuple[int, ...]:
     """Per-sample shape of this actor's shard of an activation (dim 1 of the batch = dim 0 here)."""
     return shape if sizes is None else (sizes[index], *shape[1:])
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _materialise(m: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:

@@ -109,10 +109,10 @@ class StageRunner:
     def _recv(self, shape: tuple[int, ...], src: int, res: StepResult) -> torch.Tensor:
         if not self.profile:
             return comm.recv(shape, self.wire_dtype, self.device, src, self.group)
-        _sync(self.device)
+        sync_device(self.device)
         t = time.perf_counter()
         buf = comm.recv(shape, self.wire_dtype, self.device, src, self.group)
-        _sync(self.device)
+        sync_device(self.device)
         res.wait_s += time.perf_counter() - t
         return buf
 
@@ -178,7 +178,7 @@ class StageRunner:
         return res
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
