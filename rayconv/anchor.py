@@ -52,9 +52,11 @@ def main(argv=None) -> None:
     model = build_model(a.model, a.num_classes, 3, a.image_size).to(dev)
     if dev.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
-    step_model = torch.compile(model) if a.compile else model
+    step_model = model
     if a.ddp:
-        step_model = nn.parallel.DistributedDataParallel(step_model, device_ids=[dev.index] if dev.type == "cuda" else None)
+        step_model = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    if a.compile:  # around DDP, as PyTorch recommends: its graph is split at the buckets (DDPOptimizer)
+        step_model = torch.compile(step_model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
     x = torch.randn(a.batch, 3, a.image_size, a.image_size, device=dev)
     if dev.type == "cuda":

@@ -47,13 +47,17 @@ from .schedule import bubble_fraction
 def parse_layout(name: str) -> dict[str, Any]:
     """``dp2xfs2`` -> {"dp": 2, "fs": 2}; ``1gpu`` -> {"dp": 1}; ``plan4`` -> plan over 4 actors;
     ``pp2m4`` -> pp=2 with 4 micro-batches. Raises ConfigError for anything else."""
+    name, _, schedule = name.partition("-")
+    if schedule and schedule not in ("gpipe", "1f1b"):
+        raise ConfigError(f"unknown schedule {schedule!r} in layout {name}-{schedule}: use -gpipe or -1f1b")
     if name in ("1gpu", "1"):
         return {"dp": 1}
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"schedule": schedule} if schedule else {}
     for part in name.split("x"):
         m = re.fullmatch(r"(dp|pp|fs|plan)(\d+)(?:m(\d+))?", part)
         if not m or (m.group(3) and m.group(1) != "pp"):
-            raise ConfigError(f"unknown layout {name!r}: use e.g. 1gpu, dp2, fs2, pp2, pp2m4, plan2, dp2xfs2")
+            raise ConfigError(f"unknown layout {name!r}: use e.g. 1gpu, dp2, fs2, pp2, pp2m4, pp2m4-gpipe, plan2, "
+                              "dp2xfs2")
         axis, n = m.group(1), int(m.group(2))
         if axis == "plan":
             out.update(dp=n, plan="krizhevsky2014")
@@ -70,15 +74,21 @@ def layout_size(name: str) -> int:
     return lay.get("dp", 1) * lay.get("pp", 1) * lay.get("fs", 1)
 
 
-def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3) -> dict[str, Any]:
+def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_steps: int = 0,
+            trace_to: Optional[Path] = None) -> dict[str, Any]:
     """Images/s and step time of ``cfg`` over ``steps`` timed steps after ``warmup`` steps, then a
-    profiled split. Raises ClusterError (e.g. out of memory) from the actors."""
+    profiled split, then (``trace_steps`` > 0) a torch.profiler trace of rank 0 written as a table to
+    ``trace_to``. Raises ClusterError (e.g. out of memory) from the actors."""
     mesh, source, plan = prepare(cfg)
     gang, setups = launch(cfg, mesh, plan, f"bench-{os.getpid()}-{time.monotonic_ns() % 10**9}")
     try:
         t0 = time.perf_counter()
+        first_step_s = None
         for s in range(warmup):
             gang.call("train_step", s, cfg.lr)  # (one at a time: compile and autotuning happen here)
+            if s == 0:
+                gang.call("flush")
+                first_step_s = time.perf_counter() - t0
         gang.call("flush")
         warmup_s = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -97,6 +107,15 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3) -> dic
         for s in range(warmup + steps, warmup + steps + profile_steps):
             gang.call("train_step", s, cfg.lr, True)
             prof.append(gang.call("flush"))
+        device_busy = None
+        if trace_steps:
+            tr = gang.call("trace", warmup + steps + profile_steps, trace_steps, cfg.lr)[0]
+            if tr["device_ms"] is not None:
+                device_busy = tr["device_ms"] / tr["wall_ms"]
+            if trace_to is not None:
+                atomic_write(trace_to, lambda tmp: Path(tmp).write_text(
+                    f"rank 0, {trace_steps} steps, wall {tr['wall_ms']:.1f} ms, device kernels "
+                    f"{tr['device_ms']} ms\n{tr['table']}\n"))
         memory = gang.call("memory")
     finally:
         gang.kill()
@@ -109,23 +128,35 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3) -> dic
     peaks = [m["peak_gib"] for m in memory]
     return {
         "images_per_s": cfg.global_batch_size * steps / elapsed, "step_ms": step_ms, "warmup_s": warmup_s,
+        "first_step_s": first_step_s, "compiled": bool(setups[0].get("compiled")),
         "peak_gib_max": max(peaks) if all(p is not None for p in peaks) else None,
         "peak_gib_per_actor": json.dumps([None if p is None else round(p, 3) for p in peaks]),
         "params_per_actor": json.dumps([s["parameters"] for s in setups]),
         "compute_ms": mean_of("compute_ms"), "recv_wait_ms": mean_of("wait_ms"),
         "allreduce_wait_ms": mean_of("allreduce_ms"),
-        "driver_idle_ms": sum(idle) / len(idle) if idle else None,
+        "driver_idle_ms": sum(idle) / len(idle) if idle else None, "device_busy": device_busy,
         "bubble_fraction": bubble_fraction(plan.schedule) if mesh.pp > 1 else 0.0,
-        "num_microbatches": cfg.num_microbatches, "world_size": mesh.world_size,
+        "num_microbatches": cfg.num_microbatches, "schedule": cfg.schedule, "world_size": mesh.world_size,
     }
 
 
 def run_anchor(model: str, devices: int, global_batch: int, args) -> Optional[dict[str, Any]]:
-    """Plain PyTorch (devices == 1) or torchrun DDP (devices > 1) at the same global batch."""
+    """Plain PyTorch (devices == 1) or torchrun DDP (devices > 1) at the same global batch. When this
+    run compiles, the anchor runs both eagerly and compiled and the faster counts (what a user would
+    pick); its ``compile`` field says which."""
+    best = None
+    for compiled in ([False, True] if compiles(args) else [False]):
+        r = _anchor_once(model, devices, global_batch, args, compiled)
+        if r is not None and (best is None or r["images_per_s"] > best["images_per_s"]):
+            best = r
+    return best
+
+
+def _anchor_once(model: str, devices: int, global_batch: int, args, compiled: bool) -> Optional[dict[str, Any]]:
     per_device = global_batch // devices
     base = ["-m", "rayconv.anchor", "--model", model, "--batch", str(per_device), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--precision", "bf16" if args.precision == "bf16" else "fp32",
-            "--device", args.device_kind, "--image-size", str(args.image_size)]
+            "--device", args.device_kind, "--image-size", str(args.image_size)] + (["--compile"] if compiled else [])
     if devices == 1:
         cmd = [sys.executable, *base]
     else:
@@ -141,6 +172,12 @@ def run_anchor(model: str, devices: int, global_batch: int, args) -> Optional[di
             return json.loads(line[len("RESULT "):])
     print(f"anchor failed ({' '.join(cmd)}):\n{out.stderr[-2000:]}", file=sys.stderr)
     return None
+
+
+def compiles(args) -> bool:
+    """Whether this run compiles (rayconv's ``--compile`` rule; the anchors follow it)."""
+    return args.compile == "on" or (args.compile == "auto" and args.device_kind == "cuda"
+                                    and args.precision != "fp64")
 
 
 def base_config(args, model: str, layout: dict[str, Any], global_batch: int) -> Config:
@@ -168,7 +205,7 @@ def write_table(rows: list[dict[str, Any]], out: Path) -> None:
     atomic_write(out / "bench.parquet", lambda tmp: pq.write_table(pa.Table.from_pylist(rows), tmp))
     cols = ["model", "layout", "global_batch_size", "images_per_s", "step_ms", "speedup_vs_1",
             "vs_plain_pytorch", "vs_torchrun_ddp", "peak_gib_max", "compute_ms", "recv_wait_ms",
-            "allreduce_wait_ms", "driver_idle_ms", "bubble_fraction", "note"]
+            "allreduce_wait_ms", "driver_idle_ms", "device_busy", "bubble_fraction", "note"]
 
     def fmt(v: Any) -> str:
         if v is None:
@@ -214,7 +251,9 @@ def main_bench(args) -> list[dict[str, Any]]:
         best: Optional[dict[str, Any]] = None
         for t in tries:
             try:
-                r = measure(base_config(args, model, t, gb), args.warmup, args.steps)
+                tag = f"{model}-{name}{'' if t is lay else 'm' + str(t['num_microbatches'])}-B{gb}"
+                r = measure(base_config(args, model, t, gb), args.warmup, args.steps, trace_steps=args.trace,
+                            trace_to=out / f"trace-{tag}.txt" if args.trace else None)
             except (cluster.ClusterError, ValueError) as e:
                 row["note"] = str(e).splitlines()[0][:200]
                 continue
@@ -233,6 +272,8 @@ def main_bench(args) -> list[dict[str, Any]]:
         row["speedup_vs_1"] = ips / one if ips and one else None
         a1, an = anchors.get((model, gb, 1)), anchors.get((model, gb, devices))
         row["plain_pytorch_images_per_s"] = a1["images_per_s"] if a1 else None
+        row["plain_pytorch_compiled"] = a1.get("compile") if a1 else None
+        row["torchrun_ddp_compiled"] = an.get("compile") if an and devices > 1 else None
         row["vs_plain_pytorch"] = ips / a1["images_per_s"] if ips and a1 else None
         row["torchrun_ddp_images_per_s"] = an["images_per_s"] if an and devices > 1 else None
         row["vs_torchrun_ddp"] = ips / an["images_per_s"] if ips and an and devices > 1 else None
@@ -323,8 +364,12 @@ def parse_args(argv=None):
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--address", default=None)
-    p.add_argument("--compile", action="store_true", help="torch.compile each actor's part")
-    p.add_argument("--all-gpus-visible", action="store_true")
+    p.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
+                   help="torch.compile (rayconv's parts and the anchors alike); auto: on GPUs")
+    p.add_argument("--all-gpus-visible", action=argparse.BooleanOptionalAction, default=True,
+                   help="actors see every GPU of their node (rayconv's default; NCCL then uses NVLink)")
+    p.add_argument("--trace", type=int, default=0, metavar="N",
+                   help="also profile N steps of each layout with torch.profiler: trace-<layout>.txt, device_busy")
     p.add_argument("--anchors", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--anchor-timeout", type=float, default=600)
     p.add_argument("--sweep", choices=("batch", "memory"), default=None)

@@ -226,6 +226,31 @@ class Gang:
             pass
 
 
+def run_on_device(fn, args: Sequence[Any], gpu: bool, timeout_s: float = 300.0) -> Any:
+    """``fn(*args)`` as a Ray task on one GPU (``gpu``) or one CPU of the cluster; its result.
+    With all GPUs of the node visible, the task uses the one Ray assigned. Raises ClusterError naming
+    the task's error or the timeout."""
+    env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if gpu else {}
+
+    def task(*a):
+        if gpu:
+            import torch
+
+            torch.cuda.set_device(int(ray.get_gpu_ids()[0]))
+        return fn(*a)
+
+    # max_calls=1: the worker process exits afterwards, releasing its CUDA context and cached memory.
+    ref = ray.remote(max_calls=1)(task).options(num_gpus=1 if gpu else 0, num_cpus=1, max_retries=0,
+                                                runtime_env={"env_vars": env} if env else None).remote(*args)
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.cancel(ref, force=True)
+        raise ClusterError(f"{fn.__name__} did not finish within {timeout_s:.0f} s on the cluster") from None
+    except ray.exceptions.RayError as e:
+        raise ClusterError(f"{fn.__name__} failed: {exception_summary(e)}") from None
+
+
 def start_workers(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float = 120.0) -> Gang:
     """Reserve one bundle per actor, start the actors, named ``rayconv/<run>/<role>`` in rank order.
 

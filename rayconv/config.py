@@ -25,6 +25,8 @@ SCHEDULE_CHOICES = ("gpipe", "1f1b")
 PLAN_CHOICES = ("none", "krizhevsky2014")
 PRECISION_CHOICES = ("fp32", "bf16", "fp64")
 LR_SCHEDULE_CHOICES = ("constant", "cosine")
+COMPILE_CHOICES = ("auto", "on", "off")
+BALANCE_CHOICES = ("auto", "time", "flops")
 
 
 class ConfigError(ValueError):
@@ -50,6 +52,10 @@ class Config:
     plan: str = field(default="none", metadata={"help": "per-layer plan; krizhevsky2014 = conv data parallel, FC split",
                                                 "choices": PLAN_CHOICES})
     stages: Optional[str] = field(default=None, metadata={"help": "pipeline cut points by hand, e.g. '5,9' (layer indices)"})
+    balance: str = field(default="auto", metadata={
+        "help": "what pipeline stages balance when --stages is not given: time (each layer's forward+backward "
+                "measured on one device before the run), flops (forward FLOPs), auto (time on GPUs)",
+        "choices": BALANCE_CHOICES})
     num_microbatches: int = field(default=1, metadata={"help": "micro-batches per replica per step"})
     schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule", "choices": SCHEDULE_CHOICES})
     # optimisation (synchronous SGD)
@@ -62,16 +68,19 @@ class Config:
     weight_decay: float = field(default=5e-4, metadata={"help": "L2 weight decay"})
     seed: int = field(default=0, metadata={"help": "seed of weights, data order and augmentation"})
     precision: str = field(default="fp32", metadata={"help": "fp32, bf16 (autocast) or fp64", "choices": PRECISION_CHOICES})
-    compile: bool = field(default=False, metadata={"help": "torch.compile each actor's part (compile time is "
-                                                           "spent in the first steps)"})
+    compile: str = field(default="auto", metadata={
+        "help": "torch.compile each actor's part, in segments that end at the gradient bucket size: auto (on "
+                "GPUs, except fp64), on, off; compile time is spent in the first steps", "choices": COMPILE_CHOICES})
     sync_batchnorm: bool = field(default=False, metadata={"help": "batch-norm statistics over the global batch"})
     # where
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda", "choices": DEVICE_CHOICES})
     address: Optional[str] = field(default=None, metadata={"help": "Ray cluster address (default: RAY_ADDRESS, "
                                                                    "a running cluster, else a new local one)"})
     num_cpus_per_actor: int = field(default=1, metadata={"help": "CPUs reserved per actor (threads on CPU)"})
-    all_gpus_visible: bool = field(default=False, metadata={"help": "actors see every GPU of their node and pick "
-                                                                   "theirs by index (for NVSwitch hosts, Ray issue 61073)"})
+    all_gpus_visible: bool = field(default=True, metadata={
+        "help": "actors see every GPU of their node and pick theirs by index, as torchrun does: NCCL then uses "
+                "NVLink between actors (with one GPU visible per actor it fell back to a ring through host "
+                "memory, 8 GB/s on the 2 x H200; Ray issue 61073)"})
     collective_timeout_s: float = field(default=300.0, metadata={"help": "seconds before a stuck collective fails"})
     loader_workers: int = field(default=2, metadata={"help": "decode processes per actor for imagefolder data"})
     # output
@@ -107,6 +116,8 @@ class Config:
         need(self.schedule in SCHEDULE_CHOICES, f"unknown --schedule {self.schedule!r}: choose gpipe or 1f1b")
         need(self.plan in PLAN_CHOICES, f"unknown --plan {self.plan!r}: choose one of {', '.join(PLAN_CHOICES)}")
         need(self.precision in PRECISION_CHOICES, f"unknown --precision {self.precision!r}: choose fp32, bf16 or fp64")
+        need(self.balance in BALANCE_CHOICES, f"unknown --balance {self.balance!r}: choose auto, time or flops")
+        need(self.compile in COMPILE_CHOICES, f"unknown --compile {self.compile!r}: choose auto, on or off")
         need(self.lr_schedule in LR_SCHEDULE_CHOICES, f"unknown --lr-schedule {self.lr_schedule!r}: constant or cosine")
         need(self.data != "imagefolder" or bool(self.data_dir),
              "--data imagefolder needs --data-dir DIR (a folder with train/<class>/*.JPEG and val/<class>/...)")
@@ -188,6 +199,8 @@ def from_mapping(values: dict[str, Any]) -> Config:
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}: known are {', '.join(sorted(known))}")
+    if isinstance(values.get("compile"), bool):  # configs written before --compile took auto/on/off
+        values = {**values, "compile": "on" if values["compile"] else "off"}
     for key, v in values.items():  # JSON gives any type: check each against the field's
         t = str(known[key].type)
         ok = (v is None and "Optional" in t) or (

@@ -36,7 +36,7 @@ from .config import Config
 from .data import Sharding, make_source
 from .metrics import MetricsLog, actor_gauges, read_rows, reduce_step, write_json
 from .models import build_model, model_names
-from .parallel.plan import make_plan
+from .parallel.plan import make_plan, measured_costs
 from .schedule import format_grid
 
 
@@ -67,7 +67,18 @@ def prepare(cfg: Config, log=print):
     source = make_source(cfg)
     torch.manual_seed(cfg.seed)
     reference = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1])
-    return mesh, source, make_plan(cfg, mesh, reference, source.sample_shape)
+    plan = make_plan(cfg, mesh, reference, source.sample_shape)  # checks the layout before any measuring
+    by_time = cfg.balance == "time" or (cfg.balance == "auto" and cfg.device == "cuda")
+    if mesh.pp > 1 and not cfg.stages and by_time:
+        # Balance the stages by measured layer times (on one device of the cluster, at the micro-batch
+        # size); the cut is written into the settings so that a resumed run keeps it.
+        micro_batch = max(1, cfg.global_batch_size // mesh.dp // cfg.num_microbatches)
+        costs = cluster.run_on_device(measured_costs, (cfg.to_dict(), micro_batch), gpu=cfg.device == "cuda")
+        plan = make_plan(cfg, mesh, reference, source.sample_shape, costs=costs)
+        cfg.stages = ",".join(str(a) for a, _ in plan.stages[1:])
+        log(f"pipeline stages balanced by measured forward+backward time per layer (ms, micro-batch "
+            f"{micro_batch}): " + ", ".join(f"{sum(costs[a:b]):.2f}" for a, b in plan.stages))
+    return mesh, source, plan
 
 
 def launch(cfg: Config, mesh, plan, run_name: str):

@@ -28,6 +28,7 @@ from .models import build_model, to_layers
 from .parallel import comm
 from .parallel.data_parallel import GradientSync, broadcast_modules
 from .parallel.pipeline import StageRunner, sync_device
+from .parallel.segments import compile_part
 from .parallel.filter_split import ShardedDropout
 from .parallel.plan import Plan, build_part
 from .schedule import Action
@@ -126,8 +127,12 @@ class Worker:
         pp_ranks = self.groups.ranks["pp"]
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
+        self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and self.device.type == "cuda"
+                                                  and cfg.precision != "fp64")
+        # Compiled segments end at the gradient bucket size, so all-reduce overlaps the backward pass.
+        limit = self.sync.bucket_bytes if self.sync.group is not None else None
         self.runner = StageRunner(
-            torch.compile(self.part) if cfg.compile else self.part, self.groups.axis["pp"],
+            compile_part(self.part, limit) if self.compiled else self.part, self.groups.axis["pp"],
             prev=pp_ranks[stage - 1] if stage > 0 else None,
             next_=pp_ranks[stage + 1] if stage + 1 < mesh.pp else None,
             in_shape=_local(plan.stage_in_shape(stage), in_sizes, fs_index),
@@ -140,7 +145,7 @@ class Worker:
         self.last_return: Optional[float] = None
         self.last_start: Optional[float] = None
         self.reports = self.is_last and self.coord.fs == 0 and not (self.plan_mode and self.coord.dp != 0)
-        return {"rank": rank, "role": self.role, "device": str(self.device),
+        return {"rank": rank, "role": self.role, "device": str(self.device), "compiled": self.compiled,
                 "parameters": sum(p.numel() for p in self.part.parameters())}
 
     # ------------------------------------------------------------------ per step
@@ -255,6 +260,30 @@ class Worker:
         self._report(out)
         self.last_return = time.perf_counter()
         return out
+
+    def trace(self, first_step: int, steps: int, lr: float) -> dict[str, Any]:
+        """Run ``steps`` steps under torch.profiler. Returns the wall time (ms), the summed device
+        kernel time (ms; NCCL kernels overlap compute, so it may exceed the wall time) and the profiler's
+        table of the most expensive operators (self device time on GPUs, self CPU time otherwise)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = self.device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        self.flush()
+        sync_device(self.device)
+        t0 = time.perf_counter()
+        with profile(activities=activities) as prof:
+            for s in range(first_step, first_step + steps):
+                self.train_step(s, lr)
+            self.flush()
+            sync_device(self.device)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        events = prof.key_averages()
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
+        kernel_us = sum(getattr(e, "self_device_time_total", 0) for e in events) if cuda else None
+        return {"rank": self.rank, "wall_ms": wall_ms, "steps": steps,
+                "device_ms": kernel_us / 1e3 if kernel_us is not None else None,
+                "table": events.table(sort_by=key, row_limit=30)}
 
     def flush(self) -> Optional[dict[str, Any]]:
         """The metrics of the last step launched (waits for the device)."""

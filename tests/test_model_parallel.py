@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ LAYOUTS = {
     "pp2-gpipe-m4": dict(pp=2, schedule="gpipe", num_microbatches=4),
     "pp2-1f1b-m3": dict(pp=2, schedule="1f1b", num_microbatches=3),
     "pp3-1f1b-m4": dict(pp=3, schedule="1f1b", num_microbatches=4),
+    "pp2-balanced-by-time": dict(pp=2, balance="time", num_microbatches=2),  # stages cut by measured times
     "dp2-fs2": dict(dp=2, fs=2),
     "dp2-pp2": dict(dp=2, pp=2, num_microbatches=2),
     "pp2-fs2": dict(pp=2, fs=2, num_microbatches=2, schedule="gpipe"),
@@ -45,6 +48,9 @@ def test_layout_matches_single_device_sgd(ray_cluster, tmp_path, name):
     got = torch.load(tmp_path / name / "model.pt", weights_only=True)
     want = reference_sgd(cfg, STEPS)
     assert_same_state(got, want, atol=1e-10)
+    if cfg.balance == "time":  # the measured cut is written into the settings (a resume keeps it)
+        saved = json.loads((tmp_path / name / "config.json").read_text())
+        assert saved["stages"] and [list(x) for x in summary["layout"]["stages"]][1][0] == int(saved["stages"])
     # Each actor holds about 1/K of the parameters under pp=K or fs=K.
     params = [a["parameters"] for a in summary["actors"]]
     total = sum(v.numel() for k, v in want.items() if "running" not in k and "num_batches" not in k)

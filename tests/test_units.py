@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from rayconv.config import Config, ConfigError, parse_args
 from rayconv import data as data_mod
@@ -370,3 +371,58 @@ def test_config_file_of_a_resumed_run_starts_a_new_run(tmp_path):
     path.write_text(json.dumps({"steps": 4, "out": "runs/r1", "resume": "runs/r1", "address": "10.0.0.5:6379"}))
     cfg = parse_args(["--config", str(path)])
     assert (cfg.steps, cfg.out, cfg.resume, cfg.address) == (4, None, None, None)
+
+
+# ---------------------------------------------------------------------- compiled segments, gradient buckets
+def test_segments_end_at_the_bucket_size_and_keep_exchanges_eager():
+    from rayconv.parallel.filter_split import Gather
+    from rayconv.parallel.segments import segments
+
+    lin = [nn.Linear(16, 16) for _ in range(5)]  # 272 parameters, 1088 bytes each
+    gather = Gather(1, [8, 8], 0, None, False)
+    runs = segments([lin[0], lin[1], gather, lin[2], lin[3], lin[4]], max_bytes=2 * 1088)
+    assert [(c, len(ms)) for c, ms in runs] == [(True, 2), (False, 1), (True, 2), (True, 1)]
+    assert runs[1][1][0] is gather
+    assert [(c, len(ms)) for c, ms in segments(lin, None)] == [(True, 5)]
+
+
+def test_old_boolean_compile_setting_still_reads(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"compile": True}))
+    assert parse_args(["--config", str(path)]).compile == "on"
+    path.write_text(json.dumps({"compile": False}))
+    assert parse_args(["--config", str(path)]).compile == "off"
+    with pytest.raises(SystemExit):
+        parse_args(["--compile", "maybe"])
+
+
+def test_gradient_sync_buckets_keep_channels_last_gradients(tmp_path):
+    """GradientSync in a real one-rank gloo process group: the sum over one replica is the gradient
+    itself, whatever the parameter's memory layout; a parameter without a gradient gets zeros."""
+    import torch.distributed as dist
+
+    from rayconv.parallel.data_parallel import GradientSync
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.Flatten(), nn.Linear(16, 3))
+        model.to(memory_format=torch.channels_last)
+        unused = nn.Parameter(torch.ones(5))
+        params = [*model.parameters(), unused]
+        sync = GradientSync(params, dist.new_group([0]), bucket_mb=0.001, first_bucket_mb=0.0001)
+        assert len(sync.buckets) > 2
+        x = torch.randn(2, 3, 6, 6).contiguous(memory_format=torch.channels_last)
+        model(x).sum().backward()
+        want = {id(p): p.grad.clone() for p in model.parameters()}
+        strides = {id(p): p.grad.stride() for p in model.parameters()}
+        model.zero_grad(set_to_none=True)
+        sync.arm()
+        model(x).sum().backward()
+        sync.finish()
+        for p in model.parameters():
+            torch.testing.assert_close(p.grad, want[id(p)], rtol=0, atol=0)
+            assert p.grad.stride() == strides[id(p)]
+        assert torch.equal(unused.grad, torch.zeros(5))
+    finally:
+        dist.destroy_process_group()

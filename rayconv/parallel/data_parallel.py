@@ -27,19 +27,25 @@ from . import comm
 class GradientSync:
     """Bucketed, backward-overlapped gradient all-reduce of ``params`` over ``group``.
 
-    ``group`` None (one replica) makes every method a no-op. ``bucket_mb`` is in MB (2**20 bytes).
+    ``group`` None (one replica) makes every method a no-op. ``bucket_mb`` is in MB (2**20 bytes);
+    the first bucket (the last layers, whose gradients come first) is capped at ``first_bucket_mb`` so
+    that communication starts early in the backward pass, as DDP does. Each bucket is a persistent flat
+    buffer; gradients are copied in and the sums out with one multi-tensor copy per bucket, through
+    views that share each parameter's strides (channels_last weights included), so no layout conversion.
     """
 
-    def __init__(self, params: list[nn.Parameter], group: Optional[dist.ProcessGroup], bucket_mb: float = 25.0):
+    def __init__(self, params: list[nn.Parameter], group: Optional[dist.ProcessGroup], bucket_mb: float = 25.0,
+                 first_bucket_mb: float = 1.0):
         self.group = group
         self.params = [p for p in params if p.requires_grad]
         self.buckets: list[list[nn.Parameter]] = []
+        self.bucket_bytes = int(bucket_mb * 2**20)
         if group is None:
             return
-        limit = int(bucket_mb * 2**20)
         cur: list[nn.Parameter] = []
         size = 0
         for p in reversed(self.params):
+            limit = int(first_bucket_mb * 2**20) if not self.buckets else self.bucket_bytes
             if cur and (size + p.numel() * p.element_size() > limit or p.dtype != cur[0].dtype):
                 self.buckets.append(cur)
                 cur, size = [], 0
@@ -48,6 +54,18 @@ class GradientSync:
         if cur:
             self.buckets.append(cur)
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self.flats: list[torch.Tensor] = []
+        self.views: list[list[torch.Tensor]] = []
+        for b in self.buckets:
+            flat = torch.empty(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
+            views, offset = [], 0
+            for p in b:
+                dense = p.is_contiguous() or p.is_contiguous(memory_format=torch.channels_last)
+                views.append(flat.as_strided(p.shape, p.stride(), offset) if dense else
+                             flat[offset:offset + p.numel()].view(p.shape))
+                offset += p.numel()
+            self.flats.append(flat)
+            self.views.append(views)
         self.armed = False
         self._reset()
         for p in self.params:
@@ -55,7 +73,7 @@ class GradientSync:
 
     def _reset(self) -> None:
         self.missing = [len(b) for b in self.buckets]
-        self.launched: list[tuple[torch.Tensor, object]] = []
+        self.launched: list[object] = []
 
     def arm(self) -> None:
         """Call before the last backward pass of the step: from now on, full buckets are sent."""
@@ -71,9 +89,13 @@ class GradientSync:
             self._launch(len(self.launched))
 
     def _launch(self, i: int) -> None:
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in self.buckets[i]])
-        self.launched.append((flat, comm.all_reduce_sum(flat, self.group, async_op=True)))
+        views = self.views[i]
+        have = [(v, p.grad) for v, p in zip(views, self.buckets[i]) if p.grad is not None]
+        if len(have) < len(views):  # parameters without a gradient this step contribute zeros
+            self.flats[i].zero_()
+        if have:
+            torch._foreach_copy_([v for v, _ in have], [g for _, g in have])
+        self.launched.append(comm.all_reduce_sum(self.flats[i], self.group, async_op=True))
 
     def finish(self) -> None:
         """Launch remaining buckets, wait for all and write the summed gradients back."""
@@ -81,17 +103,17 @@ class GradientSync:
             return
         while len(self.launched) < len(self.buckets):
             self._launch(len(self.launched))
-        for i, (flat, work) in enumerate(self.launched):
+        for i, work in enumerate(self.launched):
             work.wait()
-            offset = 0
-            for p in self.buckets[i]:
-                n = p.numel()
-                g = flat[offset:offset + n].view_as(p)
+            grads, views = [], []
+            for p, v in zip(self.buckets[i], self.views[i]):
                 if p.grad is None:
-                    p.grad = g.clone()
+                    p.grad = v.clone()
                 else:
-                    p.grad.copy_(g)
-                offset += n
+                    grads.append(p.grad)
+                    views.append(v)
+            if grads:
+                torch._foreach_copy_(grads, views)
         self.armed = False
         self._reset()
 

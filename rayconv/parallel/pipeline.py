@@ -100,7 +100,13 @@ class StageRunner:
         self.module, self.group, self.prev, self.next = module, group, prev, next_
         self.in_shape, self.out_shape = in_shape, out_shape
         self.wire_dtype, self.device, self.autocast = wire_dtype, device, autocast
-        first = next(iter(getattr(module, "_orig_mod", module).children()), None)
+        first = module
+        while True:  # the first leaf layer (through compiled segments and nested Sequentials)
+            first = getattr(first, "_orig_mod", first)
+            child = next(iter(first.children()), None)
+            if child is None:
+                break
+            first = child
         if prev is not None and getattr(first, "inplace", False):
             first.inplace = False  # the received activation is a leaf that needs its gradient
 

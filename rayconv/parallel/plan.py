@@ -9,6 +9,7 @@ builds and validates the schedule, and checks the layout against the model. Ever
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -75,6 +76,62 @@ def layer_profile(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, 
     return shapes, flops, params
 
 
+def layer_times(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, ...], batch: int,
+                device: torch.device, autocast: Optional[torch.dtype], reps: int = 5) -> list[float]:
+    """Forward + backward time in ms of each layer on ``device`` for a micro-batch of ``batch`` images
+    (torchgpipe's ``balance_by_time``, Kim et al. 2020, section 3.3): FLOPs misjudge layers bound by
+    memory traffic (batch norm, ReLU and pooling on the large early activations). Each layer runs
+    ``reps`` timed times after one untimed run, on the previous layer's output, eagerly."""
+    import time
+
+    cuda = device.type == "cuda"
+    fmt = torch.channels_last if cuda else torch.contiguous_format
+    x = torch.randn((batch, *sample_shape), device=device).contiguous(memory_format=fmt)
+    times = []
+    for i, (_, m) in enumerate(layers):
+        m.to(device)
+        if cuda:
+            m.to(memory_format=torch.channels_last)
+        m.train()
+        for r in range(reps + 1):
+            if r == 1:
+                if cuda:
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+            # A non-leaf input (layers may start with an in-place ReLU), fresh each repetition.
+            inp = x.detach().requires_grad_() * 1 if i > 0 else x
+            with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                out = m(inp)
+            if out.requires_grad:
+                out.float().sum().backward()
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - t0) / reps * 1e3)
+        with torch.no_grad(), torch.autocast(device.type, dtype=autocast or torch.bfloat16,
+                                             enabled=autocast is not None):
+            x = m(x).detach()
+        m.zero_grad(set_to_none=True)
+        m.to("cpu")
+    return times
+
+
+def measured_costs(cfg_dict: dict, micro_batch: int) -> list[float]:
+    """``layer_times`` of the run's model on this process's device (run as a Ray task on a GPU by
+    ``driver.prepare``). Returns one time in ms per layer of ``models.to_layers``."""
+    from ..data import make_source
+    from ..models import build_model
+
+    cfg = Config(**cfg_dict)
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    source = make_source(cfg)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1])
+    return layer_times(to_layers(model), tuple(source.sample_shape), micro_batch, device,
+                       torch.bfloat16 if cfg.precision == "bf16" else None)
+
+
 def build_part(plan: Plan, layers, stage: int, fs_index: int, fs_group, dp_index: int, dp_group):
     """This actor's runnable part (a ``filter_split.ShardedPart``) and the shard sizes of its input
     (None when replicated): the stage's layers, filter-split over fs, or the per-layer plan.
@@ -97,8 +154,10 @@ def build_part(plan: Plan, layers, stage: int, fs_index: int, fs_group, dp_index
     raise AssertionError(f"stage {stage} out of range")
 
 
-def make_plan(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[int, ...]) -> Plan:
-    """Plan ``model`` (built with the run's settings) for ``mesh``. Raises PlanError."""
+def make_plan(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[int, ...],
+              costs: Optional[list[float]] = None) -> Plan:
+    """Plan ``model`` (built with the run's settings) for ``mesh``; pipeline stages balance ``costs``
+    (one per layer, e.g. measured times) when given, else forward FLOPs. Raises PlanError."""
     layers = to_layers(model)
     shapes, flops, params = layer_profile(layers, sample_shape)
     if mesh.pp > 1 and len(layers) == 1:
@@ -106,6 +165,10 @@ def make_plan(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[int
                         "layer order): use --pp 1")
     if cfg.stages:
         stages = parse_stages(cfg.stages, len(layers), mesh.pp)
+    elif costs is not None:
+        if len(costs) != len(layers):
+            raise PlanError(f"{len(costs)} layer costs for {len(layers)} layers")
+        stages = balance(costs, mesh.pp)
     else:
         # Balance by forward FLOPs, parameters as a tie-breaker for layers without compute.
         stages = balance([f + p for f, p in zip(flops, params)], mesh.pp)
