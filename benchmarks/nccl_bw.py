@@ -1,7 +1,7 @@
 """NCCL all-reduce time between two GPUs, from torchrun processes and from Ray actors.
 
-    torchrun --nproc_per_node=2 benchmarks/nccl_bw.py          # torchrun processes
-    python benchmarks/nccl_bw.py --ray [--one-gpu-visible]     # two Ray GPU actors
+    timeout 120 torchrun --standalone --nproc_per_node=2 benchmarks/nccl_bw.py   # torchrun processes
+    timeout 120 python benchmarks/nccl_bw.py --ray [--one-gpu-visible]           # two Ray GPU actors
 
 Prints ``NCCL <how> <MB> MB <ms> ms <GB/s> algbw`` for 4 MB, 25 MB and 100 MB float32 all-reduces
 (median of 10 after 3 warm-up), run while the GPUs are otherwise idle.
@@ -10,27 +10,32 @@ Prints ``NCCL <how> <MB> MB <ms> ms <GB/s> algbw`` for 4 MB, 25 MB and 100 MB fl
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import socket
 import time
+from typing import Optional
 
 
-def measure(rank: int, world: int, master: str, how: str) -> list[str]:
+def measure(rank: int, world: int, master: Optional[str], how: str, backend: str = "nccl") -> list[str]:
     import torch
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", init_method=f"tcp://{master}", rank=rank, world_size=world)
-    dev = torch.device("cuda", torch.cuda.current_device())
+    # Under torchrun (master None) the rendezvous is torchrun's own store (env://): a tcp:// address
+    # would wait for a store server that rank 0 does not start under torchrun's agent.
+    dist.init_process_group(backend, init_method=None if master is None else f"tcp://{master}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    sync = torch.cuda.synchronize if backend == "nccl" else (lambda: None)
     lines = []
     for mb in (4, 25, 100):
         t = torch.ones(mb * 2**20 // 4, device=dev)
         times = []
         for i in range(13):
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             dist.all_reduce(t)
-            torch.cuda.synchronize()
+            sync()
             if i >= 3:
                 times.append(time.perf_counter() - t0)
         ms = sorted(times)[len(times) // 2] * 1e3
@@ -43,13 +48,15 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ray", action="store_true")
     p.add_argument("--one-gpu-visible", action="store_true")
+    p.add_argument("--backend", default="nccl", choices=("nccl", "gloo"), help="gloo: a CPU check of the plumbing")
     a = p.parse_args()
     if not a.ray:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         import torch
 
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        lines = measure(rank, world, f"{os.environ['MASTER_ADDR']}:{int(os.environ['MASTER_PORT']) + 1}", "torchrun")
+        if a.backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        lines = measure(rank, world, None, "torchrun", a.backend)
         if rank == 0:
             print("\n".join(lines), flush=True)
         return

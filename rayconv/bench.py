@@ -175,9 +175,9 @@ def _anchor_once(model: str, devices: int, global_batch: int, args, compiled: bo
 
 
 def compiles(args) -> bool:
-    """Whether this run compiles (rayconv's ``--compile`` rule; the anchors follow it)."""
-    return args.compile == "on" or (args.compile == "auto" and args.device_kind == "cuda"
-                                    and args.precision != "fp64")
+    """Whether the anchors are also measured compiled (the faster of eager and compiled counts): on
+    GPUs unless ``--compile off`` (rayconv itself compiles as its ``--compile`` rule says)."""
+    return args.compile == "on" or (args.compile == "auto" and args.device_kind == "cuda")
 
 
 def base_config(args, model: str, layout: dict[str, Any], global_batch: int) -> Config:
@@ -365,7 +365,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--address", default=None)
     p.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
-                   help="torch.compile (rayconv's parts and the anchors alike); auto: on GPUs")
+                   help="rayconv's --compile for every layout (auto: one-GPU layouts only); unless off, the anchors "
+                        "run eagerly and compiled on GPUs and the faster counts")
     p.add_argument("--all-gpus-visible", action=argparse.BooleanOptionalAction, default=True,
                    help="actors see every GPU of their node (rayconv's default; NCCL then uses NVLink)")
     p.add_argument("--trace", type=int, default=0, metavar="N",

@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .config import Config, ConfigError
 from .mesh import Mesh
-from .worker import Worker, exception_summary
+from .worker import Worker, exception_summary, visible_index
 
 NAMESPACE = "rayconv"
 LOST_GRACE_S = 2.0  # after an actor error, how long to look for a lost actor that caused it
@@ -226,22 +226,24 @@ class Gang:
             pass
 
 
+def _on_device(fn, gpu: bool, *args) -> Any:
+    """Body of ``run_on_device``'s task: select the GPU Ray assigned (all GPUs visible), run ``fn``."""
+    if gpu:
+        import torch
+
+        torch.cuda.set_device(visible_index(ray.get_gpu_ids()[0]))
+    return fn(*args)
+
+
 def run_on_device(fn, args: Sequence[Any], gpu: bool, timeout_s: float = 300.0) -> Any:
     """``fn(*args)`` as a Ray task on one GPU (``gpu``) or one CPU of the cluster; its result.
     With all GPUs of the node visible, the task uses the one Ray assigned. Raises ClusterError naming
     the task's error or the timeout."""
     env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if gpu else {}
-
-    def task(*a):
-        if gpu:
-            import torch
-
-            torch.cuda.set_device(int(ray.get_gpu_ids()[0]))
-        return fn(*a)
-
     # max_calls=1: the worker process exits afterwards, releasing its CUDA context and cached memory.
-    ref = ray.remote(max_calls=1)(task).options(num_gpus=1 if gpu else 0, num_cpus=1, max_retries=0,
-                                                runtime_env={"env_vars": env} if env else None).remote(*args)
+    ref = ray.remote(max_calls=1)(_on_device).options(
+        num_gpus=1 if gpu else 0, num_cpus=1, max_retries=0,
+        runtime_env={"env_vars": env} if env else None).remote(fn, gpu, *args)
     try:
         return ray.get(ref, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:

@@ -69,8 +69,9 @@ class Config:
     seed: int = field(default=0, metadata={"help": "seed of weights, data order and augmentation"})
     precision: str = field(default="fp32", metadata={"help": "fp32, bf16 (autocast) or fp64", "choices": PRECISION_CHOICES})
     compile: str = field(default="auto", metadata={
-        "help": "torch.compile each actor's part, in segments that end at the gradient bucket size: auto (on "
-                "GPUs, except fp64), on, off; compile time is spent in the first steps", "choices": COMPILE_CHOICES})
+        "help": "torch.compile each actor's part, in segments that end at the gradient bucket size: on, off, or "
+                "auto: on for a one-GPU run (except fp64), where it was measured to pay; compile time is spent "
+                "in the first steps", "choices": COMPILE_CHOICES})
     sync_batchnorm: bool = field(default=False, metadata={"help": "batch-norm statistics over the global batch"})
     # where
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda", "choices": DEVICE_CHOICES})

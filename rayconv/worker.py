@@ -68,7 +68,7 @@ class Worker:
             raise RuntimeError("actor has no GPU assigned by Ray")
         if self.cfg.all_gpus_visible:
             # Actors see every GPU of the node (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1): pick ours by index.
-            index = int(ids[0])
+            index = visible_index(ids[0])
         else:
             index = 0  # Ray narrowed CUDA_VISIBLE_DEVICES to our GPU
         torch.cuda.set_device(index)
@@ -127,8 +127,10 @@ class Worker:
         pp_ranks = self.groups.ranks["pp"]
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
+        # auto: compile a one-actor run on a GPU (measured 1.45x on ResNet-50); layouts with several
+        # actors stay eager (compiled data parallelism measured slower, see benchmarks/RESULTS.md).
         self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and self.device.type == "cuda"
-                                                  and cfg.precision != "fp64")
+                                                  and cfg.precision != "fp64" and mesh.world_size == 1)
         # Compiled segments end at the gradient bucket size, so all-reduce overlaps the backward pass.
         limit = self.sync.bucket_bytes if self.sync.group is not None else None
         self.runner = StageRunner(
@@ -394,6 +396,15 @@ class Worker:
         loss = result["loss_sum"] / max(1, result["samples"]) if result["reports"] else None
         actor_gauges(self.run_name, self.role, images_per_s=result["samples"] / max(ms / 1e3, 1e-9),
                      step_ms=ms, loss=loss, peak_memory_gib=peak, step=result["step"])
+
+
+def visible_index(gpu_id: Any, visible: Optional[str] = None) -> int:
+    """torch's device index of the GPU Ray calls ``gpu_id`` when this process sees the node's GPUs:
+    Ray's ids are those of the node (its CUDA_VISIBLE_DEVICES, if the node was started with one), so a
+    node started with CUDA_VISIBLE_DEVICES=2,3 calls its GPUs 2 and 3, which torch numbers 0 and 1."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    listed = [v.strip() for v in visible.split(",")] if visible else []
+    return listed.index(str(gpu_id)) if str(gpu_id) in listed else int(gpu_id)
 
 
 def exception_summary(e: BaseException) -> str:

@@ -21,8 +21,10 @@ def gpu_cluster():
 
 
 LAYOUTS = {
-    "dp2": dict(dp=2),
-    "dp2-all-gpus-visible": dict(dp=2, all_gpus_visible=True),
+    "dp2": dict(dp=2),                                        # actors see all GPUs of the node (default)
+    "dp2-one-gpu-visible": dict(dp=2, all_gpus_visible=False),
+    "dp2-compiled": dict(dp=2, compile="on"),                  # compiled segments, float64
+    "pp2-balanced-by-time": dict(pp=2, num_microbatches=2, balance="time"),
     "fs2": dict(fs=2),
     "pp2-1f1b": dict(pp=2, num_microbatches=2),
     "plan-dp2": dict(dp=2, plan="krizhevsky2014"),
@@ -41,7 +43,8 @@ def test_gpu_layout_matches_single_device(gpu_cluster, tmp_path, name):
     assert_same_state(got, reference_sgd(cfg, 4), atol=1e-8)
 
 
-@pytest.mark.parametrize("layout", [dict(fs=2), dict(pp=2, num_microbatches=4), dict(dp=2, plan="krizhevsky2014")])
+@pytest.mark.parametrize("layout", [dict(fs=2), dict(pp=2, num_microbatches=4), dict(dp=2, plan="krizhevsky2014"),
+                                    dict(fs=2, compile="on"), dict(dp=2, plan="krizhevsky2014", compile="on")])
 def test_alexnet_bf16_short_training(gpu_cluster, tmp_path, layout):
     kw = dict(model="alexnet", data="synthetic", image_size=224, synthetic_samples=2048, global_batch_size=256,
               steps=6, precision="bf16", device="cuda", dp=1, progress=False, out=str(tmp_path / "alex"), lr=0.01)

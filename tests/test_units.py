@@ -426,3 +426,12 @@ def test_gradient_sync_buckets_keep_channels_last_gradients(tmp_path):
         assert torch.equal(unused.grad, torch.zeros(5))
     finally:
         dist.destroy_process_group()
+
+
+def test_visible_index_maps_ray_gpu_ids_to_torch_indices():
+    from rayconv.worker import visible_index
+
+    assert visible_index("3", "") == 3                 # every GPU visible: ids are indices
+    assert visible_index("3", "2,3") == 1              # node started with CUDA_VISIBLE_DEVICES=2,3
+    assert visible_index(2, " 2 , 3") == 0
+    assert visible_index("GPU-abc", "GPU-xyz,GPU-abc") == 1  # UUIDs as ids
