@@ -72,6 +72,8 @@ class Config:
         "help": "torch.compile each actor's part, in segments that end at the gradient bucket size: on, off, or "
                 "auto: on for a one-GPU run (except fp64), where it was measured to pay; compile time is spent "
                 "in the first steps", "choices": COMPILE_CHOICES})
+    bucket_mb: float = field(default=25.0, metadata={"help": "gradient all-reduce bucket size in MB (2**20 bytes); "
+                                                          "compiled segments end at bucket boundaries"})
     sync_batchnorm: bool = field(default=False, metadata={"help": "batch-norm statistics over the global batch"})
     # where
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda", "choices": DEVICE_CHOICES})
@@ -130,6 +132,7 @@ class Config:
         need(self.lr > 0, f"--lr must be > 0 (got {self.lr})")
         need(0 <= self.momentum < 1, f"--momentum must be in [0, 1) (got {self.momentum})")
         need(self.weight_decay >= 0, f"--weight-decay must be >= 0 (got {self.weight_decay})")
+        need(self.bucket_mb > 0, f"--bucket-mb must be > 0 (got {self.bucket_mb})")
         need(self.collective_timeout_s > 0, "--collective-timeout-s must be > 0")
         need(self.image_size >= 32, f"--image-size must be >= 32 pixels (got {self.image_size})")
         need(self.loader_workers >= 0, "--loader-workers must be >= 0")

@@ -120,7 +120,8 @@ class Worker:
         # Modules replicated over the dp group start identical; only their gradients are all-reduced.
         self.replicated = [m for m, r in zip(self.part, replicated_at) if r]
         broadcast_modules(self.replicated, dp_root, dp_group)
-        self.sync = GradientSync([p for m in self.replicated for p in m.parameters()], dp_group)
+        self.sync = GradientSync([p for m in self.replicated for p in m.parameters()], dp_group, cfg.bucket_mb,
+                                 first_bucket_mb=min(1.0, cfg.bucket_mb))
         self.has_buffers = any(True for m in self.replicated for _ in m.buffers())
         self.optimizer = torch.optim.SGD(self.part.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                                          weight_decay=cfg.weight_decay)

@@ -54,3 +54,17 @@ def test_eval_covers_every_test_sample_once(ray_cluster, tmp_path):
     n = 359
     acc = summary["test_accuracy"]
     assert abs(acc * n - round(acc * n)) < 1e-9, "accuracy must be a whole count over 359 samples"
+
+
+def test_compiled_segments_with_small_buckets_match_single_device_sgd(ray_cluster, tmp_path):
+    """torch.compile per segment (segments end at 20 kB gradient buckets, so the convnet is cut into
+    several compiled graphs whose gradients are all-reduced while the backward pass goes on) is still
+    single-device SGD: dp=2, float64, 3 steps and an evaluation in eval mode."""
+    steps = 3
+    cfg = dp_config(tmp_path, 2, compile="on", bucket_mb=0.02, steps=steps, eval_every=steps,
+                    out=str(tmp_path / "compiled"))
+    summary = fit(cfg, log=lambda *_: None)
+    assert all(a["compiled"] for a in summary["actors"])
+    got = torch.load(tmp_path / "compiled" / "model.pt", weights_only=True)
+    assert_same_state(got, reference_sgd(cfg, steps), atol=1e-10)
+    assert 0 <= summary["test_accuracy"] <= 1
