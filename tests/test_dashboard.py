@@ -130,7 +130,14 @@ def test_ray_job_submit(dashboard, tmp_path):
     cmd = [str(ray_cli), "job", "submit", "--address", dashboard["url"], "--runtime-env-json", json.dumps(runtime_env),
            "--", sys.executable, "-m", "rayconv.run", "--steps", "3", "--dp", "2", "--device", "cpu",
            "--no-progress", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    deadline = time.monotonic() + 90
+    while True:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        # The dashboard's job agent starts after the dashboard (slowly on a loaded machine): until it
+        # is up, the submission is refused before the job runs, so it can be retried.
+        if "No available agent" not in proc.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "succeeded" in proc.stdout + proc.stderr
     summary = json.loads((out / "summary.json").read_text())
