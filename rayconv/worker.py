@@ -333,6 +333,8 @@ class Worker:
         return {"rank": self.rank, "peak_gib": torch.cuda.max_memory_allocated(self.device) / 2**30}
 
     def shutdown(self) -> None:
+        if getattr(self, "sync", None) is not None:
+            self.sync.close()
         comm.destroy()
 
     # ------------------------------------------------------------------ checkpoints

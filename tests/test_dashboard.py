@@ -8,6 +8,8 @@ This module starts its own Ray (with the dashboard) and shuts it down at the end
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import os
 import socket
 import subprocess
@@ -48,13 +50,18 @@ def dashboard():
     old = os.environ.get("RAY_metrics_report_interval_ms")
     os.environ["RAY_metrics_report_interval_ms"] = "500"  # inherited by the raylet and workers
     port = free_port()
+    # A session folder of its own: the job server finds "its" cluster through <temp dir>/ray_current_cluster,
+    # which in the shared /tmp/ray names the newest cluster on the machine, maybe another one.
+    temp_dir = tempfile.mkdtemp(prefix="rc-", dir="/tmp")
     ctx = ray.init(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
-                   namespace="rayconv", log_to_driver=False, configure_logging=True, logging_level="WARNING")
+                   namespace="rayconv", log_to_driver=False, configure_logging=True, logging_level="WARNING",
+                   _temp_dir=temp_dir)
     try:
         yield {"url": f"http://127.0.0.1:{port}", "port": port, "dashboard_url": ctx.dashboard_url,
                "metrics_port": ray._private.worker.global_worker.node.metrics_export_port}
     finally:
         ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
         if old is None:
             os.environ.pop("RAY_metrics_report_interval_ms", None)
         else:

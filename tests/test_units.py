@@ -404,6 +404,7 @@ def test_gradient_sync_buckets_keep_channels_last_gradients(tmp_path):
     from rayconv.parallel.data_parallel import GradientSync
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
+    sync = None
     try:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.Flatten(), nn.Linear(16, 3))
@@ -425,6 +426,8 @@ def test_gradient_sync_buckets_keep_channels_last_gradients(tmp_path):
             assert p.grad.stride() == strides[id(p)]
         assert torch.equal(unused.grad, torch.zeros(5))
     finally:
+        if sync is not None:
+            sync.close()  # else its hooks keep the gloo group (and its threads) alive until exit
         dist.destroy_process_group()
 
 

@@ -68,8 +68,15 @@ class GradientSync:
             self.views.append(views)
         self.armed = False
         self._reset()
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+        # Handles kept: the hooks hold this object, and through it the process group, from C++, where
+        # Python's garbage collector cannot see the cycle; close() removes them.
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    def close(self) -> None:
+        """Remove the gradient hooks and drop the process group (call before destroying the group)."""
+        for h in getattr(self, "_hooks", ()):
+            h.remove()
+        self._hooks, self.launched, self.group = [], [], None
 
     def _reset(self) -> None:
         self.missing = [len(b) for b in self.buckets]
