@@ -227,7 +227,8 @@ def write_table(rows: list[dict[str, Any]], out: Path) -> None:
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel("speedup over rayconv on 1 device")
-    ax.set_title("rayconv speedups (same run, synthetic 224x224)")
+    size = rows[0].get("image_size", 224)
+    ax.set_title(f"rayconv speedups (same run, synthetic {size}x{size})")
     fig.tight_layout()
     fig.savefig(out / "speedup.png", dpi=120)
     plt.close(fig)
@@ -244,7 +245,8 @@ def main_bench(args) -> list[dict[str, Any]]:
     for model, gb, name in jobs:
         bar.set_postfix_str(f"{model} {name} B={gb}")
         lay = parse_layout(name)
-        row: dict[str, Any] = {"model": model, "layout": name, "global_batch_size": gb, "note": ""}
+        row: dict[str, Any] = {"model": model, "layout": name, "global_batch_size": gb, "image_size": args.image_size,
+                               "note": ""}
         tries = [lay]
         if lay.get("pp", 1) > 1 and "num_microbatches" not in lay:
             tries = [{**lay, "num_microbatches": m} for m in (2, 4, 8) if gb // lay["dp"] % m == 0]
@@ -281,8 +283,11 @@ def main_bench(args) -> list[dict[str, Any]]:
             row["driver_overhead"] = row["driver_idle_ms"] / row["step_ms"]
         rows.append(row)
         write_table(rows, out)  # after every layout: a cut-short run keeps what it measured
-        print(f"RESULT {model} {name} B={gb}: " + (f"{ips:.0f} images/s, speedup {row['speedup_vs_1'] or 0:.2f}x, "
-              f"vs plain {row['vs_plain_pytorch'] or 0:.2f}x, vs DDP {row['vs_torchrun_ddp'] or 0:.2f}x"
+        def ratio(v: Optional[float]) -> str:
+            return f"{v:.2f}x" if v else "not measured"
+
+        print(f"RESULT {model} {name} B={gb}: " + (f"{ips:.0f} images/s, speedup {ratio(row['speedup_vs_1'])}, "
+              f"vs plain {ratio(row['vs_plain_pytorch'])}, vs DDP {ratio(row['vs_torchrun_ddp'])}"
               if ips else f"failed: {row['note']}"), flush=True)
         bar.update(1)
     bar.close()

@@ -54,7 +54,7 @@ class Config:
     stages: Optional[str] = field(default=None, metadata={"help": "pipeline cut points by hand, e.g. '5,9' (layer indices)"})
     balance: str = field(default="auto", metadata={
         "help": "what pipeline stages balance when --stages is not given: time (each layer's forward+backward "
-                "measured on one device before the run), flops (forward FLOPs), auto (time on GPUs)",
+                "measured on one device before the run), flops (forward FLOPs), auto (time on GPUs, flops on CPU)",
         "choices": BALANCE_CHOICES})
     num_microbatches: int = field(default=1, metadata={"help": "micro-batches per replica per step"})
     schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule", "choices": SCHEDULE_CHOICES})

@@ -182,7 +182,10 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
             "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
             "test_accuracy": last_eval.get("test_accuracy"), "test_error": last_eval.get("test_error"),
             "test_loss": last_eval.get("test_loss"),
-            "images_per_s": sum(x["images_per_s"] for x in steady) / len(steady) if steady else None,
+            # Images over time (not a mean of per-step rates: with two steps in flight, a step's result
+            # can come back just after the one before it, and its rate alone means nothing).
+            "images_per_s": (sum(x["images_per_s"] * x["step_ms"] for x in steady) / sum(x["step_ms"] for x in steady)
+                             if steady and sum(x["step_ms"] for x in steady) > 0 else None),
             "train_time_s": train_s, "wall_time_s": time.perf_counter() - t_start,
             "resumed_from": str(resume.path) if resume is not None else None, "failures_recovered": failures,
             "actors": [{**s, **m} for s, m in zip(run.setups, memory)],

@@ -84,4 +84,4 @@ class Mesh:
         return "-".join(parts) or "dp0"
 
     def describe(self) -> str:
-        return f"dp={self.dp} x pp={self.pp} x fs={self.fs} ({self.world_size} actors)"
+        return f"dp={self.dp} x pp={self.pp} x fs={self.fs} ({self.world_size} actor{'' if self.world_size == 1 else 's'})"
