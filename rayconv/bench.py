@@ -373,7 +373,7 @@ def parse_args(argv=None):
                    help="rayconv's --compile for every layout (auto: one-GPU layouts only); unless off, the anchors "
                         "run eagerly and compiled on GPUs and the faster counts")
     p.add_argument("--all-gpus-visible", action=argparse.BooleanOptionalAction, default=True,
-                   help="actors see every GPU of their node (rayconv's default; NCCL then uses NVLink)")
+                   help="actors see every GPU of their node (rayconv's default, as torchrun)")
     p.add_argument("--trace", type=int, default=0, metavar="N",
                    help="also profile N steps of each layout with torch.profiler: trace-<layout>.txt, device_busy")
     p.add_argument("--anchors", action=argparse.BooleanOptionalAction, default=True)

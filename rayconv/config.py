@@ -81,9 +81,9 @@ class Config:
                                                                    "a running cluster, else a new local one)"})
     num_cpus_per_actor: int = field(default=1, metadata={"help": "CPUs reserved per actor (threads on CPU)"})
     all_gpus_visible: bool = field(default=True, metadata={
-        "help": "actors see every GPU of their node and pick theirs by index, as torchrun does: NCCL then uses "
-                "NVLink between actors (with one GPU visible per actor it fell back to a ring through host "
-                "memory, 8 GB/s on the 2 x H200; Ray issue 61073)"})
+        "help": "actors see every GPU of their node and pick theirs by index, as torchrun does (with Ray's "
+                "one GPU per actor, NCCL is reported to slow or hang on NVSwitch hosts, Ray issue 61073); "
+                "no effect on CPU"})
     collective_timeout_s: float = field(default=300.0, metadata={"help": "seconds before a stuck collective fails"})
     loader_workers: int = field(default=2, metadata={"help": "decode processes per actor for imagefolder data"})
     # output
