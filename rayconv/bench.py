@@ -283,15 +283,17 @@ def main_bench(args) -> list[dict[str, Any]]:
             row["driver_overhead"] = row["driver_idle_ms"] / row["step_ms"]
         rows.append(row)
         write_table(rows, out)  # after every layout: a cut-short run keeps what it measured
-        def ratio(v: Optional[float]) -> str:
-            return f"{v:.2f}x" if v else "not measured"
-
         print(f"RESULT {model} {name} B={gb}: " + (f"{ips:.0f} images/s, speedup {ratio(row['speedup_vs_1'])}, "
               f"vs plain {ratio(row['vs_plain_pytorch'])}, vs DDP {ratio(row['vs_torchrun_ddp'])}"
               if ips else f"failed: {row['note']}"), flush=True)
         bar.update(1)
     bar.close()
     return rows
+
+
+def ratio(v: Optional[float]) -> str:
+    """A ratio for the RESULT lines: ``1.23x``, or ``not measured``."""
+    return f"{v:.2f}x" if v else "not measured"
 
 
 def sweep_batch(args, until_largest: bool) -> list[dict[str, Any]]:

@@ -23,6 +23,8 @@ from .mesh import Mesh
 from .worker import Worker, exception_summary, visible_index
 
 NAMESPACE = "rayconv"
+# Actors and tasks with this see every GPU of their node (and select theirs by ``visible_index``).
+ALL_GPUS_VISIBLE_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 LOST_GRACE_S = 2.0  # after an actor error, how long to look for a lost actor that caused it
 
 
@@ -239,7 +241,7 @@ def run_on_device(fn, args: Sequence[Any], gpu: bool, timeout_s: float = 300.0) 
     """``fn(*args)`` as a Ray task on one GPU (``gpu``) or one CPU of the cluster; its result.
     With all GPUs of the node visible, the task uses the one Ray assigned. Raises ClusterError naming
     the task's error or the timeout."""
-    env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if gpu else {}
+    env = ALL_GPUS_VISIBLE_ENV if gpu else {}
     # max_calls=1: the worker process exits afterwards, releasing its CUDA context and cached memory.
     ref = ray.remote(max_calls=1)(_on_device).options(
         num_gpus=1 if gpu else 0, num_cpus=1, max_retries=0,
@@ -275,7 +277,7 @@ def start_workers(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float = 120
         for b in range(mesh.world_size):
             node_order.setdefault(nodes[b], len(node_order))
         bundles = sorted(range(mesh.world_size), key=lambda b: (node_order[nodes[b]], b))
-        env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if (gpu and cfg.all_gpus_visible) else {}
+        env = ALL_GPUS_VISIBLE_ENV if (gpu and cfg.all_gpus_visible) else {}
         remote = ray.remote(Worker)
         _wait_names_free([f"rayconv/{run_name}/{mesh.role(r)}" for r in range(mesh.world_size)], timeout_s)
         for rank, b in enumerate(bundles):

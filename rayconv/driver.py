@@ -26,7 +26,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 from tqdm import tqdm
 
 from . import cluster
@@ -35,7 +34,7 @@ from .checkpoint import (Checkpoint, CheckpointError, assemble, check_resumable,
 from .config import Config
 from .data import Sharding, make_source
 from .metrics import MetricsLog, actor_gauges, read_rows, reduce_step, write_json
-from .models import build_model, model_names
+from .models import build_model, model_names, run_model
 from .parallel.plan import make_plan, measured_costs
 from .schedule import format_grid
 
@@ -65,8 +64,7 @@ def prepare(cfg: Config, log=print):
     cluster.connect(cfg.address, min_cpus=wanted if cfg.device != "cuda" else None)
     mesh = cluster.resolve_layout(cfg, log)
     source = make_source(cfg)
-    torch.manual_seed(cfg.seed)
-    reference = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1])
+    reference = run_model(cfg, source)
     plan = make_plan(cfg, mesh, reference, source.sample_shape)  # checks the layout before any measuring
     by_time = cfg.balance == "time" or (cfg.balance == "auto" and cfg.device == "cuda")
     if mesh.pp > 1 and not cfg.stages and by_time:
@@ -163,14 +161,14 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
         split_dims: dict[str, int] = {}
         for d in gang.call("split_dims", ranks=holders, timeout_s=run.call_timeout_s):
             split_dims.update(d)
-        torch.manual_seed(cfg.seed)
-        fresh = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1])
+        fresh = run_model(cfg, source)
         export_model(out / "model.pt", assemble(states, split_dims), fresh)
         memory = gang.call("memory", timeout_s=run.call_timeout_s)
         metrics = run.metrics
         metrics.write(out / "metrics.parquet")
         train_rows = [row for row in metrics.rows if row["kind"] == "train"]
         steady = train_rows[min(len(train_rows) - 1, 2):]  # skip warm-up steps
+        steady_ms = sum(x["step_ms"] for x in steady)
         last_eval = run.last_eval
         summary = {
             "model": cfg.model, "data": cfg.data, "device": cfg.device,
@@ -184,8 +182,8 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
             "test_loss": last_eval.get("test_loss"),
             # Images over time (not a mean of per-step rates: with two steps in flight, a step's result
             # can come back just after the one before it, and its rate alone means nothing).
-            "images_per_s": (sum(x["images_per_s"] * x["step_ms"] for x in steady) / sum(x["step_ms"] for x in steady)
-                             if steady and sum(x["step_ms"] for x in steady) > 0 else None),
+            "images_per_s": (sum(x["images_per_s"] * x["step_ms"] for x in steady) / steady_ms
+                             if steady_ms > 0 else None),
             "train_time_s": train_s, "wall_time_s": time.perf_counter() - t_start,
             "resumed_from": str(resume.path) if resume is not None else None, "failures_recovered": failures,
             "actors": [{**s, **m} for s, m in zip(run.setups, memory)],

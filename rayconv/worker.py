@@ -24,7 +24,7 @@ from torch import nn
 from . import data as data_mod
 from .config import Config
 from .mesh import Mesh
-from .models import build_model, to_layers
+from .models import run_model, to_layers
 from .parallel import comm
 from .parallel.data_parallel import GradientSync, broadcast_modules
 from .parallel.pipeline import StageRunner, sync_device
@@ -89,9 +89,7 @@ class Worker:
         self.sharding = data_mod.Sharding(self.source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed)
 
         # Every actor builds the same full model from the seed, then keeps its part.
-        torch.manual_seed(cfg.seed)
-        self.model = build_model(cfg.model, self.source.num_classes, self.source.sample_shape[0],
-                                 self.source.sample_shape[1])
+        self.model = run_model(cfg, self.source)
         layers = to_layers(self.model)
         assert tuple(n for n, _ in layers) == plan.layer_names, "plan was made for another model"
         stage, fs_index = self.coord.pp, self.coord.fs
@@ -128,7 +126,7 @@ class Worker:
         pp_ranks = self.groups.ranks["pp"]
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
-        # auto: compile a one-actor run on a GPU (measured 1.45x on ResNet-50); layouts with several
+        # auto: compile a one-actor run on a GPU (measured 1.44x on ResNet-50); layouts with several
         # actors stay eager (compiled data parallelism measured slower, see benchmarks/RESULTS.md).
         self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and self.device.type == "cuda"
                                                   and cfg.precision != "fp64" and mesh.world_size == 1)

@@ -57,6 +57,14 @@ def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: i
 RAYCONV_MODELS = ("convnet", "convnet_bn", "convnet2col", "alexnet2012")
 
 
+def run_model(cfg, source) -> nn.Module:
+    """The run's full model as every process builds it, identical everywhere: torch's RNG seeded with
+    ``cfg.seed``, then ``build_model`` for ``source``'s classes and image shape (``source`` a
+    ``rayconv.data.Source``). Raises what ``build_model`` raises."""
+    torch.manual_seed(cfg.seed)
+    return build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1])
+
+
 def alexnet_two_column(num_classes: int = 1000) -> nn.Module:
     """torchvision's AlexNet with Krizhevsky et al. 2012's column structure (section 3.5, figure 2):
     conv2, conv4 and conv5 connect only within a column (``groups=2``); conv3 and the fully connected

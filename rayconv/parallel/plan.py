@@ -87,6 +87,9 @@ def layer_times(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, ..
     cuda = device.type == "cuda"
     fmt = torch.channels_last if cuda else torch.contiguous_format
     x = torch.randn((batch, *sample_shape), device=device).contiguous(memory_format=fmt)
+    def amp():
+        return torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None)
+
     times = []
     for i, (_, m) in enumerate(layers):
         m.to(device)
@@ -100,15 +103,14 @@ def layer_times(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, ..
                 t0 = time.perf_counter()
             # A non-leaf input (layers may start with an in-place ReLU), fresh each repetition.
             inp = x.detach().requires_grad_() * 1 if i > 0 else x
-            with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            with amp():
                 out = m(inp)
             if out.requires_grad:
                 out.float().sum().backward()
         if cuda:
             torch.cuda.synchronize(device)
         times.append((time.perf_counter() - t0) / reps * 1e3)
-        with torch.no_grad(), torch.autocast(device.type, dtype=autocast or torch.bfloat16,
-                                             enabled=autocast is not None):
+        with torch.no_grad(), amp():
             x = m(x).detach()
         m.zero_grad(set_to_none=True)
         m.to("cpu")
@@ -119,16 +121,14 @@ def measured_costs(cfg_dict: dict, micro_batch: int) -> list[float]:
     """``layer_times`` of the run's model on this process's device (run as a Ray task on a GPU by
     ``driver.prepare``). Returns one time in ms per layer of ``models.to_layers``."""
     from ..data import make_source
-    from ..models import build_model
+    from ..models import run_model
 
     cfg = Config(**cfg_dict)
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     source = make_source(cfg)
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1])
-    return layer_times(to_layers(model), tuple(source.sample_shape), micro_batch, device,
+    return layer_times(to_layers(run_model(cfg, source)), tuple(source.sample_shape), micro_batch, device,
                        torch.bfloat16 if cfg.precision == "bf16" else None)
 
 
