@@ -129,6 +129,7 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
     return {
         "images_per_s": cfg.global_batch_size * steps / elapsed, "step_ms": step_ms, "warmup_s": warmup_s,
         "first_step_s": first_step_s, "compiled": bool(setups[0].get("compiled")),
+        "cuda_graphs": bool(setups[0].get("cuda_graphs")),
         "peak_gib_max": max(peaks) if all(p is not None for p in peaks) else None,
         "peak_gib_per_actor": json.dumps([None if p is None else round(p, 3) for p in peaks]),
         "params_per_actor": json.dumps([s["parameters"] for s in setups]),
@@ -184,7 +185,8 @@ def base_config(args, model: str, layout: dict[str, Any], global_batch: int) -> 
     kw: dict[str, Any] = dict(model=model, data="synthetic", image_size=args.image_size, num_classes=1000,
                               synthetic_samples=max(global_batch * 4, 1024), global_batch_size=global_batch,
                               precision=args.precision, device=args.device, address=args.address,
-                              progress=False, lr=0.01, compile=args.compile, all_gpus_visible=args.all_gpus_visible)
+                              progress=False, lr=0.01, compile=args.compile,
+                              cuda_graphs=getattr(args, "cuda_graphs", "auto"), all_gpus_visible=args.all_gpus_visible)
     kw.update(layout)
     return Config(**kw).validate()
 
@@ -374,6 +376,8 @@ def parse_args(argv=None):
     p.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                    help="rayconv's --compile for every layout (auto: one-GPU layouts only); unless off, the anchors "
                         "run eagerly and compiled on GPUs and the faster counts")
+    p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
+                   help="rayconv's --cuda-graphs for every layout (auto: compiled one-GPU layouts)")
     p.add_argument("--all-gpus-visible", action=argparse.BooleanOptionalAction, default=True,
                    help="actors see every GPU of their node (rayconv's default, as torchrun)")
     p.add_argument("--trace", type=int, default=0, metavar="N",

@@ -111,6 +111,8 @@ class Worker:
             self.part.to(memory_format=torch.channels_last)
         self.dtype = dtype
         self.autocast = torch.bfloat16 if cfg.precision == "bf16" else None
+        # Images enter the first layer in bf16 under bf16 autocast on GPUs (its convolution would cast them).
+        self.input_dtype = torch.bfloat16 if self.autocast is not None and self.device.type == "cuda" else dtype
         wire = torch.bfloat16 if cfg.precision == "bf16" else dtype
 
         dp_group = self.groups.axis["dp"]
@@ -130,10 +132,13 @@ class Worker:
         # actors stay eager (compiled data parallelism measured slower, see benchmarks/RESULTS.md).
         self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and self.device.type == "cuda"
                                                   and cfg.precision != "fp64" and mesh.world_size == 1)
+        # CUDA graphs (auto: a compiled one-GPU run, where the CPU's kernel launches can outlast a step).
+        self.cuda_graphs = self.compiled and self.device.type == "cuda" and (
+            cfg.cuda_graphs == "on" or (cfg.cuda_graphs == "auto" and mesh.world_size == 1))
         # Compiled segments end at the gradient bucket size, so all-reduce overlaps the backward pass.
         limit = self.sync.bucket_bytes if self.sync.group is not None else None
         self.runner = StageRunner(
-            compile_part(self.part, limit) if self.compiled else self.part, self.groups.axis["pp"],
+            compile_part(self.part, limit, self.cuda_graphs) if self.compiled else self.part, self.groups.axis["pp"],
             prev=pp_ranks[stage - 1] if stage > 0 else None,
             next_=pp_ranks[stage + 1] if stage + 1 < mesh.pp else None,
             in_shape=_local(plan.stage_in_shape(stage), in_sizes, fs_index),
@@ -146,7 +151,7 @@ class Worker:
         self.last_return: Optional[float] = None
         self.last_start: Optional[float] = None
         self.reports = self.is_last and self.coord.fs == 0 and not (self.plan_mode and self.coord.dp != 0)
-        return {"rank": rank, "role": self.role, "device": str(self.device), "compiled": self.compiled,
+        return {"rank": rank, "role": self.role, "device": str(self.device), "compiled": self.compiled, "cuda_graphs": self.cuda_graphs,
                 "parameters": sum(p.numel() for p in self.part.parameters())}
 
     # ------------------------------------------------------------------ per step
@@ -159,7 +164,7 @@ class Worker:
         slices = data_mod.split_slices(len(idx), n_mb)
         sizes = [s.stop - s.start for s in slices]
         def load(sub: np.ndarray) -> torch.Tensor:
-            x = self.source.images(split, sub, self.device, epoch).to(self.dtype)
+            x = self.source.images(split, sub, self.device, epoch, dtype=self.input_dtype)
             return x.contiguous(memory_format=torch.channels_last) if self.device.type == "cuda" and x.dim() == 4 else x
 
         inputs = lambda m: None  # noqa: E731
@@ -209,7 +214,12 @@ class Worker:
         # Dropout: each (replica, stage) has its own stream, the same on the actors of its filter split;
         # sharded dropouts draw full-width masks from a generator shared by all actors of the split
         # (all actors of the run for the per-layer plan's FC part), one stream per layer.
-        torch.manual_seed(data_mod.stable_seed(self.cfg.seed, step, self.coord.dp, self.coord.pp))
+        seed = data_mod.stable_seed(self.cfg.seed, step, self.coord.dp, self.coord.pp)
+        torch.default_generator.manual_seed(seed)  # (torch.manual_seed would also seed every visible GPU)
+        if self.device.type == "cuda":
+            torch.cuda.default_generators[self.device.index].manual_seed(seed)
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs may be overwritten
         split_key = "fc" if self.plan_mode else self.coord.dp
         for name, mod in self.part.named_modules():
             if isinstance(mod, ShardedDropout):

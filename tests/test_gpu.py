@@ -24,6 +24,8 @@ LAYOUTS = {
     "dp2": dict(dp=2),                                        # actors see all GPUs of the node (default)
     "dp2-one-gpu-visible": dict(dp=2, all_gpus_visible=False),
     "dp2-compiled": dict(dp=2, compile="on"),                  # compiled segments, float64
+    "1gpu-cuda-graphs": dict(compile="on", cuda_graphs="on"),  # compiled, replayed as CUDA graphs
+    "dp2-cuda-graphs": dict(dp=2, compile="on", cuda_graphs="on", bucket_mb=0.02),  # graphs between all-reduces
     "pp2-balanced-by-time": dict(pp=2, num_microbatches=2, balance="time"),
     "fs2": dict(fs=2),
     "pp2-1f1b": dict(pp=2, num_microbatches=2),

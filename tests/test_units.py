@@ -396,6 +396,31 @@ def test_old_boolean_compile_setting_still_reads(tmp_path):
         parse_args(["--compile", "maybe"])
 
 
+def test_cuda_graphs_setting_is_checked_and_reaches_compile():
+    assert parse_args(["--cuda-graphs", "off"]).cuda_graphs == "off"
+    with pytest.raises(SystemExit):
+        parse_args(["--cuda-graphs", "maybe"])
+    with pytest.raises(ConfigError, match="--cuda-graphs"):
+        Config(cuda_graphs="yes").validate()
+    from rayconv.parallel.segments import compile_part
+
+    part = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    plain, graphed = compile_part(part, None), compile_part(part, None, cuda_graphs=True)
+    # (parameters are shared; compilation itself waits for the first call)
+    assert plain[0]._orig_mod[0] is part[0] and graphed[0]._orig_mod[0] is part[0]
+    assert graphed[0].get_compiler_config()["triton.cudagraphs"] is True
+    assert plain[0].get_compiler_config()["triton.cudagraphs"] is False
+
+
+def test_synthetic_images_are_made_in_the_dtype_asked_for():
+    src = data_mod.SyntheticSource(num_classes=10, image_size=8, train_size=32, seed=0)
+    idx = np.arange(4)
+    x32, x16 = src.images("train", idx, torch.device("cpu")), src.images("train", idx, torch.device("cpu"),
+                                                                           dtype=torch.bfloat16)
+    assert x32.dtype == torch.float32 and x16.dtype == torch.bfloat16 and x16.shape == x32.shape == (4, 3, 8, 8)
+    assert torch.equal(src.images("train", idx, torch.device("cpu"), dtype=torch.bfloat16), x16)  # same seed
+
+
 def test_gradient_sync_buckets_keep_channels_last_gradients(tmp_path):
     """GradientSync in a real one-rank gloo process group: the sum over one replica is the gradient
     itself, whatever the parameter's memory layout; a parameter without a gradient gets zeros."""
