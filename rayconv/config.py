@@ -74,7 +74,7 @@ class Config:
                 "in the first steps", "choices": COMPILE_CHOICES})
     cuda_graphs: str = field(default="auto", metadata={
         "help": "replay each compiled segment as a CUDA graph (torch.compile mode reduce-overhead: no per-kernel "
-                "launch cost on the CPU): on, off, or auto: on for a compiled one-GPU run", "choices": COMPILE_CHOICES})
+                "launch cost on the CPU): on, off, or auto: on for a compiled one-GPU run of one micro-batch a step", "choices": COMPILE_CHOICES})
     bucket_mb: float = field(default=25.0, metadata={"help": "gradient all-reduce bucket size in MB (2**20 bytes); "
                                                           "compiled segments end at bucket boundaries"})
     sync_batchnorm: bool = field(default=False, metadata={"help": "batch-norm statistics over the global batch"})

@@ -132,9 +132,11 @@ class Worker:
         # actors stay eager (compiled data parallelism measured slower, see benchmarks/RESULTS.md).
         self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and self.device.type == "cuda"
                                                   and cfg.precision != "fp64" and mesh.world_size == 1)
-        # CUDA graphs (auto: a compiled one-GPU run, where the CPU's kernel launches can outlast a step).
+        # CUDA graphs (auto: a compiled one-GPU run of one micro-batch a step, as measured, where the CPU's
+        # kernel launches can outlast the step; with several micro-batches in flight, graph trees re-record).
         self.cuda_graphs = self.compiled and self.device.type == "cuda" and (
-            cfg.cuda_graphs == "on" or (cfg.cuda_graphs == "auto" and mesh.world_size == 1))
+            cfg.cuda_graphs == "on" or (cfg.cuda_graphs == "auto" and mesh.world_size == 1
+                                        and plan.schedule.num_microbatches == 1))
         # Compiled segments end at the gradient bucket size, so all-reduce overlaps the backward pass.
         limit = self.sync.bucket_bytes if self.sync.group is not None else None
         self.runner = StageRunner(
