@@ -137,7 +137,7 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
         "allreduce_wait_ms": mean_of("allreduce_ms"),
         "driver_idle_ms": sum(idle) / len(idle) if idle else None, "device_busy": device_busy,
         "bubble_fraction": bubble_fraction(plan.schedule) if mesh.pp > 1 else 0.0,
-        "num_microbatches": cfg.num_microbatches, "schedule": cfg.schedule, "world_size": mesh.world_size,
+        "num_microbatches": cfg.num_microbatches, "schedule": cfg.schedule if mesh.pp > 1 else None, "world_size": mesh.world_size,
     }
 
 
@@ -241,7 +241,7 @@ def main_bench(args) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     layouts = args.layouts.split(",")
     jobs = [(m, b, lay) for m in args.models.split(",") for b in args.global_batch_size for lay in layouts]
-    bar = tqdm(total=len(jobs), desc="bench", unit="layout")
+    bar = tqdm(total=len(jobs), desc="bench", unit="layout", disable=not sys.stderr.isatty())  # logs: RESULT lines
     single: dict[tuple[str, int], float] = {}
     anchors: dict[tuple[str, int, int], Optional[dict[str, Any]]] = {}
     for model, gb, name in jobs:

@@ -133,6 +133,8 @@ def resolve_layout(cfg: Config, log=print) -> Mesh:
     if cfg.sync_batchnorm and kind != "cuda":
         raise ConfigError("--sync-batchnorm needs GPUs (torch's SyncBatchNorm runs on CUDA only): "
                           "drop it on CPU (batch norm then uses per-replica statistics, as DDP)")
+    if cfg.cuda_graphs == "on" and kind != "cuda":
+        raise ConfigError("--cuda-graphs on needs GPUs (CUDA graphs): drop it on CPU")
     if cfg.global_batch_size < cfg.dp:
         raise ConfigError(f"--global-batch-size {cfg.global_batch_size} is smaller than --dp {cfg.dp}: "
                           f"each replica needs at least one sample; raise it to >= {cfg.dp}")

@@ -69,6 +69,10 @@ def read_rows(parquet: bytes) -> list[dict[str, Any]]:
     return pq.read_table(pa.BufferReader(parquet)).to_pylist()
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 def atomic_write(path: Path, write) -> None:
     """Call ``write(tmp_path)`` then rename over ``path`` (same folder, so the rename is atomic)."""
     path = Path(path)
@@ -76,6 +80,7 @@ def atomic_write(path: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # as a plain open() would create it (mkstemp makes it 0600)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -463,3 +463,15 @@ def test_visible_index_maps_ray_gpu_ids_to_torch_indices():
     assert visible_index("3", "2,3") == 1              # node started with CUDA_VISIBLE_DEVICES=2,3
     assert visible_index(2, " 2 , 3") == 0
     assert visible_index("GPU-abc", "GPU-xyz,GPU-abc") == 1  # UUIDs as ids
+
+
+def test_atomic_write_gives_files_the_mode_a_plain_open_would(tmp_path):
+    import stat
+
+    from rayconv import metrics
+
+    metrics.atomic_write(tmp_path / "a.txt", lambda tmp: open(tmp, "w").write("x"))
+    mode = stat.S_IMODE((tmp_path / "a.txt").stat().st_mode)
+    assert mode == 0o666 & ~metrics._UMASK, oct(mode)  # not mkstemp's 0600
+    if not metrics._UMASK & 0o044:
+        assert mode & 0o044, oct(mode)  # readable by others, as results shared on a cluster need
