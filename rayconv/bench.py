@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from . import cluster
-from .config import Config, ConfigError
+from .config import Config, ConfigError, OneLineParser
 from .driver import fit, launch, prepare
 from .metrics import atomic_write
 from .schedule import bubble_fraction
@@ -363,7 +363,7 @@ def training_curve(args) -> list[dict[str, Any]]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m rayconv.bench", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m rayconv.bench", description=__doc__.split("\n")[0])
     p.add_argument("--layouts", default="1gpu,dp2,fs2,pp2,plan2")
     p.add_argument("--models", default="alexnet,resnet50")
     p.add_argument("--global-batch-size", default="256", help="comma-separated, e.g. 256,1024")

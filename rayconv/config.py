@@ -173,9 +173,16 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line (not the whole usage block) and exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """An argparse parser with one flag per Config field (defaults left unset to detect what was given)."""
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m rayconv.run",
         description="Train a ConvNet with synchronous SGD across Ray actors (data parallel, pipeline, filter split).",
         argument_default=argparse.SUPPRESS)

@@ -67,6 +67,7 @@ def test_unknown_data_is_an_argparse_error(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--data" in err and "mnist" in err and "imagefolder" in err  # names the flag and the choices
+    assert len(err.strip().splitlines()) == 1, err  # one line, not argparse's whole usage block
     assert not out.exists()
 
 
