@@ -203,6 +203,14 @@ class Worker:
         """
         t0 = time.perf_counter()
         idle_ms = (t0 - self.last_return) * 1e3 if self.last_return is not None else None
+        out = self._launch_step(step, lr, profile, t0, idle_ms)
+        # (after the step's locals, its autograd graph among them, are freed: that is the actor's
+        # time, not time spent waiting for the driver's next call)
+        self.last_return = time.perf_counter()
+        return out
+
+    def _launch_step(self, step: int, lr: float, profile: bool, t0: float,
+                     idle_ms: Optional[float]) -> Optional[dict[str, Any]]:
         epoch, step_in_epoch = divmod(step, self.sharding.steps_per_epoch)
         replica_idx = [self.sharding.replica_batch(epoch, step_in_epoch, r)[0] for r in range(self.mesh.dp)]
         global_count = sum(len(r) for r in replica_idx)
@@ -271,7 +279,6 @@ class Worker:
         previous, self.pending = self.pending, current
         out = _materialise(previous)
         self._report(out)
-        self.last_return = time.perf_counter()
         return out
 
     def trace(self, first_step: int, steps: int, lr: float) -> dict[str, Any]:
@@ -303,6 +310,7 @@ class Worker:
         previous, self.pending = self.pending, None
         out = _materialise(previous)
         self._report(out)
+        self.last_return = None  # the driver waits on purpose after a flush: not counted as idle
         return out
 
     def evaluate(self) -> dict[str, Any]:
