@@ -93,7 +93,7 @@ class Config:
     out: Optional[str] = field(default=None, metadata={"help": "output folder (default: a new folder under runs/)"})
     eval_every: Optional[int] = field(default=None, metadata={"help": "steps between test evaluations (default: each epoch)"})
     log_every: int = field(default=10, metadata={"help": "steps between progress lines"})
-    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    progress: bool = field(default=True, metadata={"help": "a progress bar on a terminal (plain lines every --log-every steps otherwise)"})
     # operations: checkpoints, resume, recovery, dashboard metrics
     checkpoint_every: int = field(default=0, metadata={"help": "steps between checkpoints written to "
                                                                "<out>/checkpoints/step-<k>/ (0: none)"})
