@@ -137,7 +137,8 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
         "allreduce_wait_ms": mean_of("allreduce_ms"),
         "driver_idle_ms": sum(idle) / len(idle) if idle else None, "device_busy": device_busy,
         "bubble_fraction": bubble_fraction(plan.schedule) if mesh.pp > 1 else 0.0,
-        "num_microbatches": cfg.num_microbatches, "schedule": cfg.schedule if mesh.pp > 1 else None, "world_size": mesh.world_size,
+        "num_microbatches": cfg.num_microbatches, "schedule": cfg.schedule if mesh.pp > 1 else None,
+        "world_size": mesh.world_size,
     }
 
 
@@ -186,7 +187,7 @@ def base_config(args, model: str, layout: dict[str, Any], global_batch: int) -> 
                               synthetic_samples=max(global_batch * 4, 1024), global_batch_size=global_batch,
                               precision=args.precision, device=args.device, address=args.address,
                               progress=False, lr=0.01, compile=args.compile,
-                              cuda_graphs=getattr(args, "cuda_graphs", "auto"), all_gpus_visible=args.all_gpus_visible)
+                              cuda_graphs=args.cuda_graphs, all_gpus_visible=args.all_gpus_visible)
     kw.update(layout)
     return Config(**kw).validate()
 

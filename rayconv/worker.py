@@ -153,8 +153,8 @@ class Worker:
         self.last_return: Optional[float] = None
         self.last_start: Optional[float] = None
         self.reports = self.is_last and self.coord.fs == 0 and not (self.plan_mode and self.coord.dp != 0)
-        return {"rank": rank, "role": self.role, "device": str(self.device), "compiled": self.compiled, "cuda_graphs": self.cuda_graphs,
-                "parameters": sum(p.numel() for p in self.part.parameters())}
+        return {"rank": rank, "role": self.role, "device": str(self.device), "compiled": self.compiled,
+                "cuda_graphs": self.cuda_graphs, "parameters": sum(p.numel() for p in self.part.parameters())}
 
     # ------------------------------------------------------------------ per step
     def _microbatches(self, split: str, epoch: int, replica_idx: list[np.ndarray], n_mb: int):
