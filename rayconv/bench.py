@@ -378,7 +378,7 @@ def parse_args(argv=None):
                    help="rayconv's --compile for every layout (auto: one-GPU layouts only); unless off, the anchors "
                         "run eagerly and compiled on GPUs and the faster counts")
     p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
-                   help="rayconv's --cuda-graphs for every layout (auto: compiled one-GPU layouts)")
+                   help="rayconv's --cuda-graphs for every layout (auto: whole-step CUDA graphs on GPUs)")
     p.add_argument("--all-gpus-visible", action=argparse.BooleanOptionalAction, default=True,
                    help="actors see every GPU of their node (rayconv's default, as torchrun)")
     p.add_argument("--trace", type=int, default=0, metavar="N",

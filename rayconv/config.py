@@ -73,8 +73,9 @@ class Config:
                 "auto: on for a one-GPU run (except fp64), where it was measured to pay; compile time is spent "
                 "in the first step", "choices": COMPILE_CHOICES})
     cuda_graphs: str = field(default="auto", metadata={
-        "help": "replay each compiled segment as a CUDA graph (torch.compile mode reduce-overhead: no per-kernel "
-                "launch cost on the CPU): on, off, or auto: on for a compiled one-GPU run of one micro-batch a step", "choices": COMPILE_CHOICES})
+        "help": "capture each actor's whole training step (forward, backward, exchanges, all-reduce, update) as "
+                "one CUDA graph and replay it, so the CPU launches one graph a step, not every kernel: on, off, "
+                "or auto: on with GPUs", "choices": COMPILE_CHOICES})
     bucket_mb: float = field(default=25.0, metadata={"help": "gradient all-reduce bucket size in MB (2**20 bytes); "
                                                           "compiled segments end at bucket boundaries"})
     sync_batchnorm: bool = field(default=False, metadata={"help": "batch-norm statistics over the global batch"})
@@ -125,8 +126,6 @@ class Config:
         need(self.balance in BALANCE_CHOICES, f"unknown --balance {self.balance!r}: choose auto, time or flops")
         need(self.compile in COMPILE_CHOICES, f"unknown --compile {self.compile!r}: choose auto, on or off")
         need(self.cuda_graphs in COMPILE_CHOICES, f"unknown --cuda-graphs {self.cuda_graphs!r}: choose auto, on or off")
-        need(not (self.cuda_graphs == "on" and self.compile == "off"),
-             "--cuda-graphs on replays compiled segments: drop --compile off (or --cuda-graphs on)")
         need(self.lr_schedule in LR_SCHEDULE_CHOICES, f"unknown --lr-schedule {self.lr_schedule!r}: constant or cosine")
         need(self.data != "imagefolder" or bool(self.data_dir),
              "--data imagefolder needs --data-dir DIR (a folder with train/<class>/*.JPEG and val/<class>/...)")

@@ -26,8 +26,9 @@ from .config import Config
 from .mesh import Mesh
 from .models import run_model, to_layers
 from .parallel import comm
+from .parallel.cuda_graph import StepGraph, sgd_step
 from .parallel.data_parallel import GradientSync, broadcast_modules
-from .parallel.pipeline import StageRunner, sync_device
+from .parallel.pipeline import StageRunner, StepResult, sync_device, to_device
 from .parallel.segments import compile_part
 from .parallel.filter_split import ShardedDropout
 from .parallel.plan import Plan, build_part
@@ -132,15 +133,18 @@ class Worker:
         # actors stay eager (compiled data parallelism measured slower, see benchmarks/RESULTS.md).
         self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and self.device.type == "cuda"
                                                   and cfg.precision != "fp64" and mesh.world_size == 1)
-        # CUDA graphs (auto: a compiled one-GPU run of one micro-batch a step, as measured, where the CPU's
-        # kernel launches can outlast the step; with several micro-batches in flight, graph trees re-record).
-        self.cuda_graphs = self.compiled and self.device.type == "cuda" and (
-            cfg.cuda_graphs == "on" or (cfg.cuda_graphs == "auto" and mesh.world_size == 1
-                                        and plan.schedule.num_microbatches == 1))
+        # The whole step captured as one CUDA graph and replayed (auto: on every GPU layout), so the CPU
+        # launches one graph a step instead of every kernel (parallel/cuda_graph.py).
+        self.cuda_graphs = self.device.type == "cuda" and cfg.cuda_graphs in ("on", "auto")
+        full_batch = tuple(data_mod.split_sizes(cfg.global_batch_size, mesh.dp))  # per-replica sizes
+        self.step_graph = StepGraph(self.device, full_batch) if self.cuda_graphs else None
+        # -lr on the device, per parameter dtype, read by the captured update (set before each step).
+        self.neg_lr = {p.dtype: torch.tensor(-cfg.lr, dtype=p.dtype, device=self.device)
+                       for p in self.part.parameters()} if self.cuda_graphs else {}
         # Compiled segments end at the gradient bucket size, so all-reduce overlaps the backward pass.
         limit = self.sync.bucket_bytes if self.sync.group is not None else None
         self.runner = StageRunner(
-            compile_part(self.part, limit, self.cuda_graphs) if self.compiled else self.part, self.groups.axis["pp"],
+            compile_part(self.part, limit) if self.compiled else self.part, self.groups.axis["pp"],
             prev=pp_ranks[stage - 1] if stage > 0 else None,
             next_=pp_ranks[stage + 1] if stage + 1 < mesh.pp else None,
             in_shape=_local(plan.stage_in_shape(stage), in_sizes, fs_index),
@@ -157,11 +161,13 @@ class Worker:
                 "cuda_graphs": self.cuda_graphs, "parameters": sum(p.numel() for p in self.part.parameters())}
 
     # ------------------------------------------------------------------ per step
-    def _microbatches(self, split: str, epoch: int, replica_idx: list[np.ndarray], n_mb: int):
+    def _microbatches(self, split: str, epoch: int, replica_idx: list[np.ndarray], n_mb: int,
+                      static: bool = False):
         """Micro-batch sizes and accessors for this actor, from every replica's sample indices.
 
         Returns (sizes, inputs(m), labels(m), before_forward(m)). Under the per-layer plan the FC
-        layers see the whole gathered batch, so labels are those of micro-batch m of every replica."""
+        layers see the whole gathered batch, so labels are those of micro-batch m of every replica.
+        With ``static`` (a CUDA graph step) images and labels are copied into the graph's buffers."""
         idx = replica_idx[self.coord.dp]
         slices = data_mod.split_slices(len(idx), n_mb)
         sizes = [s.stop - s.start for s in slices]
@@ -172,6 +178,8 @@ class Worker:
         inputs = lambda m: None  # noqa: E731
         if self.is_first and split == "train":
             x_all = load(idx)  # the step's batch at once (announced ahead to the loader), sliced
+            if static:
+                x_all = self.step_graph.buffer("images", x_all)
             inputs = lambda m: x_all[slices[m]]  # noqa: E731
         elif self.is_first:
             # Evaluation reads chunk by chunk (the held-out shard can be far larger than a batch).
@@ -190,6 +198,11 @@ class Worker:
         elif self.is_last:
             y_all = self.source.labels(split, idx)
             labels = lambda m: y_all[slices[m]]  # noqa: E731
+        if static and (self.plan_mode or self.is_last):
+            host = [labels(m) for m in range(n_mb)]
+            y_dev = self.step_graph.buffer("labels", to_device(torch.cat(host), self.device))
+            views = torch.split(y_dev, [len(h) for h in host])
+            labels = lambda m: views[m]  # noqa: E731
         return sizes, inputs, labels, before_forward
 
     def train_step(self, step: int, lr: float, profile: bool = False) -> Optional[dict[str, Any]]:
@@ -219,42 +232,63 @@ class Worker:
             self.source.prefetch("train", epoch, [
                 self.sharding.replica_batch(epoch, s, self.coord.dp)[0]
                 for s in range(step_in_epoch, self.sharding.steps_per_epoch)])
+        graph = self.step_graph
+        key = tuple(len(r) for r in replica_idx)  # what fixes a captured step's shapes
+        graphed = graph is not None and graph.will_replay(key)
         sizes, inputs, labels, before_forward = self._microbatches(
-            "train", epoch, replica_idx, self.plan.schedule.num_microbatches)
+            "train", epoch, replica_idx, self.plan.schedule.num_microbatches, static=graphed)
         # Dropout: each (replica, stage) has its own stream, the same on the actors of its filter split;
         # sharded dropouts draw full-width masks from a generator shared by all actors of the split
-        # (all actors of the run for the per-layer plan's FC part), one stream per layer.
+        # (all actors of the run for the per-layer plan's FC part), one stream per layer. (A CUDA graph
+        # replay reads the generators' seeds as set here.)
         seed = data_mod.stable_seed(self.cfg.seed, step, self.coord.dp, self.coord.pp)
         torch.default_generator.manual_seed(seed)  # (torch.manual_seed would also seed every visible GPU)
         if self.device.type == "cuda":
             torch.cuda.default_generators[self.device.index].manual_seed(seed)
-        if self.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs may be overwritten
         split_key = "fc" if self.plan_mode else self.coord.dp
+        generators = []
         for name, mod in self.part.named_modules():
             if isinstance(mod, ShardedDropout):
                 mod.reseed(data_mod.stable_seed(self.cfg.seed, step, split_key, self.coord.pp, name), self.device)
+                generators.append(mod.generator)
         self.part.train()
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        self.runner.profile = profile
-        if profile:
-            sync_device(self.device)
-        t_run = time.perf_counter()
-        res = self.runner.run(self.program, inputs, labels, sizes, global_count, self.sync.arm,
-                              before_forward=before_forward)
-        if profile:
-            sync_device(self.device)
-        t_sync = time.perf_counter()
-        self.sync.finish()
-        if profile:
-            sync_device(self.device)
-        allreduce_s = time.perf_counter() - t_sync
-        self.optimizer.step()
+        for t in self.neg_lr.values():
+            t.fill_(-lr)
+
+        def sgd() -> StepResult:
+            res = self.runner.run(self.program, inputs, labels, sizes, global_count, self.sync.arm,
+                                  before_forward=before_forward)
+            self.sync.finish()
+            self._update()
+            return res
+
+        allreduce_s = None
+        if graph is not None:
+            # Warm-up steps and steps of another shape run eagerly; the rest replay one captured step.
+            if profile:
+                sync_device(self.device)
+            self.runner.profile = False
+            t_run = time.perf_counter()
+            res = graph.run(key, sgd, generators)
+            res.wait_s = None  # (receive and all-reduce waits are not separable inside a captured step)
+        else:
+            self.runner.profile = profile
+            if profile:
+                sync_device(self.device)
+            t_run = time.perf_counter()
+            res = self.runner.run(self.program, inputs, labels, sizes, global_count, self.sync.arm,
+                                  before_forward=before_forward)
+            if profile:
+                sync_device(self.device)
+            t_sync = time.perf_counter()
+            self.sync.finish()
+            if profile:
+                sync_device(self.device)
+            allreduce_s = time.perf_counter() - t_sync
+            self._update()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.has_buffers and not self.cfg.sync_batchnorm:
-            # Per-replica batch-norm statistics (as DDP): running stats follow dp replica 0.
-            broadcast_modules(self.replicated, self.groups.ranks["dp"][0], self.groups.axis["dp"], buffers_only=True)
         current = {"rank": self.rank, "step": step, "reports": self.reports, "loss_sum": res.loss_sum,
                    "correct": res.correct, "samples": global_count if self.plan_mode else sum(sizes),
                    "global_count": global_count, "epoch": epoch, "idle_ms": idle_ms,
@@ -263,8 +297,11 @@ class Worker:
         if profile:
             sync_device(self.device)
             total = time.perf_counter() - t_run
-            current.update(step_actor_ms=total * 1e3, wait_ms=res.wait_s * 1e3, allreduce_ms=allreduce_s * 1e3,
-                           compute_ms=(total - res.wait_s - allreduce_s) * 1e3)
+            # (inside a CUDA graph step, receive and all-reduce waits are not separable: all compute)
+            wait_s, ar_s = res.wait_s or 0.0, allreduce_s or 0.0
+            current.update(step_actor_ms=total * 1e3, wait_ms=None if res.wait_s is None else wait_s * 1e3,
+                           allreduce_ms=None if allreduce_s is None else ar_s * 1e3,
+                           compute_ms=(total - wait_s - ar_s) * 1e3)
         if self.device.type == "cuda" and isinstance(res.loss_sum, torch.Tensor):
             # Copy the step's scalars (the last stage's; a host number copied to the device would
             # synchronise the stream) to pinned host memory behind the step's work and mark the point
@@ -281,10 +318,21 @@ class Worker:
         self._report(out)
         return out
 
+    def _update(self) -> None:
+        """The SGD update (from the device learning rate under CUDA graphs), then batch-norm buffers."""
+        if self.step_graph is not None:
+            sgd_step(self.optimizer, self.neg_lr)
+        else:
+            self.optimizer.step()
+        if self.has_buffers and not self.cfg.sync_batchnorm:
+            # Per-replica batch-norm statistics (as DDP): running stats follow dp replica 0.
+            broadcast_modules(self.replicated, self.groups.ranks["dp"][0], self.groups.axis["dp"], buffers_only=True)
+
     def trace(self, first_step: int, steps: int, lr: float) -> dict[str, Any]:
-        """Run ``steps`` steps under torch.profiler. Returns the wall time (ms), the summed device
-        kernel time (ms; NCCL kernels overlap compute, so it may exceed the wall time) and the profiler's
-        table of the most expensive operators (self device time on GPUs, self CPU time otherwise)."""
+        """Run ``steps`` steps under torch.profiler, then ``steps`` more under cProfile. Returns the wall
+        time (ms) of the first ``steps``, the summed device kernel time (ms; NCCL kernels overlap compute,
+        so it may exceed the wall time) and, as text, the profiler's table of the most expensive operators
+        (self device time on GPUs, self CPU time otherwise) and cProfile's of the actor's Python functions."""
         from torch.profiler import ProfilerActivity, profile
 
         cuda = self.device.type == "cuda"
@@ -298,12 +346,26 @@ class Worker:
             self.flush()
             sync_device(self.device)
         wall_ms = (time.perf_counter() - t0) * 1e3
+        # The actor's Python side over as many more steps: where the CPU's time goes when the device waits.
+        import cProfile
+        import pstats
+
+        py = cProfile.Profile()
+        py.enable()
+        for s in range(first_step + steps, first_step + 2 * steps):
+            self.train_step(s, lr)
+        self.flush()
+        sync_device(self.device)
+        py.disable()
+        py_table = io.StringIO()
+        pstats.Stats(py, stream=py_table).sort_stats("tottime").print_stats(25)
         events = prof.key_averages()
         key = "self_device_time_total" if cuda else "self_cpu_time_total"
         kernel_us = sum(getattr(e, "self_device_time_total", 0) for e in events) if cuda else None
         return {"rank": self.rank, "wall_ms": wall_ms, "steps": steps,
                 "device_ms": kernel_us / 1e3 if kernel_us is not None else None,
-                "table": events.table(sort_by=key, row_limit=30)}
+                "table": events.table(sort_by=key, row_limit=30) + "\n\nPython profile (cProfile, "
+                f"{steps} more steps, by own time):\n" + py_table.getvalue()}
 
     def flush(self) -> Optional[dict[str, Any]]:
         """The metrics of the last step launched (waits for the device)."""
@@ -386,6 +448,8 @@ class Worker:
         if "cuda" in rng and self.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], self.device)
         self.first_step = next_step
+        if self.step_graph is not None:
+            self.step_graph.reset()  # the optimizer's momentum buffers are new tensors: capture again
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Inverse of ``state()``: copy parameters and buffers into this part (strict: every key of the

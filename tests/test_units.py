@@ -396,20 +396,42 @@ def test_old_boolean_compile_setting_still_reads(tmp_path):
         parse_args(["--compile", "maybe"])
 
 
-def test_cuda_graphs_setting_is_checked_and_reaches_compile():
+def test_cuda_graphs_setting_is_checked():
     assert parse_args(["--cuda-graphs", "off"]).cuda_graphs == "off"
     with pytest.raises(SystemExit):
         parse_args(["--cuda-graphs", "maybe"])
     with pytest.raises(ConfigError, match="--cuda-graphs"):
         Config(cuda_graphs="yes").validate()
-    from rayconv.parallel.segments import compile_part
+    Config(cuda_graphs="on", compile="off").validate()  # graphs capture eager steps too
 
-    part = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-    plain, graphed = compile_part(part, None), compile_part(part, None, cuda_graphs=True)
-    # (parameters are shared; compilation itself waits for the first call)
-    assert plain[0]._orig_mod[0] is part[0] and graphed[0]._orig_mod[0] is part[0]
-    assert graphed[0].get_compiler_config()["triton.cudagraphs"] is True
-    assert plain[0].get_compiler_config()["triton.cudagraphs"] is False
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_capturable_sgd_equals_torch_sgd(dtype):
+    """The update a CUDA graph step replays (learning rate read from a device tensor) is torch.optim.SGD's,
+    over several steps with momentum, weight decay and a changing learning rate."""
+    from rayconv.parallel.cuda_graph import sgd_step
+
+    torch.manual_seed(0)
+    ref = [nn.Parameter(torch.randn(5, 3, dtype=dtype)), nn.Parameter(torch.randn(3, dtype=dtype))]
+    mine = [nn.Parameter(p.detach().clone()) for p in ref]
+    opt_ref = torch.optim.SGD(ref, lr=0.1, momentum=0.9, weight_decay=5e-4)
+    opt_mine = torch.optim.SGD(mine, lr=0.1, momentum=0.9, weight_decay=5e-4)
+    neg_lr = {dtype: torch.tensor(0.0, dtype=dtype)}
+    for step, lr in enumerate([0.1, 0.05, 0.02, 0.07]):
+        grads = [torch.randn_like(p) for p in ref]
+        for p, q, g in zip(ref, mine, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt_ref.param_groups[0]["lr"] = lr
+        opt_ref.step()
+        neg_lr[dtype].fill_(-lr)
+        sgd_step(opt_mine, neg_lr)
+        for p, q in zip(ref, mine):
+            torch.testing.assert_close(q, p, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-14)
+            assert torch.equal(opt_mine.state[q]["momentum_buffer"], opt_ref.state[p]["momentum_buffer"])
+    # Its state is torch.optim.SGD's: a checkpoint of one loads into the other.
+    opt_ref.load_state_dict(opt_mine.state_dict())
+    with pytest.raises(ValueError, match="plain SGD"):
+        sgd_step(torch.optim.SGD(mine, lr=0.1, momentum=0.9, nesterov=True), neg_lr)
 
 
 def test_synthetic_images_are_made_in_the_dtype_asked_for():

@@ -81,7 +81,7 @@ class StepResult:
     # Kept on the device (no synchronisation inside the step); read with float()/int() when needed.
     loss_sum: object = 0.0    # sum of per-sample losses over this replica's samples (last stage only)
     correct: object = 0       # correctly classified samples (last stage only)
-    wait_s: float = 0.0       # seconds blocked in receives (measured only when profiling)
+    wait_s: Optional[float] = 0.0  # seconds blocked in receives (measured only when profiling eagerly)
     samples: int = 0          # samples this replica saw
     sends: list = field(default_factory=list)
 
@@ -138,13 +138,16 @@ class StageRunner:
         stage). Returns the last stage's loss sum and correct count; raises what the model raises.
         """
         res = StepResult(samples=sum(mb_sizes))
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         saved: dict[int, tuple[Optional[torch.Tensor], torch.Tensor]] = {}
         last_b = max((i for i, a in enumerate(program) if a.kind == "B"), default=-1)
         for i, a in enumerate(program):
             m, n = a.microbatch, mb_sizes[a.microbatch]
             # Release sends that have completed (and their buffers), so held activations stay bounded
-            # by the schedule's in-flight count rather than growing over the step.
-            res.sends = [w for w in res.sends if not w.is_completed()]
+            # by the schedule's in-flight count rather than growing over the step. (Not while a CUDA
+            # graph captures the step: nothing has run yet, and querying a captured send is an error.)
+            if not capturing:
+                res.sends = [w for w in res.sends if not w.is_completed()]
             if a.kind == "F":
                 if before_forward is not None:
                     before_forward(m)

@@ -45,17 +45,14 @@ def segments(modules: Sequence[nn.Module], max_bytes: Optional[int]) -> list[tup
     return out
 
 
-def compile_part(part: nn.Sequential, max_bytes: Optional[int], cuda_graphs: bool = False) -> nn.Sequential:
+def compile_part(part: nn.Sequential, max_bytes: Optional[int]) -> nn.Sequential:
     """``part`` as a Sequential of compiled segments (``torch.compile``, static shapes) and eager
     exchange layers. Parameters are shared with ``part`` (optimizer, gradient sync and checkpoints
-    keep using ``part``); compilation happens on the first call of each segment. With ``cuda_graphs``
-    each segment's forward and backward are recorded once as CUDA graphs and replayed (Inductor's
-    CUDA graph trees, mode ``reduce-overhead``), so the CPU no longer launches kernel by kernel."""
+    keep using ``part``); compilation happens on the first call of each segment."""
     out = []
     for compiled, mods in segments(list(part), max_bytes):
         if compiled:
-            out.append(torch.compile(nn.Sequential(*mods), dynamic=False,
-                                     mode="reduce-overhead" if cuda_graphs else None))
+            out.append(torch.compile(nn.Sequential(*mods), dynamic=False))
         else:
             out.extend(mods)
     return nn.Sequential(*out)

@@ -1,0 +1,109 @@
+"""The whole training step as one CUDA graph: forward, backward, the exchanges and all-reduces, the update.
+
+AlexNet's step on an H200 is shorter than the time the CPU needs to launch its kernels one by one
+(measured: rayconv's AlexNet layouts on two GPUs left the GPUs idle three quarters of the step), so
+each actor records its step once and replays it: one launch per step instead of hundreds. This is
+PyTorch's "whole-network capture" (torch.cuda.graphs, CUDA semantics notes); NCCL collectives and
+point-to-point operations are captured as kernels too (NCCL >= 2.9, "Using NCCL with CUDA Graphs").
+Every rank of a process group captures the same operations in the same order, because every rank runs
+the same step program.
+
+What a replay needs, and how it is kept:
+- inputs at fixed addresses: images and labels are copied into static buffers before each replay;
+- a learning rate that can change per step: the update reads it from a device tensor
+  (``sgd_step``; torch.optim.SGD reads a tensor learning rate on the host, which a graph cannot);
+- dropout: the seeds set before a replay reach the captured kernels through the generators'
+  graph-safe state (the default CUDA generator, and each registered ``torch.Generator``);
+- the same shapes: a step of another shape (an epoch's last partial batch) runs eagerly instead.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Hashable, Iterable, Optional
+
+import torch
+
+
+@torch.no_grad()
+def sgd_step(optimizer: torch.optim.SGD, neg_lr: dict[torch.dtype, torch.Tensor]) -> None:
+    """``optimizer``'s SGD update (momentum, weight decay; no dampening or Nesterov) with the learning
+    rate read on the device from ``neg_lr[dtype]`` (a 0-d tensor holding -lr), so it can be captured.
+    Same arithmetic as torch.optim.SGD's foreach path; momentum buffers live in ``optimizer.state``
+    (so checkpoints are the usual SGD state_dict). Raises ValueError for dampening or Nesterov."""
+    for group in optimizer.param_groups:
+        if group.get("dampening", 0) or group.get("nesterov", False) or group.get("maximize", False):
+            raise ValueError("CUDA graph steps support plain SGD with momentum and weight decay only")
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            continue
+        grads = [p.grad for p in params]
+        if group["weight_decay"]:
+            grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
+        if group["momentum"]:
+            bufs = [optimizer.state[p].get("momentum_buffer") for p in params]
+            if any(b is None for b in bufs):  # first step: the buffer is the gradient (torch.optim.SGD)
+                for p, g in zip(params, grads):
+                    optimizer.state[p]["momentum_buffer"] = g.detach().clone()
+            else:
+                torch._foreach_mul_(bufs, group["momentum"])
+                torch._foreach_add_(bufs, grads)
+            grads = [optimizer.state[p]["momentum_buffer"] for p in params]
+        torch._foreach_add_(params, torch._foreach_mul(grads, neg_lr[params[0].dtype]))
+
+
+class StepGraph:
+    """One actor's captured training step.
+
+    ``warmup`` eager steps run first (on the capture stream: libraries set up per-stream state, compiled
+    code compiles, NCCL connects its peers); the next step of ``key`` (whatever fixes a step's shapes:
+    the per-replica batch sizes of a full global batch) is captured and replayed from then on; steps
+    of other keys (an epoch's last partial batch) stay eager.
+    """
+
+    def __init__(self, device: torch.device, key: Hashable, warmup: int = 2):
+        self.device, self.key, self.warmup = device, key, warmup
+        self.stream = torch.cuda.Stream(device)
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.eager_steps = 0
+        self.static: dict[str, torch.Tensor] = {}
+
+    def reset(self) -> None:
+        """Forget the capture (after tensors it recorded were replaced, e.g. optimizer state loaded)."""
+        self.graph, self.eager_steps = None, 0
+        self.static = {}
+
+    def buffer(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """``value`` copied into the static buffer ``name`` (made on first use, same shape and layout)."""
+        buf = self.static.get(name)
+        if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
+            buf = self.static[name] = torch.empty_like(value)
+        buf.copy_(value, non_blocking=True)
+        return buf
+
+    def will_replay(self, key: Hashable) -> bool:
+        """Whether the step of ``key`` replays (or captures) rather than running eagerly."""
+        return self.eager_steps >= self.warmup and key == self.key
+
+    def run(self, key: Hashable, step: Callable[[], object], generators: Iterable[torch.Generator] = ()) -> object:
+        """Run ``step()`` eagerly (warm-up, or a shape that was not captured) or replay its capture.
+        Returns what ``step`` returned (from the capture when replaying: its tensors hold this step's
+        values after the replay). Raises what capture raises (an operation a graph cannot hold)."""
+        current = torch.cuda.current_stream(self.device)
+        if not self.will_replay(key):
+            self.stream.wait_stream(current)
+            with torch.cuda.stream(self.stream):
+                out = step()
+            current.wait_stream(self.stream)
+            self.eager_steps += 1
+            return out
+        if self.graph is None:
+            graph = torch.cuda.CUDAGraph()
+            for g in generators:
+                graph.register_generator_state(g)  # (the default CUDA generator is registered already)
+            self.stream.wait_stream(current)
+            # thread_local: Ray's and NCCL's own threads may touch CUDA while this thread captures.
+            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+                self.out = step()
+            self.graph = graph
+        self.graph.replay()
+        return self.out
