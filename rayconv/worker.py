@@ -138,9 +138,11 @@ class Worker:
         self.cuda_graphs = self.device.type == "cuda" and cfg.cuda_graphs in ("on", "auto")
         full_batch = tuple(data_mod.split_sizes(cfg.global_batch_size, mesh.dp))  # per-replica sizes
         self.step_graph = StepGraph(self.device, full_batch) if self.cuda_graphs else None
-        # -lr on the device, per parameter dtype, read by the captured update (set before each step).
-        self.neg_lr = {p.dtype: torch.tensor(-cfg.lr, dtype=p.dtype, device=self.device)
-                       for p in self.part.parameters()} if self.cuda_graphs else {}
+        # The learning rate on the device, per parameter dtype (float32 below float64: what torch's fused
+        # SGD reads), for the captured update; set before each step.
+        self.lr_t = {p.dtype: torch.tensor(cfg.lr, device=self.device,
+                                           dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
+                     for p in self.part.parameters()} if self.cuda_graphs else {}
         # Compiled segments end at the gradient bucket size, so all-reduce overlaps the backward pass.
         limit = self.sync.bucket_bytes if self.sync.group is not None else None
         self.runner = StageRunner(
@@ -254,8 +256,8 @@ class Worker:
         self.part.train()
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        for t in self.neg_lr.values():
-            t.fill_(-lr)
+        for t in self.lr_t.values():
+            t.fill_(lr)
 
         def sgd() -> StepResult:
             res = self.runner.run(self.program, inputs, labels, sizes, global_count, self.sync.arm,
@@ -321,7 +323,7 @@ class Worker:
     def _update(self) -> None:
         """The SGD update (from the device learning rate under CUDA graphs), then batch-norm buffers."""
         if self.step_graph is not None:
-            sgd_step(self.optimizer, self.neg_lr)
+            sgd_step(self.optimizer, self.lr_t)
         else:
             self.optimizer.step()
         if self.has_buffers and not self.cfg.sync_batchnorm:

@@ -416,22 +416,22 @@ def test_capturable_sgd_equals_torch_sgd(dtype):
     mine = [nn.Parameter(p.detach().clone()) for p in ref]
     opt_ref = torch.optim.SGD(ref, lr=0.1, momentum=0.9, weight_decay=5e-4)
     opt_mine = torch.optim.SGD(mine, lr=0.1, momentum=0.9, weight_decay=5e-4)
-    neg_lr = {dtype: torch.tensor(0.0, dtype=dtype)}
+    lr_t = {dtype: torch.tensor(0.0, dtype=dtype)}
     for step, lr in enumerate([0.1, 0.05, 0.02, 0.07]):
         grads = [torch.randn_like(p) for p in ref]
         for p, q, g in zip(ref, mine, grads):
             p.grad, q.grad = g.clone(), g.clone()
         opt_ref.param_groups[0]["lr"] = lr
         opt_ref.step()
-        neg_lr[dtype].fill_(-lr)
-        sgd_step(opt_mine, neg_lr)
+        lr_t[dtype].fill_(lr)
+        sgd_step(opt_mine, lr_t)
         for p, q in zip(ref, mine):
             torch.testing.assert_close(q, p, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-14)
             assert torch.equal(opt_mine.state[q]["momentum_buffer"], opt_ref.state[p]["momentum_buffer"])
     # Its state is torch.optim.SGD's: a checkpoint of one loads into the other.
     opt_ref.load_state_dict(opt_mine.state_dict())
     with pytest.raises(ValueError, match="plain SGD"):
-        sgd_step(torch.optim.SGD(mine, lr=0.1, momentum=0.9, nesterov=True), neg_lr)
+        sgd_step(torch.optim.SGD(mine, lr=0.1, momentum=0.9, nesterov=True), lr_t)
 
 
 def test_synthetic_images_are_made_in_the_dtype_asked_for():

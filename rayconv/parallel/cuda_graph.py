@@ -25,11 +25,16 @@ import torch
 
 
 @torch.no_grad()
-def sgd_step(optimizer: torch.optim.SGD, neg_lr: dict[torch.dtype, torch.Tensor]) -> None:
+def sgd_step(optimizer: torch.optim.SGD, lr: dict[torch.dtype, torch.Tensor]) -> None:
     """``optimizer``'s SGD update (momentum, weight decay; no dampening or Nesterov) with the learning
-    rate read on the device from ``neg_lr[dtype]`` (a 0-d tensor holding -lr), so it can be captured.
-    Same arithmetic as torch.optim.SGD's foreach path; momentum buffers live in ``optimizer.state``
-    (so checkpoints are the usual SGD state_dict). Raises ValueError for dampening or Nesterov."""
+    rate read on the device from ``lr[dtype]`` (a 0-d tensor per parameter dtype), so it can be captured.
+
+    Float32 and lower parameters on a GPU take torch's fused SGD kernel (one pass over parameters,
+    gradients and momentum: AlexNet's 61 M parameters made the unfused update a millisecond of every
+    step); it reads the learning rate in float32, which is what float32 arithmetic uses anyway. Float64
+    parameters (and CPUs) take torch.optim.SGD's foreach arithmetic, the learning rate in float64.
+    Momentum buffers live in ``optimizer.state`` (checkpoints are the usual SGD state_dict); the first
+    step makes them as torch.optim.SGD does. Raises ValueError for dampening, Nesterov or maximize."""
     for group in optimizer.param_groups:
         if group.get("dampening", 0) or group.get("nesterov", False) or group.get("maximize", False):
             raise ValueError("CUDA graph steps support plain SGD with momentum and weight decay only")
@@ -37,18 +42,25 @@ def sgd_step(optimizer: torch.optim.SGD, neg_lr: dict[torch.dtype, torch.Tensor]
         if not params:
             continue
         grads = [p.grad for p in params]
-        if group["weight_decay"]:
-            grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
-        if group["momentum"]:
-            bufs = [optimizer.state[p].get("momentum_buffer") for p in params]
-            if any(b is None for b in bufs):  # first step: the buffer is the gradient (torch.optim.SGD)
+        wd, momentum = group["weight_decay"], group["momentum"]
+        bufs = [optimizer.state[p].get("momentum_buffer") for p in params] if momentum else []
+        lr_t = lr[params[0].dtype]
+        first = any(b is None for b in bufs)
+        if params[0].is_cuda and params[0].dtype != torch.float64 and not first:
+            torch._fused_sgd_(params, grads, bufs, weight_decay=wd, momentum=momentum, lr=lr_t, dampening=0.0,
+                              nesterov=False, maximize=False, is_first_step=False)
+            continue
+        if wd:
+            grads = torch._foreach_add(grads, params, alpha=wd)
+        if momentum:
+            if first:  # the buffer starts as the gradient (torch.optim.SGD)
                 for p, g in zip(params, grads):
                     optimizer.state[p]["momentum_buffer"] = g.detach().clone()
             else:
-                torch._foreach_mul_(bufs, group["momentum"])
+                torch._foreach_mul_(bufs, momentum)
                 torch._foreach_add_(bufs, grads)
             grads = [optimizer.state[p]["momentum_buffer"] for p in params]
-        torch._foreach_add_(params, torch._foreach_mul(grads, neg_lr[params[0].dtype]))
+        torch._foreach_sub_(params, torch._foreach_mul(grads, lr_t))
 
 
 class StepGraph:
