@@ -375,7 +375,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--address", default=None)
     p.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
-                   help="rayconv's --compile for every layout (auto: one-GPU layouts only); unless off, the anchors "
+                   help="rayconv's --compile for every layout (auto: GPU layouts); unless off, the anchors "
                         "run eagerly and compiled on GPUs and the faster counts")
     p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
                    help="rayconv's --cuda-graphs for every layout (auto: whole-step CUDA graphs on GPUs)")

@@ -70,8 +70,8 @@ class Config:
     precision: str = field(default="fp32", metadata={"help": "fp32, bf16 (autocast) or fp64", "choices": PRECISION_CHOICES})
     compile: str = field(default="auto", metadata={
         "help": "torch.compile each actor's part, in segments that end at the gradient bucket size: on, off, or "
-                "auto: on for a one-GPU run (except fp64), where it was measured to pay; compile time is spent "
-                "in the first step", "choices": COMPILE_CHOICES})
+                "auto: on with GPUs (except fp64; with --cuda-graphs off, one-GPU runs only), where it was measured "
+                "to pay; compile time is spent in the first step", "choices": COMPILE_CHOICES})
     cuda_graphs: str = field(default="auto", metadata={
         "help": "capture each actor's whole training step (forward, backward, exchanges, all-reduce, update) as "
                 "one CUDA graph and replay it, so the CPU launches one graph a step, not every kernel: on, off, "

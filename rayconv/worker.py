@@ -129,13 +129,16 @@ class Worker:
         pp_ranks = self.groups.ranks["pp"]
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
-        # auto: compile a one-actor run on a GPU (measured 1.44x on ResNet-50); layouts with several
-        # actors stay eager (compiled data parallelism measured slower, see benchmarks/RESULTS.md).
+        # auto: compile on GPUs (not fp64). Measured (benchmarks/RESULTS.md): 1.44x on ResNet-50, one GPU;
+        # with whole-step CUDA graphs also AlexNet's two-GPU layouts (dp=2 1.19x -> 1.38x over one GPU,
+        # the per-layer plan 1.37x -> 1.61x). Without graphs, compiled data parallelism had measured slower
+        # than eager, so with --cuda-graphs off auto compiles one-GPU runs only.
+        graphs_on = self.device.type == "cuda" and cfg.cuda_graphs in ("on", "auto")
         self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and self.device.type == "cuda"
-                                                  and cfg.precision != "fp64" and mesh.world_size == 1)
+                                                  and cfg.precision != "fp64" and (graphs_on or mesh.world_size == 1))
         # The whole step captured as one CUDA graph and replayed (auto: on every GPU layout), so the CPU
         # launches one graph a step instead of every kernel (parallel/cuda_graph.py).
-        self.cuda_graphs = self.device.type == "cuda" and cfg.cuda_graphs in ("on", "auto")
+        self.cuda_graphs = graphs_on
         full_batch = tuple(data_mod.split_sizes(cfg.global_batch_size, mesh.dp))  # per-replica sizes
         self.step_graph = StepGraph(self.device, full_batch) if self.cuda_graphs else None
         # The learning rate on the device, per parameter dtype (float32 below float64: what torch's fused
