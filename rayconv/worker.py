@@ -216,7 +216,8 @@ class Worker:
         The device is not waited for: the call returns the metrics of the *previous* step (None for
         the first), whose values are ready by now, so the GPU never idles between steps while the
         driver's call travels (``flush`` returns the last step's). With ``profile`` the step is
-        synchronised and split into compute, receive wait and gradient all-reduce wait (ms).
+        synchronised and split into compute, receive wait and gradient all-reduce wait (ms); under CUDA
+        graphs a step cannot be split, and counts as compute (the waits are None).
         Raises what the model or the data raise.
         """
         t0 = time.perf_counter()
