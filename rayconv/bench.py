@@ -113,9 +113,10 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
             if tr["device_ms"] is not None:
                 device_busy = tr["device_ms"] / tr["wall_ms"]
             if trace_to is not None:
+                kernels = "not measured" if tr["device_ms"] is None else f"{tr['device_ms']:.1f} ms"
                 atomic_write(trace_to, lambda tmp: Path(tmp).write_text(
-                    f"rank 0, {trace_steps} steps, wall {tr['wall_ms']:.1f} ms, device kernels "
-                    f"{tr['device_ms']} ms\n{tr['table']}\n"))
+                    f"rank 0, {trace_steps} steps, wall {tr['wall_ms']:.1f} ms (with the profiler's own overhead), "
+                    f"device kernels {kernels}\n{tr['table']}\n"))
         memory = gang.call("memory")
     finally:
         gang.kill()
@@ -382,7 +383,8 @@ def parse_args(argv=None):
     p.add_argument("--all-gpus-visible", action=argparse.BooleanOptionalAction, default=True,
                    help="actors see every GPU of their node (rayconv's default, as torchrun)")
     p.add_argument("--trace", type=int, default=0, metavar="N",
-                   help="also profile N steps of each layout with torch.profiler: trace-<layout>.txt, device_busy")
+                   help="also profile N steps of each layout with torch.profiler and N more with cProfile (the "
+                        "actors' Python side): trace-<layout>.txt, device_busy")
     p.add_argument("--anchors", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--anchor-timeout", type=float, default=600)
     p.add_argument("--sweep", choices=("batch", "memory"), default=None)

@@ -75,7 +75,7 @@ class Config:
     cuda_graphs: str = field(default="auto", metadata={
         "help": "capture each actor's whole training step (forward, backward, exchanges, all-reduce, update) as "
                 "one CUDA graph and replay it, so the CPU launches one graph a step, not every kernel: on, off, "
-                "or auto: on with GPUs", "choices": COMPILE_CHOICES})
+                "or auto: on with GPUs; refused on CPU", "choices": COMPILE_CHOICES})
     bucket_mb: float = field(default=25.0, metadata={"help": "gradient all-reduce bucket size in MB (2**20 bytes); "
                                                           "compiled segments end at bucket boundaries"})
     sync_batchnorm: bool = field(default=False, metadata={"help": "batch-norm statistics over the global batch"})

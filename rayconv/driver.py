@@ -167,7 +167,8 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
         metrics = run.metrics
         metrics.write(out / "metrics.parquet")
         train_rows = [row for row in metrics.rows if row["kind"] == "train"]
-        steady = train_rows[min(len(train_rows) - 1, 2):]  # skip warm-up steps
+        # Skip two warm-up steps when at least two steps remain (one step's rate alone means nothing).
+        steady = train_rows[2:] if len(train_rows) >= 4 else train_rows
         steady_ms = sum(x["step_ms"] for x in steady)
         last_eval = run.last_eval
         summary = {
