@@ -126,6 +126,8 @@ class Config:
         need(self.balance in BALANCE_CHOICES, f"unknown --balance {self.balance!r}: choose auto, time or flops")
         need(self.compile in COMPILE_CHOICES, f"unknown --compile {self.compile!r}: choose auto, on or off")
         need(self.cuda_graphs in COMPILE_CHOICES, f"unknown --cuda-graphs {self.cuda_graphs!r}: choose auto, on or off")
+        need(not (self.cuda_graphs == "on" and self.device == "cpu"),
+             "--cuda-graphs on needs GPUs (CUDA graphs): drop it with --device cpu")
         need(self.lr_schedule in LR_SCHEDULE_CHOICES, f"unknown --lr-schedule {self.lr_schedule!r}: constant or cosine")
         need(self.data != "imagefolder" or bool(self.data_dir),
              "--data imagefolder needs --data-dir DIR (a folder with train/<class>/*.JPEG and val/<class>/...)")

@@ -292,7 +292,7 @@ class Worker:
             self.sync.finish()
             if profile:
                 sync_device(self.device)
-            allreduce_s = time.perf_counter() - t_sync
+            allreduce_s = time.perf_counter() - t_sync if self.sync.group is not None else 0.0  # (none to wait for)
             self._update()
         self.optimizer.zero_grad(set_to_none=True)
         current = {"rank": self.rank, "step": step, "reports": self.reports, "loss_sum": res.loss_sum,

@@ -11,6 +11,7 @@ import pytest
 import ray
 from PIL import Image
 
+from rayconv.config import Config, ConfigError
 from rayconv.run import main
 
 # Small and fast on the test cluster; each case adds the flag it gets wrong.
@@ -173,8 +174,10 @@ def test_cuda_without_gpus(ray_cluster, tmp_path, capsys):
 def test_cuda_graphs_on_cpu(ray_cluster, tmp_path, capsys):
     out = tmp_path / "x"
     line = run_failing(BASE + ["--cuda-graphs", "on", "--out", str(out)], capsys)
-    assert "--cuda-graphs on needs GPUs" in line and "CPU" in line
+    assert "--cuda-graphs on needs GPUs" in line and "cpu" in line.lower()
     assert not out.exists()
+    with pytest.raises(ConfigError, match="--cuda-graphs on needs GPUs"):  # refused before Ray starts
+        Config(cuda_graphs="on", device="cpu").validate()
 
 
 def test_out_folder_with_files_is_not_overwritten(ray_cluster, tmp_path, capsys):
