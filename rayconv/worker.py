@@ -263,37 +263,35 @@ class Worker:
         for t in self.lr_t.values():
             t.fill_(lr)
 
+        # With ``profile``, an eager step is synchronised around the all-reduce to time it apart; a step
+        # under CUDA graphs is not (nothing may synchronise inside a capture), and counts as compute.
+        timed = profile and graph is None
+        allreduce: dict[str, float] = {}
+
         def sgd() -> StepResult:
             res = self.runner.run(self.program, inputs, labels, sizes, global_count, self.sync.arm,
                                   before_forward=before_forward)
-            self.sync.finish()
-            self._update()
-            return res
-
-        allreduce_s = None
-        if graph is not None:
-            # Warm-up steps and steps of another shape run eagerly; the rest replay one captured step.
-            if profile:
-                sync_device(self.device)
-            self.runner.profile = False
-            t_run = time.perf_counter()
-            res = graph.run(key, sgd, generators)
-            res.wait_s = None  # (receive and all-reduce waits are not separable inside a captured step)
-        else:
-            self.runner.profile = profile
-            if profile:
-                sync_device(self.device)
-            t_run = time.perf_counter()
-            res = self.runner.run(self.program, inputs, labels, sizes, global_count, self.sync.arm,
-                                  before_forward=before_forward)
-            if profile:
+            if timed:
                 sync_device(self.device)
             t_sync = time.perf_counter()
             self.sync.finish()
-            if profile:
+            if timed:
                 sync_device(self.device)
-            allreduce_s = time.perf_counter() - t_sync if self.sync.group is not None else 0.0  # (none to wait for)
+                allreduce["s"] = time.perf_counter() - t_sync if self.sync.group is not None else 0.0
             self._update()
+            return res
+
+        self.runner.profile = timed
+        if profile:
+            sync_device(self.device)
+        t_run = time.perf_counter()
+        if graph is not None:
+            # Warm-up steps and steps of another shape run eagerly; the rest replay one captured step.
+            res = graph.run(key, sgd, generators)
+            res.wait_s = None  # (receive and all-reduce waits are not separable inside a captured step)
+        else:
+            res = sgd()
+        allreduce_s = allreduce.get("s")
         self.optimizer.zero_grad(set_to_none=True)
         current = {"rank": self.rank, "step": step, "reports": self.reports, "loss_sum": res.loss_sum,
                    "correct": res.correct, "samples": global_count if self.plan_mode else sum(sizes),

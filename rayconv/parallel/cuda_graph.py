@@ -85,9 +85,10 @@ class StepGraph:
         self.static = {}
 
     def buffer(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        """``value`` copied into the static buffer ``name`` (made on first use, same shape and layout)."""
+        """``value`` copied into the static buffer ``name`` (made on first use, same shape and layout;
+        only steps of the captured key use the buffers, so their shapes never change)."""
         buf = self.static.get(name)
-        if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
+        if buf is None:
             buf = self.static[name] = torch.empty_like(value)
         buf.copy_(value, non_blocking=True)
         return buf
