@@ -113,3 +113,22 @@ def test_captured_sgd_update_equals_torch_sgd_on_gpu():
     torch.cuda.synchronize(dev)
     for p, q in zip(ref, mine):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6)
+
+
+def test_crossing_sends_of_1f1b_complete_eagerly_and_in_a_graph():
+    """Two ranks each send 64 MB to the other while receiving (1F1B's steady state) through
+    ``comm.exchange``: one NCCL group, so it completes, eagerly and replayed from a CUDA graph, and
+    delivers the peer's data. (Posted one by one, such sends wait for receives queued behind the
+    other rank's send: ``tests/nccl_crossing.py --unpaired``.)"""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(root / "tests" / "nccl_crossing.py")], capture_output=True, text=True, timeout=240,
+                       env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("PAIRED-OK") == 2, r.stdout

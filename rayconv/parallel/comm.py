@@ -74,17 +74,34 @@ def broadcast(t: torch.Tensor, src: int, group: Optional[dist.ProcessGroup]) -> 
         dist.broadcast(t, src=src, group=group)
 
 
-def isend(t: torch.Tensor, dst: int, group: Optional[dist.ProcessGroup]):
-    """Non-blocking send to global rank ``dst``; the caller keeps ``t`` alive until ``wait()``."""
-    return dist.isend(t.contiguous(), dst=dst, group=group)
+def exchange(sends: list[tuple[torch.Tensor, int]], recv: Optional[tuple[tuple[int, ...], torch.dtype, int]],
+             device: torch.device, group: Optional[dist.ProcessGroup]) -> tuple[Optional[torch.Tensor], list]:
+    """Post ``sends`` ((tensor, global destination rank) pairs) and at most one receive
+    (``(shape, dtype, global source rank)``) as one batch, and wait for the receive.
 
-
-def recv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int,
-         group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    """Blocking receive of a tensor of known ``shape`` from global rank ``src``."""
-    buf = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(buf, src=src, group=group)
-    return buf
+    With NCCL the batch is one ``ncclGroupStart``/``ncclGroupEnd`` group (``dist.batch_isend_irecv``),
+    so its operations progress together. This is what makes a pipeline schedule safe whatever the
+    message size: 1F1B's steady state has each stage send to its neighbour while that neighbour
+    sends back (stage s posts "send activation m+1, receive gradient m"; stage s+1 "send gradient m,
+    receive activation m+1"). Posted one by one on the pair's single NCCL stream, each send waits for
+    a receive queued behind the other's send, a deadlock once a message outgrows NCCL's buffers (the
+    pairing Megatron-LM's ``p2p_communication`` does). Returns the received tensor (None without a
+    receive) and the work handles, which keep the sent tensors alive until waited.
+    """
+    ops = [dist.P2POp(dist.isend, t.contiguous(), dst, group) for t, dst in sends]
+    buf = None
+    if recv is not None:
+        shape, dtype, src = recv
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        ops.append(dist.P2POp(dist.irecv, buf, src, group))
+    if not ops:
+        return None, []
+    works = dist.batch_isend_irecv(ops)
+    if buf is None:
+        return None, works
+    works[-1].wait()  # the receive (NCCL returns one work for the whole group: waiting it again is harmless)
+    # Without coalescing (gloo) there is one work per operation; a gloo receive must not be waited twice.
+    return buf, works[:-1] if len(works) == len(ops) else works
 
 
 def all_gather_dim(t: torch.Tensor, dim: int, sizes: list[int], group: Optional[dist.ProcessGroup]) -> torch.Tensor:

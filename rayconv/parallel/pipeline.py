@@ -6,7 +6,8 @@ so that the largest stage cost is smallest (cost per layer: forward FLOPs from
 (GPipe or 1F1B): F(m) receives the activation of micro-batch m from the previous stage (or reads
 it from the data), runs the stage, and sends the output on (non-blocking); B(m) receives the output
 gradient from the next stage (or starts from the loss), runs backward and sends the input gradient
-back. Gradients accumulate over micro-batches; the loss of each micro-batch is its per-sample sum
+back. A send is posted together with the next action's receive as one NCCL group
+(``comm.exchange``), so crossing sends of 1F1B cannot deadlock. Gradients accumulate over micro-batches; the loss of each micro-batch is its per-sample sum
 divided by the global batch size, so the accumulated gradient is the single-device one.
 
 Legend: N micro-batch size, C channels, H, W height, width; ``x_NCHW`` an activation.
@@ -112,14 +113,21 @@ class StageRunner:
 
     profile = False  # when True, time spent blocked in receives is measured (synchronising the device)
 
-    def _recv(self, shape: tuple[int, ...], src: int, res: StepResult) -> torch.Tensor:
+    def _exchange(self, pending: list, recv: Optional[tuple[tuple[int, ...], int]], res: StepResult):
+        """Post the ``pending`` sends together with this action's receive (``(shape, source rank)``, or
+        None) as one batch (``comm.exchange``); returns the received tensor. The sends' handles go to
+        ``res.sends``."""
+        spec = None if recv is None else (recv[0], self.wire_dtype, recv[1])
         if not self.profile:
-            return comm.recv(shape, self.wire_dtype, self.device, src, self.group)
-        sync_device(self.device)
-        t = time.perf_counter()
-        buf = comm.recv(shape, self.wire_dtype, self.device, src, self.group)
-        sync_device(self.device)
-        res.wait_s += time.perf_counter() - t
+            buf, works = comm.exchange(pending, spec, self.device, self.group)
+        else:
+            sync_device(self.device)
+            t = time.perf_counter()
+            buf, works = comm.exchange(pending, spec, self.device, self.group)
+            sync_device(self.device)
+            res.wait_s += time.perf_counter() - t
+        res.sends.extend(works)
+        pending.clear()
         return buf
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,6 +149,10 @@ class StageRunner:
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         saved: dict[int, tuple[Optional[torch.Tensor], torch.Tensor]] = {}
         last_b = max((i for i, a in enumerate(program) if a.kind == "B"), default=-1)
+        # Sends of one action are posted with the next action's receive, as one batch (see
+        # comm.exchange): an action ends with its send and the next begins with its receive, so
+        # nothing runs in between and no send is delayed.
+        pending: list[tuple[torch.Tensor, int]] = []
         for i, a in enumerate(program):
             m, n = a.microbatch, mb_sizes[a.microbatch]
             # Release sends that have completed (and their buffers), so held activations stay bounded
@@ -153,8 +165,10 @@ class StageRunner:
                     before_forward(m)
                 if self.prev is None:
                     x, x_in = inputs(m), None
+                    if pending:
+                        self._exchange(pending, None, res)
                 else:
-                    x_in = self._recv((n, *self.in_shape), self.prev, res)
+                    x_in = self._exchange(pending, ((n, *self.in_shape), self.prev), res)
                     x = x_in.requires_grad_(train)
                 with torch.set_grad_enabled(train):
                     out = self._forward(x)
@@ -166,7 +180,7 @@ class StageRunner:
                         res.correct = res.correct + (logits.detach().argmax(1) == y).sum()
                         out = loss / global_count
                 if self.next is not None:
-                    res.sends.append(comm.isend(out.detach().to(self.wire_dtype), self.next, self.group))
+                    pending.append((out.detach().to(self.wire_dtype), self.next))
                 if train:
                     saved[m] = (x_in, out)
             else:
@@ -174,13 +188,17 @@ class StageRunner:
                 if i == last_b:
                     before_last_backward()
                 if self.next is None:
+                    if pending:
+                        self._exchange(pending, None, res)
                     out.backward()
                 else:
-                    g = self._recv((n, *self.out_shape), self.next, res)
+                    g = self._exchange(pending, ((n, *self.out_shape), self.next), res)
                     out.backward(g.to(out.dtype))
                 if self.prev is not None:
                     assert x_in is not None and x_in.grad is not None
-                    res.sends.append(comm.isend(x_in.grad.to(self.wire_dtype), self.prev, self.group))
+                    pending.append((x_in.grad.to(self.wire_dtype), self.prev))
+        if pending:
+            self._exchange(pending, None, res)
         for w in res.sends:
             w.wait()
         res.sends.clear()
