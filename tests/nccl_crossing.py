@@ -1,7 +1,8 @@
 """Run by ``tests/test_gpu.py`` under torchrun on 2 GPUs: both ranks send 64 MB to each other and
 receive at once (1F1B's steady state), eagerly and replayed from a CUDA graph, through
 ``comm.exchange``. With ``--unpaired`` the sends and receives are posted one by one instead (the
-pattern ``comm.exchange`` replaces), which is expected to hang once messages outgrow NCCL's buffers."""
+pattern ``comm.exchange`` replaced): on 2 x H200 with torch 2.11 that failed with a CUDA illegal
+memory access (session 5 of 2026-11-30, benchmarks/h200x2-2026-11-30/session5/run3-unpaired.txt)."""
 
 from __future__ import annotations
 
