@@ -89,6 +89,20 @@ def test_bad_value_in_config_file_names_the_flag(tmp_path):
         parse_args(["--config", str(path)])
 
 
+@pytest.mark.parametrize("argv, match", [
+    (["--dp", "1", "--pp", "2", "--global-batch-size", "64", "--num-microbatches", "5"],
+     r"--num-microbatches 5 does not divide the per-replica batch 64 \(= --global-batch-size 64 / dp 1\)"),
+    (["--dp", "2", "--pp", "2", "--global-batch-size", "8", "--num-microbatches", "8"],
+     "--num-microbatches 8 exceeds the per-replica batch 4"),
+])
+def test_microbatches_that_do_not_split_the_batch_are_refused_before_ray_starts(argv, match):
+    """Checked with the settings (parse_args validates), not after Ray has started; with --dp left to the
+    cluster the plan checks it once dp is known (same message)."""
+    with pytest.raises(ConfigError, match=match):
+        parse_args(argv)
+    assert parse_args(argv[:-1] + ["4"]).num_microbatches == 4
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--pp", "0"], "--pp"),
     (["--fs", "0"], "--fs"),

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..config import Config
+from ..config import Config, microbatch_problem
 from ..mesh import Mesh
 from ..models import to_layers
 from ..schedule import Schedule, make_schedule, validate
@@ -172,14 +172,9 @@ def make_plan(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[int
     else:
         # Balance by forward FLOPs, parameters as a tie-breaker for layers without compute.
         stages = balance([f + p for f, p in zip(flops, params)], mesh.pp)
-    per_replica = cfg.global_batch_size // mesh.dp
-    if cfg.global_batch_size % mesh.dp == 0 and per_replica % cfg.num_microbatches != 0:
-        raise PlanError(f"--num-microbatches {cfg.num_microbatches} does not divide the per-replica batch "
-                        f"{per_replica} (= --global-batch-size {cfg.global_batch_size} / dp {mesh.dp}): "
-                        "choose a divisor")
-    if per_replica < cfg.num_microbatches:
-        raise PlanError(f"--num-microbatches {cfg.num_microbatches} exceeds the per-replica batch {per_replica}: "
-                        "lower it or raise --global-batch-size")
+    problem = microbatch_problem(cfg.global_batch_size, mesh.dp, cfg.num_microbatches)
+    if problem:
+        raise PlanError(problem)
     schedule = make_schedule(cfg.schedule, mesh.pp, cfg.num_microbatches)
     validate(schedule)
     plan = Plan(mesh=mesh, layer_names=tuple(n for n, _ in layers), in_shape=tuple(sample_shape),
