@@ -8,7 +8,10 @@ devices (``rayconv.anchor``). Writes into ``--out``:
 
 * ``bench.parquet``: one row per (model, layout): images_per_s, step_ms, speedup over rayconv on 1
   device, ratios to the anchors, peak memory per device (GiB), parameters per actor, compute /
-  receive-wait / all-reduce-wait / driver-idle time per step (ms), pipeline bubble fraction;
+  receive-wait / all-reduce-wait / driver-idle time per step (ms), pipeline bubble fraction, and the
+  driver's overhead: the timed steps run again with each actor looping by itself (one call,
+  ``in_actor_step_ms``), and ``driver_overhead`` = 1 - (that time / the driver loop's time), the share
+  of a step the driver's per-step calls cost (noise can make it slightly negative);
 * ``bench.md``: the Markdown table; ``speedup.png``: bars of speedup over 1 device.
 
 ``--sweep batch`` measures images/s and peak memory over per-device batch sizes 16..1024 (until one
@@ -103,13 +106,19 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
         # actor that finished last waited only for the driver's round trip).
         idle = [min(r["idle_ms"] for r in rs) for rs in results
                 if rs and all(r is not None and r.get("idle_ms") is not None for r in rs)]
+        # The same steps with no driver call between them (each actor loops by itself; one call).
+        gang.call("flush")
+        t1 = time.perf_counter()
+        gang.call("train_steps", warmup + steps, steps, cfg.lr)
+        in_actor_s = time.perf_counter() - t1
+        first_prof = warmup + 2 * steps
         prof = []
-        for s in range(warmup + steps, warmup + steps + profile_steps):
+        for s in range(first_prof, first_prof + profile_steps):
             gang.call("train_step", s, cfg.lr, True)
             prof.append(gang.call("flush"))
         device_busy = None
         if trace_steps:
-            tr = gang.call("trace", warmup + steps + profile_steps, trace_steps, cfg.lr)[0]
+            tr = gang.call("trace", first_prof + profile_steps, trace_steps, cfg.lr)[0]
             if tr["device_ms"] is not None:
                 device_busy = tr["device_ms"] / tr["wall_ms"]
             if trace_to is not None:
@@ -136,7 +145,9 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
         "params_per_actor": json.dumps([s["parameters"] for s in setups]),
         "compute_ms": mean_of("compute_ms"), "recv_wait_ms": mean_of("wait_ms"),
         "allreduce_wait_ms": mean_of("allreduce_ms"),
-        "driver_idle_ms": sum(idle) / len(idle) if idle else None, "device_busy": device_busy,
+        "driver_idle_ms": sum(idle) / len(idle) if idle else None,
+        "in_actor_step_ms": in_actor_s / steps * 1e3, "driver_overhead": 1 - in_actor_s / elapsed,
+        "device_busy": device_busy,
         "bubble_fraction": bubble_fraction(plan.schedule) if mesh.pp > 1 else 0.0,
         "num_microbatches": cfg.num_microbatches, "schedule": cfg.schedule if mesh.pp > 1 else None,
         "world_size": mesh.world_size,
@@ -209,7 +220,8 @@ def write_table(rows: list[dict[str, Any]], out: Path) -> None:
     atomic_write(out / "bench.parquet", lambda tmp: pq.write_table(pa.Table.from_pylist(rows), tmp))
     cols = ["model", "layout", "global_batch_size", "images_per_s", "step_ms", "speedup_vs_1",
             "vs_plain_pytorch", "vs_torchrun_ddp", "peak_gib_max", "compute_ms", "recv_wait_ms",
-            "allreduce_wait_ms", "driver_idle_ms", "device_busy", "bubble_fraction", "note"]
+            "allreduce_wait_ms", "driver_idle_ms", "in_actor_step_ms", "driver_overhead", "device_busy",
+            "bubble_fraction", "note"]
 
     def fmt(v: Any) -> str:
         if v is None:
@@ -283,8 +295,6 @@ def main_bench(args) -> list[dict[str, Any]]:
         row["vs_plain_pytorch"] = ips / a1["images_per_s"] if ips and a1 else None
         row["torchrun_ddp_images_per_s"] = an["images_per_s"] if an and devices > 1 else None
         row["vs_torchrun_ddp"] = ips / an["images_per_s"] if ips and an and devices > 1 else None
-        if ips and row.get("driver_idle_ms") is not None:
-            row["driver_overhead"] = row["driver_idle_ms"] / row["step_ms"]
         rows.append(row)
         write_table(rows, out)  # after every layout: a cut-short run keeps what it measured
         print(f"RESULT {model} {name} B={gb}: " + (f"{ips:.0f} images/s, speedup {ratio(row['speedup_vs_1'])}, "

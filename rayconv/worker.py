@@ -371,6 +371,15 @@ class Worker:
                 "table": events.table(sort_by=key, row_limit=30) + "\n\nPython profile (cProfile, "
                 f"{steps} more steps, by own time):\n" + py_table.getvalue()}
 
+    def train_steps(self, first_step: int, steps: int, lr: float) -> Optional[dict[str, Any]]:
+        """Run ``steps`` steps from ``first_step`` in one call, each exactly as ``train_step`` runs it
+        (two in flight), with no driver call between them; returns the last step's metrics (waits for
+        the device). The benchmark times this against the driver's loop: the difference is the cost
+        of the driver's per-step calls."""
+        for s in range(first_step, first_step + steps):
+            self.train_step(s, lr)
+        return self.flush()
+
     def flush(self) -> Optional[dict[str, Any]]:
         """The metrics of the last step launched (waits for the device)."""
         previous, self.pending = self.pending, None

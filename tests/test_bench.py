@@ -34,6 +34,8 @@ def test_bench_writes_table_chart_and_anchor_ratios(ray_cluster, tmp_path):
     assert rows[1]["vs_torchrun_ddp"] is not None  # the DDP anchor ran under torchrun with gloo
     assert rows[2]["num_microbatches"] in (2, 4, 8) and rows[2]["bubble_fraction"] > 0
     assert rows[1]["allreduce_wait_ms"] is not None and rows[2]["recv_wait_ms"] is not None
+    for r in rows:  # the same steps looped inside the actors, against the driver's loop
+        assert r["in_actor_step_ms"] > 0 and r["driver_overhead"] == pytest.approx(1 - r["in_actor_step_ms"] / r["step_ms"])
     assert (out / "bench.md").read_text().count("\n") == 2 + len(rows)
     assert (out / "speedup.png").stat().st_size > 1000
 
