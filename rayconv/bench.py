@@ -107,7 +107,6 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
         idle = [min(r["idle_ms"] for r in rs) for rs in results
                 if rs and all(r is not None and r.get("idle_ms") is not None for r in rs)]
         # The same steps with no driver call between them (each actor loops by itself; one call).
-        gang.call("flush")
         t1 = time.perf_counter()
         gang.call("train_steps", warmup + steps, steps, cfg.lr)
         in_actor_s = time.perf_counter() - t1

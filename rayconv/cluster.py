@@ -18,7 +18,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from .config import Config, ConfigError
+from .config import Config, ConfigError, batch_split_problem
 from .mesh import Mesh
 from .worker import Worker, exception_summary, visible_index
 
@@ -135,9 +135,9 @@ def resolve_layout(cfg: Config, log=print) -> Mesh:
                           "drop it on CPU (batch norm then uses per-replica statistics, as DDP)")
     if cfg.cuda_graphs == "on" and kind != "cuda":
         raise ConfigError("--cuda-graphs on needs GPUs (CUDA graphs): drop it on CPU")
-    if cfg.global_batch_size < cfg.dp:
-        raise ConfigError(f"--global-batch-size {cfg.global_batch_size} is smaller than --dp {cfg.dp}: "
-                          f"each replica needs at least one sample; raise it to >= {cfg.dp}")
+    problem = batch_split_problem(cfg.global_batch_size, cfg.dp, cfg.num_microbatches)
+    if problem:
+        raise ConfigError(problem)
     return mesh
 
 

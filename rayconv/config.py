@@ -29,9 +29,12 @@ COMPILE_CHOICES = ("auto", "on", "off")
 BALANCE_CHOICES = ("auto", "time", "flops")
 
 
-def microbatch_problem(global_batch_size: int, dp: int, num_microbatches: int) -> Optional[str]:
-    """What is wrong with splitting each replica's share of the global batch into ``num_microbatches``
-    equal micro-batches (None when nothing is): the message says what to change."""
+def batch_split_problem(global_batch_size: int, dp: int, num_microbatches: int) -> Optional[str]:
+    """What is wrong with splitting the global batch over ``dp`` replicas and each replica's share into
+    ``num_microbatches`` equal micro-batches (None when nothing is): the message says what to change."""
+    if global_batch_size < dp:
+        return (f"--global-batch-size {global_batch_size} is smaller than --dp {dp}: "
+                f"each replica needs at least one sample; raise it to >= {dp}")
     per_replica = global_batch_size // dp
     if per_replica < num_microbatches:
         return (f"--num-microbatches {num_microbatches} exceeds the per-replica batch {per_replica}: "
@@ -150,10 +153,7 @@ class Config:
             v = getattr(self, name)
             need(v is None or v >= 1, f"--{name.replace('_', '-')} must be >= 1 (got {v})")
         if self.dp:  # (with --dp left to the cluster, these are checked once it is known)
-            need(self.global_batch_size >= self.dp,
-                 f"--global-batch-size {self.global_batch_size} is smaller than --dp {self.dp}: "
-                 f"each replica needs at least one sample; raise it to >= {self.dp}")
-            problem = microbatch_problem(self.global_batch_size, self.dp, self.num_microbatches)
+            problem = batch_split_problem(self.global_batch_size, self.dp, self.num_microbatches)
             need(problem is None, problem or "")
         need(self.lr > 0, f"--lr must be > 0 (got {self.lr})")
         need(0 <= self.momentum < 1, f"--momentum must be in [0, 1) (got {self.momentum})")

@@ -345,9 +345,7 @@ class Worker:
         sync_device(self.device)
         t0 = time.perf_counter()
         with profile(activities=activities) as prof:
-            for s in range(first_step, first_step + steps):
-                self.train_step(s, lr)
-            self.flush()
+            self.train_steps(first_step, steps, lr)
             sync_device(self.device)
         wall_ms = (time.perf_counter() - t0) * 1e3
         # The actor's Python side over as many more steps: where the CPU's time goes when the device waits.
@@ -356,9 +354,7 @@ class Worker:
 
         py = cProfile.Profile()
         py.enable()
-        for s in range(first_step + steps, first_step + 2 * steps):
-            self.train_step(s, lr)
-        self.flush()
+        self.train_steps(first_step + steps, steps, lr)
         sync_device(self.device)
         py.disable()
         py_table = io.StringIO()

@@ -87,8 +87,9 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recv: Optional[tuple[tuple[i
     finish once the peer's receive runs, and that receive is queued behind the peer's own send: it
     works only while NCCL buffers the message. (Megatron-LM's ``p2p_communication`` pairs them the
     same way. On 2 x H200 the unpaired pattern failed at 64 MB, ``tests/nccl_crossing.py``, and
-    ResNet-50's 2-stage pipeline at global batch 512 did not finish its benchmark in 3 minutes.) Returns the received tensor (None without a
-    receive) and the work handles, which keep the sent tensors alive until waited.
+    ResNet-50's 2-stage pipeline at global batch 512 did not finish its benchmark in 3 minutes.)
+    Returns the received tensor (None without a receive) and the work handles, which keep the sent
+    tensors alive until waited.
     """
     ops = [dist.P2POp(dist.isend, t.contiguous(), dst, group) for t, dst in sends]
     buf = None

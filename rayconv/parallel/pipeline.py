@@ -7,8 +7,9 @@ so that the largest stage cost is smallest (cost per layer: forward FLOPs from
 it from the data), runs the stage, and sends the output on (non-blocking); B(m) receives the output
 gradient from the next stage (or starts from the loss), runs backward and sends the input gradient
 back. A send is posted together with the next action's receive as one NCCL group
-(``comm.exchange``), so crossing sends of 1F1B cannot deadlock. Gradients accumulate over micro-batches; the loss of each micro-batch is its per-sample sum
-divided by the global batch size, so the accumulated gradient is the single-device one.
+(``comm.exchange``), so crossing sends of 1F1B cannot deadlock. Gradients accumulate over
+micro-batches; the loss of each micro-batch is its per-sample sum divided by the global batch size,
+so the accumulated gradient is the single-device one.
 
 Legend: N micro-batch size, C channels, H, W height, width; ``x_NCHW`` an activation.
 """
@@ -117,13 +118,14 @@ class StageRunner:
         """Post the ``pending`` sends together with this action's receive (``(shape, source rank)``, or
         None) as one batch (``comm.exchange``); returns the received tensor. The sends' handles go to
         ``res.sends``."""
+        if not pending and recv is None:
+            return None
         spec = None if recv is None else (recv[0], self.wire_dtype, recv[1])
-        if not self.profile:
-            buf, works = comm.exchange(pending, spec, self.device, self.group)
-        else:
+        if self.profile:
             sync_device(self.device)
             t = time.perf_counter()
-            buf, works = comm.exchange(pending, spec, self.device, self.group)
+        buf, works = comm.exchange(pending, spec, self.device, self.group)
+        if self.profile:
             sync_device(self.device)
             res.wait_s += time.perf_counter() - t
         res.sends.extend(works)
@@ -165,8 +167,7 @@ class StageRunner:
                     before_forward(m)
                 if self.prev is None:
                     x, x_in = inputs(m), None
-                    if pending:
-                        self._exchange(pending, None, res)
+                    self._exchange(pending, None, res)
                 else:
                     x_in = self._exchange(pending, ((n, *self.in_shape), self.prev), res)
                     x = x_in.requires_grad_(train)
@@ -188,8 +189,7 @@ class StageRunner:
                 if i == last_b:
                     before_last_backward()
                 if self.next is None:
-                    if pending:
-                        self._exchange(pending, None, res)
+                    self._exchange(pending, None, res)
                     out.backward()
                 else:
                     g = self._exchange(pending, ((n, *self.out_shape), self.next), res)
@@ -197,8 +197,7 @@ class StageRunner:
                 if self.prev is not None:
                     assert x_in is not None and x_in.grad is not None
                     pending.append((x_in.grad.to(self.wire_dtype), self.prev))
-        if pending:
-            self._exchange(pending, None, res)
+        self._exchange(pending, None, res)
         for w in res.sends:
             w.wait()
         res.sends.clear()

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..config import Config, microbatch_problem
+from ..config import Config, batch_split_problem
 from ..mesh import Mesh
 from ..models import to_layers
 from ..schedule import Schedule, make_schedule, validate
@@ -172,7 +172,7 @@ def make_plan(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[int
     else:
         # Balance by forward FLOPs, parameters as a tie-breaker for layers without compute.
         stages = balance([f + p for f, p in zip(flops, params)], mesh.pp)
-    problem = microbatch_problem(cfg.global_batch_size, mesh.dp, cfg.num_microbatches)
+    problem = batch_split_problem(cfg.global_batch_size, mesh.dp, cfg.num_microbatches)
     if problem:
         raise PlanError(problem)
     schedule = make_schedule(cfg.schedule, mesh.pp, cfg.num_microbatches)
