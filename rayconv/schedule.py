@@ -31,6 +31,16 @@ Communication model (used by ``validate``/``simulate``)
 * Sends are non-blocking (buffered), so they never wait.
 * Every action takes one time tick (the ideal unit-time model, F = B = 1).
 
+Exchange model (used by ``check_exchanges``, and by ``validate``)
+----------------------------------------------------------------
+The unit-time model above lets sends buffer. NCCL does not, once a message is large: a send
+completes only when the peer's matching receive runs, messages between two ranks match in the
+order they were posted, and each rank's operations on the pipeline's communicator run one batch
+after another on one stream. ``check_exchanges`` replays the batches ``StageRunner.run`` posts
+(each action's sends together with the next action's receive, one ``ncclGroupStart``/``End``
+group; the rest at the end of the step) under exactly those rules, with no buffering, and
+raises on a deadlock or on a receive that would match another micro-batch's message.
+
 Legend for ``format_grid``: ``F3`` = forward of micro-batch 3, ``B3`` = backward
 of micro-batch 3, ``.`` = stage idle for that tick.
 """
@@ -39,11 +49,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 __all__ = [
     "Action", "Schedule", "ScheduleError", "SCHEDULE_NAMES", "gpipe", "one_f_one_b",
-    "make_schedule", "validate", "simulate", "bubble_fraction", "peak_in_flight", "format_grid",
+    "make_schedule", "validate", "simulate", "check_exchanges", "bubble_fraction", "peak_in_flight",
+    "format_grid",
 ]
 
 FORWARD = "F"
@@ -251,6 +262,141 @@ def simulate(schedule: Schedule) -> list[list[Action | None]]:
     return grid
 
 
+def _messages(schedule: Schedule, stage: int, action: Action) -> tuple[Optional[tuple], Optional[tuple]]:
+    """What ``action`` on ``stage`` receives before it runs and sends after it, each as
+    ``(kind, microbatch, source stage, destination stage)`` or None. Kinds: ``"act"`` (a forward's
+    output, sent to the next stage), ``"grad"`` (a backward's input gradient, sent to the previous)."""
+    last = schedule.num_stages - 1
+    m = action.microbatch
+    if action.kind == FORWARD:
+        recv = ("act", m, stage - 1, stage) if stage > 0 else None
+        send = ("act", m, stage, stage + 1) if stage < last else None
+    else:
+        recv = ("grad", m, stage + 1, stage) if stage < last else None
+        send = ("grad", m, stage, stage - 1) if stage > 0 else None
+    return recv, send
+
+
+def check_exchanges(schedule: Schedule, paired: bool = True) -> None:
+    """Replay the point-to-point batches a step posts under NCCL's rules (see "Exchange model").
+
+    With ``paired`` (what ``StageRunner.run`` does) each action's sends are posted together with the
+    next action's receive as one batch, before that action computes; sends left at the end of the
+    program form a last batch. With ``paired=False``, the pattern the pipeline used before: each
+    receive and each send is a batch of its own, the send posted right after its action computes.
+
+    The model, per stage: compute runs the program's actions in order; an action computes once the
+    batch holding its receive has completed (waiting on a batch waits on all of it). A batch starts
+    once everything computed before it was posted has run and the stage's previous batch has
+    completed (one communication stream). A send and the receive it is for match when both of their
+    batches have started; the k-th message from stage a to stage b matches the k-th receive b posts
+    from a. A batch completes when all its operations have matched. Nothing is buffered.
+
+    Raises:
+        ScheduleError: if the programs are malformed (see ``validate``); if the k-th message
+            between two stages is not the one the receiver expects (it would receive another
+            micro-batch's data); or if the batches deadlock (the message names what each stuck
+            stage waits for).
+    """
+    _check_programs(schedule)
+    P = schedule.num_stages
+    # Per stage, its events in host order: ("batch", [ops]) and ("compute", action index).
+    # An op is [kind, message, matched]; kind "send" or "recv".
+    events: list[list[tuple]] = []
+    for s, prog in enumerate(schedule.programs):
+        ev: list[tuple] = []
+        pending: list[tuple] = []
+        for i, a in enumerate(prog):
+            recv, send = _messages(schedule, s, a)
+            if paired:
+                ops = [["send", msg, False] for msg in pending] + ([["recv", recv, False]] if recv else [])
+                if ops:
+                    ev.append(("batch", ops))
+                ev.append(("compute", i))
+                pending = [send] if send else []
+            else:
+                if recv:
+                    ev.append(("batch", [["recv", recv, False]]))
+                ev.append(("compute", i))
+                if send:
+                    ev.append(("batch", [["send", send, False]]))
+        if pending:
+            ev.append(("batch", [["send", msg, False] for msg in pending]))
+        events.append(ev)
+    # Channel order: the k-th send a -> b must be the k-th receive b posts from a.
+    sent: dict[tuple[int, int], list] = {}
+    recvd: dict[tuple[int, int], list] = {}
+    for ev in events:
+        for e in ev:
+            if e[0] == "batch":
+                for op in e[1]:
+                    key = (op[1][2], op[1][3])
+                    (sent if op[0] == "send" else recvd).setdefault(key, []).append(op)
+    for key in sorted(set(sent) | set(recvd)):
+        out, inn = sent.get(key, []), recvd.get(key, [])
+        for k, (a, b) in enumerate(zip(out, inn)):
+            if a[1] != b[1]:
+                raise ScheduleError(
+                    f"schedule {schedule.name!r}: message {k} from stage {key[0]} to stage {key[1]} is "
+                    f"{a[1][0]} of micro-batch {a[1][1]} but stage {key[1]} expects {b[1][0]} of micro-batch "
+                    f"{b[1][1]}: messages between two stages arrive in the order they were sent")
+        if len(out) != len(inn):
+            raise ScheduleError(f"schedule {schedule.name!r}: stage {key[0]} sends {len(out)} messages to stage "
+                                f"{key[1]}, which receives {len(inn)}")
+    peer = {}  # id(op) -> the op it matches
+    for key in sent:
+        for a, b in zip(sent[key], recvd[key]):
+            peer[id(a)], peer[id(b)] = b, a
+    n_events = [len(ev) for ev in events]
+    batches = [[j for j, e in enumerate(ev) if e[0] == "batch"] for ev in events]
+    started: list[set[int]] = [set() for _ in range(P)]   # indices of started batches
+    done: list[set[int]] = [set() for _ in range(P)]      # indices of completed batches
+    active: set[int] = set()     # ids of ops whose batch has started
+    pos = [0] * P                # the host's next event per stage; computes before it have run
+    progress = True
+    while progress:
+        progress = False
+        for s in range(P):
+            ev = events[s]
+            # The host posts batches without waiting; a compute runs once every batch before it that
+            # holds a receive has completed.
+            while pos[s] < n_events[s]:
+                e = ev[pos[s]]
+                if e[0] == "compute" and any(j not in done[s] and any(op[0] == "recv" for op in ev[j][1])
+                                             for j in batches[s] if j < pos[s]):
+                    break
+                pos[s] += 1
+                progress = True
+            # The communication stream: the first posted batch not yet started starts once its
+            # predecessor has completed (computes before it have run: the host is past them).
+            for k, j in enumerate(batches[s]):
+                if j >= pos[s]:
+                    break
+                if j not in started[s] and (k == 0 or batches[s][k - 1] in done[s]):
+                    started[s].add(j)
+                    active.update(id(op) for op in ev[j][1])
+                    progress = True
+            for j in sorted(started[s] - done[s]):
+                for op in ev[j][1]:
+                    if not op[2] and id(peer[id(op)]) in active:
+                        op[2] = peer[id(op)][2] = True
+                        progress = True
+                if all(op[2] for op in ev[j][1]):
+                    done[s].add(j)
+                    progress = True
+    stuck = []
+    for s in range(P):
+        left = [j for j in batches[s] if j not in done[s]]
+        if pos[s] < n_events[s] or left:
+            j = left[0]
+            ops = ", ".join(f"{op[0]} {op[1][0]}{op[1][1]} {'to' if op[0] == 'send' else 'from'} stage "
+                            f"{op[1][3] if op[0] == 'send' else op[1][2]}" for op in events[s][j][1] if not op[2])
+            stuck.append(f"stage {s} waits on [{ops}]")
+    if stuck:
+        raise ScheduleError(f"schedule {schedule.name!r} deadlocks when sends are not buffered "
+                            f"({'paired' if paired else 'unpaired'} exchanges): " + "; ".join(stuck))
+
+
 def validate(schedule: Schedule) -> None:
     """Check a schedule; return ``None`` if it is runnable.
 
@@ -258,9 +404,12 @@ def validate(schedule: Schedule) -> None:
         ScheduleError: if the number of programs differs from ``num_stages``; a
             stage's program does not contain exactly one ``F(m)`` and one ``B(m)``
             for each micro-batch ``0..M-1``; a ``B(m)`` precedes ``F(m)`` on a stage;
-            or the schedule deadlocks under the blocking-receive model.
+            the schedule deadlocks under the blocking-receive model; or its exchanges,
+            as the pipeline posts them, deadlock or mismatch messages under NCCL's rules
+            (``check_exchanges``).
     """
     simulate(schedule)
+    check_exchanges(schedule)
 
 
 def bubble_fraction(schedule: Schedule) -> float:

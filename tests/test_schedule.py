@@ -12,6 +12,7 @@ from rayconv.schedule import (
     Schedule,
     ScheduleError,
     bubble_fraction,
+    check_exchanges,
     format_grid,
     gpipe,
     make_schedule,
@@ -202,3 +203,39 @@ def test_action() -> None:
         Action("X", 0)
     with pytest.raises(ValueError):
         Action("F", -1)
+
+
+# ---------------------------------------------------------------- exchanges under NCCL's rules
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("P,M", SIZES + [(5, 10), (8, 16)])
+def test_paired_exchanges_of_every_schedule_complete_without_buffering(name, P, M):
+    check_exchanges(make_schedule(name, P, M))  # raises on a deadlock or a mismatched message
+
+
+@pytest.mark.parametrize("P,M", [(2, 2), (2, 4), (3, 4), (4, 8)])
+def test_unpaired_1f1b_deadlocks_without_buffering(P, M):
+    """The pattern the pipeline used before session 5: each send and receive alone on the pair's stream.
+    In 1F1B's steady state neighbours send to each other at once and each send waits for a receive
+    queued behind the peer's own send (on 2 x H200 a 64 MB crossing failed this way)."""
+    with pytest.raises(ScheduleError, match=r"deadlocks when sends are not buffered \(unpaired") as err:
+        check_exchanges(one_f_one_b(P, M), paired=False)
+    assert "stage 0 waits on [send act" in str(err.value)
+
+
+@pytest.mark.parametrize("P,M", [(2, 1), (2, 4), (4, 8)])
+def test_unpaired_gpipe_and_single_microbatch_1f1b_do_not_cross(P, M):
+    # GPipe sends all activations, then all gradients: no two neighbours send to each other at once.
+    check_exchanges(gpipe(P, M), paired=False)
+    check_exchanges(one_f_one_b(P, 1), paired=False)
+
+
+def test_validate_rejects_a_schedule_that_receives_micro_batches_out_of_send_order():
+    """Stage 1 runs F1 before F0. With buffered sends that is fine (``simulate`` accepts it), but
+    messages between two stages match in posting order: F1 would compute on micro-batch 0's activation."""
+    sched = Schedule("swapped", 2, 2, (_parse("F0 F1 B0 B1"), _parse("F1 F0 B1 B0")))
+    simulate(sched)
+    with pytest.raises(ScheduleError, match="message 0 from stage 0 to stage 1 is act of micro-batch 0 but "
+                                            "stage 1 expects act of micro-batch 1"):
+        validate(sched)

@@ -7,7 +7,8 @@ so that the largest stage cost is smallest (cost per layer: forward FLOPs from
 it from the data), runs the stage, and sends the output on (non-blocking); B(m) receives the output
 gradient from the next stage (or starts from the loss), runs backward and sends the input gradient
 back. A send is posted together with the next action's receive as one NCCL group
-(``comm.exchange``), so crossing sends of 1F1B cannot deadlock. Gradients accumulate over
+(``comm.exchange``), so crossing sends of 1F1B cannot deadlock (``schedule.check_exchanges`` replays
+these batches under NCCL's rules, unbuffered, for every schedule ``make_plan`` accepts). Gradients accumulate over
 micro-batches; the loss of each micro-batch is its per-sample sum divided by the global batch size,
 so the accumulated gradient is the single-device one.
 
