@@ -11,8 +11,9 @@ from helpers import assert_same_state, reference_sgd
 from rayconv.config import Config
 from rayconv.driver import fit
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")]
+# (on a machine of one GPU, the tests of one GPU still run)
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,12 @@ LAYOUTS = {
     "plan-dp2-eager": dict(dp=2, plan="krizhevsky2014", cuda_graphs="off"),
 }
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+def _world(layout: dict) -> int:
+    return layout.get("dp", 1) * layout.get("pp", 1) * layout.get("fs", 1)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[two_gpus] if _world(kw) > 1 else [])
+                                  for n, kw in LAYOUTS.items()])
 def test_gpu_layout_matches_single_device(gpu_cluster, tmp_path, name):
     # (stages cut by FLOPs unless the layout says: timing the layers first costs a GPU task per test)
     kw = dict(model="convnet", data="digits", dp=1, global_batch_size=96, steps=5, precision="fp64",
@@ -52,6 +58,7 @@ def test_gpu_layout_matches_single_device(gpu_cluster, tmp_path, name):
     assert_same_state(got, reference_sgd(cfg, 5), atol=1e-8)
 
 
+@two_gpus
 def test_cuda_graph_replays_dropout_and_learning_rate_as_eager(gpu_cluster, tmp_path):
     """AlexNet under the per-layer plan (dropout on the gathered batch from the default generator, sharded
     dropout from a generator shared by the split) with a cosine learning rate: replayed steps equal eager
@@ -66,6 +73,7 @@ def test_cuda_graph_replays_dropout_and_learning_rate_as_eager(gpu_cluster, tmp_
     assert_same_state(states["on"], states["off"], atol=1e-10)
 
 
+@two_gpus
 @pytest.mark.parametrize("layout", [dict(fs=2), dict(pp=2, num_microbatches=4), dict(dp=2, plan="krizhevsky2014"),
                                     dict(fs=2, compile="on"), dict(dp=2, plan="krizhevsky2014", compile="on")])
 def test_alexnet_bf16_short_training(gpu_cluster, tmp_path, layout):
@@ -117,6 +125,7 @@ def test_captured_sgd_update_equals_torch_sgd_on_gpu():
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6)
 
 
+@two_gpus
 def test_crossing_sends_of_1f1b_complete_eagerly_and_in_a_graph():
     """Two ranks each send 64 MB to the other while receiving (1F1B's steady state) through
     ``comm.exchange``: one NCCL group, so it completes, eagerly and replayed from a CUDA graph, and
