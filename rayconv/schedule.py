@@ -52,8 +52,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 __all__ = [
-    "Action", "Schedule", "ScheduleError", "SCHEDULE_NAMES", "gpipe", "one_f_one_b",
-    "make_schedule", "validate", "simulate", "check_exchanges", "bubble_fraction", "peak_in_flight",
+    "Action", "Schedule", "ScheduleError", "SCHEDULE_NAMES", "gpipe", "one_f_one_b", "interleaved_1f1b",
+    "make_schedule", "validate", "simulate", "Post", "exchange_plan", "check_exchanges", "bubble_fraction", "peak_in_flight",
     "format_grid",
 ]
 
@@ -72,22 +72,27 @@ class Action:
     Attributes:
         kind: ``"F"`` (forward) or ``"B"`` (backward).
         microbatch: micro-batch index, ``>= 0``.
+        chunk: which of the stage's model chunks runs it (``0`` unless the schedule is interleaved;
+            chunk ``c`` of stage ``s`` is virtual stage ``c * P + s``). Printed as ``F3c1``.
 
     Raises:
-        ValueError: if ``kind`` is not ``"F"``/``"B"`` or ``microbatch`` is negative.
+        ValueError: if ``kind`` is not ``"F"``/``"B"``, or ``microbatch`` or ``chunk`` is negative.
     """
 
     kind: str  # "F" or "B"
     microbatch: int
+    chunk: int = 0  # the stage's model chunk (interleaved schedules; 0 otherwise)
 
     def __post_init__(self) -> None:
         if self.kind not in (FORWARD, BACKWARD):
             raise ValueError(f"Action.kind must be 'F' or 'B', got {self.kind!r}")
         if self.microbatch < 0:
             raise ValueError(f"Action.microbatch must be >= 0, got {self.microbatch}")
+        if self.chunk < 0:
+            raise ValueError(f"Action.chunk must be >= 0, got {self.chunk}")
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}"
+        return f"{self.kind}{self.microbatch}" + (f"c{self.chunk}" if self.chunk else "")
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,7 @@ class Schedule:
         num_stages: number of pipeline stages ``P``.
         num_microbatches: number of micro-batches ``M`` per step.
         programs: one tuple of actions per stage (index = stage), in run order.
+        num_chunks: model chunks per stage ``V`` (virtual stages ``P * V``; 1 unless interleaved).
 
     Construction does not check consistency; call ``validate`` for that.
     """
@@ -107,6 +113,7 @@ class Schedule:
     num_stages: int
     num_microbatches: int
     programs: tuple[tuple[Action, ...], ...]
+    num_chunks: int = 1
 
 
 def _check_sizes(num_stages: int, num_microbatches: int) -> None:
@@ -160,18 +167,69 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     return Schedule("1f1b", num_stages, num_microbatches, tuple(programs))
 
 
+def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int = 2) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+    Clusters Using Megatron-LM", section 2.2.2; Megatron-LM's
+    ``forward_backward_pipelining_with_interleaving``): each of the ``P`` stages holds ``V`` model
+    chunks, chunk ``c`` of stage ``s`` being virtual stage ``c * P + s`` of ``P * V``. Micro-batches go
+    through the chunks in groups of ``P``: stage ``s`` runs ``(P - s - 1) * 2 + (V - 1) * P`` warm-up
+    forwards (all of them when ``M == P``), then alternates one forward and one backward, then drains.
+    The bubble shrinks by ``V`` against ``one_f_one_b`` (about ``(P - 1) / (V * M)`` of the step), for
+    ``V`` times as many point-to-point messages.
+
+    Raises:
+        ValueError: if ``num_stages < 2``, ``num_microbatches < 1``, ``num_chunks < 2``, or
+            ``num_microbatches`` is not a multiple of ``num_stages`` (micro-batches enter in groups of P).
+    """
+    _check_sizes(num_stages, num_microbatches)
+    P, M, V = num_stages, num_microbatches, num_chunks
+    if P < 2:
+        raise ValueError(f"interleaved 1F1B needs at least 2 pipeline stages (got --pp {P})")
+    if not isinstance(V, int) or V < 2:
+        raise ValueError(f"interleaved 1F1B needs at least 2 model chunks per stage (got {V!r}); "
+                         "with 1 use the 1f1b schedule")
+    if M % P:
+        raise ValueError(f"interleaved 1F1B takes micro-batches in groups of the stage count: "
+                         f"--num-microbatches {M} is not a multiple of --pp {P}")
+    total = M * V
+
+    def action(kind: str, k: int) -> Action:
+        chunk = (k % (P * V)) // P
+        if kind == BACKWARD:
+            chunk = V - 1 - chunk
+        return Action(kind, (k // (P * V)) * P + k % P, chunk)
+
+    programs: list[tuple[Action, ...]] = []
+    for s in range(P):
+        warmup = total if M == P else min(total, (P - s - 1) * 2 + (V - 1) * P)
+        prog = [action(FORWARD, k) for k in range(warmup)]
+        for k in range(total - warmup):
+            prog.append(action(FORWARD, warmup + k))
+            prog.append(action(BACKWARD, k))
+        prog.extend(action(BACKWARD, k) for k in range(total - warmup, total))
+        programs.append(tuple(prog))
+    return Schedule("interleaved", P, M, tuple(programs), num_chunks=V)
+
+
 _BUILDERS: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
 SCHEDULE_NAMES: tuple[str, ...] = tuple(_BUILDERS)
 
 
-def make_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """Build a schedule by name (one of ``SCHEDULE_NAMES``: ``"gpipe"``, ``"1f1b"``).
+def make_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
+    """Build a schedule by name (one of ``SCHEDULE_NAMES``: ``"gpipe"``, ``"1f1b"``). With
+    ``num_chunks`` V > 1 (model chunks per stage) ``"1f1b"`` is ``interleaved_1f1b``.
 
     Raises:
-        ValueError: for an unknown ``name``, ``num_stages < 1`` or ``num_microbatches < 1``.
+        ValueError: for an unknown ``name``, ``num_stages < 1``, ``num_microbatches < 1``, chunks with
+            ``"gpipe"``, or what ``interleaved_1f1b`` raises.
     """
     if name not in _BUILDERS:
         raise ValueError(f"unknown schedule {name!r}; allowed names: {', '.join(SCHEDULE_NAMES)}")
+    if num_chunks != 1:
+        if name != "1f1b":
+            raise ValueError(f"model chunks per stage (got {num_chunks}) need the 1f1b schedule (interleaved), "
+                             f"not {name}")
+        return interleaved_1f1b(num_stages, num_microbatches, num_chunks)
     return _BUILDERS[name](num_stages, num_microbatches)
 
 
@@ -182,7 +240,8 @@ def _check_programs(schedule: Schedule) -> None:
         raise ScheduleError(f"num_stages ({P}) and num_microbatches ({M}) must be >= 1")
     if len(schedule.programs) != P:
         raise ScheduleError(f"schedule has {len(schedule.programs)} programs but num_stages={P}")
-    expected = {Action(k, m) for k in (FORWARD, BACKWARD) for m in range(M)}
+    V = schedule.num_chunks
+    expected = {Action(k, m, c) for k in (FORWARD, BACKWARD) for m in range(M) for c in range(V)}
     for s, prog in enumerate(schedule.programs):
         counts = Counter(prog)
         missing = sorted(map(str, expected - counts.keys()))
@@ -198,22 +257,25 @@ def _check_programs(schedule: Schedule) -> None:
         if problems:
             raise ScheduleError(
                 f"stage {s}: program must hold exactly one F and one B per micro-batch "
-                f"0..{M - 1}: {'; '.join(problems)}"
+                f"0..{M - 1}{f' and chunk 0..{V - 1}' if V > 1 else ''}: {'; '.join(problems)}"
             )
-        seen_f: set[int] = set()
+        seen_f: set[tuple[int, int]] = set()
         for a in prog:
             if a.kind == FORWARD:
-                seen_f.add(a.microbatch)
-            elif a.microbatch not in seen_f:
-                raise ScheduleError(f"stage {s}: B{a.microbatch} comes before F{a.microbatch}")
+                seen_f.add((a.microbatch, a.chunk))
+            elif (a.microbatch, a.chunk) not in seen_f:
+                raise ScheduleError(f"stage {s}: {a} comes before {Action(FORWARD, a.microbatch, a.chunk)}")
 
 
 def _dependency(schedule: Schedule, stage: int, action: Action) -> tuple[int, Action] | None:
-    """The (stage, action) that must complete before ``action`` can run on ``stage``, if any."""
-    if action.kind == FORWARD and stage > 0:
-        return stage - 1, action
-    if action.kind == BACKWARD and stage < schedule.num_stages - 1:
-        return stage + 1, action
+    """The (stage, action) that must complete before ``action`` can run on ``stage``, if any: the
+    same action of the previous virtual stage (forward) or the next one (backward)."""
+    P = schedule.num_stages
+    v = action.chunk * P + stage
+    if action.kind == FORWARD and v > 0:
+        return (v - 1) % P, Action(FORWARD, action.microbatch, (v - 1) // P)
+    if action.kind == BACKWARD and v < P * schedule.num_chunks - 1:
+        return (v + 1) % P, Action(BACKWARD, action.microbatch, (v + 1) // P)
     return None
 
 
@@ -264,17 +326,58 @@ def simulate(schedule: Schedule) -> list[list[Action | None]]:
 
 def _messages(schedule: Schedule, stage: int, action: Action) -> tuple[Optional[tuple], Optional[tuple]]:
     """What ``action`` on ``stage`` receives before it runs and sends after it, each as
-    ``(kind, microbatch, source stage, destination stage)`` or None. Kinds: ``"act"`` (a forward's
-    output, sent to the next stage), ``"grad"`` (a backward's input gradient, sent to the previous)."""
-    last = schedule.num_stages - 1
-    m = action.microbatch
+    ``(kind, microbatch, source stage, destination stage, source virtual stage)`` or None. Kinds:
+    ``"act"`` (a forward's output, sent to the next virtual stage), ``"grad"`` (a backward's input
+    gradient, sent to the previous)."""
+    P = schedule.num_stages
+    last = P * schedule.num_chunks - 1
+    m, v = action.microbatch, action.chunk * P + stage
     if action.kind == FORWARD:
-        recv = ("act", m, stage - 1, stage) if stage > 0 else None
-        send = ("act", m, stage, stage + 1) if stage < last else None
+        recv = ("act", m, (v - 1) % P, stage, v - 1) if v > 0 else None
+        send = ("act", m, stage, (v + 1) % P, v) if v < last else None
     else:
-        recv = ("grad", m, stage + 1, stage) if stage < last else None
-        send = ("grad", m, stage, stage - 1) if stage > 0 else None
+        recv = ("grad", m, (v + 1) % P, stage, v + 1) if v < last else None
+        send = ("grad", m, stage, (v - 1) % P, v) if v > 0 else None
     return recv, send
+
+
+@dataclass(frozen=True)
+class Post:
+    """One batch of point-to-point operations a stage posts before one action computes: the outputs
+    of earlier actions (``sends``: their indices in the stage's program) and the inputs of this or
+    later actions (``recvs``), all in one ``ncclGroupStart``/``End`` group."""
+
+    sends: tuple[int, ...]
+    recvs: tuple[int, ...]
+
+
+def exchange_plan(schedule: Schedule, stage: int) -> list[Post]:
+    """The batches ``StageRunner.run`` posts on ``stage``: ``plan[i]`` just before action ``i``
+    computes, and ``plan[len(program)]`` after the last (the sends left over).
+
+    Each action's output is sent with the next batch (so no send waits behind another action).
+    An action's input is received in the batch before it computes; with model chunks
+    (interleaved 1F1B), the input of a backward that follows a forward is received one batch
+    early, together with that forward's: as Megatron-LM's steady state exchanges "send forward,
+    send backward, receive forward, receive backward" at once, so that neighbours' crossing
+    messages are in matching batches (without it, interleaved 1F1B deadlocks unbuffered:
+    ``check_exchanges``).
+    """
+    prog = schedule.programs[stage]
+    msgs = [_messages(schedule, stage, a) for a in prog]
+    posted: set[int] = set()
+    plan: list[Post] = []
+    for i in range(len(prog) + 1):
+        sends = (i - 1,) if i > 0 and msgs[i - 1][1] is not None else ()
+        recvs = []
+        if i < len(prog) and msgs[i][0] is not None and i not in posted:
+            recvs.append(i)
+        if (schedule.num_chunks > 1 and i + 1 < len(prog) and prog[i].kind == FORWARD
+                and prog[i + 1].kind == BACKWARD and msgs[i + 1][0] is not None):
+            recvs.append(i + 1)
+        posted.update(recvs)
+        plan.append(Post(sends, tuple(recvs)))
+    return plan
 
 
 def check_exchanges(schedule: Schedule, paired: bool = True) -> None:
@@ -304,24 +407,23 @@ def check_exchanges(schedule: Schedule, paired: bool = True) -> None:
     # An op is [kind, message, matched]; kind "send" or "recv".
     events: list[list[tuple]] = []
     for s, prog in enumerate(schedule.programs):
+        msgs = [_messages(schedule, s, a) for a in prog]
         ev: list[tuple] = []
-        pending: list[tuple] = []
-        for i, a in enumerate(prog):
-            recv, send = _messages(schedule, s, a)
-            if paired:
-                ops = [["send", msg, False] for msg in pending] + ([["recv", recv, False]] if recv else [])
+        if paired:
+            for i, post in enumerate(exchange_plan(schedule, s)):
+                ops = [["send", msgs[j][1], False] for j in post.sends] + \
+                      [["recv", msgs[j][0], False] for j in post.recvs]
                 if ops:
                     ev.append(("batch", ops))
-                ev.append(("compute", i))
-                pending = [send] if send else []
-            else:
+                if i < len(prog):
+                    ev.append(("compute", i))
+        else:
+            for i, (recv, send) in enumerate(msgs):
                 if recv:
                     ev.append(("batch", [["recv", recv, False]]))
                 ev.append(("compute", i))
                 if send:
                     ev.append(("batch", [["send", send, False]]))
-        if pending:
-            ev.append(("batch", [["send", msg, False] for msg in pending]))
         events.append(ev)
     # Channel order: the k-th send a -> b must be the k-th receive b posts from a.
     sent: dict[tuple[int, int], list] = {}
@@ -336,10 +438,13 @@ def check_exchanges(schedule: Schedule, paired: bool = True) -> None:
         out, inn = sent.get(key, []), recvd.get(key, [])
         for k, (a, b) in enumerate(zip(out, inn)):
             if a[1] != b[1]:
+                def what(msg: tuple) -> str:
+                    return f"{msg[0]} of micro-batch {msg[1]}" + (
+                        f" (virtual stage {msg[4]})" if schedule.num_chunks > 1 else "")
                 raise ScheduleError(
                     f"schedule {schedule.name!r}: message {k} from stage {key[0]} to stage {key[1]} is "
-                    f"{a[1][0]} of micro-batch {a[1][1]} but stage {key[1]} expects {b[1][0]} of micro-batch "
-                    f"{b[1][1]}: messages between two stages arrive in the order they were sent")
+                    f"{what(a[1])} but stage {key[1]} expects {what(b[1])}: messages between two stages "
+                    "arrive in the order they were sent")
         if len(out) != len(inn):
             raise ScheduleError(f"schedule {schedule.name!r}: stage {key[0]} sends {len(out)} messages to stage "
                                 f"{key[1]}, which receives {len(inn)}")
