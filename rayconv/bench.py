@@ -19,7 +19,8 @@ does not fit); ``--sweep memory`` keeps doubling the batch until it does not fit
 trainable batch per layout, to within a factor of 2);
 ``--curve`` trains each layout on the real digits data and plots test error against wall-clock time
 (the paper's Figure 1). Layout names: ``1gpu``, ``dp2``, ``fs2``, ``pp2`` (``pp2m4`` fixes 4
-micro-batches; plain ``pp2`` tries 2, 4 and 8 and keeps the fastest), ``plan2`` (Krizhevsky 2014's
+micro-batches; plain ``pp2`` tries 2, 4 and 8 and keeps the fastest; ``pp2m4v2`` interleaves 2 model
+chunks per stage), ``plan2`` (Krizhevsky 2014's
 per-layer plan on 2 actors), and products such as ``dp2xfs2``, ``dp2xpp2``.
 """
 
@@ -49,7 +50,8 @@ from .schedule import bubble_fraction
 
 def parse_layout(name: str) -> dict[str, Any]:
     """``dp2xfs2`` -> {"dp": 2, "fs": 2}; ``1gpu`` -> {"dp": 1}; ``plan4`` -> plan over 4 actors;
-    ``pp2m4`` -> pp=2 with 4 micro-batches. Raises ConfigError for anything else."""
+    ``pp2m4`` -> pp=2 with 4 micro-batches; ``pp2m4v2`` -> the same, interleaved, 2 model chunks per
+    stage. Raises ConfigError for anything else."""
     name, _, schedule = name.partition("-")
     if schedule and schedule not in ("gpipe", "1f1b"):
         raise ConfigError(f"unknown schedule {schedule!r} in layout {name}-{schedule}: use -gpipe or -1f1b")
@@ -57,10 +59,10 @@ def parse_layout(name: str) -> dict[str, Any]:
         return {"dp": 1}
     out: dict[str, Any] = {"schedule": schedule} if schedule else {}
     for part in name.split("x"):
-        m = re.fullmatch(r"(dp|pp|fs|plan)(\d+)(?:m(\d+))?", part)
-        if not m or (m.group(3) and m.group(1) != "pp"):
-            raise ConfigError(f"unknown layout {name!r}: use e.g. 1gpu, dp2, fs2, pp2, pp2m4, pp2m4-gpipe, plan2, "
-                              "dp2xfs2")
+        m = re.fullmatch(r"(dp|pp|fs|plan)(\d+)(?:m(\d+))?(?:v(\d+))?", part)
+        if not m or ((m.group(3) or m.group(4)) and m.group(1) != "pp"):
+            raise ConfigError(f"unknown layout {name!r}: use e.g. 1gpu, dp2, fs2, pp2, pp2m4, pp2m4-gpipe, pp2m4v2, "
+                              "plan2, dp2xfs2")
         axis, n = m.group(1), int(m.group(2))
         if axis == "plan":
             out.update(dp=n, plan="krizhevsky2014")
@@ -68,6 +70,8 @@ def parse_layout(name: str) -> dict[str, Any]:
             out[axis] = n
         if m.group(3):
             out["num_microbatches"] = int(m.group(3))
+        if m.group(4):
+            out["virtual_stages"] = int(m.group(4))
     out.setdefault("dp", 1)
     return out
 
@@ -149,6 +153,7 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
         "device_busy": device_busy,
         "bubble_fraction": bubble_fraction(plan.schedule) if mesh.pp > 1 else 0.0,
         "num_microbatches": cfg.num_microbatches, "schedule": cfg.schedule if mesh.pp > 1 else None,
+        "virtual_stages": cfg.virtual_stages,
         "world_size": mesh.world_size,
     }
 

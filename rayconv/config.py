@@ -74,6 +74,9 @@ class Config:
         "choices": BALANCE_CHOICES})
     num_microbatches: int = field(default=1, metadata={"help": "micro-batches per replica per step"})
     schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule", "choices": SCHEDULE_CHOICES})
+    virtual_stages: int = field(default=1, metadata={
+        "help": "model chunks per pipeline stage: above 1, interleaved 1F1B (Megatron-LM), a smaller bubble "
+                "for more point-to-point messages; needs --num-microbatches a multiple of --pp"})
     # optimisation (synchronous SGD)
     global_batch_size: int = field(default=64, metadata={"help": "images per step over all replicas"})
     epochs: Optional[int] = field(default=None, metadata={"help": "epochs to train (default 10 when --steps is not given)"})
@@ -147,7 +150,8 @@ class Config:
         need(self.lr_schedule in LR_SCHEDULE_CHOICES, f"unknown --lr-schedule {self.lr_schedule!r}: constant or cosine")
         need(self.data != "imagefolder" or bool(self.data_dir),
              "--data imagefolder needs --data-dir DIR (a folder with train/<class>/*.JPEG and val/<class>/...)")
-        for name in ("pp", "fs", "num_microbatches", "global_batch_size", "log_every", "num_cpus_per_actor"):
+        for name in ("pp", "fs", "num_microbatches", "virtual_stages", "global_batch_size", "log_every",
+                     "num_cpus_per_actor"):
             need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
         for name in ("dp", "steps", "epochs", "eval_every", "num_classes"):
             v = getattr(self, name)
@@ -170,6 +174,16 @@ class Config:
         need(self.max_failures == 0 or self.checkpoint_every > 0 or self.resume is not None,
              f"--max-failures {self.max_failures} restarts from the last checkpoint: also set --checkpoint-every N "
              "(without checkpoints a recovery would start the run over)")
+        if self.virtual_stages > 1:
+            need(self.pp >= 2, f"--virtual-stages {self.virtual_stages} interleaves model chunks over pipeline "
+                               "stages: set --pp 2 or more, or drop --virtual-stages")
+            need(self.schedule == "1f1b", f"--virtual-stages {self.virtual_stages} runs interleaved 1F1B: use "
+                                          f"--schedule 1f1b, not {self.schedule}, or drop --virtual-stages")
+            need(self.fs == 1 and self.plan == "none",
+                 f"--virtual-stages {self.virtual_stages} does not combine with --fs or --plan: drop one of them")
+            need(self.num_microbatches % self.pp == 0,
+                 f"--virtual-stages {self.virtual_stages} takes micro-batches in groups of --pp {self.pp}: set "
+                 f"--num-microbatches to a multiple of {self.pp} (got {self.num_microbatches})")
         if self.plan != "none":
             need(self.pp == 1 and self.fs == 1,
                  f"--plan {self.plan} spreads the model over all actors itself: drop --pp/--fs and set only --dp")

@@ -131,7 +131,9 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
             f"{' plan ' + cfg.plan if cfg.plan != 'none' else ''} on {cfg.device}, "
             f"global batch {cfg.global_batch_size}, {total_steps} steps -> {out}")
         if mesh.pp > 1:
-            log(f"pipeline stages {list(plan.stages)}, schedule {cfg.schedule}, "
+            chunks = (f", interleaved: {cfg.virtual_stages} model chunks per stage (stage s holds chunks s, s + "
+                      f"{mesh.pp}, ...)" if cfg.virtual_stages > 1 else "")
+            log(f"pipeline stages {list(plan.stages)}, schedule {cfg.schedule}{chunks}, "
                 f"{cfg.num_microbatches} micro-batches:\n{format_grid(plan.schedule)}")
         run = _Run(cfg, mesh, plan, source, sharding, total_steps, eval_every, out, run_name, log, on_step)
         ckpt, failures = resume, 0
@@ -175,7 +177,8 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
             "model": cfg.model, "data": cfg.data, "device": cfg.device,
             "layout": {"dp": mesh.dp, "pp": mesh.pp, "fs": mesh.fs, "world_size": mesh.world_size,
                        "plan": cfg.plan, "schedule": cfg.schedule if mesh.pp > 1 else None,
-                       "num_microbatches": cfg.num_microbatches, "stages": [list(s) for s in plan.stages]},
+                       "num_microbatches": cfg.num_microbatches, "virtual_stages": cfg.virtual_stages,
+                       "stages": [list(s) for s in plan.stages]},
             "global_batch_size": cfg.global_batch_size, "steps": total_steps,
             "epochs": total_steps / sharding.steps_per_epoch,
             "final_train_loss": train_rows[-1]["loss"] if train_rows else None,

@@ -53,6 +53,7 @@ from typing import Callable, Optional
 
 __all__ = [
     "Action", "Schedule", "ScheduleError", "SCHEDULE_NAMES", "gpipe", "one_f_one_b", "interleaved_1f1b",
+    "forward_only",
     "make_schedule", "validate", "simulate", "Post", "exchange_plan", "check_exchanges", "bubble_fraction", "peak_in_flight",
     "format_grid",
 ]
@@ -105,6 +106,7 @@ class Schedule:
         num_microbatches: number of micro-batches ``M`` per step.
         programs: one tuple of actions per stage (index = stage), in run order.
         num_chunks: model chunks per stage ``V`` (virtual stages ``P * V``; 1 unless interleaved).
+        training: False for a forward-only program (evaluation: ``forward_only``), which has no ``B``.
 
     Construction does not check consistency; call ``validate`` for that.
     """
@@ -114,6 +116,7 @@ class Schedule:
     num_microbatches: int
     programs: tuple[tuple[Action, ...], ...]
     num_chunks: int = 1
+    training: bool = True
 
 
 def _check_sizes(num_stages: int, num_microbatches: int) -> None:
@@ -211,6 +214,19 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int = 2
     return Schedule("interleaved", P, M, tuple(programs), num_chunks=V)
 
 
+def forward_only(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
+    """Evaluation: every stage runs ``F(m)`` of each of its chunks in turn, micro-batch after
+    micro-batch (``F0c0 F0c1 F1c0 ...``); no backward.
+
+    Raises:
+        ValueError: if a size is below 1.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    prog = tuple(Action(FORWARD, m, c) for m in range(num_microbatches) for c in range(num_chunks))
+    return Schedule("forward", num_stages, num_microbatches, (prog,) * num_stages, num_chunks=num_chunks,
+                    training=False)
+
+
 _BUILDERS: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
 SCHEDULE_NAMES: tuple[str, ...] = tuple(_BUILDERS)
 
@@ -241,7 +257,8 @@ def _check_programs(schedule: Schedule) -> None:
     if len(schedule.programs) != P:
         raise ScheduleError(f"schedule has {len(schedule.programs)} programs but num_stages={P}")
     V = schedule.num_chunks
-    expected = {Action(k, m, c) for k in (FORWARD, BACKWARD) for m in range(M) for c in range(V)}
+    kinds = (FORWARD, BACKWARD) if schedule.training else (FORWARD,)
+    expected = {Action(k, m, c) for k in kinds for m in range(M) for c in range(V)}
     for s, prog in enumerate(schedule.programs):
         counts = Counter(prog)
         missing = sorted(map(str, expected - counts.keys()))
@@ -256,7 +273,7 @@ def _check_programs(schedule: Schedule) -> None:
             problems.append(f"duplicated {' '.join(dups)}")
         if problems:
             raise ScheduleError(
-                f"stage {s}: program must hold exactly one F and one B per micro-batch "
+                f"stage {s}: program must hold exactly one F{' and one B' if schedule.training else ''} per micro-batch "
                 f"0..{M - 1}{f' and chunk 0..{V - 1}' if V > 1 else ''}: {'; '.join(problems)}"
             )
         seen_f: set[tuple[int, int]] = set()
@@ -353,31 +370,90 @@ class Post:
 
 def exchange_plan(schedule: Schedule, stage: int) -> list[Post]:
     """The batches ``StageRunner.run`` posts on ``stage``: ``plan[i]`` just before action ``i``
-    computes, and ``plan[len(program)]`` after the last (the sends left over).
+    computes, and ``plan[len(program)]`` after the last (the sends left over). Empty posts send nothing.
 
-    Each action's output is sent with the next batch (so no send waits behind another action).
-    An action's input is received in the batch before it computes; with model chunks
-    (interleaved 1F1B), the input of a backward that follows a forward is received one batch
-    early, together with that forward's: as Megatron-LM's steady state exchanges "send forward,
-    send backward, receive forward, receive backward" at once, so that neighbours' crossing
-    messages are in matching batches (without it, interleaved 1F1B deadlocks unbuffered:
-    ``check_exchanges``).
+    Without model chunks (and for ``forward_only``), each action's output is sent with the next action's input, as one batch,
+    so no send waits behind another action and 1F1B's crossing messages are in matching batches.
+    Interleaved 1F1B exchanges as Megatron-LM's ``forward_backward_pipelining_with_interleaving``
+    does: once after each warm-up forward, after each steady-state forward-backward pair ("send
+    forward, send backward, receive forward, receive backward" in one batch) and after each
+    cool-down backward; a received tensor goes to the next action of its model chunk that needs one.
     """
     prog = schedule.programs[stage]
     msgs = [_messages(schedule, stage, a) for a in prog]
-    posted: set[int] = set()
-    plan: list[Post] = []
-    for i in range(len(prog) + 1):
-        sends = (i - 1,) if i > 0 and msgs[i - 1][1] is not None else ()
-        recvs = []
-        if i < len(prog) and msgs[i][0] is not None and i not in posted:
-            recvs.append(i)
-        if (schedule.num_chunks > 1 and i + 1 < len(prog) and prog[i].kind == FORWARD
-                and prog[i + 1].kind == BACKWARD and msgs[i + 1][0] is not None):
-            recvs.append(i + 1)
-        posted.update(recvs)
-        plan.append(Post(sends, tuple(recvs)))
-    return plan
+    if schedule.num_chunks == 1 or not schedule.training:
+        return [Post((i - 1,) if i > 0 and msgs[i - 1][1] is not None else (),
+                     (i,) if i < len(prog) and msgs[i][0] is not None else ()) for i in range(len(prog) + 1)]
+    P, M, V = schedule.num_stages, schedule.num_microbatches, schedule.num_chunks
+    total = M * V
+    first, last = stage == 0, stage == P - 1
+
+    def chunk(k: int, forward: bool) -> int:
+        c = (k % (P * V)) // P
+        return c if forward else V - 1 - c
+
+    # The actions of each chunk that receive their input, in program order (consumed first in, first out).
+    queue = {(kind, c): [i for i, a in enumerate(prog) if a.kind == kind and a.chunk == c and msgs[i][0]]
+             for kind in (FORWARD, BACKWARD) for c in range(V)}
+
+    def take(kind: str, c: int) -> tuple[int, ...]:
+        return (queue[(kind, c)].pop(0),)
+
+    sends: list[list[int]] = [[] for _ in range(len(prog) + 1)]
+    recvs: list[list[int]] = [[] for _ in range(len(prog) + 1)]
+    all_warmup = M == P
+    warmup = total if all_warmup else min(total, (P - stage - 1) * 2 + (V - 1) * P)
+    remaining = total - warmup
+
+    def out(i: int) -> list[int]:
+        return [i] if msgs[i][1] is not None else []
+
+    if not first:
+        recvs[0] += take(FORWARD, 0)
+    for k in range(warmup):  # after warm-up forward k (program index k)
+        at = k + 1
+        sends[at] += out(k)
+        if k + 1 < total and not (first and chunk(k + 1, True) == 0):
+            recvs[at] += take(FORWARD, chunk(k + 1, True))
+        if k == warmup - 1 and not all_warmup and not last:
+            recvs[at] += take(BACKWARD, V - 1)
+    for k in range(remaining):  # after steady pair k: forward warmup + k, backward k
+        f_i, b_i = warmup + 2 * k, warmup + 2 * k + 1
+        at = b_i + 1
+        sends[at] += out(f_i) + out(b_i)
+        fk = warmup + k
+        recv_prev = k < remaining - 1
+        if first:
+            nfc = chunk(fk - (P - 1), True)
+            recv_prev = recv_prev and nfc != V - 1
+            nfc += 1
+        else:
+            nfc = chunk(fk + 1, True)
+        recv_next = True
+        if last:
+            nbc = chunk(k - (P - 1), False)
+            recv_next = nbc != 0
+            nbc -= 1
+        else:
+            nbc = chunk(k + 1, False)
+        if recv_prev:
+            recvs[at] += take(FORWARD, nfc)
+        if recv_next:
+            recvs[at] += take(BACKWARD, nbc)
+    cool0 = warmup + 2 * remaining
+    if all_warmup and not last:
+        recvs[cool0] += take(BACKWARD, V - 1)
+    for k in range(remaining, total):  # after cool-down backward k
+        i = cool0 + (k - remaining)
+        sends[i + 1] += out(i)
+        nbc = chunk(k + 1, False)
+        if k < total - 1 and not (last and nbc == V - 1):
+            recvs[i + 1] += take(BACKWARD, nbc)
+    left = [i for q in queue.values() for i in q]
+    if left:
+        raise ScheduleError(f"schedule {schedule.name!r}: stage {stage} never receives the input of "
+                            f"{', '.join(str(prog[i]) for i in sorted(left))}")
+    return [Post(tuple(sends[i]), tuple(recvs[i])) for i in range(len(prog) + 1)]
 
 
 def check_exchanges(schedule: Schedule, paired: bool = True) -> None:

@@ -28,11 +28,11 @@ from .models import run_model, to_layers
 from .parallel import comm
 from .parallel.cuda_graph import StepGraph, sgd_step
 from .parallel.data_parallel import GradientSync, broadcast_modules
-from .parallel.pipeline import StageRunner, StepResult, sync_device, to_device
+from .parallel.pipeline import Chunk, StageRunner, StepResult, sync_device, to_device
 from .parallel.segments import compile_part
 from .parallel.filter_split import ShardedDropout
 from .parallel.plan import Plan, build_part
-from .schedule import Action
+from .schedule import exchange_plan, forward_only
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.float32, "fp64": torch.float64}
 
@@ -124,7 +124,8 @@ class Worker:
         self.sync = GradientSync([p for m in self.replicated for p in m.parameters()], dp_group, cfg.bucket_mb,
                                  first_bucket_mb=min(1.0, cfg.bucket_mb))
         self.has_buffers = any(True for m in self.replicated for _ in m.buffers())
-        self.optimizer = torch.optim.SGD(self.part.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+        # (one explicit group: a stage of parameter-free layers, e.g. pooling alone, has an empty one)
+        self.optimizer = torch.optim.SGD([{"params": list(self.part.parameters())}], lr=cfg.lr, momentum=cfg.momentum,
                                          weight_decay=cfg.weight_decay)
         pp_ranks = self.groups.ranks["pp"]
         if self.device.type == "cuda":
@@ -148,14 +149,23 @@ class Worker:
                      for p in self.part.parameters()} if self.cuda_graphs else {}
         # Compiled segments end at the gradient bucket size, so all-reduce overlaps the backward pass.
         limit = self.sync.bucket_bytes if self.sync.group is not None else None
-        self.runner = StageRunner(
-            compile_part(self.part, limit) if self.compiled else self.part, self.groups.axis["pp"],
-            prev=pp_ranks[stage - 1] if stage > 0 else None,
-            next_=pp_ranks[stage + 1] if stage + 1 < mesh.pp else None,
-            in_shape=_local(plan.stage_in_shape(stage), in_sizes, fs_index),
-            out_shape=_local(plan.stage_out_shape(stage), part.out_sizes, fs_index),
-            wire_dtype=wire, device=self.device, autocast=self.autocast)
+        # The stage's model chunks (one, or V under interleaved 1F1B: virtual stages stage, stage + P, ...),
+        # each compiled apart; chunk c's neighbours hold virtual stages v - 1 and v + 1.
+        virtual, last_v = plan.virtual_stages(stage), mesh.pp * plan.schedule.num_chunks - 1
+        chunks, offset = [], 0
+        for v in virtual:
+            n = plan.stages[v][1] - plan.stages[v][0] if len(virtual) > 1 else len(self.part)
+            seq = self.part if len(virtual) == 1 else self.part[offset:offset + n]
+            offset += n
+            chunks.append(Chunk(compile_part(seq, limit) if self.compiled else seq,
+                                prev=pp_ranks[(v - 1) % mesh.pp] if v > 0 else None,
+                                next=pp_ranks[(v + 1) % mesh.pp] if v < last_v else None,
+                                in_shape=_local(plan.stage_in_shape(v), in_sizes, fs_index),
+                                out_shape=_local(plan.stage_out_shape(v), part.out_sizes, fs_index)))
+        self.runner = StageRunner(chunks, self.groups.axis["pp"], wire_dtype=wire, device=self.device,
+                                  autocast=self.autocast)
         self.program = plan.schedule.programs[stage]
+        self.exchange_plan = exchange_plan(plan.schedule, stage)
         self.is_first, self.is_last = stage == 0, stage == mesh.pp - 1
         self.first_step = 0
         self.pending: Optional[dict[str, Any]] = None
@@ -269,8 +279,8 @@ class Worker:
         allreduce: dict[str, float] = {}
 
         def sgd() -> StepResult:
-            res = self.runner.run(self.program, inputs, labels, sizes, global_count, self.sync.arm,
-                                  before_forward=before_forward)
+            res = self.runner.run(self.program, self.exchange_plan, inputs, labels, sizes, global_count,
+                                  self.sync.arm, before_forward=before_forward)
             if timed:
                 sync_device(self.device)
             t_sync = time.perf_counter()
@@ -393,10 +403,10 @@ class Worker:
         n_chunks = max(1, -(-len(replica_idx[0]) // chunk))
         sizes, inputs, labels, before_forward = self._microbatches("test", 0, replica_idx, n_chunks)
         self.part.eval()
-        program = [Action("F", m) for m in range(n_chunks)]
+        sched = forward_only(self.mesh.pp, n_chunks, self.plan.schedule.num_chunks)
         count = sum(len(r) for r in replica_idx) if self.plan_mode else sum(sizes)
-        res = self.runner.run(program, inputs, labels, sizes, max(1, count), lambda: None, train=False,
-                              before_forward=before_forward)
+        res = self.runner.run(sched.programs[self.coord.pp], exchange_plan(sched, self.coord.pp), inputs, labels,
+                              sizes, max(1, count), lambda: None, train=False, before_forward=before_forward)
         return {"reports": self.reports, "loss_sum": float(res.loss_sum), "correct": int(res.correct),
                 "samples": count}
 

@@ -30,7 +30,7 @@ def main() -> None:
         torch.cuda.synchronize(dev)
         print(f"UNPAIRED-DONE {rank}", flush=True)
         return
-    buf, works = comm.exchange([(x, peer)], ((n,), torch.float32, peer), dev, group)
+    (buf,), works = comm.exchange([(x, peer)], [((n,), torch.float32, peer)], dev, group)
     for w in works:
         w.wait()
     assert buf[0].item() == peer + 1 and buf[-1].item() == peer + 1, buf
@@ -38,7 +38,7 @@ def main() -> None:
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(dev)
     stream.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.graph(graph, stream=stream):
-        got, works = comm.exchange([(x, peer)], ((n,), torch.float32, peer), dev, group)
+        (got,), works = comm.exchange([(x, peer)], [((n,), torch.float32, peer)], dev, group)
         for w in works:
             w.wait()
         out.copy_(got)

@@ -13,6 +13,7 @@ def test_parse_layout():
     assert bench.parse_layout("1gpu") == {"dp": 1}
     assert bench.parse_layout("dp2xfs2") == {"dp": 2, "fs": 2}
     assert bench.parse_layout("pp2m4") == {"dp": 1, "pp": 2, "num_microbatches": 4}
+    assert bench.parse_layout("pp2m4v2") == {"dp": 1, "pp": 2, "num_microbatches": 4, "virtual_stages": 2}
     assert bench.parse_layout("plan4") == {"dp": 4, "plan": "krizhevsky2014"}
     assert bench.layout_size("dp2xpp2") == 4
     with pytest.raises(ConfigError, match="unknown layout"):

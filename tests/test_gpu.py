@@ -36,6 +36,8 @@ LAYOUTS = {
     "pp2-1f1b-eager": dict(pp=2, num_microbatches=2, cuda_graphs="off"),
     "pp2-gpipe-4": dict(pp=2, num_microbatches=4, schedule="gpipe"),
     "pp2-gpipe-4-eager": dict(pp=2, num_microbatches=4, schedule="gpipe", cuda_graphs="off"),
+    "pp2-interleaved-v2-m4": dict(pp=2, num_microbatches=4, virtual_stages=2),
+    "pp2-interleaved-v2-m4-eager": dict(pp=2, num_microbatches=4, virtual_stages=2, cuda_graphs="off"),
     "plan-dp2": dict(dp=2, plan="krizhevsky2014"),
     "plan-dp2-eager": dict(dp=2, plan="krizhevsky2014", cuda_graphs="off"),
 }

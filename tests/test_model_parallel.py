@@ -24,6 +24,12 @@ LAYOUTS = {
     "pp2-1f1b-m3": dict(pp=2, schedule="1f1b", num_microbatches=3),
     "pp3-1f1b-m4": dict(pp=3, schedule="1f1b", num_microbatches=4),
     "pp2-balanced-by-time": dict(pp=2, balance="time", num_microbatches=2),  # stages cut by measured times
+    # interleaved 1F1B: each stage holds non-adjacent model chunks (virtual stages s, s + P, ...)
+    "pp2-interleaved-v2-m2": dict(pp=2, virtual_stages=2, num_microbatches=2),  # M == P: all forwards first
+    "pp2-interleaved-v2-m4": dict(pp=2, virtual_stages=2, num_microbatches=4),  # warm-up, steady state, drain
+    "pp2-interleaved-v3-m4": dict(pp=2, virtual_stages=3, num_microbatches=4),
+    "pp3-interleaved-v2-m6": dict(pp=3, virtual_stages=2, num_microbatches=6),
+    "dp2-pp2-interleaved-v2": dict(dp=2, pp=2, virtual_stages=2, num_microbatches=2),
     "dp2-fs2": dict(dp=2, fs=2),
     "dp2-pp2": dict(dp=2, pp=2, num_microbatches=2),
     "pp2-fs2": dict(pp=2, fs=2, num_microbatches=2, schedule="gpipe"),
@@ -75,5 +81,5 @@ def test_summary_reports_layout(ray_cluster, tmp_path):
     cfg = layout_config(tmp_path, "report", pp=2, num_microbatches=2, schedule="gpipe", steps=1)
     s = fit(cfg, log=lambda *_: None)
     assert s["layout"] == {"dp": 1, "pp": 2, "fs": 1, "world_size": 2, "plan": "none", "schedule": "gpipe",
-                           "num_microbatches": 2, "stages": s["layout"]["stages"]}
+                           "num_microbatches": 2, "virtual_stages": 1, "stages": s["layout"]["stages"]}
     assert len(s["layout"]["stages"]) == 2 and s["layout"]["stages"][0][0] == 0

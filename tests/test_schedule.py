@@ -13,7 +13,10 @@ from rayconv.schedule import (
     ScheduleError,
     bubble_fraction,
     check_exchanges,
+    exchange_plan,
     format_grid,
+    forward_only,
+    interleaved_1f1b,
     gpipe,
     make_schedule,
     one_f_one_b,
@@ -239,3 +242,67 @@ def test_validate_rejects_a_schedule_that_receives_micro_batches_out_of_send_ord
     with pytest.raises(ScheduleError, match="message 0 from stage 0 to stage 1 is act of micro-batch 0 but "
                                             "stage 1 expects act of micro-batch 1"):
         validate(sched)
+
+
+# ---------------------------------------------------------------- interleaved 1F1B
+
+
+INTERLEAVED = [(2, 2, 2), (2, 4, 2), (2, 8, 2), (2, 4, 3), (3, 3, 2), (3, 6, 2), (3, 12, 3), (4, 8, 2), (4, 16, 4)]
+
+
+@pytest.mark.parametrize("P,M,V", INTERLEAVED)
+def test_interleaved_1f1b_is_valid_and_its_exchanges_complete_unbuffered(P, M, V):
+    sched = interleaved_1f1b(P, M, V)
+    validate(sched)  # programs, the unit-time simulation and check_exchanges
+    assert sched.num_chunks == V and all(len(p) == 2 * M * V for p in sched.programs)
+
+
+@pytest.mark.parametrize("P,M,V", [(2, 4, 2), (2, 8, 2), (4, 8, 2), (4, 16, 4)])
+def test_interleaving_shrinks_the_bubble_by_the_chunk_count(P, M, V):
+    """Each action is 1/V of a stage's work, so the unit-time grid measures the bubble: (P - 1) / (V M + P - 1)
+    when M > P (Narayanan et al. 2021, section 2.2.2), against (P - 1) / (M + P - 1) for 1F1B."""
+    assert bubble_fraction(interleaved_1f1b(P, M, V)) == pytest.approx((P - 1) / (V * M + P - 1))
+    assert bubble_fraction(one_f_one_b(P, M)) == pytest.approx((P - 1) / (M + P - 1))
+
+
+def test_interleaved_first_stage_program_follows_megatron_order():
+    # P=2, M=4, V=2: forwards in groups of P per chunk (F0 F1 on chunk 0, then on chunk 1), 4 warm-up forwards on
+    # stage 0 ((P - 1) * 2 + (V - 1) * P), backwards chunk 1 first.
+    prog = " ".join(map(str, interleaved_1f1b(2, 4, 2).programs[0]))
+    assert prog == "F0 F1 F0c1 F1c1 F2 B0c1 F3 B1c1 F2c1 B0 F3c1 B1 B2c1 B3c1 B2 B3"
+
+
+def test_interleaved_exchanges_crossing_messages_in_one_batch():
+    """Stage 0 of P=2, V=2: after each steady-state pair one batch sends both outputs and receives what
+    Megatron-LM's round receives, each into the next action of its chunk that needs it."""
+    sched = interleaved_1f1b(2, 4, 2)
+    plan = exchange_plan(sched, 0)
+    prog = sched.programs[0]
+    names = [[str(prog[j]) for j in (p.sends + p.recvs)] for p in plan]
+    assert names[6] == ["F2", "B0c1", "B1c1"]   # after the pair (F2, B0c1): send both, receive B1c1's gradient
+    assert names[8] == ["F3", "B1c1", "F2c1", "B0"]   # send both, receive F2c1's input and B0's gradient
+
+
+def test_without_megatron_rounds_interleaving_deadlocks_unbuffered():
+    """The pairing that serves 1F1B (each action's sends with the next action's receive) is not enough for
+    interleaved 1F1B: neighbours' crossing sends then sit in batches that do not match."""
+    sched = interleaved_1f1b(2, 4, 2)
+    with pytest.raises(ScheduleError, match="deadlocks when sends are not buffered"):
+        check_exchanges(sched, paired=False)
+
+
+@pytest.mark.parametrize("P,M,V", [(2, 1, 1), (2, 3, 2), (3, 5, 2), (4, 2, 3)])
+def test_forward_only_programs_exchange_without_deadlock(P, M, V):
+    check_exchanges(forward_only(P, M, V))
+
+
+@pytest.mark.parametrize("P,M,V,match", [
+    (1, 4, 2, "at least 2 pipeline stages"), (2, 3, 2, "not a multiple of --pp 2"),
+    (2, 4, 1, "at least 2 model chunks")])
+def test_interleaved_1f1b_refuses_bad_sizes(P, M, V, match):
+    with pytest.raises(ValueError, match=match):
+        interleaved_1f1b(P, M, V)
+    if V == 1:
+        return
+    with pytest.raises(ValueError, match="need the 1f1b schedule"):
+        make_schedule("gpipe", 2, 4, 2)

@@ -103,6 +103,32 @@ def test_microbatches_that_do_not_split_the_batch_are_refused_before_ray_starts(
     assert parse_args(argv[:-1] + ["4"]).num_microbatches == 4
 
 
+@pytest.mark.parametrize("argv, match", [
+    (["--virtual-stages", "2"], "set --pp 2 or more"),
+    (["--pp", "2", "--virtual-stages", "2", "--schedule", "gpipe"], "use --schedule 1f1b, not gpipe"),
+    (["--pp", "2", "--fs", "2", "--virtual-stages", "2", "--num-microbatches", "2"], "does not combine with --fs"),
+    (["--pp", "2", "--virtual-stages", "2", "--num-microbatches", "3", "--global-batch-size", "96"],
+     r"set --num-microbatches to a multiple of 2 \(got 3\)"),
+    (["--pp", "2", "--virtual-stages", "0"], "--virtual-stages must be >= 1"),
+])
+def test_bad_virtual_stages_are_refused_with_what_to_change(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_args(argv)
+
+
+def test_more_chunks_than_layers_is_a_plan_error():
+    from rayconv.mesh import Mesh
+    from rayconv.models import build_model
+    from rayconv.parallel.pipeline import PlanError
+    from rayconv.parallel.plan import make_plan
+
+    cfg = Config(model="convnet", data="digits", pp=2, dp=1, virtual_stages=7, num_microbatches=2,
+                 global_batch_size=8).validate()
+    with pytest.raises(PlanError, match="into 14 chunks but it has 12 cuttable layers: lower --virtual-stages"):
+        make_plan(cfg, Mesh(dp=1, pp=2, fs=1), build_model("convnet", 10, 1, 8), (1, 8, 8))
+
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--pp", "0"], "--pp"),
     (["--fs", "0"], "--fs"),

@@ -74,10 +74,10 @@ def broadcast(t: torch.Tensor, src: int, group: Optional[dist.ProcessGroup]) -> 
         dist.broadcast(t, src=src, group=group)
 
 
-def exchange(sends: list[tuple[torch.Tensor, int]], recv: Optional[tuple[tuple[int, ...], torch.dtype, int]],
-             device: torch.device, group: Optional[dist.ProcessGroup]) -> tuple[Optional[torch.Tensor], list]:
-    """Post ``sends`` ((tensor, global destination rank) pairs) and at most one receive
-    (``(shape, dtype, global source rank)``) as one batch, and wait for the receive.
+def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[tuple[int, ...], torch.dtype, int]],
+             device: torch.device, group: Optional[dist.ProcessGroup]) -> tuple[list[torch.Tensor], list]:
+    """Post ``sends`` ((tensor, global destination rank) pairs) and ``recvs`` (``(shape, dtype, global
+    source rank)``) as one batch, and wait for the receives.
 
     With NCCL the batch is one ``ncclGroupStart``/``ncclGroupEnd`` group (``dist.batch_isend_irecv``),
     so its operations progress together. This is what makes a pipeline schedule safe whatever the
@@ -88,23 +88,29 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recv: Optional[tuple[tuple[i
     works only while NCCL buffers the message. (Megatron-LM's ``p2p_communication`` pairs them the
     same way. On 2 x H200 the unpaired pattern failed at 64 MB, ``tests/nccl_crossing.py``, and
     ResNet-50's 2-stage pipeline at global batch 512 did not finish its benchmark in 3 minutes.)
-    Returns the received tensor (None without a receive) and the work handles, which keep the sent
-    tensors alive until waited.
+    Operations to the same peer match the peer's in the order posted. Returns the received tensors
+    (in the order of ``recvs``) and the work handles of the sends, which keep the sent tensors alive
+    until waited.
     """
     ops = [dist.P2POp(dist.isend, t.contiguous(), dst, group) for t, dst in sends]
-    buf = None
-    if recv is not None:
-        shape, dtype, src = recv
-        buf = torch.empty(shape, dtype=dtype, device=device)
-        ops.append(dist.P2POp(dist.irecv, buf, src, group))
+    bufs = []
+    for shape, dtype, src in recvs:
+        bufs.append(torch.empty(shape, dtype=dtype, device=device))
+        ops.append(dist.P2POp(dist.irecv, bufs[-1], src, group))
     if not ops:
-        return None, []
+        return [], []
     works = dist.batch_isend_irecv(ops)
-    if buf is None:
-        return None, works
-    works[-1].wait()  # the receive (NCCL returns one work for the whole group: waiting it again is harmless)
-    # Without coalescing (gloo) there is one work per operation; a gloo receive must not be waited twice.
-    return buf, works[:-1] if len(works) == len(ops) else works
+    if not recvs:
+        return [], works
+    if len(works) == len(ops):
+        # One work per operation (gloo, or a single operation): wait for the receives only; a gloo
+        # receive must not be waited twice.
+        for w in works[len(sends):]:
+            w.wait()
+        return bufs, works[:len(sends)]
+    for w in works:  # NCCL: one work for the whole group (waiting it again later is harmless)
+        w.wait()
+    return bufs, works
 
 
 def all_gather_dim(t: torch.Tensor, dim: int, sizes: list[int], group: Optional[dist.ProcessGroup]) -> torch.Tensor:

@@ -6,9 +6,11 @@ so that the largest stage cost is smallest (cost per layer: forward FLOPs from
 (GPipe or 1F1B): F(m) receives the activation of micro-batch m from the previous stage (or reads
 it from the data), runs the stage, and sends the output on (non-blocking); B(m) receives the output
 gradient from the next stage (or starts from the loss), runs backward and sends the input gradient
-back. A send is posted together with the next action's receive as one NCCL group
-(``comm.exchange``), so crossing sends of 1F1B cannot deadlock (``schedule.check_exchanges`` replays
-these batches under NCCL's rules, unbuffered, for every schedule ``make_plan`` accepts). Gradients accumulate over
+back. What is sent and received when is the schedule's exchange plan (``schedule.exchange_plan``):
+a send is posted together with the next action's receive as one NCCL group (``comm.exchange``), so
+crossing sends of 1F1B cannot deadlock; interleaved 1F1B (several model chunks per stage) exchanges
+as Megatron-LM does. ``schedule.check_exchanges`` replays these batches under NCCL's rules,
+unbuffered, for every schedule ``make_plan`` accepts. Gradients accumulate over
 micro-batches; the loss of each micro-batch is its per-sample sum divided by the global batch size,
 so the accumulated gradient is the single-device one.
 
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..schedule import Action
+from ..schedule import Action, Post
 from . import comm
 
 
@@ -71,7 +73,7 @@ def parse_stages(spec: str, num_layers: int, num_stages: int) -> list[tuple[int,
     except ValueError:
         raise PlanError(f"--stages {spec!r}: give comma-separated layer indices, e.g. '5,9'") from None
     if len(cuts) != num_stages - 1:
-        raise PlanError(f"--stages {spec!r} gives {len(cuts) + 1} stages but --pp is {num_stages}: "
+        raise PlanError(f"--stages {spec!r} gives {len(cuts) + 1} stages but --pp (times --virtual-stages) is {num_stages}: "
                         f"give {num_stages - 1} cut point(s)")
     edges = [0, *cuts, num_layers]
     if any(b <= a for a, b in zip(edges, edges[1:])):
@@ -89,116 +91,133 @@ class StepResult:
     sends: list = field(default_factory=list)
 
 
+@dataclass
+class Chunk:
+    """One model chunk a stage runs: ``module``; the global ranks holding the previous and next virtual
+    stages (None at the ends of the pipeline); per-sample shapes of what it receives from ``prev`` and
+    sends to ``next``. A stage holds one chunk, or several under interleaved 1F1B."""
+
+    module: nn.Module
+    prev: Optional[int]
+    next: Optional[int]
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+
+
 class StageRunner:
     """Runs one pipeline stage's program for one step.
 
-    ``module`` is this stage's part of the model; ``prev`` / ``next`` are global ranks of the
-    neighbouring stages (None at the ends); ``in_shape`` / ``out_shape`` are per-sample shapes of
-    the tensors received from ``prev`` and sent to ``next``; ``wire_dtype`` is the dtype on the wire.
+    ``chunks`` are this stage's model chunks (``Action.chunk`` indexes them); ``wire_dtype`` is the
+    dtype on the wire.
     """
 
-    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup], prev: Optional[int],
-                 next_: Optional[int], in_shape: tuple[int, ...], out_shape: tuple[int, ...],
-                 wire_dtype: torch.dtype, device: torch.device, autocast: Optional[torch.dtype]):
-        self.module, self.group, self.prev, self.next = module, group, prev, next_
-        self.in_shape, self.out_shape = in_shape, out_shape
+    def __init__(self, chunks: Sequence[Chunk], group: Optional[dist.ProcessGroup], wire_dtype: torch.dtype,
+                 device: torch.device, autocast: Optional[torch.dtype]):
+        self.chunks, self.group = list(chunks), group
         self.wire_dtype, self.device, self.autocast = wire_dtype, device, autocast
-        first = module
-        while True:  # the first leaf layer (through compiled segments and nested Sequentials)
-            first = getattr(first, "_orig_mod", first)
-            child = next(iter(first.children()), None)
-            if child is None:
-                break
-            first = child
-        if prev is not None and getattr(first, "inplace", False):
-            first.inplace = False  # the received activation is a leaf that needs its gradient
+        for c in self.chunks:
+            first = c.module
+            while True:  # the first leaf layer (through compiled segments and nested Sequentials)
+                first = getattr(first, "_orig_mod", first)
+                child = next(iter(first.children()), None)
+                if child is None:
+                    break
+                first = child
+            if c.prev is not None and getattr(first, "inplace", False):
+                first.inplace = False  # the received activation is a leaf that needs its gradient
 
     profile = False  # when True, time spent blocked in receives is measured (synchronising the device)
 
-    def _exchange(self, pending: list, recv: Optional[tuple[tuple[int, ...], int]], res: StepResult):
-        """Post the ``pending`` sends together with this action's receive (``(shape, source rank)``, or
-        None) as one batch (``comm.exchange``); returns the received tensor. The sends' handles go to
-        ``res.sends``."""
-        if not pending and recv is None:
-            return None
-        spec = None if recv is None else (recv[0], self.wire_dtype, recv[1])
+    def _post(self, post: Post, program: Sequence[Action], mb_sizes: list[int], outbox: dict, inbox: dict,
+              res: StepResult) -> None:
+        """Post one batch of the step's exchange plan (``schedule.exchange_plan``): the outputs of the
+        actions in ``post.sends`` (from ``outbox``) and the inputs of those in ``post.recvs`` (into
+        ``inbox``), as one batch (``comm.exchange``), waiting for the receives. The sends' handles go
+        to ``res.sends``."""
+        if not post.sends and not post.recvs:
+            return
+        specs = []
+        for j in post.recvs:
+            a = program[j]
+            c, n = self.chunks[a.chunk], mb_sizes[a.microbatch]
+            specs.append(((n, *c.in_shape), self.wire_dtype, c.prev) if a.kind == "F"
+                         else ((n, *c.out_shape), self.wire_dtype, c.next))
         if self.profile:
             sync_device(self.device)
             t = time.perf_counter()
-        buf, works = comm.exchange(pending, spec, self.device, self.group)
+        bufs, works = comm.exchange([outbox.pop(j) for j in post.sends], specs, self.device, self.group)
         if self.profile:
             sync_device(self.device)
             res.wait_s += time.perf_counter() - t
         res.sends.extend(works)
-        pending.clear()
-        return buf
+        inbox.update(zip(post.recvs, bufs))
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.autocast is None:
-            return self.module(x)
+            return module(x)
         with torch.autocast(self.device.type, dtype=self.autocast):
-            return self.module(x)
+            return module(x)
 
-    def run(self, program: Sequence[Action], inputs: Callable[[int], torch.Tensor],
+    def run(self, program: Sequence[Action], plan: Sequence[Post], inputs: Callable[[int], torch.Tensor],
             labels: Callable[[int], torch.Tensor], mb_sizes: list[int], global_count: int,
             before_last_backward: Callable[[], None], train: bool = True,
             before_forward: Optional[Callable[[int], None]] = None) -> StepResult:
-        """Run ``program`` (all F and B actions of this stage; only F when ``train`` is False).
+        """Run ``program`` (all F and B actions of this stage; only F when ``train`` is False), posting
+        ``plan[i]`` (``schedule.exchange_plan`` of the program) before action ``i`` and the last entry
+        after the program.
 
-        ``inputs(m)`` gives micro-batch m's images (first stage), ``labels(m)`` its labels (last
-        stage). Returns the last stage's loss sum and correct count; raises what the model raises.
+        ``inputs(m)`` gives micro-batch m's images (first virtual stage), ``labels(m)`` its labels (last
+        virtual stage). Returns the last stage's loss sum and correct count; raises what the model raises.
         """
         res = StepResult(samples=sum(mb_sizes))
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        saved: dict[int, tuple[Optional[torch.Tensor], torch.Tensor]] = {}
+        saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
+        outbox: dict[int, tuple[torch.Tensor, int]] = {}  # action index -> (output to send, destination)
+        inbox: dict[int, torch.Tensor] = {}                # action index -> its received input
         last_b = max((i for i, a in enumerate(program) if a.kind == "B"), default=-1)
-        # Sends of one action are posted with the next action's receive, as one batch (see
-        # comm.exchange): an action ends with its send and the next begins with its receive, so
-        # nothing runs in between and no send is delayed.
-        pending: list[tuple[torch.Tensor, int]] = []
         for i, a in enumerate(program):
-            m, n = a.microbatch, mb_sizes[a.microbatch]
+            m, c = a.microbatch, self.chunks[a.chunk]
             # Release sends that have completed (and their buffers), so held activations stay bounded
             # by the schedule's in-flight count rather than growing over the step. (Not while a CUDA
             # graph captures the step: nothing has run yet, and querying a captured send is an error.)
             if not capturing:
                 res.sends = [w for w in res.sends if not w.is_completed()]
+            self._post(plan[i], program, mb_sizes, outbox, inbox, res)
             if a.kind == "F":
                 if before_forward is not None:
                     before_forward(m)
-                if self.prev is None:
+                if c.prev is None:
                     x, x_in = inputs(m), None
-                    self._exchange(pending, None, res)
                 else:
-                    x_in = self._exchange(pending, ((n, *self.in_shape), self.prev), res)
+                    x_in = inbox.pop(i)
                     x = x_in.requires_grad_(train)
                 with torch.set_grad_enabled(train):
-                    out = self._forward(x)
-                    if self.next is None:
+                    out = self._forward(c.module, x)
+                    if c.next is None:
                         logits = out.float() if out.dtype in (torch.bfloat16, torch.float16) else out
                         y = to_device(labels(m), self.device)
                         loss = nn.functional.cross_entropy(logits, y, reduction="sum")
                         res.loss_sum = res.loss_sum + loss.detach()
                         res.correct = res.correct + (logits.detach().argmax(1) == y).sum()
                         out = loss / global_count
-                if self.next is not None:
-                    pending.append((out.detach().to(self.wire_dtype), self.next))
+                if c.next is not None:
+                    outbox[i] = (out.detach().to(self.wire_dtype), c.next)
                 if train:
-                    saved[m] = (x_in, out)
+                    saved[(m, a.chunk)] = (x_in, out)
             else:
-                x_in, out = saved.pop(m)
+                x_in, out = saved.pop((m, a.chunk))
                 if i == last_b:
                     before_last_backward()
-                if self.next is None:
-                    self._exchange(pending, None, res)
+                if c.next is None:
                     out.backward()
                 else:
-                    g = self._exchange(pending, ((n, *self.out_shape), self.next), res)
+                    g = inbox.pop(i)
                     out.backward(g.to(out.dtype))
-                if self.prev is not None:
+                if c.prev is not None:
                     assert x_in is not None and x_in.grad is not None
-                    pending.append((x_in.grad.to(self.wire_dtype), self.prev))
-        self._exchange(pending, None, res)
+                    outbox[i] = (x_in.grad.to(self.wire_dtype), c.prev)
+        self._post(plan[len(program)], program, mb_sizes, outbox, inbox, res)
+        assert not outbox and not inbox, "exchange plan left messages unsent or unused"
         for w in res.sends:
             w.wait()
         res.sends.clear()

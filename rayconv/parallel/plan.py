@@ -28,8 +28,9 @@ class Plan:
 
     ``layer_names``: qualified names of the flat layers; ``out_shapes[i]``: per-sample output shape
     of layer i (``in_shape`` for the input); ``flops[i]``: forward FLOPs of layer i per sample;
-    ``stages``: [start, end) layer ranges, one per pipeline stage; ``schedule``: the micro-batch
-    program of each stage.
+    ``stages``: [start, end) layer ranges, one per pipeline stage, or per virtual stage under
+    interleaved 1F1B (``P * V`` of them; stage s holds ``virtual_stages(s)``); ``schedule``: the
+    micro-batch program of each stage.
     """
 
     mesh: Mesh
@@ -50,7 +51,14 @@ class Plan:
         return self.out_shapes[self.stages[stage][1] - 1]
 
     def stage_params(self) -> list[int]:
-        return [sum(self.params[a:b]) for a, b in self.stages]
+        """Parameters held by each pipeline stage (all its chunks)."""
+        P = self.mesh.pp
+        return [sum(sum(self.params[a:b]) for a, b in (self.stages[v] for v in self.virtual_stages(s)))
+                for s in range(P)]
+
+    def virtual_stages(self, stage: int) -> list[int]:
+        """Indices into ``stages`` of the chunks pipeline stage ``stage`` holds: ``stage + c * P``."""
+        return [stage + c * self.mesh.pp for c in range(self.schedule.num_chunks)]
 
 
 def layer_profile(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, ...]):
@@ -141,6 +149,10 @@ def build_part(plan: Plan, layers, stage: int, fs_index: int, fs_group, dp_index
 
     if plan.plan == "krizhevsky2014":
         return krizhevsky2014(layers, plan.in_shape, list(plan.out_shapes), dp_index, plan.mesh.dp, dp_group), None
+    if plan.schedule.num_chunks > 1:
+        # Interleaved 1F1B: the stage's chunks, one after the other (no filter split: the settings refuse it).
+        parts = [whole_part(layers[plan.stages[v][0]:plan.stages[v][1]]) for v in plan.virtual_stages(stage)]
+        return whole_part([(n, m) for p in parts for n, m in zip(p.names, p.modules)]), None
     in_sizes = None
     for p, (start, end) in enumerate(plan.stages):
         if plan.mesh.fs == 1:
@@ -163,19 +175,26 @@ def make_plan(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[int
     if mesh.pp > 1 and len(layers) == 1:
         raise PlanError(f"--model {cfg.model} cannot be cut into pipeline stages (rayconv does not know its "
                         "layer order): use --pp 1")
+    chunks = mesh.pp * cfg.virtual_stages  # contiguous runs of layers; stage s holds s, s + P, ...
+    if cfg.virtual_stages > 1 and chunks > len(layers):
+        raise PlanError(f"--pp {mesh.pp} with --virtual-stages {cfg.virtual_stages} cuts the model into {chunks} "
+                        f"chunks but it has {len(layers)} cuttable layers: lower --virtual-stages")
     if cfg.stages:
-        stages = parse_stages(cfg.stages, len(layers), mesh.pp)
+        stages = parse_stages(cfg.stages, len(layers), chunks)
     elif costs is not None:
         if len(costs) != len(layers):
             raise PlanError(f"{len(costs)} layer costs for {len(layers)} layers")
-        stages = balance(costs, mesh.pp)
+        stages = balance(costs, chunks)
     else:
         # Balance by forward FLOPs, parameters as a tie-breaker for layers without compute.
-        stages = balance([f + p for f, p in zip(flops, params)], mesh.pp)
+        stages = balance([f + p for f, p in zip(flops, params)], chunks)
     problem = batch_split_problem(cfg.global_batch_size, mesh.dp, cfg.num_microbatches)
     if problem:
         raise PlanError(problem)
-    schedule = make_schedule(cfg.schedule, mesh.pp, cfg.num_microbatches)
+    try:
+        schedule = make_schedule(cfg.schedule, mesh.pp, cfg.num_microbatches, cfg.virtual_stages)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
     validate(schedule)
     plan = Plan(mesh=mesh, layer_names=tuple(n for n, _ in layers), in_shape=tuple(sample_shape),
                 out_shapes=tuple(shapes), flops=tuple(flops), params=tuple(params), stages=tuple(stages),
