@@ -21,13 +21,17 @@ Schedules provided
   runs ``min(P - s - 1, M)`` warm-up forwards, then alternates one forward and
   one backward, then drains the remaining backwards. Stage ``s`` holds at most
   ``min(P - s, M)`` micro-batches' activations.
+* interleaved 1F1B (``interleaved_1f1b``; ``make_schedule("1f1b", P, M, V)`` with ``V > 1``) --
+  Narayanan et al. 2021 (Megatron-LM), section 2.2.2: each stage holds ``V`` model chunks (virtual
+  stages ``s, s + P, ...``), which shrinks the bubble about ``V``-fold for ``V`` times the messages.
+  Actions name their chunk (``F3c1``).
 
 Communication model (used by ``validate``/``simulate``)
 -------------------------------------------------------
 * ``F(m)`` on stage ``s > 0`` blocks until stage ``s - 1`` has completed ``F(m)``
-  (it receives that activation).
+  (it receives that activation); with chunks, until the previous *virtual* stage has.
 * ``B(m)`` on stage ``s < P - 1`` blocks until stage ``s + 1`` has completed
-  ``B(m)`` (it receives that gradient).
+  ``B(m)`` (it receives that gradient); with chunks, the next virtual stage.
 * Sends are non-blocking (buffered), so they never wait.
 * Every action takes one time tick (the ideal unit-time model, F = B = 1).
 
@@ -459,10 +463,10 @@ def exchange_plan(schedule: Schedule, stage: int) -> list[Post]:
 def check_exchanges(schedule: Schedule, paired: bool = True) -> None:
     """Replay the point-to-point batches a step posts under NCCL's rules (see "Exchange model").
 
-    With ``paired`` (what ``StageRunner.run`` does) each action's sends are posted together with the
-    next action's receive as one batch, before that action computes; sends left at the end of the
-    program form a last batch. With ``paired=False``, the pattern the pipeline used before: each
-    receive and each send is a batch of its own, the send posted right after its action computes.
+    With ``paired`` the batches are ``exchange_plan``'s, what ``StageRunner.run`` posts (for GPipe and
+    1F1B: each action's sends together with the next action's receive; for interleaved 1F1B:
+    Megatron-LM's rounds). With ``paired=False``, the pattern the pipeline used before: each receive
+    and each send is a batch of its own, the send posted right after its action computes.
 
     The model, per stage: compute runs the program's actions in order; an action computes once the
     batch holding its receive has completed (waiting on a batch waits on all of it). A batch starts

@@ -125,8 +125,8 @@ class Worker:
                                  first_bucket_mb=min(1.0, cfg.bucket_mb))
         self.has_buffers = any(True for m in self.replicated for _ in m.buffers())
         # (one explicit group: a stage of parameter-free layers, e.g. pooling alone, has an empty one)
-        self.optimizer = torch.optim.SGD([{"params": list(self.part.parameters())}], lr=cfg.lr, momentum=cfg.momentum,
-                                         weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.SGD([{"params": list(self.part.parameters())}], lr=cfg.lr,
+                                         momentum=cfg.momentum, weight_decay=cfg.weight_decay)
         pp_ranks = self.groups.ranks["pp"]
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
