@@ -60,7 +60,8 @@ def prepare(cfg: Config, log=print):
     any actor starts."""
     if cfg.model not in model_names():
         build_model(cfg.model, 1)  # raises ConfigError naming --model, before Ray starts
-    wanted = cfg.dp * cfg.pp * cfg.fs * cfg.num_cpus_per_actor if cfg.dp else None
+    # (with --dp left to the cluster, at least one replica: --fs 3 alone on 2 cores still runs)
+    wanted = (cfg.dp or 1) * cfg.pp * cfg.fs * cfg.num_cpus_per_actor
     cluster.connect(cfg.address, min_cpus=wanted if cfg.device != "cuda" else None)
     mesh = cluster.resolve_layout(cfg, log)
     source = make_source(cfg)
