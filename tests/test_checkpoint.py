@@ -210,3 +210,27 @@ def test_operations_flags_are_validated(argv, words, tmp_path, capsys):
     line = run_failing([*argv, "--out", str(tmp_path / "x")], capsys)
     assert all(w in line for w in words), line
     assert not (tmp_path / "x").exists()
+
+
+def test_interleaved_pipeline_resume_equals_straight_run(ray_cluster, tmp_path):
+    """Interleaved 1F1B (2 stages, 2 model chunks each: non-adjacent layers on one actor): each actor's
+    shard holds its chunks' parameters and momentum under the whole model's names; k steps + resume + k
+    steps equals 2k steps exactly."""
+    kw = dict(dp=1, pp=2, virtual_stages=2, num_microbatches=2)
+    straight_out, stopped_out = tmp_path / "straight", tmp_path / "stopped"
+    fit(ck_config(straight_out, **kw), log=lambda *_: None)
+
+    def crash(gang, step):
+        if step == STEPS // 2 - 1:
+            raise Stop()
+
+    with pytest.raises(Stop):
+        fit(ck_config(stopped_out, **kw), log=lambda *_: None, on_step=crash)
+    m = json.loads((stopped_out / "checkpoints" / "step-4" / "manifest.json").read_text())
+    assert len(m["layout"]["stages"]) == 4  # 2 stages x 2 chunks
+    assert main(["--resume", str(stopped_out)]) == 0
+    torch.testing.assert_close(torch.load(stopped_out / "model.pt", weights_only=True),
+                               torch.load(straight_out / "model.pt", weights_only=True), rtol=0, atol=0)
+    for r in range(2):
+        assert_same_shard(shard(stopped_out / "checkpoints" / "step-8", r),
+                          shard(straight_out / "checkpoints" / "step-8", r))
