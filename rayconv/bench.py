@@ -357,8 +357,12 @@ def training_curve(args) -> list[dict[str, Any]]:
         shutil.rmtree(cfg.out, ignore_errors=True)
         fit(cfg, log=lambda *_: None)
         table = pq.read_table(Path(cfg.out) / "metrics.parquet").to_pylist()
-        rows += [{"layout": name, "time_s": r["time_s"], "step": r["step"], "test_error": r["test_error"]}
+        evals = [{"layout": name, "time_s": r["time_s"], "step": r["step"], "test_error": r["test_error"]}
                  for r in table if r["kind"] == "eval"]
+        rows += evals
+        if evals:
+            print(f"CURVE {name}: test error {evals[-1]['test_error']:.4f} after {evals[-1]['time_s']:.1f} s "
+                  f"({evals[-1]['step'] + 1} steps)", flush=True)
     atomic_write(out / "curve.parquet", lambda tmp: pq.write_table(pa.Table.from_pylist(rows), tmp))
     plt = _pyplot()
     if plt is None:

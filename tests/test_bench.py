@@ -50,7 +50,7 @@ def test_bench_sweep_stops_at_max(ray_cluster, tmp_path):
     assert [r["batch_per_device"] for r in rows] == [16, 32] and all(r["fits"] for r in rows)
 
 
-def test_training_curve_writes_error_against_time(ray_cluster, tmp_path):
+def test_training_curve_writes_error_against_time(ray_cluster, tmp_path, capsys):
     out = tmp_path / "curve"
     rc = bench.main(["--curve", "--curve-epochs", "1", "--layouts", "1gpu,dp2", "--device", "cpu", "--out", str(out)])
     assert rc == 0
@@ -61,3 +61,5 @@ def test_training_curve_writes_error_against_time(ray_cluster, tmp_path):
         assert times == sorted(times) and times[0] > 0
         assert all(0 <= r["test_error"] <= 1 for r in rows)
     assert (out / "curve.png").stat().st_size > 1000
+    printed = capsys.readouterr().out
+    assert "CURVE 1gpu: test error" in printed and "CURVE dp2: test error" in printed
