@@ -41,9 +41,8 @@ The unit-time model above lets sends buffer. NCCL does not, once a message is la
 completes only when the peer's matching receive runs, messages between two ranks match in the
 order they were posted, and each rank's operations on the pipeline's communicator run one batch
 after another on one stream. ``check_exchanges`` replays the batches ``StageRunner.run`` posts
-(each action's sends together with the next action's receive, one ``ncclGroupStart``/``End``
-group; the rest at the end of the step) under exactly those rules, with no buffering, and
-raises on a deadlock or on a receive that would match another micro-batch's message.
+(``exchange_plan``: each one ``ncclGroupStart``/``End`` group) under exactly those rules, with no
+buffering, and raises on a deadlock or on a receive that would match another micro-batch's message.
 
 Legend for ``format_grid``: ``F3`` = forward of micro-batch 3, ``B3`` = backward
 of micro-batch 3, ``.`` = stage idle for that tick.
@@ -57,9 +56,8 @@ from typing import Callable, Optional
 
 __all__ = [
     "Action", "Schedule", "ScheduleError", "SCHEDULE_NAMES", "gpipe", "one_f_one_b", "interleaved_1f1b",
-    "forward_only",
-    "make_schedule", "validate", "simulate", "Post", "exchange_plan", "check_exchanges", "bubble_fraction", "peak_in_flight",
-    "format_grid",
+    "forward_only", "make_schedule", "validate", "simulate", "Post", "exchange_plan", "check_exchanges",
+    "bubble_fraction", "peak_in_flight", "format_grid",
 ]
 
 FORWARD = "F"
@@ -174,6 +172,18 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     return Schedule("1f1b", num_stages, num_microbatches, tuple(programs))
 
 
+def _interleaved_chunk(k: int, P: int, V: int, forward: bool) -> int:
+    """Interleaved 1F1B: the model chunk of a stage's k-th forward (or backward). Micro-batches pass
+    each chunk in groups of P; backwards visit the chunks in reverse (Megatron-LM's ``get_model_chunk_id``)."""
+    c = (k % (P * V)) // P
+    return c if forward else V - 1 - c
+
+
+def _interleaved_warmup(P: int, M: int, V: int, stage: int) -> int:
+    """Interleaved 1F1B: forwards ``stage`` runs before its first backward (all of them when M == P)."""
+    return M * V if M == P else min(M * V, (P - stage - 1) * 2 + (V - 1) * P)
+
+
 def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int = 2) -> Schedule:
     """Interleaved 1F1B (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
     Clusters Using Megatron-LM", section 2.2.2; Megatron-LM's
@@ -201,14 +211,11 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int = 2
     total = M * V
 
     def action(kind: str, k: int) -> Action:
-        chunk = (k % (P * V)) // P
-        if kind == BACKWARD:
-            chunk = V - 1 - chunk
-        return Action(kind, (k // (P * V)) * P + k % P, chunk)
+        return Action(kind, (k // (P * V)) * P + k % P, _interleaved_chunk(k, P, V, kind == FORWARD))
 
     programs: list[tuple[Action, ...]] = []
     for s in range(P):
-        warmup = total if M == P else min(total, (P - s - 1) * 2 + (V - 1) * P)
+        warmup = _interleaved_warmup(P, M, V, s)
         prog = [action(FORWARD, k) for k in range(warmup)]
         for k in range(total - warmup):
             prog.append(action(FORWARD, warmup + k))
@@ -277,7 +284,8 @@ def _check_programs(schedule: Schedule) -> None:
             problems.append(f"duplicated {' '.join(dups)}")
         if problems:
             raise ScheduleError(
-                f"stage {s}: program must hold exactly one F{' and one B' if schedule.training else ''} per micro-batch "
+                f"stage {s}: program must hold exactly one F{' and one B' if schedule.training else ''} per "
+                "micro-batch "
                 f"0..{M - 1}{f' and chunk 0..{V - 1}' if V > 1 else ''}: {'; '.join(problems)}"
             )
         seen_f: set[tuple[int, int]] = set()
@@ -376,8 +384,9 @@ def exchange_plan(schedule: Schedule, stage: int) -> list[Post]:
     """The batches ``StageRunner.run`` posts on ``stage``: ``plan[i]`` just before action ``i``
     computes, and ``plan[len(program)]`` after the last (the sends left over). Empty posts send nothing.
 
-    Without model chunks (and for ``forward_only``), each action's output is sent with the next action's input, as one batch,
-    so no send waits behind another action and 1F1B's crossing messages are in matching batches.
+    Without model chunks (and for ``forward_only``), each action's output is sent with the next
+    action's input, as one batch, so no send waits behind another action and 1F1B's crossing
+    messages are in matching batches.
     Interleaved 1F1B exchanges as Megatron-LM's ``forward_backward_pipelining_with_interleaving``
     does: once after each warm-up forward, after each steady-state forward-backward pair ("send
     forward, send backward, receive forward, receive backward" in one batch) and after each
@@ -393,8 +402,7 @@ def exchange_plan(schedule: Schedule, stage: int) -> list[Post]:
     first, last = stage == 0, stage == P - 1
 
     def chunk(k: int, forward: bool) -> int:
-        c = (k % (P * V)) // P
-        return c if forward else V - 1 - c
+        return _interleaved_chunk(k, P, V, forward)
 
     # The actions of each chunk that receive their input, in program order (consumed first in, first out).
     queue = {(kind, c): [i for i, a in enumerate(prog) if a.kind == kind and a.chunk == c and msgs[i][0]]
@@ -406,7 +414,7 @@ def exchange_plan(schedule: Schedule, stage: int) -> list[Post]:
     sends: list[list[int]] = [[] for _ in range(len(prog) + 1)]
     recvs: list[list[int]] = [[] for _ in range(len(prog) + 1)]
     all_warmup = M == P
-    warmup = total if all_warmup else min(total, (P - stage - 1) * 2 + (V - 1) * P)
+    warmup = _interleaved_warmup(P, M, V, stage)
     remaining = total - warmup
 
     def out(i: int) -> list[int]:

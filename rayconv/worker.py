@@ -151,11 +151,12 @@ class Worker:
         limit = self.sync.bucket_bytes if self.sync.group is not None else None
         # The stage's model chunks (one, or V under interleaved 1F1B: virtual stages stage, stage + P, ...),
         # each compiled apart; chunk c's neighbours hold virtual stages v - 1 and v + 1.
+        # (One chunk is the whole part, exchange layers of a filter split included.)
         virtual, last_v = plan.virtual_stages(stage), mesh.pp * plan.schedule.num_chunks - 1
+        widths = [len(self.part)] if len(virtual) == 1 else [plan.stages[v][1] - plan.stages[v][0] for v in virtual]
         chunks, offset = [], 0
-        for v in virtual:
-            n = plan.stages[v][1] - plan.stages[v][0] if len(virtual) > 1 else len(self.part)
-            seq = self.part if len(virtual) == 1 else self.part[offset:offset + n]
+        for v, n in zip(virtual, widths):
+            seq = self.part[offset:offset + n]
             offset += n
             chunks.append(Chunk(compile_part(seq, limit) if self.compiled else seq,
                                 prev=pp_ranks[(v - 1) % mesh.pp] if v > 0 else None,

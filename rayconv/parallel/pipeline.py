@@ -73,8 +73,8 @@ def parse_stages(spec: str, num_layers: int, num_stages: int) -> list[tuple[int,
     except ValueError:
         raise PlanError(f"--stages {spec!r}: give comma-separated layer indices, e.g. '5,9'") from None
     if len(cuts) != num_stages - 1:
-        raise PlanError(f"--stages {spec!r} gives {len(cuts) + 1} stages but --pp (times --virtual-stages) is {num_stages}: "
-                        f"give {num_stages - 1} cut point(s)")
+        raise PlanError(f"--stages {spec!r} gives {len(cuts) + 1} stages but --pp (times --virtual-stages) is "
+                        f"{num_stages}: give {num_stages - 1} cut point(s)")
     edges = [0, *cuts, num_layers]
     if any(b <= a for a, b in zip(edges, edges[1:])):
         raise PlanError(f"--stages {spec!r}: cut points must increase strictly within 1..{num_layers - 1}")

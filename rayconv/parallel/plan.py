@@ -151,8 +151,8 @@ def build_part(plan: Plan, layers, stage: int, fs_index: int, fs_group, dp_index
         return krizhevsky2014(layers, plan.in_shape, list(plan.out_shapes), dp_index, plan.mesh.dp, dp_group), None
     if plan.schedule.num_chunks > 1:
         # Interleaved 1F1B: the stage's chunks, one after the other (no filter split: the settings refuse it).
-        parts = [whole_part(layers[plan.stages[v][0]:plan.stages[v][1]]) for v in plan.virtual_stages(stage)]
-        return whole_part([(n, m) for p in parts for n, m in zip(p.names, p.modules)]), None
+        return whole_part([layer for v in plan.virtual_stages(stage)
+                           for layer in layers[plan.stages[v][0]:plan.stages[v][1]]]), None
     in_sizes = None
     for p, (start, end) in enumerate(plan.stages):
         if plan.mesh.fs == 1:
