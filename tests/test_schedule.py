@@ -302,7 +302,8 @@ def test_forward_only_programs_exchange_without_deadlock(P, M, V):
 def test_interleaved_1f1b_refuses_bad_sizes(P, M, V, match):
     with pytest.raises(ValueError, match=match):
         interleaved_1f1b(P, M, V)
-    if V == 1:
-        return
+
+
+def test_model_chunks_need_the_1f1b_schedule():
     with pytest.raises(ValueError, match="need the 1f1b schedule"):
         make_schedule("gpipe", 2, 4, 2)
