@@ -14,6 +14,10 @@ devices (``rayconv.anchor``). Writes into ``--out``:
   of a step the driver's per-step calls cost (noise can make it slightly negative);
 * ``bench.md``: the Markdown table; ``speedup.png``: bars of speedup over 1 device.
 
+A layout that fails (out of memory, an actor's error, a call to the actors past ``--call-timeout-s``)
+keeps its row, with nulls where nothing was measured and ``note`` naming the phase and the error; the
+bench goes on with the next layout. Rows are written after each layout.
+
 ``--sweep batch`` measures images/s and peak memory over per-device batch sizes 16..1024 (until one
 does not fit); ``--sweep memory`` keeps doubling the batch until it does not fit (the largest
 trainable batch per layout, to within a factor of 2);
@@ -82,46 +86,58 @@ def layout_size(name: str) -> int:
 
 
 def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_steps: int = 0,
-            trace_to: Optional[Path] = None) -> dict[str, Any]:
+            trace_to: Optional[Path] = None, call_timeout_s: Optional[float] = None) -> dict[str, Any]:
     """Images/s and step time of ``cfg`` over ``steps`` timed steps after ``warmup`` steps, then a
     profiled split, then (``trace_steps`` > 0) a torch.profiler trace of rank 0 written as a table to
-    ``trace_to``. Raises ClusterError (e.g. out of memory) from the actors."""
+    ``trace_to``.
+
+    Every call to the actors (one step, or the in-actor loop of ``steps`` steps) must return within
+    ``call_timeout_s`` seconds (default ``2 x cfg.collective_timeout_s + 30``, as ``rayconv.run``);
+    otherwise the actors are stopped. Raises ClusterError (out of memory, an actor's error, a call past
+    its limit), its message prefixed with the phase it happened in (e.g. ``warm-up step 0``)."""
     mesh, source, plan = prepare(cfg)
+    limit = call_timeout_s if call_timeout_s is not None else 2 * cfg.collective_timeout_s + 30
     gang, setups = launch(cfg, mesh, plan, f"bench-{os.getpid()}-{time.monotonic_ns() % 10**9}")
+    phase = "warm-up step 0 (compiles)"
     try:
         t0 = time.perf_counter()
         first_step_s = None
         for s in range(warmup):
-            gang.call("train_step", s, cfg.lr)  # (one at a time: compile and autotuning happen here)
+            phase = f"warm-up step {s}" + (" (compiles)" if s == 0 else "")
+            gang.call("train_step", s, cfg.lr, timeout_s=limit)  # (one at a time: compile and autotuning here)
             if s == 0:
-                gang.call("flush")
+                gang.call("flush", timeout_s=limit)
                 first_step_s = time.perf_counter() - t0
-        gang.call("flush")
+        gang.call("flush", timeout_s=limit)
         warmup_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         results = []
         in_flight = gang.submit("train_step", warmup, cfg.lr)
         for s in range(warmup, warmup + steps):  # as the driver's loop: the next step queued before waiting
+            phase = f"timed step {s}"
             current, in_flight = in_flight, (gang.submit("train_step", s + 1, cfg.lr) if s + 1 < warmup + steps else None)
-            results.append(gang.collect(current))
-        results.append(gang.call("flush"))
+            results.append(gang.collect(current, timeout_s=limit))
+        results.append(gang.call("flush", timeout_s=limit))
         elapsed = time.perf_counter() - t0
         # Driver overhead: per step, the least time any actor waited for the driver's next call (the
         # actor that finished last waited only for the driver's round trip).
         idle = [min(r["idle_ms"] for r in rs) for rs in results
                 if rs and all(r is not None and r.get("idle_ms") is not None for r in rs)]
         # The same steps with no driver call between them (each actor loops by itself; one call).
+        phase = f"in-actor loop of {steps} steps"
         t1 = time.perf_counter()
-        gang.call("train_steps", warmup + steps, steps, cfg.lr)
+        gang.call("train_steps", warmup + steps, steps, cfg.lr, timeout_s=limit)
         in_actor_s = time.perf_counter() - t1
         first_prof = warmup + 2 * steps
         prof = []
         for s in range(first_prof, first_prof + profile_steps):
-            gang.call("train_step", s, cfg.lr, True)
-            prof.append(gang.call("flush"))
+            phase = f"profiled step {s}"
+            gang.call("train_step", s, cfg.lr, True, timeout_s=limit)
+            prof.append(gang.call("flush", timeout_s=limit))
         device_busy = None
         if trace_steps:
-            tr = gang.call("trace", first_prof + profile_steps, trace_steps, cfg.lr)[0]
+            phase = "trace"
+            tr = gang.call("trace", first_prof + profile_steps, trace_steps, cfg.lr, timeout_s=limit)[0]
             if tr["device_ms"] is not None:
                 device_busy = tr["device_ms"] / tr["wall_ms"]
             if trace_to is not None:
@@ -129,7 +145,10 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
                 atomic_write(trace_to, lambda tmp: Path(tmp).write_text(
                     f"rank 0, {trace_steps} steps, wall {tr['wall_ms']:.1f} ms (with the profiler's own overhead), "
                     f"device kernels {kernels}\n{tr['table']}\n"))
-        memory = gang.call("memory")
+        phase = "memory report"
+        memory = gang.call("memory", timeout_s=limit)
+    except cluster.ClusterError as e:
+        raise cluster.ClusterError(f"{phase}: {e}", recoverable=e.recoverable) from e
     finally:
         gang.kill()
     step_ms = elapsed / steps * 1e3
@@ -220,8 +239,35 @@ def _pyplot():
     return plt
 
 
+# bench.parquet's columns. Every row has all of them: a layout that failed keeps its row, with nulls
+# where nothing was measured and ``note`` saying why. (Inferred from the rows instead, the columns
+# would be the first row's keys only, and a failed first layout would drop every measured column.)
+_F, _I, _S, _B = pa.float64(), pa.int64(), pa.string(), pa.bool_()
+BENCH_SCHEMA = pa.schema([
+    ("model", _S), ("layout", _S), ("global_batch_size", _I), ("image_size", _I), ("note", _S),
+    ("images_per_s", _F), ("step_ms", _F), ("warmup_s", _F), ("first_step_s", _F), ("compiled", _B),
+    ("cuda_graphs", _B), ("peak_gib_max", _F), ("peak_gib_per_actor", _S), ("params_per_actor", _S),
+    ("compute_ms", _F), ("recv_wait_ms", _F), ("allreduce_wait_ms", _F), ("driver_idle_ms", _F),
+    ("in_actor_step_ms", _F), ("driver_overhead", _F), ("device_busy", _F), ("bubble_fraction", _F),
+    ("num_microbatches", _I), ("schedule", _S), ("virtual_stages", _I), ("world_size", _I),
+    ("speedup_vs_1", _F), ("plain_pytorch_images_per_s", _F), ("plain_pytorch_compiled", _B),
+    ("torchrun_ddp_compiled", _B), ("vs_plain_pytorch", _F), ("torchrun_ddp_images_per_s", _F),
+    ("vs_torchrun_ddp", _F),
+])
+
+
+def bench_table(rows: list[dict[str, Any]]) -> pa.Table:
+    """The rows as a table of ``BENCH_SCHEMA`` (missing values null). Raises ValueError for a key the
+    schema lacks (it would be dropped silently)."""
+    unknown = sorted({k for r in rows for k in r} - set(BENCH_SCHEMA.names))
+    if unknown:
+        raise ValueError(f"bench rows have columns missing from BENCH_SCHEMA: {unknown}")
+    return pa.Table.from_pylist(rows, schema=BENCH_SCHEMA)
+
+
 def write_table(rows: list[dict[str, Any]], out: Path) -> None:
-    atomic_write(out / "bench.parquet", lambda tmp: pq.write_table(pa.Table.from_pylist(rows), tmp))
+    table = bench_table(rows)
+    atomic_write(out / "bench.parquet", lambda tmp: pq.write_table(table, tmp))
     cols = ["model", "layout", "global_batch_size", "images_per_s", "step_ms", "speedup_vs_1",
             "vs_plain_pytorch", "vs_torchrun_ddp", "peak_gib_max", "compute_ms", "recv_wait_ms",
             "allreduce_wait_ms", "driver_idle_ms", "in_actor_step_ms", "driver_overhead", "device_busy",
@@ -275,7 +321,8 @@ def main_bench(args) -> list[dict[str, Any]]:
             try:
                 tag = f"{model}-{name}{'' if t is lay else 'm' + str(t['num_microbatches'])}-B{gb}"
                 r = measure(base_config(args, model, t, gb), args.warmup, args.steps, trace_steps=args.trace,
-                            trace_to=out / f"trace-{tag}.txt" if args.trace else None)
+                            trace_to=out / f"trace-{tag}.txt" if args.trace else None,
+                            call_timeout_s=args.call_timeout_s)
             except (cluster.ClusterError, ValueError) as e:
                 row["note"] = str(e).splitlines()[0][:200]
                 continue
@@ -330,9 +377,11 @@ def sweep_batch(args, until_largest: bool) -> list[dict[str, Any]]:
             while per <= args.max_batch:
                 gb = per * (parse_layout(name)["dp"] if "plan" not in name else n)
                 try:
-                    r = measure(base_config(args, model, parse_layout(name), gb), 2, max(3, args.steps // 4), 0)
+                    r = measure(base_config(args, model, parse_layout(name), gb), 2, max(3, args.steps // 4), 0,
+                                call_timeout_s=args.call_timeout_s)
                     rows.append({"model": model, "layout": name, "batch_per_device": per, "global_batch_size": gb,
-                                 "fits": True, "images_per_s": r["images_per_s"], "peak_gib_max": r["peak_gib_max"]})
+                                 "fits": True, "images_per_s": r["images_per_s"], "peak_gib_max": r["peak_gib_max"],
+                                 "note": None})
                 except (cluster.ClusterError, ValueError) as e:
                     rows.append({"model": model, "layout": name, "batch_per_device": per, "global_batch_size": gb,
                                  "fits": False, "images_per_s": None, "peak_gib_max": None,
@@ -405,6 +454,10 @@ def parse_args(argv=None):
                         "actors' Python side): trace-<layout>.txt, device_busy")
     p.add_argument("--anchors", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--anchor-timeout", type=float, default=600)
+    p.add_argument("--call-timeout-s", type=float, default=None, metavar="S",
+                   help="stop a layout whose step (or in-actor loop) takes longer than S seconds, note why in its "
+                        "row and go on to the next (default 2 x the collective timeout + 30 = 630 s, as "
+                        "rayconv.run; the first step compiles)")
     p.add_argument("--sweep", choices=("batch", "memory"), default=None)
     p.add_argument("--max-batch", type=int, default=1024, help="largest per-device batch of a sweep")
     p.add_argument("--curve", action="store_true", help="test error vs wall-clock time on digits")
@@ -420,6 +473,9 @@ def main(argv=None) -> int:
     try:
         for name in args.layouts.split(","):
             parse_layout(name)
+        if args.call_timeout_s is not None and not args.call_timeout_s > 0:
+            raise ConfigError(f"--call-timeout-s {args.call_timeout_s:g}: give a positive number of seconds "
+                              "(or leave it out for the default, 630)")
         Path(args.out).mkdir(parents=True, exist_ok=True)
         cluster.connect(args.address)
         args.device_kind, _ = cluster.available_devices(args.device)

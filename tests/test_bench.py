@@ -26,7 +26,9 @@ def test_bench_writes_table_chart_and_anchor_ratios(ray_cluster, tmp_path):
                      "--global-batch-size", "32", "--steps", "2", "--warmup", "1", "--device", "cpu",
                      "--out", str(out)])
     assert rc == 0
-    rows = pq.read_table(out / "bench.parquet").to_pylist()
+    table = pq.read_table(out / "bench.parquet")
+    assert table.schema == bench.BENCH_SCHEMA
+    rows = table.to_pylist()
     assert [r["layout"] for r in rows] == ["1gpu", "dp2", "pp2"]
     for r in rows:
         assert r["images_per_s"] > 0 and r["step_ms"] > 0
@@ -48,6 +50,44 @@ def test_bench_sweep_stops_at_max(ray_cluster, tmp_path):
     assert rc == 0
     rows = pq.read_table(out / "sweep_batch.parquet").to_pylist()
     assert [r["batch_per_device"] for r in rows] == [16, 32] and all(r["fits"] for r in rows)
+
+
+def test_a_layout_past_its_call_limit_is_stopped_noted_and_the_bench_goes_on(ray_cluster, tmp_path, capsys):
+    # A limit no step can meet: each layout is stopped at its first step and its row says why, instead
+    # of the bench waiting on it; the actors are released, so the next layout and a later run get theirs.
+    out = tmp_path / "limit"
+    rc = bench.main(["--models", "convnet", "--layouts", "1gpu,dp2", "--image-size", "32", "--global-batch-size", "32",
+                     "--steps", "2", "--warmup", "1", "--device", "cpu", "--no-anchors", "--call-timeout-s", "0.001",
+                     "--out", str(out)])
+    assert rc == 0
+    table = pq.read_table(out / "bench.parquet")
+    assert table.schema == bench.BENCH_SCHEMA  # every column, though nothing was measured
+    rows = table.to_pylist()
+    assert [r["layout"] for r in rows] == ["1gpu", "dp2"]
+    for r in rows:
+        assert r["images_per_s"] is None
+        assert r["note"].startswith("warm-up step 0 (compiles): train_step did not finish within 0 s")
+    assert "RESULT convnet dp2 B=32: failed: warm-up step 0" in capsys.readouterr().out
+    rc = bench.main(["--models", "convnet", "--layouts", "dp2", "--image-size", "32", "--global-batch-size", "32",
+                     "--steps", "2", "--warmup", "1", "--device", "cpu", "--no-anchors", "--out", str(tmp_path / "after")])
+    assert rc == 0 and pq.read_table(tmp_path / "after" / "bench.parquet").to_pylist()[0]["images_per_s"] > 0
+
+
+def test_a_failed_first_layout_keeps_the_measured_columns_of_the_rows_after_it(tmp_path):
+    rows = [{"model": "m", "layout": "1gpu", "global_batch_size": 8, "note": "out of memory"},
+            {"model": "m", "layout": "dp2", "global_batch_size": 8, "note": "", "images_per_s": 10.5, "world_size": 2}]
+    bench.write_table(rows, tmp_path)
+    back = pq.read_table(tmp_path / "bench.parquet").to_pylist()
+    assert [r["images_per_s"] for r in back] == [None, 10.5] and [r["world_size"] for r in back] == [None, 2]
+    assert back[0]["note"] == "out of memory"
+    with pytest.raises(ValueError, match="missing from BENCH_SCHEMA: \\['new_metric'\\]"):
+        bench.write_table([{**rows[1], "new_metric": 1.0}], tmp_path)
+
+
+def test_bench_refuses_a_call_limit_that_is_not_positive(tmp_path, capsys):
+    assert bench.main(["--layouts", "1gpu", "--call-timeout-s", "0", "--out", str(tmp_path / "x")]) == 2
+    assert "--call-timeout-s 0: give a positive number of seconds" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 def test_training_curve_writes_error_against_time(ray_cluster, tmp_path, capsys):
