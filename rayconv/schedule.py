@@ -40,9 +40,14 @@ Exchange model (used by ``check_exchanges``, and by ``validate``)
 The unit-time model above lets sends buffer. NCCL does not, once a message is large: a send
 completes only when the peer's matching receive runs, messages between two ranks match in the
 order they were posted, and each rank's operations on the pipeline's communicator run one batch
-after another on one stream. ``check_exchanges`` replays the batches ``StageRunner.run`` posts
-(``exchange_plan``: each one ``ncclGroupStart``/``End`` group) under exactly those rules, with no
-buffering, and raises on a deadlock or on a receive that would match another micro-batch's message.
+after another on one stream. And a batch (one ``ncclGroupStart``/``End`` group) goes through as a
+unit: none of its operations runs before the peers have posted the counterparts of all of them
+(a group's connections to a new peer are set up on the host before it starts; its send and receive
+with one peer run fused). So neighbours' batches must mirror each other: a stage whose batch holds
+"send activation, receive gradient" waits forever on a peer that must use that activation before
+it can send the gradient. ``check_exchanges`` replays the batches ``StageRunner.run`` posts
+(``exchange_plan``) under exactly those rules, with no buffering, and raises on a deadlock or on a
+receive that would match another micro-batch's message.
 
 Legend for ``format_grid``: ``F3`` = forward of micro-batch 3, ``B3`` = backward
 of micro-batch 3, ``.`` = stage idle for that tick.
@@ -50,6 +55,7 @@ of micro-batch 3, ``.`` = stage idle for that tick.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -380,18 +386,106 @@ class Post:
     recvs: tuple[int, ...]
 
 
-def exchange_plan(schedule: Schedule, stage: int) -> list[Post]:
-    """The batches ``StageRunner.run`` posts on ``stage``: ``plan[i]`` just before action ``i``
-    computes, and ``plan[len(program)]`` after the last (the sends left over). Empty posts send nothing.
+def exchange_plan(schedule: Schedule, stage: int) -> list[tuple[Post, ...]]:
+    """The batches ``StageRunner.run`` posts on ``stage``: ``plan[i]`` (zero or more batches, posted
+    in order) just before action ``i`` computes, and ``plan[len(program)]`` after the last (the sends
+    left over).
 
-    Without model chunks (and for ``forward_only``), each action's output is sent with the next
-    action's input, as one batch, so no send waits behind another action and 1F1B's crossing
-    messages are in matching batches.
-    Interleaved 1F1B exchanges as Megatron-LM's ``forward_backward_pipelining_with_interleaving``
+    Rounds: without model chunks (and for ``forward_only``), each action's output is sent with the
+    next action's input, so no send waits behind another action and 1F1B's crossing messages share
+    a batch. Interleaved 1F1B exchanges as Megatron-LM's ``forward_backward_pipelining_with_interleaving``
     does: once after each warm-up forward, after each steady-state forward-backward pair ("send
     forward, send backward, receive forward, receive backward" in one batch) and after each
     cool-down backward; a received tensor goes to the next action of its model chunk that needs one.
+
+    Mirroring: NCCL runs a group's operations as one unit (see ``check_exchanges``), so two stages'
+    batches must pair up: the k-th batch of stage a that talks to stage b holds exactly the
+    counterparts of the k-th batch of b that talks to a. A round batch that does not (GPipe's "send
+    the last activation, receive the first gradient", whose peer must use that activation before it
+    can send the gradient) is split, the operations its peer's batch matches first.
     """
+    return [tuple(posts) for posts in _plans(schedule)[stage]]
+
+
+@functools.lru_cache(maxsize=32)
+def _plans(schedule: Schedule) -> tuple[tuple[tuple[Post, ...], ...], ...]:
+    """Every stage's ``exchange_plan``: its ``_round_plan``, batches split until neighbours' batches
+    mirror; then, while ``check_exchanges``'s model still deadlocks, each stuck batch that talks to
+    several stages split into one batch per stage (sends first) and mirrored again. What cannot be
+    mended so (messages in another order, a deadlock of single-peer batches) is left for
+    ``check_exchanges`` to name."""
+    P = schedule.num_stages
+    msgs = [[_messages(schedule, s, a) for a in prog] for s, prog in enumerate(schedule.programs)]
+    plans = [[[p] if p.sends or p.recvs else [] for p in _round_plan(schedule, s)] for s in range(P)]
+
+    def peer(s: int, msg: tuple) -> int:
+        return msg[3] if msg[2] == s else msg[2]
+
+    def ops(s: int, post: Post) -> list[tuple[str, int, tuple]]:
+        return [("send", j, msgs[s][j][1]) for j in post.sends] + [("recv", j, msgs[s][j][0]) for j in post.recvs]
+
+    def make(part: list[tuple[str, int, tuple]]) -> Post:
+        return Post(tuple(j for kind, j, _ in part if kind == "send"), tuple(j for kind, j, _ in part if kind == "recv"))
+
+    def projection(s: int, q: int) -> list[tuple[int, int, frozenset]]:
+        return [(i, b, x) for i, posts in enumerate(plans[s]) for b, post in enumerate(posts)
+                if (x := frozenset(m for _, _, m in ops(s, post) if peer(s, m) == q))]
+
+    def split(s: int, i: int, b: int, q: int, first: frozenset) -> None:
+        """Batch b before action i of stage s in two: its operations with q in ``first`` (and those
+        with other stages), then its other operations with q."""
+        o = ops(s, plans[s][i][b])
+        head = [op for op in o if peer(s, op[2]) != q or op[2] in first]
+        plans[s][i][b:b + 1] = [make(head), make([op for op in o if op not in head])]
+
+    pairs = sorted({tuple(sorted((s, peer(s, m)))) for s in range(P) for r, t in msgs[s] for m in (r, t) if m})
+
+    def mirror() -> None:
+        changed = True
+        while changed:
+            changed = False
+            for a, q in pairs:
+                for (ia, ba, x), (iq, bq, y) in zip(projection(a, q), projection(q, a)):
+                    if x == y:
+                        continue
+                    common = x & y
+                    if common:  # else messages in another order: check_exchanges names it
+                        if x - common:
+                            split(a, ia, ba, q, common)
+                        if y - common:
+                            split(q, iq, bq, a, common)
+                        changed = True
+                    break
+                if changed:
+                    break
+
+    def frozen() -> tuple[tuple[tuple[Post, ...], ...], ...]:
+        return tuple(tuple(tuple(posts) for posts in plan) for plan in plans)
+
+    mirror()
+    while True:
+        events = _events(schedule, frozen())
+        try:
+            stuck = _replay(events, _counterparts(schedule, events))
+        except ScheduleError:
+            break
+        mended = False
+        for s, j in stuck:
+            _, _, i, b = events[s][j]
+            o = ops(s, plans[s][i][b])
+            peers = sorted({peer(s, m) for _, _, m in o},
+                           key=lambda q: min(0 if kind == "send" else 1 for kind, _, m in o if peer(s, m) == q))
+            if len(peers) > 1:
+                plans[s][i][b:b + 1] = [make([op for op in o if peer(s, op[2]) == q]) for q in peers]
+                mended = True
+        if not mended:
+            break
+        mirror()
+    return frozen()
+
+
+def _round_plan(schedule: Schedule, stage: int) -> list[Post]:
+    """The rounds of ``exchange_plan`` before mirroring: one batch (maybe empty) per action and one after."""
     prog = schedule.programs[stage]
     msgs = [_messages(schedule, stage, a) for a in prog]
     if schedule.num_chunks == 1 or not schedule.training:
@@ -471,17 +565,19 @@ def exchange_plan(schedule: Schedule, stage: int) -> list[Post]:
 def check_exchanges(schedule: Schedule, paired: bool = True) -> None:
     """Replay the point-to-point batches a step posts under NCCL's rules (see "Exchange model").
 
-    With ``paired`` the batches are ``exchange_plan``'s, what ``StageRunner.run`` posts (for GPipe and
-    1F1B: each action's sends together with the next action's receive; for interleaved 1F1B:
-    Megatron-LM's rounds). With ``paired=False``, the pattern the pipeline used before: each receive
-    and each send is a batch of its own, the send posted right after its action computes.
+    With ``paired`` the batches are ``exchange_plan``'s, what ``StageRunner.run`` posts. With
+    ``paired=False``, the pattern the pipeline used before session 5: each receive and each send is a
+    batch of its own, the send posted right after its action computes.
 
     The model, per stage: compute runs the program's actions in order; an action computes once the
     batch holding its receive has completed (waiting on a batch waits on all of it). A batch starts
     once everything computed before it was posted has run and the stage's previous batch has
-    completed (one communication stream). A send and the receive it is for match when both of their
-    batches have started; the k-th message from stage a to stage b matches the k-th receive b posts
-    from a. A batch completes when all its operations have matched. Nothing is buffered.
+    completed (one communication stream). The k-th message from stage a to stage b is the k-th
+    receive b posts from a. A batch goes through as one unit (an NCCL group: its connections to new
+    peers are set up, on the host, before any of its operations start, and its send and receive with
+    one peer run fused): it is *armed* once it has started and the batch of every operation's
+    counterpart has started too, and an operation and its counterpart match once both their batches
+    are armed. A batch completes when all its operations have matched. Nothing is buffered.
 
     Raises:
         ScheduleError: if the programs are malformed (see ``validate``); if the k-th message
@@ -490,30 +586,48 @@ def check_exchanges(schedule: Schedule, paired: bool = True) -> None:
             stage waits for).
     """
     _check_programs(schedule)
-    P = schedule.num_stages
-    # Per stage, its events in host order: ("batch", [ops]) and ("compute", action index).
-    # An op is [kind, message, matched]; kind "send" or "recv".
+    events = _events(schedule, _plans(schedule) if paired else None)
+    stuck = _replay(events, _counterparts(schedule, events))
+    if stuck:
+        def waits(s: int, j: int) -> str:
+            return ", ".join(f"{op[0]} {op[1][0]}{op[1][1]} {'to' if op[0] == 'send' else 'from'} stage "
+                             f"{op[1][3] if op[0] == 'send' else op[1][2]}" for op in events[s][j][1] if not op[2])
+        raise ScheduleError(f"schedule {schedule.name!r} deadlocks when sends are not buffered "
+                            f"({'paired' if paired else 'unpaired'} exchanges): "
+                            + "; ".join(f"stage {s} waits on [{waits(s, j)}]" for s, j in stuck))
+
+
+def _events(schedule: Schedule, plans: Optional[tuple]) -> list[list[tuple]]:
+    """Per stage, its events in host order: ``("batch", [ops], posts index, batch index)`` and
+    ``("compute", action index)``. An op is ``[kind, message, matched]``, kind "send" or "recv". With
+    ``plans`` None: every operation alone, each send right after its action (the unpaired pattern)."""
     events: list[list[tuple]] = []
     for s, prog in enumerate(schedule.programs):
         msgs = [_messages(schedule, s, a) for a in prog]
         ev: list[tuple] = []
-        if paired:
-            for i, post in enumerate(exchange_plan(schedule, s)):
-                ops = [["send", msgs[j][1], False] for j in post.sends] + \
-                      [["recv", msgs[j][0], False] for j in post.recvs]
-                if ops:
-                    ev.append(("batch", ops))
+        if plans is not None:
+            for i, posts in enumerate(plans[s]):
+                for b, post in enumerate(posts):
+                    ops = [["send", msgs[j][1], False] for j in post.sends] + \
+                          [["recv", msgs[j][0], False] for j in post.recvs]
+                    if ops:
+                        ev.append(("batch", ops, i, b))
                 if i < len(prog):
                     ev.append(("compute", i))
         else:
             for i, (recv, send) in enumerate(msgs):
                 if recv:
-                    ev.append(("batch", [["recv", recv, False]]))
+                    ev.append(("batch", [["recv", recv, False]], i, 0))
                 ev.append(("compute", i))
                 if send:
-                    ev.append(("batch", [["send", send, False]]))
+                    ev.append(("batch", [["send", send, False]], i + 1, 0))
         events.append(ev)
-    # Channel order: the k-th send a -> b must be the k-th receive b posts from a.
+    return events
+
+
+def _counterparts(schedule: Schedule, events: list[list[tuple]]) -> dict[int, list]:
+    """``id(op) -> the op it matches``: the k-th send from a to b with the k-th receive b posts from a.
+    Raises ScheduleError when those are different messages, or their counts differ."""
     sent: dict[tuple[int, int], list] = {}
     recvd: dict[tuple[int, int], list] = {}
     for ev in events:
@@ -536,16 +650,29 @@ def check_exchanges(schedule: Schedule, paired: bool = True) -> None:
         if len(out) != len(inn):
             raise ScheduleError(f"schedule {schedule.name!r}: stage {key[0]} sends {len(out)} messages to stage "
                                 f"{key[1]}, which receives {len(inn)}")
-    peer = {}  # id(op) -> the op it matches
+    peer = {}
     for key in sent:
         for a, b in zip(sent[key], recvd[key]):
             peer[id(a)], peer[id(b)] = b, a
+    return peer
+
+
+def _replay(events: list[list[tuple]], peer: dict[int, list]) -> list[tuple[int, int]]:
+    """Run ``events`` under ``check_exchanges``'s model (marking matched ops). Returns, for each stage
+    that cannot finish, ``(stage, event index of its first batch not completed)``; empty if all finish."""
+    P = len(events)
+    where = {id(op): (s, j) for s, ev in enumerate(events) for j, e in enumerate(ev) if e[0] == "batch"
+             for op in e[1]}  # id(op) -> (stage, event index of its batch)
     n_events = [len(ev) for ev in events]
     batches = [[j for j, e in enumerate(ev) if e[0] == "batch"] for ev in events]
     started: list[set[int]] = [set() for _ in range(P)]   # indices of started batches
     done: list[set[int]] = [set() for _ in range(P)]      # indices of completed batches
     active: set[int] = set()     # ids of ops whose batch has started
     pos = [0] * P                # the host's next event per stage; computes before it have run
+
+    def armed(s: int, j: int) -> bool:
+        return j in started[s] and all(id(peer[id(op)]) in active for op in events[s][j][1])
+
     progress = True
     while progress:
         progress = False
@@ -570,8 +697,12 @@ def check_exchanges(schedule: Schedule, paired: bool = True) -> None:
                     active.update(id(op) for op in ev[j][1])
                     progress = True
             for j in sorted(started[s] - done[s]):
+                # A group goes through as one unit: its operations match once it and the batch of
+                # each operation's counterpart are armed.
+                if not armed(s, j):
+                    continue
                 for op in ev[j][1]:
-                    if not op[2] and id(peer[id(op)]) in active:
+                    if not op[2] and armed(*where[id(peer[id(op)])]):
                         op[2] = peer[id(op)][2] = True
                         progress = True
                 if all(op[2] for op in ev[j][1]):
@@ -581,13 +712,8 @@ def check_exchanges(schedule: Schedule, paired: bool = True) -> None:
     for s in range(P):
         left = [j for j in batches[s] if j not in done[s]]
         if pos[s] < n_events[s] or left:
-            j = left[0]
-            ops = ", ".join(f"{op[0]} {op[1][0]}{op[1][1]} {'to' if op[0] == 'send' else 'from'} stage "
-                            f"{op[1][3] if op[0] == 'send' else op[1][2]}" for op in events[s][j][1] if not op[2])
-            stuck.append(f"stage {s} waits on [{ops}]")
-    if stuck:
-        raise ScheduleError(f"schedule {schedule.name!r} deadlocks when sends are not buffered "
-                            f"({'paired' if paired else 'unpaired'} exchanges): " + "; ".join(stuck))
+            stuck.append((s, left[0]))
+    return stuck
 
 
 def validate(schedule: Schedule) -> None:

@@ -9,6 +9,7 @@ import pytest
 from rayconv.schedule import (
     SCHEDULE_NAMES,
     Action,
+    Post,
     Schedule,
     ScheduleError,
     bubble_fraction,
@@ -24,6 +25,7 @@ from rayconv.schedule import (
     simulate,
     validate,
 )
+from rayconv.schedule import _counterparts, _events, _messages, _replay, _round_plan  # the exchange model itself
 
 SIZES = [(1, 1), (1, 4), (2, 1), (2, 2), (2, 4), (2, 8), (3, 2), (4, 4), (4, 8), (4, 2)]
 
@@ -234,6 +236,58 @@ def test_unpaired_gpipe_and_single_microbatch_1f1b_do_not_cross(P, M):
     check_exchanges(one_f_one_b(P, 1), paired=False)
 
 
+def _batches_with(sched, stage, peer):
+    """The messages of each batch ``stage`` posts that go to or come from ``peer``, in posting order."""
+    out = []
+    for posts in exchange_plan(sched, stage):
+        for post in posts:
+            msgs = [_messages(sched, stage, sched.programs[stage][j])[1] for j in post.sends] + \
+                   [_messages(sched, stage, sched.programs[stage][j])[0] for j in post.recvs]
+            mine = {m for m in msgs if peer in (m[2], m[3])}
+            if mine:
+                out.append(mine)
+    return out
+
+
+ALL_PLANS = ([make_schedule(n, P, M) for n in ("gpipe", "1f1b") for P, M in SIZES + [(5, 10)]]
+             + [interleaved_1f1b(P, M, V) for P, M, V in [(2, 2, 2), (2, 4, 2), (3, 3, 2), (3, 6, 2), (4, 8, 2)]]
+             + [forward_only(P, M, V) for P, M, V in [(2, 3, 1), (2, 3, 2), (3, 5, 2), (4, 2, 3)]])
+
+
+@pytest.mark.parametrize("sched", ALL_PLANS, ids=lambda s: f"{s.name}-{s.num_stages}-{s.num_microbatches}-{s.num_chunks}")
+def test_neighbours_batches_mirror_each_other(sched):
+    """NCCL runs a group as one unit, so the k-th batch of stage a with stage b must hold exactly the
+    counterparts of the k-th batch of b with a."""
+    for a in range(sched.num_stages):
+        for b in range(sched.num_stages):
+            if a != b:
+                assert _batches_with(sched, a, b) == _batches_with(sched, b, a), (a, b)
+
+
+def test_gpipe_posts_its_last_activation_apart_from_its_first_gradient():
+    """The round rule pairs stage 0's send of F3's activation with B0's receive. Stage 1 needs that
+    activation (F3) before it can send B0's gradient, so as one NCCL group it can never complete: the
+    likely reason GPipe never finished on 2 x H200 in sessions 5 and 6 (not yet confirmed on GPUs)."""
+    sched = gpipe(2, 4)
+    round_events = _events(sched, tuple(tuple((p,) for p in _round_plan(sched, s)) for s in range(2)))
+    stuck = _replay(round_events, _counterparts(sched, round_events))
+    assert [s for s, _ in stuck] == [0, 1]
+    assert [op[1][:2] for op in round_events[0][stuck[0][1]][1]] == [("act", 3), ("grad", 0)]
+    plan = exchange_plan(sched, 0)
+    assert plan[4] == (Post((3,), ()), Post((), (4,)))  # before B0: send F3's output, then receive B0's gradient
+    check_exchanges(sched)
+
+
+def test_the_exchange_model_runs_a_batch_as_one_unit():
+    """A batch's send goes through only once the peer has posted the counterpart of every operation
+    in it: the same exchange, replayed with the old rule (each operation on its own), completes."""
+    sched = one_f_one_b(2, 1)
+    round_events = _events(sched, tuple(tuple((p,) for p in _round_plan(sched, s)) for s in range(2)))
+    assert _replay(round_events, _counterparts(sched, round_events))  # stage 0: [send act0, recv grad0]
+    per_op = _events(sched, None)
+    assert _replay(per_op, _counterparts(sched, per_op)) == []
+
+
 def test_validate_rejects_a_schedule_that_receives_micro_batches_out_of_send_order():
     """Stage 1 runs F1 before F0. With buffered sends that is fine (``simulate`` accepts it), but
     messages between two stages match in posting order: F1 would compute on micro-batch 0's activation."""
@@ -278,7 +332,9 @@ def test_interleaved_exchanges_crossing_messages_in_one_batch():
     sched = interleaved_1f1b(2, 4, 2)
     plan = exchange_plan(sched, 0)
     prog = sched.programs[0]
-    names = [[str(prog[j]) for j in (p.sends + p.recvs)] for p in plan]
+    assert all(len(posts) <= 1 for posts in plan)  # Megatron's rounds already mirror: none is split
+    names = [[str(prog[j]) for posts in plan[i:i + 1] for p in posts for j in (p.sends + p.recvs)]
+             for i in range(len(plan))]
     assert names[6] == ["F2", "B0c1", "B1c1"]   # after the pair (F2, B0c1): send both, receive B1c1's gradient
     assert names[8] == ["F3", "B1c1", "F2c1", "B0"]   # send both, receive F2c1's input and B0's gradient
 

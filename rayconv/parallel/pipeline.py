@@ -9,8 +9,9 @@ gradient from the next stage (or starts from the loss), runs backward and sends 
 back. What is sent and received when is the schedule's exchange plan (``schedule.exchange_plan``):
 a send is posted together with the next action's receive as one NCCL group (``comm.exchange``), so
 crossing sends of 1F1B cannot deadlock; interleaved 1F1B (several model chunks per stage) exchanges
-as Megatron-LM does. ``schedule.check_exchanges`` replays these batches under NCCL's rules,
-unbuffered, for every schedule ``make_plan`` accepts. Gradients accumulate over
+as Megatron-LM does; and neighbours' groups mirror each other (a group NCCL cannot complete until
+its peer posts the mirror image is split). ``schedule.check_exchanges`` replays these batches under
+NCCL's rules, unbuffered, for every schedule ``make_plan`` accepts. Gradients accumulate over
 micro-batches; the loss of each micro-batch is its per-sample sum divided by the global batch size,
 so the accumulated gradient is the single-device one.
 
@@ -158,13 +159,13 @@ class StageRunner:
         with torch.autocast(self.device.type, dtype=self.autocast):
             return module(x)
 
-    def run(self, program: Sequence[Action], plan: Sequence[Post], inputs: Callable[[int], torch.Tensor],
+    def run(self, program: Sequence[Action], plan: Sequence[Sequence[Post]], inputs: Callable[[int], torch.Tensor],
             labels: Callable[[int], torch.Tensor], mb_sizes: list[int], global_count: int,
             before_last_backward: Callable[[], None], train: bool = True,
             before_forward: Optional[Callable[[int], None]] = None) -> StepResult:
         """Run ``program`` (all F and B actions of this stage; only F when ``train`` is False), posting
-        ``plan[i]`` (``schedule.exchange_plan`` of the program) before action ``i`` and the last entry
-        after the program.
+        the batches of ``plan[i]`` (``schedule.exchange_plan`` of the program), in order, before action
+        ``i`` and those of the last entry after the program.
 
         ``inputs(m)`` gives micro-batch m's images (first virtual stage), ``labels(m)`` its labels (last
         virtual stage). Returns the last stage's loss sum and correct count; raises what the model raises.
@@ -182,7 +183,8 @@ class StageRunner:
             # graph captures the step: nothing has run yet, and querying a captured send is an error.)
             if not capturing:
                 res.sends = [w for w in res.sends if not w.is_completed()]
-            self._post(plan[i], program, mb_sizes, outbox, inbox, res)
+            for post in plan[i]:
+                self._post(post, program, mb_sizes, outbox, inbox, res)
             if a.kind == "F":
                 if before_forward is not None:
                     before_forward(m)
@@ -216,7 +218,8 @@ class StageRunner:
                 if c.prev is not None:
                     assert x_in is not None and x_in.grad is not None
                     outbox[i] = (x_in.grad.to(self.wire_dtype), c.prev)
-        self._post(plan[len(program)], program, mb_sizes, outbox, inbox, res)
+        for post in plan[len(program)]:
+            self._post(post, program, mb_sizes, outbox, inbox, res)
         assert not outbox and not inbox, "exchange plan left messages unsent or unused"
         for w in res.sends:
             w.wait()
