@@ -34,6 +34,7 @@ LAYOUTS = {
     "fs2-eager": dict(fs=2, cuda_graphs="off"),
     "pp2-1f1b": dict(pp=2, num_microbatches=2),
     "pp2-1f1b-eager": dict(pp=2, num_microbatches=2, cuda_graphs="off"),
+    "pp2-one-microbatch": dict(pp=2),  # the default --num-microbatches 1: its round batch is split to mirror
     "pp2-gpipe-4": dict(pp=2, num_microbatches=4, schedule="gpipe"),
     "pp2-gpipe-4-eager": dict(pp=2, num_microbatches=4, schedule="gpipe", cuda_graphs="off"),
     "pp2-interleaved-v2-m4": dict(pp=2, num_microbatches=4, virtual_stages=2),
