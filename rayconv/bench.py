@@ -52,6 +52,9 @@ from .metrics import atomic_write
 from .schedule import bubble_fraction
 
 
+MAX_CALL_TIMEOUT_S = 7 * 24 * 3600.0  # --call-timeout-s: a week (Ray's wait takes no infinite limit)
+
+
 def parse_layout(name: str) -> dict[str, Any]:
     """``dp2xfs2`` -> {"dp": 2, "fs": 2}; ``1gpu`` -> {"dp": 1}; ``plan4`` -> plan over 4 actors;
     ``pp2m4`` -> pp=2 with 4 micro-batches; ``pp2m4v2`` -> the same, interleaved, 2 model chunks per
@@ -93,17 +96,19 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
 
     Every call to the actors (one step, or the in-actor loop of ``steps`` steps) must return within
     ``call_timeout_s`` seconds (default ``2 x cfg.collective_timeout_s + 30``, as ``rayconv.run``);
-    otherwise the actors are stopped. Raises ClusterError (out of memory, an actor's error, a call past
-    its limit), its message prefixed with the phase it happened in (e.g. ``warm-up step 0``)."""
+    otherwise the actors are stopped. Raises ClusterError (out of memory, an actor's error) or its
+    subclass CallTimeout (a call past its limit), the message prefixed with the phase it happened in
+    (e.g. ``warm-up step 0``)."""
     mesh, source, plan = prepare(cfg)
     limit = call_timeout_s if call_timeout_s is not None else 2 * cfg.collective_timeout_s + 30
     gang, setups = launch(cfg, mesh, plan, f"bench-{os.getpid()}-{time.monotonic_ns() % 10**9}")
-    phase = "warm-up step 0 (compiles)"
+    compiles = bool(setups[0].get("compiled"))
+    phase = "warm-up step 0"
     try:
         t0 = time.perf_counter()
         first_step_s = None
         for s in range(warmup):
-            phase = f"warm-up step {s}" + (" (compiles)" if s == 0 else "")
+            phase = f"warm-up step {s}" + (" (compiles)" if s == 0 and compiles else "")
             gang.call("train_step", s, cfg.lr, timeout_s=limit)  # (one at a time: compile and autotuning here)
             if s == 0:
                 gang.call("flush", timeout_s=limit)
@@ -147,6 +152,8 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
                     f"device kernels {kernels}\n{tr['table']}\n"))
         phase = "memory report"
         memory = gang.call("memory", timeout_s=limit)
+    except cluster.CallTimeout as e:
+        raise cluster.CallTimeout(f"{phase}: {e}; if it is only slow, raise --call-timeout-s", recoverable=True) from e
     except cluster.ClusterError as e:
         raise cluster.ClusterError(f"{phase}: {e}", recoverable=e.recoverable) from e
     finally:
@@ -286,6 +293,7 @@ def write_table(rows: list[dict[str, Any]], out: Path) -> None:
         return
     rows = [r for r in rows if r.get("speedup_vs_1") is not None]
     if not rows:
+        (out / "speedup.png").unlink(missing_ok=True)  # not an older run's chart beside this table
         return
     fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.7), 4))
     labels = [f"{r['model']}\n{r['layout']}\nB={r['global_batch_size']}" for r in rows]
@@ -312,7 +320,7 @@ def main_bench(args) -> list[dict[str, Any]]:
         bar.set_postfix_str(f"{model} {name} B={gb}")
         lay = parse_layout(name)
         row: dict[str, Any] = {"model": model, "layout": name, "global_batch_size": gb, "image_size": args.image_size,
-                               "note": ""}
+                               "note": "", "world_size": layout_size(name)}
         tries = [lay]
         if lay.get("pp", 1) > 1 and "num_microbatches" not in lay:
             tries = [{**lay, "num_microbatches": m} for m in (2, 4, 8) if gb // lay["dp"] % m == 0]
@@ -433,12 +441,15 @@ def training_curve(args) -> list[dict[str, Any]]:
 
 def parse_args(argv=None):
     p = OneLineParser(prog="python -m rayconv.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--layouts", default="1gpu,dp2,fs2,pp2,plan2")
-    p.add_argument("--models", default="alexnet,resnet50")
+    p.add_argument("--layouts", default="1gpu,dp2,fs2,pp2,plan2",
+                   help="comma-separated layout names (default %(default)s; see the module help above)")
+    p.add_argument("--models", default="alexnet,resnet50",
+                   help="comma-separated: alexnet, resnet50, any torchvision classification model, or convnet "
+                        "(default %(default)s)")
     p.add_argument("--global-batch-size", default="256", help="comma-separated, e.g. 256,1024")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per layout")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per layout (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first, the first compiles (default %(default)s)")
+    p.add_argument("--image-size", type=int, default=224, help="synthetic images are 3 x S x S (default %(default)s)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--address", default=None)
@@ -453,16 +464,20 @@ def parse_args(argv=None):
                    help="also profile N steps of each layout with torch.profiler and N more with cProfile (the "
                         "actors' Python side): trace-<layout>.txt, device_busy")
     p.add_argument("--anchors", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--anchor-timeout", type=float, default=600)
+    p.add_argument("--anchor-timeout", type=float, default=600, metavar="S",
+                   help="seconds each anchor run may take (default %(default)g)")
     p.add_argument("--call-timeout-s", type=float, default=None, metavar="S",
-                   help="stop a layout whose step (or in-actor loop) takes longer than S seconds, note why in its "
-                        "row and go on to the next (default 2 x the collective timeout + 30 = 630 s, as "
-                        "rayconv.run; the first step compiles)")
-    p.add_argument("--sweep", choices=("batch", "memory"), default=None)
+                   help="stop a layout when one call to its actors takes longer than S seconds (a warm-up step, "
+                        "the first of which compiles; a timed step; or the in-actor loop of all --steps steps), note "
+                        "why in its row and go on to the next (default 630 = 2 x rayconv.run's --collective-timeout-s "
+                        "300 + 30, as rayconv.run)")
+    p.add_argument("--sweep", choices=("batch", "memory"), default=None,
+                   help="batch: images/s and peak memory over per-device batches 16..--max-batch; memory: double "
+                        "the batch until it does not fit")
     p.add_argument("--max-batch", type=int, default=1024, help="largest per-device batch of a sweep")
     p.add_argument("--curve", action="store_true", help="test error vs wall-clock time on digits")
-    p.add_argument("--curve-epochs", type=int, default=5)
-    p.add_argument("--out", default="benchmarks/latest")
+    p.add_argument("--curve-epochs", type=int, default=5, help="epochs of each --curve run (default %(default)s)")
+    p.add_argument("--out", default="benchmarks/latest", help="folder for the results (default %(default)s)")
     args = p.parse_args(argv)
     args.global_batch_size = [int(b) for b in str(args.global_batch_size).split(",")]
     return args
@@ -473,9 +488,9 @@ def main(argv=None) -> int:
     try:
         for name in args.layouts.split(","):
             parse_layout(name)
-        if args.call_timeout_s is not None and not args.call_timeout_s > 0:
-            raise ConfigError(f"--call-timeout-s {args.call_timeout_s:g}: give a positive number of seconds "
-                              "(or leave it out for the default, 630)")
+        if args.call_timeout_s is not None and not 0 < args.call_timeout_s <= MAX_CALL_TIMEOUT_S:
+            raise ConfigError(f"--call-timeout-s {args.call_timeout_s:g}: give a positive number of seconds up to "
+                              f"{MAX_CALL_TIMEOUT_S:g} (or leave it out for the default, 630)")
         Path(args.out).mkdir(parents=True, exist_ok=True)
         cluster.connect(args.address)
         args.device_kind, _ = cluster.available_devices(args.device)
@@ -484,7 +499,11 @@ def main(argv=None) -> int:
         elif args.curve:
             training_curve(args)
         else:
-            main_bench(args)
+            rows = main_bench(args)
+            if not any(r.get("images_per_s") for r in rows):
+                print(f"rayconv.bench: error: no layout was measured (the note column of {args.out}/bench.md "
+                      "says why)", file=sys.stderr)
+                return 1
     except (ConfigError, cluster.ClusterError) as e:
         print(f"rayconv.bench: error: {e}", file=sys.stderr)
         return 2

@@ -40,6 +40,10 @@ class ClusterError(RuntimeError):
         self.recoverable = recoverable
 
 
+class CallTimeout(ClusterError):
+    """A call to the actors did not return within its limit (``Gang.collect``); the actors were stopped."""
+
+
 def _is_lost(e: BaseException) -> bool:
     """An actor that is gone (process killed, node lost), rather than one that raised."""
     return isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
@@ -191,8 +195,8 @@ class Gang:
             done, pending = ray.wait(pending, num_returns=1, timeout=left)
             if not done:
                 self.kill()
-                raise ClusterError(f"{method} did not finish within {timeout_s:.0f} s (a stuck actor or "
-                                   "collective): actors stopped", recoverable=True)
+                raise CallTimeout(f"{method} did not finish within {timeout_s:g} s (a stuck actor or "
+                                  "collective): actors stopped", recoverable=True)
             try:
                 ray.get(done[0])
             except Exception as e:  # noqa: BLE001 - re-raised with the actor's role
@@ -252,7 +256,7 @@ def run_on_device(fn, args: Sequence[Any], gpu: bool, timeout_s: float = 300.0) 
         return ray.get(ref, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         ray.cancel(ref, force=True)
-        raise ClusterError(f"{fn.__name__} did not finish within {timeout_s:.0f} s on the cluster") from None
+        raise ClusterError(f"{fn.__name__} did not finish within {timeout_s:g} s on the cluster") from None
     except ray.exceptions.RayError as e:
         raise ClusterError(f"{fn.__name__} failed: {exception_summary(e)}") from None
 

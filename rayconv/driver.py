@@ -135,7 +135,8 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
             chunks = (f", interleaved: {cfg.virtual_stages} model chunks per stage (stage s holds chunks s, s + "
                       f"{mesh.pp}, ...)" if cfg.virtual_stages > 1 else "")
             log(f"pipeline stages {list(plan.stages)}, schedule {cfg.schedule}{chunks}, "
-                f"{cfg.num_microbatches} micro-batches:\n{format_grid(plan.schedule)}")
+                f"{cfg.num_microbatches} micro-batch{'es' if cfg.num_microbatches > 1 else ''}:\n"
+                f"{format_grid(plan.schedule)}")
         run = _Run(cfg, mesh, plan, source, sharding, total_steps, eval_every, out, run_name, log, on_step)
         ckpt, failures = resume, 0
         while True:

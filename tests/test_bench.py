@@ -56,20 +56,25 @@ def test_a_layout_past_its_call_limit_is_stopped_noted_and_the_bench_goes_on(ray
     # A limit no step can meet: each layout is stopped at its first step and its row says why, instead
     # of the bench waiting on it; the actors are released, so the next layout and a later run get theirs.
     out = tmp_path / "limit"
-    rc = bench.main(["--models", "convnet", "--layouts", "1gpu,dp2", "--image-size", "32", "--global-batch-size", "32",
-                     "--steps", "2", "--warmup", "1", "--device", "cpu", "--no-anchors", "--call-timeout-s", "0.001",
-                     "--out", str(out)])
-    assert rc == 0
+    args = ["--models", "convnet", "--image-size", "32", "--global-batch-size", "32", "--steps", "2", "--warmup", "1",
+            "--device", "cpu", "--no-anchors"]
+    assert bench.main(args + ["--layouts", "1gpu", "--out", str(out)]) == 0
+    assert (out / "speedup.png").exists()
+    rc = bench.main(args + ["--layouts", "1gpu,dp2", "--call-timeout-s", "0.001", "--out", str(out)])
+    assert rc == 1  # nothing was measured
+    printed = capsys.readouterr()
+    assert "rayconv.bench: error: no layout was measured" in printed.err
     table = pq.read_table(out / "bench.parquet")
     assert table.schema == bench.BENCH_SCHEMA  # every column, though nothing was measured
     rows = table.to_pylist()
-    assert [r["layout"] for r in rows] == ["1gpu", "dp2"]
+    assert [(r["layout"], r["world_size"]) for r in rows] == [("1gpu", 1), ("dp2", 2)]
     for r in rows:
         assert r["images_per_s"] is None
-        assert r["note"].startswith("warm-up step 0 (compiles): train_step did not finish within 0 s")
-    assert "RESULT convnet dp2 B=32: failed: warm-up step 0" in capsys.readouterr().out
-    rc = bench.main(["--models", "convnet", "--layouts", "dp2", "--image-size", "32", "--global-batch-size", "32",
-                     "--steps", "2", "--warmup", "1", "--device", "cpu", "--no-anchors", "--out", str(tmp_path / "after")])
+        assert r["note"].startswith("warm-up step 0: train_step did not finish within 0.001 s")
+        assert "raise --call-timeout-s" in r["note"]
+    assert "RESULT convnet dp2 B=32: failed: warm-up step 0" in printed.out
+    assert not (out / "speedup.png").exists()  # the first run's chart does not stay beside failed rows
+    rc = bench.main(args + ["--layouts", "dp2", "--out", str(tmp_path / "after")])
     assert rc == 0 and pq.read_table(tmp_path / "after" / "bench.parquet").to_pylist()[0]["images_per_s"] > 0
 
 
@@ -84,9 +89,10 @@ def test_a_failed_first_layout_keeps_the_measured_columns_of_the_rows_after_it(t
         bench.write_table([{**rows[1], "new_metric": 1.0}], tmp_path)
 
 
-def test_bench_refuses_a_call_limit_that_is_not_positive(tmp_path, capsys):
-    assert bench.main(["--layouts", "1gpu", "--call-timeout-s", "0", "--out", str(tmp_path / "x")]) == 2
-    assert "--call-timeout-s 0: give a positive number of seconds" in capsys.readouterr().err
+@pytest.mark.parametrize("limit", ["0", "-5", "nan", "inf", "1e20"])
+def test_bench_refuses_a_call_limit_it_cannot_keep(tmp_path, capsys, limit):
+    assert bench.main(["--layouts", "1gpu", "--call-timeout-s", limit, "--out", str(tmp_path / "x")]) == 2
+    assert f"--call-timeout-s {float(limit):g}: give a positive number of seconds up to 604800" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 
