@@ -442,13 +442,14 @@ def training_curve(args) -> list[dict[str, Any]]:
 def parse_args(argv=None):
     p = OneLineParser(prog="python -m rayconv.bench", description=__doc__.split("\n")[0])
     p.add_argument("--layouts", default="1gpu,dp2,fs2,pp2,plan2",
-                   help="comma-separated layout names (default %(default)s; see the module help above)")
+                   help="comma-separated layout names, e.g. 1gpu, dp2, fs2, pp2 (tries 2, 4, 8 micro-batches), pp2m4, "
+                        "pp2m4-gpipe, pp2m4v2 (interleaved), plan2, dp2xfs2 (default %(default)s)")
     p.add_argument("--models", default="alexnet,resnet50",
                    help="comma-separated: alexnet, resnet50, any torchvision classification model, or convnet "
                         "(default %(default)s)")
     p.add_argument("--global-batch-size", default="256", help="comma-separated, e.g. 256,1024")
     p.add_argument("--steps", type=int, default=20, help="timed steps per layout (default %(default)s)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps first, the first compiles (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first; the first compiles on GPUs (default %(default)s)")
     p.add_argument("--image-size", type=int, default=224, help="synthetic images are 3 x S x S (default %(default)s)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -468,7 +469,7 @@ def parse_args(argv=None):
                    help="seconds each anchor run may take (default %(default)g)")
     p.add_argument("--call-timeout-s", type=float, default=None, metavar="S",
                    help="stop a layout when one call to its actors takes longer than S seconds (a warm-up step, "
-                        "the first of which compiles; a timed step; or the in-actor loop of all --steps steps), note "
+                        "the first of which compiles on GPUs; a timed step; or the in-actor loop of all --steps steps), note "
                         "why in its row and go on to the next (default 630 = 2 x rayconv.run's --collective-timeout-s "
                         "300 + 30, as rayconv.run)")
     p.add_argument("--sweep", choices=("batch", "memory"), default=None,
