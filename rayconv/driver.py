@@ -31,12 +31,12 @@ from tqdm import tqdm
 from . import cluster
 from .checkpoint import (Checkpoint, CheckpointError, assemble, check_resumable, export_model, latest_checkpoint,
                          list_checkpoints, load_checkpoint, remove_partial, shard_for, write_checkpoint)
-from .config import Config
+from .config import Config, batch_split_problem
 from .data import Sharding, make_source
 from .metrics import MetricsLog, actor_gauges, read_rows, reduce_step, write_json
 from .models import build_model, model_names, run_model
 from .parallel.plan import make_plan, measured_costs
-from .schedule import format_grid
+from .schedule import bubble_fraction, format_grid
 
 
 def learning_rate(cfg: Config, step: int, total_steps: int) -> float:
@@ -137,6 +137,12 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
             log(f"pipeline stages {list(plan.stages)}, schedule {cfg.schedule}{chunks}, "
                 f"{cfg.num_microbatches} micro-batch{'es' if cfg.num_microbatches > 1 else ''}:\n"
                 f"{format_grid(plan.schedule)}")
+            better = [m for m in (4 * mesh.pp, 2 * mesh.pp, mesh.pp)
+                      if batch_split_problem(cfg.global_batch_size, mesh.dp, m) is None]
+            if cfg.num_microbatches < mesh.pp and better:
+                log(f"note: with {cfg.num_microbatches} micro-batch{'es' if cfg.num_microbatches > 1 else ''} for "
+                    f"{mesh.pp} stages the stages mostly take turns (bubble {bubble_fraction(plan.schedule):.0%} "
+                    f"of the step); --num-microbatches {better[0]} lets them overlap")
         run = _Run(cfg, mesh, plan, source, sharding, total_steps, eval_every, out, run_name, log, on_step)
         ckpt, failures = resume, 0
         while True:

@@ -104,3 +104,15 @@ def test_main_writes_the_run_files(ray_cluster, tmp_path):
     assert main(["--config", str(out / "config.json"), "--out", str(out2), "--steps", "2"]) == 0
     again = json.loads((out2 / "config.json").read_text())
     assert again == {**saved, "out": str(out2), "steps": 2}
+
+
+def test_a_pipeline_with_fewer_micro_batches_than_stages_says_how_to_overlap(ray_cluster, tmp_path, capsys):
+    args = ["--steps", "2", "--pp", "2", "--no-progress", "--device", "cpu"]
+    assert main(args + ["--out", str(tmp_path / "m1")]) == 0
+    printed = capsys.readouterr().out
+    assert "schedule 1f1b, 1 micro-batch:" in printed
+    assert ("note: with 1 micro-batch for 2 stages the stages mostly take turns (bubble 50% of the step); "
+            "--num-microbatches 8 lets them overlap") in printed
+    assert main(args + ["--num-microbatches", "4", "--out", str(tmp_path / "m4")]) == 0
+    printed = capsys.readouterr().out
+    assert "4 micro-batches:" in printed and "note:" not in printed
