@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from . import cluster
 from .config import Config, ConfigError, OneLineParser
-from .driver import fit, launch, prepare
+from .driver import call_timeout_s as default_call_timeout_s, fit, launch, prepare
 from .metrics import atomic_write
 from .schedule import bubble_fraction
 
@@ -95,12 +95,12 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
     ``trace_to``.
 
     Every call to the actors (one step, or the in-actor loop of ``steps`` steps) must return within
-    ``call_timeout_s`` seconds (default ``2 x cfg.collective_timeout_s + 30``, as ``rayconv.run``);
+    ``call_timeout_s`` seconds (default ``driver.call_timeout_s(cfg)``, as ``rayconv.run``);
     otherwise the actors are stopped. Raises ClusterError (out of memory, an actor's error) or its
     subclass CallTimeout (a call past its limit), the message prefixed with the phase it happened in
     (e.g. ``warm-up step 0``)."""
     mesh, source, plan = prepare(cfg)
-    limit = call_timeout_s if call_timeout_s is not None else 2 * cfg.collective_timeout_s + 30
+    limit = call_timeout_s if call_timeout_s is not None else default_call_timeout_s(cfg)
     gang, setups = launch(cfg, mesh, plan, f"bench-{os.getpid()}-{time.monotonic_ns() % 10**9}")
     compiles = bool(setups[0].get("compiled"))
     phase = "warm-up step 0"

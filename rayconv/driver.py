@@ -80,11 +80,17 @@ def prepare(cfg: Config, log=print):
     return mesh, source, plan
 
 
+def call_timeout_s(cfg: Config) -> float:
+    """Seconds one call to the actors may take before they are stopped: a collective fails after
+    ``--collective-timeout-s`` inside the actors; this catches an actor stuck outside any collective."""
+    return 2 * cfg.collective_timeout_s + 30
+
+
 def launch(cfg: Config, mesh, plan, run_name: str):
     """Start the actors and set them up (process groups, model parts). Returns (gang, setup reports)."""
     gang = cluster.start_workers(cfg, mesh, run_name)
     try:
-        limit = 2 * cfg.collective_timeout_s + 30
+        limit = call_timeout_s(cfg)
         master = gang.call("free_address", ranks=[0], timeout_s=limit)[0]
         return gang, gang.call_each("setup", [(r, master, plan) for r in range(mesh.world_size)], timeout_s=limit)
     except BaseException:
@@ -134,15 +140,16 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
         if mesh.pp > 1:
             chunks = (f", interleaved: {cfg.virtual_stages} model chunks per stage (stage s holds chunks s, s + "
                       f"{mesh.pp}, ...)" if cfg.virtual_stages > 1 else "")
-            log(f"pipeline stages {list(plan.stages)}, schedule {cfg.schedule}{chunks}, "
-                f"{cfg.num_microbatches} micro-batch{'es' if cfg.num_microbatches > 1 else ''}:\n"
+            micro = f"{cfg.num_microbatches} micro-batch{'es' if cfg.num_microbatches > 1 else ''}"
+            log(f"pipeline stages {list(plan.stages)}, schedule {cfg.schedule}{chunks}, {micro}:\n"
                 f"{format_grid(plan.schedule)}")
-            better = [m for m in (4 * mesh.pp, 2 * mesh.pp, mesh.pp)
-                      if batch_split_problem(cfg.global_batch_size, mesh.dp, m) is None]
-            if cfg.num_microbatches < mesh.pp and better:
-                log(f"note: with {cfg.num_microbatches} micro-batch{'es' if cfg.num_microbatches > 1 else ''} for "
-                    f"{mesh.pp} stages the stages mostly take turns (bubble {bubble_fraction(plan.schedule):.0%} "
-                    f"of the step); --num-microbatches {better[0]} lets them overlap")
+            if cfg.num_microbatches < mesh.pp:
+                better = [m for m in (4 * mesh.pp, 2 * mesh.pp, mesh.pp)
+                          if batch_split_problem(cfg.global_batch_size, mesh.dp, m) is None]
+                if better:
+                    log(f"note: with {micro} for {mesh.pp} stages the stages mostly take turns (bubble "
+                        f"{bubble_fraction(plan.schedule):.0%} of the step); --num-microbatches {better[0]} lets "
+                        "them overlap")
         run = _Run(cfg, mesh, plan, source, sharding, total_steps, eval_every, out, run_name, log, on_step)
         ckpt, failures = resume, 0
         while True:
@@ -232,9 +239,7 @@ class _Run:
         self.last_eval: dict[str, float] = {}
         self.setups: list[dict[str, Any]] = []
         self.train_s = 0.0
-        # Per-call limit: a collective fails after --collective-timeout-s inside the actors; this
-        # catches an actor stuck outside any collective.
-        self.call_timeout_s = 2 * cfg.collective_timeout_s + 30
+        self.call_timeout_s = call_timeout_s(cfg)
 
     def start(self, ckpt: Optional[Checkpoint]) -> "cluster.Gang":
         """Start the actors, set them up, and load ``ckpt`` (and its metrics rows) if given."""

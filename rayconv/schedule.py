@@ -387,8 +387,8 @@ class Post:
 
 
 def exchange_plan(schedule: Schedule, stage: int) -> list[tuple[Post, ...]]:
-    """The batches ``StageRunner.run`` posts on ``stage``: ``plan[i]`` (zero or more batches, posted
-    in order) just before action ``i`` computes, and ``plan[len(program)]`` after the last (the sends
+    """The batches ``StageRunner.run`` posts on ``stage``: ``plan[i]`` (zero or more batches, none
+    empty, posted in order) just before action ``i`` computes, and ``plan[len(program)]`` after the last (the sends
     left over).
 
     Rounds: without model chunks (and for ``forward_only``), each action's output is sent with the

@@ -262,6 +262,7 @@ def test_neighbours_batches_mirror_each_other(sched):
         for b in range(sched.num_stages):
             if a != b:
                 assert _batches_with(sched, a, b) == _batches_with(sched, b, a), (a, b)
+        assert all(p.sends or p.recvs for posts in exchange_plan(sched, a) for p in posts)  # no empty batch
 
 
 def test_gpipe_posts_its_last_activation_apart_from_its_first_gradient():

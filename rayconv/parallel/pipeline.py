@@ -135,8 +135,6 @@ class StageRunner:
         actions in ``post.sends`` (from ``outbox``) and the inputs of those in ``post.recvs`` (into
         ``inbox``), as one batch (``comm.exchange``), waiting for the receives. The sends' handles go
         to ``res.sends``."""
-        if not post.sends and not post.recvs:
-            return
         specs = []
         for j in post.recvs:
             a = program[j]
