@@ -23,9 +23,11 @@ from rayconv.schedule import (
     one_f_one_b,
     peak_in_flight,
     simulate,
+    timeline,
     validate,
 )
-from rayconv.schedule import _counterparts, _events, _messages, _replay, _round_plan  # the exchange model itself
+from rayconv.schedule.exchange import _round_plan  # the exchange model itself
+from rayconv.schedule.nccl_model import _counterparts, _events, _messages, _replay
 
 SIZES = [(1, 1), (1, 4), (2, 1), (2, 2), (2, 4), (2, 8), (3, 2), (4, 4), (4, 8), (4, 2)]
 
@@ -115,6 +117,20 @@ def test_gpipe_program_order() -> None:
 def test_simulate_exact_grid_small() -> None:
     grid = simulate(gpipe(2, 2))
     assert grid == [[F(0), F(1), None, None, B(0), B(1)], [None, F(0), F(1), B(0), B(1), None]]
+
+
+def test_timeline_with_measured_times_and_link() -> None:
+    """The duration-aware model benchmarks/stage_times.py predicts a step with, worked by hand:
+    1F1B, P = 2, M = 2; forwards take 1 and 2, backwards 3 and 4 (stage 0, 1); links take 0.5."""
+    times = timeline(one_f_one_b(2, 2), forward=[1, 2], backward=[3, 4], link=0.5)
+    # stage 0 runs F0 F1 B0 B1, stage 1 runs F0 B0 F1 B1
+    assert times == [[(0, 1), (1, 2), (8, 11), (14, 17)],
+                     [(1.5, 3.5), (3.5, 7.5), (7.5, 9.5), (9.5, 13.5)]]
+    # Unit times and free links: the grid's ticks.
+    sched = make_schedule("1f1b", 3, 6, 2)
+    grid = simulate(sched)
+    assert [[grid[s].index(a) for a in prog] for s, prog in enumerate(sched.programs)] == \
+        [[start for start, _ in row] for row in timeline(sched)]
 
 
 def test_format_grid() -> None:
