@@ -1,9 +1,14 @@
-"""Export and checkpoints: assemble the actors' parts into one plain state_dict that the model's builder loads.
+"""Checkpoints of a run: write one atomically, find the one ``--resume`` means, read and verify it.
 
-Each actor returns its parameters and buffers keyed by the whole model's ``state_dict`` names
-(``Worker.state``). Pipeline stages hold disjoint keys; data-parallel replicas hold equal copies (the
-first replica's is taken); filter-split shards hold slices along the output dimension, concatenated
-back here in fs order.
+``<out>/checkpoints/step-<k>/`` holds one file per actor (``rank-<r>.pt``: its parameters and buffers
+keyed as in ``Worker.state()``, its optimizer state_dict and RNG states), ``metrics.parquet`` (the rows
+so far) and ``manifest.json`` (step, layout, config, data and lr-schedule position, model, files with
+sizes and sha256). It is written into ``step-<k>.tmp/`` and renamed only when every file is written and
+fsynced: a crash mid-write leaves the previous checkpoint as it was. Everything loads with
+``weights_only=True`` (by the actors; this module handles the files as bytes and imports no torch, so
+that ``config`` can find a checkpoint's settings before torch is loaded).
+
+Assembling the actors' parts into one ``model.pt`` is ``export.py``'s.
 """
 
 from __future__ import annotations
@@ -17,42 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
-from torch import nn
-
-from .config import ConfigError
-from .metrics import atomic_write
-
-
-def assemble(states: list[dict[str, torch.Tensor]], split_dims: dict[str, int]) -> dict[str, torch.Tensor]:
-    """One state_dict from the parts held by ``states`` (in rank order, one replica's actors).
-
-    A key held by several parts is concatenated along ``split_dims[key]`` if it is a filter-split
-    shard, else (replicated) taken from the first holder.
-    """
-    out: dict[str, torch.Tensor] = {}
-    keys = dict.fromkeys(k for s in states for k in s)
-    for key in keys:
-        parts = [s[key] for s in states if key in s]
-        out[key] = torch.cat(parts, dim=split_dims[key]) if key in split_dims and len(parts) > 1 else parts[0]
-    return out
-
-
-def export_model(path: Path, state: dict[str, torch.Tensor], reference: nn.Module) -> None:
-    """Check that ``state`` loads into ``reference`` (a freshly built model, strict), then save it
-    atomically with ``torch.save``; it loads back with ``torch.load(path, weights_only=True)``.
-    Raises RuntimeError (from ``load_state_dict``) if keys or shapes do not match."""
-    reference.load_state_dict(state, strict=True)
-    ordered: dict[str, Any] = {k: state[k].contiguous() for k in reference.state_dict()}
-    atomic_write(path, lambda tmp: torch.save(ordered, tmp))
-
-
-# ---------------------------------------------------------------------- checkpoints
-# <out>/checkpoints/step-<k>/ holds one file per actor (rank-<r>.pt: its parameters and buffers keyed
-# as in Worker.state(), its optimizer state_dict and RNG states), metrics.parquet (the rows so far)
-# and manifest.json (step, layout, config, data and lr-schedule position, model, files with sizes and
-# sha256). It is written into step-<k>.tmp/ and renamed only when every file is written and fsynced:
-# a crash mid-write leaves the previous checkpoint as it was. Everything loads with weights_only=True.
+from .errors import ConfigError
 
 FORMAT = 1
 MANIFEST = "manifest.json"

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
+from .checkpoint import MANIFEST, find_checkpoint
+from .errors import ConfigError
+
 MODELS_HELP = ("convnet (small test ConvNet; convnet_bn with batch norm; convnet2col two-column), alexnet, "
                "alexnet2012 (two-column), or any torchvision classification ConvNet name")
 DATA_CHOICES = ("digits", "synthetic", "imagefolder")
@@ -43,10 +46,6 @@ def batch_split_problem(global_batch_size: int, dp: int, num_microbatches: int) 
         return (f"--num-microbatches {num_microbatches} does not divide the per-replica batch {per_replica} "
                 f"(= --global-batch-size {global_batch_size} / dp {dp}): choose a divisor")
     return None
-
-
-class ConfigError(ValueError):
-    """A setting the user can change is invalid; the message says which flag and how."""
 
 
 @dataclass
@@ -296,13 +295,11 @@ NOT_RESUMED = ("out", "resume", "address")
 def resumed_settings(resume: str) -> dict[str, Any]:
     """The settings saved in the checkpoint that ``--resume`` names (flags given override them; the
     output folder defaults to the checkpoint's run folder). Raises ConfigError (CheckpointError)."""
-    from .checkpoint import find_checkpoint  # the checkpoint module imports this one
-
     ckpt = find_checkpoint(resume)
     try:
-        saved = json.loads((ckpt / "manifest.json").read_text())["config"]
+        saved = json.loads((ckpt / MANIFEST).read_text())["config"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"--resume {resume}: {ckpt / 'manifest.json'} cannot be read ({e}): "
+        raise ConfigError(f"--resume {resume}: {ckpt / MANIFEST} cannot be read ({e}): "
                           "resume from another checkpoint") from None
     known = {f.name for f in fields(Config)}
     return {k: v for k, v in saved.items() if k in known and k not in NOT_RESUMED}

@@ -29,10 +29,11 @@ from typing import Any, Optional
 from tqdm import tqdm
 
 from . import cluster
-from .checkpoint import (Checkpoint, CheckpointError, assemble, check_resumable, export_model, latest_checkpoint,
-                         list_checkpoints, load_checkpoint, remove_partial, shard_for, write_checkpoint)
+from .checkpoint import (Checkpoint, CheckpointError, check_resumable, latest_checkpoint, list_checkpoints,
+                         load_checkpoint, remove_partial, shard_for, write_checkpoint)
 from .config import Config, batch_split_problem
 from .data import Sharding, make_source
+from .export import assemble, export_model
 from .metrics import MetricsLog, actor_gauges, read_rows, reduce_step, write_json
 from .models import build_model, model_names, run_model
 from .parallel.plan import make_plan, measured_costs

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
+from .checkpoint import latest_checkpoint
 from .cluster import ClusterError
 from .config import ConfigError, parse_args
 from .data import DataError
@@ -41,8 +42,6 @@ def _resume_hint(cfg) -> None:
     """After a failure: where the last checkpoint is, and how to continue from it."""
     if cfg is None or not cfg.out:
         return
-    from .checkpoint import latest_checkpoint
-
     ckpt = latest_checkpoint(cfg.out)
     if ckpt is not None:
         print(f"rayconv: last checkpoint {ckpt}: continue with `python -m rayconv.run --resume {cfg.out}`",
