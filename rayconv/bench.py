@@ -447,13 +447,17 @@ def parse_args(argv=None):
     p.add_argument("--models", default="alexnet,resnet50",
                    help="comma-separated: alexnet, resnet50, any torchvision classification model, or convnet "
                         "(default %(default)s)")
-    p.add_argument("--global-batch-size", default="256", help="comma-separated, e.g. 256,1024")
+    p.add_argument("--global-batch-size", default="256",
+                   help="comma-separated global batch sizes, e.g. 256,1024 (default %(default)s)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per layout (default %(default)s)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first; the first compiles on GPUs (default %(default)s)")
     p.add_argument("--image-size", type=int, default=224, help="synthetic images are 3 x S x S (default %(default)s)")
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--address", default=None)
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
+                   help="bf16: bf16 autocast with fp32 weights, for rayconv and the anchors (default %(default)s)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: GPUs when the Ray cluster has them, else CPU actors (default %(default)s)")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster to join (default: RAY_ADDRESS, a running local cluster, or a new local one)")
     p.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                    help="rayconv's --compile for every layout (auto: GPU layouts); unless off, the anchors "
                         "run eagerly and compiled on GPUs and the faster counts")
@@ -464,7 +468,9 @@ def parse_args(argv=None):
     p.add_argument("--trace", type=int, default=0, metavar="N",
                    help="also profile N steps of each layout with torch.profiler and N more with cProfile (the "
                         "actors' Python side): trace-<layout>.txt, device_busy")
-    p.add_argument("--anchors", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--anchors", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the anchors, plain PyTorch on 1 device and torchrun DDP on the layout's devices, "
+                        "each in its fastest configuration (default on)")
     p.add_argument("--anchor-timeout", type=float, default=600, metavar="S",
                    help="seconds each anchor run may take (default %(default)g)")
     p.add_argument("--call-timeout-s", type=float, default=None, metavar="S",
@@ -474,8 +480,9 @@ def parse_args(argv=None):
                         "300 + 30, as rayconv.run)")
     p.add_argument("--sweep", choices=("batch", "memory"), default=None,
                    help="batch: images/s and peak memory over per-device batches 16..--max-batch; memory: double "
-                        "the batch until it does not fit")
-    p.add_argument("--max-batch", type=int, default=1024, help="largest per-device batch of a sweep")
+                        "the batch until it does not fit (default: neither, the layout table)")
+    p.add_argument("--max-batch", type=int, default=1024,
+                   help="largest per-device batch of --sweep batch (default %(default)s; --sweep memory: 65536)")
     p.add_argument("--curve", action="store_true", help="test error vs wall-clock time on digits")
     p.add_argument("--curve-epochs", type=int, default=5, help="epochs of each --curve run (default %(default)s)")
     p.add_argument("--out", default="benchmarks/latest", help="folder for the results (default %(default)s)")
