@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 from . import cluster
 from .config import Config, ConfigError, OneLineParser
+from .data import DataError, check_image_folder
 from .driver import call_timeout_s as default_call_timeout_s, fit, launch, prepare
 from .metrics import atomic_write
 from .schedule import bubble_fraction
@@ -128,6 +129,9 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
         # actor that finished last waited only for the driver's round trip).
         idle = [min(r["idle_ms"] for r in rs) for rs in results
                 if rs and all(r is not None and r.get("idle_ms") is not None for r in rs)]
+        # Input stall per step: the longest wait for a batch not overlapped with compute (steptime.py).
+        stalls = [max(r.get("input_stall_ms") or 0.0 for r in rs) for rs in results
+                  if rs and all(r is not None for r in rs)]
         # The same steps with no driver call between them (each actor loops by itself; one call).
         phase = f"in-actor loop of {steps} steps"
         t1 = time.perf_counter()
@@ -175,6 +179,8 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
         "compute_ms": mean_of("compute_ms"), "recv_wait_ms": mean_of("wait_ms"),
         "allreduce_wait_ms": mean_of("allreduce_ms"),
         "driver_idle_ms": sum(idle) / len(idle) if idle else None,
+        "input_stall_ms": sum(stalls) / len(stalls) if stalls else None,
+        "input_stall_fraction": sum(stalls) / len(stalls) / step_ms if stalls else None,
         "in_actor_step_ms": in_actor_s / steps * 1e3, "driver_overhead": 1 - in_actor_s / elapsed,
         "device_busy": device_busy,
         "bubble_fraction": bubble_fraction(plan.schedule) if mesh.pp > 1 else 0.0,
@@ -225,8 +231,9 @@ def compiles(args) -> bool:
 
 
 def base_config(args, model: str, layout: dict[str, Any], global_batch: int) -> Config:
-    kw: dict[str, Any] = dict(model=model, data="synthetic", image_size=args.image_size, num_classes=1000,
-                              synthetic_samples=max(global_batch * 4, 1024), global_batch_size=global_batch,
+    data = dict(data="synthetic", num_classes=1000, synthetic_samples=max(global_batch * 4, 1024)) \
+        if args.data == "synthetic" else dict(data=args.data, data_dir=args.data_dir, loader_workers=args.loader_workers)
+    kw: dict[str, Any] = dict(model=model, **data, image_size=args.image_size, global_batch_size=global_batch,
                               precision=args.precision, device=args.device, address=args.address,
                               progress=False, lr=0.01, compile=args.compile,
                               cuda_graphs=args.cuda_graphs, all_gpus_visible=args.all_gpus_visible)
@@ -256,7 +263,7 @@ BENCH_SCHEMA = pa.schema([
     ("cuda_graphs", _B), ("peak_gib_max", _F), ("peak_gib_per_actor", _S), ("params_per_actor", _S),
     ("compute_ms", _F), ("recv_wait_ms", _F), ("allreduce_wait_ms", _F), ("driver_idle_ms", _F),
     ("in_actor_step_ms", _F), ("driver_overhead", _F), ("device_busy", _F), ("bubble_fraction", _F),
-    ("num_microbatches", _I), ("schedule", _S), ("virtual_stages", _I), ("world_size", _I),
+    ("input_stall_ms", _F), ("input_stall_fraction", _F), ("data", _S), ("num_microbatches", _I), ("schedule", _S), ("virtual_stages", _I), ("world_size", _I),
     ("speedup_vs_1", _F), ("plain_pytorch_images_per_s", _F), ("plain_pytorch_compiled", _B),
     ("torchrun_ddp_compiled", _B), ("vs_plain_pytorch", _F), ("torchrun_ddp_images_per_s", _F),
     ("vs_torchrun_ddp", _F),
@@ -278,7 +285,7 @@ def write_table(rows: list[dict[str, Any]], out: Path) -> None:
     cols = ["model", "layout", "global_batch_size", "images_per_s", "step_ms", "speedup_vs_1",
             "vs_plain_pytorch", "vs_torchrun_ddp", "peak_gib_max", "compute_ms", "recv_wait_ms",
             "allreduce_wait_ms", "driver_idle_ms", "in_actor_step_ms", "driver_overhead", "device_busy",
-            "bubble_fraction", "note"]
+            "bubble_fraction", "input_stall_ms", "input_stall_fraction", "note"]
 
     def fmt(v: Any) -> str:
         if v is None:
@@ -320,7 +327,7 @@ def main_bench(args) -> list[dict[str, Any]]:
         bar.set_postfix_str(f"{model} {name} B={gb}")
         lay = parse_layout(name)
         row: dict[str, Any] = {"model": model, "layout": name, "global_batch_size": gb, "image_size": args.image_size,
-                               "note": "", "world_size": layout_size(name)}
+                               "data": args.data, "note": "", "world_size": layout_size(name)}
         tries = [lay]
         if lay.get("pp", 1) > 1 and "num_microbatches" not in lay:
             tries = [{**lay, "num_microbatches": m} for m in (2, 4, 8) if gb // lay["dp"] % m == 0]
@@ -342,7 +349,7 @@ def main_bench(args) -> list[dict[str, Any]]:
                 single[(model, gb)] = best["images_per_s"]
         devices = layout_size(name)
         for n in {1, devices}:
-            if args.anchors and (model, gb, n) not in anchors:
+            if args.anchors and args.data == "synthetic" and (model, gb, n) not in anchors:
                 anchors[(model, gb, n)] = run_anchor(model, n, gb, args)
         one = single.get((model, gb))
         ips = row.get("images_per_s")
@@ -451,7 +458,17 @@ def parse_args(argv=None):
                    help="comma-separated global batch sizes, e.g. 256,1024 (default %(default)s)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per layout (default %(default)s)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first; the first compiles on GPUs (default %(default)s)")
-    p.add_argument("--image-size", type=int, default=224, help="synthetic images are 3 x S x S (default %(default)s)")
+    p.add_argument("--image-size", type=int, default=224,
+                   help="images are 3 x S x S (synthetic; image folders are cropped to S) (default %(default)s)")
+    p.add_argument("--data", default="synthetic", choices=("synthetic", "imagefolder"),
+                   help="synthetic: made on the device (no input cost); imagefolder: --data-dir's JPEG files "
+                        "through the real loader, so input stall shows (anchors: synthetic only, not run) "
+                        "(default %(default)s)")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="with --data imagefolder: DIR/train/<class>/*.JPEG and DIR/val/<class>/*.JPEG "
+                        "(benchmarks/make_images.py writes one)")
+    p.add_argument("--loader-workers", type=int, default=2,
+                   help="decode processes per actor for --data imagefolder (default %(default)s)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
                    help="bf16: bf16 autocast with fp32 weights, for rayconv and the anchors (default %(default)s)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
@@ -499,6 +516,14 @@ def main(argv=None) -> int:
         if args.call_timeout_s is not None and not 0 < args.call_timeout_s <= MAX_CALL_TIMEOUT_S:
             raise ConfigError(f"--call-timeout-s {args.call_timeout_s:g}: give a positive number of seconds up to "
                               f"{MAX_CALL_TIMEOUT_S:g} (or leave it out for the default, 630)")
+        if args.data == "imagefolder":
+            if not args.data_dir:
+                raise ConfigError("--data imagefolder needs --data-dir DIR (DIR/train/<class>/*.JPEG and "
+                                  "DIR/val/<class>/...; benchmarks/make_images.py writes one)")
+            for split in ("train", "val"):
+                check_image_folder(Path(args.data_dir) / split)
+        if args.loader_workers < 0:
+            raise ConfigError("--loader-workers must be >= 0")
         Path(args.out).mkdir(parents=True, exist_ok=True)
         cluster.connect(args.address)
         args.device_kind, _ = cluster.available_devices(args.device)
@@ -512,7 +537,7 @@ def main(argv=None) -> int:
                 print(f"rayconv.bench: error: no layout was measured (the note column of {args.out}/bench.md "
                       "says why)", file=sys.stderr)
                 return 1
-    except (ConfigError, cluster.ClusterError) as e:
+    except (ConfigError, DataError, cluster.ClusterError) as e:
         print(f"rayconv.bench: error: {e}", file=sys.stderr)
         return 2
     print(f"results in {args.out}")

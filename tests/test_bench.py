@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pyarrow.parquet as pq
 import pytest
 
@@ -109,3 +113,24 @@ def test_training_curve_writes_error_against_time(ray_cluster, tmp_path, capsys)
     assert (out / "curve.png").stat().st_size > 1000
     printed = capsys.readouterr().out
     assert "CURVE 1gpu: test error" in printed and "CURVE dp2: test error" in printed
+
+
+def test_bench_on_an_image_folder_reports_input_stall(ray_cluster, tmp_path):
+    # A JPEG folder written by benchmarks/make_images.py, read through the real loader.
+    root = tmp_path / "images"
+    subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "make_images.py"), str(root),
+                    "--classes", "2", "--train-per-class", "8", "--val-per-class", "1", "--width", "50",
+                    "--height", "40", "--processes", "1"], check=True)
+    files = sorted((root / "train").rglob("*.JPEG"))
+    assert len(files) == 16 and files[0].read_bytes()[:2] == b"\xff\xd8"
+    out = tmp_path / "bench"
+    rc = bench.main(["--data", "imagefolder", "--data-dir", str(root), "--loader-workers", "0", "--models", "convnet",
+                     "--layouts", "1gpu", "--image-size", "32", "--global-batch-size", "8", "--steps", "2",
+                     "--warmup", "1", "--device", "cpu", "--out", str(out)])
+    assert rc == 0
+    row = pq.read_table(out / "bench.parquet").to_pylist()[0]
+    assert row["data"] == "imagefolder" and row["images_per_s"] > 0
+    assert 0 < row["input_stall_ms"] < row["step_ms"]  # (decoding in the actor: no loader processes)
+    assert row["input_stall_fraction"] == pytest.approx(row["input_stall_ms"] / row["step_ms"])
+    assert row["vs_plain_pytorch"] is None  # the anchors read synthetic data only
+    assert bench.main(["--data", "imagefolder", "--layouts", "1gpu", "--out", str(tmp_path / "x")]) == 2
