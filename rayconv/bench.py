@@ -4,11 +4,15 @@ For each model and layout: start the actors, run ``--warmup`` steps, then time `
 synthetic ImageNet-shaped data (3 x 224 x 224, 1000 classes) and a few profiled steps that split the
 step into compute, receive wait and all-reduce wait. In the same run the anchors are measured under
 the same precision and global batch: plain PyTorch on 1 device and torchrun DDP on the layout's
-devices (``rayconv.anchor``). Writes into ``--out``:
+devices (``rayconv.anchor``), each in the fastest of its candidate configurations (eager; compiled,
+and for DDP compile(DDP) and DDP(compile), on GPUs; DDP's bucket settings), the winner named in the
+row. ``--data imagefolder --data-dir DIR`` reads real JPEG files through the loader instead of
+synthetic data, so that each row's input stall shows (the anchors then do not run). Writes into ``--out``:
 
 * ``bench.parquet``: one row per (model, layout): images_per_s, step_ms, speedup over rayconv on 1
   device, ratios to the anchors, peak memory per device (GiB), parameters per actor, compute /
-  receive-wait / all-reduce-wait / driver-idle time per step (ms), pipeline bubble fraction, and the
+  receive-wait / all-reduce-wait / driver-idle time per step (ms), input stall per step (ms, the wait
+  for a batch not overlapped with compute, and its fraction of the step), pipeline bubble fraction, and the
   driver's overhead: the timed steps run again with each actor looping by itself (one call,
   ``in_actor_step_ms``), and ``driver_overhead`` = 1 - (that time / the driver loop's time), the share
   of a step the driver's per-step calls cost (noise can make it slightly negative);
@@ -45,7 +49,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from . import cluster
+from . import anchor, cluster
 from .config import Config, ConfigError, OneLineParser
 from .data import DataError, check_image_folder
 from .driver import call_timeout_s as default_call_timeout_s, fit, launch, prepare
@@ -191,22 +195,15 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
 
 
 def run_anchor(model: str, devices: int, global_batch: int, args) -> Optional[dict[str, Any]]:
-    """Plain PyTorch (devices == 1) or torchrun DDP (devices > 1) at the same global batch. When this
-    run compiles, the anchor runs both eagerly and compiled and the faster counts (what a user would
-    pick); its ``compile`` field says which."""
-    best = None
-    for compiled in ([False, True] if compiles(args) else [False]):
-        r = _anchor_once(model, devices, global_batch, args, compiled)
-        if r is not None and (best is None or r["images_per_s"] > best["images_per_s"]):
-            best = r
-    return best
-
-
-def _anchor_once(model: str, devices: int, global_batch: int, args, compiled: bool) -> Optional[dict[str, Any]]:
+    """Plain PyTorch (devices == 1) or torchrun DDP (devices > 1) at the same global batch, in its
+    fastest configuration (``rayconv.anchor`` times each candidate: eager ones, and when this run
+    compiles also the torch.compile ones). The result's ``config`` names the winner and
+    ``candidates`` gives every candidate's images/s (None where it failed). Past ``--anchor-timeout``
+    the fastest of the candidates timed so far counts. None if no candidate ran."""
     per_device = global_batch // devices
     base = ["-m", "rayconv.anchor", "--model", model, "--batch", str(per_device), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--precision", "bf16" if args.precision == "bf16" else "fp32",
-            "--device", args.device_kind, "--image-size", str(args.image_size)] + (["--compile"] if compiled else [])
+            "--device", args.device_kind, "--image-size", str(args.image_size)] + (["--compile"] if compiles(args) else [])
     if devices == 1:
         cmd = [sys.executable, *base]
     else:
@@ -215,17 +212,25 @@ def _anchor_once(model: str, devices: int, global_batch: int, args, compiled: bo
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.anchor_timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return None
-    for line in out.stdout.splitlines():
+        stdout, stderr = out.stdout, out.stderr
+    except subprocess.TimeoutExpired as e:
+        stdout = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        stderr = f"past --anchor-timeout {args.anchor_timeout:g} s"
+    timed = []
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    print(f"anchor failed ({' '.join(cmd)}):\n{out.stderr[-2000:]}", file=sys.stderr)
+        if line.startswith("CANDIDATE "):
+            timed.append(json.loads(line[len("CANDIDATE "):]))
+    best = anchor.pick_fastest(timed)
+    if best is not None:  # cut short: the fastest of those timed
+        return {**best, "candidates": {r["config"]: r.get("images_per_s") for r in timed}}
+    print(f"anchor failed ({' '.join(cmd)}):\n{stderr[-2000:]}", file=sys.stderr)
     return None
 
 
 def compiles(args) -> bool:
-    """Whether the anchors are also measured compiled (the faster of eager and compiled counts): on
+    """Whether the anchors also time their torch.compile configurations (the fastest of all counts): on
     GPUs unless ``--compile off`` (rayconv itself compiles as its ``--compile`` rule says)."""
     return args.compile == "on" or (args.compile == "auto" and args.device_kind == "cuda")
 
@@ -264,9 +269,9 @@ BENCH_SCHEMA = pa.schema([
     ("compute_ms", _F), ("recv_wait_ms", _F), ("allreduce_wait_ms", _F), ("driver_idle_ms", _F),
     ("in_actor_step_ms", _F), ("driver_overhead", _F), ("device_busy", _F), ("bubble_fraction", _F),
     ("input_stall_ms", _F), ("input_stall_fraction", _F), ("data", _S), ("num_microbatches", _I), ("schedule", _S), ("virtual_stages", _I), ("world_size", _I),
-    ("speedup_vs_1", _F), ("plain_pytorch_images_per_s", _F), ("plain_pytorch_compiled", _B),
-    ("torchrun_ddp_compiled", _B), ("vs_plain_pytorch", _F), ("torchrun_ddp_images_per_s", _F),
-    ("vs_torchrun_ddp", _F),
+    ("speedup_vs_1", _F), ("plain_pytorch_images_per_s", _F), ("plain_pytorch_config", _S),
+    ("plain_pytorch_candidates", _S), ("vs_plain_pytorch", _F), ("torchrun_ddp_images_per_s", _F),
+    ("torchrun_ddp_config", _S), ("torchrun_ddp_candidates", _S), ("vs_torchrun_ddp", _F),
 ])
 
 
@@ -356,8 +361,11 @@ def main_bench(args) -> list[dict[str, Any]]:
         row["speedup_vs_1"] = ips / one if ips and one else None
         a1, an = anchors.get((model, gb, 1)), anchors.get((model, gb, devices))
         row["plain_pytorch_images_per_s"] = a1["images_per_s"] if a1 else None
-        row["plain_pytorch_compiled"] = a1.get("compile") if a1 else None
-        row["torchrun_ddp_compiled"] = an.get("compile") if an and devices > 1 else None
+        # Which configuration was fastest, and every candidate's images/s (JSON).
+        row["plain_pytorch_config"] = a1["config"] if a1 else None
+        row["plain_pytorch_candidates"] = json.dumps(a1["candidates"]) if a1 else None
+        row["torchrun_ddp_config"] = an["config"] if an and devices > 1 else None
+        row["torchrun_ddp_candidates"] = json.dumps(an["candidates"]) if an and devices > 1 else None
         row["vs_plain_pytorch"] = ips / a1["images_per_s"] if ips and a1 else None
         row["torchrun_ddp_images_per_s"] = an["images_per_s"] if an and devices > 1 else None
         row["vs_torchrun_ddp"] = ips / an["images_per_s"] if ips and an and devices > 1 else None
@@ -477,7 +485,7 @@ def parse_args(argv=None):
                    help="Ray cluster to join (default: RAY_ADDRESS, a running local cluster, or a new local one)")
     p.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                    help="rayconv's --compile for every layout (auto: GPU layouts); unless off, the anchors "
-                        "run eagerly and compiled on GPUs and the faster counts")
+                        "also time their torch.compile configurations on GPUs (on: on CPU too) and the fastest counts")
     p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
                    help="rayconv's --cuda-graphs for every layout (auto: whole-step CUDA graphs on GPUs)")
     p.add_argument("--all-gpus-visible", action=argparse.BooleanOptionalAction, default=True,
@@ -487,9 +495,10 @@ def parse_args(argv=None):
                         "actors' Python side): trace-<layout>.txt, device_busy")
     p.add_argument("--anchors", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the anchors, plain PyTorch on 1 device and torchrun DDP on the layout's devices, "
-                        "each in its fastest configuration (default on)")
-    p.add_argument("--anchor-timeout", type=float, default=600, metavar="S",
-                   help="seconds each anchor run may take (default %(default)g)")
+                        "each in its fastest configuration (python -m rayconv.anchor) (default on)")
+    p.add_argument("--anchor-timeout", type=float, default=1800, metavar="S",
+                   help="seconds each anchor run (all its candidate configurations) may take; past it the fastest "
+                        "candidate timed so far counts (default %(default)g)")
     p.add_argument("--call-timeout-s", type=float, default=None, metavar="S",
                    help="stop a layout when one call to its actors takes longer than S seconds (a warm-up step, "
                         "the first of which compiles on GPUs; a timed step; or the in-actor loop of all --steps steps), note "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from rayconv import bench
+from rayconv import anchor, bench
 from rayconv.config import ConfigError
 
 
@@ -39,6 +40,14 @@ def test_bench_writes_table_chart_and_anchor_ratios(ray_cluster, tmp_path):
         assert r["vs_plain_pytorch"] is not None and r["vs_plain_pytorch"] > 0
     assert rows[0]["speedup_vs_1"] == pytest.approx(1.0)
     assert rows[1]["vs_torchrun_ddp"] is not None  # the DDP anchor ran under torchrun with gloo
+    # Each anchor timed every candidate configuration and counts its fastest, named in the row.
+    for prefix, names in (("plain_pytorch", anchor.default_configs(False, False)),
+                          ("torchrun_ddp", anchor.default_configs(True, False))):
+        timed = json.loads(rows[1][f"{prefix}_candidates"])
+        assert sorted(timed) == sorted(names) and len(names) >= (2 if prefix == "torchrun_ddp" else 1)
+        assert all(v > 0 for v in timed.values())
+        assert rows[1][f"{prefix}_config"] == max(timed, key=timed.get)
+        assert rows[1][f"{prefix}_images_per_s"] == max(timed.values())
     assert rows[2]["num_microbatches"] in (2, 4, 8) and rows[2]["bubble_fraction"] > 0
     assert rows[1]["allreduce_wait_ms"] is not None and rows[2]["recv_wait_ms"] is not None
     for r in rows:  # the same steps looped inside the actors, against the driver's loop
@@ -134,3 +143,17 @@ def test_bench_on_an_image_folder_reports_input_stall(ray_cluster, tmp_path):
     assert row["input_stall_fraction"] == pytest.approx(row["input_stall_ms"] / row["step_ms"])
     assert row["vs_plain_pytorch"] is None  # the anchors read synthetic data only
     assert bench.main(["--data", "imagefolder", "--layouts", "1gpu", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_anchor_candidates_and_the_pick_of_the_fastest():
+    ddp = anchor.default_configs(True, True)
+    assert {"compile(ddp) bucket 25MB", "ddp(compile) bucket 25MB", "ddp bucket 25MB"} <= set(ddp)
+    assert anchor.default_configs(False, True) == ["eager", "compile", "compile reduce-overhead"]
+    assert anchor.default_configs(False, False) == ["eager"]
+    timed = [{"config": "a", "images_per_s": 10.0}, {"config": "b", "error": "OutOfMemoryError: ..."},
+             {"config": "c", "images_per_s": 12.5}]
+    assert anchor.pick_fastest(timed)["config"] == "c"
+    assert anchor.pick_fastest(timed[1:2]) is None
+    with pytest.raises(SystemExit) as e:
+        anchor.main(["--configs", "compile(ddp) bucket 25MB", "--device", "cpu"])  # a DDP one without --ddp
+    assert e.value.code == 2
