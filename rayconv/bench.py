@@ -203,7 +203,8 @@ def run_anchor(model: str, devices: int, global_batch: int, args) -> Optional[di
     per_device = global_batch // devices
     base = ["-m", "rayconv.anchor", "--model", model, "--batch", str(per_device), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--precision", "bf16" if args.precision == "bf16" else "fp32",
-            "--device", args.device_kind, "--image-size", str(args.image_size)] + (["--compile"] if compiles(args) else [])
+            "--device", args.device_kind, "--image-size", str(args.image_size)]
+    base += ["--compile"] if compiles(args) else []
     if devices == 1:
         cmd = [sys.executable, *base]
     else:
@@ -237,7 +238,8 @@ def compiles(args) -> bool:
 
 def base_config(args, model: str, layout: dict[str, Any], global_batch: int) -> Config:
     data = dict(data="synthetic", num_classes=1000, synthetic_samples=max(global_batch * 4, 1024)) \
-        if args.data == "synthetic" else dict(data=args.data, data_dir=args.data_dir, loader_workers=args.loader_workers)
+        if args.data == "synthetic" else \
+        dict(data=args.data, data_dir=args.data_dir, loader_workers=args.loader_workers)
     kw: dict[str, Any] = dict(model=model, **data, image_size=args.image_size, global_batch_size=global_batch,
                               precision=args.precision, device=args.device, address=args.address,
                               progress=False, lr=0.01, compile=args.compile,
@@ -268,7 +270,8 @@ BENCH_SCHEMA = pa.schema([
     ("cuda_graphs", _B), ("peak_gib_max", _F), ("peak_gib_per_actor", _S), ("params_per_actor", _S),
     ("compute_ms", _F), ("recv_wait_ms", _F), ("allreduce_wait_ms", _F), ("driver_idle_ms", _F),
     ("in_actor_step_ms", _F), ("driver_overhead", _F), ("device_busy", _F), ("bubble_fraction", _F),
-    ("input_stall_ms", _F), ("input_stall_fraction", _F), ("data", _S), ("num_microbatches", _I), ("schedule", _S), ("virtual_stages", _I), ("world_size", _I),
+    ("input_stall_ms", _F), ("input_stall_fraction", _F), ("data", _S),
+    ("num_microbatches", _I), ("schedule", _S), ("virtual_stages", _I), ("world_size", _I),
     ("speedup_vs_1", _F), ("plain_pytorch_images_per_s", _F), ("plain_pytorch_config", _S),
     ("plain_pytorch_candidates", _S), ("vs_plain_pytorch", _F), ("torchrun_ddp_images_per_s", _F),
     ("torchrun_ddp_config", _S), ("torchrun_ddp_candidates", _S), ("vs_torchrun_ddp", _F),

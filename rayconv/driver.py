@@ -320,7 +320,8 @@ class _Run:
             stall = r["input_stall_ms"]
             metrics.add(kind="train", step=k, epoch=epoch, loss=r["loss"], lr=lrs.pop(k),
                         images_per_s=count / max(1e-9, step_ms / 1e3), step_ms=step_ms,
-                        input_stall_ms=stall, input_stall_fraction=None if stall is None else stall / max(1e-9, step_ms),
+                        input_stall_ms=stall,
+                        input_stall_fraction=None if stall is None else stall / max(1e-9, step_ms),
                         time_s=self.train_s + now - t_train)
             if cfg.metrics:
                 actor_gauges(self.run_name, "driver", images_per_s=ips, step_ms=step_ms, loss=r["loss"], step=k)
