@@ -361,8 +361,10 @@ class _Run:
                     bar.set_postfix(loss=f"{metrics.last('train', 'loss'):.4f}",
                                     test_acc=f"{self.last_eval['test_accuracy']:.4f}")
                     if not use_bar:
+                        top5 = self.last_eval.get("test_top5_accuracy")
                         self.log(f"step {step:5d} test_loss {self.last_eval['test_loss']:.4f} "
-                                 f"test_accuracy {self.last_eval['test_accuracy']:.4f}")
+                                 f"test_accuracy {self.last_eval['test_accuracy']:.4f}"
+                                 + (f" test_top5_accuracy {top5:.4f}" if top5 is not None else ""))
                 if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == total_steps):
                     self.checkpoint(gang, step + 1)
                 if self.on_step is not None:

@@ -104,8 +104,10 @@ def write_json(path: Path, obj: Any) -> None:
 # dashboard's Metrics view and Grafana when configured. Tags: run (the output folder's name) and role
 # (an actor's mesh role such as dp1.pp0.fs0, or "driver" for the per-run numbers).
 GAUGES = {
-    "images_per_s": "images per second (actor: its samples / its step compute time; driver: global batch / step wall time)",
-    "step_ms": "milliseconds per step (actor: compute inside the step; driver: wall time of the step)",
+    "images_per_s": "images per second (actor: its samples / the time between its step calls; driver: images over the "
+                    "wall-clock of the last 20 steps)",
+    "step_ms": "milliseconds per step (actor: time between its step calls; driver: the step's own time, the slowest "
+               "actor's)",
     "loss": "training loss of the last step (driver: mean over the global batch; actor: over its replica)",
     "peak_memory_gib": "peak device memory allocated, GiB (CUDA actors only)",
     "step": "last finished step",
