@@ -4,11 +4,15 @@ For each model and layout: start the actors, run ``--warmup`` steps, then time `
 synthetic ImageNet-shaped data (3 x 224 x 224, 1000 classes) and a few profiled steps that split the
 step into compute, receive wait and all-reduce wait. In the same run the anchors are measured under
 the same precision and global batch: plain PyTorch on 1 device and torchrun DDP on the layout's
-devices (``rayconv.anchor``). Writes into ``--out``:
+devices (``rayconv.anchor``), each in the fastest of its candidate configurations (eager; compiled,
+and for DDP compile(DDP) and DDP(compile), on GPUs; DDP's bucket settings), the winner named in the
+row. ``--data imagefolder --data-dir DIR`` reads real JPEG files through the loader instead of
+synthetic data, so that each row's input stall shows (the anchors then do not run). Writes into ``--out``:
 
 * ``bench.parquet``: one row per (model, layout): images_per_s, step_ms, speedup over rayconv on 1
   device, ratios to the anchors, peak memory per device (GiB), parameters per actor, compute /
-  receive-wait / all-reduce-wait / driver-idle time per step (ms), pipeline bubble fraction, and the
+  receive-wait / all-reduce-wait / driver-idle time per step (ms), input stall per step (ms, the wait
+  for a batch not overlapped with compute, and its fraction of the step), pipeline bubble fraction, and the
   driver's overhead: the timed steps run again with each actor looping by itself (one call,
   ``in_actor_step_ms``), and ``driver_overhead`` = 1 - (that time / the driver loop's time), the share
   of a step the driver's per-step calls cost (noise can make it slightly negative);
@@ -45,8 +49,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from . import cluster
+from . import anchor, cluster
 from .config import Config, ConfigError, OneLineParser
+from .data import DataError, check_image_folder
 from .driver import call_timeout_s as default_call_timeout_s, fit, launch, prepare
 from .metrics import atomic_write
 from .schedule import bubble_fraction
@@ -128,6 +133,9 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
         # actor that finished last waited only for the driver's round trip).
         idle = [min(r["idle_ms"] for r in rs) for rs in results
                 if rs and all(r is not None and r.get("idle_ms") is not None for r in rs)]
+        # Input stall per step: the longest wait for a batch not overlapped with compute (steptime.py).
+        stalls = [max(r.get("input_stall_ms") or 0.0 for r in rs) for rs in results
+                  if rs and all(r is not None for r in rs)]
         # The same steps with no driver call between them (each actor loops by itself; one call).
         phase = f"in-actor loop of {steps} steps"
         t1 = time.perf_counter()
@@ -175,6 +183,8 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
         "compute_ms": mean_of("compute_ms"), "recv_wait_ms": mean_of("wait_ms"),
         "allreduce_wait_ms": mean_of("allreduce_ms"),
         "driver_idle_ms": sum(idle) / len(idle) if idle else None,
+        "input_stall_ms": sum(stalls) / len(stalls) if stalls else None,
+        "input_stall_fraction": sum(stalls) / len(stalls) / step_ms if stalls else None,
         "in_actor_step_ms": in_actor_s / steps * 1e3, "driver_overhead": 1 - in_actor_s / elapsed,
         "device_busy": device_busy,
         "bubble_fraction": bubble_fraction(plan.schedule) if mesh.pp > 1 else 0.0,
@@ -185,22 +195,16 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
 
 
 def run_anchor(model: str, devices: int, global_batch: int, args) -> Optional[dict[str, Any]]:
-    """Plain PyTorch (devices == 1) or torchrun DDP (devices > 1) at the same global batch. When this
-    run compiles, the anchor runs both eagerly and compiled and the faster counts (what a user would
-    pick); its ``compile`` field says which."""
-    best = None
-    for compiled in ([False, True] if compiles(args) else [False]):
-        r = _anchor_once(model, devices, global_batch, args, compiled)
-        if r is not None and (best is None or r["images_per_s"] > best["images_per_s"]):
-            best = r
-    return best
-
-
-def _anchor_once(model: str, devices: int, global_batch: int, args, compiled: bool) -> Optional[dict[str, Any]]:
+    """Plain PyTorch (devices == 1) or torchrun DDP (devices > 1) at the same global batch, in its
+    fastest configuration (``rayconv.anchor`` times each candidate: eager ones, and when this run
+    compiles also the torch.compile ones). The result's ``config`` names the winner and
+    ``candidates`` gives every candidate's images/s (None where it failed). Past ``--anchor-timeout``
+    the fastest of the candidates timed so far counts. None if no candidate ran."""
     per_device = global_batch // devices
     base = ["-m", "rayconv.anchor", "--model", model, "--batch", str(per_device), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--precision", "bf16" if args.precision == "bf16" else "fp32",
-            "--device", args.device_kind, "--image-size", str(args.image_size)] + (["--compile"] if compiled else [])
+            "--device", args.device_kind, "--image-size", str(args.image_size)]
+    base += ["--compile"] if compiles(args) else []
     if devices == 1:
         cmd = [sys.executable, *base]
     else:
@@ -209,24 +213,34 @@ def _anchor_once(model: str, devices: int, global_batch: int, args, compiled: bo
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.anchor_timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return None
-    for line in out.stdout.splitlines():
+        stdout, stderr = out.stdout, out.stderr
+    except subprocess.TimeoutExpired as e:
+        stdout = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        stderr = f"past --anchor-timeout {args.anchor_timeout:g} s"
+    timed = []
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    print(f"anchor failed ({' '.join(cmd)}):\n{out.stderr[-2000:]}", file=sys.stderr)
+        if line.startswith("CANDIDATE "):
+            timed.append(json.loads(line[len("CANDIDATE "):]))
+    best = anchor.pick_fastest(timed)
+    if best is not None:  # cut short: the fastest of those timed
+        return {**best, "candidates": {r["config"]: r.get("images_per_s") for r in timed}}
+    print(f"anchor failed ({' '.join(cmd)}):\n{stderr[-2000:]}", file=sys.stderr)
     return None
 
 
 def compiles(args) -> bool:
-    """Whether the anchors are also measured compiled (the faster of eager and compiled counts): on
+    """Whether the anchors also time their torch.compile configurations (the fastest of all counts): on
     GPUs unless ``--compile off`` (rayconv itself compiles as its ``--compile`` rule says)."""
     return args.compile == "on" or (args.compile == "auto" and args.device_kind == "cuda")
 
 
 def base_config(args, model: str, layout: dict[str, Any], global_batch: int) -> Config:
-    kw: dict[str, Any] = dict(model=model, data="synthetic", image_size=args.image_size, num_classes=1000,
-                              synthetic_samples=max(global_batch * 4, 1024), global_batch_size=global_batch,
+    data = dict(data="synthetic", num_classes=1000, synthetic_samples=max(global_batch * 4, 1024)) \
+        if args.data == "synthetic" else \
+        dict(data=args.data, data_dir=args.data_dir, loader_workers=args.loader_workers)
+    kw: dict[str, Any] = dict(model=model, **data, image_size=args.image_size, global_batch_size=global_batch,
                               precision=args.precision, device=args.device, address=args.address,
                               progress=False, lr=0.01, compile=args.compile,
                               cuda_graphs=args.cuda_graphs, all_gpus_visible=args.all_gpus_visible)
@@ -256,10 +270,11 @@ BENCH_SCHEMA = pa.schema([
     ("cuda_graphs", _B), ("peak_gib_max", _F), ("peak_gib_per_actor", _S), ("params_per_actor", _S),
     ("compute_ms", _F), ("recv_wait_ms", _F), ("allreduce_wait_ms", _F), ("driver_idle_ms", _F),
     ("in_actor_step_ms", _F), ("driver_overhead", _F), ("device_busy", _F), ("bubble_fraction", _F),
+    ("input_stall_ms", _F), ("input_stall_fraction", _F), ("data", _S),
     ("num_microbatches", _I), ("schedule", _S), ("virtual_stages", _I), ("world_size", _I),
-    ("speedup_vs_1", _F), ("plain_pytorch_images_per_s", _F), ("plain_pytorch_compiled", _B),
-    ("torchrun_ddp_compiled", _B), ("vs_plain_pytorch", _F), ("torchrun_ddp_images_per_s", _F),
-    ("vs_torchrun_ddp", _F),
+    ("speedup_vs_1", _F), ("plain_pytorch_images_per_s", _F), ("plain_pytorch_config", _S),
+    ("plain_pytorch_candidates", _S), ("vs_plain_pytorch", _F), ("torchrun_ddp_images_per_s", _F),
+    ("torchrun_ddp_config", _S), ("torchrun_ddp_candidates", _S), ("vs_torchrun_ddp", _F),
 ])
 
 
@@ -278,7 +293,7 @@ def write_table(rows: list[dict[str, Any]], out: Path) -> None:
     cols = ["model", "layout", "global_batch_size", "images_per_s", "step_ms", "speedup_vs_1",
             "vs_plain_pytorch", "vs_torchrun_ddp", "peak_gib_max", "compute_ms", "recv_wait_ms",
             "allreduce_wait_ms", "driver_idle_ms", "in_actor_step_ms", "driver_overhead", "device_busy",
-            "bubble_fraction", "note"]
+            "bubble_fraction", "input_stall_ms", "input_stall_fraction", "note"]
 
     def fmt(v: Any) -> str:
         if v is None:
@@ -320,7 +335,7 @@ def main_bench(args) -> list[dict[str, Any]]:
         bar.set_postfix_str(f"{model} {name} B={gb}")
         lay = parse_layout(name)
         row: dict[str, Any] = {"model": model, "layout": name, "global_batch_size": gb, "image_size": args.image_size,
-                               "note": "", "world_size": layout_size(name)}
+                               "data": args.data, "note": "", "world_size": layout_size(name)}
         tries = [lay]
         if lay.get("pp", 1) > 1 and "num_microbatches" not in lay:
             tries = [{**lay, "num_microbatches": m} for m in (2, 4, 8) if gb // lay["dp"] % m == 0]
@@ -342,15 +357,18 @@ def main_bench(args) -> list[dict[str, Any]]:
                 single[(model, gb)] = best["images_per_s"]
         devices = layout_size(name)
         for n in {1, devices}:
-            if args.anchors and (model, gb, n) not in anchors:
+            if args.anchors and args.data == "synthetic" and (model, gb, n) not in anchors:
                 anchors[(model, gb, n)] = run_anchor(model, n, gb, args)
         one = single.get((model, gb))
         ips = row.get("images_per_s")
         row["speedup_vs_1"] = ips / one if ips and one else None
         a1, an = anchors.get((model, gb, 1)), anchors.get((model, gb, devices))
         row["plain_pytorch_images_per_s"] = a1["images_per_s"] if a1 else None
-        row["plain_pytorch_compiled"] = a1.get("compile") if a1 else None
-        row["torchrun_ddp_compiled"] = an.get("compile") if an and devices > 1 else None
+        # Which configuration was fastest, and every candidate's images/s (JSON).
+        row["plain_pytorch_config"] = a1["config"] if a1 else None
+        row["plain_pytorch_candidates"] = json.dumps(a1["candidates"]) if a1 else None
+        row["torchrun_ddp_config"] = an["config"] if an and devices > 1 else None
+        row["torchrun_ddp_candidates"] = json.dumps(an["candidates"]) if an and devices > 1 else None
         row["vs_plain_pytorch"] = ips / a1["images_per_s"] if ips and a1 else None
         row["torchrun_ddp_images_per_s"] = an["images_per_s"] if an and devices > 1 else None
         row["vs_torchrun_ddp"] = ips / an["images_per_s"] if ips and an and devices > 1 else None
@@ -447,16 +465,30 @@ def parse_args(argv=None):
     p.add_argument("--models", default="alexnet,resnet50",
                    help="comma-separated: alexnet, resnet50, any torchvision classification model, or convnet "
                         "(default %(default)s)")
-    p.add_argument("--global-batch-size", default="256", help="comma-separated, e.g. 256,1024")
+    p.add_argument("--global-batch-size", default="256",
+                   help="comma-separated global batch sizes, e.g. 256,1024 (default %(default)s)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per layout (default %(default)s)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first; the first compiles on GPUs (default %(default)s)")
-    p.add_argument("--image-size", type=int, default=224, help="synthetic images are 3 x S x S (default %(default)s)")
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--address", default=None)
+    p.add_argument("--image-size", type=int, default=224,
+                   help="images are 3 x S x S (synthetic; image folders are cropped to S) (default %(default)s)")
+    p.add_argument("--data", default="synthetic", choices=("synthetic", "imagefolder"),
+                   help="synthetic: made on the device (no input cost); imagefolder: --data-dir's JPEG files "
+                        "through the real loader, so input stall shows (anchors: synthetic only, not run) "
+                        "(default %(default)s)")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="with --data imagefolder: DIR/train/<class>/*.JPEG and DIR/val/<class>/*.JPEG "
+                        "(benchmarks/make_images.py writes one)")
+    p.add_argument("--loader-workers", type=int, default=2,
+                   help="decode processes per actor for --data imagefolder (default %(default)s)")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
+                   help="bf16: bf16 autocast with fp32 weights, for rayconv and the anchors (default %(default)s)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: GPUs when the Ray cluster has them, else CPU actors (default %(default)s)")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster to join (default: RAY_ADDRESS, a running local cluster, or a new local one)")
     p.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                    help="rayconv's --compile for every layout (auto: GPU layouts); unless off, the anchors "
-                        "run eagerly and compiled on GPUs and the faster counts")
+                        "also time their torch.compile configurations on GPUs (on: on CPU too) and the fastest counts")
     p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
                    help="rayconv's --cuda-graphs for every layout (auto: whole-step CUDA graphs on GPUs)")
     p.add_argument("--all-gpus-visible", action=argparse.BooleanOptionalAction, default=True,
@@ -464,9 +496,12 @@ def parse_args(argv=None):
     p.add_argument("--trace", type=int, default=0, metavar="N",
                    help="also profile N steps of each layout with torch.profiler and N more with cProfile (the "
                         "actors' Python side): trace-<layout>.txt, device_busy")
-    p.add_argument("--anchors", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--anchor-timeout", type=float, default=600, metavar="S",
-                   help="seconds each anchor run may take (default %(default)g)")
+    p.add_argument("--anchors", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the anchors, plain PyTorch on 1 device and torchrun DDP on the layout's devices, "
+                        "each in its fastest configuration (python -m rayconv.anchor) (default on)")
+    p.add_argument("--anchor-timeout", type=float, default=1800, metavar="S",
+                   help="seconds each anchor run (all its candidate configurations) may take; past it the fastest "
+                        "candidate timed so far counts (default %(default)g)")
     p.add_argument("--call-timeout-s", type=float, default=None, metavar="S",
                    help="stop a layout when one call to its actors takes longer than S seconds (a warm-up step, "
                         "the first of which compiles on GPUs; a timed step; or the in-actor loop of all --steps steps), note "
@@ -474,8 +509,9 @@ def parse_args(argv=None):
                         "300 + 30, as rayconv.run)")
     p.add_argument("--sweep", choices=("batch", "memory"), default=None,
                    help="batch: images/s and peak memory over per-device batches 16..--max-batch; memory: double "
-                        "the batch until it does not fit")
-    p.add_argument("--max-batch", type=int, default=1024, help="largest per-device batch of a sweep")
+                        "the batch until it does not fit (default: neither, the layout table)")
+    p.add_argument("--max-batch", type=int, default=1024,
+                   help="largest per-device batch of --sweep batch (default %(default)s; --sweep memory: 65536)")
     p.add_argument("--curve", action="store_true", help="test error vs wall-clock time on digits")
     p.add_argument("--curve-epochs", type=int, default=5, help="epochs of each --curve run (default %(default)s)")
     p.add_argument("--out", default="benchmarks/latest", help="folder for the results (default %(default)s)")
@@ -492,6 +528,14 @@ def main(argv=None) -> int:
         if args.call_timeout_s is not None and not 0 < args.call_timeout_s <= MAX_CALL_TIMEOUT_S:
             raise ConfigError(f"--call-timeout-s {args.call_timeout_s:g}: give a positive number of seconds up to "
                               f"{MAX_CALL_TIMEOUT_S:g} (or leave it out for the default, 630)")
+        if args.data == "imagefolder":
+            if not args.data_dir:
+                raise ConfigError("--data imagefolder needs --data-dir DIR (DIR/train/<class>/*.JPEG and "
+                                  "DIR/val/<class>/...; benchmarks/make_images.py writes one)")
+            for split in ("train", "val"):
+                check_image_folder(Path(args.data_dir) / split)
+        if args.loader_workers < 0:
+            raise ConfigError("--loader-workers must be >= 0")
         Path(args.out).mkdir(parents=True, exist_ok=True)
         cluster.connect(args.address)
         args.device_kind, _ = cluster.available_devices(args.device)
@@ -505,7 +549,7 @@ def main(argv=None) -> int:
                 print(f"rayconv.bench: error: no layout was measured (the note column of {args.out}/bench.md "
                       "says why)", file=sys.stderr)
                 return 1
-    except (ConfigError, cluster.ClusterError) as e:
+    except (ConfigError, DataError, cluster.ClusterError) as e:
         print(f"rayconv.bench: error: {e}", file=sys.stderr)
         return 2
     print(f"results in {args.out}")

@@ -22,6 +22,7 @@ import math
 import shutil
 import sys
 import time
+from collections import deque
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
@@ -38,6 +39,9 @@ from .metrics import MetricsLog, actor_gauges, read_rows, reduce_step, write_jso
 from .models import build_model, model_names, run_model
 from .parallel.plan import make_plan, measured_costs
 from .schedule import bubble_fraction, format_grid
+
+
+RATE_WINDOW = 20  # steps: the progress line's images/s is over the wall-clock of the last 20
 
 
 def learning_rate(cfg: Config, step: int, total_steps: int) -> float:
@@ -185,9 +189,8 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
         metrics = run.metrics
         metrics.write(out / "metrics.parquet")
         train_rows = [row for row in metrics.rows if row["kind"] == "train"]
-        # Skip two warm-up steps when at least two steps remain (one step's rate alone means nothing).
-        steady = train_rows[2:] if len(train_rows) >= 4 else train_rows
-        steady_ms = sum(x["step_ms"] for x in steady)
+        stall_ms = sum(x.get("input_stall_ms") or 0.0 for x in train_rows)
+        own_ms = sum(x["step_ms"] or 0.0 for x in train_rows)
         last_eval = run.last_eval
         summary = {
             "model": cfg.model, "data": cfg.data, "device": cfg.device,
@@ -199,11 +202,10 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
             "epochs": total_steps / sharding.steps_per_epoch,
             "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
             "test_accuracy": last_eval.get("test_accuracy"), "test_error": last_eval.get("test_error"),
-            "test_loss": last_eval.get("test_loss"),
-            # Images over time (not a mean of per-step rates: with two steps in flight, a step's result
-            # can come back just after the one before it, and its rate alone means nothing).
-            "images_per_s": (sum(x["images_per_s"] * x["step_ms"] for x in steady) / steady_ms
-                             if steady_ms > 0 else None),
+            "test_loss": last_eval.get("test_loss"), "test_top5_accuracy": last_eval.get("test_top5_accuracy"),
+            "images_per_s": run.images_per_s(),
+            # The steps' waits for input not overlapped with compute, summed, and their share of the steps' time.
+            "input_stall_s": stall_ms / 1e3, "input_stall_fraction": stall_ms / own_ms if own_ms > 0 else None,
             "train_time_s": train_s, "wall_time_s": time.perf_counter() - t_start,
             "resumed_from": str(resume.path) if resume is not None else None, "failures_recovered": failures,
             "actors": [{**s, **m} for s, m in zip(run.setups, memory)],
@@ -241,6 +243,20 @@ class _Run:
         self.setups: list[dict[str, Any]] = []
         self.train_s = 0.0
         self.call_timeout_s = call_timeout_s(cfg)
+        # step -> (images, driver wall-clock seconds from the previous result to this one, evaluation and
+        # checkpoint time left out), over every attempt of this process: the summary's images/s.
+        self.wall: dict[int, tuple[int, float]] = {}
+
+    def images_per_s(self) -> Optional[float]:
+        """Training images per second of wall-clock: images of the steps this process ran, after the
+        first two (compiling, warming up) when at least four ran, over the driver's wall-clock time of
+        those steps (evaluation and checkpoint time left out). With two steps in flight one step's
+        result can come back just after the one before it, so no single step's wall time is its own;
+        summed over steps they are the training time."""
+        steps = sorted(self.wall)
+        steady = [self.wall[k] for k in (steps[2:] if len(steps) >= 4 else steps)]
+        seconds = sum(s for _, s in steady)
+        return sum(n for n, _ in steady) / seconds if seconds > 0 else None
 
     def start(self, ckpt: Optional[Checkpoint]) -> "cluster.Gang":
         """Start the actors, set them up, and load ``ckpt`` (and its metrics rows) if given."""
@@ -259,7 +275,8 @@ class _Run:
                     self.metrics.rows = [r for r in read_rows(ckpt.files["metrics.parquet"]) if r["step"] < ckpt.step]
                     evals = [r for r in self.metrics.rows if r["kind"] == "eval"]
                     if evals:
-                        self.last_eval = {k: evals[-1][k] for k in ("test_loss", "test_accuracy", "test_error")}
+                        self.last_eval = {k: evals[-1].get(k) for k in ("test_loss", "test_accuracy", "test_error",
+                                                                        "test_top5_accuracy")}
         except BaseException:
             gang.kill()
             raise
@@ -276,6 +293,10 @@ class _Run:
         t_train = time.perf_counter()
         t_last = [t_train]
         lrs: dict[int, float] = {}
+        # The progress rate: images over the wall-clock of the last RATE_WINDOW results (the attempt's first,
+        # which compiles, left out once 4 more came back). With two steps in flight a result's wall time
+        # can hold its neighbour's step (or none, just after an evaluation); over several it evens out.
+        window: deque = deque(maxlen=RATE_WINDOW)
         # A progress bar on a terminal; plain progress lines every --log-every steps otherwise (a log file).
         use_bar = cfg.progress and sys.stderr.isatty()
         bar = tqdm(total=total_steps, initial=start, desc="train", unit="step", disable=not use_bar,
@@ -287,13 +308,24 @@ class _Run:
             if not results:
                 return
             now = time.perf_counter()
-            step_s, t_last[0] = now - t_last[0], now
+            wall_s, t_last[0] = now - t_last[0], now
             r, k, epoch = reduce_step(results), results[0]["step"], results[0]["epoch"]
-            ips = results[0]["global_count"] / step_s
-            metrics.add(kind="train", step=k, epoch=epoch, loss=r["loss"], lr=lrs.pop(k), images_per_s=ips,
-                        step_ms=step_s * 1e3, time_s=self.train_s + now - t_train)
+            count = results[0]["global_count"]
+            self.wall[k] = (count, wall_s)
+            window.append((count, wall_s, k == start))
+            recent = list(window)[1:] if window[0][2] and len(window) > 4 else window
+            ips = sum(n for n, _, _ in recent) / max(1e-9, sum(w for _, w, _ in recent))
+            # The row: the step's own time, measured in the actors (the driver's wall time between two
+            # results can belong partly to the neighbouring step with two in flight).
+            step_ms = r["step_ms"] if r["step_ms"] is not None else wall_s * 1e3
+            stall = r["input_stall_ms"]
+            metrics.add(kind="train", step=k, epoch=epoch, loss=r["loss"], lr=lrs.pop(k),
+                        images_per_s=count / max(1e-9, step_ms / 1e3), step_ms=step_ms,
+                        input_stall_ms=stall,
+                        input_stall_fraction=None if stall is None else stall / max(1e-9, step_ms),
+                        time_s=self.train_s + now - t_train)
             if cfg.metrics:
-                actor_gauges(self.run_name, "driver", images_per_s=ips, step_ms=step_s * 1e3, loss=r["loss"], step=k)
+                actor_gauges(self.run_name, "driver", images_per_s=ips, step_ms=step_ms, loss=r["loss"], step=k)
             if not math.isfinite(r["loss"]):
                 raise FloatingPointError(f"loss is {r['loss']} at step {k}: lower --lr (now {cfg.lr})")
             bar.update(1)
@@ -330,8 +362,10 @@ class _Run:
                     bar.set_postfix(loss=f"{metrics.last('train', 'loss'):.4f}",
                                     test_acc=f"{self.last_eval['test_accuracy']:.4f}")
                     if not use_bar:
+                        top5 = self.last_eval.get("test_top5_accuracy")
                         self.log(f"step {step:5d} test_loss {self.last_eval['test_loss']:.4f} "
-                                 f"test_accuracy {self.last_eval['test_accuracy']:.4f}")
+                                 f"test_accuracy {self.last_eval['test_accuracy']:.4f}"
+                                 + (f" test_top5_accuracy {top5:.4f}" if top5 is not None else ""))
                 if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == total_steps):
                     self.checkpoint(gang, step + 1)
                 if self.on_step is not None:
@@ -368,10 +402,12 @@ class _Run:
         return path
 
 
-def evaluate(gang: "cluster.Gang", timeout_s: Optional[float] = None) -> dict[str, float]:
-    """Test loss, error and accuracy over every held-out sample once (summed over replicas)."""
+def evaluate(gang: "cluster.Gang", timeout_s: Optional[float] = None) -> dict[str, Optional[float]]:
+    """Test loss, error, top-1 and top-5 accuracy over every held-out sample once (summed over
+    replicas); top-5 is None below 5 classes."""
     res = [r for r in gang.call("evaluate", timeout_s=timeout_s) if r["reports"]]
     n = sum(r["samples"] for r in res)
     correct = sum(r["correct"] for r in res)
+    top5 = None if any(r.get("correct5") is None for r in res) else sum(r["correct5"] for r in res) / max(1, n)
     return {"test_loss": sum(r["loss_sum"] for r in res) / max(1, n),
-            "test_accuracy": correct / max(1, n), "test_error": 1.0 - correct / max(1, n)}
+            "test_accuracy": correct / max(1, n), "test_error": 1.0 - correct / max(1, n), "test_top5_accuracy": top5}

@@ -33,6 +33,7 @@ from .parallel.segments import compile_part
 from .parallel.filter_split import ShardedDropout
 from .parallel.plan import Plan, build_part
 from .schedule import exchange_plan, forward_only
+from .steptime import StepClock
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.float32, "fp64": torch.float64}
 
@@ -193,7 +194,9 @@ class Worker:
 
         inputs = lambda m: None  # noqa: E731
         if self.is_first and split == "train":
+            self.clock.input_begin()  # (the wait for the batch not overlapped with compute: input stall)
             x_all = load(idx)  # the step's batch at once (announced ahead to the loader), sliced
+            self.clock.input_end()
             if static:
                 x_all = self.step_graph.buffer("images", x_all)
             inputs = lambda m: x_all[slices[m]]  # noqa: E731
@@ -241,6 +244,8 @@ class Worker:
 
     def _launch_step(self, step: int, lr: float, profile: bool, t0: float,
                      idle_ms: Optional[float]) -> Optional[dict[str, Any]]:
+        self.clock = clock = StepClock(self.device)  # this step's own time and input stall (steptime.py)
+        clock.start()
         epoch, step_in_epoch = divmod(step, self.sharding.steps_per_epoch)
         replica_idx = [self.sharding.replica_batch(epoch, step_in_epoch, r)[0] for r in range(self.mesh.dp)]
         global_count = sum(len(r) for r in replica_idx)
@@ -328,6 +333,8 @@ class Worker:
             event = torch.cuda.Event()
             event.record()
             current.update(loss_sum=host[0], correct=host[1], event=event)
+        clock.end()
+        current["clock"] = clock
         previous, self.pending = self.pending, current
         out = _materialise(previous)
         self._report(out)
@@ -409,7 +416,7 @@ class Worker:
         res = self.runner.run(sched.programs[self.coord.pp], exchange_plan(sched, self.coord.pp), inputs, labels,
                               sizes, max(1, count), lambda: None, train=False, before_forward=before_forward)
         return {"reports": self.reports, "loss_sum": float(res.loss_sum), "correct": int(res.correct),
-                "samples": count}
+                "correct5": None if res.correct5 is None else int(res.correct5), "samples": count}
 
     # ------------------------------------------------------------------ export
     def state(self) -> dict[str, torch.Tensor]:
@@ -545,7 +552,7 @@ def _materialise(m: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     """Device scalars of a step's metrics to Python numbers (waits for that step only)."""
     if m is None:
         return None
-    event = m.pop("event", None)
+    event, clock = m.pop("event", None), m.pop("clock", None)
     if event is not None:
         event.synchronize()
-    return {**m, "loss_sum": float(m["loss_sum"]), "correct": int(m["correct"])}
+    return {**m, "loss_sum": float(m["loss_sum"]), "correct": int(m["correct"]), **(clock.read() if clock else {})}

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pyarrow.parquet as pq
 import pytest
 
-from rayconv import bench
+from rayconv import anchor, bench
 from rayconv.config import ConfigError
 
 
@@ -35,6 +40,14 @@ def test_bench_writes_table_chart_and_anchor_ratios(ray_cluster, tmp_path):
         assert r["vs_plain_pytorch"] is not None and r["vs_plain_pytorch"] > 0
     assert rows[0]["speedup_vs_1"] == pytest.approx(1.0)
     assert rows[1]["vs_torchrun_ddp"] is not None  # the DDP anchor ran under torchrun with gloo
+    # Each anchor timed every candidate configuration and counts its fastest, named in the row.
+    for prefix, names in (("plain_pytorch", anchor.default_configs(False, False)),
+                          ("torchrun_ddp", anchor.default_configs(True, False))):
+        timed = json.loads(rows[1][f"{prefix}_candidates"])
+        assert sorted(timed) == sorted(names) and len(names) >= (2 if prefix == "torchrun_ddp" else 1)
+        assert all(v > 0 for v in timed.values())
+        assert rows[1][f"{prefix}_config"] == max(timed, key=timed.get)
+        assert rows[1][f"{prefix}_images_per_s"] == max(timed.values())
     assert rows[2]["num_microbatches"] in (2, 4, 8) and rows[2]["bubble_fraction"] > 0
     assert rows[1]["allreduce_wait_ms"] is not None and rows[2]["recv_wait_ms"] is not None
     for r in rows:  # the same steps looped inside the actors, against the driver's loop
@@ -109,3 +122,38 @@ def test_training_curve_writes_error_against_time(ray_cluster, tmp_path, capsys)
     assert (out / "curve.png").stat().st_size > 1000
     printed = capsys.readouterr().out
     assert "CURVE 1gpu: test error" in printed and "CURVE dp2: test error" in printed
+
+
+def test_bench_on_an_image_folder_reports_input_stall(ray_cluster, tmp_path):
+    # A JPEG folder written by benchmarks/make_images.py, read through the real loader.
+    root = tmp_path / "images"
+    subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "make_images.py"), str(root),
+                    "--classes", "2", "--train-per-class", "8", "--val-per-class", "1", "--width", "50",
+                    "--height", "40", "--processes", "1"], check=True)
+    files = sorted((root / "train").rglob("*.JPEG"))
+    assert len(files) == 16 and files[0].read_bytes()[:2] == b"\xff\xd8"
+    out = tmp_path / "bench"
+    rc = bench.main(["--data", "imagefolder", "--data-dir", str(root), "--loader-workers", "0", "--models", "convnet",
+                     "--layouts", "1gpu", "--image-size", "32", "--global-batch-size", "8", "--steps", "2",
+                     "--warmup", "1", "--device", "cpu", "--out", str(out)])
+    assert rc == 0
+    row = pq.read_table(out / "bench.parquet").to_pylist()[0]
+    assert row["data"] == "imagefolder" and row["images_per_s"] > 0
+    assert 0 < row["input_stall_ms"] < row["step_ms"]  # (decoding in the actor: no loader processes)
+    assert row["input_stall_fraction"] == pytest.approx(row["input_stall_ms"] / row["step_ms"])
+    assert row["vs_plain_pytorch"] is None  # the anchors read synthetic data only
+    assert bench.main(["--data", "imagefolder", "--layouts", "1gpu", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_anchor_candidates_and_the_pick_of_the_fastest():
+    ddp = anchor.default_configs(True, True)
+    assert {"compile(ddp) bucket 25MB", "ddp(compile) bucket 25MB", "ddp bucket 25MB"} <= set(ddp)
+    assert anchor.default_configs(False, True) == ["eager", "compile", "compile reduce-overhead"]
+    assert anchor.default_configs(False, False) == ["eager"]
+    timed = [{"config": "a", "images_per_s": 10.0}, {"config": "b", "error": "OutOfMemoryError: ..."},
+             {"config": "c", "images_per_s": 12.5}]
+    assert anchor.pick_fastest(timed)["config"] == "c"
+    assert anchor.pick_fastest(timed[1:2]) is None
+    with pytest.raises(SystemExit) as e:
+        anchor.main(["--configs", "compile(ddp) bucket 25MB", "--device", "cpu"])  # a DDP one without --ddp
+    assert e.value.code == 2

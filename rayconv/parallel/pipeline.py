@@ -87,6 +87,7 @@ class StepResult:
     # Kept on the device (no synchronisation inside the step); read with float()/int() when needed.
     loss_sum: object = 0.0    # sum of per-sample losses over this replica's samples (last stage only)
     correct: object = 0       # correctly classified samples (last stage only)
+    correct5: object = None   # samples whose label is among the 5 highest logits (evaluation, >= 5 classes)
     wait_s: Optional[float] = 0.0  # seconds blocked in receives (measured only when profiling eagerly)
     samples: int = 0          # samples this replica saw
     sends: list = field(default_factory=list)
@@ -199,6 +200,9 @@ class StageRunner:
                         loss = nn.functional.cross_entropy(logits, y, reduction="sum")
                         res.loss_sum = res.loss_sum + loss.detach()
                         res.correct = res.correct + (logits.detach().argmax(1) == y).sum()
+                        if not train and logits.shape[1] >= 5:  # top-5 (evaluation only)
+                            top5 = (logits.detach().topk(5, 1).indices == y[:, None]).any(1).sum()
+                            res.correct5 = top5 if res.correct5 is None else res.correct5 + top5
                         out = loss / global_count
                 if c.next is not None:
                     outbox[i] = (out.detach().to(self.wire_dtype), c.next)
