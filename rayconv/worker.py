@@ -26,6 +26,7 @@ from .config import Config
 from .mesh import Mesh
 from .models import run_model, to_layers
 from .parallel import comm
+from .parallel.batchnorm import DeferredBatchNorm, commit_batchnorm, defer_batchnorm
 from .parallel.cuda_graph import StepGraph, sgd_step
 from .parallel.data_parallel import GradientSync, broadcast_modules
 from .parallel.pipeline import Chunk, StageRunner, StepResult, sync_device, to_device
@@ -104,9 +105,13 @@ class Worker:
             # Batch-norm statistics over the global batch (all replicas), on request.
             modules = [nn.SyncBatchNorm.convert_sync_batchnorm(m, process_group=self.groups.axis["dp"])
                        for m in modules]
+        elif plan.schedule.num_microbatches > 1:
+            # Running statistics advance once per step, from the replica's whole batch (parallel/batchnorm.py).
+            modules = [defer_batchnorm(m) for m in modules]
         replicated_at = [any(m is s for s in part.synced) for m in part.modules]
         self.part = nn.Sequential(*modules)
         self.part_names = part.names
+        self.deferred_bn = [m for m in self.part.modules() if isinstance(m, DeferredBatchNorm)]
         dtype = DTYPES[cfg.precision]
         self.part.to(device=self.device, dtype=dtype)
         if self.device.type == "cuda":
@@ -346,6 +351,7 @@ class Worker:
             sgd_step(self.optimizer, self.lr_t)
         else:
             self.optimizer.step()
+        commit_batchnorm(self.deferred_bn)  # (once per step, after the last micro-batch)
         if self.has_buffers and not self.cfg.sync_batchnorm:
             # Per-replica batch-norm statistics (as DDP): running stats follow dp replica 0.
             broadcast_modules(self.replicated, self.groups.ranks["dp"][0], self.groups.axis["dp"], buffers_only=True)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import local_ray
 
-from helpers import assert_same_state, reference_sgd
+from helpers import assert_same_state, reference_microbatch_sgd, reference_sgd
 from rayconv.config import Config
 from rayconv.driver import fit
 
@@ -59,6 +59,20 @@ def test_gpu_layout_matches_single_device(gpu_cluster, tmp_path, name):
     assert all(a["device"].startswith("cuda") for a in summary["actors"])
     got = torch.load(tmp_path / name / "model.pt", weights_only=True)
     assert_same_state(got, reference_sgd(cfg, 5), atol=1e-8)
+
+
+@pytest.mark.parametrize("layout", [dict(num_microbatches=4),
+                                    pytest.param(dict(pp=2, num_microbatches=4), marks=two_gpus)])
+def test_cuda_graph_defers_batchnorm_statistics(gpu_cluster, tmp_path, layout):
+    """Batch norm under micro-batches in replayed CUDA graphs: running statistics advance once per step
+    from the whole batch (tests/test_batchnorm.py says what the reference claims)."""
+    cfg = Config(model="convnet_bn", data="digits", dp=1, global_batch_size=96, steps=5, precision="fp64",
+                 device="cuda", progress=False, out=str(tmp_path / "bn"), balance="flops", **layout).validate()
+    summary = fit(cfg, log=print)
+    assert all(a["cuda_graphs"] for a in summary["actors"])
+    got = torch.load(tmp_path / "bn" / "model.pt", weights_only=True)
+    assert [int(got[k]) for k in got if k.endswith("num_batches_tracked")] == [5] * 3
+    assert_same_state(got, reference_microbatch_sgd(cfg, 5)[0], atol=1e-8)
 
 
 @two_gpus

@@ -13,7 +13,8 @@ as Megatron-LM does; and neighbours' groups mirror each other (a group NCCL cann
 its peer posts the mirror image is split). ``schedule.check_exchanges`` replays these batches under
 NCCL's rules, unbuffered, for every schedule ``make_plan`` accepts. Gradients accumulate over
 micro-batches; the loss of each micro-batch is its per-sample sum divided by the global batch size,
-so the accumulated gradient is the single-device one.
+so the accumulated gradient is the single-device one. Batch norm normalises each micro-batch by its own
+statistics; its running statistics advance once per step (``batchnorm.py``).
 
 Legend: N micro-batch size, C channels, H, W height, width; ``x_NCHW`` an activation.
 """
