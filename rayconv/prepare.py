@@ -150,14 +150,44 @@ def _entry(path: Path, rows: int, sha: str) -> dict[str, Any]:
     return {"file": path.name, "rows": rows, "bytes": path.stat().st_size, "sha256": sha}
 
 
-def prepare(src: str, out: str, size: int = 256, quality: int = 90, shard_size: int = 1000,
-            address: Optional[str] = None, log=print) -> dict[str, Any]:
-    """Prepare ``src`` into ``out`` on the Ray cluster; returns the manifest. Raises DataError for bad
-    input (nothing is written then) or an ``out`` prepared with other settings."""
+def _on_ray(args: dict[str, tuple], address: Optional[str]):
+    """Each shard's ``write_shard`` as a Ray task; yields (name, entry) as they finish."""
     import ray
-    from tqdm import tqdm
 
     from . import cluster
+
+    cluster.connect(address)
+    task = ray.remote(num_cpus=1)(write_shard)
+    refs = {task.remote(*a): name for name, a in args.items()}
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        try:
+            yield refs[ready[0]], ray.get(ready[0])
+        except ray.exceptions.RayTaskError as e:   # e.g. the disk is full: the shard stays unwritten
+            for ref in pending:
+                ray.cancel(ref)
+            cause = e.cause if e.cause is not None else e
+            raise DataError(f"writing {args[refs[ready[0]]][1]}/{refs[ready[0]]} failed ({type(cause).__name__}: "
+                            f"{cause}): fix that and run the same command again (complete shards are kept)") from None
+
+
+def _on_processes(args: dict[str, tuple], processes: int):
+    """The same on a local process pool (no Ray: benchmarks/input_bench.py)."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(processes) as pool:
+        futures = {pool.submit(write_shard, *a): name for name, a in args.items()}
+        for f in as_completed(futures):
+            yield futures[f], f.result()
+
+
+def prepare(src: str, out: str, size: int = 256, quality: int = 90, shard_size: int = 1000,
+            address: Optional[str] = None, log=print, processes: Optional[int] = None) -> dict[str, Any]:
+    """Prepare ``src`` into ``out`` on the Ray cluster (or, with ``processes``, on that many local
+    processes); returns the manifest. Raises DataError for bad input (nothing is written then) or an
+    ``out`` prepared with other settings."""
+    from tqdm import tqdm
 
     root, dest = Path(src).resolve(), Path(out)
     settings = {"size": size, "quality": quality, "shard_size": shard_size}
@@ -183,23 +213,11 @@ def prepare(src: str, out: str, size: int = 256, quality: int = 90, shard_size: 
         for k, start in enumerate(range(0, len(listing), shard_size)):
             inputs = [(start + i, rel, label) for i, (rel, label) in enumerate(listing[start:start + shard_size])]
             jobs.append((split, f"{split}-{k:05d}.parquet", inputs))
-    cluster.connect(address)
-    task = ray.remote(num_cpus=1)(write_shard)
-    refs = {task.remote(str(root), str(dest), name, inputs, settings, old.get(name)): name
-            for _, name, inputs in jobs}
+    args = {name: (str(root), str(dest), name, inputs, settings, old.get(name)) for _, name, inputs in jobs}
     results: dict[str, dict[str, Any]] = {}
-    with tqdm(total=len(refs), desc="prepare", unit="shard", disable=not sys.stderr.isatty()) as bar:
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            try:
-                results[refs[ready[0]]] = ray.get(ready[0])
-            except ray.exceptions.RayTaskError as e:   # e.g. the disk is full: the shard stays unwritten
-                for ref in pending:
-                    ray.cancel(ref)
-                cause = e.cause if e.cause is not None else e
-                raise DataError(f"writing {dest / refs[ready[0]]} failed ({type(cause).__name__}: {cause}): "
-                                "fix that and run the same command again (complete shards are kept)") from None
+    with tqdm(total=len(args), desc="prepare", unit="shard", disable=not sys.stderr.isatty()) as bar:
+        for name, result in (_on_processes(args, processes) if processes else _on_ray(args, address)):
+            results[name] = result
             bar.update(1)
     wanted = {name for _, name, _ in jobs}
     for stale in dest.glob("*.parquet"):
