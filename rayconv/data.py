@@ -240,6 +240,9 @@ class ImageFolderSource(Source):
         self.num_classes = len(train_classes)
         self.sample_shape = (3, image_size, image_size)
         self.train_size, self.test_size = len(self.sets["train"]), len(self.sets["test"])
+        from .prepare import warn_skipped  # (it imports this module)
+
+        self.skipped = sum(warn_skipped(base / split) for split in ("train", "val"))
         self.seed, self.workers = seed, workers
         self._pending: dict[str, tuple] = {}
 

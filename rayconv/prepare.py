@@ -56,23 +56,43 @@ def scan(root: Path) -> tuple[list[str], dict[str, list[tuple[str, int]]], dict[
                             "both need the same class folders")
         files[split], skipped[split] = [], []
         for label, name in enumerate(classes):
-            n = 0
-            for dirpath, dirnames, filenames in os.walk(root / split / name, followlinks=True):
-                dirnames.sort()
-                rel = Path(dirpath).relative_to(root)
-                for d in dirnames:
-                    if Path(d).suffix.lower() in IMAGE_SUFFIXES:
-                        skipped[split].append({"path": str(rel / d), "reason": "a directory, not an image file"})
-                for f in sorted(filenames):
-                    if Path(f).suffix.lower() in IMAGE_SUFFIXES:
-                        files[split].append((str(rel / f), label))
-                        n += 1
-                    elif not f.startswith("."):
-                        skipped[split].append({"path": str(rel / f), "reason": "not an image file (suffix)"})
-            if n == 0:
+            images, bad = _walk(root / split / name, root)
+            files[split] += [(rel, label) for rel in images]
+            skipped[split] += bad
+            if not images:
                 raise DataError(f"class folder {root / split / name} has no image files "
                                 f"({', '.join(IMAGE_SUFFIXES)}): add images or remove the folder")
     return classes, files, skipped
+
+
+def _walk(folder: Path, root: Path) -> tuple[list[str], list[dict[str, str]]]:
+    """(image files, skipped entries {path, reason}) under ``folder`` (links followed, sorted), paths
+    relative to ``root``: files with an image suffix; skipped: other files (not hidden ones) and
+    directories named like an image."""
+    images, skipped = [], []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        dirnames.sort()
+        rel = Path(dirpath).relative_to(root)
+        skipped += [{"path": str(rel / d), "reason": "a directory, not an image file"}
+                    for d in dirnames if Path(d).suffix.lower() in IMAGE_SUFFIXES]
+        for f in sorted(filenames):
+            if Path(f).suffix.lower() in IMAGE_SUFFIXES:
+                images.append(str(rel / f))
+            elif not f.startswith("."):
+                skipped.append({"path": str(rel / f), "reason": "not an image file (suffix)"})
+    return images, skipped
+
+
+def warn_skipped(split_dir: Path, log=None) -> int:
+    """For ``--data imagefolder``: one warning line naming the count and the first few entries of
+    ``split_dir``'s class folders that torchvision's ImageFolder leaves out (files without an image
+    suffix, directories named like an image); returns the count."""
+    skipped = [x for c in sorted(split_dir.iterdir()) if c.is_dir() for x in _walk(c, split_dir.parent)[1]]
+    if skipped:
+        names = ", ".join(f"{b['path']} ({b['reason']})" for b in skipped[:3])
+        (log or (lambda m: print(m, file=sys.stderr)))(
+            f"rayconv: warning: {split_dir}: skipped {len(skipped)} entries that are not image files (first: {names})")
+    return len(skipped)
 
 
 def encode(path: Path, size: int, quality: int) -> tuple[bytes, int, int]:

@@ -17,7 +17,7 @@ from PIL import Image
 from helpers import assert_same_state, reference_sgd
 from rayconv import prepare as prep
 from rayconv.config import Config
-from rayconv.data import DataError, make_source
+from rayconv.data import DataError, ImageFolderSource, make_source
 from rayconv.decode import crop_params
 from rayconv.driver import fit
 from rayconv.run import main
@@ -217,3 +217,20 @@ def test_a_prepared_folder_given_as_imagefolder_is_read_as_shards(shards):
     cfg = Config(data="imagefolder", data_dir=str(shards), image_size=32, device="cpu", loader_workers=0).validate()
     src = make_source(cfg)
     assert isinstance(src, ShardSource) and (src.train_size, src.test_size, src.num_classes) == (16, 4, 2)
+
+
+def test_imagefolder_path_on_the_same_bad_inputs(folder, capsys):
+    """--data imagefolder: entries ImageFolder leaves out are counted in one warning line; CMYK, grayscale,
+    PNG and WebP decode to RGB; a file that does not decode or cannot be read stops with its path."""
+    capsys.readouterr()
+    src = ImageFolderSource(str(folder), 32, seed=0, workers=0)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "skipped 2 entries" in err[0] and "train/cat/bad-dir.jpg" in err[0], err
+    assert src.skipped == 2
+    paths = [Path(p).name for p, _ in src.sets["train"].inner.samples]
+    ok = [i for i, n in enumerate(paths) if not n.startswith("bad-")]
+    x = src.images("train", np.array(ok), torch.device("cpu"), epoch=0)
+    assert x.shape == (len(ok), 3, 32, 32) and len(ok) == 16
+    for name in ("bad-truncated.jpg", "bad-random.jpg", "bad-link.jpg"):
+        with pytest.raises(DataError, match=f"cannot decode image .*{name}"):
+            src.images("train", np.array([paths.index(name)]), torch.device("cpu"))
