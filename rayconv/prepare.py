@@ -25,6 +25,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -166,6 +167,11 @@ def write_shard(root: str, out: str, name: str, inputs: list[tuple[int, str, int
     return {**_entry(final, done["rows"], sha256_file(final)), "skipped": skipped, "counts": counts, "resumed": False}
 
 
+def _ours(name: str) -> bool:
+    """Whether ``name`` is a file prepare writes: a shard, the manifest, or either's ``.tmp``."""
+    return re.fullmatch(r"(train|val)-\d{5}\.parquet(\.tmp)?|manifest\.json(\.tmp)?", name) is not None
+
+
 def _entry(path: Path, rows: int, sha: str) -> dict[str, Any]:
     return {"file": path.name, "rows": rows, "bytes": path.stat().st_size, "sha256": sha}
 
@@ -222,6 +228,10 @@ def prepare(src: str, out: str, size: int = 256, quality: int = 90, shard_size: 
             raise DataError(f"{dest / MANIFEST} cannot be read ({e}): remove it or choose another --out") from None
         if prev != settings:
             raise DataError(f"{dest} was prepared with {prev}, not {settings}: use the same settings or another --out")
+    others = sorted(p.name for p in dest.iterdir() if not _ours(p.name)) if dest.is_dir() else []
+    if others:
+        raise DataError(f"--out {dest} holds files prepare did not write ({', '.join(others[:3])}): choose a new "
+                        "or empty folder")
     dest.mkdir(parents=True, exist_ok=True)
     # A folder with a manifest is complete: it goes until the new one is written (shards already
     # complete are kept and checked against the old manifest's sha256).
@@ -241,7 +251,7 @@ def prepare(src: str, out: str, size: int = 256, quality: int = 90, shard_size: 
             bar.update(1)
     wanted = {name for _, name, _ in jobs}
     for stale in dest.glob("*.parquet"):
-        if stale.name not in wanted:
+        if _ours(stale.name) and stale.name not in wanted:
             stale.unlink()   # a shard of files no longer in the source folder
     splits: dict[str, Any] = {}
     for split in SPLITS.values():

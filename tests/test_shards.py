@@ -144,6 +144,11 @@ def test_prepare_bad_input_is_one_line_and_writes_nothing(ray_cluster, folder, s
     before = sorted((p.name, p.stat().st_mtime_ns) for p in shards.iterdir())
     assert "use the same settings" in failing([str(folder), "--out", str(shards), "--size", "64", "--shard-size", "4"])
     assert sorted((p.name, p.stat().st_mtime_ns) for p in shards.iterdir()) == before
+    # A folder holding other files is not written into.
+    (tmp_path / "o5").mkdir()
+    (tmp_path / "o5" / "metrics.parquet").write_bytes(b"mine")
+    assert "holds files prepare did not write (metrics.parquet)" in failing([str(folder), "--out", str(tmp_path / "o5")])
+    assert (tmp_path / "o5" / "metrics.parquet").read_bytes() == b"mine"
     assert "--quality" in failing([str(folder), "--out", str(tmp_path / "o4"), "--quality", "0"])
 
 
