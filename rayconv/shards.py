@@ -199,7 +199,11 @@ class ShardSource(Source):
             self._stream = torch.cuda.Stream(device)
         jpegs, params = self.jpegs(split, idx), self.params(split, epoch, idx)
         with torch.cuda.stream(self._stream):
-            x = dec.transform(dec.decode(jpegs, device), self.size, params)
+            try:
+                x = dec.transform(dec.decode(jpegs, device), self.size, params)
+            except RuntimeError as e:   # nvJPEG's error on bytes that passed the sha256 check
+                raise DataError(f"cannot decode a sample of {self.root} on {device} ({e}): prepare the "
+                                "folder again, or use --decode cpu") from None
             event = torch.cuda.Event()
             event.record(self._stream)
         return x, event

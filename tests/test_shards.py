@@ -239,3 +239,18 @@ def test_imagefolder_path_on_the_same_bad_inputs(folder, capsys):
     for name in ("bad-truncated.jpg", "bad-random.jpg", "bad-link.jpg"):
         with pytest.raises(DataError, match=f"cannot decode image .*{name}"):
             src.images("train", np.array([paths.index(name)]), torch.device("cpu"))
+
+
+def test_shard_flags_are_checked(ray_cluster, folder, tmp_path, capsys):
+    def failing(argv) -> str:
+        capsys.readouterr()
+        assert main(["--steps", "1", "--no-progress", "--out", str(tmp_path / "x"), *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("rayconv: error:"), err
+        return err[0]
+
+    assert "--data-dir SHARDS" in failing(["--data", "shards"])
+    assert "--decode cpu" in failing(["--data", "shards", "--data-dir", str(folder), "--device", "cpu",
+                                      "--decode", "gpu"])
+    assert "no manifest.json" in failing(["--data", "shards", "--data-dir", str(folder), "--device", "cpu"])
+    assert not (tmp_path / "x").exists()
