@@ -37,7 +37,7 @@ def _pixels(rng, h: int, w: int, c: int) -> np.ndarray:
 def folder(tmp_path_factory) -> Path:
     """train/<class>/ with 6 good JPEGs of various sizes each (one 80 x 120, to be downscaled) plus, in
     train/cat/: a PNG, a WebP, a grayscale JPEG and a CMYK JPEG (converted), and a truncated JPEG, random
-    bytes named .jpg, a text file, a dangling link and a directory named like an image (skipped);
+    bytes named .jpg, an empty file, a text file, a dangling link and a directory named like an image (skipped);
     val/<class>/ with 2 JPEGs each."""
     root = tmp_path_factory.mktemp("src")
     rng = np.random.default_rng(0)
@@ -57,6 +57,7 @@ def folder(tmp_path_factory) -> Path:
     good = (cat / "cat1.JPEG").read_bytes()
     (cat / "bad-truncated.jpg").write_bytes(good[: len(good) // 2])
     (cat / "bad-random.jpg").write_bytes(rng.integers(0, 256, 500).astype(np.uint8).tobytes())
+    (cat / "bad-zero.jpg").write_bytes(b"")
     (cat / "notes.txt").write_text("not an image")
     os.symlink(cat / "missing.jpg", cat / "bad-link.jpg")
     (cat / "bad-dir.jpg").mkdir()
@@ -78,13 +79,15 @@ def test_prepare_writes_a_checked_manifest(shards, folder):
     assert m["splits"]["val"]["per_class"] == {"cat": 2, "dog": 2}
     reasons = {s["path"]: s["reason"] for s in train["skipped"]}
     assert sorted(reasons) == sorted(f"train/cat/{n}" for n in
-                                     ("bad-truncated.jpg", "bad-random.jpg", "notes.txt", "bad-link.jpg", "bad-dir.jpg"))
+                                     ("bad-truncated.jpg", "bad-random.jpg", "bad-zero.jpg", "notes.txt", "bad-link.jpg",
+                                      "bad-dir.jpg"))
     assert reasons["train/cat/notes.txt"].startswith("not an image")
     assert reasons["train/cat/bad-dir.jpg"].startswith("a directory")
     assert "FileNotFoundError" in reasons["train/cat/bad-link.jpg"]
     assert reasons["train/cat/bad-truncated.jpg"].startswith("cannot read or decode")
-    # 19 train files with an image suffix, in sorted order, 4 per shard: rows are the files kept.
-    assert [e["rows"] for e in train["shards"]] == [1, 4, 4, 4, 3]
+    # 20 train files with an image suffix, in sorted order, 4 per shard: rows are the files kept (the
+    # first shard's four files are all bad: an empty shard).
+    assert [e["rows"] for e in train["shards"]] == [0, 4, 4, 4, 4]
     for e in train["shards"] + m["splits"]["val"]["shards"]:
         p = shards / e["file"]
         assert p.stat().st_size == e["bytes"] and sha256_file(p) == e["sha256"]
@@ -236,7 +239,7 @@ def test_imagefolder_path_on_the_same_bad_inputs(folder, capsys):
     ok = [i for i, n in enumerate(paths) if not n.startswith("bad-")]
     x = src.images("train", np.array(ok), torch.device("cpu"), epoch=0)
     assert x.shape == (len(ok), 3, 32, 32) and len(ok) == 16
-    for name in ("bad-truncated.jpg", "bad-random.jpg", "bad-link.jpg"):
+    for name in ("bad-truncated.jpg", "bad-random.jpg", "bad-zero.jpg", "bad-link.jpg"):
         with pytest.raises(DataError, match=f"cannot decode image .*{name}"):
             src.images("train", np.array([paths.index(name)]), torch.device("cpu"))
 
