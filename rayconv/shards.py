@@ -80,7 +80,13 @@ class ShardSource(Source):
     ``decode``: ``gpu`` (batched nvJPEG on the actor's GPU, then crop, flip and normalise there, on a
     side CUDA stream, one batch ahead), ``cpu`` (``workers`` DataLoader processes decode with
     libjpeg-turbo, crop and flip; the actor normalises on its device) or ``auto`` (gpu on CUDA
-    devices). Raises DataError for a folder whose manifest does not match its files."""
+    devices). Raises DataError for a folder whose manifest does not match its files.
+
+    Overlap on GPUs: when batch k is taken, batch k + 1 is decoded and cropped on a side stream; the
+    caller's stream waits on an event before using batch k. torchvision's batched nvJPEG call returns
+    when its decode is done (it synchronises its own stream; baseline JPEGs, as prepare writes, go to
+    the hardware JPEG decoder of A100/H100-class GPUs), so the actor's thread spends that time before
+    it launches step k, while step k - 1 still runs on the GPU."""
 
     def __init__(self, root: str, image_size: int, seed: int, workers: int, decode: str = "auto"):
         import pyarrow.parquet as pq
