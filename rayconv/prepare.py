@@ -304,6 +304,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ClusterError as e:
         print(f"rayconv.prepare: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"rayconv.prepare: interrupted: complete shards are kept in {a.out}; run the same command again "
+              "to finish", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
