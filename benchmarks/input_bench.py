@@ -26,7 +26,6 @@ It writes ``input_bench.parquet`` and ``input_bench.md`` (one row per figure) in
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import sys
 import tempfile

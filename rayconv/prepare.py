@@ -20,7 +20,6 @@ counted: a warning names the count and the first few, the manifest lists them al
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
 import json
