@@ -22,7 +22,8 @@ from .errors import ConfigError
 
 MODELS_HELP = ("convnet (small test ConvNet; convnet_bn with batch norm; convnet2col two-column), alexnet, "
                "alexnet2012 (two-column), or any torchvision classification ConvNet name")
-DATA_CHOICES = ("digits", "synthetic", "imagefolder")
+DATA_CHOICES = ("digits", "synthetic", "imagefolder", "shards")
+DECODE_CHOICES = ("auto", "cpu", "gpu")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 SCHEDULE_CHOICES = ("gpipe", "1f1b")
 PLAN_CHOICES = ("none", "krizhevsky2014")
@@ -54,9 +55,15 @@ class Config:
 
     # what to train
     model: str = field(default="convnet", metadata={"help": MODELS_HELP})
-    data: str = field(default="digits", metadata={"help": "digits (embedded real scans), synthetic, imagefolder",
+    data: str = field(default="digits", metadata={"help": "digits (embedded real scans), synthetic, imagefolder, "
+                                                          "shards (a folder from python -m rayconv.prepare)",
                                                   "choices": DATA_CHOICES})
-    data_dir: Optional[str] = field(default=None, metadata={"help": "ImageNet-layout folder with train/ and val/"})
+    data_dir: Optional[str] = field(default=None, metadata={"help": "ImageNet-layout folder with train/ and val/, "
+                                                                   "or a prepared shard folder"})
+    decode: str = field(default="auto", metadata={
+        "help": "where --data shards decodes JPEGs: gpu (batched nvJPEG, crop and flip on the actor's GPU), "
+                "cpu (--loader-workers processes, libjpeg-turbo), auto: gpu on CUDA devices",
+        "choices": DECODE_CHOICES})
     num_classes: Optional[int] = field(default=None, metadata={"help": "classes; default: follows the data"})
     image_size: int = field(default=224, metadata={"help": "side in pixels for synthetic and imagefolder data"})
     synthetic_samples: int = field(default=4096, metadata={"help": "train samples of synthetic data"})
@@ -107,7 +114,7 @@ class Config:
                 "one GPU per actor, NCCL is reported to slow or hang on NVSwitch hosts, Ray issue 61073); "
                 "no effect on CPU"})
     collective_timeout_s: float = field(default=300.0, metadata={"help": "seconds before a stuck collective fails"})
-    loader_workers: int = field(default=2, metadata={"help": "decode processes per actor for imagefolder data"})
+    loader_workers: int = field(default=2, metadata={"help": "decode processes per actor for imagefolder data and shards decoded on the CPU"})
     # output
     out: Optional[str] = field(default=None, metadata={"help": "output folder (default: a new folder under runs/)"})
     eval_every: Optional[int] = field(default=None, metadata={"help": "steps between test evaluations (default: each epoch)"})
@@ -149,6 +156,11 @@ class Config:
         need(self.lr_schedule in LR_SCHEDULE_CHOICES, f"unknown --lr-schedule {self.lr_schedule!r}: constant or cosine")
         need(self.data != "imagefolder" or bool(self.data_dir),
              "--data imagefolder needs --data-dir DIR (a folder with train/<class>/*.JPEG and val/<class>/...)")
+        need(self.data != "shards" or bool(self.data_dir),
+             "--data shards needs --data-dir SHARDS (a folder written by python -m rayconv.prepare DIR --out SHARDS)")
+        need(self.decode in DECODE_CHOICES, f"unknown --decode {self.decode!r}: choose auto, cpu or gpu")
+        need(not (self.decode == "gpu" and self.device == "cpu"),
+             "--decode gpu decodes on the actors' GPUs: use --decode cpu with --device cpu")
         for name in ("pp", "fs", "num_microbatches", "virtual_stages", "global_batch_size", "log_every",
                      "num_cpus_per_actor"):
             need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")

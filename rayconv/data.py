@@ -7,6 +7,8 @@ Sources (``--data``):
 * ``imagefolder``: an ImageNet-layout folder, ``<dir>/train/<class>/*.JPEG`` and ``<dir>/val/<class>/...``,
   decoded and augmented by torchvision (RandomResizedCrop + flip for training; resize + center crop for
   evaluation), read by a ``torch.utils.data.DataLoader`` with worker processes.
+* ``shards``: a folder written by ``python -m rayconv.prepare`` (Parquet shards of training-size JPEGs),
+  decoded on the GPU or the CPU (``rayconv/shards.py``, ``rayconv/decode.py``).
 * ``synthetic``: ImageNet-shaped images (3 x S x S, 1000 classes) made directly on the device, for
   throughput; labels are a fixed function of the sample index.
 
@@ -238,6 +240,9 @@ class ImageFolderSource(Source):
         self.num_classes = len(train_classes)
         self.sample_shape = (3, image_size, image_size)
         self.train_size, self.test_size = len(self.sets["train"]), len(self.sets["test"])
+        from .prepare import warn_skipped  # (it imports this module)
+
+        self.skipped = sum(warn_skipped(base / split) for split in ("train", "val"))
         self.seed, self.workers = seed, workers
         self._pending: dict[str, tuple] = {}
 
@@ -294,8 +299,13 @@ def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
         src: Source = load_digits()
     elif cfg.data == "synthetic":
         src = SyntheticSource(cfg.image_size, cfg.num_classes or 1000, cfg.synthetic_samples, cfg.seed)
-    elif cfg.data == "imagefolder":
-        src = ImageFolderSource(cfg.data_dir or "", cfg.image_size, cfg.seed, cfg.loader_workers)
+    elif cfg.data in ("imagefolder", "shards"):
+        from .shards import ShardSource, is_prepared  # (it imports this module)
+
+        if cfg.data == "shards" or is_prepared(cfg.data_dir):  # a prepared folder is read as shards
+            src = ShardSource(cfg.data_dir or "", cfg.image_size, cfg.seed, cfg.loader_workers, cfg.decode)
+        else:
+            src = ImageFolderSource(cfg.data_dir or "", cfg.image_size, cfg.seed, cfg.loader_workers)
     else:
         raise ConfigError(f"unknown --data {cfg.data!r}")
     if cfg.num_classes is not None and cfg.num_classes != src.num_classes:
