@@ -37,7 +37,7 @@ class DeferredBatchNorm(_BatchNorm):
     Made from an ``nn.BatchNorm*d`` by ``defer_batchnorm``, sharing its parameters and running buffers
     (same ``state_dict`` keys). Training forward: ``x_NC*`` normalised by its own batch statistics, which
     are also added to the step's accumulators; eval forward: by the running statistics.
-    ``commit()`` must follow at least one training forward of the step (the count would be 0).
+    ``commit()`` ends each training step.
     """
 
     def __init__(self, bn: _BatchNorm):
@@ -74,6 +74,8 @@ class DeferredBatchNorm(_BatchNorm):
 
     def _track(self, x: torch.Tensor) -> None:
         """Add micro-batch ``x_NC*``'s per-channel statistics to the accumulators (Chan et al. 1979)."""
+        if x.numel() == 0:
+            return  # (an empty micro-batch: nothing to add; a branch on the shape, fixed in a capture)
         if x.dtype != self.acc_mean.dtype:
             x = x.to(self.acc_mean.dtype)  # (bf16 activations: statistics in the running buffers' dtype)
         dims = [0, *range(2, x.dim())]
@@ -94,6 +96,9 @@ class DeferredBatchNorm(_BatchNorm):
             f = 1.0 / self.num_batches_tracked.to(self.running_mean.dtype)
         else:
             f = self.momentum
+        # No sample seen this step (every micro-batch empty): the running statistics stay, as
+        # nn.BatchNorm leaves them on an empty batch (num_batches_tracked still counts the step).
+        f = f * (self.acc_count > 0).to(self.running_mean.dtype)
         var = self.acc_m2 / (self.acc_count - 1)  # unbiased, as nn.BatchNorm's running_var
         self.running_mean.mul_(1 - f).add_(self.acc_mean * f)
         self.running_var.mul_(1 - f).add_(var * f)
