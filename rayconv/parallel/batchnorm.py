@@ -16,7 +16,9 @@ far (not the sum of squares, whose difference loses precision in float32). Every
 arithmetic on fixed buffers, with no host synchronisation and no branch on a tensor's value, so a
 step that accumulates and commits can be captured as a CUDA graph (``cuda_graph.py``) or compiled.
 The accumulators are per-step scratch: zero between steps, non-persistent (not in ``state_dict``,
-hence not in checkpoints).
+hence not in checkpoints). Every training forward adds its micro-batch: a forward run again to
+recompute activations (activation checkpointing, which rayconv does not use) would add it twice,
+which torchgpipe avoids by tracking only outside recomputation.
 
 Legend: N micro-batch size, C channels; ``x_NC*`` a batch-norm input (``x_NC``, ``x_NCL``, ``x_NCHW``).
 """
