@@ -110,6 +110,24 @@ def test_deferred_layer_equals_batchnorm_on_the_whole_batch(momentum, shape):
     torch.testing.assert_close(layer.eval()(x), ref.eval()(x), rtol=0, atol=1e-13)
 
 
+def test_empty_micro_batches_add_nothing():
+    """An empty micro-batch adds nothing; a step of empty micro-batches only counts, as nn.BatchNorm
+    does on an empty batch."""
+    torch.manual_seed(0)
+    ref = nn.BatchNorm2d(3).double()
+    layer = defer_batchnorm(copy.deepcopy(ref))
+    x = torch.randn(8, 3, 4, 4, dtype=torch.float64)
+    for c in x.split([5, 0, 3]):
+        layer(c)
+    layer.commit()
+    ref(x)
+    layer(x[:0])
+    layer.commit()
+    ref(x[:0])
+    assert_same_state(layer.state_dict(), ref.state_dict(), atol=1e-14)
+    assert int(layer.num_batches_tracked) == 2
+
+
 def test_layers_without_running_statistics_stay_as_they_are():
     seq = nn.Sequential(nn.Conv2d(1, 3, 1), nn.BatchNorm2d(3, track_running_stats=False), nn.BatchNorm2d(3))
     out = defer_batchnorm(seq)

@@ -16,7 +16,9 @@ far (not the sum of squares, whose difference loses precision in float32). Every
 arithmetic on fixed buffers, with no host synchronisation and no branch on a tensor's value, so a
 step that accumulates and commits can be captured as a CUDA graph (``cuda_graph.py``) or compiled.
 The accumulators are per-step scratch: zero between steps, non-persistent (not in ``state_dict``,
-hence not in checkpoints).
+hence not in checkpoints). Every training forward adds its micro-batch: a forward run again to
+recompute activations (activation checkpointing, which rayconv does not use) would add it twice,
+which torchgpipe avoids by tracking only outside recomputation.
 
 Legend: N micro-batch size, C channels; ``x_NC*`` a batch-norm input (``x_NC``, ``x_NCL``, ``x_NCHW``).
 """
@@ -37,7 +39,7 @@ class DeferredBatchNorm(_BatchNorm):
     Made from an ``nn.BatchNorm*d`` by ``defer_batchnorm``, sharing its parameters and running buffers
     (same ``state_dict`` keys). Training forward: ``x_NC*`` normalised by its own batch statistics, which
     are also added to the step's accumulators; eval forward: by the running statistics.
-    ``commit()`` must follow at least one training forward of the step (the count would be 0).
+    ``commit()`` ends each training step.
     """
 
     def __init__(self, bn: _BatchNorm):
@@ -74,6 +76,8 @@ class DeferredBatchNorm(_BatchNorm):
 
     def _track(self, x: torch.Tensor) -> None:
         """Add micro-batch ``x_NC*``'s per-channel statistics to the accumulators (Chan et al. 1979)."""
+        if x.numel() == 0:
+            return  # (an empty micro-batch: nothing to add; a branch on the shape, fixed in a capture)
         if x.dtype != self.acc_mean.dtype:
             x = x.to(self.acc_mean.dtype)  # (bf16 activations: statistics in the running buffers' dtype)
         dims = [0, *range(2, x.dim())]
@@ -94,6 +98,9 @@ class DeferredBatchNorm(_BatchNorm):
             f = 1.0 / self.num_batches_tracked.to(self.running_mean.dtype)
         else:
             f = self.momentum
+        # No sample seen this step (every micro-batch empty): the running statistics stay, as
+        # nn.BatchNorm leaves them on an empty batch (num_batches_tracked still counts the step).
+        f = f * (self.acc_count > 0).to(self.running_mean.dtype)
         var = self.acc_m2 / (self.acc_count - 1)  # unbiased, as nn.BatchNorm's running_var
         self.running_mean.mul_(1 - f).add_(self.acc_mean * f)
         self.running_var.mul_(1 - f).add_(var * f)
