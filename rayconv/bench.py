@@ -54,6 +54,7 @@ from .config import Config, ConfigError, OneLineParser
 from .data import DataError, check_image_folder
 from .driver import call_timeout_s as default_call_timeout_s, fit, launch, prepare
 from .metrics import atomic_write
+from .shards import is_prepared, read_manifest
 from .schedule import bubble_fraction
 
 
@@ -239,7 +240,7 @@ def compiles(args) -> bool:
 def base_config(args, model: str, layout: dict[str, Any], global_batch: int) -> Config:
     data = dict(data="synthetic", num_classes=1000, synthetic_samples=max(global_batch * 4, 1024)) \
         if args.data == "synthetic" else \
-        dict(data=args.data, data_dir=args.data_dir, loader_workers=args.loader_workers)
+        dict(data=args.data, data_dir=args.data_dir, loader_workers=args.loader_workers, decode=args.decode)
     kw: dict[str, Any] = dict(model=model, **data, image_size=args.image_size, global_batch_size=global_batch,
                               precision=args.precision, device=args.device, address=args.address,
                               progress=False, lr=0.01, compile=args.compile,
@@ -471,15 +472,19 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first; the first compiles on GPUs (default %(default)s)")
     p.add_argument("--image-size", type=int, default=224,
                    help="images are 3 x S x S (synthetic; image folders are cropped to S) (default %(default)s)")
-    p.add_argument("--data", default="synthetic", choices=("synthetic", "imagefolder"),
+    p.add_argument("--data", default="synthetic", choices=("synthetic", "imagefolder", "shards"),
                    help="synthetic: made on the device (no input cost); imagefolder: --data-dir's JPEG files "
-                        "through the real loader, so input stall shows (anchors: synthetic only, not run) "
-                        "(default %(default)s)")
+                        "through the real loader, so input stall shows; shards: a folder written by "
+                        "python -m rayconv.prepare (anchors: synthetic only, not run) (default %(default)s)")
     p.add_argument("--data-dir", default=None, metavar="DIR",
                    help="with --data imagefolder: DIR/train/<class>/*.JPEG and DIR/val/<class>/*.JPEG "
-                        "(benchmarks/make_images.py writes one)")
+                        "(benchmarks/make_images.py writes one); with --data shards: rayconv.prepare's --out")
     p.add_argument("--loader-workers", type=int, default=2,
-                   help="decode processes per actor for --data imagefolder (default %(default)s)")
+                   help="decode processes per actor for --data imagefolder and shards decoded on the CPU "
+                        "(default %(default)s)")
+    p.add_argument("--decode", default="auto", choices=("auto", "cpu", "gpu"),
+                   help="where --data shards decodes JPEGs (auto: the actors' GPUs when they have them) "
+                        "(default %(default)s)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
                    help="bf16: bf16 autocast with fp32 weights, for rayconv and the anchors (default %(default)s)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
@@ -528,10 +533,13 @@ def main(argv=None) -> int:
         if args.call_timeout_s is not None and not 0 < args.call_timeout_s <= MAX_CALL_TIMEOUT_S:
             raise ConfigError(f"--call-timeout-s {args.call_timeout_s:g}: give a positive number of seconds up to "
                               f"{MAX_CALL_TIMEOUT_S:g} (or leave it out for the default, 630)")
-        if args.data == "imagefolder":
-            if not args.data_dir:
-                raise ConfigError("--data imagefolder needs --data-dir DIR (DIR/train/<class>/*.JPEG and "
-                                  "DIR/val/<class>/...; benchmarks/make_images.py writes one)")
+        if args.data != "synthetic" and not args.data_dir:
+            raise ConfigError(f"--data {args.data} needs --data-dir DIR (imagefolder: DIR/train/<class>/*.JPEG "
+                              "and DIR/val/<class>/..., benchmarks/make_images.py writes one; shards: the --out of "
+                              "python -m rayconv.prepare)")
+        if args.data == "shards":
+            read_manifest(Path(args.data_dir))
+        elif args.data == "imagefolder" and not is_prepared(args.data_dir):
             for split in ("train", "val"):
                 check_image_folder(Path(args.data_dir) / split)
         if args.loader_workers < 0:
