@@ -1,0 +1,390 @@
+"""Choosing the layout: measure what the cost model needs, rank every layout, pick the fastest that fits.
+
+This is the measuring and searching half of the planner; ``rayconv.costmodel`` is the model of a
+step, and ``python -m rayconv.plan`` the command. Not to be confused with ``rayconv/parallel/plan.py``,
+the routing plan (layers, stages, schedule, the per-layer plan ``--plan krizhevsky2014``) of one
+layout that the actors run.
+
+What is measured, on the device the run will use:
+
+* the model's profile (per-layer output sizes, parameters, FLOPs, where a filter split gathers),
+  from one CPU forward of one sample (``parallel.plan.layer_profile``, ``filter_split.shard_layers``);
+* each layer's forward + backward time at every batch size the candidate layouts need
+  (``parallel.plan.layer_times``, what ``--balance time`` measures), on one GPU of the cluster
+  (``cluster.run_on_device``) or on this process's CPU;
+* with two or more GPUs, all-reduce, all-gather and send/recv times between two actors on the
+  cluster (``cluster.run_on_devices``), fitted to latency + bytes / bandwidth; on one device or on
+  CPU the links come from ``LINK_TABLE``.
+
+Measurements are cached as JSON under ``$RAYCONV_CACHE_DIR`` (default ``~/.cache/rayconv/``), one file
+per (model, data shape, device name, precision); a second plan reads it and measures nothing new.
+
+Machines we cannot run on are predicted from the link table (``MACHINES``, ``--machine``) with the
+per-layer times of the device at hand (the same GPU model: H200). Figures assumed there:
+
+* NVLink 4 on H100/H200: 18 links, 900 GB/s bidirectional per GPU, about 450 GB/s each way (NVIDIA
+  H200 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/h200/ ; HGX H200 8-GPU
+  boards connect all GPUs through NVSwitch at that rate, https://www.nvidia.com/en-us/data-center/hgx/ ).
+  NCCL reaches part of it: 180-290 GB/s all-reduce bus bandwidth was measured between two H200 actors
+  (benchmarks/RESULTS.md), so the table assumes 290 GB/s for collectives and point-to-point.
+* Between hosts: InfiniBand NDR, 400 Gb/s = 50 GB/s each way per ConnectX-7 adapter, one adapter per
+  GPU as in DGX/HGX H200 systems (NVIDIA ConnectX-7 datasheet,
+  https://www.nvidia.com/en-us/networking/ethernet-adapters/ ; DGX H200 user guide); assumed 40 GB/s
+  achieved per GPU for collectives that cross hosts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from . import costmodel
+from .config import Config, ConfigError
+from .costmodel import Layout, Links, LinkSpeed, Prediction, Profile
+
+NVLINK4 = LinkSpeed(gbps=290.0, latency_ms=0.02)
+IB_NDR = LinkSpeed(gbps=40.0, latency_ms=0.03)
+GLOO_LOOPBACK = LinkSpeed(gbps=1.0, latency_ms=0.1)
+LINK_TABLE = {
+    "nvlink4": ("NVLink 4 / NVSwitch (H100/H200 HGX): 450 GB/s each way per GPU, 290 GB/s assumed achieved",
+                NVLINK4),
+    "gloo-loopback": ("gloo over loopback TCP between CPU processes (assumed 1 GB/s, 0.1 ms)", GLOO_LOOPBACK),
+}
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A machine to predict for: ``nodes`` hosts of ``gpus_per_node`` GPUs and their links."""
+
+    name: str
+    nodes: int
+    gpus_per_node: int
+    intra: str
+    inter: Optional[LinkSpeed] = None
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def links(self) -> Links:
+        text, speed = LINK_TABLE[self.intra]
+        inter = f"; between hosts InfiniBand NDR 400 Gb/s per GPU, {self.inter.gbps:g} GB/s assumed" if self.inter else ""
+        return Links(self.name, speed, speed, speed, self.gpus_per_node, self.inter, source=f"link table: {text}{inter}")
+
+
+MACHINES = {
+    "h200x2": Machine("2 x H200, one host", 1, 2, "nvlink4"),
+    "h200x4": Machine("4 x H200, one host", 1, 4, "nvlink4"),
+    "h200x8": Machine("8 x H200, one host (HGX, NVSwitch)", 1, 8, "nvlink4"),
+    "2xh200x8": Machine("2 hosts of 8 x H200 (InfiniBand NDR)", 2, 8, "nvlink4", IB_NDR),
+}
+
+
+# ---------------------------------------------------------------------- measurement (runs on the device)
+def profile_of(cfg_dict: dict) -> dict:
+    """The model's ``Profile`` fields (JSON-able) for the run settings ``cfg_dict``; runs on CPU."""
+    import math
+
+    from torch import nn
+
+    from .data import make_source
+    from .models import run_model, to_layers
+    from .parallel.filter_split import Gather, shard_layers
+    from .parallel.pipeline import PlanError
+    from .parallel.plan import layer_profile
+
+    cfg = Config(**cfg_dict)
+    source = make_source(cfg)
+    layers = to_layers(run_model(cfg, source))
+    shapes, flops, params = layer_profile(layers, tuple(source.sample_shape))
+    names = [n for n, _ in layers]
+    first_fc = next((i for i, (_, m) in enumerate(layers) if isinstance(m, nn.Linear)), None)
+    gathers: list[int] = []
+    max_fs = 1
+    try:
+        part = shard_layers(layers, tuple(source.sample_shape), list(shapes), None, 0, 2, None, is_last=True)
+        for j, m in enumerate(part.modules):
+            if isinstance(m, Gather) and j + 1 < len(part.names) and part.names[j + 1] is not None:
+                gathers.append(names.index(part.names[j + 1]))
+        widths = [m.out_channels if isinstance(m, nn.Conv2d) else m.out_features for _, m in layers
+                  if isinstance(m, (nn.Conv2d, nn.Linear))]
+        max_fs = min(widths)
+    except PlanError:
+        pass
+    return {"model": cfg.model, "in_elems": math.prod(source.sample_shape),
+            "out_elems": [math.prod(s) for s in shapes], "params": params, "first_fc": first_fc,
+            "gathers": gathers, "max_fs": max_fs, "flops": flops}
+
+
+def device_name(cfg_dict: dict) -> str:
+    """This process's device as the cache names it (e.g. ``NVIDIA H200``, ``cpu-x86_64-2``)."""
+    import torch
+
+    if cfg_dict["device"] == "cuda":
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+    return f"cpu-{platform.machine()}-{torch.get_num_threads()}threads"
+
+
+def times_at(cfg_dict: dict, batches: Sequence[int]) -> dict:
+    """Forward + backward ms per layer at each batch size (``parallel.plan.measured_costs``), and the
+    device's name: {"device": name, "times": {batch: [ms, ...]}}."""
+    from .parallel.plan import measured_costs
+
+    return {"device": device_name(cfg_dict), "times": {str(b): measured_costs(cfg_dict, b) for b in batches}}
+
+
+def link_probe(rank: int, world: int, master: str, backend: str, sizes_mb: Sequence[float]) -> dict:
+    """Median times (ms) of all-reduce, all-gather (each rank gives size / world) and a one-way send of
+    each size (MB) between ``world`` processes (run by ``cluster.run_on_devices``)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    sync = torch.cuda.synchronize if backend == "nccl" else (lambda: None)
+    out: dict[str, list] = {"sizes_mb": list(sizes_mb), "allreduce": [], "allgather": [], "p2p": []}
+    try:
+        for mb in sizes_mb:
+            n = max(world, int(mb * 2**20 // 4) // world * world)
+            t = torch.ones(n, device=dev)
+            parts = list(torch.empty(n, device=dev).chunk(world))
+            ops = {"allreduce": lambda: dist.all_reduce(t),
+                   "allgather": lambda: dist.all_gather(parts, t[:n // world].clone()),
+                   # a round trip between ranks 0 and 1, halved below
+                   "p2p": lambda: (dist.send(t, 1), dist.recv(t, 1)) if rank == 0 else
+                   ((dist.recv(t, 0), dist.send(t, 0)) if rank == 1 else None)}
+            for key, op in ops.items():
+                times = []
+                for i in range(7):
+                    sync()
+                    t0 = time.perf_counter()
+                    op()
+                    sync()
+                    if i >= 2:
+                        times.append((time.perf_counter() - t0) * 1e3)
+                out[key].append(statistics.median(times) / (2 if key == "p2p" else 1))
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def fit_links(probe: dict, world: int, name: str) -> Links:
+    """Latency + bandwidth per transfer kind, least squares over the probed sizes (bus bytes for
+    collectives, as ``costmodel.LinkSpeed`` counts them)."""
+    def fit(key: str, factor: float) -> LinkSpeed:
+        xs = [mb * 2**20 * factor for mb in probe["sizes_mb"]]
+        ys = probe[key]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(1e-30, sum((x - mx) ** 2 for x in xs))
+        slope = max(slope, 1e-12)
+        return LinkSpeed(gbps=1e3 / slope / 1e9, latency_ms=max(0.0, my - slope * mx))
+
+    n = world
+    speeds = (fit("allreduce", 2 * (n - 1) / n), fit("allgather", (n - 1) / n), fit("p2p", 1.0))
+    return Links(name, *speeds, gpus_per_node=max(world, 8),
+                 source=f"measured between {world} actors: all-reduce {speeds[0].gbps:.1f} GB/s, all-gather "
+                        f"{speeds[1].gbps:.1f} GB/s, send/recv {speeds[2].gbps:.1f} GB/s (bus bandwidth, fitted)")
+
+
+# ---------------------------------------------------------------------- cache
+def cache_dir() -> Path:
+    return Path(os.environ.get("RAYCONV_CACHE_DIR") or Path.home() / ".cache" / "rayconv")
+
+
+class Measurements:
+    """Profile, layer times and links of one (model, data shape, device, precision), cached on disk."""
+
+    def __init__(self, cfg: Config, device: str, use_cluster: bool):
+        self.cfg, self.device, self.use_cluster = cfg, device, use_cluster
+        self.cfg_dict = {**cfg.to_dict(), "device": device}
+        self.state: dict[str, Any] = {"times": {}, "links": None, "device": None, "profile": None}
+        self.path: Optional[Path] = None
+        self.measured: list[str] = []
+
+    def _run(self, fn, args: Sequence[Any]):
+        if self.use_cluster:
+            from . import cluster
+
+            return cluster.run_on_device(fn, args, gpu=self.device == "cuda", timeout_s=600.0)
+        return fn(*args)
+
+    def load(self) -> None:
+        """Find this configuration's cache file (asks the device for its name first)."""
+        name = self._run(device_name, (self.cfg_dict,))
+        key = json.dumps([self.cfg.model, self.cfg.data, self.cfg.image_size, self.cfg.num_classes, name,
+                          self.cfg.precision])
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        self.path = cache_dir() / f"plan-{self.cfg.model}-{digest}.json"
+        if self.path.is_file():
+            try:
+                self.state = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                pass  # a damaged cache is measured again
+        self.state["device"] = name
+
+    def save(self) -> None:
+        assert self.path is not None
+        from .metrics import atomic_write
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.path, lambda tmp: Path(tmp).write_text(json.dumps(self.state)))
+
+    def profile(self) -> Profile:
+        if self.state.get("profile") is None:
+            self.state["profile"] = profile_of(self.cfg_dict)
+            self.measured.append("profile")
+        p = self.state["profile"]
+        return Profile(p["model"], p["in_elems"], tuple(p["out_elems"]), tuple(p["params"]), p["first_fc"],
+                       tuple(p["gathers"]), p["max_fs"], tuple(p["flops"]))
+
+    def times(self, batches: Sequence[int]) -> Callable[[int], list[float]]:
+        """Measure the batch sizes not cached yet; return batch -> per-layer ms."""
+        missing = [b for b in batches if str(b) not in self.state["times"]]
+        if missing:
+            self.state["times"].update(self._run(times_at, (self.cfg_dict, missing))["times"])
+            self.measured.append(f"layer times at batch {', '.join(map(str, missing))}")
+        table = self.state["times"]
+        return lambda b: table[str(b)]
+
+    def links(self, world: int) -> Links:
+        """Measured between two actors when the cluster has 2+ GPUs (cached), else the link table."""
+        if self.device == "cuda" and world >= 2 and self.use_cluster:
+            if self.state.get("links") is None:
+                from . import cluster
+
+                self.state["links"] = cluster.run_on_devices(link_probe, 2, True, ("nccl", (1, 8, 32)))[0]
+                self.measured.append("links")
+            return fit_links(self.state["links"], 2, f"{self.state['device']} x {world}")
+        key = "nvlink4" if self.device == "cuda" else "gloo-loopback"
+        text, speed = LINK_TABLE[key]
+        return Links(key, speed, speed, speed, gpus_per_node=max(world, 1), source=f"link table: {text}")
+
+
+# ---------------------------------------------------------------------- search
+@dataclass
+class Ranking:
+    """What one search found: ``fits`` fastest first, ``too_big`` those over the memory limit,
+    ``single`` the one-device prediction (for speedups), the links used, and the plan's own time."""
+
+    title: str
+    fits: list[Prediction]
+    too_big: list[Prediction]
+    single: Optional[Prediction]
+    links: Links
+    max_memory_gib: Optional[float]
+
+    def table(self) -> str:
+        lines = [self.title, f"links: {self.links.source}", costmodel.fmt_table(self.fits, self.single)]
+        if self.too_big:
+            lines.append(f"over --max-memory-gib {self.max_memory_gib:g}: " + ", ".join(
+                f"{p.layout.name} ({p.peak_gib:.2f} GiB)" for p in self.too_big))
+        if self.fits:
+            lines.append("choice: " + costmodel.explain(self.fits[0], self.fits[1:], self.single))
+        else:
+            lines.append("choice: none fits" + (f" in {self.max_memory_gib:g} GiB per device; the smallest needs "
+                                                f"{min(p.peak_gib for p in self.too_big):.2f} GiB"
+                                                if self.too_big else ""))
+        return "\n".join(lines)
+
+
+def search(meas: Measurements, world: int, links: Links, max_memory_gib: Optional[float], title: str) -> Ranking:
+    """Rank every layout over ``world`` devices (``costmodel.candidates``) for ``meas``'s model."""
+    cfg = meas.cfg
+    prof = meas.profile()
+    layouts = costmodel.candidates(prof, world, cfg.global_batch_size, links.gpus_per_node)
+    if not layouts:
+        raise ConfigError(f"no layout of {cfg.model} over {world} devices splits --global-batch-size "
+                          f"{cfg.global_batch_size}: use a multiple of {world}")
+    one = Layout()
+    times = meas.times(costmodel.batch_sizes([*layouts, one], cfg.global_batch_size))
+    fits, too_big = costmodel.rank(layouts, prof, times, links, cfg.global_batch_size, cfg.precision,
+                                   max_memory_gib, cfg.bucket_mb)
+    single = costmodel.predict(one, prof, times, links, cfg.global_batch_size, cfg.precision, cfg.bucket_mb)
+    return Ranking(title, fits, too_big, single, links, max_memory_gib)
+
+
+def plan_config(cfg: Config) -> Config:
+    """The settings the planner measures with: the run's, the data defaulting to what the model takes
+    (digits for convnet, synthetic ImageNet-shaped images otherwise)."""
+    data = cfg.data if cfg.data != "digits" or cfg.model.startswith("convnet") else "synthetic"
+    return Config(**{**cfg.to_dict(), "data": data, "num_classes": cfg.num_classes if data == "digits"
+                     else (cfg.num_classes or 1000)})
+
+
+# ---------------------------------------------------------------------- hooks for rayconv.run
+def memory_check(cfg: Config) -> None:
+    """With ``--max-memory-gib G`` and the layout known (``cfg.dp`` set), refuse a layout whose
+    predicted peak memory per device exceeds G: ConfigError (exit 2) with the predicted need. The
+    pipeline cut is the one given (``--stages``) or the FLOPs cut; runs on CPU, before Ray starts."""
+    if cfg.max_memory_gib is None or cfg.dp is None:
+        return
+    meas = Measurements(plan_config(cfg), "cpu", use_cluster=False)
+    meas.state["profile"] = profile_of(meas.cfg_dict)
+    prof = meas.profile()
+    lay = Layout(cfg.dp, cfg.pp, cfg.fs, cfg.plan, cfg.num_microbatches, cfg.schedule, cfg.virtual_stages)
+    chunks = None
+    if cfg.stages and cfg.plan == "none":
+        edges = [0, *[int(c) for c in cfg.stages.split(",") if c.strip()], prof.num_layers]
+        chunks = list(zip(edges, edges[1:]))
+    need = costmodel.peak_gib(lay, prof, cfg.global_batch_size, cfg.precision, chunks)
+    if need > cfg.max_memory_gib:
+        raise ConfigError(f"layout {lay.name} needs {need:.2f} GiB per device (predicted: parameters, gradients, "
+                          f"momentum, activations of the micro-batches in flight) but --max-memory-gib is "
+                          f"{cfg.max_memory_gib:g}: raise it, use more devices (--dp/--pp/--fs), or lower "
+                          f"--global-batch-size (python -m rayconv.plan lists the layouts that fit)")
+
+
+def choose_layout(cfg: Config, log=print) -> dict:
+    """``--layout auto``: rank the layouts over the cluster's devices and set ``cfg``'s layout to the
+    fastest that fits ``--max-memory-gib``. Returns the prediction (``Prediction.as_dict``). Raises
+    ConfigError when none fits (with the smallest predicted need)."""
+    from . import cluster
+
+    if cfg.resume:
+        raise ConfigError("--layout auto picks a layout anew but --resume continues the checkpoint's: drop "
+                          "--layout auto when resuming")
+    cluster.connect(cfg.address, min_cpus=None)
+    kind, slots = cluster.available_devices(cfg.device)
+    world = slots if kind == "cuda" else max(1, slots // cfg.num_cpus_per_actor)
+    meas = Measurements(plan_config(cfg), kind, use_cluster=kind == "cuda")
+    meas.load()
+    t0 = time.perf_counter()
+    ranking = search(meas, world, meas.links(world), cfg.max_memory_gib,
+                     f"--layout auto: {cfg.model}, global batch {cfg.global_batch_size}, {world} x {meas.state['device']}")
+    meas.save()
+    if not ranking.fits:
+        raise ConfigError(ranking.table().splitlines()[-1].replace("choice: ", "--layout auto: ") +
+                          ": raise --max-memory-gib or lower --global-batch-size")
+    best = ranking.fits[0]
+    for key, value in best.layout.settings().items():
+        setattr(cfg, key, value)
+    cfg.stages = ",".join(str(a) for a, _ in best.stages[1:]) if best.layout.pp > 1 else None
+    cfg.device = kind
+    cfg.layout = "manual"  # config.json records the chosen layout: a re-run or resume runs the same one
+    cfg.validate()
+    log(f"{ranking.table()}\n(planned in {time.perf_counter() - t0:.2f} s"
+        f"{'; measured ' + ', '.join(meas.measured) if meas.measured else ', from the cache'})")
+    return {**best.as_dict(), "links": ranking.links.source, "device": meas.state["device"]}
+
+
+def compare(prediction: dict, summary: dict) -> dict:
+    """The prediction beside the measurement, for summary.json."""
+    peaks = [a.get("peak_gib") for a in summary.get("actors", [])]
+    measured_peak = max(peaks) if peaks and all(p is not None for p in peaks) else None
+    return {"predicted": prediction,
+            "predicted_images_per_s": prediction["images_per_s"], "measured_images_per_s": summary.get("images_per_s"),
+            "predicted_peak_gib": prediction["peak_gib"], "measured_peak_gib": measured_peak}
+
+
+__all__ = ["MACHINES", "LINK_TABLE", "Machine", "Measurements", "Ranking", "search", "memory_check",
+           "choose_layout", "compare", "plan_config", "link_probe", "fit_links"]

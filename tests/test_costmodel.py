@@ -1,0 +1,136 @@
+"""The planner's cost model (rayconv.costmodel), its search (rayconv.layout_search) and commands.
+
+Costs known by construction: synthetic layer times and link speeds whose step times follow by hand;
+the pipeline's timed makespan against the schedule's own unit-time simulation; memory accounting on
+the real ConvNet; the command line on CPU, measuring for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import ray
+
+from rayconv import costmodel, schedule
+from rayconv.costmodel import GIB, Layout, Links, LinkSpeed, Profile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Two layers: a "conv" (1000 parameters, 100 output elements per sample) and an FC layer (no
+# parameters, 10 outputs), each taking 1 ms per sample forward + backward.
+PROFILE = Profile("toy", in_elems=10, out_elems=(100, 10), params=(1000, 0), first_fc=1, gathers=(1,), max_fs=2,
+                  flops=(1.0, 1.0))
+# all-reduce: 1 ms latency + 1 ms per 4000 bus bytes; all-gather and send/recv: 1 ms per 1600 bytes.
+LINKS = Links("toy", allreduce=LinkSpeed(4e-3, 1.0), allgather=LinkSpeed(1.6e-3), p2p=LinkSpeed(1.6e-3))
+
+
+def times(batch: int) -> list[float]:
+    return [1.0 * batch, 1.0 * batch]
+
+
+def test_ranking_and_cost_split_are_exact():
+    layouts = [Layout(dp=2), Layout(pp=2, num_microbatches=2), Layout(fs=2), Layout(dp=2, plan="krizhevsky2014")]
+    fits, too_big = costmodel.rank(layouts, PROFILE, times, LINKS, 8)
+    assert too_big == []
+    got = {p.layout.name: (p.step_ms, p.compute_ms, p.exchange_ms, p.allreduce_ms, p.bubble_ms) for p in fits}
+    expected = {
+        # 4 images per replica: 8 ms; the 4000 gradient bytes all-reduced after the backward: 1 + 1 ms.
+        "dp2": (10.0, 8.0, 0.0, 2.0, 0.0),
+        # Half of 16 ms per actor; forward and backward each gather 3200 activation bytes (1 ms) and the
+        # 320 bytes of logits (0.1 ms).
+        "fs2": (10.2, 8.0, 2.2, 0.0, 0.0),
+        # conv at 4 images (4 ms), FC split at 8 (4 ms); the batch gather and the logits as fs2; the
+        # conv gradients' all-reduce starts when their backward ends.
+        "plan2": (12.2, 8.0, 2.2, 2.0, 0.0),
+        # 1F1B, 2 stages, 2 micro-batches of 4: F 4/3, B 8/3 ms per stage, each transfer 1 ms: 14 ms.
+        "pp2m2": (14.0, 8.0, 0.0, 0.0, 6.0),
+    }
+    assert [p.layout.name for p in fits] == ["dp2", "fs2", "plan2", "pp2m2"]
+    for name, want in expected.items():
+        assert got[name] == pytest.approx(want, rel=1e-12, abs=1e-12), name
+        assert sum(want[1:]) == pytest.approx(want[0])
+    assert fits[0].images_per_s == pytest.approx(8 / 10.0 * 1e3)
+
+
+def test_memory_limit_keeps_only_what_fits():
+    layouts = [Layout(dp=2), Layout(pp=2, num_microbatches=2), Layout(pp=2, num_microbatches=2, schedule="gpipe")]
+    preds = {p.layout.name: p for p in costmodel.rank(layouts, PROFILE, times, LINKS, 8)[0]}
+    # GPipe holds both micro-batches on stage 0, 1F1B at most P - s = 2 there too (M = 2); dp2 holds
+    # 4 whole samples' activations plus a fourth copy of the parameters (the gradient buckets).
+    limit = (preds["pp2m2"].peak_gib + preds["dp2"].peak_gib) / 2
+    assert preds["pp2m2"].peak_gib < limit < preds["dp2"].peak_gib
+    fits, too_big = costmodel.rank(layouts, PROFILE, times, LINKS, 8, max_memory_gib=limit)
+    assert {p.layout.name for p in too_big} == {"dp2"}
+    assert fits[0].layout.name.startswith("pp2m2")
+
+
+@pytest.mark.parametrize("name,P,M,V", [("gpipe", 2, 4, 1), ("gpipe", 3, 2, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1),
+                                        ("1f1b", 3, 2, 1), ("1f1b", 2, 4, 2), ("1f1b", 3, 6, 2)])
+def test_bubble_matches_the_schedule_simulation(name, P, M, V):
+    sched = schedule.make_schedule(name, P, M, V)
+    ones = [1.0] * (P * V)
+    makespan, _, busy = costmodel.timed_makespan(sched, ones, ones, [0.0] * (P * V))
+    assert makespan == len(schedule.simulate(sched)[0])
+    assert 1 - sum(busy) / (P * makespan) == pytest.approx(schedule.bubble_fraction(sched), abs=1e-12)
+
+
+def test_memory_accounting_on_the_convnet():
+    from rayconv.config import Config
+    from rayconv.layout_search import profile_of
+    from rayconv.models import ConvNet
+
+    prof = profile_of(Config(model="convnet", device="cpu").to_dict())
+    n_params = sum(p.numel() for p in ConvNet(1, 10).parameters())
+    assert sum(prof["params"]) == n_params
+    p = Profile(prof["model"], prof["in_elems"], tuple(prof["out_elems"]), tuple(prof["params"]), prof["first_fc"],
+                tuple(prof["gathers"]), prof["max_fs"], tuple(prof["flops"]))
+    acts = prof["in_elems"] + sum(prof["out_elems"])  # per sample
+    assert costmodel.peak_gib(Layout(), p, 4, "fp32") * GIB == 3 * n_params * 4 + 4 * acts * 4
+    assert costmodel.peak_gib(Layout(), p, 4, "fp64") * GIB == 3 * n_params * 8 + 4 * acts * 8
+    assert costmodel.peak_gib(Layout(dp=2), p, 8, "fp32") * GIB == 4 * n_params * 4 + 4 * acts * 4
+    # The convnet's filter split gathers before conv2, conv3, fc1 and fc2 (and its logits at the end).
+    assert prof["gathers"] == [2, 5, 9, 11] and prof["max_fs"] == 10
+
+
+def test_a_run_that_cannot_fit_is_refused_before_ray_starts(tmp_path, capsys):
+    from rayconv.run import main
+
+    if ray.is_initialized():
+        ray.shutdown()
+    out = tmp_path / "run"
+    assert main(["--dp", "1", "--device", "cpu", "--steps", "1", "--max-memory-gib", "0.00001",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "needs" in err and "GiB per device" in err and "--max-memory-gib" in err
+    assert re.search(r"needs 0\.\d+ GiB|needs [\d.e-]+ GiB", err)
+    assert not ray.is_initialized() and not out.exists()
+
+
+def test_plan_command_on_cpu_ranks_layouts_and_caches(tmp_path):
+    env = {**os.environ, "RAYCONV_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "rayconv.plan", "--device", "cpu", "--model", "convnet", "--global-batch-size", "8",
+           "--json", str(tmp_path / "plan.json")]
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr
+    lines = first.stdout.splitlines()
+    assert lines[2].split()[:3] == ["rank", "layout", "images/s"]
+    rows = [ln.split() for ln in lines[3:] if ln.strip() and ln.split()[0].isdigit()]
+    names = [r[1] for r in rows]
+    assert {"dp2", "fs2", "plan2", "pp2m2", "pp2m2-gpipe"} <= set(names)
+    rates = [float(r[2].replace(",", "")) for r in rows]
+    assert rates == sorted(rates, reverse=True)
+    assert any(ln.startswith(f"choice: {names[0]}: predicted") for ln in lines)
+    ranked = json.loads((tmp_path / "plan.json").read_text())[0]["fits"]
+    assert [r["layout"] for r in ranked] == names
+    for r in ranked:
+        assert r["step_ms"] == pytest.approx(r["compute_ms"] + r["exchange_ms"] + r["allreduce_ms"] + r["bubble_ms"])
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert "all measurements from the cache" in second.stdout
+    assert float(re.search(r"planned in ([\d.]+) s", second.stdout).group(1)) < 1.0
+    assert [ln.split()[1] for ln in second.stdout.splitlines()[3:3 + len(rows)]] == names
