@@ -134,3 +134,45 @@ def test_plan_command_on_cpu_ranks_layouts_and_caches(tmp_path):
     assert "all measurements from the cache" in second.stdout
     assert float(re.search(r"planned in ([\d.]+) s", second.stdout).group(1)) < 1.0
     assert [ln.split()[1] for ln in second.stdout.splitlines()[3:3 + len(rows)]] == names
+
+
+@pytest.fixture(scope="module")
+def ray2():
+    from conftest import local_ray
+
+    yield from local_ray(2)
+
+
+def test_layout_auto_runs_the_top_layout_and_records_the_prediction(ray2, tmp_path, monkeypatch):
+    from rayconv.config import Config
+    from rayconv.driver import fit
+
+    monkeypatch.setenv("RAYCONV_CACHE_DIR", str(tmp_path / "cache"))
+    logs: list[str] = []
+    cfg = Config(model="convnet", device="cpu", layout="auto", global_batch_size=16, steps=4, progress=False,
+                 metrics=False, out=str(tmp_path / "run"))
+    summary = fit(cfg, log=logs.append)
+    chosen = next(ln for ln in "\n".join(logs).splitlines() if ln.startswith("choice: "))
+    name = summary["planner"]["predicted"]["layout"]
+    assert chosen.startswith(f"choice: {name}: predicted")
+    lay = summary["layout"]
+    assert name == Layout(lay["dp"], lay["pp"], lay["fs"], lay["plan"], lay["num_microbatches"],
+                          lay["schedule"] or "1f1b", lay["virtual_stages"]).name and lay["world_size"] == 2
+    planner = summary["planner"]
+    assert planner["predicted_images_per_s"] > 0 and planner["measured_images_per_s"] == summary["images_per_s"]
+    assert planner["predicted_peak_gib"] > 0 and planner["measured_peak_gib"] is None  # (CPU: not measured)
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["layout"] == "manual" and saved["dp"] == lay["dp"] and saved["pp"] == lay["pp"]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["planner"] == planner
+
+
+def test_links_measured_between_two_actors(ray2):
+    from rayconv import cluster
+    from rayconv.layout_search import fit_links, link_probe
+
+    probe = cluster.run_on_devices(link_probe, 2, False, ("gloo", (0.0625, 0.25)))[0]
+    assert len(probe["allreduce"]) == len(probe["allgather"]) == len(probe["p2p"]) == 2
+    links = fit_links(probe, 2, "cpu x 2")
+    for speed in (links.allreduce, links.allgather, links.p2p):
+        assert speed.gbps > 0 and speed.latency_ms >= 0
+    assert "measured between 2 actors" in links.source
