@@ -22,7 +22,7 @@ Prints (one line each, ms per micro-batch unless said):
 * ``EAGER_CUT``: the cut ``--balance time`` picks from eager per-layer times at the micro-batch size;
 * ``CUT k F0 B0 F1 B1 pred_step_ms pred_speedup``: per cut, the compiled stage times and the 1F1B
   step they predict (``simulate_step``: each action starts when its stage is free and its input has
-  arrived; transfers cost ``--link-ms``), as a speedup over ``WHOLE`` at the global batch.
+  arrived; transfers cost ``--link-ms``; the planner's ``rayconv.costmodel.timed_makespan``), as a speedup over ``WHOLE`` at the global batch.
 
 The prediction leaves out what the real pipeline adds (the exchange's launch, the optimizer step of
 each stage, the loss); it bounds what balancing alone can give.
@@ -38,33 +38,14 @@ from torch import nn
 from rayconv.models import build_model, to_layers
 from rayconv.parallel.plan import layer_times
 from rayconv.parallel.pipeline import balance
+from rayconv.costmodel import timed_makespan
 from rayconv.schedule import make_schedule
 
 
-def simulate_step(programs, f_ms, b_ms, link_ms: float) -> float:
-    """Makespan (ms) of per-stage ``programs`` where stage s's forward takes ``f_ms[s]`` and backward
-    ``b_ms[s]``; F(m) on s > 0 needs F(m) of s - 1 plus ``link_ms``, B(m) on s < P - 1 needs B(m) of
-    s + 1 plus ``link_ms``. Raises RuntimeError on a deadlock."""
-    P = len(programs)
-    done: dict[tuple[int, str, int], float] = {}
-    pc, free = [0] * P, [0.0] * P
-    while any(pc[s] < len(programs[s]) for s in range(P)):
-        progressed = False
-        for s in range(P):
-            while pc[s] < len(programs[s]):
-                a = programs[s][pc[s]]
-                dep = (s - 1, "F", a.microbatch) if a.kind == "F" and s > 0 else (
-                    (s + 1, "B", a.microbatch) if a.kind == "B" and s < P - 1 else None)
-                if dep is not None and dep not in done:
-                    break
-                start = max(free[s], done[dep] + link_ms if dep is not None else 0.0)
-                free[s] = start + (f_ms[s] if a.kind == "F" else b_ms[s])
-                done[(s, a.kind, a.microbatch)] = free[s]
-                pc[s] += 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("deadlock")
-    return max(free)
+def simulate_step(sched, f_ms, b_ms, link_ms: float) -> float:
+    """Makespan (ms) of the 1F1B ``sched`` where stage s's forward takes ``f_ms[s]`` and backward
+    ``b_ms[s]`` and each transfer ``link_ms`` (``rayconv.costmodel.timed_makespan``, the planner's model)."""
+    return timed_makespan(sched, f_ms, b_ms, [link_ms] * len(f_ms))[0]
 
 
 def timed(fn, reps: int) -> float:
@@ -186,7 +167,7 @@ def main() -> None:
             with torch.no_grad(), torch.autocast(**amp):
                 x = cp(x).detach().contiguous(memory_format=torch.channels_last) if s == 0 else x
             part.to("cpu")
-        pred = simulate_step(sched.programs, f_ms, b_ms, a.link_ms)
+        pred = simulate_step(sched, f_ms, b_ms, a.link_ms)
         print(f"CUT k={k} ({layers[k][0]}) F0 {f_ms[0]:.2f} B0 {b_ms[0]:.2f} F1 {f_ms[1]:.2f} B1 {b_ms[1]:.2f} "
               f"stage0 {f_ms[0] + b_ms[0]:.2f} stage1 {f_ms[1] + b_ms[1]:.2f} pred_step_ms {pred:.2f} "
               f"pred_speedup {ref_ms / pred:.3f}", flush=True)
