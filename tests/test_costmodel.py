@@ -176,3 +176,14 @@ def test_links_measured_between_two_actors(ray2):
     for speed in (links.allreduce, links.allgather, links.p2p):
         assert speed.gbps > 0 and speed.latency_ms >= 0
     assert "measured between 2 actors" in links.source
+
+
+def test_layout_names_are_the_bench_names():
+    from rayconv.bench import parse_layout
+
+    prof = Profile("toy", 3, (8,) * 12, (1,) * 12, first_fc=10, max_fs=8)
+    layouts = costmodel.candidates(prof, 8, 256)
+    assert {"dp8", "dp4xpp2m4v2", "dp2xpp2m4xfs2-gpipe", "dp4xfs2", "pp2m2xfs4", "plan8"} <= {lay.name for lay in layouts}
+    for lay in layouts:
+        want = {k: v for k, v in lay.settings().items() if v != Layout().settings()[k] or k == "dp"}
+        assert parse_layout(lay.name) == want, lay.name
