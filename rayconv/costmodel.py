@@ -11,7 +11,8 @@ Inputs
 ------
 * ``Profile``: per layer of ``models.to_layers`` the per-sample output elements and parameter
   count, the first fully connected layer, and the layers a filter split gathers before.
-* ``LayerTimes``: forward + backward time (ms) of each layer at a given batch size, measured on the
+* ``LayerTimes``: forward + backward time (ms) of each layer at a given batch size, whole or as one
+  actor's shard of a filter split over ``fs`` actors (its own exchanges left out), measured on the
   device (``parallel.plan.layer_times``). The backward is taken as 2/3 of it (the usual 1 : 2
   forward : backward ratio of convolutions and matrix products; Narayanan et al. 2021, section 3.3).
 * ``Links``: latency and bandwidth of all-reduce, all-gather and point-to-point transfers inside
@@ -21,7 +22,7 @@ The step of a layout (Yadan et al. 2013, section 3; Huang et al. 2019; Narayanan
 ----------------------------------------------------------------------------------------------
 * Each pipeline stage (``pp``, times ``virtual_stages`` chunks) runs its schedule's program
   (``schedule.make_schedule``), each action taking its chunk's measured time at the micro-batch
-  size divided by ``fs``, plus the filter split's exchanges (an all-gather of the full activation
+  size (of the ``fs`` shard), plus the filter split's exchanges (an all-gather of the full activation
   before each layer that needs all input channels in the forward pass, a reduce-scatter of the same
   size in the backward pass); a forward on a stage waits for the previous virtual stage's output
   plus one point-to-point transfer (``timed_makespan``). This is ``schedule.simulate``'s dependency
@@ -174,7 +175,7 @@ class Links:
         return speed.ms(nbytes)
 
 
-LayerTimes = Callable[[int], Sequence[float]]  # batch size -> forward+backward ms per layer
+LayerTimes = Callable[[int, int], Sequence[float]]  # (batch size, fs) -> forward+backward ms per layer
 
 
 @dataclass
@@ -331,8 +332,9 @@ def _predict_mesh(layout: Layout, prof: Profile, times: LayerTimes, links: Links
     if B % dp or (B // dp) % M:
         raise ValueError(f"global batch {B} does not split over dp {dp} x {M} micro-batches")
     mb = B // dp // M
-    t = list(times(mb))
-    chunks = balance(t, pp * V) if pp * V > 1 else [(0, prof.num_layers)]
+    t = list(times(mb, fs))  # one filter shard's layers
+    # The cut balances whole layers' times, as the run's --balance time does.
+    chunks = balance(list(times(mb, 1)), pp * V) if pp * V > 1 else [(0, prof.num_layers)]
     sched = schedule.make_schedule(layout.schedule, pp, M, V)
     mesh = _mesh_ranks(layout)
     fs_ranks, pp_ranks, dp_ranks = mesh.groups("fs")[0], mesh.groups("pp")[0], mesh.groups("dp")
@@ -343,7 +345,7 @@ def _predict_mesh(layout: Layout, prof: Profile, times: LayerTimes, links: Links
 
     f_ms, b_ms, comp, exch, link = [], [], [], [], []
     for v, (a, b) in enumerate(chunks):
-        work = sum(t[a:b]) / fs
+        work = sum(t[a:b])
         ex = sum(gather_ms(prof.act_in(i)) for i in range(a, b) if i in gathers)
         if fs > 1 and v == len(chunks) - 1:  # the logits are gathered at the end
             ex += gather_ms(prof.out_elems[-1])
@@ -358,7 +360,7 @@ def _predict_mesh(layout: Layout, prof: Profile, times: LayerTimes, links: Links
     makespan, ends, busy = timed_makespan(sched, f_ms, b_ms, link)
     # Data parallel: each stage's gradients, all-reduced as its last backward produces them.
     step = makespan
-    back = [x * BACKWARD_SHARE / fs for x in t]
+    back = [x * BACKWARD_SHARE for x in t]
     for s in range(pp):
         layers = [i for v in range(s, len(chunks), pp) for i in range(*chunks[v])]
         if dp > 1:
@@ -412,7 +414,7 @@ def _predict_plan(layout: Layout, prof: Profile, times: LayerTimes, links: Links
     if B % N:
         raise ValueError(f"global batch {B} does not split over {N} actors")
     ranks = list(range(N))
-    conv_t, fc_t = list(times(B // N))[:k], [x / N for x in list(times(B))[k:]]
+    conv_t, fc_t = list(times(B // N, 1))[:k], list(times(B, N))[k:]
     compute = sum(conv_t) + sum(fc_t)
     # The batch gathered before the first FC layer (forward; reduce-scattered back), FC gathers, logits.
     gathers = [prof.act_in(k) * B] + [prof.act_in(i) * B for i in prof.gathers if i > k] + [prof.out_elems[-1] * B]
@@ -460,15 +462,16 @@ def candidates(profile: Profile, world_size: int, global_batch: int, gpus_per_no
     return out
 
 
-def batch_sizes(layouts: Sequence[Layout], global_batch: int) -> list[int]:
-    """The per-layer batch sizes ``predict`` asks the layer times for, over ``layouts``."""
+def batch_sizes(layouts: Sequence[Layout], global_batch: int) -> list[tuple[int, int]]:
+    """The (batch size, fs) pairs ``predict`` asks the layer times for, over ``layouts``."""
     sizes = set()
     for lay in layouts:
         if lay.plan != "none":
-            sizes |= {global_batch, global_batch // lay.dp}
+            sizes |= {(global_batch, lay.dp), (global_batch // lay.dp, 1)}
         else:
-            sizes.add(global_batch // lay.dp // lay.num_microbatches)
-    return sorted(s for s in sizes if s >= 1)
+            mb = global_batch // lay.dp // lay.num_microbatches
+            sizes |= {(mb, lay.fs), (mb, 1)}
+    return sorted(s for s in sizes if s[0] >= 1)
 
 
 def rank(layouts: Sequence[Layout], profile: Profile, times: LayerTimes, links: Links, global_batch: int,
@@ -502,12 +505,13 @@ def explain(best: Prediction, others: Sequence[Prediction], single: Optional[Pre
 
 def fmt_table(preds: Sequence[Prediction], single: Optional[Prediction] = None) -> str:
     """A ranked text table: layout, images/s, speedup over ``single``, step ms and its split, peak GiB."""
-    head = (f"{'rank':>4}  {'layout':<14}{'images/s':>10}{'speedup':>8}{'step ms':>9}{'compute':>9}{'exchange':>9}"
+    w = max([len("layout")] + [len(p.layout.name) for p in preds]) + 2
+    head = (f"{'rank':>4}  {'layout':<{w}}{'images/s':>10}{'speedup':>8}{'step ms':>9}{'compute':>9}{'exchange':>9}"
             f"{'all-red.':>9}{'bubble':>8}{'peak GiB':>9}")
     lines = [head]
     for i, p in enumerate(preds, 1):
         sp = f"{p.images_per_s / single.images_per_s:.2f}x" if single is not None else "-"
-        lines.append(f"{i:>4}  {p.layout.name:<14}{p.images_per_s:>10,.0f}{sp:>8}{p.step_ms:>9.2f}{p.compute_ms:>9.2f}"
+        lines.append(f"{i:>4}  {p.layout.name:<{w}}{p.images_per_s:>10,.0f}{sp:>8}{p.step_ms:>9.2f}{p.compute_ms:>9.2f}"
                      f"{p.exchange_ms:>9.2f}{p.allreduce_ms:>9.2f}{p.bubble_ms:>8.2f}{p.peak_gib:>9.3f}")
     return "\n".join(lines)
 

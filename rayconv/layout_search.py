@@ -132,12 +132,84 @@ def device_name(cfg_dict: dict) -> str:
     return f"cpu-{platform.machine()}-{torch.get_num_threads()}threads"
 
 
-def times_at(cfg_dict: dict, batches: Sequence[int]) -> dict:
-    """Forward + backward ms per layer at each batch size (``parallel.plan.measured_costs``), and the
-    device's name: {"device": name, "times": {batch: [ms, ...]}}."""
+def times_key(batch: int, fs: int) -> str:
+    return str(batch) if fs == 1 else f"{batch}/fs{fs}"
+
+
+def times_at(cfg_dict: dict, pairs: Sequence[tuple[int, int]]) -> dict:
+    """Forward + backward ms per layer at each (batch size, fs): whole layers
+    (``parallel.plan.measured_costs``, what ``--balance time`` measures) for fs = 1, else one actor's
+    shard of the filter split (``sharded_costs``). Returns {"device": name, "times": {key: [ms, ...]}}."""
     from .parallel.plan import measured_costs
 
-    return {"device": device_name(cfg_dict), "times": {str(b): measured_costs(cfg_dict, b) for b in batches}}
+    return {"device": device_name(cfg_dict),
+            "times": {times_key(b, fs): measured_costs(cfg_dict, b) if fs == 1 else sharded_costs(cfg_dict, b, fs)
+                      for b, fs in pairs}}
+
+
+def sharded_costs(cfg_dict: dict, batch: int, fs: int) -> list[float]:
+    """Forward + backward ms of actor 0's shard of each layer under a filter split over ``fs``
+    (``filter_split.shard_layers``), at ``batch`` images, on this process's device, one per layer of
+    ``models.to_layers``. The split's collectives are timed apart (``costmodel.Links``): here each
+    gather is a local copy to the gathered shape and each scatter a local slice, so that the layers
+    after them see the shapes they see in the run; their copy time counts to the layer after them."""
+    import torch
+    from torch import nn
+
+    from .data import make_source
+    from .models import run_model, to_layers
+    from .parallel.filter_split import Gather, Scatter, ShardedDropout, shard_layers
+    from .parallel.plan import layer_profile, layer_times
+
+    class LocalGather(nn.Module):  # the gathered shape, from this shard and zeros
+        def __init__(self, dim: int, sizes: list[int]):
+            super().__init__()
+            self.dim, self.rest = dim, sum(sizes) - sizes[0]
+
+        def forward(self, x):
+            pad = list(x.shape)
+            pad[self.dim] = self.rest
+            return torch.cat([x, x.new_zeros(pad)], dim=self.dim)
+
+    class LocalScatter(nn.Module):
+        def __init__(self, dim: int, size: int):
+            super().__init__()
+            self.dim, self.size = dim, size
+
+        def forward(self, x):
+            return x.narrow(self.dim, 0, self.size).contiguous()
+
+    cfg = Config(**cfg_dict)
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    source = make_source(cfg)
+    layers = to_layers(run_model(cfg, source))
+    shapes, _, _ = layer_profile(layers, tuple(source.sample_shape))
+    part = shard_layers(layers, tuple(source.sample_shape), list(shapes), None, 0, fs, None, is_last=True)
+    names = [n for n, _ in layers]
+    seq, owner = [], []
+    for m, name in zip(part.modules, part.names):
+        if isinstance(m, Gather):
+            m = LocalGather(m.dim, m.sizes)
+        elif isinstance(m, Scatter):
+            m = LocalScatter(m.dim, m.sizes[0])
+        elif isinstance(m, ShardedDropout):
+            m.reseed(0, device)
+        seq.append((name or "", m))
+        owner.append(None if name is None else names.index(name))
+    ms = layer_times(seq, tuple(source.sample_shape), batch, device,
+                     torch.bfloat16 if cfg.precision == "bf16" else None)
+    out = [0.0] * len(layers)
+    carry = 0.0
+    for i, t in zip(owner, ms):
+        if i is None:
+            carry += t
+        else:
+            out[i] += t + carry
+            carry = 0.0
+    out[-1] += carry  # the logits' gather
+    return out
 
 
 def link_probe(rank: int, world: int, master: str, backend: str, sizes_mb: Sequence[float]) -> dict:
@@ -247,14 +319,14 @@ class Measurements:
         return Profile(p["model"], p["in_elems"], tuple(p["out_elems"]), tuple(p["params"]), p["first_fc"],
                        tuple(p["gathers"]), p["max_fs"], tuple(p["flops"]))
 
-    def times(self, batches: Sequence[int]) -> Callable[[int], list[float]]:
-        """Measure the batch sizes not cached yet; return batch -> per-layer ms."""
-        missing = [b for b in batches if str(b) not in self.state["times"]]
+    def times(self, pairs: Sequence[tuple[int, int]]) -> Callable[[int, int], list[float]]:
+        """Measure the (batch, fs) pairs not cached yet; return (batch, fs) -> per-layer ms."""
+        missing = [(b, fs) for b, fs in pairs if times_key(b, fs) not in self.state["times"]]
         if missing:
             self.state["times"].update(self._run(times_at, (self.cfg_dict, missing))["times"])
-            self.measured.append(f"layer times at batch {', '.join(map(str, missing))}")
+            self.measured.append("layer times at batch " + ", ".join(times_key(b, fs) for b, fs in missing))
         table = self.state["times"]
-        return lambda b: table[str(b)]
+        return lambda b, fs=1: table[times_key(b, fs)]
 
     def links(self, world: int) -> Links:
         """Measured between two actors when the cluster has 2+ GPUs (cached), else the link table."""
@@ -283,8 +355,12 @@ class Ranking:
     links: Links
     max_memory_gib: Optional[float]
 
-    def table(self) -> str:
-        lines = [self.title, f"links: {self.links.source}", costmodel.fmt_table(self.fits, self.single)]
+    def table(self, top: Optional[int] = None) -> str:
+        """The ranked table (the ``top`` fastest, default all), what did not fit, and the choice."""
+        shown = self.fits[:top] if top else self.fits
+        lines = [self.title, f"links: {self.links.source}", costmodel.fmt_table(shown, self.single)]
+        if len(shown) < len(self.fits):
+            lines.append(f"   ... {len(self.fits) - len(shown)} slower layouts not shown (--top)")
         if self.too_big:
             lines.append(f"over --max-memory-gib {self.max_memory_gib:g}: " + ", ".join(
                 f"{p.layout.name} ({p.peak_gib:.2f} GiB)" for p in self.too_big))

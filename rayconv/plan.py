@@ -41,6 +41,7 @@ def parse_args(argv: Optional[list[str]] = None):
                    help="keep only layouts whose predicted peak memory per device fits (6: Yadan et al.'s TITAN)")
     p.add_argument("--machine", default="", help=f"also predict for machines not at hand, comma-separated: "
                                                  f"{', '.join(MACHINES)}, or all (assumed link table)")
+    p.add_argument("--top", type=int, default=15, help="rows of each table (default 15; 0: all)")
     p.add_argument("--json", default=None, help="also write the rankings to this JSON file")
     a = p.parse_args(argv)
     if a.global_batch_size < 1 or (a.gpus is not None and a.gpus < 1):
@@ -99,7 +100,7 @@ def _plan(a) -> int:
                                   f"PREDICTION for {m.name} ({m.gpus} GPUs; layer times of {meas.state['device']}, "
                                   f"links assumed, not measured): {a.model}, global batch {a.global_batch_size}"))
     meas.save()
-    print("\n\n".join(r.table() for r in rankings))
+    print("\n\n".join(r.table(a.top) for r in rankings))
     print(f"\n(planned in {time.perf_counter() - t0:.2f} s"
           f"{'; measured ' + ', '.join(meas.measured) if meas.measured else ', all measurements from the cache'}: "
           f"{meas.path})")

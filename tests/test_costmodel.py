@@ -29,8 +29,8 @@ PROFILE = Profile("toy", in_elems=10, out_elems=(100, 10), params=(1000, 0), fir
 LINKS = Links("toy", allreduce=LinkSpeed(4e-3, 1.0), allgather=LinkSpeed(1.6e-3), p2p=LinkSpeed(1.6e-3))
 
 
-def times(batch: int) -> list[float]:
-    return [1.0 * batch, 1.0 * batch]
+def times(batch: int, fs: int = 1) -> list[float]:
+    return [1.0 * batch / fs, 1.0 * batch / fs]
 
 
 def test_ranking_and_cost_split_are_exact():
