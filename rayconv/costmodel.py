@@ -43,8 +43,8 @@ remove, and the difference of compiled from eager layer times.
 
 Memory per actor (bytes, what ``torch.cuda.max_memory_allocated`` counts): parameters, gradients and
 SGD momentum (3 x parameters x 4 bytes in fp32 and bf16 autocast, x 8 in fp64), the data-parallel
-gradient buckets (1 x more when dp > 1), and the activations of the micro-batches in flight: each
-layer's output per sample x samples in flight (``schedule.peak_in_flight``: 1F1B at most ``P - s``
+gradient buckets (1 x more when dp > 1), and the activations of the micro-batches in flight: what
+each layer saves for its backward pass per sample (autograd's saved tensors) x samples in flight (``schedule.peak_in_flight``: 1F1B at most ``P - s``
 on stage s, GPipe all ``M``) x activation bytes (2 in bf16), divided by ``fs``.
 """
 
@@ -106,7 +106,8 @@ class Profile:
     sample; ``first_fc``: index of the first Linear layer (None without one); ``gathers``: layers
     before which a filter split all-gathers its input (the output of the layer before them);
     ``max_fs``: the largest filter split the model allows (1: none, e.g. ResNets); ``flops[i]``: forward
-    FLOPs of layer i per sample (``parallel.plan.layer_profile``)."""
+    FLOPs of layer i per sample (``parallel.plan.layer_profile``); ``saved_elems[i]``: elements layer i
+    saves for its backward pass per sample (``layout_search.saved_elems``)."""
 
     model: str
     in_elems: int
@@ -116,6 +117,14 @@ class Profile:
     gathers: tuple[int, ...] = ()
     max_fs: int = 1
     flops: tuple[float, ...] = ()
+    saved_elems: tuple[float, ...] = ()
+
+    def saved(self, layers: Sequence[int]) -> float:
+        """Elements per sample that ``layers`` keep for their backward pass (``saved_elems``; without
+        it, their outputs and the first one's input)."""
+        if self.saved_elems:
+            return sum(self.saved_elems[i] for i in layers)
+        return sum(self.out_elems[i] for i in layers) + self.act_in(layers[0])
 
     @property
     def num_layers(self) -> int:
@@ -387,8 +396,8 @@ def peak_gib(layout: Layout, prof: Profile, global_batch: int, precision="fp32",
     prec = precision if isinstance(precision, Precision) else Precision.of(precision)
     if layout.plan != "none":
         N, k = layout.dp, prof.first_fc or 0
-        acts = (prof.in_elems + sum(prof.out_elems[:k])) * (global_batch // N) \
-            + sum(prof.out_elems[k:]) * global_batch / N + prof.act_in(k) * global_batch
+        acts = prof.saved(range(k)) * (global_batch // N) + prof.saved(range(k, prof.num_layers)) * global_batch / N \
+            + prof.act_in(k) * global_batch  # (the gathered batch)
         return (static_bytes(sum(prof.params[:k]), N, prec) + static_bytes(sum(prof.params[k:]) / N, 1, prec)
                 + acts * prec.act_bytes) / GIB
     pp, V = layout.pp, layout.virtual_stages
@@ -401,7 +410,7 @@ def peak_gib(layout: Layout, prof: Profile, global_batch: int, precision="fp32",
     for s in range(pp):
         layers = [i for v in range(s, len(chunks), pp) for i in range(*chunks[v])]
         params = sum(prof.params[i] for i in layers) / layout.fs
-        acts = (sum(prof.out_elems[i] for i in layers) + prof.act_in(layers[0])) / layout.fs
+        acts = prof.saved(layers) / layout.fs
         worst = max(worst, static_bytes(params, layout.dp, prec) + acts * mb * in_flight[s] * prec.act_bytes)
     return worst / GIB
 

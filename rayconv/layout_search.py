@@ -120,7 +120,36 @@ def profile_of(cfg_dict: dict) -> dict:
         pass
     return {"model": cfg.model, "in_elems": math.prod(source.sample_shape),
             "out_elems": [math.prod(s) for s in shapes], "params": params, "first_fc": first_fc,
-            "gathers": gathers, "max_fs": max_fs, "flops": flops}
+            "gathers": gathers, "max_fs": max_fs, "flops": flops,
+            "saved_elems": saved_elems(layers, tuple(source.sample_shape))}
+
+
+def saved_elems(layers, sample_shape: tuple[int, ...], batch: int = 2) -> list[float]:
+    """Elements each layer saves for its backward pass, per sample (activations, masks, indices; its
+    own parameters not counted): autograd's saved tensors (``torch.autograd.graph.saved_tensors_hooks``)
+    in one training-mode CPU forward of ``batch`` samples, each storage counted once."""
+    import torch
+
+    x = torch.zeros((batch, *sample_shape))
+    out = []
+    for _, m in layers:
+        own = {p.data_ptr() for p in m.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            if t.data_ptr() not in own:
+                seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel())
+            return t
+
+        was = m.training
+        m.train()
+        inp = x.detach().requires_grad_() * 1  # (non-leaf: a layer may start with an in-place ReLU)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = m(inp)
+        m.train(was)
+        out.append(sum(seen.values()) / batch)
+        x = y.detach()
+    return out
 
 
 def device_name(cfg_dict: dict) -> str:
@@ -317,7 +346,7 @@ class Measurements:
             self.measured.append("profile")
         p = self.state["profile"]
         return Profile(p["model"], p["in_elems"], tuple(p["out_elems"]), tuple(p["params"]), p["first_fc"],
-                       tuple(p["gathers"]), p["max_fs"], tuple(p["flops"]))
+                       tuple(p["gathers"]), p["max_fs"], tuple(p["flops"]), tuple(p["saved_elems"]))
 
     def times(self, pairs: Sequence[tuple[int, int]]) -> Callable[[int, int], list[float]]:
         """Measure the (batch, fs) pairs not cached yet; return (batch, fs) -> per-layer ms."""

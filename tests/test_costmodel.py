@@ -88,8 +88,10 @@ def test_memory_accounting_on_the_convnet():
     n_params = sum(p.numel() for p in ConvNet(1, 10).parameters())
     assert sum(prof["params"]) == n_params
     p = Profile(prof["model"], prof["in_elems"], tuple(prof["out_elems"]), tuple(prof["params"]), prof["first_fc"],
-                tuple(prof["gathers"]), prof["max_fs"], tuple(prof["flops"]))
-    acts = prof["in_elems"] + sum(prof["out_elems"])  # per sample
+                tuple(prof["gathers"]), prof["max_fs"], tuple(prof["flops"]), tuple(prof["saved_elems"]))
+    # conv1 saves its 1 x 8 x 8 input, its ReLU its 32 x 8 x 8 output; flatten saves nothing.
+    assert prof["saved_elems"][:2] == [64, 32 * 64] and prof["saved_elems"][8] == 0
+    acts = sum(prof["saved_elems"])  # per sample
     assert costmodel.peak_gib(Layout(), p, 4, "fp32") * GIB == 3 * n_params * 4 + 4 * acts * 4
     assert costmodel.peak_gib(Layout(), p, 4, "fp64") * GIB == 3 * n_params * 8 + 4 * acts * 8
     assert costmodel.peak_gib(Layout(dp=2), p, 8, "fp32") * GIB == 4 * n_params * 4 + 4 * acts * 4
