@@ -44,8 +44,12 @@ remove, and the difference of compiled from eager layer times.
 Memory per actor (bytes, what ``torch.cuda.max_memory_allocated`` counts): parameters, gradients and
 SGD momentum (3 x parameters x 4 bytes in fp32 and bf16 autocast, x 8 in fp64), the data-parallel
 gradient buckets (1 x more when dp > 1), and the activations of the micro-batches in flight: what
-each layer saves for its backward pass per sample (autograd's saved tensors) x samples in flight (``schedule.peak_in_flight``: 1F1B at most ``P - s``
-on stage s, GPipe all ``M``) x activation bytes (2 in bf16), divided by ``fs``.
+each layer saves for its backward pass per sample (autograd's saved tensors) x samples in flight
+(``schedule.peak_in_flight``: 1F1B at most ``P - s`` on stage s, GPipe all ``M``) x activation
+bytes (2 in bf16), divided by ``fs``. Against peaks measured on an H200 (compiled, CUDA graphs, bf16;
+benchmarks/RESULTS.md) it predicts 1.2-1.5x too much: ResNet-50 at 256 on one GPU 13.4 vs 10.4 GiB,
+dp=2 7.0 vs 5.6, 1F1B pp=2 at 512 with 4 micro-batches 10.5 vs 7.0 on stage 0; AlexNet's per-layer
+plan at 1024 1.7 vs 1.2. A limit it enforces errs on the safe side.
 """
 
 from __future__ import annotations
@@ -437,94 +441,5 @@ def _predict_plan(layout: Layout, prof: Profile, times: LayerTimes, links: Links
                       stages=[(0, prof.num_layers)])
 
 
-def candidates(profile: Profile, world_size: int, global_batch: int, gpus_per_node: int = 8,
-               microbatch_factors: Sequence[int] = (1, 2, 4)) -> list[Layout]:
-    """Every layout over exactly ``world_size`` actors the model and batch allow: meshes
-    ``dp x pp x fs`` (fs only within a node and up to ``profile.max_fs``; pp up to the layer count)
-    with ``M = pp x factor`` micro-batches under 1F1B and GPipe, interleaved 1F1B with 2 chunks per
-    stage (fs = 1), and the per-layer plan over all actors."""
-    out: list[Layout] = []
-    L = profile.num_layers
-    for dp in range(1, world_size + 1):
-        if world_size % dp or global_batch % dp:
-            continue
-        rest = world_size // dp
-        for pp in range(1, rest + 1):
-            if rest % pp or pp > L:
-                continue
-            fs = rest // pp
-            if fs > 1 and (fs > profile.max_fs or fs > gpus_per_node):
-                continue
-            if pp == 1:
-                out.append(Layout(dp=dp, fs=fs))
-                continue
-            for m in sorted({pp * f for f in microbatch_factors}):
-                if (global_batch // dp) % m:
-                    continue
-                out.append(Layout(dp=dp, pp=pp, fs=fs, num_microbatches=m))
-                out.append(Layout(dp=dp, pp=pp, fs=fs, num_microbatches=m, schedule="gpipe"))
-                if fs == 1 and 2 * pp <= L:
-                    out.append(Layout(dp=dp, pp=pp, num_microbatches=m, virtual_stages=2))
-    if world_size > 1 and profile.first_fc is not None and profile.max_fs >= world_size \
-            and global_batch % world_size == 0:
-        out.append(Layout(dp=world_size, plan="krizhevsky2014"))
-    return out
-
-
-def batch_sizes(layouts: Sequence[Layout], global_batch: int) -> list[tuple[int, int]]:
-    """The (batch size, fs) pairs ``predict`` asks the layer times for, over ``layouts``."""
-    sizes = set()
-    for lay in layouts:
-        if lay.plan != "none":
-            sizes |= {(global_batch, lay.dp), (global_batch // lay.dp, 1)}
-        else:
-            mb = global_batch // lay.dp // lay.num_microbatches
-            sizes |= {(mb, lay.fs), (mb, 1)}
-    return sorted(s for s in sizes if s[0] >= 1)
-
-
-def rank(layouts: Sequence[Layout], profile: Profile, times: LayerTimes, links: Links, global_batch: int,
-         precision: str = "fp32", max_memory_gib: Optional[float] = None,
-         bucket_mb: float = 25.0) -> tuple[list[Prediction], list[Prediction]]:
-    """Predictions of ``layouts``, fastest first: (those that fit in ``max_memory_gib`` per actor,
-    those that do not)."""
-    preds = [predict(lay, profile, times, links, global_batch, precision, bucket_mb) for lay in layouts]
-    preds.sort(key=lambda p: (-p.images_per_s, p.peak_gib, p.layout.name))
-    fits = [p for p in preds if max_memory_gib is None or p.peak_gib <= max_memory_gib]
-    return fits, [p for p in preds if p not in fits]
-
-
-def explain(best: Prediction, others: Sequence[Prediction], single: Optional[Prediction]) -> str:
-    """One line saying why ``best`` was chosen: its rate, margin over the next, what its step is."""
-    parts = [f"{best.layout.name}: predicted {best.images_per_s:,.0f} images/s"]
-    if single is not None and single.layout != best.layout:
-        parts[0] += f" ({best.images_per_s / single.images_per_s:.2f}x one device)"
-    nxt = next((p for p in others if p.layout != best.layout), None)
-    if nxt is not None:
-        parts.append(f"{best.images_per_s / nxt.images_per_s - 1:.0%} above the next, {nxt.layout.name}")
-    costs = {"compute": best.compute_ms, "exchange": best.exchange_ms, "all-reduce": best.allreduce_ms,
-             "bubble": best.bubble_ms}
-    overhead = {k: v for k, v in costs.items() if k != "compute" and v > 0}
-    share = best.compute_ms / best.step_ms if best.step_ms > 0 else 1.0
-    parts.append(f"{share:.0%} of its step is compute" + (
-        f", the largest other cost {max(overhead, key=overhead.get)}" if overhead else ""))
-    parts.append(f"peak {best.peak_gib:.2f} GiB per device")
-    return "; ".join(parts)
-
-
-def fmt_table(preds: Sequence[Prediction], single: Optional[Prediction] = None) -> str:
-    """A ranked text table: layout, images/s, speedup over ``single``, step ms and its split, peak GiB."""
-    w = max([len("layout")] + [len(p.layout.name) for p in preds]) + 2
-    head = (f"{'rank':>4}  {'layout':<{w}}{'images/s':>10}{'speedup':>8}{'step ms':>9}{'compute':>9}{'exchange':>9}"
-            f"{'all-red.':>9}{'bubble':>8}{'peak GiB':>9}")
-    lines = [head]
-    for i, p in enumerate(preds, 1):
-        sp = f"{p.images_per_s / single.images_per_s:.2f}x" if single is not None else "-"
-        lines.append(f"{i:>4}  {p.layout.name:<{w}}{p.images_per_s:>10,.0f}{sp:>8}{p.step_ms:>9.2f}{p.compute_ms:>9.2f}"
-                     f"{p.exchange_ms:>9.2f}{p.allreduce_ms:>9.2f}{p.bubble_ms:>8.2f}{p.peak_gib:>9.3f}")
-    return "\n".join(lines)
-
-
-__all__ = ["Layout", "Profile", "LinkSpeed", "Links", "Prediction", "Precision", "predict", "candidates", "rank",
-           "timed_makespan", "exposed_allreduce_ms", "buckets", "static_bytes", "peak_gib", "explain", "fmt_table",
-           "batch_sizes"]
+__all__ = ["Layout", "Profile", "LinkSpeed", "Links", "Prediction", "Precision", "predict", "timed_makespan",
+           "exposed_allreduce_ms", "buckets", "static_bytes", "peak_gib"]

@@ -6,9 +6,10 @@
     python -m rayconv.plan --model alexnet --global-batch-size 256 --machine h200x8,2xh200x8   # predictions
     python -m rayconv.plan --device cpu --model convnet
 
-The thin command line of the planner: the cost model is ``rayconv.costmodel``, measuring and searching
-``rayconv.layout_search``. Not to be confused with ``rayconv/parallel/plan.py`` (the routing plan of one
-layout, and ``--plan krizhevsky2014``, the per-layer plan). Exit status 2 for bad input, one line.
+The thin command line of the planner: the cost model is ``rayconv.costmodel``, the measurements
+``rayconv.cost_measure``, the search ``rayconv.layout_search``. Not to be confused with
+``rayconv/parallel/plan.py`` (the routing plan of one layout, and ``--plan krizhevsky2014``, the
+per-layer plan). Exit status 2 for bad input, one line.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .config import Config, ConfigError, OneLineParser, PRECISION_CHOICES
 
 
 def parse_args(argv: Optional[list[str]] = None):
-    from .layout_search import MACHINES
+    from .cost_measure import MACHINES
 
     p = OneLineParser(prog="python -m rayconv.plan",
                       description="Rank rayconv's layouts by predicted images/s from measured layer and link times.")
@@ -71,6 +72,7 @@ def _plan(a) -> int:
     import torch
 
     from . import layout_search as ls
+    from .cost_measure import MACHINES, Measurements
 
     use_cluster = a.address is not None
     if use_cluster:
@@ -80,14 +82,15 @@ def _plan(a) -> int:
         kind, slots = cluster.available_devices(a.device)
     else:
         if a.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("--device cuda but this machine has no GPU: give --address of a GPU cluster or --device cpu")
+            raise ConfigError("--device cuda but this machine has no GPU: give --address of a GPU cluster or "
+                              "--device cpu")
         kind = "cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu"
         slots = torch.cuda.device_count() if kind == "cuda" else 2
     world = a.gpus or slots
     data = a.data or ("digits" if a.model.startswith("convnet") else "synthetic")
     cfg = Config(model=a.model, data=data, image_size=a.image_size, global_batch_size=a.global_batch_size,
                  precision=a.precision or ("bf16" if kind == "cuda" else "fp32"), device=kind).validate()
-    meas = ls.Measurements(ls.plan_config(cfg), kind, use_cluster=use_cluster and kind == "cuda")
+    meas = Measurements(ls.plan_config(cfg), kind, use_cluster=use_cluster and kind == "cuda")
     meas.load()
     t0 = time.perf_counter()
     where = "on the cluster" if use_cluster else "here"
@@ -95,7 +98,7 @@ def _plan(a) -> int:
                           f"{a.model}, global batch {a.global_batch_size}, {cfg.precision}, {world} x "
                           f"{meas.state['device']} ({where})")]
     for key in a.machine:
-        m = ls.MACHINES[key]
+        m = MACHINES[key]
         rankings.append(ls.search(meas, m.gpus, m.links(), a.max_memory_gib,
                                   f"PREDICTION for {m.name} ({m.gpus} GPUs; layer times of {meas.state['device']}, "
                                   f"links assumed, not measured): {a.model}, global batch {a.global_batch_size}"))

@@ -16,7 +16,7 @@ import sys
 import pytest
 import ray
 
-from rayconv import costmodel, schedule
+from rayconv import costmodel, layout_search, schedule
 from rayconv.costmodel import GIB, Layout, Links, LinkSpeed, Profile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +35,7 @@ def times(batch: int, fs: int = 1) -> list[float]:
 
 def test_ranking_and_cost_split_are_exact():
     layouts = [Layout(dp=2), Layout(pp=2, num_microbatches=2), Layout(fs=2), Layout(dp=2, plan="krizhevsky2014")]
-    fits, too_big = costmodel.rank(layouts, PROFILE, times, LINKS, 8)
+    fits, too_big = layout_search.rank(layouts, PROFILE, times, LINKS, 8)
     assert too_big == []
     got = {p.layout.name: (p.step_ms, p.compute_ms, p.exchange_ms, p.allreduce_ms, p.bubble_ms) for p in fits}
     expected = {
@@ -59,12 +59,12 @@ def test_ranking_and_cost_split_are_exact():
 
 def test_memory_limit_keeps_only_what_fits():
     layouts = [Layout(dp=2), Layout(pp=2, num_microbatches=2), Layout(pp=2, num_microbatches=2, schedule="gpipe")]
-    preds = {p.layout.name: p for p in costmodel.rank(layouts, PROFILE, times, LINKS, 8)[0]}
+    preds = {p.layout.name: p for p in layout_search.rank(layouts, PROFILE, times, LINKS, 8)[0]}
     # GPipe holds both micro-batches on stage 0, 1F1B at most P - s = 2 there too (M = 2); dp2 holds
     # 4 whole samples' activations plus a fourth copy of the parameters (the gradient buckets).
     limit = (preds["pp2m2"].peak_gib + preds["dp2"].peak_gib) / 2
     assert preds["pp2m2"].peak_gib < limit < preds["dp2"].peak_gib
-    fits, too_big = costmodel.rank(layouts, PROFILE, times, LINKS, 8, max_memory_gib=limit)
+    fits, too_big = layout_search.rank(layouts, PROFILE, times, LINKS, 8, max_memory_gib=limit)
     assert {p.layout.name for p in too_big} == {"dp2"}
     assert fits[0].layout.name.startswith("pp2m2")
 
@@ -81,7 +81,7 @@ def test_bubble_matches_the_schedule_simulation(name, P, M, V):
 
 def test_memory_accounting_on_the_convnet():
     from rayconv.config import Config
-    from rayconv.layout_search import profile_of
+    from rayconv.cost_measure import profile_of
     from rayconv.models import ConvNet
 
     prof = profile_of(Config(model="convnet", device="cpu").to_dict())
@@ -170,7 +170,7 @@ def test_layout_auto_runs_the_top_layout_and_records_the_prediction(ray2, tmp_pa
 
 def test_links_measured_between_two_actors(ray2):
     from rayconv import cluster
-    from rayconv.layout_search import fit_links, link_probe
+    from rayconv.cost_measure import fit_links, link_probe
 
     probe = cluster.run_on_devices(link_probe, 2, False, ("gloo", (0.0625, 0.25)))[0]
     assert len(probe["allreduce"]) == len(probe["allgather"]) == len(probe["p2p"]) == 2
@@ -184,8 +184,9 @@ def test_layout_names_are_the_bench_names():
     from rayconv.bench import parse_layout
 
     prof = Profile("toy", 3, (8,) * 12, (1,) * 12, first_fc=10, max_fs=8)
-    layouts = costmodel.candidates(prof, 8, 256)
-    assert {"dp8", "dp4xpp2m4v2", "dp2xpp2m4xfs2-gpipe", "dp4xfs2", "pp2m2xfs4", "plan8"} <= {lay.name for lay in layouts}
+    layouts = layout_search.candidates(prof, 8, 256)
+    names = {lay.name for lay in layouts}
+    assert {"dp8", "dp4xpp2m4v2", "dp2xpp2m4xfs2-gpipe", "dp4xfs2", "pp2m2xfs4", "plan8"} <= names
     for lay in layouts:
         want = {k: v for k, v in lay.settings().items() if v != Layout().settings()[k] or k == "dp"}
         assert parse_layout(lay.name) == want, lay.name
