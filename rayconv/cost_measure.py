@@ -358,14 +358,20 @@ class Measurements:
         return lambda b, fs=1: table[times_key(b, fs)]
 
     def links(self, world: int) -> Links:
-        """Measured between two actors when the cluster has 2+ GPUs (cached), else the link table."""
-        if self.device == "cuda" and world >= 2 and self.use_cluster:
-            if self.state.get("links") is None:
-                from . import cluster
+        """Measured between two GPU actors when the cluster (``--address``, else a local Ray) has two
+        or more GPUs, cached per cluster; else the link table."""
+        if self.device == "cuda" and world >= 2:
+            from . import cluster
 
-                self.state["links"] = cluster.run_on_devices(link_probe, 2, True, ("nccl", (1, 8, 32)))[0]
-                self.measured.append("links")
-            return fit_links(self.state["links"], 2, f"{self.state['device']} x {world}")
+            cluster.connect(self.cfg.address)
+            if cluster.available_devices("cuda")[1] >= 2:
+                where = f"{self.cfg.address or 'local'}@{platform.node()}"
+                measured = self.state.setdefault("links", None) or {}
+                if where not in measured:
+                    measured[where] = cluster.run_on_devices(link_probe, 2, True, ("nccl", (1, 8, 32)))[0]
+                    self.measured.append("links")
+                self.state["links"] = measured
+                return fit_links(measured[where], 2, f"{self.state['device']} x {world}")
         key = "nvlink4" if self.device == "cuda" else "gloo-loopback"
         text, speed = LINK_TABLE[key]
         return Links(key, speed, speed, speed, gpus_per_node=max(world, 1), source=f"link table: {text}")

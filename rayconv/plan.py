@@ -89,7 +89,8 @@ def _plan(a) -> int:
     world = a.gpus or slots
     data = a.data or ("digits" if a.model.startswith("convnet") else "synthetic")
     cfg = Config(model=a.model, data=data, image_size=a.image_size, global_batch_size=a.global_batch_size,
-                 precision=a.precision or ("bf16" if kind == "cuda" else "fp32"), device=kind).validate()
+                 precision=a.precision or ("bf16" if kind == "cuda" else "fp32"), device=kind,
+                 address=a.address).validate()
     meas = Measurements(ls.plan_config(cfg), kind, use_cluster=use_cluster and kind == "cuda")
     meas.load()
     t0 = time.perf_counter()
