@@ -40,6 +40,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--address", default=None)
+    p.add_argument("--call-timeout-s", default=None, help="the bench's --call-timeout-s")
     p.add_argument("--out", default="benchmarks/latest/plan-check")
     a = p.parse_args()
     import torch
@@ -66,7 +67,8 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "rayconv.bench", "--models", a.model, "--layouts", ",".join(names),
                         "--global-batch-size", str(gb), "--device", device, "--precision", precision,
                         "--image-size", str(a.image_size), "--steps", str(a.steps), "--warmup", str(a.warmup),
-                        "--no-anchors", "--out", str(bench_out), *where])  # (a failed layout keeps its row)
+                        "--no-anchors", "--out", str(bench_out), *where,
+                        *(["--call-timeout-s", a.call_timeout_s] if a.call_timeout_s else [])])  # (a failed layout keeps its row)
         table = pq.read_table(bench_out / "bench.parquet").to_pylist() if (bench_out / "bench.parquet").exists() else []
         measured = {r["layout"]: r for r in table}
         got = sorted((n for n in names if (measured.get(n) or {}).get("images_per_s")),
