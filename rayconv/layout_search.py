@@ -135,7 +135,7 @@ class Ranking:
             lines.append("choice: " + explain(self.fits[0], self.fits[1:], self.single))
         else:
             lines.append("choice: none fits" + (f" in {self.max_memory_gib:g} GiB per device; the smallest needs "
-                                                f"{min(p.peak_gib for p in self.too_big):.2f} GiB"
+                                                f"{min(p.peak_gib for p in self.too_big):.3g} GiB"
                                                 if self.too_big else ""))
         return "\n".join(lines)
 
@@ -181,7 +181,7 @@ def memory_check(cfg: Config) -> None:
         chunks = list(zip(edges, edges[1:]))
     need = costmodel.peak_gib(lay, prof, cfg.global_batch_size, cfg.precision, chunks)
     if need > cfg.max_memory_gib:
-        raise ConfigError(f"layout {lay.name} needs {need:.2f} GiB per device (predicted: parameters, gradients, "
+        raise ConfigError(f"layout {lay.name} needs {need:.3g} GiB per device (predicted: parameters, gradients, "
                           f"momentum, activations of the micro-batches in flight) but --max-memory-gib is "
                           f"{cfg.max_memory_gib:g}: raise it, use more devices (--dp/--pp/--fs), or lower "
                           f"--global-batch-size (python -m rayconv.plan lists the layouts that fit)")

@@ -109,7 +109,7 @@ def test_a_run_that_cannot_fit_is_refused_before_ray_starts(tmp_path, capsys):
                  "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "needs" in err and "GiB per device" in err and "--max-memory-gib" in err
-    assert re.search(r"needs 0\.\d+ GiB|needs [\d.e-]+ GiB", err)
+    assert re.search(r"layout 1gpu needs 0\.00\d+ GiB per device", err)
     assert not ray.is_initialized() and not out.exists()
 
 
@@ -190,3 +190,15 @@ def test_layout_names_are_the_bench_names():
     for lay in layouts:
         want = {k: v for k, v in lay.settings().items() if v != Layout().settings()[k] or k == "dp"}
         assert parse_layout(lay.name) == want, lay.name
+
+
+def test_layout_auto_refuses_when_no_layout_fits(ray2, tmp_path, monkeypatch):
+    from rayconv.config import Config, ConfigError
+    from rayconv.driver import fit
+
+    monkeypatch.setenv("RAYCONV_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = Config(model="convnet", device="cpu", layout="auto", global_batch_size=16, steps=2, progress=False,
+                 metrics=False, max_memory_gib=1e-6, out=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"none fits in 1e-06 GiB per device; the smallest needs [\d.e-]+ GiB"):
+        fit(cfg, log=lambda *_: None)
+    assert not (tmp_path / "run").exists()
