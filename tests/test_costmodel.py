@@ -117,9 +117,12 @@ def test_plan_command_on_cpu_ranks_layouts_and_caches(tmp_path):
     env = {**os.environ, "RAYCONV_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "rayconv.plan", "--device", "cpu", "--model", "convnet", "--global-batch-size", "8",
            "--json", str(tmp_path / "plan.json")]
-    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    first = subprocess.run([*cmd, "--machine", "h200x4"], capture_output=True, text=True, env=env, timeout=300)
     assert first.returncode == 0, first.stderr
-    lines = first.stdout.splitlines()
+    predicted = first.stdout.split("\n\n")[1]
+    assert predicted.startswith("PREDICTION for 4 x H200, one host (4 GPUs;") and "links assumed, not measured" in predicted
+    assert "link table: NVLink 4" in predicted and "choice: " in predicted
+    lines = first.stdout.split("\n\n")[0].splitlines()
     assert lines[2].split()[:3] == ["rank", "layout", "images/s"]
     rows = [ln.split() for ln in lines[3:] if ln.strip() and ln.split()[0].isdigit()]
     names = [r[1] for r in rows]
