@@ -317,3 +317,54 @@ def _wait_names_free(names: list[str], timeout_s: float) -> None:
                 raise ClusterError(f"an actor named {name} is still alive after {timeout_s:.0f} s: another run "
                                    "writes into the same output folder? give a new --out")
             time.sleep(0.2)
+
+
+class _Probe:
+    """A bare process on one device of a placement group, for short measurements (``run_on_devices``)."""
+
+    def __init__(self, gpu: bool):
+        if gpu:
+            import torch
+
+            torch.cuda.set_device(visible_index(ray.get_gpu_ids()[0]))
+
+    def free_address(self) -> str:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"{ray.util.get_node_ip_address()}:{port}"
+
+    def run(self, fn, *args) -> Any:
+        return fn(*args)
+
+
+def run_on_devices(fn, world: int, gpu: bool, args: Sequence[Any] = (), timeout_s: float = 300.0) -> list[Any]:
+    """``fn(rank, world, master, *args)`` at once in ``world`` actors, one per GPU (``gpu``) or CPU, packed
+    in one placement group as the training actors are (``master``: a free host:port on rank 0's node for
+    a process-group rendezvous); their results in rank order. Raises ClusterError naming the error or
+    the timeout; the actors and the reservation are released in every case."""
+    bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
+    pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+    actors: list[Any] = []
+    try:
+        try:
+            ray.get(pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise ClusterError(f"could not reserve {world} x {bundle} within {timeout_s:.0f} s for "
+                               f"{fn.__name__}: free resources") from None
+        env = ALL_GPUS_VISIBLE_ENV if gpu else {}
+        remote = ray.remote(_Probe)
+        actors = [remote.options(num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=0,
+                                 runtime_env={"env_vars": env} if env else None,
+                                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)
+                                 ).remote(gpu) for r in range(world)]
+        master = ray.get(actors[0].free_address.remote(), timeout=timeout_s)
+        return ray.get([a.run.remote(fn, r, world, master, *args) for r, a in enumerate(actors)], timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise ClusterError(f"{fn.__name__} did not finish within {timeout_s:g} s on the cluster") from None
+    except ray.exceptions.RayError as e:
+        raise ClusterError(f"{fn.__name__} failed: {exception_summary(e)}") from None
+    finally:
+        for a in actors:
+            ray.kill(a)
+        remove_placement_group(pg)

@@ -31,6 +31,7 @@ PRECISION_CHOICES = ("fp32", "bf16", "fp64")
 LR_SCHEDULE_CHOICES = ("constant", "cosine")
 COMPILE_CHOICES = ("auto", "on", "off")
 BALANCE_CHOICES = ("auto", "time", "flops")
+LAYOUT_CHOICES = ("manual", "auto")
 
 
 def batch_split_problem(global_batch_size: int, dp: int, num_microbatches: int) -> Optional[str]:
@@ -83,6 +84,13 @@ class Config:
     virtual_stages: int = field(default=1, metadata={
         "help": "model chunks per pipeline stage: above 1, interleaved 1F1B (Megatron-LM), a smaller bubble "
                 "for more point-to-point messages; needs --num-microbatches a multiple of --pp"})
+    layout: str = field(default="manual", metadata={
+        "help": "auto: the planner (python -m rayconv.plan) measures layer and link times, ranks every layout "
+                "and runs the fastest that fits --max-memory-gib, replacing --dp/--pp/--fs/--plan/"
+                "--num-microbatches/--schedule/--virtual-stages; manual: those flags", "choices": LAYOUT_CHOICES})
+    max_memory_gib: Optional[float] = field(default=None, metadata={
+        "help": "refuse (exit 2, before any actor starts) a layout whose predicted peak memory per device "
+                "exceeds this many GiB; 6 is Yadan et al.'s TITAN (default: no limit)"})
     # optimisation (synchronous SGD)
     global_batch_size: int = field(default=64, metadata={"help": "images per step over all replicas"})
     epochs: Optional[int] = field(default=None, metadata={"help": "epochs to train (default 10 when --steps is not given)"})
@@ -148,6 +156,9 @@ class Config:
         need(self.schedule in SCHEDULE_CHOICES, f"unknown --schedule {self.schedule!r}: choose gpipe or 1f1b")
         need(self.plan in PLAN_CHOICES, f"unknown --plan {self.plan!r}: choose one of {', '.join(PLAN_CHOICES)}")
         need(self.precision in PRECISION_CHOICES, f"unknown --precision {self.precision!r}: choose fp32, bf16 or fp64")
+        need(self.layout in LAYOUT_CHOICES, f"unknown --layout {self.layout!r}: choose manual or auto")
+        need(self.max_memory_gib is None or self.max_memory_gib > 0,
+             f"--max-memory-gib must be > 0 GiB (got {self.max_memory_gib})")
         need(self.balance in BALANCE_CHOICES, f"unknown --balance {self.balance!r}: choose auto, time or flops")
         need(self.compile in COMPILE_CHOICES, f"unknown --compile {self.compile!r}: choose auto, on or off")
         need(self.cuda_graphs in COMPILE_CHOICES, f"unknown --cuda-graphs {self.cuda_graphs!r}: choose auto, on or off")

@@ -35,6 +35,7 @@ from .checkpoint import (Checkpoint, CheckpointError, check_resumable, latest_ch
 from .config import Config, batch_split_problem
 from .data import Sharding, make_source
 from .export import assemble, export_model
+from .layout_search import choose_layout, compare, memory_check
 from .metrics import MetricsLog, actor_gauges, read_rows, reduce_step, write_json
 from .models import build_model, model_names, run_model
 from .parallel.plan import make_plan, measured_costs
@@ -65,10 +66,15 @@ def prepare(cfg: Config, log=print):
     any actor starts."""
     if cfg.model not in model_names():
         build_model(cfg.model, 1)  # raises ConfigError naming --model, before Ray starts
+    dp_given = cfg.dp is not None
+    if dp_given:
+        memory_check(cfg)  # --max-memory-gib: refused before Ray starts
     # (with --dp left to the cluster, at least one replica: --fs 3 alone on 2 cores still runs)
     wanted = (cfg.dp or 1) * cfg.pp * cfg.fs * cfg.num_cpus_per_actor
     cluster.connect(cfg.address, min_cpus=wanted if cfg.device != "cuda" else None)
     mesh = cluster.resolve_layout(cfg, log)
+    if not dp_given:
+        memory_check(cfg)  # (with --dp from the cluster: before any actor starts)
     source = make_source(cfg)
     reference = run_model(cfg, source)
     plan = make_plan(cfg, mesh, reference, source.sample_shape)  # checks the layout before any measuring
@@ -113,6 +119,7 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
     """
     t_start = time.perf_counter()
     resume = load_checkpoint(cfg.resume) if cfg.resume else None
+    predicted = choose_layout(cfg, log) if cfg.layout == "auto" else None  # sets the layout settings
     mesh, source, plan = prepare(cfg, log)
     sharding = Sharding(source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed)
     total_steps = cfg.steps or (cfg.epochs or 10) * sharding.steps_per_epoch
@@ -210,6 +217,8 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
             "resumed_from": str(resume.path) if resume is not None else None, "failures_recovered": failures,
             "actors": [{**s, **m} for s, m in zip(run.setups, memory)],
         }
+        if predicted is not None:
+            summary["planner"] = compare(predicted, summary)
         write_json(out / "summary.json", summary)
         log(f"done: train loss {summary['final_train_loss']:.4f}, test accuracy {summary['test_accuracy']:.4f}, "
             f"{summary['images_per_s']:.0f} images/s, {summary['wall_time_s']:.1f} s -> {out}")

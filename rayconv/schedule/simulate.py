@@ -42,16 +42,19 @@ def _dependency(schedule: Schedule, stage: int, action: Action) -> tuple[int, Ac
 
 
 def timeline(schedule: Schedule, forward: Optional[Sequence[float]] = None,
-             backward: Optional[Sequence[float]] = None, link: float = 0) -> list[list[tuple[float, float]]]:
+             backward: Optional[Sequence[float]] = None,
+             link: float | Sequence[float] = 0) -> list[list[tuple[float, float]]]:
     """When each action runs: per stage, ``(start, finish)`` of each action of its program, in order.
 
     An action starts once its stage has finished the action before it and its input has arrived:
     the finish of the action it depends on (see the communication model) plus ``link``.
 
     Args:
-        forward, backward: per stage ``s``, how long one forward / backward takes there (any one unit,
-            e.g. ms; each chunk of an interleaved stage alike). Left out: 1 each, the unit-time model.
-        link: the time one activation or gradient takes from stage to stage (same unit), ``>= 0``.
+        forward, backward: how long one forward / backward takes (any one unit, e.g. ms): one entry per
+            stage ``s`` (each chunk of an interleaved stage alike), or one per virtual stage
+            ``v = chunk * P + s`` (``P * V`` entries). Left out: 1 each, the unit-time model.
+        link: the time one activation or gradient takes from stage to stage (same unit), ``>= 0``: one
+            figure for every boundary, or one per boundary ``b`` between virtual stages ``b`` and ``b + 1``.
 
     Returns:
         One list per stage of ``(start, finish)`` pairs, one per action of its program. The step takes
@@ -63,8 +66,12 @@ def timeline(schedule: Schedule, forward: Optional[Sequence[float]] = None,
     """
     _check_programs(schedule)
     P = schedule.num_stages
-    fwd = [1] * P if forward is None else forward
-    bwd = [1] * P if backward is None else backward
+    VP = P * schedule.num_chunks
+    fwd = [1] * P if forward is None else list(forward)
+    bwd = [1] * P if backward is None else list(backward)
+    fwd, bwd = (t * schedule.num_chunks if len(t) == P else t for t in (fwd, bwd))  # per virtual stage
+    links = [link] * max(VP - 1, 1) if isinstance(link, (int, float)) else list(link)
+    assert len(fwd) == len(bwd) == VP and len(links) >= VP - 1, "one time per stage or per virtual stage"
     finish: dict[tuple[int, Action], float] = {}
     times: list[list[tuple[float, float]]] = [[] for _ in range(P)]
     free: list[float] = [0] * P  # when each stage finishes its last action so far
@@ -77,8 +84,10 @@ def timeline(schedule: Schedule, forward: Optional[Sequence[float]] = None,
                 dep = _dependency(schedule, s, action)
                 if dep is not None and dep not in finish:
                     break
-                start = free[s] if dep is None else max(free[s], finish[dep] + link)
-                free[s] = start + (fwd[s] if action.kind == FORWARD else bwd[s])
+                v = action.chunk * P + s
+                arrive = 0 if dep is None else finish[dep] + links[v - 1 if action.kind == FORWARD else v]
+                start = max(free[s], arrive)
+                free[s] = start + (fwd[v] if action.kind == FORWARD else bwd[v])
                 finish[(s, action)] = free[s]
                 times[s].append((start, free[s]))
                 progressed = True

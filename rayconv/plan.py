@@ -1,0 +1,124 @@
+"""``python -m rayconv.plan``: rank every layout by predicted images/s, with peak memory per device.
+
+    python -m rayconv.plan --model alexnet --global-batch-size 256             # the GPUs of this machine
+    python -m rayconv.plan --model resnet50 --global-batch-size 512 --address 10.0.0.5:6379
+    python -m rayconv.plan --model alexnet --global-batch-size 256 --max-memory-gib 6   # the paper's TITAN
+    python -m rayconv.plan --model alexnet --global-batch-size 256 --machine h200x8,2xh200x8   # predictions
+    python -m rayconv.plan --device cpu --model convnet
+
+The thin command line of the planner: the cost model is ``rayconv.costmodel``, the measurements
+``rayconv.cost_measure``, the search ``rayconv.layout_search``. Not to be confused with
+``rayconv/parallel/plan.py`` (the routing plan of one layout, and ``--plan krizhevsky2014``, the
+per-layer plan). Exit status 2 for bad input, one line.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional
+
+from .config import Config, ConfigError, OneLineParser, PRECISION_CHOICES
+
+
+def parse_args(argv: Optional[list[str]] = None):
+    from .cost_measure import MACHINES
+
+    p = OneLineParser(prog="python -m rayconv.plan",
+                      description="Rank rayconv's layouts by predicted images/s from measured layer and link times.")
+    p.add_argument("--model", default="convnet", help="model name, as rayconv.run's --model (default convnet)")
+    p.add_argument("--global-batch-size", type=int, default=64, help="images per step (default 64)")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="devices to lay out (default: the cluster's GPUs, or this machine's; on CPU 2 actors)")
+    p.add_argument("--address", default=None, help="Ray cluster to measure on (layer times on one of its GPUs, "
+                                                   "links between two of its actors)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when there is a GPU")
+    p.add_argument("--precision", default=None, choices=PRECISION_CHOICES,
+                   help="default: bf16 on GPUs, fp32 on CPU")
+    p.add_argument("--data", default=None, choices=("digits", "synthetic"),
+                   help="input shape: digits (1x8x8) for convnet, synthetic ImageNet-shaped otherwise")
+    p.add_argument("--image-size", type=int, default=224, help="synthetic image side in pixels (default 224)")
+    p.add_argument("--max-memory-gib", type=float, default=None,
+                   help="keep only layouts whose predicted peak memory per device fits (6: Yadan et al.'s TITAN)")
+    p.add_argument("--machine", default="", help=f"also predict for machines not at hand, comma-separated: "
+                                                 f"{', '.join(MACHINES)}, or all (assumed link table)")
+    p.add_argument("--top", type=int, default=15, help="rows of each table (default 15; 0: all)")
+    p.add_argument("--json", default=None, help="also write the rankings to this JSON file")
+    a = p.parse_args(argv)
+    if a.global_batch_size < 1 or (a.gpus is not None and a.gpus < 1):
+        p.error("--global-batch-size and --gpus must be >= 1")
+    if a.max_memory_gib is not None and a.max_memory_gib <= 0:
+        p.error(f"--max-memory-gib must be > 0 (got {a.max_memory_gib:g})")
+    machines = list(MACHINES) if a.machine == "all" else [m for m in a.machine.split(",") if m]
+    bad = [m for m in machines if m not in MACHINES]
+    if bad:
+        p.error(f"unknown --machine {','.join(bad)}: choose from {', '.join(MACHINES)} or all")
+    a.machine = machines
+    return a
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    a = parse_args(argv)
+    try:
+        return _plan(a)
+    except ConfigError as e:
+        print(f"rayconv.plan: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _plan(a) -> int:
+    import json
+
+    import torch
+
+    from . import layout_search as ls
+    from .cost_measure import MACHINES, Measurements
+
+    use_cluster = a.address is not None
+    if use_cluster:
+        from . import cluster
+
+        cluster.connect(a.address)
+        kind, slots = cluster.available_devices(a.device)
+    else:
+        if a.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda but this machine has no GPU: give --address of a GPU cluster or "
+                              "--device cpu")
+        kind = "cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu"
+        slots = torch.cuda.device_count() if kind == "cuda" else 2
+    world = a.gpus or slots
+    data = a.data or ("digits" if a.model.startswith("convnet") else "synthetic")
+    cfg = Config(model=a.model, data=data, image_size=a.image_size, global_batch_size=a.global_batch_size,
+                 precision=a.precision or ("bf16" if kind == "cuda" else "fp32"), device=kind,
+                 address=a.address).validate()
+    meas = Measurements(ls.plan_config(cfg), kind, use_cluster=use_cluster and kind == "cuda")
+    meas.load()
+    t0 = time.perf_counter()
+    where = "on the cluster" if use_cluster else "here"
+    rankings = [ls.search(meas, world, meas.links(world), a.max_memory_gib,
+                          f"{a.model}, global batch {a.global_batch_size}, {cfg.precision}, {world} x "
+                          f"{meas.state['device']} ({where})")]
+    for key in a.machine:
+        m = MACHINES[key]
+        rankings.append(ls.search(meas, m.gpus, m.links(), a.max_memory_gib,
+                                  f"PREDICTION for {m.name} ({m.gpus} GPUs; layer times of {meas.state['device']}, "
+                                  f"links assumed, not measured): {a.model}, global batch {a.global_batch_size}"))
+    meas.save()
+    print("\n\n".join(r.table(a.top) for r in rankings))
+    print(f"\n(planned in {time.perf_counter() - t0:.2f} s"
+          f"{'; measured ' + ', '.join(meas.measured) if meas.measured else ', all measurements from the cache'}: "
+          f"{meas.path})")
+    if a.json:
+        from pathlib import Path
+
+        from .metrics import atomic_write
+
+        rows = [{"title": r.title, "links": r.links.source, "fits": [p.as_dict() for p in r.fits],
+                 "too_big": [p.as_dict() for p in r.too_big],
+                 "single": r.single.as_dict() if r.single else None} for r in rankings]
+        atomic_write(Path(a.json), lambda tmp: Path(tmp).write_text(json.dumps(rows, indent=1)))
+    return 0 if rankings[0].fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
