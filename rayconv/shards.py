@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
@@ -113,6 +114,9 @@ class ShardSource(Source):
         self._bytes: dict[str, tuple[list, np.ndarray]] = {}
         self._pending: dict[str, dict[str, Any]] = {}
         self._stream: Optional[torch.cuda.Stream] = None
+        # GPU decode runs on a thread of its own: nvJPEG holds the calling thread until its batch is
+        # decoded, so the actor's thread launches the step while the next batch decodes.
+        self._decoder: Optional[ThreadPoolExecutor] = None
 
     # ------------------------------------------------------------------ bytes
     def _load(self, split: str) -> tuple[list, np.ndarray]:
@@ -188,11 +192,17 @@ class ShardSource(Source):
         return dec.normalize(x.to(device, non_blocking=True), dtype)
 
     def _take_gpu(self, split: str, pending: dict, device: torch.device) -> torch.Tensor:
-        """This batch (launched ahead, or now), after launching the next on the side stream."""
+        """This batch (launched ahead, or now), after handing the next one to the decode thread."""
         idx = pending["queue"].popleft()
-        current = pending["launched"] or self._launch(split, pending["epoch"], idx, device)
-        pending["launched"] = self._launch(split, pending["epoch"], pending["queue"][0], device) \
-            if pending["queue"] else None
+        launched: Optional[Future] = pending["launched"]
+        current = launched.result() if launched is not None else self._launch(split, pending["epoch"], idx, device)
+        if pending["queue"]:
+            if self._decoder is None:
+                self._decoder = ThreadPoolExecutor(1, thread_name_prefix="rayconv-decode")
+            pending["launched"] = self._decoder.submit(self._launch, split, pending["epoch"], pending["queue"][0],
+                                                       device)
+        else:
+            pending["launched"] = None
         x, event = current
         stream = torch.cuda.current_stream(device)
         stream.wait_event(event)
@@ -204,7 +214,7 @@ class ShardSource(Source):
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         jpegs, params = self.jpegs(split, idx), self.params(split, epoch, idx)
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.device(device), torch.cuda.stream(self._stream):
             try:
                 x = dec.transform(dec.decode(jpegs, device), self.size, params)
             except RuntimeError as e:   # nvJPEG's error on bytes that passed the sha256 check
