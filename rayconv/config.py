@@ -149,7 +149,7 @@ class Config:
              "--cuda-graphs on needs GPUs (CUDA graphs): drop it with --device cpu")
         need(self.lr_schedule in LR_SCHEDULE_CHOICES, f"unknown --lr-schedule {self.lr_schedule!r}: constant or cosine")
         need(self.data != "imagefolder" or bool(self.data_dir),
-             "--data imagefolder needs --data-dir DIR (a folder with train/<class>/*.JPEG and val/<class>/...)")
+             "--data imagefolder needs --data-dir DIR (a folder with train/<class>/<images> and val/<class>/<images>)")
         for name in ("pp", "fs", "num_microbatches", "virtual_stages", "global_batch_size", "log_every",
                      "num_cpus_per_actor"):
             need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
