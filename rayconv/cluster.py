@@ -65,7 +65,8 @@ def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] 
     """Connect to the cluster at ``address``, else to RAY_ADDRESS or a running local cluster
     (``ray start --head``), else start a local one (dashboard on 127.0.0.1). A local one started
     here gets at least ``min_cpus`` logical CPUs, so that a layout with more CPU actors than cores
-    (``--dp 2 --fs 2`` on a 2-core laptop) still runs, oversubscribed. Raises ClusterError."""
+    (``--dp 2 --fs 2`` on a 2-core laptop) still runs, oversubscribed. Raises ConfigError for an address
+    where no Ray cluster answers, ClusterError when Ray cannot connect."""
     _probe(address or os.environ.get("RAY_ADDRESS"))
     if ray.is_initialized():
         return
@@ -86,16 +87,33 @@ def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] 
 
 
 def _probe(address: Optional[str], timeout_s: float = 5.0) -> None:
-    """Fail fast on a ``host:port`` cluster address nobody answers on (Ray itself retries for minutes)."""
+    """Fail fast, in one line, on a ``host:port`` cluster address where no Ray GCS answers: nobody
+    listening (Ray itself retries for minutes), or something other than Ray (Ray's GCS client then
+    logs its RPC errors for as long). The GCS is a gRPC server, so it must complete gRPC's HTTP/2
+    handshake (``grpc.channel_ready_future``) within ``timeout_s`` seconds. Raises ConfigError: the
+    address is the user's to change."""
     if not address or "://" in address or address == "auto" or ":" not in address:
         return
     host, _, port = address.rpartition(":")
+    hint = ("check --address / RAY_ADDRESS (the head's GCS address, e.g. 10.0.0.5:6379), "
+            "or run `ray start --head` first")
     try:
         with socket.create_connection((host, int(port)), timeout=timeout_s):
             pass
     except (OSError, ValueError) as e:
-        raise ClusterError(f"cannot reach a Ray cluster at {address} ({e}): check --address / RAY_ADDRESS "
-                           "(the head's GCS address, e.g. 10.0.0.5:6379), or run `ray start --head` first") from None
+        raise ConfigError(f"cannot reach a Ray cluster at {address} ({e}): {hint}") from None
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return  # the GCS speaks TLS first: a plain handshake would not get through
+    import grpc  # (installed with Ray)
+
+    channel = grpc.insecure_channel(address)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+    except grpc.FutureTimeoutError:
+        raise ConfigError(f"something answers at {address} but not a Ray cluster (no gRPC handshake within "
+                          f"{timeout_s:g} s): {hint}") from None
+    finally:
+        channel.close()
 
 
 def available_devices(device: str) -> tuple[str, int]:

@@ -164,9 +164,11 @@ class Config:
         need(self.cuda_graphs in COMPILE_CHOICES, f"unknown --cuda-graphs {self.cuda_graphs!r}: choose auto, on or off")
         need(not (self.cuda_graphs == "on" and self.device == "cpu"),
              "--cuda-graphs on needs GPUs (CUDA graphs): drop it with --device cpu")
+        need(not (self.sync_batchnorm and self.device == "cpu"),
+             "--sync-batchnorm needs GPUs (torch's SyncBatchNorm runs on CUDA only): drop it with --device cpu")
         need(self.lr_schedule in LR_SCHEDULE_CHOICES, f"unknown --lr-schedule {self.lr_schedule!r}: constant or cosine")
         need(self.data != "imagefolder" or bool(self.data_dir),
-             "--data imagefolder needs --data-dir DIR (a folder with train/<class>/*.JPEG and val/<class>/...)")
+             "--data imagefolder needs --data-dir DIR (a folder with train/<class>/<images> and val/<class>/<images>)")
         need(self.data != "shards" or bool(self.data_dir),
              "--data shards needs --data-dir SHARDS (a folder written by python -m rayconv.prepare DIR --out SHARDS)")
         need(self.decode in DECODE_CHOICES, f"unknown --decode {self.decode!r}: choose auto, cpu or gpu")

@@ -4,7 +4,8 @@ Sources (``--data``):
 
 * ``digits``: the 1,797 real 8x8 handwritten-digit scans that ship inside scikit-learn (UCI optdigits
   test set), 10 classes; a fixed 80/20 split gives 1,437 train and 360 held-out images. No download.
-* ``imagefolder``: an ImageNet-layout folder, ``<dir>/train/<class>/*.JPEG`` and ``<dir>/val/<class>/...``,
+* ``imagefolder``: an ImageNet-layout folder, ``<dir>/train/<class>/<images>`` and ``<dir>/val/<class>/...``
+  (JPEG, PNG and the other formats of torchvision's ImageFolder; names starting with a dot are skipped),
   decoded and augmented by torchvision (RandomResizedCrop + flip for training; resize + center crop for
   evaluation), read by a ``torch.utils.data.DataLoader`` with worker processes.
 * ``shards``: a folder written by ``python -m rayconv.prepare`` (Parquet shards of training-size JPEGs),
@@ -22,6 +23,7 @@ slices stay exact.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -29,10 +31,12 @@ from typing import Optional
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torchvision.datasets import ImageFolder
+from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
 from .config import Config, ConfigError
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+IMAGE_SUFFIXES = IMG_EXTENSIONS  # torchvision's: .jpg .jpeg .png .ppm .bmp .pgm .tif .tiff .webp
 
 
 class DataError(ValueError):
@@ -186,14 +190,36 @@ class SyntheticSource(Source):
         return torch.as_tensor((np.asarray(idx, dtype=np.int64) * 7919 + offset) % self.num_classes)
 
 
+def hidden(name: str) -> bool:
+    """Folders and files whose names start with a dot (``.thumbnails``, macOS's ``._x.jpg``) are not
+    data: neither classes nor images."""
+    return name.startswith(".")
+
+
+class _VisibleImageFolder(ImageFolder):
+    """torchvision's ImageFolder that skips hidden folders and files (``hidden``) at every level."""
+
+    def find_classes(self, directory):
+        classes = sorted(e.name for e in os.scandir(directory) if e.is_dir() and not hidden(e.name))
+        if not classes:
+            raise FileNotFoundError(f"Couldn't find any class folder in {directory}.")
+        return classes, {c: i for i, c in enumerate(classes)}
+
+    @staticmethod
+    def make_dataset(directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
+        def visible_image(path: str) -> bool:
+            return (has_file_allowed_extension(path, extensions or IMG_EXTENSIONS)
+                    and not any(hidden(part) for part in Path(path).relative_to(directory).parts))
+
+        return ImageFolder.make_dataset(directory, class_to_idx, None, visible_image, allow_empty)
+
+
 class _CheckedImageFolder(Dataset):
     """torchvision ImageFolder whose decode errors name the file and what to do."""
 
     def __init__(self, root: Path, transform):
-        from torchvision.datasets import ImageFolder
-
         try:
-            self.inner = ImageFolder(str(root), transform=transform)
+            self.inner = _VisibleImageFolder(str(root), transform=transform)
         except FileNotFoundError as e:  # a class folder without image files
             raise DataError(f"data folder {root}: {e}: put images in every class folder or remove the empty ones") \
                 from None
@@ -281,14 +307,15 @@ class ImageFolderSource(Source):
 
 
 def check_image_folder(path: Path) -> None:
-    """Raise DataError unless ``path`` holds class folders with at least one image file."""
+    """Raise DataError unless ``path`` holds class folders with at least one image file (hidden
+    folders and files, ``hidden``, do not count)."""
     if not path.is_dir():
-        raise DataError(f"data folder {path} does not exist: --data-dir must hold train/<class>/*.JPEG "
-                        "and val/<class>/*.JPEG")
-    classes = [p for p in path.iterdir() if p.is_dir()]
+        raise DataError(f"data folder {path} does not exist: --data-dir must hold train/<class>/<images> "
+                        f"and val/<class>/<images> ({', '.join(IMAGE_SUFFIXES)})")
+    classes = [p for p in path.iterdir() if p.is_dir() and not hidden(p.name)]
     if not classes:
         raise DataError(f"data folder {path} has no class folders: put images in {path}/<class>/")
-    if not any(f.suffix.lower() in IMAGE_SUFFIXES for c in classes for f in c.iterdir()):
+    if not any(f.suffix.lower() in IMAGE_SUFFIXES and not hidden(f.name) for c in classes for f in c.iterdir()):
         raise DataError(f"data folder {path} has class folders but no image files "
                         f"({', '.join(IMAGE_SUFFIXES)})")
 

@@ -37,7 +37,8 @@ from .data import Sharding, make_source
 from .export import assemble, export_model
 from .layout_search import choose_layout, compare, memory_check
 from .metrics import MetricsLog, actor_gauges, read_rows, reduce_step, write_json
-from .models import build_model, model_names, run_model
+from .mesh import Mesh
+from .models import build_model, check_trainable, model_names, run_model
 from .parallel.plan import make_plan, measured_costs
 from .schedule import bubble_fraction, format_grid
 
@@ -59,25 +60,33 @@ def new_run_dir(cfg: Config) -> Path:
     return Path("runs") / f"{stamp}-{cfg.model}-{cfg.data}"
 
 
-def prepare(cfg: Config, log=print):
-    """Connect to Ray, resolve the layout against the cluster, open the data and plan the model.
+def prepare(cfg: Config, log=print, resume: Optional[Checkpoint] = None):
+    """Check everything that needs no cluster, then connect to Ray, resolve the layout against the
+    cluster and plan the model.
 
-    Returns (mesh, source, plan). Raises ConfigError / DataError / PlanError / ClusterError before
-    any actor starts."""
+    Before Ray starts: the data (folders), the model (name, image shape, training output), the layout
+    against the model (with --dp as given, 1 when the cluster decides it) and ``resume``'s checkpoint
+    against the run. Returns (mesh, source, plan). Raises ConfigError / DataError / PlanError /
+    CheckpointError / ClusterError before any actor starts."""
     if cfg.model not in model_names():
-        build_model(cfg.model, 1)  # raises ConfigError naming --model, before Ray starts
+        build_model(cfg.model, 1)  # raises ConfigError naming --model, before the data is read
     dp_given = cfg.dp is not None
     if dp_given:
         memory_check(cfg)  # --max-memory-gib: refused before Ray starts
+    source = make_source(cfg)
+    reference = run_model(cfg, source)
+    check_trainable(cfg.model, reference, tuple(source.sample_shape))
+    plan = make_plan(cfg, Mesh(cfg.dp or 1, cfg.pp, cfg.fs), reference, source.sample_shape)
+    if resume is not None:  # (a resumed run's --dp comes from its checkpoint)
+        check_resumable(resume, cfg, plan.mesh, plan.stages, source.num_classes, tuple(source.sample_shape))
     # (with --dp left to the cluster, at least one replica: --fs 3 alone on 2 cores still runs)
     wanted = (cfg.dp or 1) * cfg.pp * cfg.fs * cfg.num_cpus_per_actor
     cluster.connect(cfg.address, min_cpus=wanted if cfg.device != "cuda" else None)
     mesh = cluster.resolve_layout(cfg, log)
     if not dp_given:
         memory_check(cfg)  # (with --dp from the cluster: before any actor starts)
-    source = make_source(cfg)
-    reference = run_model(cfg, source)
-    plan = make_plan(cfg, mesh, reference, source.sample_shape)  # checks the layout before any measuring
+    if mesh != plan.mesh:
+        plan = make_plan(cfg, mesh, reference, source.sample_shape)
     by_time = cfg.balance == "time" or (cfg.balance == "auto" and cfg.device == "cuda")
     if mesh.pp > 1 and not cfg.stages and by_time:
         # Balance the stages by measured layer times (on one device of the cluster, at the micro-batch
@@ -89,6 +98,22 @@ def prepare(cfg: Config, log=print):
         log(f"pipeline stages balanced by measured forward+backward time per layer (ms, micro-batch "
             f"{micro_batch}): " + ", ".join(f"{sum(costs[a:b]):.2f}" for a, b in plan.stages))
     return mesh, source, plan
+
+
+def output_folder(cfg: Config, resume: Optional[Checkpoint]) -> Path:
+    """The run's output folder: ``--out``, else the resumed run's folder, else a new one under runs/.
+    Raises CheckpointError / FileExistsError when writing there would lose something (nothing is made)."""
+    out = new_run_dir(cfg) if (cfg.out or resume is None) else resume.run_dir
+    if resume is not None and out.resolve() == resume.run_dir.resolve():
+        newer = [p.name for p in list_checkpoints(out) if int(p.name.split("-")[1]) > resume.step]
+        if newer:
+            raise CheckpointError(f"--resume {resume.path} is older than {', '.join(newer)} of the same run: "
+                                  f"resume from the newest, or give --out NEW to branch off from step {resume.step}")
+    elif out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file: choose a folder (nothing was overwritten)")
+    elif out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"--out {out} already holds files: choose a new folder (nothing was overwritten)")
+    return out
 
 
 def call_timeout_s(cfg: Config) -> float:
@@ -119,25 +144,12 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
     """
     t_start = time.perf_counter()
     resume = load_checkpoint(cfg.resume) if cfg.resume else None
+    out = output_folder(cfg, resume)
     predicted = choose_layout(cfg, log) if cfg.layout == "auto" else None  # sets the layout settings
-    mesh, source, plan = prepare(cfg, log)
+    mesh, source, plan = prepare(cfg, log, resume)
     sharding = Sharding(source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed)
     total_steps = cfg.steps or (cfg.epochs or 10) * sharding.steps_per_epoch
     eval_every = cfg.eval_every or sharding.steps_per_epoch
-    if resume is not None:
-        check_resumable(resume, cfg, mesh, plan.stages, source.num_classes, tuple(source.sample_shape))
-
-    out = new_run_dir(cfg) if (cfg.out or resume is None) else resume.run_dir
-    same_run = resume is not None and out.resolve() == resume.run_dir.resolve()
-    if same_run:
-        newer = [p.name for p in list_checkpoints(out) if int(p.name.split("-")[1]) > resume.step]
-        if newer:
-            raise CheckpointError(f"--resume {resume.path} is older than {', '.join(newer)} of the same run: "
-                                  f"resume from the newest, or give --out NEW to branch off from step {resume.step}")
-    elif out.exists() and not out.is_dir():
-        raise FileExistsError(f"--out {out} is a file: choose a folder (nothing was overwritten)")
-    elif out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"--out {out} already holds files: choose a new folder (nothing was overwritten)")
     made_out = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     cfg.out = str(out)
@@ -231,9 +243,11 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
             pass
         elif made_out:
             shutil.rmtree(out, ignore_errors=True)
+            log(f"rayconv: {out} removed: the run stopped before any result or checkpoint was written")
         else:  # the folder was empty when this run began
             for p in out.iterdir():
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
+            log(f"rayconv: {out} left empty: the run stopped before any result or checkpoint was written")
         raise
     finally:
         if gang is not None:

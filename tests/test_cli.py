@@ -116,3 +116,20 @@ def test_a_pipeline_with_fewer_micro_batches_than_stages_says_how_to_overlap(ray
     assert main(args + ["--num-microbatches", "4", "--out", str(tmp_path / "m4")]) == 0
     printed = capsys.readouterr().out
     assert "4 micro-batches:" in printed and "note:" not in printed
+
+
+@pytest.mark.parametrize("model, size", [("googlenet", 64), ("inception_v3", 80)])
+def test_models_built_without_auxiliary_heads_train(ray_cluster, tmp_path, model, size):
+    """GoogLeNet and Inception v3 return a tuple with their auxiliary classifiers' logits when training:
+    rayconv builds them without those heads, so a step trains and model.pt loads into torchvision's
+    builder given aux_logits=False."""
+    import torchvision
+
+    out = tmp_path / model
+    rc = main(["--model", model, "--data", "synthetic", "--image-size", str(size), "--num-classes", "10",
+               "--synthetic-samples", "8", "--global-batch-size", "4", "--steps", "1", "--dp", "1",
+               "--device", "cpu", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    assert json.loads((out / "summary.json").read_text())["final_train_loss"] > 0
+    state = torch.load(out / "model.pt", weights_only=True)
+    torchvision.models.get_model(model, num_classes=10, aux_logits=False, init_weights=True).load_state_dict(state)

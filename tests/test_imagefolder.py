@@ -112,3 +112,32 @@ def test_imagefolder_loading_is_deterministic(image_root):
     # Evaluation images are not augmented.
     t = src.images("test", np.arange(N_VAL), cpu)
     assert torch.equal(src.images("test", np.arange(N_VAL), cpu, epoch=3), t)
+
+
+def test_hidden_folders_and_files_are_not_data(tmp_path):
+    """``.thumbnails`` beside the class folders is no class, and dot-files (macOS's ``._x.png``, not an
+    image at all) and files in hidden subfolders are no images: real files through the real loader."""
+    from rayconv.data import DataError, check_image_folder
+
+    root = tmp_path / "data"
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for name in ("cat", "dog", ".thumbnails"):
+            (root / split / name).mkdir(parents=True)
+            Image.fromarray(rng.integers(0, 256, (36, 36, 3), dtype=np.uint8)).save(root / split / name / "a.png")
+        (root / split / "cat" / "._a.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble, not a PNG")
+        (root / split / "dog" / ".cache").mkdir()
+        Image.fromarray(rng.integers(0, 256, (36, 36, 3), dtype=np.uint8)).save(root / split / "dog" / ".cache" / "b.png")
+    src = ImageFolderSource(str(root), 32, seed=0, workers=0)
+    assert src.num_classes == 2 and src.sets["train"].inner.classes == ["cat", "dog"]
+    assert sorted(Path(p).relative_to(root).as_posix() for p, _ in src.sets["train"].inner.samples) == \
+        ["train/cat/a.png", "train/dog/a.png"]
+    assert src.train_size == src.test_size == 2
+    x = src.images("train", np.arange(2), torch.device("cpu"))  # decodes every sample: no dot-file among them
+    assert x.shape == (2, 3, 32, 32) and torch.equal(src.labels("train", np.arange(2)), torch.tensor([0, 1]))
+    # A folder whose only class folder is hidden has no classes.
+    only_hidden = tmp_path / "only" / "train" / ".thumbnails"
+    only_hidden.mkdir(parents=True)
+    Image.fromarray(rng.integers(0, 256, (36, 36, 3), dtype=np.uint8)).save(only_hidden / "a.png")
+    with pytest.raises(DataError, match="has no class folders"):
+        check_image_folder(tmp_path / "only" / "train")

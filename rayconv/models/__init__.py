@@ -16,7 +16,7 @@ from torch import nn
 from ..config import ConfigError
 from .convnet import ConvNet
 
-__all__ = ["ConvNet", "build_model", "to_layers", "model_names"]
+__all__ = ["ConvNet", "build_model", "check_trainable", "to_layers", "model_names"]
 
 
 def model_names() -> list[str]:
@@ -28,7 +28,8 @@ def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: i
                 batch_norm: bool = False) -> nn.Module:
     """A freshly initialised model (weights from the current torch RNG state).
 
-    ``alexnet`` is torchvision's single-column AlexNet (Krizhevsky et al. 2012 / "One weird trick" 2014).
+    ``alexnet`` is torchvision's single-column AlexNet (Krizhevsky et al. 2012 / "One weird trick" 2014);
+    ``googlenet`` and ``inception_v3`` are built without auxiliary classifiers (``BUILD_ARGS``).
     Raises ConfigError for unknown names and for models that cannot take the data's image shape.
     """
     if name in RAYCONV_MODELS:
@@ -43,15 +44,73 @@ def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: i
     if name not in names:
         close = [n for n in names if n.startswith(name[:3])][:8]
         hint = f" (close: {', '.join(close)})" if close else ""
-        raise ConfigError(f"unknown --model {name!r}{hint}: use convnet, alexnet, resnet18, resnet50, vgg11, ... "
-                          "(any torchvision classification model)")
+        raise ConfigError(f"unknown --model {name!r}{hint}: use {', '.join(RAYCONV_MODELS)}, or any of torchvision's "
+                          f"{len(names) - len(RAYCONV_MODELS)} classification models (alexnet, resnet18, vgg16, ...; "
+                          f"{LIST_MODELS} lists them)")
     if in_channels != 3:
         raise ConfigError(f"--model {name} takes 3-channel images but the data has {in_channels} channel(s): "
                           "use --model convnet for --data digits, or --data synthetic/imagefolder")
     if image_size < 32:
         raise ConfigError(f"--model {name} needs images of at least 32x32 pixels (data gives {image_size}): "
                           "use --model convnet for --data digits")
-    return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **BUILD_ARGS.get(name, {}))
+
+
+LIST_MODELS = "`python -c 'import torchvision; print(torchvision.models.list_models(module=torchvision.models))'`"
+
+# GoogLeNet and Inception v3 are built without their auxiliary classifiers: with them, their training
+# forward returns a tuple of logits (GoogLeNetOutputs, InceptionOutputs) whose weighting in the loss is
+# the training recipe's (0.3 in Szegedy et al. 2015, section 5; 0.4 in TF-slim's Inception v3), not
+# the model's, and Inception v3's auxiliary head needs 299x299 images. torchvision evaluates both
+# without the heads. ``init_weights=True`` is torchvision's default, given to keep it from warning.
+BUILD_ARGS = {"googlenet": {"aux_logits": False, "init_weights": True},
+              "inception_v3": {"aux_logits": False, "init_weights": True}}
+
+
+def check_trainable(name: str, model: nn.Module, sample_shape: tuple[int, ...]) -> None:
+    """Refuse, before any actor starts, a model whose training forward does not map a batch of
+    ``sample_shape`` images (C, H, W) to one tensor of class scores (batch, classes): one that returns
+    a tuple or dict, or cannot take images of that size (vision transformers are made for one size).
+
+    The forward runs in training mode on the meta device (shapes only: no memory, no compute, the
+    model's own tensors untouched), falling back to a CPU forward for an operation meta tensors lack.
+    Raises ConfigError naming --model and what to change."""
+    def forward(shape: tuple[int, ...], device: str):
+        state = {n: t.detach().to("meta") if device == "meta" else t.detach().clone()
+                 for n, t in [*model.named_parameters(), *model.named_buffers()]}
+        was_training = model.training
+        model.train()
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                return torch.func.functional_call(model, state, (torch.zeros((2, *shape), device=device),))
+        finally:
+            model.train(was_training)
+
+    def attempt(shape: tuple[int, ...]):
+        try:
+            return forward(shape, "meta")
+        except NotImplementedError:
+            return forward(shape, "cpu")
+
+    try:
+        out = attempt(tuple(sample_shape))
+    except (RuntimeError, AssertionError, ValueError, IndexError) as e:
+        what = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        size = "x".join(str(d) for d in sample_shape[1:])
+        fix = "pick another --image-size or --model"
+        if tuple(sample_shape[1:]) != (224, 224):
+            try:
+                attempt((sample_shape[0], 224, 224))
+                fix = "use --image-size 224, the size it is made for"
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                pass
+        raise ConfigError(f"--model {name} cannot take {size} images ({what}): {fix}") from None
+    if not isinstance(out, torch.Tensor):
+        raise ConfigError(f"--model {name} returns {type(out).__name__} when training, not a tensor of class "
+                          "scores: rayconv trains models whose forward returns the logits; pick another --model")
+    if out.dim() != 2 or out.shape[0] != 2:
+        raise ConfigError(f"--model {name} maps 2 images to a tensor of shape {tuple(out.shape)}, not (2, classes): "
+                          "pick another --model")
 
 
 RAYCONV_MODELS = ("convnet", "convnet_bn", "convnet2col", "alexnet2012")

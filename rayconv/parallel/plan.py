@@ -188,7 +188,8 @@ def make_plan(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[int
     else:
         # Balance by forward FLOPs, parameters as a tie-breaker for layers without compute.
         stages = balance([f + p for f, p in zip(flops, params)], chunks)
-    problem = batch_split_problem(cfg.global_batch_size, mesh.dp, cfg.num_microbatches)
+    # (checked once --dp is known: before the cluster decides it, the split is not yet known)
+    problem = batch_split_problem(cfg.global_batch_size, mesh.dp, cfg.num_microbatches) if cfg.dp else None
     if problem:
         raise PlanError(problem)
     try:
