@@ -479,12 +479,12 @@ def parse_args(argv=None):
     p.add_argument("--data-dir", default=None, metavar="DIR",
                    help="with --data imagefolder: DIR/train/<class>/*.JPEG and DIR/val/<class>/*.JPEG "
                         "(benchmarks/make_images.py writes one); with --data shards: rayconv.prepare's --out")
-    p.add_argument("--loader-workers", type=int, default=2,
+    p.add_argument("--loader-workers", type=int, default=None,
                    help="decode processes per actor for --data imagefolder and shards decoded on the CPU "
-                        "(default %(default)s)")
+                        "(default: as rayconv.run, the node's CPU cores per GPU less 2 on GPUs, 2 on CPUs)")
     p.add_argument("--decode", default="auto", choices=("auto", "cpu", "gpu"),
-                   help="where --data shards decodes JPEGs (auto: the actors' GPUs when they have them) "
-                        "(default %(default)s)")
+                   help="where --data shards decodes JPEGs: cpu (--loader-workers processes), gpu (nvJPEG on "
+                        "the actors' GPUs); auto: cpu (default %(default)s)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
                    help="bf16: bf16 autocast with fp32 weights, for rayconv and the anchors (default %(default)s)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
@@ -542,7 +542,7 @@ def main(argv=None) -> int:
         elif args.data == "imagefolder" and not is_prepared(args.data_dir):
             for split in ("train", "val"):
                 check_image_folder(Path(args.data_dir) / split)
-        if args.loader_workers < 0:
+        if args.loader_workers is not None and args.loader_workers < 0:
             raise ConfigError("--loader-workers must be >= 0")
         Path(args.out).mkdir(parents=True, exist_ok=True)
         cluster.connect(args.address)

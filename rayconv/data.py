@@ -320,6 +320,19 @@ def check_image_folder(path: Path) -> None:
                         f"({', '.join(IMAGE_SUFFIXES)})")
 
 
+def loader_workers(cfg: Config) -> int:
+    """Decode processes per actor: ``--loader-workers``, or by default on GPUs this node's CPU cores per
+    GPU less 2 (one for the actor, one spare), at least 2; on CPUs 2 (the actors use the cores)."""
+    if cfg.loader_workers is not None:
+        return cfg.loader_workers
+    if cfg.device == "cpu" or not torch.cuda.is_available():
+        return 2
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(2, cores // max(1, torch.cuda.device_count()) - 2)
+
+
 def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
     """The data source named by ``cfg.data``. Raises DataError / ConfigError."""
     if cfg.data == "digits":
@@ -330,9 +343,9 @@ def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
         from .shards import ShardSource, is_prepared  # (it imports this module)
 
         if cfg.data == "shards" or is_prepared(cfg.data_dir):  # a prepared folder is read as shards
-            src = ShardSource(cfg.data_dir or "", cfg.image_size, cfg.seed, cfg.loader_workers, cfg.decode)
+            src = ShardSource(cfg.data_dir or "", cfg.image_size, cfg.seed, loader_workers(cfg), cfg.decode)
         else:
-            src = ImageFolderSource(cfg.data_dir or "", cfg.image_size, cfg.seed, cfg.loader_workers)
+            src = ImageFolderSource(cfg.data_dir or "", cfg.image_size, cfg.seed, loader_workers(cfg))
     else:
         raise ConfigError(f"unknown --data {cfg.data!r}")
     if cfg.num_classes is not None and cfg.num_classes != src.num_classes:
