@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pyarrow.parquet as pq
 import pytest
 
@@ -39,6 +41,15 @@ def test_bench_writes_table_chart_and_anchor_ratios(ray_cluster, tmp_path):
     assert rows[1]["allreduce_wait_ms"] is not None and rows[2]["recv_wait_ms"] is not None
     for r in rows:  # the same steps looped inside the actors, against the driver's loop
         assert r["in_actor_step_ms"] > 0 and r["driver_overhead"] == pytest.approx(1 - r["in_actor_step_ms"] / r["step_ms"])
+    # Communication volume (parallel/comm.py: the bytes an actor hands to torch.distributed in a step):
+    # a dp=2 replica all-reduces each fp32 gradient once (convnet has no batch norm: no buffers are
+    # broadcast); one device communicates nothing; pipeline stages send activations and gradients.
+    params = json.loads(rows[1]["params_per_actor"])
+    assert params[0] == params[1] > 0
+    assert rows[0]["comm_mb_per_step"] == 0 and rows[0]["comm_mb_per_step_total"] == 0
+    assert rows[1]["comm_mb_per_step"] * 2**20 == params[0] * 4
+    assert rows[1]["comm_mb_per_step_total"] * 2**20 == 2 * params[0] * 4
+    assert rows[2]["comm_mb_per_step"] > 0
     assert (out / "bench.md").read_text().count("\n") == 2 + len(rows)
     assert (out / "speedup.png").stat().st_size > 1000
 
@@ -98,14 +109,19 @@ def test_bench_refuses_a_call_limit_it_cannot_keep(tmp_path, capsys, limit):
 
 def test_training_curve_writes_error_against_time(ray_cluster, tmp_path, capsys):
     out = tmp_path / "curve"
-    rc = bench.main(["--curve", "--curve-epochs", "1", "--layouts", "1gpu,dp2", "--device", "cpu", "--out", str(out)])
+    rc = bench.main(["--curve", "--curve-epochs", "1", "--layouts", "1gpu,dp2", "--global-batch-size", "64,256",
+                     "--device", "cpu", "--out", str(out)])
     assert rc == 0
     rows = pq.read_table(out / "curve.parquet").to_pylist()
-    assert {r["layout"] for r in rows} == {"1gpu", "dp2"}
+    assert {(r["layout"], r["global_batch_size"]) for r in rows} == {(n, b) for n in ("1gpu", "dp2") for b in (64, 256)}
     for name in ("1gpu", "dp2"):
-        times = [r["time_s"] for r in rows if r["layout"] == name]
-        assert times == sorted(times) and times[0] > 0
+        for b in (64, 256):
+            pts = [r for r in rows if r["layout"] == name and r["global_batch_size"] == b]
+            times = [r["time_s"] for r in pts]
+            assert times == sorted(times) and times[0] > 0
+            assert pts[-1]["step"] + 1 == -(-1437 // b)  # one epoch of the 1,437 training digits
         assert all(0 <= r["test_error"] <= 1 for r in rows)
     assert (out / "curve.png").stat().st_size > 1000
     printed = capsys.readouterr().out
-    assert "CURVE 1gpu: test error" in printed and "CURVE dp2: test error" in printed
+    assert "CURVE 1gpu B=64: test error" in printed and "CURVE dp2 B=256: test error" in printed
+
