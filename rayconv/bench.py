@@ -387,6 +387,7 @@ def sweep_batch(args, until_largest: bool) -> list[dict[str, Any]]:
         args.max_batch = 65536
     out = Path(args.out)
     rows = []
+    path = out / ("sweep_memory.parquet" if until_largest else "sweep_batch.parquet")
     for model in args.models.split(","):
         for name in args.layouts.split(","):
             n = layout_size(name)
@@ -404,11 +405,13 @@ def sweep_batch(args, until_largest: bool) -> list[dict[str, Any]]:
                                  "fits": False, "images_per_s": None, "peak_gib_max": None,
                                  "note": str(e).splitlines()[0][:200]})
                     break
+                finally:  # after every batch: a cut-short sweep keeps what it measured
+                    if rows:
+                        table = pa.Table.from_pylist(rows)
+                        atomic_write(path, lambda tmp: pq.write_table(table, tmp))
                 print(f"SWEEP {model} {name} per-device {per}: {r['images_per_s']:.0f} images/s, "
                       f"{r['peak_gib_max']} GiB", flush=True)
                 per *= 2
-    name = "sweep_memory.parquet" if until_largest else "sweep_batch.parquet"
-    atomic_write(out / name, lambda tmp: pq.write_table(pa.Table.from_pylist(rows), tmp))
     return rows
 
 
