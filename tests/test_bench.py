@@ -125,3 +125,37 @@ def test_training_curve_writes_error_against_time(ray_cluster, tmp_path, capsys)
     printed = capsys.readouterr().out
     assert "CURVE 1gpu B=64: test error" in printed and "CURVE dp2 B=256: test error" in printed
 
+
+def test_paper_report_tables_from_a_run_folder(tmp_path):
+    # benchmarks/report.py: the RQ tables of RESULTS.md from the parts' raw rows; a part not run says so,
+    # and a multi-GPU row's speedup comes from the speed part's 1-GPU row when its own run had none.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pyarrow as pa
+
+    run = tmp_path / "h200x2-2026-12-01-abc1234"
+    for part, rows in {"speed": [{"model": "alexnet", "layout": "1gpu", "global_batch_size": 256, "world_size": 1,
+                                  "images_per_s": 1000.0, "plain_pytorch_compiled": True, "comm_mb_per_step": 0.0}],
+                       "dp-mp": [{"model": "alexnet", "layout": "dp2", "global_batch_size": 256, "world_size": 2,
+                                  "images_per_s": 1500.0, "torchrun_ddp_compiled": False,
+                                  "comm_mb_per_step": 233.08}]}.items():
+        (run / part).mkdir(parents=True)
+        pq.write_table(bench.bench_table(rows), run / part / "bench.parquet")
+    (run / "batch").mkdir()
+    pq.write_table(pa.Table.from_pylist([
+        {"model": "alexnet", "layout": "1gpu", "batch_per_device": b, "global_batch_size": b, "fits": fits,
+         "images_per_s": 100.0 * b if fits else None, "peak_gib_max": b / 8 if fits else None, "note": None}
+        for b, fits in ((16, True), (32, True), (64, True), (128, False))]), run / "batch" / "sweep_batch.parquet")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "report.py"), "report", str(run)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = (run / "report.md").read_text()
+    assert "| alexnet | dp2 | 2 | 256 | 1500 | 1.5 | not measured | not measured | not measured | eager | 233 |" in text
+    assert "| alexnet | 1gpu | 1 | 256 | 1000 | 1 | not measured | compiled |" in text
+    # RQ5: largest that trains (64, 8 GiB), first that does not (128), largest within 6 GiB (32, 4 GiB)
+    assert "| alexnet | 1gpu | 64 | 8 | 128 | 32 |" in text
+    assert "not measured (no convergence part in this run)" in text
+    assert (run / "batch.png").stat().st_size > 1000 and (run / "memory.png").stat().st_size > 1000
