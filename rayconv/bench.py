@@ -379,7 +379,7 @@ def ratio(v: Optional[float]) -> str:
 
 
 def sweep_batch(args, until_largest: bool) -> list[dict[str, Any]]:
-    """Per-device batch 16, 32, ... up to --max-batch for each layout (RQ4), stopping at the first that
+    """Per-device batch --min-batch (16), doubling up to --max-batch for each layout (RQ4), stopping at the first that
     does not fit. With ``until_largest`` (``--sweep memory``, RQ5) the cap is lifted to 65536 unless
     --max-batch was given, so each layout doubles until it runs out of memory: the last row that fits is
     its largest trainable batch (to within a factor of 2)."""
@@ -395,7 +395,8 @@ def sweep_batch(args, until_largest: bool) -> list[dict[str, Any]]:
             while per <= args.max_batch:
                 gb = per * (parse_layout(name)["dp"] if "plan" not in name else n)
                 try:
-                    r = measure(base_config(args, model, parse_layout(name), gb), 2, max(3, args.steps // 4), 0,
+                    # 3 warm-up steps: on GPUs, 2 eager steps and the one CUDA graph capture
+                    r = measure(base_config(args, model, parse_layout(name), gb), 3, max(3, args.steps // 4), 0,
                                 call_timeout_s=args.call_timeout_s)
                     rows.append({"model": model, "layout": name, "batch_per_device": per, "global_batch_size": gb,
                                  "fits": True, "images_per_s": r["images_per_s"], "peak_gib_max": r["peak_gib_max"],
