@@ -26,7 +26,8 @@
 # Results go to $RESULTS/<machine>-<date>-<commit>/<part>/ (RESULTS default benchmarks/results; machine
 # as nvidia-smi names it, e.g. h200x1, h200x2; cpu without GPUs). RUN_DIR=... names that folder instead
 # (e.g. to add parts to an earlier run). Raw rows are Parquet, figures PNG; all parts append to its log.txt.
-# Each bench call is stopped after PART_TIMEOUT seconds (default 290); rows measured by then are kept.
+# Each bench call is stopped after PART_TIMEOUT seconds (default 290 on GPUs, 1200 on CPU); rows measured
+# by then are kept.
 # On one H200 with two 10-minute calls: `speed batch` in the first, `memory convergence curve input` in
 # the second (RESULTS=$OUT to get the folder back: at most 7 files a call), then `report` on any machine.
 #
@@ -72,6 +73,7 @@ else  # smoke check: the script end to end, in seconds per layout
   BATCH=32; SWEEP=(--min-batch 16 --max-batch 32); MEM=(--min-batch 16 --max-batch 32); EPOCHS=1; FOLDER_SIZE=16
 fi
 COMMON=(--device "$DEVICE" --precision bf16)
+PART_TIMEOUT=${PART_TIMEOUT:-$([[ $DEVICE == cuda ]] && echo 290 || echo 1200)}
 
 log() { echo "paper.sh: $*" >&2; }
 
@@ -80,8 +82,8 @@ bench() {  # bench PART ARGS...: python -m rayconv.bench into $RUN_DIR/PART, its
   mkdir -p "$RUN_DIR/$part"
   log "$part: python -m rayconv.bench $* --out $RUN_DIR/$part"
   echo "== $part: python -m rayconv.bench $* --out $RUN_DIR/$part" >> "$RUN_DIR/log.txt"
-  { timeout "${PART_TIMEOUT:-290}" "$PY" -u -m rayconv.bench "$@" --out "$RUN_DIR/$part" 2>&1 \
-      || echo "paper.sh: $part: bench exit status $? (124: stopped after ${PART_TIMEOUT:-290} s; rows so far kept)"; } \
+  { timeout "$PART_TIMEOUT" "$PY" -u -m rayconv.bench "$@" --out "$RUN_DIR/$part" 2>&1 \
+      || echo "paper.sh: $part: bench exit status $? (124: stopped after $PART_TIMEOUT s; rows so far kept)"; } \
     | sed -u 's/\r/\n/g; /^\s*$/d' | tee -a "$RUN_DIR/log.txt" \
     | grep --line-buffered -E '^(RESULT|SWEEP|CURVE|results in|paper.sh)|rror' || true
   rm -rf "$RUN_DIR/$part"/curve-*/  # the curve's training runs (their rows are in curve.parquet)
@@ -124,7 +126,7 @@ part_input() {
     local dp=1; [[ $name == dp2 ]] && dp=2
     log "input: python -m rayconv.run --data imagefolder --data-dir $folder --dp $dp"
     rm -rf "$RUN_DIR/input/run-$name"
-    timeout "${PART_TIMEOUT:-290}" "$PY" -m rayconv.run --data imagefolder --data-dir "$folder" --image-size "$FOLDER_SIZE" --model convnet \
+    timeout "$PART_TIMEOUT" "$PY" -m rayconv.run --data imagefolder --data-dir "$folder" --image-size "$FOLDER_SIZE" --model convnet \
       --dp "$dp" --epochs "$EPOCHS" --eval-every 5 --compile off --device "$DEVICE" --no-progress \
       --out "$RUN_DIR/input/run-$name" >> "$RUN_DIR/log.txt" 2>&1 || log "input $name: failed ($RUN_DIR/log.txt)"
     runs+=("$name=$RUN_DIR/input/run-$name")

@@ -120,12 +120,12 @@ def memory_table(run: Path, plt) -> str:
         in_six = [r for r in fit if r["peak_gib_max"] is not None and r["peak_gib_max"] <= PAPER_LIMIT_GIB]
         top = fit[-1] if fit else None
         body.append([*key, top and top["batch_per_device"], top and top["peak_gib_max"],
-                     fails[0]["batch_per_device"] if fails else None,
+                     fails[0]["batch_per_device"] if fails else f"none up to {top and top['batch_per_device']}",
                      in_six[-1]["batch_per_device"] if in_six else None])
-    if plt is not None:
+    if plt is not None and any(r["peak_gib_max"] for r in rows):  # (CPU runs measure no device memory)
         fig, ax = plt.subplots(figsize=(6, 4))
         for key in dict.fromkeys((r["model"], r["layout"]) for r in rows):
-            pts = sorted((r for r in rows if (r["model"], r["layout"]) == key and r["fits"]),
+            pts = sorted((r for r in rows if (r["model"], r["layout"]) == key and r["peak_gib_max"]),
                          key=lambda r: r["batch_per_device"])
             ax.plot([p["batch_per_device"] for p in pts], [p["peak_gib_max"] for p in pts], marker="o",
                     label=" ".join(key))
