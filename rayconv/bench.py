@@ -12,7 +12,10 @@ synthetic data, so that each row's input stall shows (the anchors then do not ru
 * ``bench.parquet``: one row per (model, layout): images_per_s, step_ms, speedup over rayconv on 1
   device, ratios to the anchors, peak memory per device (GiB), parameters per actor, compute /
   receive-wait / all-reduce-wait / driver-idle time per step (ms), input stall per step (ms, the wait
-  for a batch not overlapped with compute, and its fraction of the step), pipeline bubble fraction, and the
+  for a batch not overlapped with compute, and its fraction of the step), communication volume per step
+  (``comm_mb_per_step``: MB, 2**20 bytes, the most any actor hands to torch.distributed in a step,
+  sends and collectives' inputs as ``parallel/comm.py`` defines them; ``comm_mb_per_step_total``: all
+  actors together), pipeline bubble fraction, and the
   driver's overhead: the timed steps run again with each actor looping by itself (one call,
   ``in_actor_step_ms``), and ``driver_overhead`` = 1 - (that time / the driver loop's time), the share
   of a step the driver's per-step calls cost (noise can make it slightly negative);
@@ -173,6 +176,10 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
         vals = [max(r[key] for r in rs) for rs in prof if rs and rs[0].get(key) is not None]
         return sum(vals) / len(vals) if vals else None
 
+    # Communication volume of a step (the last profiled one; every step of a run sends the same), in MB
+    # (2**20 bytes): the most any actor handed to torch.distributed, and all actors together.
+    sent = [r.get("comm_bytes") for r in (prof[-1] if prof else None) or []]
+    known = sent and all(b is not None for b in sent)
     peaks = [m["peak_gib"] for m in memory]
     return {
         "images_per_s": cfg.global_batch_size * steps / elapsed, "step_ms": step_ms, "warmup_s": warmup_s,
@@ -186,6 +193,8 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
         "driver_idle_ms": sum(idle) / len(idle) if idle else None,
         "input_stall_ms": sum(stalls) / len(stalls) if stalls else None,
         "input_stall_fraction": sum(stalls) / len(stalls) / step_ms if stalls else None,
+        "comm_mb_per_step": max(sent) / 2**20 if known else None,
+        "comm_mb_per_step_total": sum(sent) / 2**20 if known else None,
         "in_actor_step_ms": in_actor_s / steps * 1e3, "driver_overhead": 1 - in_actor_s / elapsed,
         "device_busy": device_busy,
         "bubble_fraction": bubble_fraction(plan.schedule) if mesh.pp > 1 else 0.0,
@@ -270,6 +279,7 @@ BENCH_SCHEMA = pa.schema([
     ("images_per_s", _F), ("step_ms", _F), ("warmup_s", _F), ("first_step_s", _F), ("compiled", _B),
     ("cuda_graphs", _B), ("peak_gib_max", _F), ("peak_gib_per_actor", _S), ("params_per_actor", _S),
     ("compute_ms", _F), ("recv_wait_ms", _F), ("allreduce_wait_ms", _F), ("driver_idle_ms", _F),
+    ("comm_mb_per_step", _F), ("comm_mb_per_step_total", _F),
     ("in_actor_step_ms", _F), ("driver_overhead", _F), ("device_busy", _F), ("bubble_fraction", _F),
     ("input_stall_ms", _F), ("input_stall_fraction", _F), ("data", _S),
     ("num_microbatches", _I), ("schedule", _S), ("virtual_stages", _I), ("world_size", _I),
@@ -293,8 +303,8 @@ def write_table(rows: list[dict[str, Any]], out: Path) -> None:
     atomic_write(out / "bench.parquet", lambda tmp: pq.write_table(table, tmp))
     cols = ["model", "layout", "global_batch_size", "images_per_s", "step_ms", "speedup_vs_1",
             "vs_plain_pytorch", "vs_torchrun_ddp", "peak_gib_max", "compute_ms", "recv_wait_ms",
-            "allreduce_wait_ms", "driver_idle_ms", "in_actor_step_ms", "driver_overhead", "device_busy",
-            "bubble_fraction", "input_stall_ms", "input_stall_fraction", "note"]
+            "allreduce_wait_ms", "comm_mb_per_step", "driver_idle_ms", "in_actor_step_ms", "driver_overhead",
+            "device_busy", "bubble_fraction", "input_stall_ms", "input_stall_fraction", "note"]
 
     def fmt(v: Any) -> str:
         if v is None:
@@ -389,7 +399,7 @@ def ratio(v: Optional[float]) -> str:
 
 
 def sweep_batch(args, until_largest: bool) -> list[dict[str, Any]]:
-    """Per-device batch 16, 32, ... up to --max-batch for each layout (RQ4), stopping at the first that
+    """Per-device batch --min-batch (16), doubling up to --max-batch for each layout (RQ4), stopping at the first that
     does not fit. With ``until_largest`` (``--sweep memory``, RQ5) the cap is lifted to 65536 unless
     --max-batch was given, so each layout doubles until it runs out of memory: the last row that fits is
     its largest trainable batch (to within a factor of 2)."""
@@ -397,14 +407,16 @@ def sweep_batch(args, until_largest: bool) -> list[dict[str, Any]]:
         args.max_batch = 65536
     out = Path(args.out)
     rows = []
+    path = out / ("sweep_memory.parquet" if until_largest else "sweep_batch.parquet")
     for model in args.models.split(","):
         for name in args.layouts.split(","):
             n = layout_size(name)
-            per = 16
+            per = args.min_batch
             while per <= args.max_batch:
                 gb = per * (parse_layout(name)["dp"] if "plan" not in name else n)
                 try:
-                    r = measure(base_config(args, model, parse_layout(name), gb), 2, max(3, args.steps // 4), 0,
+                    # 3 warm-up steps: on GPUs, 2 eager steps and the one CUDA graph capture
+                    r = measure(base_config(args, model, parse_layout(name), gb), 3, max(3, args.steps // 4), 0,
                                 call_timeout_s=args.call_timeout_s)
                     rows.append({"model": model, "layout": name, "batch_per_device": per, "global_batch_size": gb,
                                  "fits": True, "images_per_s": r["images_per_s"], "peak_gib_max": r["peak_gib_max"],
@@ -414,39 +426,46 @@ def sweep_batch(args, until_largest: bool) -> list[dict[str, Any]]:
                                  "fits": False, "images_per_s": None, "peak_gib_max": None,
                                  "note": str(e).splitlines()[0][:200]})
                     break
+                finally:  # after every batch: a cut-short sweep keeps what it measured
+                    if rows:
+                        table = pa.Table.from_pylist(rows)
+                        atomic_write(path, lambda tmp: pq.write_table(table, tmp))
                 print(f"SWEEP {model} {name} per-device {per}: {r['images_per_s']:.0f} images/s, "
                       f"{r['peak_gib_max']} GiB", flush=True)
                 per *= 2
-    name = "sweep_memory.parquet" if until_largest else "sweep_batch.parquet"
-    atomic_write(out / name, lambda tmp: pq.write_table(pa.Table.from_pylist(rows), tmp))
     return rows
 
 
 def training_curve(args) -> list[dict[str, Any]]:
-    """Test error against wall-clock time for each layout on the real digits data (Figure 1)."""
+    """Test error against wall-clock time for each layout on the real digits data (Figure 1); with
+    ``--global-batch-size`` given, for each of its batch sizes (RQ4's convergence against batch)."""
     out = Path(args.out)
     rows = []
-    for name in args.layouts.split(","):
+    curves = [(b, name) for b in args.curve_batches for name in args.layouts.split(",")]
+    for gb, name in curves:
+        label = name if gb is None else f"{name} B={gb}"
         cfg = Config(**{**dict(model="convnet", data="digits", epochs=args.curve_epochs, device=args.device,
-                               address=args.address, progress=False, eval_every=5, out=str(out / f"curve-{name}")),
-                        **parse_layout(name)}).validate()
+                               address=args.address, progress=False, eval_every=5, compile=args.compile,
+                               cuda_graphs=args.cuda_graphs,
+                               out=str(out / f"curve-{name}" if gb is None else out / f"curve-{name}-B{gb}")),
+                        **({} if gb is None else {"global_batch_size": gb}), **parse_layout(name)}).validate()
         shutil.rmtree(cfg.out, ignore_errors=True)
         fit(cfg, log=lambda *_: None)
         table = pq.read_table(Path(cfg.out) / "metrics.parquet").to_pylist()
-        evals = [{"layout": name, "time_s": r["time_s"], "step": r["step"], "test_error": r["test_error"]}
-                 for r in table if r["kind"] == "eval"]
+        evals = [{"layout": name, "global_batch_size": cfg.global_batch_size, "label": label, "time_s": r["time_s"],
+                  "step": r["step"], "test_error": r["test_error"]} for r in table if r["kind"] == "eval"]
         rows += evals
         if evals:
-            print(f"CURVE {name}: test error {evals[-1]['test_error']:.4f} after {evals[-1]['time_s']:.1f} s "
+            print(f"CURVE {label}: test error {evals[-1]['test_error']:.4f} after {evals[-1]['time_s']:.1f} s "
                   f"({evals[-1]['step'] + 1} steps)", flush=True)
     atomic_write(out / "curve.parquet", lambda tmp: pq.write_table(pa.Table.from_pylist(rows), tmp))
     plt = _pyplot()
     if plt is None:
         return rows
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name in args.layouts.split(","):
-        pts = [r for r in rows if r["layout"] == name]
-        ax.plot([p["time_s"] for p in pts], [p["test_error"] for p in pts], marker="o", ms=3, label=name)
+    for label in dict.fromkeys(r["label"] for r in rows):
+        pts = [r for r in rows if r["label"] == label]
+        ax.plot([p["time_s"] for p in pts], [p["test_error"] for p in pts], marker="o", ms=3, label=label)
     ax.set_xlabel("wall-clock time (s)")
     ax.set_ylabel("test error")
     ax.set_yscale("log")
@@ -466,8 +485,9 @@ def parse_args(argv=None):
     p.add_argument("--models", default="alexnet,resnet50",
                    help="comma-separated: alexnet, resnet50, any torchvision classification model, or convnet "
                         "(default %(default)s)")
-    p.add_argument("--global-batch-size", default="256",
-                   help="comma-separated global batch sizes, e.g. 256,1024 (default %(default)s)")
+    p.add_argument("--global-batch-size", default=None,
+                   help="comma-separated, e.g. 256,1024 (default 256; with --curve: one curve per batch size, "
+                        "default rayconv.run's)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per layout (default %(default)s)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first; the first compiles on GPUs (default %(default)s)")
     p.add_argument("--image-size", type=int, default=224,
@@ -515,13 +535,21 @@ def parse_args(argv=None):
     p.add_argument("--sweep", choices=("batch", "memory"), default=None,
                    help="batch: images/s and peak memory over per-device batches 16..--max-batch; memory: double "
                         "the batch until it does not fit (default: neither, the layout table)")
+    p.add_argument("--min-batch", type=int, default=16, help="first per-device batch of a sweep (default %(default)s)")
     p.add_argument("--max-batch", type=int, default=1024,
                    help="largest per-device batch of --sweep batch (default %(default)s; --sweep memory: 65536)")
     p.add_argument("--curve", action="store_true", help="test error vs wall-clock time on digits")
     p.add_argument("--curve-epochs", type=int, default=5, help="epochs of each --curve run (default %(default)s)")
     p.add_argument("--out", default="benchmarks/latest", help="folder for the results (default %(default)s)")
     args = p.parse_args(argv)
-    args.global_batch_size = [int(b) for b in str(args.global_batch_size).split(",")]
+    given = args.global_batch_size is not None
+    try:
+        args.global_batch_size = [int(b) for b in str(args.global_batch_size or 256).split(",")]
+    except ValueError:
+        p.error(f"--global-batch-size {args.global_batch_size}: give comma-separated whole numbers, e.g. 256,1024")
+    args.curve_batches = args.global_batch_size if given else [None]
+    if args.min_batch < 1:
+        p.error(f"--min-batch {args.min_batch}: give a per-device batch of at least 1")
     return args
 
 

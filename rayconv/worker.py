@@ -236,7 +236,10 @@ class Worker:
         the first), whose values are ready by now, so the GPU never idles between steps while the
         driver's call travels (``flush`` returns the last step's). With ``profile`` the step is
         synchronised and split into compute, receive wait and gradient all-reduce wait (ms); under CUDA
-        graphs a step cannot be split, and counts as compute (the waits are None).
+        graphs a step cannot be split, and counts as compute (the waits are None). A profiled step also
+        reports ``comm_bytes``: the bytes this actor handed to torch.distributed in the step (sends and
+        collectives' inputs, as ``parallel/comm.py`` defines them; a replayed CUDA graph step repeats the
+        captured step's, counted when it was captured).
         Raises what the model or the data raise.
         """
         t0 = time.perf_counter()
@@ -290,6 +293,7 @@ class Worker:
         allreduce: dict[str, float] = {}
 
         def sgd() -> StepResult:
+            comm.reset_volume()
             res = self.runner.run(self.program, self.exchange_plan, inputs, labels, sizes, global_count,
                                   self.sync.arm, before_forward=before_forward)
             if timed:
@@ -300,6 +304,8 @@ class Worker:
                 sync_device(self.device)
                 allreduce["s"] = time.perf_counter() - t_sync if self.sync.group is not None else 0.0
             self._update()
+            # (a replay does not run this function: it repeats the captured step's communication)
+            self.comm_bytes = sum(comm.volume().values())
             return res
 
         self.runner.profile = timed
@@ -324,7 +330,7 @@ class Worker:
             total = time.perf_counter() - t_run
             # (inside a CUDA graph step, receive and all-reduce waits are not separable: all compute)
             wait_s, ar_s = res.wait_s or 0.0, allreduce_s or 0.0
-            current.update(step_actor_ms=total * 1e3, wait_ms=None if res.wait_s is None else wait_s * 1e3,
+            current.update(comm_bytes=self.comm_bytes, step_actor_ms=total * 1e3, wait_ms=None if res.wait_s is None else wait_s * 1e3,
                            allreduce_ms=None if allreduce_s is None else ar_s * 1e3,
                            compute_ms=(total - wait_s - ar_s) * 1e3)
         if self.device.type == "cuda" and isinstance(res.loss_sum, torch.Tensor):

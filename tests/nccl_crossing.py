@@ -2,7 +2,7 @@
 receive at once (1F1B's steady state), eagerly and replayed from a CUDA graph, through
 ``comm.exchange``. With ``--unpaired`` the sends and receives are posted one by one instead (the
 pattern ``comm.exchange`` replaced): on 2 x H200 with torch 2.11 that failed with a CUDA illegal
-memory access (session 5 of 2026-11-30, benchmarks/h200x2-2026-11-30/session5/run3-unpaired.txt)."""
+memory access."""
 
 from __future__ import annotations
 

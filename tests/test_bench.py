@@ -52,6 +52,15 @@ def test_bench_writes_table_chart_and_anchor_ratios(ray_cluster, tmp_path):
     assert rows[1]["allreduce_wait_ms"] is not None and rows[2]["recv_wait_ms"] is not None
     for r in rows:  # the same steps looped inside the actors, against the driver's loop
         assert r["in_actor_step_ms"] > 0 and r["driver_overhead"] == pytest.approx(1 - r["in_actor_step_ms"] / r["step_ms"])
+    # Communication volume (parallel/comm.py: the bytes an actor hands to torch.distributed in a step):
+    # a dp=2 replica all-reduces each fp32 gradient once (convnet has no batch norm: no buffers are
+    # broadcast); one device communicates nothing; pipeline stages send activations and gradients.
+    params = json.loads(rows[1]["params_per_actor"])
+    assert params[0] == params[1] > 0
+    assert rows[0]["comm_mb_per_step"] == 0 and rows[0]["comm_mb_per_step_total"] == 0
+    assert rows[1]["comm_mb_per_step"] * 2**20 == params[0] * 4
+    assert rows[1]["comm_mb_per_step_total"] * 2**20 == 2 * params[0] * 4
+    assert rows[2]["comm_mb_per_step"] > 0
     assert (out / "bench.md").read_text().count("\n") == 2 + len(rows)
     assert (out / "speedup.png").stat().st_size > 1000
 
@@ -111,17 +120,21 @@ def test_bench_refuses_a_call_limit_it_cannot_keep(tmp_path, capsys, limit):
 
 def test_training_curve_writes_error_against_time(ray_cluster, tmp_path, capsys):
     out = tmp_path / "curve"
-    rc = bench.main(["--curve", "--curve-epochs", "1", "--layouts", "1gpu,dp2", "--device", "cpu", "--out", str(out)])
+    rc = bench.main(["--curve", "--curve-epochs", "1", "--layouts", "1gpu,dp2", "--global-batch-size", "64,256",
+                     "--device", "cpu", "--out", str(out)])
     assert rc == 0
     rows = pq.read_table(out / "curve.parquet").to_pylist()
-    assert {r["layout"] for r in rows} == {"1gpu", "dp2"}
+    assert {(r["layout"], r["global_batch_size"]) for r in rows} == {(n, b) for n in ("1gpu", "dp2") for b in (64, 256)}
     for name in ("1gpu", "dp2"):
-        times = [r["time_s"] for r in rows if r["layout"] == name]
-        assert times == sorted(times) and times[0] > 0
+        for b in (64, 256):
+            pts = [r for r in rows if r["layout"] == name and r["global_batch_size"] == b]
+            times = [r["time_s"] for r in pts]
+            assert times == sorted(times) and times[0] > 0
+            assert pts[-1]["step"] + 1 == -(-1437 // b)  # one epoch of the 1,437 training digits
         assert all(0 <= r["test_error"] <= 1 for r in rows)
     assert (out / "curve.png").stat().st_size > 1000
     printed = capsys.readouterr().out
-    assert "CURVE 1gpu: test error" in printed and "CURVE dp2: test error" in printed
+    assert "CURVE 1gpu B=64: test error" in printed and "CURVE dp2 B=256: test error" in printed
 
 
 def test_bench_on_an_image_folder_reports_input_stall(ray_cluster, tmp_path):
@@ -157,3 +170,39 @@ def test_anchor_candidates_and_the_pick_of_the_fastest():
     with pytest.raises(SystemExit) as e:
         anchor.main(["--configs", "compile(ddp) bucket 25MB", "--device", "cpu"])  # a DDP one without --ddp
     assert e.value.code == 2
+
+
+
+def test_paper_report_tables_from_a_run_folder(tmp_path):
+    # benchmarks/report.py: the RQ tables of RESULTS.md from the parts' raw rows; a part not run says so,
+    # and a multi-GPU row's speedup comes from the speed part's 1-GPU row when its own run had none.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pyarrow as pa
+
+    run = tmp_path / "h200x2-2026-12-01-abc1234"
+    for part, rows in {"speed": [{"model": "alexnet", "layout": "1gpu", "global_batch_size": 256, "world_size": 1,
+                                  "images_per_s": 1000.0, "plain_pytorch_config": "compile", "comm_mb_per_step": 0.0}],
+                       "dp-mp": [{"model": "alexnet", "layout": "dp2", "global_batch_size": 256, "world_size": 2,
+                                  "images_per_s": 1500.0, "torchrun_ddp_config": "ddp bucket 25MB",
+                                  "comm_mb_per_step": 233.08}]}.items():
+        (run / part).mkdir(parents=True)
+        pq.write_table(bench.bench_table(rows), run / part / "bench.parquet")
+    (run / "batch").mkdir()
+    pq.write_table(pa.Table.from_pylist([
+        {"model": "alexnet", "layout": "1gpu", "batch_per_device": b, "global_batch_size": b, "fits": fits,
+         "images_per_s": 100.0 * b if fits else None, "peak_gib_max": b / 8 if fits else None, "note": None}
+        for b, fits in ((16, True), (32, True), (64, True), (128, False))]), run / "batch" / "sweep_batch.parquet")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "report.py"), "report", str(run)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = (run / "report.md").read_text()
+    assert "| alexnet | dp2 | 2 | 256 | 1500 | 1.5 | not measured | not measured | not measured | ddp bucket 25MB | 233 |" in text
+    assert "| alexnet | 1gpu | 1 | 256 | 1000 | 1 | not measured | compile |" in text
+    # RQ5: largest that trains (64, 8 GiB), first that does not (128), largest within 6 GiB (32, 4 GiB)
+    assert "| alexnet | 1gpu | 64 | 8 | 128 | 32 |" in text
+    assert "not measured (no convergence part in this run)" in text
+    assert (run / "batch.png").stat().st_size > 1000 and (run / "memory.png").stat().st_size > 1000

@@ -4,6 +4,13 @@ Actors join one process group (NCCL on GPUs, gloo on CPU) and make one subgroup 
 (torch requires every rank to create every subgroup, in the same order). Groups are passed
 explicitly; nothing else uses the default group.
 
+Every call here adds to this process's communication volume (``reset_volume``, ``volume``): the bytes
+of the tensors it hands to torch.distributed as data. All-reduce and reduce-scatter count the whole
+input tensor, all-gather this rank's own part, broadcast the tensor on the source rank only,
+point-to-point its sends (a receive is the peer's send). The count is independent of the algorithm
+the backend picks (a ring all-reduce moves about 2 (n-1)/n times the tensor over the wires); calls
+with no group (a singleton group) move nothing and count nothing.
+
 Legend: N batch, C channels, H, W height, width; ``x_NCHW`` is an activation.
 """
 
@@ -17,6 +24,23 @@ import torch
 import torch.distributed as dist
 
 from ..mesh import AXES, Mesh
+
+_volume: dict[str, int] = {}
+
+
+def reset_volume() -> None:
+    """Start counting this process's communication volume from zero."""
+    _volume.clear()
+
+
+def volume() -> dict[str, int]:
+    """Bytes handed to torch.distributed since ``reset_volume``, by operation (``all_reduce``,
+    ``reduce_scatter``, ``all_gather``, ``broadcast``, ``send``); the module docstring defines them."""
+    return dict(_volume)
+
+
+def _count(op: str, *tensors: torch.Tensor) -> None:
+    _volume[op] = _volume.get(op, 0) + sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass
@@ -65,12 +89,15 @@ def all_reduce_sum(t: torch.Tensor, group: Optional[dist.ProcessGroup], async_op
     """In-place sum over ``group`` (no-op for a singleton group)."""
     if group is None:
         return None
+    _count("all_reduce", t)
     return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def broadcast(t: torch.Tensor, src: int, group: Optional[dist.ProcessGroup]) -> None:
     """Broadcast ``t`` in place from global rank ``src`` to ``group``."""
     if group is not None:
+        if dist.get_rank() == src:
+            _count("broadcast", t)
         dist.broadcast(t, src=src, group=group)
 
 
@@ -93,6 +120,7 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[tuple[int,
     until waited.
     """
     ops = [dist.P2POp(dist.isend, t.contiguous(), dst, group) for t, dst in sends]
+    _count("send", *(t for t, _ in sends))
     bufs = []
     for shape, dtype, src in recvs:
         bufs.append(torch.empty(shape, dtype=dtype, device=device))
@@ -122,6 +150,7 @@ def all_gather_dim(t: torch.Tensor, dim: int, sizes: list[int], group: Optional[
     for s in sizes:
         shape[dim] = s
         parts.append(torch.empty(shape, dtype=t.dtype, device=t.device))
+    _count("all_gather", t)
     dist.all_gather(parts, t.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
 
@@ -135,6 +164,7 @@ def reduce_scatter_dim(t: torch.Tensor, dim: int, sizes: list[int], index: int,
     if group is None:
         return t
     t = t.contiguous()
+    _count("reduce_scatter", t)
     start = sum(sizes[:index])
     if dist.get_backend(group) == "nccl" and len(set(sizes)) == 1:
         # NCCL reduce-scatters along dim 0: move ``dim`` there and back (half the traffic of all-reduce).
