@@ -24,8 +24,8 @@ per-layer times of the device at hand (the same GPU model: H200). Figures assume
 * NVLink 4 on H100/H200: 18 links, 900 GB/s bidirectional per GPU, about 450 GB/s each way (NVIDIA
   H200 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/h200/ ; HGX H200 8-GPU
   boards connect all GPUs through NVSwitch at that rate, https://www.nvidia.com/en-us/data-center/hgx/ ).
-  NCCL reaches part of it: 180-290 GB/s all-reduce bus bandwidth was measured between two H200 actors
-  (benchmarks/RESULTS.md), so the table assumes 290 GB/s for collectives and point-to-point.
+  NCCL reaches part of it: a torch.distributed all-reduce of 100-244 MB between two H200 actors
+  measured 268-291 GB/s bus bandwidth, so the table assumes 290 GB/s for collectives and point-to-point.
 * Between hosts: InfiniBand NDR, 400 Gb/s = 50 GB/s each way per ConnectX-7 adapter, one adapter per
   GPU as in DGX/HGX H200 systems (NVIDIA ConnectX-7 datasheet,
   https://www.nvidia.com/en-us/networking/ethernet-adapters/ ; DGX H200 user guide); assumed 40 GB/s

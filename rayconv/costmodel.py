@@ -46,8 +46,8 @@ SGD momentum (3 x parameters x 4 bytes in fp32 and bf16 autocast, x 8 in fp64), 
 gradient buckets (1 x more when dp > 1), and the activations of the micro-batches in flight: what
 each layer saves for its backward pass per sample (autograd's saved tensors) x samples in flight
 (``schedule.peak_in_flight``: 1F1B at most ``P - s`` on stage s, GPipe all ``M``) x activation
-bytes (2 in bf16), divided by ``fs``. Against peaks measured on an H200 (compiled, CUDA graphs, bf16;
-benchmarks/RESULTS.md) it predicts 1.2-1.5x too much: ResNet-50 at 256 on one GPU 13.4 vs 10.4 GiB,
+bytes (2 in bf16), divided by ``fs``. Against peaks measured on an H200 (compiled, CUDA graphs, bf16)
+it predicts 1.2-1.5x too much: ResNet-50 at 256 on one GPU 13.4 vs 10.4 GiB,
 dp=2 7.0 vs 5.6, 1F1B pp=2 at 512 with 4 micro-batches 10.5 vs 7.0 on stage 0; AlexNet's per-layer
 plan at 1024 1.7 vs 1.2. A limit it enforces errs on the safe side.
 """

@@ -310,7 +310,7 @@ class _Run:
 
         Two steps are in flight: step k+1 is queued on the actors before step k's call returns, and
         each call returns the metrics of the step before it, so neither the device nor the actor
-        waits for the driver between steps (measured on 2 x H200: ``benchmarks/RESULTS.md``)."""
+        waits for the driver between steps (the bench's ``driver_overhead`` measures what is left)."""
         cfg, total_steps = self.cfg, self.total_steps
         metrics = self.metrics
         t_train = time.perf_counter()

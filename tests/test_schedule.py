@@ -237,9 +237,9 @@ def test_paired_exchanges_of_every_schedule_complete_without_buffering(name, P, 
 
 @pytest.mark.parametrize("P,M", [(2, 2), (2, 4), (3, 4), (4, 8)])
 def test_unpaired_1f1b_deadlocks_without_buffering(P, M):
-    """The pattern the pipeline used before session 5: each send and receive alone on the pair's stream.
-    In 1F1B's steady state neighbours send to each other at once and each send waits for a receive
-    queued behind the peer's own send (on 2 x H200 a 64 MB crossing failed this way)."""
+    """Each send and receive posted alone on the pair's stream (not paired in one group): in 1F1B's
+    steady state neighbours send to each other at once and each send waits for a receive queued
+    behind the peer's own send (tests/nccl_crossing.py --unpaired shows it on two GPUs)."""
     with pytest.raises(ScheduleError, match=r"deadlocks when sends are not buffered \(unpaired") as err:
         check_exchanges(one_f_one_b(P, M), paired=False)
     assert "stage 0 waits on [send act" in str(err.value)
@@ -283,8 +283,8 @@ def test_neighbours_batches_mirror_each_other(sched):
 
 def test_gpipe_posts_its_last_activation_apart_from_its_first_gradient():
     """The round rule pairs stage 0's send of F3's activation with B0's receive. Stage 1 needs that
-    activation (F3) before it can send B0's gradient, so as one NCCL group it can never complete: the
-    likely reason GPipe never finished on 2 x H200 in sessions 5 and 6 (not yet confirmed on GPUs)."""
+    activation (F3) before it can send B0's gradient, so as one NCCL group it can never complete (NCCL
+    runs a group as one unit); the plan posts them as two batches."""
     sched = gpipe(2, 4)
     round_events = _events(sched, tuple(tuple((p,) for p in _round_plan(sched, s)) for s in range(2)))
     stuck = _replay(round_events, _counterparts(sched, round_events))
@@ -297,7 +297,7 @@ def test_gpipe_posts_its_last_activation_apart_from_its_first_gradient():
 
 def test_the_exchange_model_runs_a_batch_as_one_unit():
     """A batch's send goes through only once the peer has posted the counterpart of every operation
-    in it: the same exchange, replayed with the old rule (each operation on its own), completes."""
+    in it: the same exchange, replayed with each operation as a unit of its own, completes."""
     sched = one_f_one_b(2, 1)
     round_events = _events(sched, tuple(tuple((p,) for p in _round_plan(sched, s)) for s in range(2)))
     assert _replay(round_events, _counterparts(sched, round_events))  # stage 0: [send act0, recv grad0]
