@@ -70,7 +70,7 @@ def dashboard():
            "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": "180"}
     log = Path(temp_dir) / "ray-start.log"
     with log.open("w") as f:
-        head = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        head = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     old = os.environ.get("RAY_metrics_report_interval_ms")
     os.environ["RAY_metrics_report_interval_ms"] = "500"  # this process's gauges (the driver's) too
     address = f"127.0.0.1:{ports['--port']}"
@@ -91,7 +91,11 @@ def dashboard():
         try:
             head.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            head.kill()
+            pass
+        try:  # whatever is left of the head's own process group (a shutdown that hung)
+            os.killpg(head.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         shutil.rmtree(temp_dir, ignore_errors=True)
         if old is None:
             os.environ.pop("RAY_metrics_report_interval_ms", None)
