@@ -291,7 +291,7 @@ def reserve(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float) -> Any:
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except BaseException as e:
-        remove_placement_group(pg)
+        Gang([], [], pg, []).kill()  # removes the placement group
         if isinstance(e, ray.exceptions.GetTimeoutError):
             raise ClusterError(f"could not reserve {mesh.world_size} x {bundle} within {timeout_s:g} s (--max-wait): "
                                "the cluster is busy or too small; free resources, lower the layout or raise "
