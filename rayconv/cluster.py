@@ -236,6 +236,9 @@ class Gang:
                 summary = exception_summary(err)
                 if lost:  # Ray's explanation runs over several lines; its first says it all
                     summary = summary.splitlines()[0]
+                elif _is_collective_failure(err) and "timed out" in summary.lower():
+                    summary += ("; the collective waited past --collective-timeout-s: raise it if a peer is "
+                                "only slow, not stuck")
                 raise ClusterError(f"actor {self.roles[r]} (rank {r}) {what} in {method}: {summary}",
                                    recoverable=lost or _is_collective_failure(err)) from None
         return ray.get(refs)
@@ -282,19 +285,51 @@ def run_on_device(fn, args: Sequence[Any], gpu: bool, timeout_s: float = 300.0) 
 def start_workers(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float = 120.0) -> Gang:
     """Reserve one bundle per actor, start the actors, named ``rayconv/<run>/<role>`` in rank order.
 
-    Raises ClusterError if the bundles cannot be placed within ``timeout_s`` seconds."""
-    gpu = cfg.device == "cuda"
-    bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": cfg.num_cpus_per_actor}
-    pg = placement_group([dict(bundle) for _ in range(mesh.world_size)], strategy="PACK",
-                         name=f"rayconv/{run_name}")
+    ``timeout_s`` (``--max-wait``) bounds the whole start-up: reserving the bundles (waiting for free
+    resources) and the actors' processes starting and importing torch. Raises ClusterError saying
+    which of the two ran out and that --max-wait raises it, or naming a Ray error at start (one line)."""
+    deadline = time.monotonic() + timeout_s
+    pg = reserve(cfg, mesh, run_name, timeout_s)
+    return start_actors(cfg, mesh, run_name, pg, max(0.0, deadline - time.monotonic()), limit_s=timeout_s)
+
+
+def _bundle(cfg: Config) -> dict[str, int]:
+    return {"CPU": 1, "GPU": 1} if cfg.device == "cuda" else {"CPU": cfg.num_cpus_per_actor}
+
+
+def reserve(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float) -> Any:
+    """The run's placement group ``rayconv/<run>``, one bundle per actor (PACK), ready within ``timeout_s``
+    seconds. Raises ClusterError (nothing stays reserved)."""
+    bundle = _bundle(cfg)
+    try:
+        pg = placement_group([dict(bundle) for _ in range(mesh.world_size)], strategy="PACK",
+                             name=f"rayconv/{run_name}")
+    except ray.exceptions.RayError as e:
+        raise ClusterError(f"Ray refused the placement group of run {run_name}: {_first_line(e)}") from None
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except BaseException as e:
+        Gang([], [], pg, []).kill()  # removes the placement group
+        if isinstance(e, ray.exceptions.GetTimeoutError):
+            raise ClusterError(f"could not reserve {mesh.world_size} x {bundle} within {timeout_s:g} s (--max-wait): "
+                               "the cluster is busy or too small; free resources, lower the layout or raise "
+                               "--max-wait") from None
+        if isinstance(e, ray.exceptions.RayError):
+            raise ClusterError(f"Ray could not reserve resources for run {run_name}: {_first_line(e)}") from None
+        raise
+    return pg
+
+
+def start_actors(cfg: Config, mesh: Mesh, run_name: str, pg: Any, timeout_s: float,
+                 limit_s: Optional[float] = None) -> Gang:
+    """Start one actor per bundle of ``pg`` and wait up to ``timeout_s`` seconds for them to run (part
+    of the start-up limit ``limit_s``, named in the error). Raises ClusterError; on failure the actors
+    and ``pg`` are removed."""
+    gpu, bundle = cfg.device == "cuda", _bundle(cfg)
+    deadline = time.monotonic() + timeout_s
     actors: list[Any] = []
     roles: list[str] = []
     try:
-        try:
-            ray.get(pg.ready(), timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise ClusterError(f"could not reserve {mesh.world_size} x {bundle} within {timeout_s:.0f} s: "
-                               "the cluster is busy or too small; free resources or lower the layout") from None
         # Rank order: by node (in order of first appearance), then bundle index.
         nodes = placement_group_table(pg)["bundles_to_node_id"]
         node_order: dict[str, int] = {}
@@ -303,7 +338,8 @@ def start_workers(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float = 120
         bundles = sorted(range(mesh.world_size), key=lambda b: (node_order[nodes[b]], b))
         env = ALL_GPUS_VISIBLE_ENV if (gpu and cfg.all_gpus_visible) else {}
         remote = ray.remote(Worker)
-        _wait_names_free([f"rayconv/{run_name}/{mesh.role(r)}" for r in range(mesh.world_size)], timeout_s)
+        _wait_names_free([f"rayconv/{run_name}/{mesh.role(r)}" for r in range(mesh.world_size)],
+                         max(0.0, deadline - time.monotonic()))
         for rank, b in enumerate(bundles):
             role = mesh.role(rank)
             actors.append(remote.options(
@@ -312,13 +348,25 @@ def start_workers(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float = 120
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
             ).remote(cfg.to_dict(), run_name, role))
             roles.append(role)
-    except BaseException:
+    except BaseException as e:
         # Nothing stays reserved when the start fails (a busy cluster, a name in use, Ctrl-C).
         Gang(actors, roles, pg, []).kill()
+        if isinstance(e, ray.exceptions.RayError):
+            raise ClusterError(f"Ray could not start the actors of run {run_name}: {_first_line(e)}") from None
         raise
     gang = Gang(actors, roles, pg, [])
-    gang.info = gang.call("whereami", timeout_s=timeout_s)
+    try:
+        gang.info = gang.call("whereami", timeout_s=max(0.0, deadline - time.monotonic()))
+    except CallTimeout:
+        raise ClusterError(f"the {mesh.world_size} actors did not start within {limit_s or timeout_s:g} s (--max-wait; "
+                           "their processes start and import torch, slowly on a loaded machine): raise --max-wait") from None
     return gang
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of a Ray error, without Ray's ``System error:`` prefix."""
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    return lines[0].removeprefix("System error: ")
 
 
 def _wait_names_free(names: list[str], timeout_s: float) -> None:
@@ -332,8 +380,8 @@ def _wait_names_free(names: list[str], timeout_s: float) -> None:
             except ValueError:
                 break
             if time.monotonic() > deadline:
-                raise ClusterError(f"an actor named {name} is still alive after {timeout_s:.0f} s: another run "
-                                   "writes into the same output folder? give a new --out")
+                raise ClusterError(f"an actor named {name} is still alive after {timeout_s:g} s (--max-wait): "
+                                   "the actors of a previous attempt of this run did not stop in time")
             time.sleep(0.2)
 
 

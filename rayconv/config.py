@@ -142,8 +142,9 @@ class Config:
     max_failures: int = field(default=0, metadata={"help": "actor failures (process or node lost, collective "
                                                            "timeout) to recover from by restarting the actors and "
                                                            "reloading the last checkpoint"})
-    max_wait: float = field(default=120.0, metadata={"help": "seconds to wait for the cluster to have resources "
-                                                            "for all actors (at start and after a failure)"})
+    max_wait: float = field(default=120.0, metadata={"help": "seconds the start-up may take: the cluster having "
+                                                            "resources for all actors, then the actors starting "
+                                                            "(at start and after a failure)"})
     metrics: bool = field(default=True, metadata={"help": "export per-actor and per-run gauges to Ray's "
                                                           "metrics (dashboard Metrics view, Prometheus)"})
 

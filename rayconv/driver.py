@@ -19,6 +19,7 @@ global batch, whatever the layout.
 from __future__ import annotations
 
 import math
+import secrets
 import shutil
 import sys
 import time
@@ -58,6 +59,13 @@ def new_run_dir(cfg: Config) -> Path:
         return Path(cfg.out)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{stamp}-{cfg.model}-{cfg.data}"
+
+
+def new_run_name(out: Path) -> str:
+    """The run's name on the cluster (placement group ``rayconv/<name>``, actors ``rayconv/<name>/<role>``,
+    the gauges' ``run`` tag): the output folder's name and a random suffix, e.g. ``r1-3f9a2c``, so that
+    runs whose folders share a name (``/tmp/a/run``, ``/tmp/b/run``) can share a cluster."""
+    return f"{out.name}-{secrets.token_hex(3)}"
 
 
 def prepare(cfg: Config, log=print, resume: Optional[Checkpoint] = None):
@@ -153,14 +161,16 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
     made_out = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     cfg.out = str(out)
-    run_name = out.name
+    run_name = new_run_name(out)
     gang = None
     try:
         cfg.to_json(out / "config.json")
         log(f"rayconv: {cfg.model} on {cfg.data} ({source.train_size} train / {source.test_size} test images, "
             f"{source.num_classes} classes), layout {mesh.describe()}"
             f"{' plan ' + cfg.plan if cfg.plan != 'none' else ''} on {cfg.device}, "
-            f"global batch {cfg.global_batch_size}, {total_steps} steps -> {out}")
+            f"global batch {cfg.global_batch_size}, {total_steps} steps -> {out}; Ray run name {run_name}")
+        if resume is not None:
+            log(f"rayconv: resuming from {resume.path} (step {resume.step} of {total_steps})")
         if mesh.pp > 1:
             chunks = (f", interleaved: {cfg.virtual_stages} model chunks per stage (stage s holds chunks s, s + "
                       f"{mesh.pp}, ...)" if cfg.virtual_stages > 1 else "")
@@ -182,11 +192,14 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
                 run.train(gang, start=ckpt.step if ckpt is not None else 0)
                 break
             except cluster.ClusterError as e:
+                if isinstance(e, cluster.CallTimeout):
+                    e = cluster.CallTimeout(f"{e}; the limit is 2 x --collective-timeout-s + 30 s: raise "
+                                            "--collective-timeout-s if the work is only slow", recoverable=True)
                 if gang is not None:
                     gang.kill()
                     gang = None
                 if not e.recoverable or failures >= cfg.max_failures:
-                    raise
+                    raise e from None
                 failures += 1
                 latest = latest_checkpoint(out)
                 ckpt = load_checkpoint(latest) if latest is not None else resume
@@ -226,6 +239,7 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
             # The steps' waits for input not overlapped with compute, summed, and their share of the steps' time.
             "input_stall_s": stall_ms / 1e3, "input_stall_fraction": stall_ms / own_ms if own_ms > 0 else None,
             "train_time_s": train_s, "wall_time_s": time.perf_counter() - t_start,
+            "run_name": run_name,
             "resumed_from": str(resume.path) if resume is not None else None, "failures_recovered": failures,
             "actors": [{**s, **m} for s, m in zip(run.setups, memory)],
         }
@@ -391,6 +405,8 @@ class _Run:
                                  + (f" test_top5_accuracy {top5:.4f}" if top5 is not None else ""))
                 if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == total_steps):
                     self.checkpoint(gang, step + 1)
+                if (step + 1) % self.eval_every == 0 or cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                    metrics.write(self.out / "metrics.parquet")  # the progress so far, readable mid-run
                 if self.on_step is not None:
                     self.on_step(gang, step)
                 t_last[0] = time.perf_counter()  # evaluation and checkpoint time is not a step's

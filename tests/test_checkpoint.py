@@ -94,6 +94,10 @@ def test_checkpoint_files(straight):
 def test_failed_run_keeps_its_checkpoints(stopped):
     assert [p.name for p in list_checkpoints(stopped)] == ["step-2", "step-4"]
     assert (stopped / "config.json").is_file() and not (stopped / "model.pt").exists()
+    # Its progress is readable: metrics.parquet, written at each checkpoint and evaluation.
+    rows = pq.read_table(stopped / "metrics.parquet").to_pylist()
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [2]
 
 
 def test_resume_equals_straight_run(straight, stopped, tmp_path, capsys):
@@ -101,6 +105,7 @@ def test_resume_equals_straight_run(straight, stopped, tmp_path, capsys):
     branch = tmp_path / "branch"
     shutil.copytree(stopped, branch)  # keep the stopped run for the other tests
     assert main(["--resume", str(branch)]) == 0  # every setting from the checkpoint; writes into it
+    assert f"rayconv: resuming from {branch / 'checkpoints' / 'step-4'} (step 4 of 8)" in capsys.readouterr().out
     torch.testing.assert_close(torch.load(branch / "model.pt", weights_only=True),
                                torch.load(straight / "model.pt", weights_only=True), rtol=0, atol=0)
     for r in range(2):

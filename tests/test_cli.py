@@ -40,7 +40,7 @@ def test_main_job_as_the_readme_says(ray_cluster, tmp_path):
     assert summary["model"] == "convnet" and summary["data"] == "digits"
     assert summary["test_accuracy"] >= 0.95, summary
     assert {"config.json", "metrics.parquet", "summary.json", "model.pt"} <= {p.name for p in out.iterdir()}
-    assert f"rayconv/{out.name}" not in placement_group_names(), "the job joined the test cluster"
+    assert f"rayconv/{summary['run_name']}" not in placement_group_names(), "the job joined the test cluster"
 
 
 def test_main_writes_the_run_files(ray_cluster, tmp_path):
@@ -50,7 +50,8 @@ def test_main_writes_the_run_files(ray_cluster, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.parquet", "model.pt", "summary.json"]
     # It ran on the test cluster (and the placement group table keeps removed groups, which the
     # subprocess test relies on).
-    assert f"rayconv/{out.name}" in placement_group_names()
+    run_name = json.loads((out / "summary.json").read_text())["run_name"]
+    assert run_name.startswith("run-") and f"rayconv/{run_name}" in placement_group_names()
 
     # config.json: the resolved settings, loadable as JSON and as a Config.
     saved = json.loads((out / "config.json").read_text())

@@ -1,14 +1,17 @@
-"""The Ray dashboard: a real local Ray head with its dashboard (bound to 127.0.0.1) shows the run's
-named actors and their states through its HTTP state API, the rayconv gauges reach Ray's metrics
-(the dashboard's Metrics view and Prometheus read them), and ``ray job submit`` runs the CLI.
+"""The Ray dashboard: a real Ray head (``ray start --head``) with its dashboard (bound to 127.0.0.1)
+shows the run's named actors and their states through its HTTP state API and its web page, the
+rayconv gauges reach Ray's metrics (the dashboard's Metrics view and Prometheus read them), ``ray job
+submit`` runs the CLI, and two runs whose output folders share a name run at once on it.
 
-This module starts its own Ray (with the dashboard) and shuts it down at the end; other modules'
-``ray_cluster`` fixture starts a fresh one after it."""
+This module starts its own Ray head, every port of it a free one (other Ray instances may run on the
+same host: the dashboard agent's default port 52365 would then be taken), and stops it at the end;
+other modules' ``ray_cluster`` fixture starts a fresh one after it."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import signal
 import tempfile
 import os
 import socket
@@ -30,6 +33,13 @@ WANT = {("images_per_s", "dp0"), ("images_per_s", "dp1"), ("images_per_s", "driv
         ("step_ms", "dp0"), ("loss", "dp1"), ("loss", "driver"), ("step", "driver")}
 
 
+# Every port `ray start --head` would otherwise take at a fixed default (GCS 6379, dashboard 8265, its
+# agent 52365, Ray client 10001, ...) or pick at random among what another Ray instance may then take.
+PORT_FLAGS = ("--port", "--dashboard-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+              "--metrics-export-port", "--runtime-env-agent-port", "--ray-client-server-port",
+              "--node-manager-port", "--object-manager-port")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -44,23 +54,48 @@ def get(url: str):
 
 @pytest.fixture(scope="module")
 def dashboard():
-    """A local Ray head with the dashboard on 127.0.0.1:<free port>; metrics reported every 0.5 s."""
+    """``ray start --head`` with the dashboard on 127.0.0.1, every port a free one; metrics reported
+    every 0.5 s. This process connects to it as a driver."""
     if ray.is_initialized():
         ray.shutdown()
-    old = os.environ.get("RAY_metrics_report_interval_ms")
-    os.environ["RAY_metrics_report_interval_ms"] = "500"  # inherited by the raylet and workers
-    port = free_port()
+    ports = {flag: free_port() for flag in PORT_FLAGS}
     # A session folder of its own: the job server finds "its" cluster through <temp dir>/ray_current_cluster,
     # which in the shared /tmp/ray names the newest cluster on the machine, maybe another one.
     temp_dir = tempfile.mkdtemp(prefix="rc-", dir="/tmp")
-    ctx = ray.init(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
-                   namespace="rayconv", log_to_driver=False, configure_logging=True, logging_level="WARNING",
-                   _temp_dir=temp_dir)
+    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--num-cpus", "4",
+           "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--temp-dir", temp_dir,
+           *[f"{flag}={port}" for flag, port in ports.items()]]
+    env = {**os.environ, "RAY_metrics_report_interval_ms": "500",  # inherited by the raylet and workers
+           # the dashboard's modules start as processes: on a loaded 2-core machine 30 s (the default) is short
+           "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": "180"}
+    log = Path(temp_dir) / "ray-start.log"
+    with log.open("w") as f:
+        head = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    old = os.environ.get("RAY_metrics_report_interval_ms")
+    os.environ["RAY_metrics_report_interval_ms"] = "500"  # this process's gauges (the driver's) too
+    address = f"127.0.0.1:{ports['--port']}"
     try:
+        deadline = time.monotonic() + 120
+        while not (Path(temp_dir) / "ray_current_cluster").exists():  # written once the head is up
+            assert head.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the Ray head did not start within 120 s"
+            time.sleep(0.5)
+        ctx = ray.init(address=address, namespace="rayconv", log_to_driver=False, configure_logging=True,
+                       logging_level="WARNING")
+        port = ports["--dashboard-port"]
         yield {"url": f"http://127.0.0.1:{port}", "port": port, "dashboard_url": ctx.dashboard_url,
-               "metrics_port": ray._private.worker.global_worker.node.metrics_export_port}
+               "metrics_port": ports["--metrics-export-port"], "address": address}
     finally:
         ray.shutdown()
+        head.send_signal(signal.SIGTERM)  # ray start --block stops the head's processes
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:  # whatever is left of the head's own process group (a shutdown that hung)
+            os.killpg(head.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         shutil.rmtree(temp_dir, ignore_errors=True)
         if old is None:
             os.environ.pop("RAY_metrics_report_interval_ms", None)
@@ -69,11 +104,11 @@ def dashboard():
 
 
 def rayconv_actors(base: str, run: str) -> dict[str, str]:
-    """name -> state of the run's actors, from the dashboard's HTTP state API."""
+    """name -> state of the actors whose run name starts with ``run``, from the dashboard's HTTP state API."""
     res = get(f"{base}/api/v0/actors?limit=10000&detail=false")
     assert res["result"] is True, res
     return {a["name"]: a["state"] for a in res["data"]["result"]["result"]
-            if (a.get("name") or "").startswith(f"rayconv/{run}/")}
+            if (a.get("name") or "").startswith(f"rayconv/{run}")}
 
 
 def gauge_lines(metrics_port: int, run: str) -> list[str]:
@@ -93,14 +128,14 @@ def test_dashboard_is_bound_to_localhost(dashboard):
 
 def test_actors_and_gauges_in_the_dashboard(dashboard, tmp_path):
     out = tmp_path / "dash"
-    run = out.name
     seen: dict[str, object] = {}
 
     def look(gang, step):
         if step != 2:
             return
-        seen["actors"] = rayconv_actors(dashboard["url"], run)
-        deadline = time.monotonic() + 30
+        seen["actors"] = rayconv_actors(dashboard["url"], f"{out.name}-")
+        run = seen["run"] = next(iter(seen["actors"])).split("/")[1]
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             lines = gauge_lines(dashboard["metrics_port"], run)
             have = {(line.split("{")[0][len("ray_rayconv_"):], role) for line in lines
@@ -113,7 +148,8 @@ def test_actors_and_gauges_in_the_dashboard(dashboard, tmp_path):
 
     cfg = Config(model="convnet", data="digits", dp=2, global_batch_size=64, steps=4, device="cpu",
                  progress=False, out=str(out), loader_workers=0).validate()
-    fit(cfg, log=lambda *_: None, on_step=look)
+    run = fit(cfg, log=lambda *_: None, on_step=look)["run_name"]
+    assert seen["run"] == run and run.startswith(f"{out.name}-")
     assert seen["actors"] == {f"rayconv/{run}/dp0": "ALIVE", f"rayconv/{run}/dp1": "ALIVE"}, seen["actors"]
     assert WANT <= seen["gauges"], seen["lines"]
     loss = [float(line.rsplit(" ", 1)[1]) for line in seen["lines"]
@@ -122,7 +158,7 @@ def test_actors_and_gauges_in_the_dashboard(dashboard, tmp_path):
     # After the run: the same actors, dead (killed by the driver).
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        states = rayconv_actors(dashboard["url"], run)
+        states = rayconv_actors(dashboard["url"], f"{run}/")
         if set(states.values()) == {"DEAD"}:
             break
         time.sleep(0.5)
@@ -150,4 +186,60 @@ def test_ray_job_submit(dashboard, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["layout"]["dp"] == 2
     # It ran on this cluster: its placement group is in this cluster's table.
-    assert any(pg["name"] == f"rayconv/{out.name}" for pg in ray.util.placement_group_table().values())
+    assert any(pg["name"] == f"rayconv/{summary['run_name']}" for pg in ray.util.placement_group_table().values())
+
+
+def test_two_runs_with_the_same_folder_name_at_once(dashboard, tmp_path):
+    """``--out /tmp/one/run`` and ``--out /tmp/two/run`` on one cluster at once: each run has its own
+    name on the cluster (placement group, actors, gauges), said on the console and in summary.json."""
+    one = tmp_path / "one" / "run"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "rayconv.run", "--address", dashboard["address"], "--steps", "100000", "--dp", "1",
+         "--device", "cpu", "--global-batch-size", "32", "--no-progress", "--no-metrics", "--out", str(one)],
+        cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(s == "ALIVE" for s in rayconv_actors(dashboard["url"], "run-").values()):
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline, "the first run's actors did not start within 120 s"
+            time.sleep(0.5)
+        lines: list[str] = []
+        cfg = Config(model="convnet", data="digits", dp=1, global_batch_size=32, steps=2, device="cpu",
+                     progress=False, metrics=False, out=str(tmp_path / "two" / "run"), loader_workers=0).validate()
+        second = fit(cfg, log=lines.append)["run_name"]
+        assert first.poll() is None, "the first run did not overlap the second"
+        first.send_signal(signal.SIGINT)
+        out, err = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 130, err
+    name = out.split("Ray run name ")[1].split()[0]
+    assert name != second and name.startswith("run-") and second.startswith("run-"), (name, second)
+    assert f"Ray run name {second}" in lines[0]
+    pgs = {pg["name"] for pg in ray.util.placement_group_table().values()}
+    assert {f"rayconv/{name}", f"rayconv/{second}"} <= pgs
+
+
+def chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+@pytest.mark.skipif(chromium() is None, reason="needs a headless chromium (apt-get install chromium)")
+def test_actors_on_the_dashboard_page(dashboard, tmp_path):
+    """The dashboard's Actors page, rendered by a real headless browser while a run goes, lists its actors."""
+    out = tmp_path / "page"
+    seen: dict[str, str] = {}
+
+    def look(gang, step):
+        if step == 1:
+            seen["dom"] = subprocess.run(
+                [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=20000",
+                 "--dump-dom", f"{dashboard['url']}/#/actors"],
+                capture_output=True, text=True, timeout=120).stdout
+
+    cfg = Config(model="convnet", data="digits", dp=2, global_batch_size=64, steps=3, device="cpu",
+                 progress=False, metrics=False, out=str(out), loader_workers=0).validate()
+    run = fit(cfg, log=lambda *_: None, on_step=look)["run_name"]
+    assert f"rayconv/{run}/dp0" in seen["dom"] and f"rayconv/{run}/dp1" in seen["dom"], seen["dom"][-3000:]

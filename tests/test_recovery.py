@@ -1,7 +1,8 @@
 """Failures on a real local Ray cluster: a killed actor process is recovered from the last checkpoint
 (same result as an uninterrupted run); without --max-failures it ends the job naming the actor; a
-stuck collective fails after --collective-timeout-s; Ctrl-C stops actors and the placement group and
-leaves the last checkpoint loadable."""
+stuck collective fails after --collective-timeout-s, naming that flag; a start-up past --max-wait
+(resources or actors starting) names that one; a Ray error at start is one line; Ctrl-C stops actors
+and the placement group and leaves the last checkpoint loadable."""
 
 from __future__ import annotations
 
@@ -17,9 +18,13 @@ import ray
 import torch
 
 from rayconv.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from rayconv import cluster
 from rayconv.cluster import ClusterError
 from rayconv.config import Config
 from rayconv.driver import fit
+from rayconv.mesh import Mesh
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -91,7 +96,48 @@ def test_stuck_collective_fails_after_the_collective_timeout(ray_cluster, tmp_pa
         pass
     assert elapsed < 45, elapsed
     assert "train_step" in str(e.value) and ("dp0" in str(e.value) or "dp1" in str(e.value))
+    assert "waited past --collective-timeout-s" in str(e.value)
     assert not out.exists()  # no checkpoint: nothing left behind
+
+
+def test_start_without_resources_names_max_wait(ray_cluster, tmp_path):
+    """The cluster's CPUs are held by someone else: the start gives up after --max-wait, saying so."""
+    held = placement_group([{"CPU": 3}])
+    ray.get(held.ready(), timeout=60)
+    try:
+        with pytest.raises(ClusterError) as e:
+            fit(cfg_for(tmp_path / "busy", max_wait=1), log=lambda *_: None)
+    finally:
+        remove_placement_group(held)
+    msg = str(e.value)
+    assert "could not reserve 2 x {'CPU': 1} within 1 s (--max-wait)" in msg and "raise --max-wait" in msg, msg
+    assert "stuck" not in msg and "\n" not in msg
+
+
+def test_slow_actor_start_names_max_wait(ray_cluster, tmp_path):
+    """Actors still starting (a new process importing torch) when --max-wait runs out: said so, not
+    blamed on a stuck actor or collective."""
+    cfg, mesh = cfg_for(tmp_path / "slow"), Mesh(2, 1, 1)
+    pg = cluster.reserve(cfg, mesh, "slow-start", timeout_s=60)  # resources are there: only the start is slow
+    with pytest.raises(ClusterError) as e:
+        cluster.start_actors(cfg, mesh, "slow-start", pg, timeout_s=0.3, limit_s=20)
+    msg = str(e.value)
+    assert msg.startswith("the 2 actors did not start within 20 s (--max-wait;") and "raise --max-wait" in msg, msg
+    assert "stuck" not in msg
+    assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
+
+
+def test_ray_error_at_start_is_one_line(ray_cluster, tmp_path):
+    """Ray refusing the start (here: the placement group's name is taken) is a one-line ClusterError."""
+    taken = placement_group([{"CPU": 1}], name="rayconv/taken-run")
+    try:
+        with pytest.raises(ClusterError) as e:
+            cluster.start_workers(cfg_for(tmp_path / "x"), Mesh(1, 1, 1), "taken-run", timeout_s=30)
+    finally:
+        remove_placement_group(taken)
+    msg = str(e.value)
+    assert msg.startswith("Ray refused the placement group of run taken-run:") and "already exists" in msg, msg
+    assert "\n" not in msg
 
 
 def test_ctrl_c_stops_cleanly(ray_cluster, tmp_path):
@@ -116,11 +162,11 @@ def test_ctrl_c_stops_cleanly(ray_cluster, tmp_path):
     assert proc.returncode == 130, err
     assert "interrupted" in err and "--resume" in err
     # The placement group was removed and the actors are gone.
-    pgs = [pg for pg in ray.util.placement_group_table().values() if pg["name"] == f"rayconv/{out.name}"]
+    pgs = [pg for pg in ray.util.placement_group_table().values() if pg["name"].startswith(f"rayconv/{out.name}-")]
     assert pgs and all(pg["state"] == "REMOVED" for pg in pgs), pgs
     for role in ("dp0", "dp1"):
         with pytest.raises(ValueError):
-            ray.get_actor(f"rayconv/{out.name}/{role}", namespace="rayconv")
+            ray.get_actor(f"{pgs[0]['name']}/{role}", namespace="rayconv")
     # The newest checkpoint is complete and loads (sizes and sha256 verified, shards weights_only).
     assert not list((out / "checkpoints").glob("*.tmp"))
     ckpt = load_checkpoint(out)
