@@ -1,0 +1,100 @@
+"""State in and out of an actor: its parameters and buffers (``state``, ``load_state``), the
+dimensions filter split cuts (``split_dims``), and its checkpoint shard (``checkpoint_shard``,
+``load_shard``: model, optimizer and RNG states). ``StateMixin`` is inherited by
+``rayconv/worker.py``'s ``Worker``.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class StateMixin:
+    """The state calls of ``Worker``: ``state``, ``split_dims``, ``checkpoint_shard``, ``load_shard``, ``load_state``."""
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """This actor's parameters and buffers on CPU, keyed by the whole model's state_dict names."""
+        out = {}
+        for name, sub in zip(self.part_names, self.part):
+            if name is None:
+                continue  # an exchange, no state
+            for k, v in sub.state_dict().items():
+                out[f"{name}.{k}" if name else k] = v.detach().to("cpu", copy=True)
+        return out
+
+    def split_dims(self) -> dict[str, int]:
+        """state_dict keys that filter split cuts, and the dimension (empty without filter split)."""
+        return dict(self.sharded.split_dims)
+
+    def checkpoint_shard(self) -> bytes:
+        """This actor's shard as ``torch.save`` bytes: model state (keys as in ``state()``), optimizer
+        state_dict and RNG states, all tensors and plain types (loads with ``weights_only=True``)."""
+        np_state = np.random.get_state()
+        rng = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+               "numpy_pos": int(np_state[2]), "numpy_has_gauss": int(np_state[3]),
+               "numpy_cached_gaussian": float(np_state[4]), "python": _plain(random.getstate())}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        payload = {"rank": self.rank, "role": self.role, "coord": list(self.coord), "model": self.state(),
+                   "optimizer": _to_cpu(self.optimizer.state_dict()), "rng": rng}
+        buf = io.BytesIO()
+        torch.save(payload, buf)
+        return buf.getvalue()
+
+    def load_shard(self, blob: bytes, next_step: int) -> None:
+        """Load a shard written by ``checkpoint_shard`` (this rank's, or replica 0's after a --dp change);
+        the next ``train_step`` is ``next_step``. Raises RuntimeError if it does not fit this part."""
+        payload = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        self.load_state(payload["model"])
+        self.optimizer.load_state_dict(payload["optimizer"])
+        rng = payload["rng"]
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(("MT19937", rng["numpy_keys"].numpy().astype(np.uint32), rng["numpy_pos"],
+                             rng["numpy_has_gauss"], rng["numpy_cached_gaussian"]))
+        py = rng["python"]
+        random.setstate((py[0], tuple(py[1]), py[2]))
+        if "cuda" in rng and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+        self.first_step = next_step
+        if self.step_graph is not None:
+            self.step_graph.reset()  # the optimizer's momentum buffers are new tensors: capture again
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Inverse of ``state()``: copy parameters and buffers into this part (strict: every key of the
+        part present, none left over). Raises RuntimeError naming the keys that do not match."""
+        used = set()
+        for name, sub in zip(self.part_names, self.part):
+            if name is None:
+                continue
+            mine = {}
+            for k in sub.state_dict():
+                full = f"{name}.{k}" if name else k
+                if full in state:
+                    mine[k] = state[full]
+                    used.add(full)
+            sub.load_state_dict(mine, strict=True)
+        extra = sorted(set(state) - used)
+        if extra:
+            raise RuntimeError(f"checkpoint shard holds keys this part does not have: {extra[:5]}")
+
+
+def _to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor moved to the CPU (dicts and lists rebuilt)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _plain(obj: Any) -> Any:
+    """Tuples as lists, recursively (plain types that ``weights_only`` loading accepts)."""
+    return [_plain(v) for v in obj] if isinstance(obj, (list, tuple)) else obj
+
