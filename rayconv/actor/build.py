@@ -103,10 +103,9 @@ class BuildMixin:
         pp_ranks = self.groups.ranks["pp"]
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
-        # auto: compile on GPUs (not fp64). Measured (benchmarks/RESULTS.md): 1.44x on ResNet-50, one GPU;
-        # with whole-step CUDA graphs also AlexNet's two-GPU layouts (dp=2 1.19x -> 1.38x over one GPU,
-        # the per-layer plan 1.37x -> 1.61x). Without graphs, compiled data parallelism had measured slower
-        # than eager, so with --cuda-graphs off auto compiles one-GPU runs only.
+        # auto: compile on GPUs (not fp64). Without whole-step CUDA graphs, compiled data parallelism runs
+        # slower than eager (each segment's launch overhead), so with --cuda-graphs off auto compiles
+        # one-GPU runs only.
         graphs_on = self.device.type == "cuda" and cfg.cuda_graphs in ("on", "auto")
         self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and self.device.type == "cuda"
                                                   and cfg.precision != "fp64" and (graphs_on or mesh.world_size == 1))
