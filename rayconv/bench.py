@@ -478,7 +478,7 @@ def training_curve(args) -> list[dict[str, Any]]:
 
 
 def parse_args(argv=None):
-    p = OneLineParser(prog="python -m rayconv.bench", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m rayconv.bench", description=__doc__.split("\n")[0].replace("``", ""))
     p.add_argument("--layouts", default="1gpu,dp2,fs2,pp2,plan2",
                    help="comma-separated layout names, e.g. 1gpu, dp2, fs2, pp2 (tries 2, 4, 8 micro-batches), pp2m4, "
                         "pp2m4-gpipe, pp2m4v2 (interleaved), plan2, dp2xfs2 (default %(default)s)")

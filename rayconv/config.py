@@ -67,7 +67,7 @@ class Config:
                 "14 workers: nvJPEG and the crops take GPU time from the model)",
         "choices": DECODE_CHOICES})
     num_classes: Optional[int] = field(default=None, metadata={"help": "classes; default: follows the data"})
-    image_size: int = field(default=224, metadata={"help": "side in pixels for synthetic and imagefolder data"})
+    image_size: int = field(default=224, metadata={"help": "side in pixels of the training images (synthetic data, and the crops of imagefolder and shards data)"})
     synthetic_samples: int = field(default=4096, metadata={"help": "train samples of synthetic data"})
     # layout: a mesh of dp * pp * fs actors
     dp: Optional[int] = field(default=None, metadata={"help": "data-parallel replicas; default: all devices / (pp*fs)"})
@@ -112,7 +112,7 @@ class Config:
                 "or auto: on with GPUs; refused on CPU", "choices": COMPILE_CHOICES})
     bucket_mb: float = field(default=25.0, metadata={"help": "gradient all-reduce bucket size in MB (2**20 bytes); "
                                                           "compiled segments end at bucket boundaries"})
-    sync_batchnorm: bool = field(default=False, metadata={"help": "batch-norm statistics over the global batch"})
+    sync_batchnorm: bool = field(default=False, metadata={"help": "batch-norm statistics over the global batch (SyncBatchNorm, GPUs only)"})
     # where
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda", "choices": DEVICE_CHOICES})
     address: Optional[str] = field(default=None, metadata={"help": "Ray cluster address (default: RAY_ADDRESS, "

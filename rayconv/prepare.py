@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from .data import IMAGE_SUFFIXES, DataError
+from .data import IMAGE_SUFFIXES, DataError, hidden
 from .shards import FORMAT, MANIFEST, SPLITS
 
 SHARD_META = b"rayconv.shard"   # Parquet key-value metadata of a shard: its settings, inputs and skipped files
@@ -42,7 +42,7 @@ def scan(root: Path) -> tuple[list[str], dict[str, list[tuple[str, int]]], dict[
     def class_dirs(split_dir: Path) -> list[str]:
         if not split_dir.is_dir():
             raise DataError(f"{split_dir} does not exist: DIR must hold train/<class>/*.JPEG and val/<class>/...")
-        return sorted(p.name for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+        return sorted(p.name for p in split_dir.iterdir() if p.is_dir() and not hidden(p.name))
 
     classes = class_dirs(root / "train")
     if not classes:
@@ -67,18 +67,19 @@ def scan(root: Path) -> tuple[list[str], dict[str, list[tuple[str, int]]], dict[
 
 def _walk(folder: Path, root: Path) -> tuple[list[str], list[dict[str, str]]]:
     """(image files, skipped entries {path, reason}) under ``folder`` (links followed, sorted), paths
-    relative to ``root``: files with an image suffix; skipped: other files (not hidden ones) and
-    directories named like an image."""
+    relative to ``root``: files with an image suffix; skipped: other files and directories named like
+    an image. Hidden folders and files (names starting with a dot, ``data.hidden``) are not data: left
+    out, neither images nor skipped, as ``--data imagefolder`` leaves them out."""
     images, skipped = [], []
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        dirnames.sort()
+        dirnames[:] = sorted(d for d in dirnames if not hidden(d))
         rel = Path(dirpath).relative_to(root)
         skipped += [{"path": str(rel / d), "reason": "a directory, not an image file"}
                     for d in dirnames if Path(d).suffix.lower() in IMAGE_SUFFIXES]
-        for f in sorted(filenames):
+        for f in sorted(f for f in filenames if not hidden(f)):
             if Path(f).suffix.lower() in IMAGE_SUFFIXES:
                 images.append(str(rel / f))
-            elif not f.startswith("."):
+            else:
                 skipped.append({"path": str(rel / f), "reason": "not an image file (suffix)"})
     return images, skipped
 
@@ -87,7 +88,8 @@ def warn_skipped(split_dir: Path, log=None) -> int:
     """For ``--data imagefolder``: one warning line naming the count and the first few entries of
     ``split_dir``'s class folders that torchvision's ImageFolder leaves out (files without an image
     suffix, directories named like an image); returns the count."""
-    skipped = [x for c in sorted(split_dir.iterdir()) if c.is_dir() for x in _walk(c, split_dir.parent)[1]]
+    skipped = [x for c in sorted(split_dir.iterdir()) if c.is_dir() and not hidden(c.name)
+               for x in _walk(c, split_dir.parent)[1]]
     if skipped:
         names = ", ".join(f"{b['path']} ({b['reason']})" for b in skipped[:3])
         (log or (lambda m: print(m, file=sys.stderr)))(

@@ -135,6 +135,15 @@ def test_hidden_folders_and_files_are_not_data(tmp_path):
     assert src.train_size == src.test_size == 2
     x = src.images("train", np.arange(2), torch.device("cpu"))  # decodes every sample: no dot-file among them
     assert x.shape == (2, 3, 32, 32) and torch.equal(src.labels("train", np.arange(2)), torch.tensor([0, 1]))
+    # rayconv.prepare reads the same folder alike: the same classes and images, nothing reported skipped,
+    # and a hidden folder holding a non-image file draws no warning from --data imagefolder.
+    from rayconv.prepare import scan, warn_skipped
+
+    (root / "train" / ".thumbnails" / "notes.txt").write_text("not data")
+    classes, files, skipped = scan(root)
+    assert classes == ["cat", "dog"] and skipped == {"train": [], "val": []}
+    assert sorted(rel for rel, _ in files["train"]) == ["train/cat/a.png", "train/dog/a.png"]
+    assert warn_skipped(root / "train") == 0
     # A folder whose only class folder is hidden has no classes.
     only_hidden = tmp_path / "only" / "train" / ".thumbnails"
     only_hidden.mkdir(parents=True)

@@ -101,7 +101,7 @@ def check_trainable(name: str, model: nn.Module, sample_shape: tuple[int, ...]) 
         if tuple(sample_shape[1:]) != (224, 224):
             try:
                 attempt((sample_shape[0], 224, 224))
-                fix = "use --image-size 224, the size it is made for"
+                fix = "use --image-size 224, a size it takes"
             except Exception:  # noqa: BLE001 - the first error is the one to report
                 pass
         raise ConfigError(f"--model {name} cannot take {size} images ({what}): {fix}") from None
