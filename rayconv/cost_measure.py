@@ -317,7 +317,15 @@ class Measurements:
             from . import cluster
 
             return cluster.run_on_device(fn, args, gpu=self.device == "cuda", timeout_s=600.0)
-        return fn(*args)
+        import torch
+
+        threads = torch.get_num_threads()
+        if self.device == "cpu":  # as an actor computes: --num-cpus-per-actor threads (worker.py)
+            torch.set_num_threads(max(1, self.cfg.num_cpus_per_actor))
+        try:
+            return fn(*args)
+        finally:
+            torch.set_num_threads(threads)
 
     def load(self) -> None:
         """Find this configuration's cache file (asks the device for its name first)."""

@@ -89,7 +89,8 @@ def layer_times(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, ..
     """Forward + backward time in ms of each layer on ``device`` for a micro-batch of ``batch`` images
     (torchgpipe's ``balance_by_time``, Kim et al. 2020, section 3.3): FLOPs misjudge layers bound by
     memory traffic (batch norm, ReLU and pooling on the large early activations). Each layer runs
-    ``reps`` timed times after one untimed run, on the previous layer's output, eagerly."""
+    ``reps`` timed times after one untimed run, on the previous layer's output, eagerly (on CPU the
+    median repetition)."""
     import time
 
     cuda = device.type == "cuda"
@@ -104,20 +105,26 @@ def layer_times(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, ..
         if cuda:
             m.to(memory_format=torch.channels_last)
         m.train()
+        reps_s = []  # on CPU each repetition's time: their median (a busy host's stray slow repetition)
         for r in range(reps + 1):
             if r == 1:
                 if cuda:
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
+            t_rep = time.perf_counter()
             # A non-leaf input (layers may start with an in-place ReLU), fresh each repetition.
             inp = x.detach().requires_grad_() * 1 if i > 0 else x
             with amp():
                 out = m(inp)
             if out.requires_grad:
                 out.float().sum().backward()
+            if r >= 1 and not cuda:
+                reps_s.append(time.perf_counter() - t_rep)
         if cuda:
             torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - t0) / reps * 1e3)
+            times.append((time.perf_counter() - t0) / reps * 1e3)
+        else:
+            times.append(sorted(reps_s)[len(reps_s) // 2] * 1e3)
         with torch.no_grad(), amp():
             x = m(x).detach()
         m.zero_grad(set_to_none=True)
