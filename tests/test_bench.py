@@ -206,3 +206,20 @@ def test_paper_report_tables_from_a_run_folder(tmp_path):
     assert "| alexnet | 1gpu | 64 | 8 | 128 | 32 |" in text
     assert "not measured (no convergence part in this run)" in text
     assert (run / "batch.png").stat().st_size > 1000 and (run / "memory.png").stat().st_size > 1000
+
+
+def test_every_bench_flag_has_help_and_the_defaults_show(capsys):
+    # python -m rayconv.bench --help: every option says what it does; the ones with a default say it.
+    import re
+
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--help"])
+    assert e.value.code == 0
+    options = capsys.readouterr().out.split("\noptions:\n", 1)[1]
+    entries = {m.group(1): m.group(2) for m in re.finditer(r"^  (--[a-z-]+)(.*?)(?=^  -|\Z)", options, re.M | re.S)}
+    assert len(entries) > 20
+    for flag, text in entries.items():
+        words = re.sub(r"^[^ ]*( [A-Z_{},.a-z0-9-]+)?", "", text.strip().split("\n")[0]) + " ".join(text.split("\n")[1:])
+        assert words.strip(), f"{flag} has no help text"
+    for flag in ("--global-batch-size", "--sweep", "--max-batch", "--precision", "--device"):
+        assert "default" in entries[flag], f"{flag} does not show its default"
