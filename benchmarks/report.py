@@ -21,6 +21,8 @@ from typing import Any, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rayconv.charts import error_against_time, pyplot
+
 SPEED_PARTS = ("speed", "dp-mp", "dp-mp-2012", "dp-mp-resnet", "hybrid", "hybrid-resnet", "scale", "scale-resnet")
 PAPER_LIMIT_GIB = 6.0  # the paper's GPU (NVIDIA GeForce GTX TITAN, 6 GB)
 
@@ -157,13 +159,7 @@ def curve_table(run: Path, part: str) -> str:
 
 def report(run: Path) -> Path:
     """Writes RUN/report.md (and batch.png, memory.png with matplotlib); returns the report's path."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        plt = None
+    plt = pyplot()
     parts = [
         ("RQ1-RQ3: images/s per layout (speed, dp-mp, dp-mp-resnet, hybrid, scale)", speed_table(run)),
         ("RQ4: throughput against batch per GPU (batch; figure batch.png)", batch_table(run, plt)),
@@ -209,25 +205,8 @@ def collect(out: Path, runs: list[str]) -> None:
     if not rows:
         sys.exit(f"report.py collect: no eval rows in {', '.join(runs)}: did the runs fail? (their log.txt)")
     pq.write_table(pa.Table.from_pylist(rows), out)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in dict.fromkeys(r["layout"] for r in rows):
-        pts = [r for r in rows if r["layout"] == name]
-        ax.plot([p["time_s"] for p in pts], [p["test_error"] for p in pts], marker="o", ms=3, label=name)
-    ax.set_xlabel("wall-clock time (s)")
-    ax.set_ylabel("test error")
-    ax.set_yscale("log")
-    ax.legend()
-    ax.set_title("test error vs time, digits as PNG files (image-folder loader)")
-    fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=120)
-    plt.close(fig)
+    error_against_time(rows, "layout", "test error vs time, digits as PNG files (image-folder loader)",
+                       out.with_suffix(".png"))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -54,10 +54,10 @@ from tqdm import tqdm
 
 from . import anchor, cluster
 from .config import Config, ConfigError, OneLineParser
-from .data import DataError, check_image_folder
+from .data import DataError, make_source
 from .driver import call_timeout_s as default_call_timeout_s, fit, launch, prepare
+from .charts import error_against_time, pyplot
 from .metrics import atomic_write
-from .shards import is_prepared, read_manifest
 from .schedule import bubble_fraction
 
 
@@ -258,18 +258,6 @@ def base_config(args, model: str, layout: dict[str, Any], global_batch: int) -> 
     return Config(**kw).validate()
 
 
-def _pyplot():
-    """matplotlib.pyplot on the file-only Agg backend, or None without matplotlib (charts skipped)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
-
-
 # bench.parquet's columns. Every row has all of them: a layout that failed keeps its row, with nulls
 # where nothing was measured and ``note`` saying why. (Inferred from the rows instead, the columns
 # would be the first row's keys only, and a failed first layout would drop every measured column.)
@@ -314,7 +302,7 @@ def write_table(rows: list[dict[str, Any]], out: Path) -> None:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
     atomic_write(out / "bench.md", lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return
     rows = [r for r in rows if r.get("speedup_vs_1") is not None]
@@ -459,21 +447,7 @@ def training_curve(args) -> list[dict[str, Any]]:
             print(f"CURVE {label}: test error {evals[-1]['test_error']:.4f} after {evals[-1]['time_s']:.1f} s "
                   f"({evals[-1]['step'] + 1} steps)", flush=True)
     atomic_write(out / "curve.parquet", lambda tmp: pq.write_table(pa.Table.from_pylist(rows), tmp))
-    plt = _pyplot()
-    if plt is None:
-        return rows
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label in dict.fromkeys(r["label"] for r in rows):
-        pts = [r for r in rows if r["label"] == label]
-        ax.plot([p["time_s"] for p in pts], [p["test_error"] for p in pts], marker="o", ms=3, label=label)
-    ax.set_xlabel("wall-clock time (s)")
-    ax.set_ylabel("test error")
-    ax.set_yscale("log")
-    ax.legend()
-    ax.set_title("test error vs time, digits (Yadan et al. 2013, Fig. 1)")
-    fig.tight_layout()
-    fig.savefig(out / "curve.png", dpi=120)
-    plt.close(fig)
+    error_against_time(rows, "label", "test error vs time, digits (Yadan et al. 2013, Fig. 1)", out / "curve.png")
     return rows
 
 
@@ -561,17 +535,9 @@ def main(argv=None) -> int:
         if args.call_timeout_s is not None and not 0 < args.call_timeout_s <= MAX_CALL_TIMEOUT_S:
             raise ConfigError(f"--call-timeout-s {args.call_timeout_s:g}: give a positive number of seconds up to "
                               f"{MAX_CALL_TIMEOUT_S:g} (or leave it out for the default, 630)")
-        if args.data != "synthetic" and not args.data_dir:
-            raise ConfigError(f"--data {args.data} needs --data-dir DIR (imagefolder: DIR/train/<class>/*.JPEG "
-                              "and DIR/val/<class>/..., benchmarks/make_images.py writes one; shards: the --out of "
-                              "python -m rayconv.prepare)")
-        if args.data == "shards":
-            read_manifest(Path(args.data_dir))
-        elif args.data == "imagefolder" and not is_prepared(args.data_dir):
-            for split in ("train", "val"):
-                check_image_folder(Path(args.data_dir) / split)
-        if args.loader_workers is not None and args.loader_workers < 0:
-            raise ConfigError("--loader-workers must be >= 0")
+        if args.data != "synthetic":  # the data settings and folder, checked as rayconv.run checks them
+            make_source(Config(data=args.data, data_dir=args.data_dir, loader_workers=args.loader_workers,
+                               decode=args.decode, image_size=args.image_size, device=args.device).validate())
         Path(args.out).mkdir(parents=True, exist_ok=True)
         cluster.connect(args.address)
         args.device_kind, _ = cluster.available_devices(args.device)

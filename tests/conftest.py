@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import threading
 
 import pytest
 import ray
@@ -25,6 +27,29 @@ def local_ray(num_cpus: int, **kw):
 def ray_cluster():
     """A local Ray cluster with 4 logical CPUs (enough for dp=4 on a 2-core machine), no dashboard."""
     yield from local_ray(4)
+
+
+@pytest.fixture
+def silent_address():
+    """``host:port`` of a loopback listener that records every connection: a run that reaches for its
+    cluster contacts it (and is then refused, as no Ray answers there)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    contacts: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                contacts.append(listener.accept()[0])
+            except OSError:  # closed below
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"127.0.0.1:{listener.getsockname()[1]}", contacts
+    listener.close()
+    for c in contacts:
+        c.close()
 
 
 _EXIT_STATUS: list[int] = []

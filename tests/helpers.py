@@ -12,6 +12,28 @@ from rayconv.driver import learning_rate
 from rayconv.models import build_model
 
 
+def sgd_config(tmp_path, name: str, **kw) -> Config:
+    """The small float64 run the equality tests compare with single-device SGD: ``convnet`` on the
+    digits, global batch 96, SGD with momentum and weight decay, on CPU, output in ``tmp_path/name``;
+    ``kw`` (``steps`` and ``eval_every`` among them) overrides or adds settings."""
+    base = dict(model="convnet", data="digits", dp=1, global_batch_size=96, lr=0.05, momentum=0.9,
+                weight_decay=5e-4, precision="fp64", device="cpu", progress=False, out=str(tmp_path / name))
+    base.update(kw)
+    return Config(**base).validate()
+
+
+def wait_until(proc, ready, what: str, timeout_s: float = 120, poll_s: float = 0.5) -> None:
+    """Poll ``ready()`` until it holds, failing the test if ``proc`` (a subprocess.Popen) ends first
+    (with its output) or ``timeout_s`` passes (``what`` did not happen in time)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{what} within {timeout_s:g} s"
+        time.sleep(poll_s)
+
+
 def reference_sgd(cfg: Config, steps: int) -> dict[str, torch.Tensor]:
     """Plain single-device SGD on the same global batches (mean cross-entropy), in float64."""
     source = make_source(cfg)

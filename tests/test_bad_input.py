@@ -204,35 +204,14 @@ def test_unreachable_address_fails_fast(tmp_path, capsys):
     assert not out.exists()
 
 
-def test_address_where_something_else_answers(tmp_path, capfd):
+def test_address_where_something_else_answers(tmp_path, capfd, silent_address):
     """A TCP listener on loopback that accepts and says nothing (not a Ray GCS): one line, exit 2,
     none of Ray's own client errors (captured at the file-descriptor level, where Ray's C++ logs go)."""
-    import socket
-    import threading
-
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(8)
-    address = f"127.0.0.1:{listener.getsockname()[1]}"
-    held: list[socket.socket] = []
-
-    def accept() -> None:
-        while True:
-            try:
-                held.append(listener.accept()[0])
-            except OSError:  # closed below
-                return
-
-    threading.Thread(target=accept, daemon=True).start()
+    address, held = silent_address
     out = tmp_path / "x"
-    try:
-        capfd.readouterr()
-        rc = main(["--address", address, "--steps", "1", "--device", "cpu", "--out", str(out)])
-        err = capfd.readouterr().err
-    finally:
-        listener.close()
-        for c in held:
-            c.close()
+    capfd.readouterr()
+    rc = main(["--address", address, "--steps", "1", "--device", "cpu", "--out", str(out)])
+    err = capfd.readouterr().err
     assert rc == 2, err
     assert err.strip().splitlines() == [err.strip()], err
     assert err.startswith(f"rayconv: error: something answers at {address} but not a Ray cluster") and "--address" in err

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import assert_same_state, reference_microbatch_sgd
+from helpers import assert_same_state, reference_microbatch_sgd, sgd_config
 from rayconv.config import Config
 from rayconv.driver import fit
 from rayconv.parallel.batchnorm import DeferredBatchNorm, defer_batchnorm
@@ -37,11 +37,7 @@ LAYOUTS = {
 
 
 def bn_config(tmp_path, name, **kw) -> Config:
-    base = dict(model="convnet_bn", data="digits", dp=1, global_batch_size=96, steps=STEPS, lr=0.05,
-                momentum=0.9, weight_decay=5e-4, precision="fp64", device="cpu", progress=False,
-                eval_every=STEPS, out=str(tmp_path / name))
-    base.update(kw)
-    return Config(**base).validate()
+    return sgd_config(tmp_path, name, **{"model": "convnet_bn", "steps": STEPS, "eval_every": STEPS, **kw})
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

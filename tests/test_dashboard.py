@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import ray
 
+from helpers import wait_until
 from rayconv.config import Config
 from rayconv.driver import fit
 
@@ -59,7 +60,7 @@ def dashboard():
     if ray.is_initialized():
         ray.shutdown()
     ports = {flag: free_port() for flag in PORT_FLAGS}
-    # A session folder of its own: the job server finds "its" cluster through <temp dir>/ray_current_cluster,
+    # A Ray temp folder of its own: the job server finds "its" cluster through <temp dir>/ray_current_cluster,
     # which in the shared /tmp/ray names the newest cluster on the machine, maybe another one.
     temp_dir = tempfile.mkdtemp(prefix="rc-", dir="/tmp")
     cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--num-cpus", "4",
@@ -199,11 +200,8 @@ def test_two_runs_with_the_same_folder_name_at_once(dashboard, tmp_path):
         cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not any(s == "ALIVE" for s in rayconv_actors(dashboard["url"], "run-").values()):
-            assert first.poll() is None, first.communicate()
-            assert time.monotonic() < deadline, "the first run's actors did not start within 120 s"
-            time.sleep(0.5)
+        wait_until(first, lambda: any(s == "ALIVE" for s in rayconv_actors(dashboard["url"], "run-").values()),
+                   "the first run's actors did not start")
         lines: list[str] = []
         cfg = Config(model="convnet", data="digits", dp=1, global_batch_size=32, steps=2, device="cpu",
                      progress=False, metrics=False, out=str(tmp_path / "two" / "run"), loader_workers=0).validate()

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from helpers import assert_same_state, reference_sgd
+from helpers import assert_same_state, reference_sgd, sgd_config
 from rayconv.config import Config
 from rayconv.driver import fit
 
@@ -39,11 +39,7 @@ LAYOUTS = {
 
 
 def layout_config(tmp_path, name, **kw) -> Config:
-    base = dict(model="convnet", data="digits", dp=1, global_batch_size=96, steps=STEPS, lr=0.05,
-                momentum=0.9, weight_decay=5e-4, precision="fp64", device="cpu", progress=False,
-                eval_every=STEPS, out=str(tmp_path / name))
-    base.update(kw)
-    return Config(**base).validate()
+    return sgd_config(tmp_path, name, **{"steps": STEPS, "eval_every": STEPS, **kw})
 
 
 @pytest.mark.parametrize("cut", range(1, 12))

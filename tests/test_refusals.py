@@ -5,8 +5,6 @@ and every torchvision classification model either trains or is refused that way.
 from __future__ import annotations
 
 import inspect
-import socket
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -19,29 +17,6 @@ from PIL import Image
 from rayconv.config import ConfigError
 from rayconv.models import build_model, check_trainable, to_layers
 from rayconv.run import main
-
-
-@pytest.fixture
-def silent_address():
-    """``host:port`` of a loopback listener that records every connection: a run that reaches for its
-    cluster contacts it (and is then refused, as no Ray answers there)."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(8)
-    contacts: list[socket.socket] = []
-
-    def accept() -> None:
-        while True:
-            try:
-                contacts.append(listener.accept()[0])
-            except OSError:  # closed below
-                return
-
-    threading.Thread(target=accept, daemon=True).start()
-    yield f"127.0.0.1:{listener.getsockname()[1]}", contacts
-    listener.close()
-    for c in contacts:
-        c.close()
 
 
 def image_tree(root: Path) -> Path:
