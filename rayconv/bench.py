@@ -2,7 +2,9 @@
 
 For each model and layout: start the actors, run ``--warmup`` steps, then time ``--steps`` steps on
 synthetic ImageNet-shaped data (3 x 224 x 224, 1000 classes) and a few profiled steps that split the
-step into compute, receive wait and all-reduce wait. In the same run the anchors are measured under
+step into compute, receive wait, all-reduce wait and exposed exchange time (profiled steps run eagerly,
+synchronised around each wait, also where the timed steps replay a CUDA graph; peak memory is read
+before them). In the same run the anchors are measured under
 the same precision and global batch: plain PyTorch on 1 device and torchrun DDP on the layout's
 devices (``rayconv.anchor``), each in the fastest of its candidate configurations (eager; compiled,
 and for DDP compile(DDP) and DDP(compile), on GPUs; DDP's bucket settings), the winner named in the
@@ -11,7 +13,10 @@ synthetic data, so that each row's input stall shows (the anchors then do not ru
 
 * ``bench.parquet``: one row per (model, layout): images_per_s, step_ms, speedup over rayconv on 1
   device, ratios to the anchors, peak memory per device (GiB), parameters per actor, compute /
-  receive-wait / all-reduce-wait / driver-idle time per step (ms), input stall per step (ms, the wait
+  receive-wait / all-reduce-wait / driver-idle time per step (ms), ``exchange_exposed_ms``: the time a
+  step waits for filter split's (or the per-layer plan's) activation exchanges, the part compute did
+  not hide (with ``--exchange-chunks 1`` every exchange is waited for, so the ``fs2`` row's figure is
+  the exchanges' whole time and ``fs2c4``'s the part 4 overlapped pieces leave exposed), input stall per step (ms, the wait
   for a batch not overlapped with compute, and its fraction of the step), communication volume per step
   (``comm_mb_per_step``: MB, 2**20 bytes, the most any actor hands to torch.distributed in a step,
   sends and collectives' inputs as ``parallel/comm.py`` defines them; ``comm_mb_per_step_total``: all
@@ -31,7 +36,8 @@ trainable batch per layout, to within a factor of 2);
 ``--curve`` trains each layout on the real digits data and plots test error against wall-clock time
 (the paper's Figure 1). Layout names: ``1gpu``, ``dp2``, ``fs2``, ``pp2`` (``pp2m4`` fixes 4
 micro-batches; plain ``pp2`` tries 2, 4 and 8 and keeps the fastest; ``pp2m4v2`` interleaves 2 model
-chunks per stage), ``plan2`` (Krizhevsky 2014's
+chunks per stage), ``fs2c4`` (filter split with each gather in 4 overlapped batch pieces,
+``--exchange-chunks 4``), ``plan2`` (Krizhevsky 2014's
 per-layer plan on 2 actors), and products such as ``dp2xfs2``, ``dp2xpp2``.
 """
 
@@ -67,7 +73,7 @@ MAX_CALL_TIMEOUT_S = 7 * 24 * 3600.0  # --call-timeout-s: a week (Ray's wait tak
 def parse_layout(name: str) -> dict[str, Any]:
     """``dp2xfs2`` -> {"dp": 2, "fs": 2}; ``1gpu`` -> {"dp": 1}; ``plan4`` -> plan over 4 actors;
     ``pp2m4`` -> pp=2 with 4 micro-batches; ``pp2m4v2`` -> the same, interleaved, 2 model chunks per
-    stage. Raises ConfigError for anything else."""
+    stage; ``fs2c4`` -> fs=2 with each gather in 4 overlapped pieces. Raises ConfigError for anything else."""
     name, _, schedule = name.partition("-")
     if schedule and schedule not in ("gpipe", "1f1b"):
         raise ConfigError(f"unknown schedule {schedule!r} in layout {name}-{schedule}: use -gpipe or -1f1b")
@@ -75,10 +81,10 @@ def parse_layout(name: str) -> dict[str, Any]:
         return {"dp": 1}
     out: dict[str, Any] = {"schedule": schedule} if schedule else {}
     for part in name.split("x"):
-        m = re.fullmatch(r"(dp|pp|fs|plan)(\d+)(?:m(\d+))?(?:v(\d+))?", part)
-        if not m or ((m.group(3) or m.group(4)) and m.group(1) != "pp"):
-            raise ConfigError(f"unknown layout {name!r}: use e.g. 1gpu, dp2, fs2, pp2, pp2m4, pp2m4-gpipe, pp2m4v2, "
-                              "plan2, dp2xfs2")
+        m = re.fullmatch(r"(dp|pp|fs|plan)(\d+)(?:m(\d+))?(?:v(\d+))?(?:c(\d+))?", part)
+        if not m or ((m.group(3) or m.group(4)) and m.group(1) != "pp") or (m.group(5) and m.group(1) != "fs"):
+            raise ConfigError(f"unknown layout {name!r}: use e.g. 1gpu, dp2, fs2, fs2c4, pp2, pp2m4, pp2m4-gpipe, "
+                              "pp2m4v2, plan2, dp2xfs2")
         axis, n = m.group(1), int(m.group(2))
         if axis == "plan":
             out.update(dp=n, plan="krizhevsky2014")
@@ -88,6 +94,8 @@ def parse_layout(name: str) -> dict[str, Any]:
             out["num_microbatches"] = int(m.group(3))
         if m.group(4):
             out["virtual_stages"] = int(m.group(4))
+        if m.group(5):
+            out["exchange_chunks"] = int(m.group(5))
     out.setdefault("dp", 1)
     return out
 
@@ -145,6 +153,9 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
         t1 = time.perf_counter()
         gang.call("train_steps", warmup + steps, steps, cfg.lr, timeout_s=limit)
         in_actor_s = time.perf_counter() - t1
+        # Peak memory of the timed steps (the profiled ones below run eagerly, outside any CUDA graph).
+        phase = "memory report"
+        memory = gang.call("memory", timeout_s=limit)
         first_prof = warmup + 2 * steps
         prof = []
         for s in range(first_prof, first_prof + profile_steps):
@@ -162,8 +173,6 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
                 atomic_write(trace_to, lambda tmp: Path(tmp).write_text(
                     f"rank 0, {trace_steps} steps, wall {tr['wall_ms']:.1f} ms (with the profiler's own overhead), "
                     f"device kernels {kernels}\n{tr['table']}\n"))
-        phase = "memory report"
-        memory = gang.call("memory", timeout_s=limit)
     except cluster.CallTimeout as e:
         raise cluster.CallTimeout(f"{phase}: {e}; if it is only slow, raise --call-timeout-s", recoverable=True) from e
     except cluster.ClusterError as e:
@@ -189,7 +198,7 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
         "peak_gib_per_actor": json.dumps([None if p is None else round(p, 3) for p in peaks]),
         "params_per_actor": json.dumps([s["parameters"] for s in setups]),
         "compute_ms": mean_of("compute_ms"), "recv_wait_ms": mean_of("wait_ms"),
-        "allreduce_wait_ms": mean_of("allreduce_ms"),
+        "allreduce_wait_ms": mean_of("allreduce_ms"), "exchange_exposed_ms": mean_of("exchange_ms"),
         "driver_idle_ms": sum(idle) / len(idle) if idle else None,
         "input_stall_ms": sum(stalls) / len(stalls) if stalls else None,
         "input_stall_fraction": sum(stalls) / len(stalls) / step_ms if stalls else None,
@@ -199,7 +208,7 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
         "device_busy": device_busy,
         "bubble_fraction": bubble_fraction(plan.schedule) if mesh.pp > 1 else 0.0,
         "num_microbatches": cfg.num_microbatches, "schedule": cfg.schedule if mesh.pp > 1 else None,
-        "virtual_stages": cfg.virtual_stages,
+        "virtual_stages": cfg.virtual_stages, "exchange_chunks": cfg.exchange_chunks if mesh.fs > 1 else None,
         "world_size": mesh.world_size,
     }
 
@@ -266,11 +275,13 @@ BENCH_SCHEMA = pa.schema([
     ("model", _S), ("layout", _S), ("global_batch_size", _I), ("image_size", _I), ("note", _S),
     ("images_per_s", _F), ("step_ms", _F), ("warmup_s", _F), ("first_step_s", _F), ("compiled", _B),
     ("cuda_graphs", _B), ("peak_gib_max", _F), ("peak_gib_per_actor", _S), ("params_per_actor", _S),
-    ("compute_ms", _F), ("recv_wait_ms", _F), ("allreduce_wait_ms", _F), ("driver_idle_ms", _F),
+    ("compute_ms", _F), ("recv_wait_ms", _F), ("allreduce_wait_ms", _F), ("exchange_exposed_ms", _F),
+    ("driver_idle_ms", _F),
     ("comm_mb_per_step", _F), ("comm_mb_per_step_total", _F),
     ("in_actor_step_ms", _F), ("driver_overhead", _F), ("device_busy", _F), ("bubble_fraction", _F),
     ("input_stall_ms", _F), ("input_stall_fraction", _F), ("data", _S),
-    ("num_microbatches", _I), ("schedule", _S), ("virtual_stages", _I), ("world_size", _I),
+    ("num_microbatches", _I), ("schedule", _S), ("virtual_stages", _I), ("exchange_chunks", _I),
+    ("world_size", _I),
     ("speedup_vs_1", _F), ("plain_pytorch_images_per_s", _F), ("plain_pytorch_config", _S),
     ("plain_pytorch_candidates", _S), ("vs_plain_pytorch", _F), ("torchrun_ddp_images_per_s", _F),
     ("torchrun_ddp_config", _S), ("torchrun_ddp_candidates", _S), ("vs_torchrun_ddp", _F),
@@ -291,7 +302,7 @@ def write_table(rows: list[dict[str, Any]], out: Path) -> None:
     atomic_write(out / "bench.parquet", lambda tmp: pq.write_table(table, tmp))
     cols = ["model", "layout", "global_batch_size", "images_per_s", "step_ms", "speedup_vs_1",
             "vs_plain_pytorch", "vs_torchrun_ddp", "peak_gib_max", "compute_ms", "recv_wait_ms",
-            "allreduce_wait_ms", "comm_mb_per_step", "driver_idle_ms", "in_actor_step_ms", "driver_overhead",
+            "allreduce_wait_ms", "exchange_exposed_ms", "comm_mb_per_step", "driver_idle_ms", "in_actor_step_ms", "driver_overhead",
             "device_busy", "bubble_fraction", "input_stall_ms", "input_stall_fraction", "note"]
 
     def fmt(v: Any) -> str:

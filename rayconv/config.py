@@ -73,6 +73,10 @@ class Config:
     dp: Optional[int] = field(default=None, metadata={"help": "data-parallel replicas; default: all devices / (pp*fs)"})
     pp: int = field(default=1, metadata={"help": "pipeline stages (model split by layers)"})
     fs: int = field(default=1, metadata={"help": "filter split: output channels of each layer over fs actors"})
+    exchange_chunks: int = field(default=1, metadata={
+        "help": "filter split: gather the input of each layer that needs all channels in this many pieces "
+                "along the batch, so that one piece's exchange runs while the layer computes another "
+                "(forward and backward); 1: one exchange per layer, waited for"})
     plan: str = field(default="none", metadata={"help": "per-layer plan; krizhevsky2014 = conv data parallel, FC split",
                                                 "choices": PLAN_CHOICES})
     stages: Optional[str] = field(default=None, metadata={"help": "pipeline cut points by hand, e.g. '5,9' (layer indices)"})
@@ -179,7 +183,7 @@ class Config:
         need(not (self.decode == "gpu" and self.device == "cpu"),
              "--decode gpu decodes on the actors' GPUs: use --decode cpu with --device cpu")
         for name in ("pp", "fs", "num_microbatches", "virtual_stages", "global_batch_size", "log_every",
-                     "num_cpus_per_actor"):
+                     "num_cpus_per_actor", "exchange_chunks"):
             need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
         for name in ("dp", "steps", "epochs", "eval_every", "num_classes"):
             v = getattr(self, name)

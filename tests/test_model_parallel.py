@@ -19,6 +19,8 @@ LAYOUTS = {
     "fs3-uneven": dict(fs=3),                      # 32/64/10 channels over 3 actors: 11,11,10 ...
     "fs2-batchnorm": dict(fs=2, model="convnet_bn"),  # batch norm over a channel shard is exact
     "fs2-two-column": dict(fs=2, model="convnet2col"),  # grouped conv2 needs no exchange
+    # each gather in 5 overlapped batch pieces (32 per replica: 7,7,6,6,6), channels uneven over 3 actors
+    "fs3-overlapped-exchanges": dict(fs=3, exchange_chunks=5),
     "pp2-gpipe-m1": dict(pp=2, schedule="gpipe", num_microbatches=1),
     "pp2-gpipe-m4": dict(pp=2, schedule="gpipe", num_microbatches=4),
     "pp2-1f1b-m3": dict(pp=2, schedule="1f1b", num_microbatches=3),

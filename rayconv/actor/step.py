@@ -109,7 +109,8 @@ class StepMixin:
                 for s in range(step_in_epoch, self.sharding.steps_per_epoch)])
         graph = self.step_graph
         key = tuple(len(r) for r in replica_idx)  # what fixes a captured step's shapes
-        graphed = graph is not None and graph.will_replay(key)
+        # A profiled step runs eagerly, also where steps replay a CUDA graph, so that its waits can be timed.
+        graphed = graph is not None and not profile and graph.will_replay(key)
         sizes, inputs, labels, before_forward = self._microbatches(
             "train", epoch, replica_idx, self.plan.schedule.num_microbatches, static=graphed)
         # Dropout: each (replica, stage) has its own stream, the same on the actors of its filter split;
@@ -132,9 +133,9 @@ class StepMixin:
         for t in self.lr_t.values():
             t.fill_(lr)
 
-        # With ``profile``, an eager step is synchronised around the all-reduce to time it apart; a step
-        # under CUDA graphs is not (nothing may synchronise inside a capture), and counts as compute.
-        timed = profile and graph is None
+        # With ``profile``, the step is synchronised around the all-reduce and every activation exchange
+        # of filter split to time them apart (eagerly: nothing may synchronise inside a graph capture).
+        timed = profile
         allreduce: dict[str, float] = {}
 
         def sgd() -> StepResult:
@@ -154,16 +155,19 @@ class StepMixin:
             return res
 
         self.runner.profile = timed
+        comm.time_exchanges(timed, self.device)
         if profile:
             sync_device(self.device)
         t_run = time.perf_counter()
-        if graph is not None:
+        if graph is not None and not profile:
             # Warm-up steps and steps of another shape run eagerly; the rest replay one captured step.
             res = graph.run(key, sgd, generators)
             res.wait_s = None  # (receive and all-reduce waits are not separable inside a captured step)
         else:
             res = sgd()
         allreduce_s = allreduce.get("s")
+        exchange_s = comm.exposed_s()
+        comm.time_exchanges(False)
         self.optimizer.zero_grad(set_to_none=True)
         current = {"rank": self.rank, "step": step, "reports": self.reports, "loss_sum": res.loss_sum,
                    "correct": res.correct, "samples": global_count if self.plan_mode else sum(sizes),
@@ -173,11 +177,11 @@ class StepMixin:
         if profile:
             sync_device(self.device)
             total = time.perf_counter() - t_run
-            # (inside a CUDA graph step, receive and all-reduce waits are not separable: all compute)
             wait_s, ar_s = res.wait_s or 0.0, allreduce_s or 0.0
             current.update(comm_bytes=self.comm_bytes, step_actor_ms=total * 1e3, wait_ms=None if res.wait_s is None else wait_s * 1e3,
                            allreduce_ms=None if allreduce_s is None else ar_s * 1e3,
-                           compute_ms=(total - wait_s - ar_s) * 1e3)
+                           exchange_ms=exchange_s * 1e3 if self.mesh.fs > 1 or self.plan_mode else None,
+                           compute_ms=(total - wait_s - ar_s - exchange_s) * 1e3)
         if self.device.type == "cuda" and isinstance(res.loss_sum, torch.Tensor):
             # Copy the step's scalars (the last stage's; a host number copied to the device would
             # synchronise the stream) to pinned host memory behind the step's work and mark the point

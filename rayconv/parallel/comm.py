@@ -17,6 +17,7 @@ Legend: N batch, C channels, H, W height, width; ``x_NCHW`` is an activation.
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -141,28 +142,88 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[tuple[int,
     return bufs, works
 
 
-def all_gather_dim(t: torch.Tensor, dim: int, sizes: list[int], group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    """Concatenate each rank's ``t`` along ``dim`` (sizes along ``dim`` may differ by rank)."""
+class Pending:
+    """A collective in flight (``async_op=True``): ``wait()`` blocks until it has finished (on CUDA it
+    makes the current stream wait for it) and returns its result. Wait once.
+
+    While ``timing`` is on (``time_exchanges``), the time ``wait`` blocks, with the device synchronised
+    before and after, is added to ``exposed_s()``: the part of the exchange no compute hid."""
+
+    def __init__(self, work, finish):
+        self.work, self.finish = work, finish
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            if _timing["on"]:
+                _sync(_timing["device"])
+                t = time.perf_counter()
+                self.work.wait()
+                _sync(_timing["device"])
+                _timing["exposed_s"] += time.perf_counter() - t
+            else:
+                self.work.wait()
+            self.work = None
+        return self.finish()
+
+
+_timing: dict = {"on": False, "device": None, "exposed_s": 0.0}
+
+
+def _sync(device: Optional[torch.device]) -> None:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_exchanges(on: bool, device: Optional[torch.device] = None) -> None:
+    """Time what the activation exchanges of filter split leave exposed (``exposed_s``), from zero.
+    Synchronises the device around every wait: for profiled steps only."""
+    _timing.update(on=on, device=device, exposed_s=0.0)
+
+
+def exposed_s() -> float:
+    """Seconds blocked waiting for activation exchanges since ``time_exchanges(True, ...)``."""
+    return _timing["exposed_s"]
+
+
+def timed_wait(fn):
+    """Run ``fn()`` (a blocking exchange) and, while timing is on, count its whole time as exposed."""
+    if not _timing["on"]:
+        return fn()
+    _sync(_timing["device"])
+    t = time.perf_counter()
+    out = fn()
+    _sync(_timing["device"])
+    _timing["exposed_s"] += time.perf_counter() - t
+    return out
+
+
+def all_gather_dim(t: torch.Tensor, dim: int, sizes: list[int], group: Optional[dist.ProcessGroup],
+                   async_op: bool = False):
+    """Concatenate each rank's ``t`` along ``dim`` (sizes along ``dim`` may differ by rank). With
+    ``async_op``, a ``Pending`` whose ``wait()`` gives the result."""
     if group is None:
-        return t
+        return Pending(None, lambda: t) if async_op else t
     shape = list(t.shape)
     parts = []
     for s in sizes:
         shape[dim] = s
         parts.append(torch.empty(shape, dtype=t.dtype, device=t.device))
     _count("all_gather", t)
-    dist.all_gather(parts, t.contiguous(), group=group)
+    work = dist.all_gather(parts, t.contiguous(), group=group, async_op=async_op)
+    if async_op:
+        return Pending(work, lambda: torch.cat(parts, dim=dim))
     return torch.cat(parts, dim=dim)
 
 
 def reduce_scatter_dim(t: torch.Tensor, dim: int, sizes: list[int], index: int,
-                       group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+                       group: Optional[dist.ProcessGroup], async_op: bool = False):
     """Sum ``t`` over ``group`` and keep this rank's slice along ``dim`` (rank ``index`` of ``sizes``).
+    With ``async_op``, a ``Pending`` whose ``wait()`` gives the slice.
 
     gloo has no reduce-scatter, so on CPU this is an all-reduce followed by a slice.
     """
     if group is None:
-        return t
+        return Pending(None, lambda: t) if async_op else t
     t = t.contiguous()
     _count("reduce_scatter", t)
     start = sum(sizes[:index])
@@ -170,8 +231,14 @@ def reduce_scatter_dim(t: torch.Tensor, dim: int, sizes: list[int], index: int,
         # NCCL reduce-scatters along dim 0: move ``dim`` there and back (half the traffic of all-reduce).
         t0 = t.movedim(dim, 0).contiguous()
         out = torch.empty_like(t0.narrow(0, 0, sizes[index]))
-        dist.reduce_scatter_tensor(out, t0, group=group)
-        return out.movedim(0, dim).contiguous()
-    t = t.clone()
-    dist.all_reduce(t, group=group)
-    return t.narrow(dim, start, sizes[index]).contiguous()
+        work = dist.reduce_scatter_tensor(out, t0, group=group, async_op=async_op)
+
+        def finish():
+            return out.movedim(0, dim).contiguous()
+    else:
+        t = t.clone()
+        work = dist.all_reduce(t, group=group, async_op=async_op)
+
+        def finish():
+            return t.narrow(dim, start, sizes[index]).contiguous()
+    return Pending(work, finish) if async_op else finish()

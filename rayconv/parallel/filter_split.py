@@ -57,6 +57,23 @@ def _padded_all_gather(x: torch.Tensor, dim: int, sizes: list[int], group) -> to
     return torch.cat(parts, dim=dim)
 
 
+def _start_padded_all_gather(x: torch.Tensor, dim: int, sizes: list[int], group) -> comm.Pending:
+    """``_padded_all_gather`` launched asynchronously: a ``comm.Pending`` whose ``wait()`` gives the result."""
+    top = max(sizes)
+    if x.shape[dim] < top:
+        pad_shape = list(x.shape)
+        pad_shape[dim] = top - x.shape[dim]
+        x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+    pending = comm.all_gather_dim(x, dim, [top] * len(sizes), group, async_op=True)
+    if all(s == top for s in sizes):
+        return pending
+
+    def trim():
+        full = pending.finish()
+        return torch.cat([full.narrow(dim, i * top, s) for i, s in enumerate(sizes)], dim=dim)
+    return comm.Pending(pending.work, trim)
+
+
 class _Gather(torch.autograd.Function):
     """sharded -> replicated along ``dim``. Backward: sum over actors then own slice (``split_consumer``),
     or own slice of the (identical) full gradient (replicated consumer, e.g. the loss)."""
@@ -64,13 +81,13 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, sizes, index, group, split_consumer):
         ctx.dim, ctx.sizes, ctx.index, ctx.group, ctx.split_consumer = dim, sizes, index, group, split_consumer
-        return _padded_all_gather(x, dim, sizes, group)
+        return comm.timed_wait(lambda: _padded_all_gather(x, dim, sizes, group))
 
     @staticmethod
     def backward(ctx, g):
         start = sum(ctx.sizes[:ctx.index])
         if ctx.split_consumer:
-            g = comm.reduce_scatter_dim(g, ctx.dim, ctx.sizes, ctx.index, ctx.group)
+            g = comm.timed_wait(lambda: comm.reduce_scatter_dim(g, ctx.dim, ctx.sizes, ctx.index, ctx.group))
         else:
             g = g.narrow(ctx.dim, start, ctx.sizes[ctx.index]).contiguous()
         return g, None, None, None, None, None
@@ -86,7 +103,8 @@ class _Scatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _padded_all_gather(g.contiguous(), ctx.dim, ctx.sizes, ctx.group), None, None, None, None
+        full = comm.timed_wait(lambda: _padded_all_gather(g.contiguous(), ctx.dim, ctx.sizes, ctx.group))
+        return full, None, None, None, None
 
 
 class Gather(nn.Module):
@@ -158,7 +176,115 @@ class ShardedDropout(nn.Module):
         return f"p={self.p}, sizes={self.sizes}"
 
 
-COMM_MODULES = (Gather, Scatter, BatchGather)
+@dataclass
+class ExchangeSpec:
+    """The channel gather in front of a dense layer, done in ``chunks`` pieces along the batch:
+    ``sizes`` the actors' channel (or unit) extents along ``dim``, ``index`` this actor's."""
+
+    dim: int
+    sizes: list[int]
+    index: int
+    group: Optional[dist.ProcessGroup]
+    chunks: int
+
+
+class _InFlight:
+    """One batch piece's exchange between ``_Launch`` and ``_Land``: forward its all-gather, backward
+    the reduce-scatter of its input gradient."""
+
+    def __init__(self, spec: ExchangeSpec):
+        self.spec = spec
+        self.pending: Optional[comm.Pending] = None
+
+
+class _Launch(torch.autograd.Function):
+    """Start piece's all-gather; output an empty token that ``_Land`` consumes. Backward (after
+    ``_Land``'s backward started the reduce-scatter, and after later work autograd runs first): wait
+    for the reduce-scatter and return this actor's slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, flight):
+        ctx.flight = flight
+        flight.pending = _start_padded_all_gather(x, flight.spec.dim, flight.spec.sizes, flight.spec.group)
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _token):
+        g = ctx.flight.pending.wait()
+        ctx.flight.pending = None
+        return g, None
+
+
+class _Land(torch.autograd.Function):
+    """Wait for the piece's all-gather and return the full activation. Backward: start the
+    reduce-scatter of the partial input gradient (every actor's filters contribute a part)."""
+
+    @staticmethod
+    def forward(ctx, token, flight):
+        ctx.flight = flight
+        full = flight.pending.wait()
+        flight.pending = None
+        return full
+
+    @staticmethod
+    def backward(ctx, g):
+        spec = ctx.flight.spec
+        ctx.flight.pending = comm.reduce_scatter_dim(g.contiguous(), spec.dim, spec.sizes, spec.index, spec.group,
+                                                     async_op=True)
+        return g.new_empty(0), None
+
+
+def overlapped_gather(x: torch.Tensor, spec: ExchangeSpec, layer) -> torch.Tensor:
+    """``layer(gather(x))`` for a channel-sharded ``x_NC...`` with the gather overlapped with the layer.
+
+    The batch is cut into ``spec.chunks`` pieces (at most N); piece i + 1's all-gather runs while
+    ``layer`` computes piece i (the collective runs on the backend's own stream with NCCL, its own
+    thread with gloo). Backward mirrors it: autograd runs later nodes first, so piece i's input
+    gradient is reduce-scattered while piece i - 1's layer backward computes. This is the chunked
+    overlap of tensor-parallel communication with computation (Wang et al., "Overlap Communication with
+    Dependent Computation via Decomposition in Large Deep Learning Models", ASPLOS 2023, which cuts
+    along the operands; here the cut is the batch), applied to Krizhevsky et al.'s filter split. ``layer`` must treat samples independently (a convolution or a fully
+    connected layer). Results equal the unchunked gather's up to float rounding (the layer's weight
+    gradient is summed over pieces). Returns ``layer``'s output for the whole batch."""
+    n = x.shape[0]
+    pieces = x.split(split_sizes(n, max(1, min(spec.chunks, n))), dim=0)
+    flights = [_InFlight(spec) for _ in pieces]
+    tokens = [_Launch.apply(pieces[0], flights[0])]
+    outs = []
+    for i in range(len(pieces)):
+        if i + 1 < len(pieces):
+            tokens.append(_Launch.apply(pieces[i + 1], flights[i + 1]))
+        outs.append(layer(_Land.apply(tokens[i], flights[i])))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+class GatheredConv2d(nn.Conv2d):
+    """A filter-split convolution that needs every input channel, with the gather of its channel-sharded
+    input overlapped with its own compute (``overlapped_gather``). Parameters and state_dict are those of
+    ``nn.Conv2d`` (this actor's filters)."""
+
+    exchange: ExchangeSpec
+
+    def forward(self, x):
+        return overlapped_gather(x, self.exchange, lambda full: self._conv_forward(full, self.weight, self.bias))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, gather_chunks={self.exchange.chunks}"
+
+
+class GatheredLinear(nn.Linear):
+    """``GatheredConv2d``'s fully connected counterpart (input ``x_NF`` sharded along F)."""
+
+    exchange: ExchangeSpec
+
+    def forward(self, x):
+        return overlapped_gather(x, self.exchange, lambda full: nn.functional.linear(full, self.weight, self.bias))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, gather_chunks={self.exchange.chunks}"
+
+
+COMM_MODULES = (Gather, Scatter, BatchGather, GatheredConv2d, GatheredLinear)
 
 
 @dataclass
@@ -184,16 +310,17 @@ def _slice_param(p: Optional[torch.Tensor], start: int, size: int) -> Optional[n
 
 
 def _shard_module(name: str, m: nn.Module, sizes_out: list[int], index: int, in_local: int,
-                  part: ShardedPart) -> nn.Module:
-    """This actor's slice of conv/linear/bn ``m`` (output dimension), registering split keys."""
+                  part: ShardedPart, exchange: Optional[ExchangeSpec] = None) -> nn.Module:
+    """This actor's slice of conv/linear/bn ``m`` (output dimension), registering split keys; with
+    ``exchange``, the layer gathers its own input, overlapped (``GatheredConv2d``, ``GatheredLinear``)."""
     start, size = sum(sizes_out[:index]), sizes_out[index]
     prefix = f"{name}." if name else ""
     if isinstance(m, nn.Conv2d):
         groups = m.groups if in_local == m.in_channels else m.groups // len(sizes_out)
-        new: nn.Module = nn.Conv2d(in_local, size, m.kernel_size, m.stride, m.padding, m.dilation, groups,
+        new: nn.Module = (GatheredConv2d if exchange else nn.Conv2d)(in_local, size, m.kernel_size, m.stride, m.padding, m.dilation, groups,
                                    m.bias is not None, m.padding_mode)
     elif isinstance(m, nn.Linear):
-        new = nn.Linear(m.in_features, size, m.bias is not None)
+        new = (GatheredLinear if exchange else nn.Linear)(m.in_features, size, m.bias is not None)
     else:  # batch norm
         new = type(m)(size, m.eps, m.momentum, m.affine, m.track_running_stats)
         if m.track_running_stats:
@@ -201,6 +328,8 @@ def _shard_module(name: str, m: nn.Module, sizes_out: list[int], index: int, in_
             new.running_var.copy_(m.running_var.narrow(0, start, size))
             new.num_batches_tracked.copy_(m.num_batches_tracked)
             part.split_dims[prefix + "running_mean"] = part.split_dims[prefix + "running_var"] = 0
+    if exchange is not None:
+        new.exchange = exchange
     for pname in ("weight", "bias"):
         p = getattr(m, pname, None)
         if p is not None:
@@ -211,8 +340,11 @@ def _shard_module(name: str, m: nn.Module, sizes_out: list[int], index: int, in_
 
 def shard_layers(layers: list[tuple[str, nn.Module]], in_shape: tuple[int, ...], out_shapes: list[tuple[int, ...]],
                  in_sizes: Optional[list[int]], index: int, size: int, group: Optional[dist.ProcessGroup],
-                 is_last: bool) -> ShardedPart:
+                 is_last: bool, exchange_chunks: int = 1) -> ShardedPart:
     """Filter-split ``layers`` over ``size`` actors; this is actor ``index``'s part.
+
+    ``exchange_chunks`` > 1: each gather in front of a dense layer is done in that many batch pieces,
+    overlapped with the layer (``overlapped_gather``); 1: one blocking ``Gather`` module.
 
     ``in_shape`` / ``out_shapes``: per-sample shapes of the part's input and each layer's output
     (from the plan). ``in_sizes``: shard sizes of the input along dim 1, None if replicated.
@@ -245,11 +377,14 @@ def shard_layers(layers: list[tuple[str, nn.Module]], in_shape: tuple[int, ...],
                 if groups > 1:
                     raise PlanError(f"layer {name} has groups={groups}, which --fs {size} does not divide: "
                                     f"choose --fs dividing {groups}")
-                if sizes is not None:
+                exchange = None
+                if sizes is not None and exchange_chunks > 1:
+                    exchange = ExchangeSpec(1, sizes, index, group, exchange_chunks)
+                elif sizes is not None:
                     part.modules.append(Gather(1, sizes, index, group, split_consumer=True))
                     part.names.append(None)
                 in_local = cin
-            part.modules.append(_shard_module(name, m, sizes_out, index, in_local, part))
+            part.modules.append(_shard_module(name, m, sizes_out, index, in_local, part, exchange))
             part.names.append(name)
             sizes = sizes_out
         elif isinstance(m, PER_CHANNEL) or isinstance(m, ELEMENTWISE):

@@ -42,6 +42,7 @@ class Plan:
     stages: tuple[tuple[int, int], ...]
     schedule: Schedule
     plan: str = "none"
+    exchange_chunks: int = 1  # filter split: batch pieces of each overlapped gather (filter_split.overlapped_gather)
 
     def stage_in_shape(self, stage: int) -> tuple[int, ...]:
         start = self.stages[stage][0]
@@ -166,7 +167,8 @@ def build_part(plan: Plan, layers, stage: int, fs_index: int, fs_group, dp_index
             part = whole_part(layers[start:end])
         else:
             part = shard_layers(layers[start:end], plan.stage_in_shape(p), list(plan.out_shapes[start:end]),
-                                in_sizes, fs_index, plan.mesh.fs, fs_group, is_last=p == plan.mesh.pp - 1)
+                                in_sizes, fs_index, plan.mesh.fs, fs_group, is_last=p == plan.mesh.pp - 1,
+                                exchange_chunks=plan.exchange_chunks)
         if p == stage:
             return part, in_sizes
         in_sizes = part.out_sizes
@@ -206,6 +208,6 @@ def make_plan(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[int
     validate(schedule)
     plan = Plan(mesh=mesh, layer_names=tuple(n for n, _ in layers), in_shape=tuple(sample_shape),
                 out_shapes=tuple(shapes), flops=tuple(flops), params=tuple(params), stages=tuple(stages),
-                schedule=schedule, plan=cfg.plan)
+                schedule=schedule, plan=cfg.plan, exchange_chunks=cfg.exchange_chunks)
     build_part(plan, layers, mesh.pp - 1, 0, None, 0, None)  # refuse unsplittable layers before any actor
     return plan
