@@ -31,12 +31,12 @@ from typing import Optional
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
-from torchvision.datasets import ImageFolder
-from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
 from .config import Config, ConfigError
 
-IMAGE_SUFFIXES = IMG_EXTENSIONS  # torchvision's: .jpg .jpeg .png .ppm .bmp .pgm .tif .tiff .webp
+# torchvision's ImageFolder suffixes (torchvision.datasets.folder.IMG_EXTENSIONS; tests/test_units.py
+# checks they are the same). Written out so that importing this module does not import torchvision.
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
 class DataError(ValueError):
@@ -196,22 +196,27 @@ def hidden(name: str) -> bool:
     return name.startswith(".")
 
 
-class _VisibleImageFolder(ImageFolder):
+def _visible_image_folder(root: str, transform):
     """torchvision's ImageFolder that skips hidden folders and files (``hidden``) at every level."""
+    from torchvision.datasets import ImageFolder
+    from torchvision.datasets.folder import has_file_allowed_extension
 
-    def find_classes(self, directory):
-        classes = sorted(e.name for e in os.scandir(directory) if e.is_dir() and not hidden(e.name))
-        if not classes:
-            raise FileNotFoundError(f"Couldn't find any class folder in {directory}.")
-        return classes, {c: i for i, c in enumerate(classes)}
+    class VisibleImageFolder(ImageFolder):
+        def find_classes(self, directory):
+            classes = sorted(e.name for e in os.scandir(directory) if e.is_dir() and not hidden(e.name))
+            if not classes:
+                raise FileNotFoundError(f"Couldn't find any class folder in {directory}.")
+            return classes, {c: i for i, c in enumerate(classes)}
 
-    @staticmethod
-    def make_dataset(directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
-        def visible_image(path: str) -> bool:
-            return (has_file_allowed_extension(path, extensions or IMG_EXTENSIONS)
-                    and not any(hidden(part) for part in Path(path).relative_to(directory).parts))
+        @staticmethod
+        def make_dataset(directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
+            def visible_image(path: str) -> bool:
+                return (has_file_allowed_extension(path, extensions or IMAGE_SUFFIXES)
+                        and not any(hidden(part) for part in Path(path).relative_to(directory).parts))
 
-        return ImageFolder.make_dataset(directory, class_to_idx, None, visible_image, allow_empty)
+            return ImageFolder.make_dataset(directory, class_to_idx, None, visible_image, allow_empty)
+
+    return VisibleImageFolder(root, transform=transform)
 
 
 class _CheckedImageFolder(Dataset):
@@ -219,7 +224,7 @@ class _CheckedImageFolder(Dataset):
 
     def __init__(self, root: Path, transform):
         try:
-            self.inner = _VisibleImageFolder(str(root), transform=transform)
+            self.inner = _visible_image_folder(str(root), transform)
         except FileNotFoundError as e:  # a class folder without image files
             raise DataError(f"data folder {root}: {e}: put images in every class folder or remove the empty ones") \
                 from None

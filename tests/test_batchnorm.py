@@ -29,9 +29,7 @@ STEPS = 3  # global batch 96 of the 1438 digits
 LAYOUTS = {
     "dp2-m2": dict(dp=2, num_microbatches=2),               # micro-batches without a pipeline
     "pp2-gpipe-m4": dict(pp=2, schedule="gpipe", num_microbatches=4),
-    "pp2-1f1b-m3": dict(pp=2, schedule="1f1b", num_microbatches=3),
     "pp2-interleaved-v2-m4": dict(pp=2, virtual_stages=2, num_microbatches=4),
-    "dp2-pp2-m2": dict(dp=2, pp=2, num_microbatches=2),
     "plan-dp2-m2": dict(dp=2, plan="krizhevsky2014", num_microbatches=2),  # batch norm in the conv layers' dp
 }
 

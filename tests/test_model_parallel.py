@@ -44,11 +44,12 @@ def layout_config(tmp_path, name, **kw) -> Config:
     return sgd_config(tmp_path, name, **{"steps": STEPS, "eval_every": STEPS, **kw})
 
 
-@pytest.mark.parametrize("cut", range(1, 12))
-def test_every_two_stage_cut_matches_single_device_sgd(ray_cluster, tmp_path, cut):
-    """Whatever cut balancing picks (by measured time it varies from run to run): every cut of the
-    convnet's 12 layers into two stages (in-place ReLU first, flatten first, a parameter-free stage
-    start, ...) trains as single-device SGD does."""
+@pytest.mark.parametrize("cut", [1, 4, 8, 11])
+def test_two_stage_cuts_match_single_device_sgd(ray_cluster, tmp_path, cut):
+    """Whatever cut balancing picks (by measured time it varies from run to run): a second stage that
+    starts with an in-place ReLU (1), with pooling (4, parameter-free), with flatten (8) or holds only
+    the last layer (11) trains as single-device SGD does (cuts at a convolution are every other
+    layout's)."""
     cfg = layout_config(tmp_path, f"cut{cut}", pp=2, num_microbatches=2, stages=str(cut))
     summary = fit(cfg, log=lambda *_: None)
     assert [list(x) for x in summary["layout"]["stages"]] == [[0, cut], [cut, 12]]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import dataclasses
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -537,3 +539,24 @@ def test_atomic_write_gives_files_the_mode_a_plain_open_would(tmp_path):
     assert mode == 0o666 & ~metrics._UMASK, oct(mode)  # not mkstemp's 0600
     if not metrics._UMASK & 0o044:
         assert mode & 0o044, oct(mode)  # readable by others, as results shared on a cluster need
+
+
+def test_image_suffixes_are_torchvisions():
+    """rayconv.data writes torchvision's ImageFolder suffixes out (importing torchvision costs each
+    actor seconds); they must stay the same set."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    from rayconv.data import IMAGE_SUFFIXES
+
+    assert sorted(IMAGE_SUFFIXES) == sorted(IMG_EXTENSIONS)
+
+
+def test_a_run_of_rayconvs_own_model_does_not_import_torchvision():
+    """An actor of a convnet run on the digits imports the worker, builds its part and reads data
+    without torchvision (whose import pulls in torch._dynamo: seconds per actor)."""
+    code = ("import sys; from rayconv import worker, driver, data, models; "
+            "from rayconv.config import Config; cfg = Config(model='convnet').validate(); "
+            "src = data.make_source(cfg); models.to_layers(models.run_model(cfg, src)); "
+            "print('torchvision' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]

@@ -9,8 +9,9 @@ flat view and the model share parameters.
 
 from __future__ import annotations
 
+import functools
+
 import torch
-import torchvision
 from torch import nn
 
 from ..config import ConfigError
@@ -19,9 +20,18 @@ from .convnet import ConvNet
 __all__ = ["ConvNet", "build_model", "check_trainable", "to_layers", "model_names"]
 
 
+def _torchvision():
+    """torchvision, imported on first use: importing it imports torch._dynamo (about 4 s of CPU), which
+    every actor of a run of rayconv's own models on its own data would pay at start for nothing."""
+    import torchvision
+
+    return torchvision
+
+
 def model_names() -> list[str]:
     """Names accepted by --model: convnet plus torchvision's classification models."""
-    return list(RAYCONV_MODELS) + sorted(torchvision.models.list_models(module=torchvision.models))
+    tv = _torchvision()
+    return list(RAYCONV_MODELS) + sorted(tv.models.list_models(module=tv.models))
 
 
 def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: int = 224,
@@ -53,7 +63,7 @@ def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: i
     if image_size < 32:
         raise ConfigError(f"--model {name} needs images of at least 32x32 pixels (data gives {image_size}): "
                           "use --model convnet for --data digits")
-    return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **BUILD_ARGS.get(name, {}))
+    return _torchvision().models.get_model(name, weights=None, num_classes=num_classes, **BUILD_ARGS.get(name, {}))
 
 
 LIST_MODELS = "`python -c 'import torchvision; print(torchvision.models.list_models(module=torchvision.models))'`"
@@ -128,7 +138,7 @@ def alexnet_two_column(num_classes: int = 1000) -> nn.Module:
     """torchvision's AlexNet with Krizhevsky et al. 2012's column structure (section 3.5, figure 2):
     conv2, conv4 and conv5 connect only within a column (``groups=2``); conv3 and the fully connected
     layers connect across. Load its state_dict with ``rayconv.models.alexnet_two_column(K)``."""
-    model = torchvision.models.alexnet(weights=None, num_classes=num_classes)
+    model = _torchvision().models.alexnet(weights=None, num_classes=num_classes)
     for i in (3, 8, 10):
         old = model.features[i]
         model.features[i] = nn.Conv2d(old.in_channels, old.out_channels, old.kernel_size, old.stride,
@@ -146,13 +156,14 @@ def to_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """
     if isinstance(model, nn.Sequential):
         return [(n, m) for n, m in model.named_children()]
-    if isinstance(model, torchvision.models.ResNet):
+    tv = _torchvision()
+    if isinstance(model, tv.models.ResNet):
         out = [(n, getattr(model, n)) for n in ("conv1", "bn1", "relu", "maxpool")]
         for ln in ("layer1", "layer2", "layer3", "layer4"):
             out += [(f"{ln}.{i}", blk) for i, blk in getattr(model, ln).named_children()]
         return out + [("avgpool", model.avgpool), ("flatten", nn.Flatten(1)), ("fc", model.fc)]
     if all(hasattr(model, a) for a in ("features", "avgpool", "classifier")) and isinstance(model.features, nn.Sequential) \
-            and type(model).forward in _FEATURES_FORWARD:
+            and type(model).forward in _features_forward():
         out = [(f"features.{n}", m) for n, m in model.features.named_children()]
         out += [("avgpool", model.avgpool), ("flatten", nn.Flatten(1))]
         cls = model.classifier
@@ -162,14 +173,12 @@ def to_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [("", model)]
 
 
-# Models whose forward is exactly features -> avgpool -> flatten(1) -> classifier.
-_FEATURES_FORWARD = {
-    torchvision.models.AlexNet.forward,
-    torchvision.models.VGG.forward,
-    torchvision.models.MobileNetV2.forward,
-    torchvision.models.MobileNetV3.forward,
-    torchvision.models.EfficientNet.forward,
-}
+@functools.cache
+def _features_forward() -> frozenset:
+    """The forwards of models that run exactly features -> avgpool -> flatten(1) -> classifier."""
+    m = _torchvision().models
+    return frozenset({m.AlexNet.forward, m.VGG.forward, m.MobileNetV2.forward, m.MobileNetV3.forward,
+                      m.EfficientNet.forward})
 
 
 def run_layers(layers: list[tuple[str, nn.Module]], x: torch.Tensor) -> torch.Tensor:
