@@ -32,6 +32,8 @@ LAYOUTS = {
     "pp2-balanced-by-time": dict(pp=2, num_microbatches=2, balance="time"),
     "fs2": dict(fs=2),
     "fs2-eager": dict(fs=2, cuda_graphs="off"),
+    "fs2-overlapped": dict(fs=2, exchange_chunks=3),  # each gather in 3 pieces, captured with the step
+    "fs2-overlapped-eager": dict(fs=2, exchange_chunks=3, cuda_graphs="off"),
     "pp2-1f1b": dict(pp=2, num_microbatches=2),
     "pp2-1f1b-eager": dict(pp=2, num_microbatches=2, cuda_graphs="off"),
     "pp2-one-microbatch": dict(pp=2),  # the default --num-microbatches 1: its round batch is split to mirror
@@ -160,3 +162,67 @@ def test_crossing_sends_of_1f1b_complete_eagerly_and_in_a_graph():
                        env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("PAIRED-OK") == 2, r.stdout
+
+
+def test_overlapped_gather_on_nccl_eager_and_captured():
+    """filter_split.overlapped_gather on a one-rank NCCL group (one GPU): the pieces' asynchronous
+    all-gathers and reduce-scatters, waited on the compute stream, give the plain layer's output and
+    gradients, eagerly and replayed from a CUDA graph (float64)."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from rayconv.parallel.filter_split import ExchangeSpec, overlapped_gather
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        group = dist.new_group([0])
+        torch.manual_seed(0)
+        conv = nn.Conv2d(6, 4, 3, padding=1).double().cuda()
+        x0 = torch.randn(7, 6, 5, 5, dtype=torch.float64, device="cuda")
+        gy = torch.randn(7, 4, 5, 5, dtype=torch.float64, device="cuda")
+        spec = ExchangeSpec(1, [6], 0, group, 3)
+
+        x_ref = x0.clone().requires_grad_()
+        y_ref = conv(x_ref)
+        y_ref.backward(gy)
+        want = (y_ref.detach(), x_ref.grad.clone(), conv.weight.grad.clone())
+
+        x = x0.clone().requires_grad_()
+        conv.zero_grad()
+        y = overlapped_gather(x, spec, conv)
+        y.backward(gy)
+        for got, ref in zip((y.detach(), x.grad, conv.weight.grad), want):
+            assert torch.allclose(got, ref, atol=1e-12)
+
+        # Captured: a static input, the forward and backward recorded once, replayed.
+        static_x = x0.clone().requires_grad_()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up on the capture stream
+                static_x.grad = None
+                conv.zero_grad(set_to_none=False)
+                overlapped_gather(static_x, spec, conv).backward(gy)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        static_x.grad = None
+        conv.zero_grad(set_to_none=False)
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            out = overlapped_gather(static_x, spec, conv)
+            out.backward(gy)
+        static_x.grad.zero_()
+        conv.weight.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, ref in zip((out.detach(), static_x.grad, conv.weight.grad), want):
+            assert torch.allclose(got, ref, atol=1e-12)
+    finally:
+        dist.destroy_process_group()
