@@ -168,6 +168,7 @@ def test_overlapped_gather_on_nccl_eager_and_captured():
     """filter_split.overlapped_gather on a one-rank NCCL group (one GPU): the pieces' asynchronous
     all-gathers and reduce-scatters, waited on the compute stream, give the plain layer's output and
     gradients, eagerly and replayed from a CUDA graph (float64)."""
+    import copy
     import os
     import socket
 
@@ -201,28 +202,32 @@ def test_overlapped_gather_on_nccl_eager_and_captured():
         y.backward(gy)
         for got, ref in zip((y.detach(), x.grad, conv.weight.grad), want):
             assert torch.allclose(got, ref, atol=1e-12)
+        del y, y_ref
 
-        # Captured: a static input, the forward and backward recorded once, replayed.
+        # Captured, as a rayconv step is: a fresh copy of the layer (no autograd node of the eager passes
+        # above lives on), warm-up passes and the capture on a side stream, then a replay.
+        captured = copy.deepcopy(conv)
+        captured.zero_grad(set_to_none=True)
         static_x = x0.clone().requires_grad_()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up on the capture stream
+            for _ in range(2):
                 static_x.grad = None
-                conv.zero_grad(set_to_none=False)
-                overlapped_gather(static_x, spec, conv).backward(gy)
+                captured.zero_grad(set_to_none=True)
+                overlapped_gather(static_x, spec, captured).backward(gy)
         torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
         static_x.grad = None
-        conv.zero_grad(set_to_none=False)
+        captured.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-            out = overlapped_gather(static_x, spec, conv)
+            out = overlapped_gather(static_x, spec, captured)
             out.backward(gy)
         static_x.grad.zero_()
-        conv.weight.grad.zero_()
+        captured.weight.grad.zero_()
         graph.replay()
         torch.cuda.synchronize()
-        for got, ref in zip((out.detach(), static_x.grad, conv.weight.grad), want):
+        for got, ref in zip((out.detach(), static_x.grad, captured.weight.grad), want):
             assert torch.allclose(got, ref, atol=1e-12)
     finally:
         dist.destroy_process_group()

@@ -163,6 +163,8 @@ class StepMixin:
             # Warm-up steps and steps of another shape run eagerly; the rest replay one captured step.
             res = graph.run(key, sgd, generators)
             res.wait_s = None  # (receive and all-reduce waits are not separable inside a captured step)
+        elif graph is not None:
+            res = graph.eager(sgd)
         else:
             res = sgd()
         allreduce_s = allreduce.get("s")

@@ -97,18 +97,24 @@ class StepGraph:
         """Whether the step of ``key`` replays (or captures) rather than running eagerly."""
         return self.eager_steps >= self.warmup and key == self.key
 
+    def eager(self, step: Callable[[], object]) -> object:
+        """Run ``step()`` eagerly on the capture stream, as warm-up steps run (a profiled step between
+        replays: its autograd nodes and library state stay on the stream the capture used)."""
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            out = step()
+        current.wait_stream(self.stream)
+        return out
+
     def run(self, key: Hashable, step: Callable[[], object], generators: Iterable[torch.Generator] = ()) -> object:
         """Run ``step()`` eagerly (warm-up, or a shape that was not captured) or replay its capture.
         Returns what ``step`` returned (from the capture when replaying: its tensors hold this step's
         values after the replay). Raises what capture raises (an operation a graph cannot hold)."""
         current = torch.cuda.current_stream(self.device)
         if not self.will_replay(key):
-            self.stream.wait_stream(current)
-            with torch.cuda.stream(self.stream):
-                out = step()
-            current.wait_stream(self.stream)
             self.eager_steps += 1
-            return out
+            return self.eager(step)
         if self.graph is None:
             graph = torch.cuda.CUDAGraph()
             for g in generators:
