@@ -18,6 +18,11 @@
 #   dp-mp        RQ1: data against model parallelism on 2 GPUs, AlexNet (dp2, fs2, pp2m4, plan2) and
 #                the two-column AlexNet 2012 (fs2), with the torchrun DDP anchor             (2 GPUs)
 #   dp-mp-resnet RQ1 for ResNet-50: dp2, fs2, pp2m4                                          (2 GPUs)
+#   mp-overlap   model parallelism with overlapped exchanges, each against rayconv on 1 GPU in the same
+#                call: AlexNet fs2 and fs2 with 2, 4, 8 pieces per gather (exposed exchange time in
+#                each row), the two-column AlexNet 2012 likewise, AlexNet's per-layer plan at 1024 (2 GPUs)
+#   pp-bound     ResNet-50 pipelines at global batch 512: 1F1B and interleaved 1F1B at 4 and 8
+#                micro-batches, GPipe at 4, with a torch.profiler table per layout (--trace) (2 GPUs)
 #   hybrid       RQ2: AlexNet dp4, fs4, dp2xfs2, dp2xpp2m4, plan4; ResNet-50 dp4, dp2xpp2m4   (4 GPUs)
 #   scale        RQ3: AlexNet dp8, dp4xfs2, plan8; ResNet-50 dp8, dp4xpp2m4                    (8 GPUs)
 #   real         issue 15's input figures: ResNet-50 (1 GPU, and dp2 on 2+ GPUs) on synthetic tensors and on
@@ -44,7 +49,8 @@ set -euo pipefail
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [[ ! -f rayconv/bench.py ]]; then echo "paper.sh: run it from the repository root" >&2; exit 2; fi
-PARTS=(speed batch convergence memory curve input real plan dp-mp dp-mp-resnet hybrid scale report)
+PARTS=(speed batch convergence memory curve input real plan dp-mp dp-mp-resnet mp-overlap pp-bound hybrid scale
+       report)
 if [[ $# -eq 0 ]]; then sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 2; fi
 todo=()
 for p in "$@"; do
@@ -176,6 +182,20 @@ part_dp-mp-resnet() {
   needs 2 dp-mp-resnet || return 0
   bench dp-mp-resnet "${COMMON[@]}" "${SIZE[@]}" "${STEPS[@]}" --models "$RESNET" --layouts dp2,fs2,pp2m4 \
     --global-batch-size "$BATCH"
+}
+part_mp-overlap() {
+  needs 2 mp-overlap || return 0
+  bench mp-overlap "${COMMON[@]}" "${SIZE[@]}" "${STEPS[@]}" --models "$ALEX" --layouts 1gpu,fs2,fs2c2,fs2c4,fs2c8 \
+    --global-batch-size "$BATCH" --no-anchors
+  bench mp-overlap-2012 "${COMMON[@]}" "${SIZE[@]}" "${STEPS[@]}" --models "$ALEX2012" --layouts 1gpu,fs2,fs2c4 \
+    --global-batch-size "$BATCH" --no-anchors
+  bench mp-overlap-plan "${COMMON[@]}" "${SIZE[@]}" "${STEPS[@]}" --models "$ALEX" --layouts 1gpu,plan2 \
+    --global-batch-size "$((BATCH * 4))" --no-anchors
+}
+part_pp-bound() {
+  needs 2 pp-bound || return 0
+  bench pp-bound "${COMMON[@]}" "${SIZE[@]}" "${STEPS[@]}" --models "$RESNET" \
+    --layouts 1gpu,pp2m4,pp2m4v2,pp2m8,pp2m8v2,pp2m4-gpipe --global-batch-size "$((BATCH * 2))" --no-anchors --trace 3
 }
 part_hybrid() {
   needs 4 hybrid || return 0

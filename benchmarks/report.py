@@ -72,6 +72,30 @@ def speed_table(run: Path) -> str:
                   "comm MB/step (all)", "all-reduce wait ms", "receive wait ms", "peak GiB", "note"], body)
 
 
+MP_PARTS = ("mp-overlap", "mp-overlap-2012", "mp-overlap-plan", "pp-bound")
+
+
+def model_parallel_table(run: Path) -> str:
+    """The mp-overlap and pp-bound parts: each layout against rayconv on 1 GPU in the same bench call,
+    with what a step waits for (exposed exchanges, receives) and the schedule's bubble."""
+    body = []
+    for part in MP_PARTS:
+        rows = rows_of(run / part / "bench.parquet")
+        one = {(r["model"], r["global_batch_size"]): r["images_per_s"] for r in rows
+               if r["layout"] in ("1gpu", "1") and r.get("images_per_s")}
+        for r in rows:
+            ips, base = r.get("images_per_s"), one.get((r["model"], r["global_batch_size"]))
+            body.append([part, r["model"], r["layout"], r["global_batch_size"], r.get("exchange_chunks"), ips,
+                         ips / base if ips and base else None, r.get("step_ms"), r.get("compute_ms"),
+                         r.get("exchange_exposed_ms"), r.get("recv_wait_ms"), r.get("bubble_fraction"),
+                         r.get("peak_gib_max"), r.get("note") or ""])
+    if not body:
+        return "not measured (no mp-overlap or pp-bound part in this run)"
+    return table(["part", "model", "layout", "global batch", "pieces per gather", "images/s",
+                  "speedup vs 1 GPU (same call)", "step ms", "compute ms (profiled, eager)", "exposed exchange ms",
+                  "receive wait ms", "ideal bubble", "peak GiB", "note"], body)
+
+
 def batch_table(run: Path, plt) -> str:
     rows = rows_of(run / "batch" / "sweep_batch.parquet")
     if not rows:
@@ -162,6 +186,8 @@ def report(run: Path) -> Path:
     plt = pyplot()
     parts = [
         ("RQ1-RQ3: images/s per layout (speed, dp-mp, dp-mp-resnet, hybrid, scale)", speed_table(run)),
+        ("Model parallelism with overlapped exchanges, pipelines at their bound (mp-overlap, pp-bound)",
+         model_parallel_table(run)),
         ("RQ4: throughput against batch per GPU (batch; figure batch.png)", batch_table(run, plt)),
         ("RQ4: convergence against batch, digits (convergence; figure convergence/curve.png)", convergence_table(run)),
         ("RQ5: memory per GPU (batch, memory; figure memory.png)", memory_table(run, plt)),

@@ -142,6 +142,21 @@ def launch(cfg: Config, mesh, plan, run_name: str):
         raise
 
 
+def overlap_note(cfg: Config, mesh, plan) -> Optional[str]:
+    """The note a pipeline with fewer micro-batches than stages gets: its bubble, and a
+    ``--num-microbatches`` that divides the batch and lets the stages overlap (None when there are
+    enough micro-batches, or none that divides the batch)."""
+    if mesh.pp == 1 or cfg.num_microbatches >= mesh.pp:
+        return None
+    better = [m for m in (4 * mesh.pp, 2 * mesh.pp, mesh.pp)
+              if batch_split_problem(cfg.global_batch_size, mesh.dp, m) is None]
+    if not better:
+        return None
+    micro = f"{cfg.num_microbatches} micro-batch{'es' if cfg.num_microbatches > 1 else ''}"
+    return (f"note: with {micro} for {mesh.pp} stages the stages mostly take turns (bubble "
+            f"{bubble_fraction(plan.schedule):.0%} of the step); --num-microbatches {better[0]} lets them overlap")
+
+
 def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
     """Train as ``cfg`` says; write config.json, metrics.parquet, summary.json and model.pt into the
     output folder (and checkpoints/ every ``cfg.checkpoint_every`` steps); return the summary.
@@ -177,13 +192,9 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
             micro = f"{cfg.num_microbatches} micro-batch{'es' if cfg.num_microbatches > 1 else ''}"
             log(f"pipeline stages {list(plan.stages)}, schedule {cfg.schedule}{chunks}, {micro}:\n"
                 f"{format_grid(plan.schedule)}")
-            if cfg.num_microbatches < mesh.pp:
-                better = [m for m in (4 * mesh.pp, 2 * mesh.pp, mesh.pp)
-                          if batch_split_problem(cfg.global_batch_size, mesh.dp, m) is None]
-                if better:
-                    log(f"note: with {micro} for {mesh.pp} stages the stages mostly take turns (bubble "
-                        f"{bubble_fraction(plan.schedule):.0%} of the step); --num-microbatches {better[0]} lets "
-                        "them overlap")
+            note = overlap_note(cfg, mesh, plan)
+            if note:
+                log(note)
         run = _Run(cfg, mesh, plan, source, sharding, total_steps, eval_every, out, run_name, log, on_step)
         ckpt, failures = resume, 0
         while True:

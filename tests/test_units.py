@@ -553,10 +553,19 @@ def test_image_suffixes_are_torchvisions():
 
 def test_a_run_of_rayconvs_own_model_does_not_import_torchvision():
     """An actor of a convnet run on the digits imports the worker, builds its part and reads data
-    without torchvision (whose import pulls in torch._dynamo: seconds per actor)."""
+    without torchvision (whose import pulls in torch._dynamo) or scikit-learn: seconds per actor."""
     code = ("import sys; from rayconv import worker, driver, data, models; "
             "from rayconv.config import Config; cfg = Config(model='convnet').validate(); "
             "src = data.make_source(cfg); models.to_layers(models.run_model(cfg, src)); "
-            "print('torchvision' in sys.modules)")
+            "print('torchvision' in sys.modules, 'sklearn' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False", out.stderr[-2000:]
+    assert out.stdout.strip() == "False False", out.stderr[-2000:]
+
+
+def test_digits_read_without_scikit_learn_equal_load_digits():
+    from sklearn.datasets import load_digits
+
+    images, targets = data_mod.digits_arrays()
+    d = load_digits()
+    assert images.shape == (1797, 8, 8) and np.array_equal(images, d.images)
+    assert np.array_equal(targets, d.target)
