@@ -194,6 +194,9 @@ class Config:
         need(self.lr > 0, f"--lr must be > 0 (got {self.lr})")
         need(0 <= self.momentum < 1, f"--momentum must be in [0, 1) (got {self.momentum})")
         need(self.weight_decay >= 0, f"--weight-decay must be >= 0 (got {self.weight_decay})")
+        need(self.exchange_chunks == 1 or self.fs > 1 or self.layout == "auto",
+             f"--exchange-chunks {self.exchange_chunks} applies to filter split's gathers: add --fs 2 (or more), "
+             "or drop it")
         need(self.bucket_mb > 0, f"--bucket-mb must be > 0 (got {self.bucket_mb})")
         need(self.collective_timeout_s > 0, "--collective-timeout-s must be > 0")
         need(self.image_size >= 32, f"--image-size must be >= 32 pixels (got {self.image_size})")

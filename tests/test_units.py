@@ -84,6 +84,12 @@ def test_missing_config_file(tmp_path):
         parse_args(["--config", str(tmp_path / "nope.json")])
 
 
+def test_exchange_chunks_without_filter_split_are_refused():
+    with pytest.raises(ConfigError, match="--exchange-chunks 4 applies to filter split's gathers: add --fs 2"):
+        parse_args(["--exchange-chunks", "4"])
+    assert parse_args(["--exchange-chunks", "4", "--fs", "2"]).exchange_chunks == 4
+
+
 def test_bad_value_in_config_file_names_the_flag(tmp_path):
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"pp": 0}))
