@@ -185,18 +185,6 @@ def exposed_s() -> float:
     return _timing["exposed_s"]
 
 
-def timed_wait(fn):
-    """Run ``fn()`` (a blocking exchange) and, while timing is on, count its whole time as exposed."""
-    if not _timing["on"]:
-        return fn()
-    _sync(_timing["device"])
-    t = time.perf_counter()
-    out = fn()
-    _sync(_timing["device"])
-    _timing["exposed_s"] += time.perf_counter() - t
-    return out
-
-
 def all_gather_dim(t: torch.Tensor, dim: int, sizes: list[int], group: Optional[dist.ProcessGroup],
                    async_op: bool = False):
     """Concatenate each rank's ``t`` along ``dim`` (sizes along ``dim`` may differ by rank). With

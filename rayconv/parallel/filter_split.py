@@ -43,22 +43,9 @@ PER_CHANNEL = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxP
                nn.BatchNorm1d)
 
 
-def _padded_all_gather(x: torch.Tensor, dim: int, sizes: list[int], group) -> torch.Tensor:
-    """all-gather along ``dim`` where actor i holds ``sizes[i]`` (padded to the largest, then trimmed)."""
-    top = max(sizes)
-    if x.shape[dim] < top:
-        pad_shape = list(x.shape)
-        pad_shape[dim] = top - x.shape[dim]
-        x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
-    full = comm.all_gather_dim(x, dim, [top] * len(sizes), group)
-    if all(s == top for s in sizes):
-        return full  # no padding to trim: skip a copy of the whole activation
-    parts = [full.narrow(dim, i * top, s) for i, s in enumerate(sizes)]
-    return torch.cat(parts, dim=dim)
-
-
 def _start_padded_all_gather(x: torch.Tensor, dim: int, sizes: list[int], group) -> comm.Pending:
-    """``_padded_all_gather`` launched asynchronously: a ``comm.Pending`` whose ``wait()`` gives the result."""
+    """all-gather along ``dim`` where actor i holds ``sizes[i]`` (padded to the largest, then trimmed),
+    launched: a ``comm.Pending`` whose ``wait()`` gives the result."""
     top = max(sizes)
     if x.shape[dim] < top:
         pad_shape = list(x.shape)
@@ -74,6 +61,11 @@ def _start_padded_all_gather(x: torch.Tensor, dim: int, sizes: list[int], group)
     return comm.Pending(pending.work, trim)
 
 
+def _padded_all_gather(x: torch.Tensor, dim: int, sizes: list[int], group) -> torch.Tensor:
+    """all-gather along ``dim`` where actor i holds ``sizes[i]`` (padded to the largest, then trimmed)."""
+    return _start_padded_all_gather(x, dim, sizes, group).wait()
+
+
 class _Gather(torch.autograd.Function):
     """sharded -> replicated along ``dim``. Backward: sum over actors then own slice (``split_consumer``),
     or own slice of the (identical) full gradient (replicated consumer, e.g. the loss)."""
@@ -81,13 +73,13 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, sizes, index, group, split_consumer):
         ctx.dim, ctx.sizes, ctx.index, ctx.group, ctx.split_consumer = dim, sizes, index, group, split_consumer
-        return comm.timed_wait(lambda: _padded_all_gather(x, dim, sizes, group))
+        return _padded_all_gather(x, dim, sizes, group)
 
     @staticmethod
     def backward(ctx, g):
         start = sum(ctx.sizes[:ctx.index])
         if ctx.split_consumer:
-            g = comm.timed_wait(lambda: comm.reduce_scatter_dim(g, ctx.dim, ctx.sizes, ctx.index, ctx.group))
+            g = comm.reduce_scatter_dim(g, ctx.dim, ctx.sizes, ctx.index, ctx.group, async_op=True).wait()
         else:
             g = g.narrow(ctx.dim, start, ctx.sizes[ctx.index]).contiguous()
         return g, None, None, None, None, None
@@ -103,8 +95,7 @@ class _Scatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        full = comm.timed_wait(lambda: _padded_all_gather(g.contiguous(), ctx.dim, ctx.sizes, ctx.group))
-        return full, None, None, None, None
+        return _padded_all_gather(g.contiguous(), ctx.dim, ctx.sizes, ctx.group), None, None, None, None
 
 
 class Gather(nn.Module):
