@@ -23,10 +23,27 @@ def local_ray(num_cpus: int, **kw):
     ray.shutdown()
 
 
+_SHARED: dict[str, object] = {"gcs": None}
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray cluster with 4 logical CPUs (enough for dp=4 on a 2-core machine), no dashboard."""
-    yield from local_ray(4)
+    """A local Ray cluster with 4 logical CPUs (enough for dp=4 on a 2-core machine), no dashboard.
+
+    One cluster serves every module that asks for it in turn (starting one costs seconds of the 2
+    cores): a module reuses it when it is still connected and all 4 CPUs are free, and starts a fresh
+    one otherwise (after a module that ran its own cluster, or one that left something holding CPUs).
+    ``pytest_sessionfinish`` shuts it down."""
+    if ray.is_initialized() and _SHARED["gcs"] == ray.get_runtime_context().gcs_address \
+            and ray.available_resources().get("CPU") == 4:
+        yield
+        return
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=4, include_dashboard=False, namespace="rayconv", log_to_driver=False,
+             configure_logging=True, logging_level="WARNING")
+    _SHARED["gcs"] = ray.get_runtime_context().gcs_address
+    yield
 
 
 @pytest.fixture
