@@ -14,8 +14,10 @@ from rayconv.driver import fit
 STEPS = 4  # global batch 96 of the 1438 digits: 4 full steps
 
 
-# (GPipe and interleaved 1F1B at 2 stages and 4 micro-batches are tests/test_batchnorm.py's layouts, each
-# checked against single-device SGD there; an even filter split over 2 is dp2-fs2's.)
+# (GPipe and interleaved 1F1B at 2 stages and 4 micro-batches, and the per-layer plan with micro-batches,
+# are tests/test_batchnorm.py's layouts, each checked against single-device SGD there; the per-layer plan
+# over 4 is tests/test_large_layouts.py's; an even filter split over 2 is dp2-fs2's, and interleaved
+# with as many micro-batches as stages dp2-pp2-interleaved-v2's.)
 LAYOUTS = {
     "fs3-uneven": dict(fs=3),                      # 32/64/10 channels over 3 actors: 11,11,10 ...
     "fs2-batchnorm": dict(fs=2, model="convnet_bn"),  # batch norm over a channel shard is exact
@@ -27,7 +29,6 @@ LAYOUTS = {
     "pp3-1f1b-m4": dict(pp=3, schedule="1f1b", num_microbatches=4),
     "pp2-balanced-by-time": dict(pp=2, balance="time", num_microbatches=2),  # stages cut by measured times
     # interleaved 1F1B: each stage holds non-adjacent model chunks (virtual stages s, s + P, ...)
-    "pp2-interleaved-v2-m2": dict(pp=2, virtual_stages=2, num_microbatches=2),  # M == P: all forwards first
     "pp2-interleaved-v3-m4": dict(pp=2, virtual_stages=3, num_microbatches=4),
     "pp3-interleaved-v2-m6": dict(pp=3, virtual_stages=2, num_microbatches=6),
     "dp2-pp2-interleaved-v2": dict(dp=2, pp=2, virtual_stages=2, num_microbatches=2),
@@ -35,7 +36,6 @@ LAYOUTS = {
     "dp2-pp2": dict(dp=2, pp=2, num_microbatches=2),
     "pp2-fs2": dict(pp=2, fs=2, num_microbatches=2, schedule="gpipe"),
     "plan-krizhevsky2014-dp2": dict(dp=2, plan="krizhevsky2014"),
-    "plan-krizhevsky2014-dp3": dict(dp=3, plan="krizhevsky2014", num_microbatches=2),
 }
 
 
