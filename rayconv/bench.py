@@ -86,6 +86,9 @@ def parse_layout(name: str) -> dict[str, Any]:
             raise ConfigError(f"unknown layout {name!r}: use e.g. 1gpu, dp2, fs2, fs2c4, pp2, pp2m4, pp2m4-gpipe, "
                               "pp2m4v2, plan2, dp2xfs2")
         axis, n = m.group(1), int(m.group(2))
+        if n == 0 or any(g is not None and int(g) == 0 for g in m.groups()[2:]):
+            raise ConfigError(f"layout {name!r} has a zero count: every degree, micro-batch, chunk and piece "
+                              "count is at least 1")
         if axis == "plan":
             out.update(dp=n, plan="krizhevsky2014")
         else:
@@ -465,8 +468,9 @@ def training_curve(args) -> list[dict[str, Any]]:
 def parse_args(argv=None):
     p = OneLineParser(prog="python -m rayconv.bench", description=__doc__.split("\n")[0].replace("``", ""))
     p.add_argument("--layouts", default="1gpu,dp2,fs2,pp2,plan2",
-                   help="comma-separated layout names, e.g. 1gpu, dp2, fs2, pp2 (tries 2, 4, 8 micro-batches), pp2m4, "
-                        "pp2m4-gpipe, pp2m4v2 (interleaved), plan2, dp2xfs2 (default %(default)s)")
+                   help="comma-separated layout names, e.g. 1gpu, dp2, fs2, fs2c4 (each gather in 4 overlapped "
+                        "pieces), pp2 (tries 2, 4, 8 micro-batches), pp2m4, pp2m4-gpipe, pp2m4v2 (interleaved), plan2, "
+                        "dp2xfs2 (default %(default)s)")
     p.add_argument("--models", default="alexnet,resnet50",
                    help="comma-separated: alexnet, resnet50, any torchvision classification model, or convnet "
                         "(default %(default)s)")

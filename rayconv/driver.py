@@ -240,6 +240,7 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
             "layout": {"dp": mesh.dp, "pp": mesh.pp, "fs": mesh.fs, "world_size": mesh.world_size,
                        "plan": cfg.plan, "schedule": cfg.schedule if mesh.pp > 1 else None,
                        "num_microbatches": cfg.num_microbatches, "virtual_stages": cfg.virtual_stages,
+                       "exchange_chunks": cfg.exchange_chunks if mesh.fs > 1 else None,
                        "stages": [list(s) for s in plan.stages]},
             "global_batch_size": cfg.global_batch_size, "steps": total_steps,
             "epochs": total_steps / sharding.steps_per_epoch,

@@ -29,6 +29,8 @@ def test_parse_layout():
         bench.parse_layout("tp2")
     with pytest.raises(ConfigError, match="unknown layout"):
         bench.parse_layout("pp2c4")  # overlapped pieces belong to filter split
+    with pytest.raises(ConfigError, match="zero count"):
+        bench.parse_layout("fs2c0")
 
 
 def test_bench_writes_table_chart_and_anchor_ratios(ray_cluster, tmp_path):

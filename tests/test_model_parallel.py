@@ -79,5 +79,6 @@ def test_summary_reports_layout(ray_cluster, tmp_path):
     cfg = layout_config(tmp_path, "report", pp=2, num_microbatches=2, schedule="gpipe", steps=1)
     s = fit(cfg, log=lambda *_: None)
     assert s["layout"] == {"dp": 1, "pp": 2, "fs": 1, "world_size": 2, "plan": "none", "schedule": "gpipe",
-                           "num_microbatches": 2, "virtual_stages": 1, "stages": s["layout"]["stages"]}
+                           "num_microbatches": 2, "virtual_stages": 1, "exchange_chunks": None,
+                           "stages": s["layout"]["stages"]}
     assert len(s["layout"]["stages"]) == 2 and s["layout"]["stages"][0][0] == 0
