@@ -19,7 +19,8 @@ from ..parallel.batchnorm import commit_batchnorm
 from ..parallel.cuda_graph import sgd_step
 from ..parallel.data_parallel import broadcast_modules
 from ..parallel.filter_split import ShardedDropout
-from ..parallel.pipeline import StepResult, sync_device, to_device
+from ..parallel.comm import sync_device
+from ..parallel.pipeline import StepResult, to_device
 from ..schedule import exchange_plan, forward_only
 from ..steptime import StepClock
 from .report import materialise

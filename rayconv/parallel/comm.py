@@ -143,7 +143,7 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[tuple[int,
 
 
 class Pending:
-    """A collective in flight (``async_op=True``): ``wait()`` blocks until it has finished (on CUDA it
+    """A collective in flight: ``wait()`` blocks until it has finished (on CUDA it
     makes the current stream wait for it) and returns its result. Wait once.
 
     While ``timing`` is on (``time_exchanges``), the time ``wait`` blocks, with the device synchronised
@@ -155,10 +155,10 @@ class Pending:
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             if _timing["on"]:
-                _sync(_timing["device"])
+                sync_device(_timing["device"])
                 t = time.perf_counter()
                 self.work.wait()
-                _sync(_timing["device"])
+                sync_device(_timing["device"])
                 _timing["exposed_s"] += time.perf_counter() - t
             else:
                 self.work.wait()
@@ -169,7 +169,8 @@ class Pending:
 _timing: dict = {"on": False, "device": None, "exposed_s": 0.0}
 
 
-def _sync(device: Optional[torch.device]) -> None:
+def sync_device(device: Optional[torch.device]) -> None:
+    """Wait for everything queued on ``device`` (CUDA; nothing to wait for on CPU or for None)."""
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -185,33 +186,30 @@ def exposed_s() -> float:
     return _timing["exposed_s"]
 
 
-def all_gather_dim(t: torch.Tensor, dim: int, sizes: list[int], group: Optional[dist.ProcessGroup],
-                   async_op: bool = False):
-    """Concatenate each rank's ``t`` along ``dim`` (sizes along ``dim`` may differ by rank). With
-    ``async_op``, a ``Pending`` whose ``wait()`` gives the result."""
+def all_gather_dim(t: torch.Tensor, dim: int, sizes: list[int], group: Optional[dist.ProcessGroup]) -> Pending:
+    """Launch the concatenation of each rank's ``t`` along ``dim`` (sizes along ``dim`` may differ by
+    rank): a ``Pending`` whose ``wait()`` gives the result."""
     if group is None:
-        return Pending(None, lambda: t) if async_op else t
+        return Pending(None, lambda: t)
     shape = list(t.shape)
     parts = []
     for s in sizes:
         shape[dim] = s
         parts.append(torch.empty(shape, dtype=t.dtype, device=t.device))
     _count("all_gather", t)
-    work = dist.all_gather(parts, t.contiguous(), group=group, async_op=async_op)
-    if async_op:
-        return Pending(work, lambda: torch.cat(parts, dim=dim))
-    return torch.cat(parts, dim=dim)
+    work = dist.all_gather(parts, t.contiguous(), group=group, async_op=True)
+    return Pending(work, lambda: torch.cat(parts, dim=dim))
 
 
 def reduce_scatter_dim(t: torch.Tensor, dim: int, sizes: list[int], index: int,
-                       group: Optional[dist.ProcessGroup], async_op: bool = False):
-    """Sum ``t`` over ``group`` and keep this rank's slice along ``dim`` (rank ``index`` of ``sizes``).
-    With ``async_op``, a ``Pending`` whose ``wait()`` gives the slice.
+                       group: Optional[dist.ProcessGroup]) -> Pending:
+    """Launch the sum of ``t`` over ``group``, of which this rank keeps its slice along ``dim`` (rank
+    ``index`` of ``sizes``): a ``Pending`` whose ``wait()`` gives the slice.
 
     gloo has no reduce-scatter, so on CPU this is an all-reduce followed by a slice.
     """
     if group is None:
-        return Pending(None, lambda: t) if async_op else t
+        return Pending(None, lambda: t)
     t = t.contiguous()
     _count("reduce_scatter", t)
     start = sum(sizes[:index])
@@ -219,14 +217,14 @@ def reduce_scatter_dim(t: torch.Tensor, dim: int, sizes: list[int], index: int,
         # NCCL reduce-scatters along dim 0: move ``dim`` there and back (half the traffic of all-reduce).
         t0 = t.movedim(dim, 0).contiguous()
         out = torch.empty_like(t0.narrow(0, 0, sizes[index]))
-        work = dist.reduce_scatter_tensor(out, t0, group=group, async_op=async_op)
+        work = dist.reduce_scatter_tensor(out, t0, group=group, async_op=True)
 
         def finish():
             return out.movedim(0, dim).contiguous()
     else:
         t = t.clone()
-        work = dist.all_reduce(t, group=group, async_op=async_op)
+        work = dist.all_reduce(t, group=group, async_op=True)
 
         def finish():
             return t.narrow(dim, start, sizes[index]).contiguous()
-    return Pending(work, finish) if async_op else finish()
+    return Pending(work, finish)

@@ -51,7 +51,7 @@ def _start_padded_all_gather(x: torch.Tensor, dim: int, sizes: list[int], group)
         pad_shape = list(x.shape)
         pad_shape[dim] = top - x.shape[dim]
         x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
-    pending = comm.all_gather_dim(x, dim, [top] * len(sizes), group, async_op=True)
+    pending = comm.all_gather_dim(x, dim, [top] * len(sizes), group)
     if all(s == top for s in sizes):
         return pending
 
@@ -79,7 +79,7 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, g):
         start = sum(ctx.sizes[:ctx.index])
         if ctx.split_consumer:
-            g = comm.reduce_scatter_dim(g, ctx.dim, ctx.sizes, ctx.index, ctx.group, async_op=True).wait()
+            g = comm.reduce_scatter_dim(g, ctx.dim, ctx.sizes, ctx.index, ctx.group).wait()
         else:
             g = g.narrow(ctx.dim, start, ctx.sizes[ctx.index]).contiguous()
         return g, None, None, None, None, None
@@ -220,8 +220,7 @@ class _Land(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         spec = ctx.flight.spec
-        ctx.flight.pending = comm.reduce_scatter_dim(g.contiguous(), spec.dim, spec.sizes, spec.index, spec.group,
-                                                     async_op=True)
+        ctx.flight.pending = comm.reduce_scatter_dim(g, spec.dim, spec.sizes, spec.index, spec.group)
         return g.new_empty(0), None
 
 
@@ -234,8 +233,8 @@ def overlapped_gather(x: torch.Tensor, spec: ExchangeSpec, layer) -> torch.Tenso
     gradient is reduce-scattered while piece i - 1's layer backward computes. This is the chunked
     overlap of tensor-parallel communication with computation (Wang et al., "Overlap Communication with
     Dependent Computation via Decomposition in Large Deep Learning Models", ASPLOS 2023, which cuts
-    along the operands; here the cut is the batch), applied to Krizhevsky et al.'s filter split. ``layer`` must treat samples independently (a convolution or a fully
-    connected layer). Results equal the unchunked gather's up to float rounding (the layer's weight
+    along the operands; here the cut is the batch), applied to Krizhevsky et al.'s filter split.
+    ``layer`` must treat samples independently (a convolution or a fully connected layer). Results equal the unchunked gather's up to float rounding (the layer's weight
     gradient is summed over pieces). Returns ``layer``'s output for the whole batch."""
     n = x.shape[0]
     pieces = x.split(split_sizes(n, max(1, min(spec.chunks, n))), dim=0)
@@ -308,8 +307,8 @@ def _shard_module(name: str, m: nn.Module, sizes_out: list[int], index: int, in_
     prefix = f"{name}." if name else ""
     if isinstance(m, nn.Conv2d):
         groups = m.groups if in_local == m.in_channels else m.groups // len(sizes_out)
-        new: nn.Module = (GatheredConv2d if exchange else nn.Conv2d)(in_local, size, m.kernel_size, m.stride, m.padding, m.dilation, groups,
-                                   m.bias is not None, m.padding_mode)
+        new: nn.Module = (GatheredConv2d if exchange else nn.Conv2d)(
+            in_local, size, m.kernel_size, m.stride, m.padding, m.dilation, groups, m.bias is not None, m.padding_mode)
     elif isinstance(m, nn.Linear):
         new = (GatheredLinear if exchange else nn.Linear)(m.in_features, size, m.bias is not None)
     else:  # batch norm

@@ -144,11 +144,11 @@ class StageRunner:
             specs.append(((n, *c.in_shape), self.wire_dtype, c.prev) if a.kind == "F"
                          else ((n, *c.out_shape), self.wire_dtype, c.next))
         if self.profile:
-            sync_device(self.device)
+            comm.sync_device(self.device)
             t = time.perf_counter()
         bufs, works = comm.exchange([outbox.pop(j) for j in post.sends], specs, self.device, self.group)
         if self.profile:
-            sync_device(self.device)
+            comm.sync_device(self.device)
             res.wait_s += time.perf_counter() - t
         res.sends.extend(works)
         inbox.update(zip(post.recvs, bufs))
@@ -228,11 +228,6 @@ class StageRunner:
             w.wait()
         res.sends.clear()
         return res
-
-
-def sync_device(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
