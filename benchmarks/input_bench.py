@@ -114,10 +114,10 @@ def main(argv=None) -> int:
     import pyarrow.parquet as pq
     import torch
 
-    from rayconv import decode as dec
-    from rayconv.data import ImageFolderSource
+    from rayconv.data import decode as dec
+    from rayconv.data.source import ImageFolderSource
     from rayconv.prepare import prepare
-    from rayconv.shards import ShardSource
+    from rayconv.data.shards import ShardSource
 
     device = torch.device(a.device)
     cuda = device.type == "cuda"

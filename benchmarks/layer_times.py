@@ -16,8 +16,8 @@ import torch
 from rayconv.config import Config
 from rayconv.mesh import Mesh
 from rayconv.models import build_model, to_layers
-from rayconv.parallel.pipeline import balance
-from rayconv.parallel.plan import layer_times, make_plan
+from rayconv.parallel.pipeline.runner import balance
+from rayconv.parallel.layout_plan import layer_times, make_plan
 
 
 def main() -> None:

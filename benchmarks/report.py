@@ -21,7 +21,7 @@ from typing import Any, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rayconv.charts import error_against_time, pyplot
+from rayconv.outputs.charts import error_against_time, pyplot
 
 SPEED_PARTS = ("speed", "dp-mp", "dp-mp-2012", "dp-mp-resnet", "hybrid", "hybrid-resnet", "scale", "scale-resnet")
 PAPER_LIMIT_GIB = 6.0  # the paper's GPU (NVIDIA GeForce GTX TITAN, 6 GB)

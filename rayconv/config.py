@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
-from .checkpoint import MANIFEST, find_checkpoint
-from .errors import ConfigError
+from rayconv.outputs.checkpoint import MANIFEST, find_checkpoint
+from rayconv.errors import ConfigError
 
 MODELS_HELP = ("convnet (small test ConvNet; convnet_bn with batch norm; convnet2col two-column), alexnet, "
                "alexnet2012 (two-column), or any torchvision classification ConvNet name")

@@ -1,9 +1,7 @@
-"""``ConfigError``: the error a user fixes by changing a setting.
+"""Every error a user can cause or an operator acts on, each a one-line message that says what to change.
 
-Raised by the settings (``config.py``), checkpoints (``CheckpointError``), models, data and the cluster
-check; ``python -m rayconv.run`` prints its one-line message and exits with status 2. It lives in a module
-of its own, importing nothing, so that every module can raise it: ``config`` imports ``checkpoint`` (to
-read the settings ``--resume`` names), and ``checkpoint`` raises it.
+``python -m rayconv.run`` (and ``.plan``, ``.prepare``, ``.bench``) prints the message and exits with
+status 2; the module imports nothing, so that every layer can raise these.
 """
 
 from __future__ import annotations
@@ -11,3 +9,35 @@ from __future__ import annotations
 
 class ConfigError(ValueError):
     """A setting the user can change is invalid; the message says which flag and how."""
+
+
+class ClusterError(RuntimeError):
+    """The Ray cluster cannot run the layout (unreachable, too few devices, an actor failed).
+
+    ``recoverable`` is True when restarting the actors may help: an actor process or its node was
+    lost, a call timed out, or a collective failed (a peer vanished or hung); False for an error the
+    actor's own code raised (bad data, a model that does not fit), which would happen again."""
+
+    def __init__(self, msg: str, recoverable: bool = False):
+        super().__init__(msg)
+        self.recoverable = recoverable
+
+
+class CallTimeout(ClusterError):
+    """A call to the actors did not return within its limit (``Gang.collect``); the actors were stopped."""
+
+
+class PlanError(ValueError):
+    """A layout cannot be applied to this model (too many stages, bad cut points, ...)."""
+
+
+class ScheduleError(ValueError):
+    """A schedule is malformed (missing/duplicate/misordered actions) or deadlocks."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be used (missing, incomplete, corrupt, another model or layout)."""
+
+
+class DataError(ValueError):
+    """The data cannot be read (missing folder, empty class list, a file that does not decode)."""

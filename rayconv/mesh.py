@@ -85,3 +85,17 @@ class Mesh:
 
     def describe(self) -> str:
         return f"dp={self.dp} x pp={self.pp} x fs={self.fs} ({self.world_size} actor{'' if self.world_size == 1 else 's'})"
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    """Sizes of ``parts`` contiguous slices of ``n`` items, as even as possible (first ones larger)."""
+    q, r = divmod(n, parts)
+    return [q + (1 if i < r else 0) for i in range(parts)]
+
+
+def split_slices(n: int, parts: int) -> list[slice]:
+    out, start = [], 0
+    for size in split_sizes(n, parts):
+        out.append(slice(start, start + size))
+        start += size
+    return out

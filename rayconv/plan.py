@@ -18,11 +18,11 @@ import sys
 import time
 from typing import Optional
 
-from .config import Config, ConfigError, OneLineParser, PRECISION_CHOICES
+from rayconv.config import Config, ConfigError, OneLineParser, PRECISION_CHOICES
 
 
 def parse_args(argv: Optional[list[str]] = None):
-    from .cost_measure import MACHINES
+    from rayconv.planner.measure import MACHINES
 
     p = OneLineParser(prog="python -m rayconv.plan",
                       description="Rank rayconv's layouts by predicted images/s from measured layer and link times.")
@@ -71,12 +71,12 @@ def _plan(a) -> int:
 
     import torch
 
-    from . import layout_search as ls
-    from .cost_measure import MACHINES, Measurements
+    from rayconv.planner import search as ls
+    from rayconv.planner.measure import MACHINES, Measurements
 
     use_cluster = a.address is not None
     if use_cluster:
-        from . import cluster
+        from rayconv.cluster import group as cluster
 
         cluster.connect(a.address)
         kind, slots = cluster.available_devices(a.device)
@@ -111,7 +111,7 @@ def _plan(a) -> int:
     if a.json:
         from pathlib import Path
 
-        from .metrics import atomic_write
+        from rayconv.files import atomic_write
 
         rows = [{"title": r.title, "links": r.links.source, "fits": [p.as_dict() for p in r.fits],
                  "too_big": [p.as_dict() for p in r.too_big],

@@ -29,8 +29,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from .data import IMAGE_SUFFIXES, DataError, hidden
-from .shards import FORMAT, MANIFEST, SPLITS
+from rayconv.data.source import IMAGE_SUFFIXES, hidden
+from rayconv.errors import DataError
+from rayconv.data.shards import FORMAT, MANIFEST, SPLITS
 
 SHARD_META = b"rayconv.shard"   # Parquet key-value metadata of a shard: its settings, inputs and skipped files
 
@@ -131,7 +132,7 @@ def write_shard(root: str, out: str, name: str, inputs: list[tuple[int, str, int
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from .shards import sha256_file
+    from rayconv.files import sha256_file
 
     final, meta = Path(out) / name, _meta(settings, inputs)
     if final.is_file():
@@ -181,7 +182,7 @@ def _on_ray(args: dict[str, tuple], address: Optional[str]):
     """Each shard's ``write_shard`` as a Ray task; yields (name, entry) as they finish."""
     import ray
 
-    from . import cluster
+    from rayconv.cluster import group as cluster
 
     cluster.connect(address)
     task = ray.remote(num_cpus=1)(write_shard)
@@ -277,8 +278,8 @@ def prepare(src: str, out: str, size: int = 256, quality: int = 90, shard_size: 
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from .cluster import ClusterError
-    from .config import OneLineParser
+    from rayconv.errors import ClusterError
+    from rayconv.config import OneLineParser
 
     p = OneLineParser(prog="python -m rayconv.prepare",
                       description="Re-encode an ImageNet-layout folder (train/<class>/*, val/<class>/*) into "

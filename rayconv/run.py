@@ -10,18 +10,18 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from .checkpoint import latest_checkpoint
-from .cluster import ClusterError
-from .config import ConfigError, parse_args
-from .data import DataError
-from .parallel.pipeline import PlanError
+from rayconv.outputs.checkpoint import latest_checkpoint
+from rayconv.errors import ClusterError
+from rayconv.config import ConfigError, parse_args
+from rayconv.errors import DataError
+from rayconv.errors import PlanError
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     cfg = None
     try:
         cfg = parse_args(argv)
-        from .driver import fit  # imports torch/ray: after argument errors are out of the way
+        from rayconv.driver.job import fit  # imports torch/ray: after argument errors are out of the way
 
         fit(cfg)
         return 0

@@ -7,8 +7,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from rayconv.config import Config
-from rayconv.data import Sharding, make_source, split_slices
-from rayconv.driver import learning_rate
+from rayconv.data.source import Sharding, make_source
+from rayconv.mesh import split_slices
+from rayconv.driver.job import learning_rate
 from rayconv.models import build_model
 
 

@@ -13,16 +13,17 @@ import ray
 import torch
 from torch import nn
 
-from .. import data as data_mod
-from ..models import run_model, to_layers
-from ..parallel import comm
-from ..parallel.batchnorm import DeferredBatchNorm, defer_batchnorm
-from ..parallel.cuda_graph import StepGraph
-from ..parallel.data_parallel import GradientSync, broadcast_modules
-from ..parallel.pipeline import Chunk, StageRunner
-from ..parallel.segments import compile_part
-from ..parallel.plan import Plan, build_part
-from ..schedule import exchange_plan
+from rayconv.data import source as data_mod
+from rayconv.mesh import split_sizes
+from rayconv.models import run_model, to_layers
+from rayconv.parallel import comm
+from rayconv.parallel.batchnorm import DeferredBatchNorm, defer_batchnorm
+from rayconv.actor.cuda_graph import StepGraph
+from rayconv.parallel.data_parallel import GradientSync, broadcast_modules
+from rayconv.parallel.pipeline.runner import Chunk, StageRunner
+from rayconv.parallel.part import compile_part
+from rayconv.parallel.layout_plan import Plan, build_part
+from rayconv.parallel.pipeline.validate import exchange_plan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.float32, "fp64": torch.float64}
 
@@ -112,7 +113,7 @@ class BuildMixin:
         # The whole step captured as one CUDA graph and replayed (auto: on every GPU layout), so the CPU
         # launches one graph a step instead of every kernel (parallel/cuda_graph.py).
         self.cuda_graphs = graphs_on
-        full_batch = tuple(data_mod.split_sizes(cfg.global_batch_size, mesh.dp))  # per-replica sizes
+        full_batch = tuple(split_sizes(cfg.global_batch_size, mesh.dp))  # per-replica sizes
         self.step_graph = StepGraph(self.device, full_batch) if self.cuda_graphs else None
         # The learning rate on the device, per parameter dtype (float32 below float64: what torch's fused
         # SGD reads), for the captured update; set before each step.

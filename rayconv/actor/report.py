@@ -23,7 +23,7 @@ class ReportMixin:
         """Per-actor gauges in Ray's metrics (dashboard Metrics view): images/s, step ms, loss, peak memory."""
         if not self.cfg.metrics or result is None or not result.get("interval_ms"):
             return
-        from ..metrics import actor_gauges
+        from rayconv.outputs.metrics import actor_gauges
 
         ms = result["interval_ms"]
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None

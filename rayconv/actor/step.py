@@ -13,17 +13,18 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .. import data as data_mod
-from ..parallel import comm
-from ..parallel.batchnorm import commit_batchnorm
-from ..parallel.cuda_graph import sgd_step
-from ..parallel.data_parallel import broadcast_modules
-from ..parallel.filter_split import ShardedDropout
-from ..parallel.comm import sync_device
-from ..parallel.pipeline import StepResult, to_device
-from ..schedule import exchange_plan, forward_only
-from ..steptime import StepClock
-from .report import materialise
+from rayconv.data import source as data_mod
+from rayconv.mesh import split_slices
+from rayconv.parallel import comm
+from rayconv.parallel.batchnorm import commit_batchnorm
+from rayconv.actor.cuda_graph import sgd_step
+from rayconv.parallel.data_parallel import broadcast_modules
+from rayconv.parallel.filter_split.layers import ShardedDropout
+from rayconv.parallel.comm import sync_device
+from rayconv.parallel.pipeline.runner import StepResult, to_device
+from rayconv.parallel.pipeline.validate import exchange_plan, forward_only
+from rayconv.actor.steptime import StepClock
+from rayconv.actor.report import materialise
 
 
 class StepMixin:
@@ -37,7 +38,7 @@ class StepMixin:
         layers see the whole gathered batch, so labels are those of micro-batch m of every replica.
         With ``static`` (a CUDA graph step) images and labels are copied into the graph's buffers."""
         idx = replica_idx[self.coord.dp]
-        slices = data_mod.split_slices(len(idx), n_mb)
+        slices = split_slices(len(idx), n_mb)
         sizes = [s.stop - s.start for s in slices]
         def load(sub: np.ndarray) -> torch.Tensor:
             x = self.source.images(split, sub, self.device, epoch, dtype=self.input_dtype)
@@ -58,7 +59,7 @@ class StepMixin:
         labels = lambda m: None  # noqa: E731
         before_forward = None
         if self.plan_mode:
-            per_replica = [data_mod.split_slices(len(r), n_mb) for r in replica_idx]
+            per_replica = [split_slices(len(r), n_mb) for r in replica_idx]
             y = [self.source.labels(split, r) for r in replica_idx]
             labels = lambda m: torch.cat([yr[sl[m]] for yr, sl in zip(y, per_replica)])  # noqa: E731
             gather = self.sharded.batch_gather

@@ -14,8 +14,8 @@ import functools
 import torch
 from torch import nn
 
-from ..config import ConfigError
-from .convnet import ConvNet
+from rayconv.config import ConfigError
+from rayconv.models.convnet import ConvNet
 
 __all__ = ["ConvNet", "build_model", "check_trainable", "to_layers", "model_names"]
 

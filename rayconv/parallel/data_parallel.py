@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import comm
+from rayconv.parallel import comm
 
 
 class GradientSync:

@@ -1,0 +1,1 @@
+"""``python -m rayconv.bench``: the paper's experiments (``measure``) and the plain-PyTorch anchor (``anchor``)."""

@@ -1,0 +1,1 @@
+"""What a run writes: checkpoints (``checkpoint``), the plain-PyTorch ``model.pt`` (``export``), ``metrics.parquet`` and the actors' Ray gauges (``metrics``), the error-against-time chart (``charts``)."""

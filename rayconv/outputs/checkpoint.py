@@ -1,0 +1,199 @@
+"""Checkpoints of a run: write one atomically, find the one ``--resume`` means, read and verify it.
+
+``<out>/checkpoints/step-<k>/`` holds one file per actor (``rank-<r>.pt``: its parameters and buffers
+keyed as in ``Worker.state()``, its optimizer state_dict and RNG states), ``metrics.parquet`` (the rows
+so far) and ``manifest.json`` (step, layout, config, data and lr-schedule position, model, files with
+sizes and sha256). It is written into ``step-<k>.tmp/`` and renamed only when every file is written and
+fsynced: a crash mid-write leaves the previous checkpoint as it was. Everything loads with
+``weights_only=True`` (by the actors; this module handles the files as bytes and imports no torch, so
+that ``config`` can find a checkpoint's settings before torch is loaded).
+
+Assembling the actors' parts into one ``model.pt`` is ``export.py``'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from rayconv.errors import ConfigError
+from rayconv.errors import CheckpointError
+from rayconv.files import _fsync_dir, _write_synced, sha256
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def list_checkpoints(out: Path) -> list[Path]:
+    """Complete checkpoints of a run folder (``step-<k>`` with a manifest), oldest first."""
+    root = Path(out) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := STEP_DIR.match(p.name)) and (p / MANIFEST).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(out: Path) -> Optional[Path]:
+    found = list_checkpoints(out)
+    return found[-1] if found else None
+
+
+def remove_partial(out: Path) -> None:
+    """Delete unfinished ``step-<k>.tmp`` folders (a write that was interrupted)."""
+    root = Path(out) / "checkpoints"
+    if root.is_dir():
+        for p in root.glob("step-*.tmp"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def write_checkpoint(out: Path, step: int, shards: list[bytes], manifest: dict[str, Any],
+                     extra: Optional[dict[str, bytes]] = None, keep: int = 0) -> Path:
+    """Write ``checkpoints/step-<step>/`` atomically: ``rank-<r>.pt`` from ``shards[r]``, the ``extra``
+    files, then ``manifest.json`` listing them; rename the folder into place; keep the newest ``keep``
+    checkpoints (0: all). Returns the checkpoint folder."""
+    root = Path(out) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    files = []
+    for name, data in [*((f"rank-{r}.pt", b) for r, b in enumerate(shards)), *(extra or {}).items()]:
+        _write_synced(tmp / name, data)
+        files.append({"name": name, "bytes": len(data), "sha256": sha256(data)})
+    _write_synced(tmp / MANIFEST, (json.dumps({**manifest, "format": FORMAT, "step": step, "files": files},
+                                              indent=2) + "\n").encode())
+    _fsync_dir(tmp)
+    old = None
+    if final.exists():  # the same step written again (a run resumed from an older checkpoint)
+        old = root / f"step-{step}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    if keep > 0:
+        for p in list_checkpoints(out)[:-keep]:
+            shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+@dataclass
+class Checkpoint:
+    """A verified checkpoint: its folder, manifest and file contents (sizes and sha256 checked)."""
+
+    path: Path
+    manifest: dict[str, Any]
+    files: dict[str, bytes]
+
+    @property
+    def step(self) -> int:
+        """Steps done; the run continues at this step."""
+        return int(self.manifest["step"])
+
+    @property
+    def run_dir(self) -> Path:
+        return self.path.parent.parent
+
+    @property
+    def layout(self) -> dict[str, Any]:
+        return self.manifest["layout"]
+
+    def shard(self, rank: int) -> bytes:
+        return self.files[f"rank-{rank}.pt"]
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The checkpoint folder that ``--resume path`` means: ``path`` itself if it holds a manifest, else
+    the newest complete checkpoint of the run folder ``path``. Raises CheckpointError."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"--resume {path}: no such folder: give a run folder (with checkpoints/) "
+                              "or one of its checkpoints/step-<k> folders")
+    if not p.is_dir():
+        raise CheckpointError(f"--resume {path} is a file: give a run folder or a checkpoints/step-<k> folder")
+    if (p / MANIFEST).is_file():
+        return p
+    if p.name.endswith(".tmp") and STEP_DIR.match(p.name[:-4]):
+        raise CheckpointError(f"--resume {path} is a checkpoint that was never finished (no {MANIFEST}): "
+                              f"resume from its run folder {p.parent.parent} instead")
+    newest = latest_checkpoint(p)
+    if newest is None:
+        raise CheckpointError(f"--resume {path} holds no complete checkpoint (no checkpoints/step-<k>/{MANIFEST}): "
+                              "train with --checkpoint-every N to write some")
+    return newest
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Find, read and verify a checkpoint (every listed file present, of its size and sha256).
+    Raises CheckpointError naming the file at fault."""
+    ckpt = find_checkpoint(path)
+    try:
+        manifest = json.loads((ckpt / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} cannot be read ({e}): resume from another "
+                              "checkpoint") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "files" not in manifest:
+        raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} is not a rayconv checkpoint manifest (format "
+                              f"{FORMAT}): resume from a folder written by --checkpoint-every")
+    files: dict[str, bytes] = {}
+    for entry in manifest["files"]:
+        f = ckpt / entry["name"]
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file {f} is missing: resume from another checkpoint")
+        data = f.read_bytes()
+        if len(data) != entry["bytes"]:
+            raise CheckpointError(f"checkpoint file {f} is truncated or damaged ({len(data)} bytes, the manifest "
+                                  f"says {entry['bytes']}): resume from another checkpoint")
+        if sha256(data) != entry["sha256"]:
+            raise CheckpointError(f"checkpoint file {f} is corrupt (sha256 differs from the manifest): "
+                                  "resume from another checkpoint")
+        files[entry["name"]] = data
+    return Checkpoint(ckpt, manifest, files)
+
+
+def check_resumable(ckpt: Checkpoint, cfg: Any, mesh: Any, stages: list, num_classes: int,
+                    sample_shape: tuple[int, ...]) -> None:
+    """Refuse a checkpoint of another model or data shape, or of a layout this run cannot load:
+    the same layout, or (pure data parallelism, every replica holding the whole model) another --dp."""
+    m = ckpt.manifest
+    if m["model"] != cfg.model:
+        raise CheckpointError(f"checkpoint {ckpt.path} is of model {m['model']!r} but this run asks for "
+                              f"--model {cfg.model}: resume with --model {m['model']} or start a new run")
+    if m["num_classes"] != num_classes or list(m["sample_shape"]) != list(sample_shape):
+        raise CheckpointError(f"checkpoint {ckpt.path} was trained on {m['num_classes']} classes of "
+                              f"{tuple(m['sample_shape'])} images, this run's data has {num_classes} classes of "
+                              f"{tuple(sample_shape)}: resume with the same --data/--image-size/--num-classes")
+    saved = m["layout"]
+    want = {"dp": mesh.dp, "pp": mesh.pp, "fs": mesh.fs, "plan": cfg.plan}
+    have = {k: saved[k] for k in want}
+    if have == want:
+        if [list(s) for s in stages] != [list(s) for s in saved["stages"]]:
+            raise CheckpointError(f"checkpoint {ckpt.path} cut the model into stages {saved['stages']}, this run "
+                                  f"into {[list(s) for s in stages]}: resume with the same --stages")
+        return
+    pure_dp = saved["pp"] == saved["fs"] == 1 and saved["plan"] == "none" and \
+        mesh.pp == mesh.fs == 1 and cfg.plan == "none"
+    if pure_dp:
+        return  # every replica holds the whole model: each new replica loads replica 0's shard
+    fmt = lambda d: f"dp={d['dp']} pp={d['pp']} fs={d['fs']} plan={d['plan']}"  # noqa: E731
+    raise CheckpointError(f"checkpoint {ckpt.path} was saved with layout {fmt(have)} but this run asks for "
+                          f"{fmt(want)}: resume with --dp {have['dp']} --pp {have['pp']} --fs {have['fs']} "
+                          f"--plan {have['plan']} (only --dp may change, and only for pure data parallelism)")
+
+
+def shard_for(ckpt: Checkpoint, mesh: Any, rank: int) -> bytes:
+    """The saved shard that ``rank`` of ``mesh`` loads: its own in the same layout, else (another --dp
+    under pure data parallelism) replica 0's."""
+    saved = ckpt.layout
+    if (saved["dp"], saved["pp"], saved["fs"]) == (mesh.dp, mesh.pp, mesh.fs):
+        return ckpt.shard(rank)
+    return ckpt.shard(0)

@@ -1,0 +1,117 @@
+"""Step metrics: reduction of the actors' numbers, progress display, Parquet and JSON files.
+
+One row per step (``kind="train"``): step, epoch, loss (mean over the global batch), lr, step_ms
+(the step's own time, the slowest actor's, measured in the actors: ``steptime.py``), images_per_s
+(global batch / step_ms), input_stall_ms (the step's wait for input not overlapped with compute, the
+largest over the actors that read input) and input_stall_fraction (input_stall_ms / step_ms). One row
+per evaluation (``kind="eval"``): test_loss, test_error, test_accuracy and test_top5_accuracy (null
+below 5 classes) over every held-out sample once.
+``time_s`` is seconds since training began (for test error against wall-clock time).
+Files are written atomically (temporary file, then rename): a crash never leaves half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from rayconv.files import atomic_write
+
+SCHEMA = pa.schema([
+    ("kind", pa.string()), ("step", pa.int64()), ("epoch", pa.int64()), ("loss", pa.float64()),
+    ("lr", pa.float64()), ("images_per_s", pa.float64()), ("step_ms", pa.float64()),
+    ("time_s", pa.float64()), ("test_loss", pa.float64()), ("test_error", pa.float64()),
+    ("test_accuracy", pa.float64()), ("input_stall_ms", pa.float64()), ("input_stall_fraction", pa.float64()),
+    ("test_top5_accuracy", pa.float64()),
+])
+
+
+def reduce_step(results: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Global loss (mean per sample) and sample count from the actors' step results; the step's own
+    time and input stall (ms), the largest over the actors (None where the actors did not time it)."""
+    results = list(results)
+    rep = [r for r in results if r["reports"]]
+    samples = sum(r["samples"] for r in rep)
+    loss_sum = sum(r["loss_sum"] for r in rep)
+    own = [r["step_ms"] for r in results if r.get("step_ms") is not None]
+    stall = [r["input_stall_ms"] for r in results if r.get("input_stall_ms") is not None]
+    return {"loss": loss_sum / max(1, samples), "samples": samples,
+            "correct": sum(r["correct"] for r in rep), "step_ms": max(own) if own else None,
+            "input_stall_ms": max(stall) if stall else None}
+
+
+class MetricsLog:
+    """Rows of the run, kept in memory and flushed to ``metrics.parquet``."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, **row: Any) -> None:
+        self.rows.append({name: row.get(name) for name in SCHEMA.names})
+
+    def table(self) -> pa.Table:
+        return pa.Table.from_pylist(self.rows, schema=SCHEMA)
+
+    def write(self, path: Path) -> None:
+        atomic_write(path, lambda tmp: pq.write_table(self.table(), tmp))
+
+    def to_bytes(self) -> bytes:
+        """The rows as a Parquet file's bytes (stored in checkpoints)."""
+        sink = pa.BufferOutputStream()
+        pq.write_table(self.table(), sink)
+        return sink.getvalue().to_pybytes()
+
+    def last(self, kind: str, key: str) -> Optional[float]:
+        for r in reversed(self.rows):
+            if r["kind"] == kind and r[key] is not None:
+                return r[key]
+        return None
+
+
+def read_rows(parquet: bytes) -> list[dict[str, Any]]:
+    """Rows of a Parquet file's bytes written by ``MetricsLog.to_bytes``."""
+    return pq.read_table(pa.BufferReader(parquet)).to_pylist()
+
+
+
+
+
+
+# ---------------------------------------------------------------------- Ray metrics (dashboard)
+# Gauges exported through Ray's metrics agent (Prometheus names ray_rayconv_*), shown in the Ray
+# dashboard's Metrics view and Grafana when configured. Tags: run (the output folder's name) and role
+# (an actor's mesh role such as dp1.pp0.fs0, or "driver" for the per-run numbers).
+GAUGES = {
+    "images_per_s": "images per second (actor: its samples / the time between its step calls; driver: images over the "
+                    "wall-clock of the last 20 steps)",
+    "step_ms": "milliseconds per step (actor: time between its step calls; driver: the step's own time, the slowest "
+               "actor's)",
+    "loss": "training loss of the last step (driver: mean over the global batch; actor: over its replica)",
+    "peak_memory_gib": "peak device memory allocated, GiB (CUDA actors only)",
+    "step": "last finished step",
+}
+_gauges: dict[str, Any] = {}
+
+
+def _gauge(name: str):
+    if name not in _gauges:
+        from ray.util.metrics import Gauge
+
+        _gauges[name] = Gauge(f"rayconv_{name}", description=GAUGES[name], tag_keys=("run", "role"))
+    return _gauges[name]
+
+
+def actor_gauges(run: str, role: str, **values: Optional[float]) -> None:
+    """Set the gauges named in ``values`` (None skipped) for ``run`` and ``role``; never raises
+    (metrics must not stop training)."""
+    try:
+        for name, v in values.items():
+            if v is not None:
+                _gauge(name).set(float(v), tags={"run": run, "role": role})
+    except Exception:  # noqa: BLE001 - e.g. no metrics agent on this node
+        pass

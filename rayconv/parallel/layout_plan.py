@@ -1,0 +1,214 @@
+"""The parallel plan: what the driver computes once and sends to every actor.
+
+``make_plan`` views the model as its flat layer list (``models.to_layers``), measures each layer's
+forward FLOPs and output shape with one CPU forward of a single sample, cuts the pipeline stages,
+builds and validates the schedule, and checks the layout against the model. Everything here raises
+``PlanError`` (a ValueError) with what to change, before any actor starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from rayconv.config import Config, batch_split_problem
+from rayconv.mesh import Mesh
+from rayconv.models import to_layers
+from rayconv.parallel.pipeline.validate import Schedule, make_schedule, validate
+from rayconv.parallel.pipeline.runner import balance, parse_stages
+from rayconv.errors import PlanError
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Layout of one run, identical on every actor.
+
+    ``layer_names``: qualified names of the flat layers; ``out_shapes[i]``: per-sample output shape
+    of layer i (``in_shape`` for the input); ``flops[i]``: forward FLOPs of layer i per sample;
+    ``stages``: [start, end) layer ranges, one per pipeline stage, or per virtual stage under
+    interleaved 1F1B (``P * V`` of them; stage s holds ``virtual_stages(s)``); ``schedule``: the
+    micro-batch program of each stage.
+    """
+
+    mesh: Mesh
+    layer_names: tuple[str, ...]
+    in_shape: tuple[int, ...]
+    out_shapes: tuple[tuple[int, ...], ...]
+    flops: tuple[float, ...]
+    params: tuple[int, ...]
+    stages: tuple[tuple[int, int], ...]
+    schedule: Schedule
+    plan: str = "none"
+    exchange_chunks: int = 1  # filter split: batch pieces of each overlapped gather (filter_split.overlapped_gather)
+
+    def stage_in_shape(self, stage: int) -> tuple[int, ...]:
+        start = self.stages[stage][0]
+        return self.in_shape if start == 0 else self.out_shapes[start - 1]
+
+    def stage_out_shape(self, stage: int) -> tuple[int, ...]:
+        return self.out_shapes[self.stages[stage][1] - 1]
+
+    def stage_params(self) -> list[int]:
+        """Parameters held by each pipeline stage (all its chunks)."""
+        P = self.mesh.pp
+        return [sum(sum(self.params[a:b]) for a, b in (self.stages[v] for v in self.virtual_stages(s)))
+                for s in range(P)]
+
+    def virtual_stages(self, stage: int) -> list[int]:
+        """Indices into ``stages`` of the chunks pipeline stage ``stage`` holds: ``stage + c * P``."""
+        return [stage + c * self.mesh.pp for c in range(self.schedule.num_chunks)]
+
+
+def layer_profile(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, ...]):
+    """(per-sample output shapes, forward FLOPs per sample, parameter counts), one per layer,
+    from one eval-mode CPU forward of a batch of 1."""
+    x = torch.zeros((1, *sample_shape))
+    shapes, flops, params = [], [], []
+    with torch.no_grad():
+        for _, m in layers:
+            was_training = m.training
+            m.eval()
+            counter = FlopCounterMode(display=False)
+            try:
+                with counter:
+                    x = m(x)
+            except RuntimeError as e:
+                raise PlanError(f"the model cannot take {tuple(sample_shape)} images ({str(e).splitlines()[0]}): "
+                                "raise --image-size or pick a model for small images (convnet)") from None
+            m.train(was_training)
+            shapes.append(tuple(x.shape[1:]))
+            flops.append(float(counter.get_total_flops()))
+            params.append(sum(p.numel() for p in m.parameters()))
+    return shapes, flops, params
+
+
+def layer_times(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, ...], batch: int,
+                device: torch.device, autocast: Optional[torch.dtype], reps: int = 5) -> list[float]:
+    """Forward + backward time in ms of each layer on ``device`` for a micro-batch of ``batch`` images
+    (torchgpipe's ``balance_by_time``, Kim et al. 2020, section 3.3): FLOPs misjudge layers bound by
+    memory traffic (batch norm, ReLU and pooling on the large early activations). Each layer runs
+    ``reps`` timed times after one untimed run, on the previous layer's output, eagerly (on CPU the
+    median repetition)."""
+    import time
+
+    cuda = device.type == "cuda"
+    fmt = torch.channels_last if cuda else torch.contiguous_format
+    x = torch.randn((batch, *sample_shape), device=device).contiguous(memory_format=fmt)
+    def amp():
+        return torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None)
+
+    times = []
+    for i, (_, m) in enumerate(layers):
+        m.to(device)
+        if cuda:
+            m.to(memory_format=torch.channels_last)
+        m.train()
+        reps_s = []  # on CPU each repetition's time: their median (a busy host's stray slow repetition)
+        for r in range(reps + 1):
+            if r == 1:
+                if cuda:
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+            t_rep = time.perf_counter()
+            # A non-leaf input (layers may start with an in-place ReLU), fresh each repetition.
+            inp = x.detach().requires_grad_() * 1 if i > 0 else x
+            with amp():
+                out = m(inp)
+            if out.requires_grad:
+                out.float().sum().backward()
+            if r >= 1 and not cuda:
+                reps_s.append(time.perf_counter() - t_rep)
+        if cuda:
+            torch.cuda.synchronize(device)
+            times.append((time.perf_counter() - t0) / reps * 1e3)
+        else:
+            times.append(sorted(reps_s)[len(reps_s) // 2] * 1e3)
+        with torch.no_grad(), amp():
+            x = m(x).detach()
+        m.zero_grad(set_to_none=True)
+        m.to("cpu")
+    return times
+
+
+def measured_costs(cfg_dict: dict, micro_batch: int) -> list[float]:
+    """``layer_times`` of the run's model on this process's device (run as a Ray task on a GPU by
+    ``driver.prepare``). Returns one time in ms per layer of ``models.to_layers``."""
+    from rayconv.data.source import make_source
+    from rayconv.models import run_model
+
+    cfg = Config(**cfg_dict)
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    source = make_source(cfg)
+    return layer_times(to_layers(run_model(cfg, source)), tuple(source.sample_shape), micro_batch, device,
+                       torch.bfloat16 if cfg.precision == "bf16" else None)
+
+
+def build_part(plan: Plan, layers, stage: int, fs_index: int, fs_group, dp_index: int, dp_group):
+    """This actor's runnable part (a ``filter_split.ShardedPart``) and the shard sizes of its input
+    (None when replicated): the stage's layers, filter-split over fs, or the per-layer plan.
+    Stages before ``stage`` are sharded too (cheap slicing) to learn those sizes. Raises PlanError for
+    a layer that cannot be split; the driver calls it once with actor 0's coordinates to check."""
+    from rayconv.parallel.filter_split.layers import krizhevsky2014, shard_layers, whole_part  # (filter_split imports PlanError)
+
+    if plan.plan == "krizhevsky2014":
+        return krizhevsky2014(layers, plan.in_shape, list(plan.out_shapes), dp_index, plan.mesh.dp, dp_group), None
+    if plan.schedule.num_chunks > 1:
+        # Interleaved 1F1B: the stage's chunks, one after the other (no filter split: the settings refuse it).
+        return whole_part([layer for v in plan.virtual_stages(stage)
+                           for layer in layers[plan.stages[v][0]:plan.stages[v][1]]]), None
+    in_sizes = None
+    for p, (start, end) in enumerate(plan.stages):
+        if plan.mesh.fs == 1:
+            part = whole_part(layers[start:end])
+        else:
+            part = shard_layers(layers[start:end], plan.stage_in_shape(p), list(plan.out_shapes[start:end]),
+                                in_sizes, fs_index, plan.mesh.fs, fs_group, is_last=p == plan.mesh.pp - 1,
+                                exchange_chunks=plan.exchange_chunks)
+        if p == stage:
+            return part, in_sizes
+        in_sizes = part.out_sizes
+    raise AssertionError(f"stage {stage} out of range")
+
+
+def make_plan(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[int, ...],
+              costs: Optional[list[float]] = None) -> Plan:
+    """Plan ``model`` (built with the run's settings) for ``mesh``; pipeline stages balance ``costs``
+    (one per layer, e.g. measured times) when given, else forward FLOPs. Raises PlanError."""
+    layers = to_layers(model)
+    shapes, flops, params = layer_profile(layers, sample_shape)
+    if mesh.pp > 1 and len(layers) == 1:
+        raise PlanError(f"--model {cfg.model} cannot be cut into pipeline stages (rayconv does not know its "
+                        "layer order): use --pp 1")
+    chunks = mesh.pp * cfg.virtual_stages  # contiguous runs of layers; stage s holds s, s + P, ...
+    if cfg.virtual_stages > 1 and chunks > len(layers):
+        raise PlanError(f"--pp {mesh.pp} with --virtual-stages {cfg.virtual_stages} cuts the model into {chunks} "
+                        f"chunks but it has {len(layers)} cuttable layers: lower --virtual-stages")
+    if cfg.stages:
+        stages = parse_stages(cfg.stages, len(layers), chunks)
+    elif costs is not None:
+        if len(costs) != len(layers):
+            raise PlanError(f"{len(costs)} layer costs for {len(layers)} layers")
+        stages = balance(costs, chunks)
+    else:
+        # Balance by forward FLOPs, parameters as a tie-breaker for layers without compute.
+        stages = balance([f + p for f, p in zip(flops, params)], chunks)
+    # (checked once --dp is known: before the cluster decides it, the split is not yet known)
+    problem = batch_split_problem(cfg.global_batch_size, mesh.dp, cfg.num_microbatches) if cfg.dp else None
+    if problem:
+        raise PlanError(problem)
+    try:
+        schedule = make_schedule(cfg.schedule, mesh.pp, cfg.num_microbatches, cfg.virtual_stages)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    validate(schedule)
+    plan = Plan(mesh=mesh, layer_names=tuple(n for n, _ in layers), in_shape=tuple(sample_shape),
+                out_shapes=tuple(shapes), flops=tuple(flops), params=tuple(params), stages=tuple(stages),
+                schedule=schedule, plan=cfg.plan, exchange_chunks=cfg.exchange_chunks)
+    build_part(plan, layers, mesh.pp - 1, 0, None, 0, None)  # refuse unsplittable layers before any actor
+    return plan

@@ -1,0 +1,385 @@
+"""The planner's measurements: what ``rayconv.costmodel`` needs, measured on the device and cached.
+
+Part of the planner (``python -m rayconv.plan``, ``--layout auto``): ``rayconv.costmodel`` is the
+model of a step, ``rayconv.layout_search`` the search. Not to be confused with
+``rayconv/parallel/plan.py``, the routing plan of one layout that the actors run.
+
+What is measured, on the device the run will use:
+
+* the model's profile (per-layer output sizes, parameters, FLOPs, where a filter split gathers),
+  from one CPU forward of one sample (``parallel.plan.layer_profile``, ``filter_split.shard_layers``);
+* each layer's forward + backward time at every batch size the candidate layouts need
+  (``parallel.plan.layer_times``, what ``--balance time`` measures), on one GPU of the cluster
+  (``cluster.run_on_device``) or on this process's CPU;
+* with two or more GPUs, all-reduce, all-gather and send/recv times between two actors on the
+  cluster (``cluster.run_on_devices``), fitted to latency + bytes / bandwidth; on one device or on
+  CPU the links come from ``LINK_TABLE``.
+
+Measurements are cached as JSON under ``$RAYCONV_CACHE_DIR`` (default ``~/.cache/rayconv/``), one file
+per (model, data shape, device name, precision); a second plan reads it and measures nothing new.
+
+Machines we cannot run on are predicted from the link table (``MACHINES``, ``--machine``) with the
+per-layer times of the device at hand (the same GPU model: H200). Figures assumed there:
+
+* NVLink 4 on H100/H200: 18 links, 900 GB/s bidirectional per GPU, about 450 GB/s each way (NVIDIA
+  H200 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/h200/ ; HGX H200 8-GPU
+  boards connect all GPUs through NVSwitch at that rate, https://www.nvidia.com/en-us/data-center/hgx/ ).
+  NCCL reaches part of it: a torch.distributed all-reduce of 100-244 MB between two H200 actors
+  measured 268-291 GB/s bus bandwidth, so the table assumes 290 GB/s for collectives and point-to-point.
+* Between hosts: InfiniBand NDR, 400 Gb/s = 50 GB/s each way per ConnectX-7 adapter, one adapter per
+  GPU as in DGX/HGX H200 systems (NVIDIA ConnectX-7 datasheet,
+  https://www.nvidia.com/en-us/networking/ethernet-adapters/ ; DGX H200 user guide); assumed 40 GB/s
+  achieved per GPU for collectives that cross hosts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from rayconv.config import Config
+from rayconv.planner.costmodel import Links, LinkSpeed, Profile
+
+NVLINK4 = LinkSpeed(gbps=290.0, latency_ms=0.02)
+IB_NDR = LinkSpeed(gbps=40.0, latency_ms=0.03)
+GLOO_LOOPBACK = LinkSpeed(gbps=1.0, latency_ms=0.1)
+LINK_TABLE = {
+    "nvlink4": ("NVLink 4 / NVSwitch (H100/H200 HGX): 450 GB/s each way per GPU, 290 GB/s assumed achieved",
+                NVLINK4),
+    "gloo-loopback": ("gloo over loopback TCP between CPU processes (assumed 1 GB/s, 0.1 ms)", GLOO_LOOPBACK),
+}
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A machine to predict for: ``nodes`` hosts of ``gpus_per_node`` GPUs and their links."""
+
+    name: str
+    nodes: int
+    gpus_per_node: int
+    intra: str
+    inter: Optional[LinkSpeed] = None
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def links(self) -> Links:
+        text, speed = LINK_TABLE[self.intra]
+        inter = (f"; between hosts InfiniBand NDR 400 Gb/s per GPU, {self.inter.gbps:g} GB/s assumed"
+                 if self.inter else "")
+        return Links(self.name, speed, speed, speed, self.gpus_per_node, self.inter,
+                     source=f"link table: {text}{inter}")
+
+
+MACHINES = {
+    "h200x2": Machine("2 x H200, one host", 1, 2, "nvlink4"),
+    "h200x4": Machine("4 x H200, one host", 1, 4, "nvlink4"),
+    "h200x8": Machine("8 x H200, one host (HGX, NVSwitch)", 1, 8, "nvlink4"),
+    "2xh200x8": Machine("2 hosts of 8 x H200 (InfiniBand NDR)", 2, 8, "nvlink4", IB_NDR),
+}
+
+
+# ---------------------------------------------------------------------- measurement (runs on the device)
+def profile_of(cfg_dict: dict) -> dict:
+    """The model's ``Profile`` fields (JSON-able) for the run settings ``cfg_dict``; runs on CPU."""
+    import math
+
+    from torch import nn
+
+    from rayconv.data.source import make_source
+    from rayconv.models import run_model, to_layers
+    from rayconv.parallel.filter_split.layers import Gather, shard_layers
+    from rayconv.errors import PlanError
+    from rayconv.parallel.layout_plan import layer_profile
+
+    cfg = Config(**cfg_dict)
+    source = make_source(cfg)
+    layers = to_layers(run_model(cfg, source))
+    shapes, flops, params = layer_profile(layers, tuple(source.sample_shape))
+    names = [n for n, _ in layers]
+    first_fc = next((i for i, (_, m) in enumerate(layers) if isinstance(m, nn.Linear)), None)
+    gathers: list[int] = []
+    max_fs = 1
+    try:
+        part = shard_layers(layers, tuple(source.sample_shape), list(shapes), None, 0, 2, None, is_last=True)
+        for j, m in enumerate(part.modules):
+            if isinstance(m, Gather) and j + 1 < len(part.names) and part.names[j + 1] is not None:
+                gathers.append(names.index(part.names[j + 1]))
+        widths = [m.out_channels if isinstance(m, nn.Conv2d) else m.out_features for _, m in layers
+                  if isinstance(m, (nn.Conv2d, nn.Linear))]
+        max_fs = min(widths)
+    except PlanError:
+        pass
+    return {"model": cfg.model, "in_elems": math.prod(source.sample_shape),
+            "out_elems": [math.prod(s) for s in shapes], "params": params, "first_fc": first_fc,
+            "gathers": gathers, "max_fs": max_fs, "flops": flops,
+            "saved_elems": saved_elems(layers, tuple(source.sample_shape))}
+
+
+def saved_elems(layers, sample_shape: tuple[int, ...], batch: int = 2) -> list[float]:
+    """Elements each layer saves for its backward pass, per sample (activations, masks, indices; its
+    own parameters not counted): autograd's saved tensors (``torch.autograd.graph.saved_tensors_hooks``)
+    in one training-mode CPU forward of ``batch`` samples, each storage counted once."""
+    import torch
+
+    x = torch.zeros((batch, *sample_shape))
+    out = []
+    for _, m in layers:
+        own = {p.data_ptr() for p in m.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            if t.data_ptr() not in own:
+                seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel())
+            return t
+
+        was = m.training
+        m.train()
+        inp = x.detach().requires_grad_() * 1  # (non-leaf: a layer may start with an in-place ReLU)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = m(inp)
+        m.train(was)
+        out.append(sum(seen.values()) / batch)
+        x = y.detach()
+    return out
+
+
+def device_name(cfg_dict: dict) -> str:
+    """This process's device as the cache names it (e.g. ``NVIDIA H200``, ``cpu-x86_64-2``)."""
+    import torch
+
+    if cfg_dict["device"] == "cuda":
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+    return f"cpu-{platform.machine()}-{torch.get_num_threads()}threads"
+
+
+def times_key(batch: int, fs: int) -> str:
+    return str(batch) if fs == 1 else f"{batch}/fs{fs}"
+
+
+def times_at(cfg_dict: dict, pairs: Sequence[tuple[int, int]]) -> dict:
+    """Forward + backward ms per layer at each (batch size, fs): whole layers
+    (``parallel.plan.measured_costs``, what ``--balance time`` measures) for fs = 1, else one actor's
+    shard of the filter split (``sharded_costs``). Returns {"device": name, "times": {key: [ms, ...]}}."""
+    from rayconv.parallel.layout_plan import measured_costs
+
+    return {"device": device_name(cfg_dict),
+            "times": {times_key(b, fs): measured_costs(cfg_dict, b) if fs == 1 else sharded_costs(cfg_dict, b, fs)
+                      for b, fs in pairs}}
+
+
+def sharded_costs(cfg_dict: dict, batch: int, fs: int) -> list[float]:
+    """Forward + backward ms of actor 0's shard of each layer under a filter split over ``fs``
+    (``filter_split.shard_layers``), at ``batch`` images, on this process's device, one per layer of
+    ``models.to_layers``. The split's collectives are timed apart (``costmodel.Links``): here each
+    gather is a local copy to the gathered shape and each scatter a local slice, so that the layers
+    after them see the shapes they see in the run; their copy time counts to the layer after them."""
+    import torch
+    from torch import nn
+
+    from rayconv.data.source import make_source
+    from rayconv.models import run_model, to_layers
+    from rayconv.parallel.filter_split.layers import Gather, Scatter, ShardedDropout, shard_layers
+    from rayconv.parallel.layout_plan import layer_profile, layer_times
+
+    class LocalGather(nn.Module):  # the gathered shape, from this shard and zeros
+        def __init__(self, dim: int, sizes: list[int]):
+            super().__init__()
+            self.dim, self.rest = dim, sum(sizes) - sizes[0]
+
+        def forward(self, x):
+            pad = list(x.shape)
+            pad[self.dim] = self.rest
+            return torch.cat([x, x.new_zeros(pad)], dim=self.dim)
+
+    class LocalScatter(nn.Module):
+        def __init__(self, dim: int, size: int):
+            super().__init__()
+            self.dim, self.size = dim, size
+
+        def forward(self, x):
+            return x.narrow(self.dim, 0, self.size).contiguous()
+
+    cfg = Config(**cfg_dict)
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    source = make_source(cfg)
+    layers = to_layers(run_model(cfg, source))
+    shapes, _, _ = layer_profile(layers, tuple(source.sample_shape))
+    part = shard_layers(layers, tuple(source.sample_shape), list(shapes), None, 0, fs, None, is_last=True)
+    names = [n for n, _ in layers]
+    seq, owner = [], []
+    for m, name in zip(part.modules, part.names):
+        if isinstance(m, Gather):
+            m = LocalGather(m.dim, m.sizes)
+        elif isinstance(m, Scatter):
+            m = LocalScatter(m.dim, m.sizes[0])
+        elif isinstance(m, ShardedDropout):
+            m.reseed(0, device)
+        seq.append((name or "", m))
+        owner.append(None if name is None else names.index(name))
+    ms = layer_times(seq, tuple(source.sample_shape), batch, device,
+                     torch.bfloat16 if cfg.precision == "bf16" else None)
+    out = [0.0] * len(layers)
+    carry = 0.0
+    for i, t in zip(owner, ms):
+        if i is None:
+            carry += t
+        else:
+            out[i] += t + carry
+            carry = 0.0
+    out[-1] += carry  # the logits' gather
+    return out
+
+
+def link_probe(rank: int, world: int, master: str, backend: str, sizes_mb: Sequence[float]) -> dict:
+    """Median times (ms) of all-reduce, all-gather (each rank gives size / world) and a one-way send of
+    each size (MB) between ``world`` processes (run by ``cluster.run_on_devices``)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    sync = torch.cuda.synchronize if backend == "nccl" else (lambda: None)
+    out: dict[str, list] = {"sizes_mb": list(sizes_mb), "allreduce": [], "allgather": [], "p2p": []}
+    try:
+        for mb in sizes_mb:
+            n = max(world, int(mb * 2**20 // 4) // world * world)
+            t = torch.ones(n, device=dev)
+            parts = list(torch.empty(n, device=dev).chunk(world))
+            ops = {"allreduce": lambda: dist.all_reduce(t),
+                   "allgather": lambda: dist.all_gather(parts, t[:n // world].clone()),
+                   # a round trip between ranks 0 and 1, halved below
+                   "p2p": lambda: (dist.send(t, 1), dist.recv(t, 1)) if rank == 0 else
+                   ((dist.recv(t, 0), dist.send(t, 0)) if rank == 1 else None)}
+            for key, op in ops.items():
+                times = []
+                for i in range(7):
+                    sync()
+                    t0 = time.perf_counter()
+                    op()
+                    sync()
+                    if i >= 2:
+                        times.append((time.perf_counter() - t0) * 1e3)
+                out[key].append(statistics.median(times) / (2 if key == "p2p" else 1))
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def fit_links(probe: dict, world: int, name: str) -> Links:
+    """Latency + bandwidth per transfer kind, least squares over the probed sizes (bus bytes for
+    collectives, as ``costmodel.LinkSpeed`` counts them)."""
+    def fit(key: str, factor: float) -> LinkSpeed:
+        xs = [mb * 2**20 * factor for mb in probe["sizes_mb"]]
+        ys = probe[key]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(1e-30, sum((x - mx) ** 2 for x in xs))
+        slope = max(slope, 1e-12)
+        return LinkSpeed(gbps=1e3 / slope / 1e9, latency_ms=max(0.0, my - slope * mx))
+
+    n = world
+    speeds = (fit("allreduce", 2 * (n - 1) / n), fit("allgather", (n - 1) / n), fit("p2p", 1.0))
+    return Links(name, *speeds, gpus_per_node=max(world, 8),
+                 source=f"measured between {world} actors: all-reduce {speeds[0].gbps:.1f} GB/s, all-gather "
+                        f"{speeds[1].gbps:.1f} GB/s, send/recv {speeds[2].gbps:.1f} GB/s (bus bandwidth, fitted)")
+
+
+# ---------------------------------------------------------------------- cache
+def cache_dir() -> Path:
+    return Path(os.environ.get("RAYCONV_CACHE_DIR") or Path.home() / ".cache" / "rayconv")
+
+
+class Measurements:
+    """Profile, layer times and links of one (model, data shape, device, precision), cached on disk."""
+
+    def __init__(self, cfg: Config, device: str, use_cluster: bool):
+        self.cfg, self.device, self.use_cluster = cfg, device, use_cluster
+        self.cfg_dict = {**cfg.to_dict(), "device": device}
+        self.state: dict[str, Any] = {"times": {}, "links": None, "device": None, "profile": None}
+        self.path: Optional[Path] = None
+        self.measured: list[str] = []
+
+    def _run(self, fn, args: Sequence[Any]):
+        if self.use_cluster:
+            from rayconv.cluster import group as cluster
+
+            return cluster.run_on_device(fn, args, gpu=self.device == "cuda", timeout_s=600.0)
+        import torch
+
+        threads = torch.get_num_threads()
+        if self.device == "cpu":  # as an actor computes: --num-cpus-per-actor threads (worker.py)
+            torch.set_num_threads(max(1, self.cfg.num_cpus_per_actor))
+        try:
+            return fn(*args)
+        finally:
+            torch.set_num_threads(threads)
+
+    def load(self) -> None:
+        """Find this configuration's cache file (asks the device for its name first)."""
+        name = self._run(device_name, (self.cfg_dict,))
+        key = json.dumps([self.cfg.model, self.cfg.data, self.cfg.image_size, self.cfg.num_classes, name,
+                          self.cfg.precision])
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        self.path = cache_dir() / f"plan-{self.cfg.model}-{digest}.json"
+        if self.path.is_file():
+            try:
+                self.state = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                pass  # a damaged cache is measured again
+        self.state["device"] = name
+
+    def save(self) -> None:
+        assert self.path is not None
+        from rayconv.files import atomic_write
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.path, lambda tmp: Path(tmp).write_text(json.dumps(self.state)))
+
+    def profile(self) -> Profile:
+        if self.state.get("profile") is None:
+            self.state["profile"] = profile_of(self.cfg_dict)
+            self.measured.append("profile")
+        p = self.state["profile"]
+        return Profile(p["model"], p["in_elems"], tuple(p["out_elems"]), tuple(p["params"]), p["first_fc"],
+                       tuple(p["gathers"]), p["max_fs"], tuple(p["flops"]), tuple(p["saved_elems"]))
+
+    def times(self, pairs: Sequence[tuple[int, int]]) -> Callable[[int, int], list[float]]:
+        """Measure the (batch, fs) pairs not cached yet; return (batch, fs) -> per-layer ms."""
+        missing = [(b, fs) for b, fs in pairs if times_key(b, fs) not in self.state["times"]]
+        if missing:
+            self.state["times"].update(self._run(times_at, (self.cfg_dict, missing))["times"])
+            self.measured.append("layer times at batch " + ", ".join(times_key(b, fs) for b, fs in missing))
+        table = self.state["times"]
+        return lambda b, fs=1: table[times_key(b, fs)]
+
+    def links(self, world: int) -> Links:
+        """Measured between two GPU actors when the cluster (``--address``, else a local Ray) has two
+        or more GPUs, cached per cluster; else the link table."""
+        if self.device == "cuda" and world >= 2:
+            from rayconv.cluster import group as cluster
+
+            cluster.connect(self.cfg.address)
+            if cluster.available_devices("cuda")[1] >= 2:
+                where = f"{self.cfg.address or 'local'}@{platform.node()}"
+                measured = self.state.setdefault("links", None) or {}
+                if where not in measured:
+                    measured[where] = cluster.run_on_devices(link_probe, 2, True, ("nccl", (1, 8, 32)))[0]
+                    self.measured.append("links")
+                self.state["links"] = measured
+                return fit_links(measured[where], 2, f"{self.state['device']} x {world}")
+        key = "nvlink4" if self.device == "cuda" else "gloo-loopback"
+        text, speed = LINK_TABLE[key]
+        return Links(key, speed, speed, speed, gpus_per_node=max(world, 1), source=f"link table: {text}")

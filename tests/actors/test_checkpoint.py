@@ -1,0 +1,241 @@
+"""Checkpoints and resume on a real local Ray cluster: k steps + resume + k steps equals 2k steps
+straight, parameter for parameter and momentum for momentum (float64, dp=2); a --dp change under pure
+data parallelism; and every bad resume is one clear error that leaves the files as they were."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from helpers import assert_same_state
+from rayconv.outputs.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, write_checkpoint
+from rayconv.config import Config
+from rayconv.driver.job import fit
+from rayconv.run import main
+
+STEPS = 8  # 2k with k = 4; checkpoints every 2 steps
+
+
+class Stop(Exception):
+    """Raised from on_step to end a run mid-way, as a crash would."""
+
+
+def ck_config(out: Path, **kw) -> Config:
+    base = dict(model="convnet", data="digits", dp=2, global_batch_size=64, steps=STEPS, lr=0.05,
+                precision="fp64", device="cpu", progress=False, eval_every=3, out=str(out),
+                checkpoint_every=2, keep_checkpoints=2, loader_workers=0)
+    base.update(kw)
+    return Config(**base).validate()
+
+
+def shard(ckpt: Path, rank: int) -> dict:
+    return torch.load(ckpt / f"rank-{rank}.pt", weights_only=True)
+
+
+def assert_same_shard(got: dict, want: dict) -> None:
+    assert_same_state(got["model"], want["model"], atol=0.0)
+    go, wo = got["optimizer"], want["optimizer"]
+    assert go["param_groups"] == wo["param_groups"]
+    assert go["state"].keys() == wo["state"].keys()
+    for i in wo["state"]:
+        assert torch.equal(go["state"][i]["momentum_buffer"], wo["state"][i]["momentum_buffer"]), i
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def straight(ray_cluster, tmp_path_factory) -> Path:
+    """2k steps without interruption."""
+    out = tmp_path_factory.mktemp("ck") / "straight"
+    fit(ck_config(out), log=lambda *_: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stopped(ray_cluster, tmp_path_factory) -> Path:
+    """The same run, stopped by an error after k steps (and its checkpoint at step k)."""
+    out = tmp_path_factory.mktemp("ck") / "stopped"
+
+    def crash(gang, step):
+        if step == STEPS // 2 - 1:
+            raise Stop()
+
+    with pytest.raises(Stop):
+        fit(ck_config(out), log=lambda *_: None, on_step=crash)
+    return out
+
+
+def test_checkpoint_files(straight):
+    # --keep-checkpoints 2 pruned step-2 and step-4; the last step is always written.
+    assert [p.name for p in list_checkpoints(straight)] == ["step-6", "step-8"]
+    ckpt = straight / "checkpoints" / "step-6"
+    m = json.loads((ckpt / "manifest.json").read_text())
+    assert m["step"] == 6 and m["model"] == "convnet"
+    assert {k: m["layout"][k] for k in ("dp", "pp", "fs", "plan")} == {"dp": 2, "pp": 1, "fs": 1, "plan": "none"}
+    assert m["data"]["next_step"] == 6 and m["lr_schedule"]["next_step"] == 6 and m["lr_schedule"]["total_steps"] == 8
+    assert m["config"]["steps"] == STEPS
+    assert sorted(f["name"] for f in m["files"]) == ["metrics.parquet", "rank-0.pt", "rank-1.pt"]
+    for f in m["files"]:
+        assert (ckpt / f["name"]).stat().st_size == f["bytes"] and len(f["sha256"]) == 64
+    s = shard(ckpt, 1)  # plain tensors and types: loads with weights_only=True
+    assert s["role"] == "dp1" and {"torch", "numpy_keys", "python"} <= set(s["rng"])
+    assert pq.read_table(ckpt / "metrics.parquet").num_rows >= 6
+    assert not list((straight / "checkpoints").glob("*.tmp"))
+
+
+def test_failed_run_keeps_its_checkpoints(stopped):
+    assert [p.name for p in list_checkpoints(stopped)] == ["step-2", "step-4"]
+    assert (stopped / "config.json").is_file() and not (stopped / "model.pt").exists()
+    # Its progress is readable: metrics.parquet, written at each checkpoint and evaluation.
+    rows = pq.read_table(stopped / "metrics.parquet").to_pylist()
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [2]
+
+
+def test_resume_equals_straight_run(straight, stopped, tmp_path, capsys):
+    """k steps, stop, ``--resume RUN`` for the other k: identical parameters, momentum and metrics."""
+    branch = tmp_path / "branch"
+    shutil.copytree(stopped, branch)  # keep the stopped run for the other tests
+    assert main(["--resume", str(branch)]) == 0  # every setting from the checkpoint; writes into it
+    assert f"rayconv: resuming from {branch / 'checkpoints' / 'step-4'} (step 4 of 8)" in capsys.readouterr().out
+    torch.testing.assert_close(torch.load(branch / "model.pt", weights_only=True),
+                               torch.load(straight / "model.pt", weights_only=True), rtol=0, atol=0)
+    for r in range(2):
+        assert_same_shard(shard(branch / "checkpoints" / "step-8", r), shard(straight / "checkpoints" / "step-8", r))
+    got = [r for r in pq.read_table(branch / "metrics.parquet").to_pylist() if r["kind"] == "train"]
+    want = [r for r in pq.read_table(straight / "metrics.parquet").to_pylist() if r["kind"] == "train"]
+    assert [r["step"] for r in got] == list(range(STEPS))
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+    summary = json.loads((branch / "summary.json").read_text())
+    assert summary["resumed_from"].endswith("step-4")
+
+
+def test_resume_with_more_replicas(straight, stopped, tmp_path):
+    """Pure data parallelism: a dp=2 checkpoint continues on dp=4 (every replica holds the whole model)."""
+    out = tmp_path / "dp4"
+    assert main(["--resume", str(stopped), "--dp", "4", "--out", str(out)]) == 0
+    assert_same_state(torch.load(out / "model.pt", weights_only=True),
+                      torch.load(straight / "model.pt", weights_only=True), atol=1e-10)
+    assert json.loads((out / "summary.json").read_text())["layout"]["dp"] == 4
+
+
+def run_failing(argv, capsys) -> str:
+    capsys.readouterr()
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("rayconv: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_resume_into_another_layout_is_refused(stopped, tmp_path, capsys):
+    before = tree(stopped)
+    line = run_failing(["--resume", str(stopped), "--dp", "1", "--fs", "2", "--out", str(tmp_path / "x")], capsys)
+    assert "dp=2 pp=1 fs=1" in line and "dp=1 pp=1 fs=2" in line and "--dp 2" in line
+    assert not (tmp_path / "x").exists() and tree(stopped) == before
+
+
+def test_resume_another_model_is_refused(stopped, tmp_path, capsys):
+    before = tree(stopped)
+    line = run_failing(["--resume", str(stopped), "--model", "convnet_bn"], capsys)
+    assert "'convnet'" in line and "convnet_bn" in line
+    assert tree(stopped) == before
+
+
+def test_truncated_checkpoint_file_is_named(stopped, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(stopped, bad)
+    f = bad / "checkpoints" / "step-4" / "rank-1.pt"
+    f.write_bytes(f.read_bytes()[:1000])
+    before = tree(bad)
+    line = run_failing(["--resume", str(bad)], capsys)
+    assert str(f) in line and "truncated" in line
+    assert tree(bad) == before
+
+
+def test_corrupt_checkpoint_file_is_named(stopped, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(stopped / "checkpoints" / "step-2", bad)
+    f = bad / "rank-0.pt"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    line = run_failing(["--resume", str(bad), "--out", str(tmp_path / "x")], capsys)
+    assert str(f) in line and "sha256" in line
+    assert not (tmp_path / "x").exists()
+
+
+def test_resume_folder_that_does_not_exist(tmp_path, capsys):
+    missing = tmp_path / "nope"
+    line = run_failing(["--resume", str(missing)], capsys)
+    assert str(missing) in line and "no such folder" in line
+    assert not missing.exists()
+
+
+def test_resume_a_run_without_checkpoints(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    line = run_failing(["--resume", str(run)], capsys)
+    assert "no complete checkpoint" in line and "--checkpoint-every" in line
+
+
+def test_checkpoint_write_is_atomic(tmp_path):
+    """A write that fails half-way leaves step-<k>.tmp behind, never a step-<k>: the previous
+    checkpoint stays the newest complete one and loads."""
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(3)}, buf)
+    write_checkpoint(tmp_path, 2, [buf.getvalue()], {"model": "m", "layout": {}})
+    with pytest.raises(TypeError):
+        write_checkpoint(tmp_path, 4, [buf.getvalue(), None], {"model": "m", "layout": {}})  # dies mid-write
+    assert (tmp_path / "checkpoints" / "step-4.tmp").is_dir()
+    assert not (tmp_path / "checkpoints" / "step-4").exists()
+    assert latest_checkpoint(tmp_path).name == "step-2"
+    ckpt = load_checkpoint(tmp_path)
+    assert ckpt.step == 2 and torch.load(io.BytesIO(ckpt.shard(0)), weights_only=True)["w"].sum() == 3
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--checkpoint-every", "-1"], ["--checkpoint-every", ">= 0"]),
+    (["--keep-checkpoints", "-2"], ["--keep-checkpoints"]),
+    (["--max-failures", "2"], ["--max-failures", "--checkpoint-every"]),
+    (["--max-failures", "2", "--checkpoint-every", "5", "--max-wait", "0"], ["--max-wait", "> 0"]),
+])
+def test_operations_flags_are_validated(argv, words, tmp_path, capsys):
+    line = run_failing([*argv, "--out", str(tmp_path / "x")], capsys)
+    assert all(w in line for w in words), line
+    assert not (tmp_path / "x").exists()
+
+
+def test_interleaved_pipeline_resume_equals_straight_run(ray_cluster, tmp_path):
+    """Interleaved 1F1B (2 stages, 2 model chunks each: non-adjacent layers on one actor): each actor's
+    shard holds its chunks' parameters and momentum under the whole model's names; k steps + resume + k
+    steps equals 2k steps exactly."""
+    kw = dict(dp=1, pp=2, virtual_stages=2, num_microbatches=2)
+    straight_out, stopped_out = tmp_path / "straight", tmp_path / "stopped"
+    fit(ck_config(straight_out, **kw), log=lambda *_: None)
+
+    def crash(gang, step):
+        if step == STEPS // 2 - 1:
+            raise Stop()
+
+    with pytest.raises(Stop):
+        fit(ck_config(stopped_out, **kw), log=lambda *_: None, on_step=crash)
+    m = json.loads((stopped_out / "checkpoints" / "step-4" / "manifest.json").read_text())
+    assert len(m["layout"]["stages"]) == 4  # 2 stages x 2 chunks
+    assert main(["--resume", str(stopped_out)]) == 0
+    torch.testing.assert_close(torch.load(stopped_out / "model.pt", weights_only=True),
+                               torch.load(straight_out / "model.pt", weights_only=True), rtol=0, atol=0)
+    for r in range(2):
+        assert_same_shard(shard(stopped_out / "checkpoints" / "step-8", r),
+                          shard(straight_out / "checkpoints" / "step-8", r))

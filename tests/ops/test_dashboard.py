@@ -1,0 +1,243 @@
+"""The Ray dashboard: a real Ray head (``ray start --head``) with its dashboard (bound to 127.0.0.1)
+shows the run's named actors and their states through its HTTP state API and its web page, the
+rayconv gauges reach Ray's metrics (the dashboard's Metrics view and Prometheus read them), ``ray job
+submit`` runs the CLI, and two runs whose output folders share a name run at once on it.
+
+This module starts its own Ray head, every port of it a free one (other Ray instances may run on the
+same host: the dashboard agent's default port 52365 would then be taken), and stops it at the end;
+other modules' ``ray_cluster`` fixture starts a fresh one after it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import tempfile
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import ray
+
+from helpers import wait_until
+from rayconv.config import Config
+from rayconv.driver.job import fit
+
+REPO = Path(__file__).resolve().parents[2]
+# (gauge, role) pairs a dp=2 run exports (dp1 reports the loss too: every replica's last stage does)
+WANT = {("images_per_s", "dp0"), ("images_per_s", "dp1"), ("images_per_s", "driver"),
+        ("step_ms", "dp0"), ("loss", "dp1"), ("loss", "driver"), ("step", "driver")}
+
+
+# Every port `ray start --head` would otherwise take at a fixed default (GCS 6379, dashboard 8265, its
+# agent 52365, Ray client 10001, ...) or pick at random among what another Ray instance may then take.
+PORT_FLAGS = ("--port", "--dashboard-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+              "--metrics-export-port", "--runtime-env-agent-port", "--ray-client-server-port",
+              "--node-manager-port", "--object-manager-port")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str):
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = r.read().decode()
+    return json.loads(body) if body.startswith("{") else body
+
+
+@pytest.fixture(scope="module")
+def dashboard():
+    """``ray start --head`` with the dashboard on 127.0.0.1, every port a free one; metrics reported
+    every 0.5 s. This process connects to it as a driver."""
+    if ray.is_initialized():
+        ray.shutdown()
+    ports = {flag: free_port() for flag in PORT_FLAGS}
+    # A Ray temp folder of its own: the job server finds "its" cluster through <temp dir>/ray_current_cluster,
+    # which in the shared /tmp/ray names the newest cluster on the machine, maybe another one.
+    temp_dir = tempfile.mkdtemp(prefix="rc-", dir="/tmp")
+    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--num-cpus", "4",
+           "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--temp-dir", temp_dir,
+           *[f"{flag}={port}" for flag, port in ports.items()]]
+    env = {**os.environ, "RAY_metrics_report_interval_ms": "500",  # inherited by the raylet and workers
+           # the dashboard's modules start as processes: on a loaded 2-core machine 30 s (the default) is short
+           "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": "180"}
+    log = Path(temp_dir) / "ray-start.log"
+    with log.open("w") as f:
+        head = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    old = os.environ.get("RAY_metrics_report_interval_ms")
+    os.environ["RAY_metrics_report_interval_ms"] = "500"  # this process's gauges (the driver's) too
+    address = f"127.0.0.1:{ports['--port']}"
+    try:
+        deadline = time.monotonic() + 120
+        while not (Path(temp_dir) / "ray_current_cluster").exists():  # written once the head is up
+            assert head.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the Ray head did not start within 120 s"
+            time.sleep(0.5)
+        ctx = ray.init(address=address, namespace="rayconv", log_to_driver=False, configure_logging=True,
+                       logging_level="WARNING")
+        port = ports["--dashboard-port"]
+        yield {"url": f"http://127.0.0.1:{port}", "port": port, "dashboard_url": ctx.dashboard_url,
+               "metrics_port": ports["--metrics-export-port"], "address": address}
+    finally:
+        ray.shutdown()
+        head.send_signal(signal.SIGTERM)  # ray start --block stops the head's processes
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:  # whatever is left of the head's own process group (a shutdown that hung)
+            os.killpg(head.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        if old is None:
+            os.environ.pop("RAY_metrics_report_interval_ms", None)
+        else:
+            os.environ["RAY_metrics_report_interval_ms"] = old
+
+
+def rayconv_actors(base: str, run: str) -> dict[str, str]:
+    """name -> state of the actors whose run name starts with ``run``, from the dashboard's HTTP state API."""
+    res = get(f"{base}/api/v0/actors?limit=10000&detail=false")
+    assert res["result"] is True, res
+    return {a["name"]: a["state"] for a in res["data"]["result"]["result"]
+            if (a.get("name") or "").startswith(f"rayconv/{run}")}
+
+
+def gauge_lines(metrics_port: int, run: str) -> list[str]:
+    text = get(f"http://127.0.0.1:{metrics_port}/metrics")
+    return [line for line in text.splitlines() if line.startswith("ray_rayconv_") and f'run="{run}"' in line]
+
+
+def test_dashboard_is_bound_to_localhost(dashboard):
+    assert dashboard["dashboard_url"].startswith("127.0.0.1:")
+    assert get(f"{dashboard['url']}/api/version")["ray_version"] == ray.__version__
+    ip = ray.util.get_node_ip_address()
+    if ip.startswith("127."):
+        pytest.skip("the node has no other address to try")
+    with pytest.raises(OSError):  # not reachable on the node's own address
+        socket.create_connection((ip, dashboard["port"]), timeout=3).close()
+
+
+def test_actors_and_gauges_in_the_dashboard(dashboard, tmp_path):
+    out = tmp_path / "dash"
+    seen: dict[str, object] = {}
+
+    def look(gang, step):
+        if step != 2:
+            return
+        seen["actors"] = rayconv_actors(dashboard["url"], f"{out.name}-")
+        run = seen["run"] = next(iter(seen["actors"])).split("/")[1]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            lines = gauge_lines(dashboard["metrics_port"], run)
+            have = {(line.split("{")[0][len("ray_rayconv_"):], role) for line in lines
+                    for role in ("dp0", "dp1", "driver") if f'role="{role}"' in line}
+            if WANT <= have:
+                break
+            time.sleep(0.5)
+        seen["gauges"] = have
+        seen["lines"] = lines
+
+    cfg = Config(model="convnet", data="digits", dp=2, global_batch_size=64, steps=4, device="cpu",
+                 progress=False, out=str(out), loader_workers=0).validate()
+    run = fit(cfg, log=lambda *_: None, on_step=look)["run_name"]
+    assert seen["run"] == run and run.startswith(f"{out.name}-")
+    assert seen["actors"] == {f"rayconv/{run}/dp0": "ALIVE", f"rayconv/{run}/dp1": "ALIVE"}, seen["actors"]
+    assert WANT <= seen["gauges"], seen["lines"]
+    loss = [float(line.rsplit(" ", 1)[1]) for line in seen["lines"]
+            if line.startswith("ray_rayconv_loss{") and 'role="driver"' in line]
+    assert loss and 0 < loss[0] < 10
+    # After the run: the same actors, dead (killed by the driver).
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        states = rayconv_actors(dashboard["url"], f"{run}/")
+        if set(states.values()) == {"DEAD"}:
+            break
+        time.sleep(0.5)
+    assert states == {f"rayconv/{run}/dp0": "DEAD", f"rayconv/{run}/dp1": "DEAD"}, states
+
+
+def test_ray_job_submit(dashboard, tmp_path):
+    """``ray job submit -- python -m rayconv.run ...`` against the dashboard's job API."""
+    out = tmp_path / "job"
+    ray_cli = Path(sys.executable).with_name("ray")
+    runtime_env = {"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}}
+    cmd = [str(ray_cli), "job", "submit", "--address", dashboard["url"], "--runtime-env-json", json.dumps(runtime_env),
+           "--", sys.executable, "-m", "rayconv.run", "--steps", "3", "--dp", "2", "--device", "cpu",
+           "--no-progress", "--out", str(out)]
+    deadline = time.monotonic() + 90
+    while True:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        # The dashboard's job agent starts after the dashboard (slowly on a loaded machine): until it
+        # is up, the submission is refused before the job runs, so it can be retried.
+        if "No available agent" not in proc.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "succeeded" in proc.stdout + proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["layout"]["dp"] == 2
+    # It ran on this cluster: its placement group is in this cluster's table.
+    assert any(pg["name"] == f"rayconv/{summary['run_name']}" for pg in ray.util.placement_group_table().values())
+
+
+def test_two_runs_with_the_same_folder_name_at_once(dashboard, tmp_path):
+    """``--out /tmp/one/run`` and ``--out /tmp/two/run`` on one cluster at once: each run has its own
+    name on the cluster (placement group, actors, gauges), said on the console and in summary.json."""
+    one = tmp_path / "one" / "run"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "rayconv.run", "--address", dashboard["address"], "--steps", "100000", "--dp", "1",
+         "--device", "cpu", "--global-batch-size", "32", "--no-progress", "--no-metrics", "--out", str(one)],
+        cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(first, lambda: any(s == "ALIVE" for s in rayconv_actors(dashboard["url"], "run-").values()),
+                   "the first run's actors did not start")
+        lines: list[str] = []
+        cfg = Config(model="convnet", data="digits", dp=1, global_batch_size=32, steps=2, device="cpu",
+                     progress=False, metrics=False, out=str(tmp_path / "two" / "run"), loader_workers=0).validate()
+        second = fit(cfg, log=lines.append)["run_name"]
+        assert first.poll() is None, "the first run did not overlap the second"
+        first.send_signal(signal.SIGINT)
+        out, err = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 130, err
+    name = out.split("Ray run name ")[1].split()[0]
+    assert name != second and name.startswith("run-") and second.startswith("run-"), (name, second)
+    assert f"Ray run name {second}" in lines[0]
+    pgs = {pg["name"] for pg in ray.util.placement_group_table().values()}
+    assert {f"rayconv/{name}", f"rayconv/{second}"} <= pgs
+
+
+def chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+@pytest.mark.skipif(chromium() is None, reason="needs a headless chromium (apt-get install chromium)")
+def test_actors_on_the_dashboard_page(dashboard, tmp_path):
+    """The dashboard's Actors page, rendered by a real headless browser while a run goes, lists its actors."""
+    out = tmp_path / "page"
+    seen: dict[str, str] = {}
+
+    def look(gang, step):
+        if step == 1:
+            seen["dom"] = subprocess.run(
+                [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=20000",
+                 "--dump-dom", f"{dashboard['url']}/#/actors"],
+                capture_output=True, text=True, timeout=120).stdout
+
+    cfg = Config(model="convnet", data="digits", dp=2, global_batch_size=64, steps=3, device="cpu",
+                 progress=False, metrics=False, out=str(out), loader_workers=0).validate()
+    run = fit(cfg, log=lambda *_: None, on_step=look)["run_name"]
+    assert f"rayconv/{run}/dp0" in seen["dom"] and f"rayconv/{run}/dp1" in seen["dom"], seen["dom"][-3000:]

@@ -1,0 +1,57 @@
+"""Two Ray nodes on one machine (``ray.cluster_utils.Cluster``, 2 CPUs each, told apart by custom
+resources): a dp=2 x fs=2 job places ranks by node, so each filter-split group stays inside a node.
+
+This module starts its own two-node cluster and shuts it down at the end (no ``ray_cluster`` fixture)."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from rayconv.config import Config
+from rayconv.driver.job import fit
+from rayconv.mesh import Mesh
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"node_a": 1}, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=2, resources={"node_b": 1})
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace="rayconv", log_to_driver=False,
+                 configure_logging=True, logging_level="WARNING")
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def test_ranks_by_node_and_fs_groups_inside_a_node(two_nodes, tmp_path):
+    nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+    assert len(nodes) == 2 and sum(r["CPU"] for r in nodes.values()) == 4
+    seen = {}
+
+    def look(gang, step):
+        seen["info"] = list(gang.info)
+        seen["roles"] = list(gang.roles)
+
+    cfg = Config(model="convnet", data="digits", dp=2, fs=2, global_batch_size=64, steps=2, device="cpu",
+                 progress=False, out=str(tmp_path / "two-nodes"), loader_workers=0).validate()
+    summary = fit(cfg, log=lambda *_: None, on_step=look)
+    assert summary["layout"]["world_size"] == 4
+    node_of = [i["node_id"] for i in seen["info"]]
+    assert len(set(node_of)) == 2, "the job should span both nodes (2 CPUs each, 4 actors)"
+    # Ranks are ordered by node: each node's ranks are contiguous (node ids non-decreasing in the order
+    # of first appearance).
+    order = list(dict.fromkeys(node_of))
+    assert [order.index(n) for n in node_of] == sorted(order.index(n) for n in node_of)
+    # Every filter-split group (the innermost, chattiest axis) is inside one node.
+    for group in Mesh(2, 1, 2).groups("fs"):
+        assert len({node_of[r] for r in group}) == 1, (group, node_of)
+    # Each node holds one of the two custom resources it was started with.
+    assert sorted(k for r in nodes.values() for k in r if k.startswith("node_")) == ["node_a", "node_b"]
