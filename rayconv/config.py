@@ -5,7 +5,10 @@ and a key of a JSON config file (``--config FILE``; flags given on the command l
 configuration is written to ``<out>/config.json`` and can be passed back with ``--config``.
 
 Errors a user can cause raise :class:`ConfigError` (a ``ValueError``) whose message names the flag
-and what to change.
+and what to change. A Config is frozen: ``validate()`` checks it and returns it; what the driver
+resolves later (the device, ``dp``, the pipeline cut, the output folder) makes a new one with
+``dataclasses.replace``. The module imports only ``errors``, so that every layer can read settings;
+``--resume``'s checkpoint is read by the command line (``rayconv.run``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
-from rayconv.outputs.checkpoint import MANIFEST, find_checkpoint
 from rayconv.errors import ConfigError
 
 MODELS_HELP = ("convnet (small test ConvNet; convnet_bn with batch norm; convnet2col two-column), alexnet, "
@@ -52,7 +54,8 @@ def batch_split_problem(global_batch_size: int, dp: int, num_microbatches: int) 
 
 @dataclass
 class Config:
-    """Resolved settings of one training run. Units are given per field."""
+    """Settings of one training run, frozen (``dataclasses.replace`` makes a changed copy). Units are
+    given per field."""
 
     # what to train
     model: str = field(default="convnet", metadata={"help": MODELS_HELP})
@@ -154,7 +157,8 @@ class Config:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> "Config":
-        """Check what can be checked without a cluster or data; return self. Raises ConfigError."""
+        """Check what can be checked without a cluster or data; return self (validated, and frozen as
+        every Config is). Raises ConfigError."""
         def need(ok: bool, msg: str) -> None:
             if not ok:
                 raise ConfigError(msg)
@@ -171,9 +175,11 @@ class Config:
         need(self.compile in COMPILE_CHOICES, f"unknown --compile {self.compile!r}: choose auto, on or off")
         need(self.cuda_graphs in COMPILE_CHOICES, f"unknown --cuda-graphs {self.cuda_graphs!r}: choose auto, on or off")
         need(not (self.cuda_graphs == "on" and self.device == "cpu"),
-             "--cuda-graphs on needs GPUs (CUDA graphs): drop it with --device cpu")
+             "--cuda-graphs on needs GPUs (CUDA graphs): drop it on CPU (--device cpu, or a cluster "
+             "without GPUs)")
         need(not (self.sync_batchnorm and self.device == "cpu"),
-             "--sync-batchnorm needs GPUs (torch's SyncBatchNorm runs on CUDA only): drop it with --device cpu")
+             "--sync-batchnorm needs GPUs (torch's SyncBatchNorm runs on CUDA only): drop it on CPU (--device "
+             "cpu, or a cluster without GPUs; batch norm then uses per-replica statistics, as DDP)")
         need(self.lr_schedule in LR_SCHEDULE_CHOICES, f"unknown --lr-schedule {self.lr_schedule!r}: constant or cosine")
         need(self.data != "imagefolder" or bool(self.data_dir),
              "--data imagefolder needs --data-dir DIR (a folder with train/<class>/<images> and val/<class>/<images>)")
@@ -299,8 +305,10 @@ def from_mapping(values: dict[str, Any]) -> Config:
     return Config(**values)
 
 
-def parse_args(argv: Optional[list[str]] = None) -> Config:
-    """Parse the command line (and --config file) into a validated Config. Raises ConfigError."""
+def read_settings(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    """The settings of a command line: its flags over its ``--config`` file's (the file's output folder,
+    checkpoint and cluster address left out), unchecked. Raises ConfigError; argparse exits 2 on a
+    malformed flag."""
     ns = vars(build_parser().parse_args(argv))
     values: dict[str, Any] = {}
     cfg_file = ns.pop("config", None)
@@ -318,24 +326,21 @@ def parse_args(argv: Optional[list[str]] = None) -> Config:
         # into a new folder, unless flags say otherwise.
         for key in NOT_RESUMED:
             values.pop(key, None)
-    values.update(ns)
-    if values.get("resume"):
-        values = {**resumed_settings(values["resume"]), **values}
-    return from_mapping(values).validate()
+    return {**values, **ns}
+
+
+def parse_args(argv: Optional[list[str]] = None) -> Config:
+    """The validated Config of a command line (``read_settings``). ``--resume``'s checkpoint settings
+    are not read here: ``rayconv.run`` puts them under the flags. Raises ConfigError."""
+    return from_mapping(read_settings(argv)).validate()
 
 
 # Settings a resumed run does not take over from its checkpoint: where it runs and writes.
 NOT_RESUMED = ("out", "resume", "address")
 
 
-def resumed_settings(resume: str) -> dict[str, Any]:
-    """The settings saved in the checkpoint that ``--resume`` names (flags given override them; the
-    output folder defaults to the checkpoint's run folder). Raises ConfigError (CheckpointError)."""
-    ckpt = find_checkpoint(resume)
-    try:
-        saved = json.loads((ckpt / MANIFEST).read_text())["config"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"--resume {resume}: {ckpt / MANIFEST} cannot be read ({e}): "
-                          "resume from another checkpoint") from None
+def resumed_settings(saved: dict[str, Any]) -> dict[str, Any]:
+    """Of the settings saved in a checkpoint (its manifest's ``config``), those a resumed run takes
+    over (flags given override them; the output folder defaults to the checkpoint's run folder)."""
     known = {f.name for f in fields(Config)}
     return {k: v for k, v in saved.items() if k in known and k not in NOT_RESUMED}

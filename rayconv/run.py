@@ -3,6 +3,7 @@
 With no arguments it trains the small ConvNet on the embedded digits data, data parallel over every
 device of the Ray cluster (a local one is started when none is running). Errors a user can fix are
 printed as one line naming what to change, with exit status 2; a failed actor gives exit status 1.
+Settings come, lowest first, from the ``--resume`` checkpoint, the ``--config`` file, the flags.
 """
 
 from __future__ import annotations
@@ -10,18 +11,26 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from rayconv.outputs.checkpoint import latest_checkpoint
-from rayconv.errors import ClusterError
-from rayconv.config import ConfigError, parse_args
-from rayconv.errors import DataError
-from rayconv.errors import PlanError
+from rayconv.config import Config, from_mapping, read_settings, resumed_settings
+from rayconv.errors import ClusterError, ConfigError, DataError, PlanError
+from rayconv.outputs.checkpoint import latest_checkpoint, saved_config
+
+
+def parse_command_line(argv: Optional[list[str]] = None) -> Config:
+    """The validated settings of ``argv``: flags over the ``--config`` file over the settings saved in
+    the ``--resume`` checkpoint. Raises ConfigError (CheckpointError); argparse exits 2 on a bad flag."""
+    values = read_settings(argv)
+    if values.get("resume"):
+        values = {**resumed_settings(saved_config(values["resume"])), **values}
+    return from_mapping(values).validate()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     cfg = None
     try:
-        cfg = parse_args(argv)
-        from rayconv.driver.job import fit  # imports torch/ray: after argument errors are out of the way
+        cfg = parse_command_line(argv)
+        # The driver imports torch and Ray (seconds): only once the arguments are known to be good.
+        from rayconv.driver.job import fit
 
         fit(cfg)
         return 0
@@ -38,7 +47,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 130
 
 
-def _resume_hint(cfg) -> None:
+def _resume_hint(cfg: Optional[Config]) -> None:
     """After a failure: where the last checkpoint is, and how to continue from it."""
     if cfg is None or not cfg.out:
         return

@@ -6,14 +6,13 @@ so far) and ``manifest.json`` (step, layout, config, data and lr-schedule positi
 sizes and sha256). It is written into ``step-<k>.tmp/`` and renamed only when every file is written and
 fsynced: a crash mid-write leaves the previous checkpoint as it was. Everything loads with
 ``weights_only=True`` (by the actors; this module handles the files as bytes and imports no torch, so
-that ``config`` can find a checkpoint's settings before torch is loaded).
+that ``python -m rayconv.run --resume`` reads a checkpoint's settings before torch is loaded).
 
 Assembling the actors' parts into one ``model.pt`` is ``export.py``'s.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -22,8 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from rayconv.errors import ConfigError
-from rayconv.errors import CheckpointError
+from rayconv.errors import CheckpointError, ConfigError
 from rayconv.files import _fsync_dir, _write_synced, sha256
 
 FORMAT = 1
@@ -130,6 +128,17 @@ def find_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"--resume {path} holds no complete checkpoint (no checkpoints/step-<k>/{MANIFEST}): "
                               "train with --checkpoint-every N to write some")
     return newest
+
+
+def saved_config(resume: str) -> dict[str, Any]:
+    """The settings (``Config.to_dict()``) saved in the checkpoint that ``--resume resume`` names.
+    Raises CheckpointError (no such checkpoint) or ConfigError (its manifest cannot be read)."""
+    ckpt = find_checkpoint(resume)
+    try:
+        return dict(json.loads((ckpt / MANIFEST).read_text())["config"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--resume {resume}: {ckpt / MANIFEST} cannot be read ({e}): "
+                          "resume from another checkpoint") from None
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:
