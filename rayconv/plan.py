@@ -22,7 +22,7 @@ from rayconv.config import Config, ConfigError, OneLineParser, PRECISION_CHOICES
 
 
 def parse_args(argv: Optional[list[str]] = None):
-    from rayconv.planner.measure import MACHINES
+    from rayconv.planner.links import MACHINES
 
     p = OneLineParser(prog="python -m rayconv.plan",
                       description="Rank rayconv's layouts by predicted images/s from measured layer and link times.")
@@ -72,7 +72,8 @@ def _plan(a) -> int:
     import torch
 
     from rayconv.planner import search as ls
-    from rayconv.planner.measure import MACHINES, Measurements
+    from rayconv.planner.links import MACHINES
+    from rayconv.planner.measure import Measurements
 
     use_cluster = a.address is not None
     if use_cluster:

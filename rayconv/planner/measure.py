@@ -1,105 +1,61 @@
-"""The planner's measurements: what ``rayconv.costmodel`` needs, measured on the device and cached.
+"""The planner's measurements: what ``planner.costmodel`` needs, measured on the device and cached.
 
-Part of the planner (``python -m rayconv.plan``, ``--layout auto``): ``rayconv.costmodel`` is the
-model of a step, ``rayconv.layout_search`` the search. Not to be confused with
-``rayconv/parallel/plan.py``, the routing plan of one layout that the actors run.
+Part of the planner (``python -m rayconv.plan``, ``--layout auto``): ``planner.costmodel`` is the
+model of a step, ``planner.search`` the search. Not to be confused with
+``rayconv/parallel/layout_plan.py``, the routing plan of one layout that the actors run.
 
 What is measured, on the device the run will use:
 
 * the model's profile (per-layer output sizes, parameters, FLOPs, where a filter split gathers),
-  from one CPU forward of one sample (``parallel.plan.layer_profile``, ``filter_split.shard_layers``);
+  from one CPU forward of one sample (``parallel.layout_plan.layer_profile``, ``filter_split.shard_layers``);
 * each layer's forward + backward time at every batch size the candidate layouts need
-  (``parallel.plan.layer_times``, what ``--balance time`` measures), on one GPU of the cluster
-  (``cluster.run_on_device``) or on this process's CPU;
+  (``parallel.layout_plan.layer_times``, what ``--balance time`` measures), on one GPU of the cluster
+  (``tasks.run_on_device``) or on this process's CPU;
 * with two or more GPUs, all-reduce, all-gather and send/recv times between two actors on the
-  cluster (``cluster.run_on_devices``), fitted to latency + bytes / bandwidth; on one device or on
+  cluster (``tasks.run_on_devices``), fitted to latency + bytes / bandwidth; on one device or on
   CPU the links come from ``LINK_TABLE``.
 
 Measurements are cached as JSON under ``$RAYCONV_CACHE_DIR`` (default ``~/.cache/rayconv/``), one file
 per (model, data shape, device name, precision); a second plan reads it and measures nothing new.
 
-Machines we cannot run on are predicted from the link table (``MACHINES``, ``--machine``) with the
-per-layer times of the device at hand (the same GPU model: H200). Figures assumed there:
-
-* NVLink 4 on H100/H200: 18 links, 900 GB/s bidirectional per GPU, about 450 GB/s each way (NVIDIA
-  H200 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/h200/ ; HGX H200 8-GPU
-  boards connect all GPUs through NVSwitch at that rate, https://www.nvidia.com/en-us/data-center/hgx/ ).
-  NCCL reaches part of it: a torch.distributed all-reduce of 100-244 MB between two H200 actors
-  measured 268-291 GB/s bus bandwidth, so the table assumes 290 GB/s for collectives and point-to-point.
-* Between hosts: InfiniBand NDR, 400 Gb/s = 50 GB/s each way per ConnectX-7 adapter, one adapter per
-  GPU as in DGX/HGX H200 systems (NVIDIA ConnectX-7 datasheet,
-  https://www.nvidia.com/en-us/networking/ethernet-adapters/ ; DGX H200 user guide); assumed 40 GB/s
-  achieved per GPU for collectives that cross hosts.
+Machines we cannot run on are predicted from the link table (``planner.links.MACHINES``,
+``--machine``) with the per-layer times of the device at hand.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rayconv.cluster import connect, tasks
 from rayconv.config import Config
-from rayconv.planner.costmodel import Links, LinkSpeed, Profile
-
-NVLINK4 = LinkSpeed(gbps=290.0, latency_ms=0.02)
-IB_NDR = LinkSpeed(gbps=40.0, latency_ms=0.03)
-GLOO_LOOPBACK = LinkSpeed(gbps=1.0, latency_ms=0.1)
-LINK_TABLE = {
-    "nvlink4": ("NVLink 4 / NVSwitch (H100/H200 HGX): 450 GB/s each way per GPU, 290 GB/s assumed achieved",
-                NVLINK4),
-    "gloo-loopback": ("gloo over loopback TCP between CPU processes (assumed 1 GB/s, 0.1 ms)", GLOO_LOOPBACK),
-}
-
-
-@dataclass(frozen=True)
-class Machine:
-    """A machine to predict for: ``nodes`` hosts of ``gpus_per_node`` GPUs and their links."""
-
-    name: str
-    nodes: int
-    gpus_per_node: int
-    intra: str
-    inter: Optional[LinkSpeed] = None
-
-    @property
-    def gpus(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-    def links(self) -> Links:
-        text, speed = LINK_TABLE[self.intra]
-        inter = (f"; between hosts InfiniBand NDR 400 Gb/s per GPU, {self.inter.gbps:g} GB/s assumed"
-                 if self.inter else "")
-        return Links(self.name, speed, speed, speed, self.gpus_per_node, self.inter,
-                     source=f"link table: {text}{inter}")
-
-
-MACHINES = {
-    "h200x2": Machine("2 x H200, one host", 1, 2, "nvlink4"),
-    "h200x4": Machine("4 x H200, one host", 1, 4, "nvlink4"),
-    "h200x8": Machine("8 x H200, one host (HGX, NVSwitch)", 1, 8, "nvlink4"),
-    "2xh200x8": Machine("2 hosts of 8 x H200 (InfiniBand NDR)", 2, 8, "nvlink4", IB_NDR),
-}
+from rayconv.data.registry import make_source
+from rayconv.errors import PlanError
+from rayconv.files import atomic_write
+from rayconv.models import run_model, to_layers
+from rayconv.parallel.filter_split.exchanges import Gather, Scatter
+from rayconv.parallel.filter_split.layers import ShardedDropout
+from rayconv.parallel.filter_split.split import shard_layers
+from rayconv.parallel.layout_plan import layer_profile, layer_times, measured_costs
+from rayconv.planner.links import LINK_TABLE, Links, LinkSpeed
+from rayconv.planner.profile import Profile
 
 
 # ---------------------------------------------------------------------- measurement (runs on the device)
 def profile_of(cfg_dict: dict) -> dict:
     """The model's ``Profile`` fields (JSON-able) for the run settings ``cfg_dict``; runs on CPU."""
-    import math
-
-    from torch import nn
-
-    from rayconv.data.source import make_source
-    from rayconv.models import run_model, to_layers
-    from rayconv.parallel.filter_split.layers import Gather, shard_layers
-    from rayconv.errors import PlanError
-    from rayconv.parallel.layout_plan import layer_profile
-
     cfg = Config(**cfg_dict)
     source = make_source(cfg)
     layers = to_layers(run_model(cfg, source))
@@ -128,8 +84,6 @@ def saved_elems(layers, sample_shape: tuple[int, ...], batch: int = 2) -> list[f
     """Elements each layer saves for its backward pass, per sample (activations, masks, indices; its
     own parameters not counted): autograd's saved tensors (``torch.autograd.graph.saved_tensors_hooks``)
     in one training-mode CPU forward of ``batch`` samples, each storage counted once."""
-    import torch
-
     x = torch.zeros((batch, *sample_shape))
     out = []
     for _, m in layers:
@@ -154,8 +108,6 @@ def saved_elems(layers, sample_shape: tuple[int, ...], batch: int = 2) -> list[f
 
 def device_name(cfg_dict: dict) -> str:
     """This process's device as the cache names it (e.g. ``NVIDIA H200``, ``cpu-x86_64-2``)."""
-    import torch
-
     if cfg_dict["device"] == "cuda":
         return torch.cuda.get_device_name(torch.cuda.current_device())
     return f"cpu-{platform.machine()}-{torch.get_num_threads()}threads"
@@ -167,47 +119,43 @@ def times_key(batch: int, fs: int) -> str:
 
 def times_at(cfg_dict: dict, pairs: Sequence[tuple[int, int]]) -> dict:
     """Forward + backward ms per layer at each (batch size, fs): whole layers
-    (``parallel.plan.measured_costs``, what ``--balance time`` measures) for fs = 1, else one actor's
+    (``parallel.layout_plan.measured_costs``, what ``--balance time`` measures) for fs = 1, else one actor's
     shard of the filter split (``sharded_costs``). Returns {"device": name, "times": {key: [ms, ...]}}."""
-    from rayconv.parallel.layout_plan import measured_costs
-
     return {"device": device_name(cfg_dict),
             "times": {times_key(b, fs): measured_costs(cfg_dict, b) if fs == 1 else sharded_costs(cfg_dict, b, fs)
                       for b, fs in pairs}}
 
 
+class LocalGather(nn.Module):
+    """A filter split's gather done locally: the gathered shape, from this shard and zeros."""
+
+    def __init__(self, dim: int, sizes: list[int]):
+        super().__init__()
+        self.dim, self.rest = dim, sum(sizes) - sizes[0]
+
+    def forward(self, x):
+        pad = list(x.shape)
+        pad[self.dim] = self.rest
+        return torch.cat([x, x.new_zeros(pad)], dim=self.dim)
+
+
+class LocalScatter(nn.Module):
+    """A filter split's scatter done locally: this shard's slice."""
+
+    def __init__(self, dim: int, size: int):
+        super().__init__()
+        self.dim, self.size = dim, size
+
+    def forward(self, x):
+        return x.narrow(self.dim, 0, self.size).contiguous()
+
+
 def sharded_costs(cfg_dict: dict, batch: int, fs: int) -> list[float]:
     """Forward + backward ms of actor 0's shard of each layer under a filter split over ``fs``
     (``filter_split.shard_layers``), at ``batch`` images, on this process's device, one per layer of
-    ``models.to_layers``. The split's collectives are timed apart (``costmodel.Links``): here each
+    ``models.to_layers``. The split's collectives are timed apart (``planner.links.Links``): here each
     gather is a local copy to the gathered shape and each scatter a local slice, so that the layers
     after them see the shapes they see in the run; their copy time counts to the layer after them."""
-    import torch
-    from torch import nn
-
-    from rayconv.data.source import make_source
-    from rayconv.models import run_model, to_layers
-    from rayconv.parallel.filter_split.layers import Gather, Scatter, ShardedDropout, shard_layers
-    from rayconv.parallel.layout_plan import layer_profile, layer_times
-
-    class LocalGather(nn.Module):  # the gathered shape, from this shard and zeros
-        def __init__(self, dim: int, sizes: list[int]):
-            super().__init__()
-            self.dim, self.rest = dim, sum(sizes) - sizes[0]
-
-        def forward(self, x):
-            pad = list(x.shape)
-            pad[self.dim] = self.rest
-            return torch.cat([x, x.new_zeros(pad)], dim=self.dim)
-
-    class LocalScatter(nn.Module):
-        def __init__(self, dim: int, size: int):
-            super().__init__()
-            self.dim, self.size = dim, size
-
-        def forward(self, x):
-            return x.narrow(self.dim, 0, self.size).contiguous()
-
     cfg = Config(**cfg_dict)
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -243,12 +191,7 @@ def sharded_costs(cfg_dict: dict, batch: int, fs: int) -> list[float]:
 
 def link_probe(rank: int, world: int, master: str, backend: str, sizes_mb: Sequence[float]) -> dict:
     """Median times (ms) of all-reduce, all-gather (each rank gives size / world) and a one-way send of
-    each size (MB) between ``world`` processes (run by ``cluster.run_on_devices``)."""
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
+    each size (MB) between ``world`` processes (run by ``tasks.run_on_devices``)."""
     dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -281,7 +224,7 @@ def link_probe(rank: int, world: int, master: str, backend: str, sizes_mb: Seque
 
 def fit_links(probe: dict, world: int, name: str) -> Links:
     """Latency + bandwidth per transfer kind, least squares over the probed sizes (bus bytes for
-    collectives, as ``costmodel.LinkSpeed`` counts them)."""
+    collectives, as ``planner.links.LinkSpeed`` counts them)."""
     def fit(key: str, factor: float) -> LinkSpeed:
         xs = [mb * 2**20 * factor for mb in probe["sizes_mb"]]
         ys = probe[key]
@@ -314,11 +257,7 @@ class Measurements:
 
     def _run(self, fn, args: Sequence[Any]):
         if self.use_cluster:
-            from rayconv.cluster import group as cluster
-
-            return cluster.run_on_device(fn, args, gpu=self.device == "cuda", timeout_s=600.0)
-        import torch
-
+            return tasks.run_on_device(fn, args, gpu=self.device == "cuda", timeout_s=600.0)
         threads = torch.get_num_threads()
         if self.device == "cpu":  # as an actor computes: --num-cpus-per-actor threads (worker.py)
             torch.set_num_threads(max(1, self.cfg.num_cpus_per_actor))
@@ -343,8 +282,6 @@ class Measurements:
 
     def save(self) -> None:
         assert self.path is not None
-        from rayconv.files import atomic_write
-
         self.path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(self.path, lambda tmp: Path(tmp).write_text(json.dumps(self.state)))
 
@@ -369,14 +306,12 @@ class Measurements:
         """Measured between two GPU actors when the cluster (``--address``, else a local Ray) has two
         or more GPUs, cached per cluster; else the link table."""
         if self.device == "cuda" and world >= 2:
-            from rayconv.cluster import group as cluster
-
-            cluster.connect(self.cfg.address)
-            if cluster.available_devices("cuda")[1] >= 2:
+            connect.connect(self.cfg.address)
+            if connect.available_devices("cuda")[1] >= 2:
                 where = f"{self.cfg.address or 'local'}@{platform.node()}"
                 measured = self.state.setdefault("links", None) or {}
                 if where not in measured:
-                    measured[where] = cluster.run_on_devices(link_probe, 2, True, ("nccl", (1, 8, 32)))[0]
+                    measured[where] = tasks.run_on_devices(link_probe, 2, True, ("nccl", (1, 8, 32)))[0]
                     self.measured.append("links")
                 self.state["links"] = measured
                 return fit_links(measured[where], 2, f"{self.state['device']} x {world}")

@@ -1,24 +1,30 @@
 """Choosing the layout: rank every layout by the cost model's prediction, pick the fastest that fits.
 
-This is the searching half of the planner; ``rayconv.costmodel`` is the model of a
-step, and ``python -m rayconv.plan`` the command. Not to be confused with ``rayconv/parallel/plan.py``,
+This is the searching half of the planner; ``planner.costmodel`` is the model of a step, and
+``python -m rayconv.plan`` the command. Not to be confused with ``rayconv/parallel/layout_plan.py``,
 the routing plan (layers, stages, schedule, the per-layer plan ``--plan krizhevsky2014``) of one
 layout that the actors run.
 
-The measurements (cached) are ``rayconv.cost_measure``'s; the link table and the machines predicted
-for (``--machine``) are there too, with their sources.
+The measurements (cached) are ``planner.measure``'s; the link table and the machines predicted for
+(``--machine``) are ``planner.links``', with their sources.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from rayconv.planner import costmodel
+from rayconv.cluster import connect as cluster
 from rayconv.config import Config, ConfigError
-from rayconv.planner.measure import MACHINES, Measurements, profile_of
-from rayconv.planner.costmodel import Layout, LayerTimes, Links, Prediction, Profile
+from rayconv.layout import Layout
+from rayconv.planner import costmodel
+from rayconv.planner.costmodel import Prediction
+from rayconv.planner.links import MACHINES, Links
+from rayconv.planner.measure import Measurements, profile_of
+from rayconv.planner.memory import peak_gib
+from rayconv.planner.profile import LayerTimes, Profile
 
 
 def candidates(profile: Profile, world_size: int, global_batch: int, gpus_per_node: int = 8,
@@ -62,7 +68,7 @@ def batch_sizes(layouts: Sequence[Layout], global_batch: int) -> list[tuple[int,
         if lay.plan != "none":
             sizes |= {(global_batch, lay.dp), (global_batch // lay.dp, 1)}
         else:
-            mb = global_batch // lay.dp // lay.num_microbatches
+            mb = global_batch // lay.dp // lay.microbatches
             sizes |= {(mb, lay.fs), (mb, 1)}
     return sorted(s for s in sizes if s[0] >= 1)
 
@@ -174,12 +180,12 @@ def memory_check(cfg: Config) -> None:
     meas = Measurements(plan_config(cfg), "cpu", use_cluster=False)
     meas.state["profile"] = profile_of(meas.cfg_dict)
     prof = meas.profile()
-    lay = Layout(cfg.dp, cfg.pp, cfg.fs, cfg.plan, cfg.num_microbatches, cfg.schedule, cfg.virtual_stages)
+    lay = Layout.from_config(cfg)
     chunks = None
     if cfg.stages and cfg.plan == "none":
         edges = [0, *[int(c) for c in cfg.stages.split(",") if c.strip()], prof.num_layers]
         chunks = list(zip(edges, edges[1:]))
-    need = costmodel.peak_gib(lay, prof, cfg.global_batch_size, cfg.precision, chunks)
+    need = peak_gib(lay, prof, cfg.global_batch_size, cfg.precision, chunks)
     if need > cfg.max_memory_gib:
         raise ConfigError(f"layout {lay.name} needs {need:.3g} GiB per device (predicted: parameters, gradients, "
                           f"momentum, activations of the micro-batches in flight) but --max-memory-gib is "
@@ -187,12 +193,10 @@ def memory_check(cfg: Config) -> None:
                           f"--global-batch-size (python -m rayconv.plan lists the layouts that fit)")
 
 
-def choose_layout(cfg: Config, log=print) -> dict:
-    """``--layout auto``: rank the layouts over the cluster's devices and set ``cfg``'s layout to the
-    fastest that fits ``--max-memory-gib``. Returns the prediction (``Prediction.as_dict``). Raises
-    ConfigError when none fits (with the smallest predicted need)."""
-    from rayconv.cluster import group as cluster
-
+def choose_layout(cfg: Config, log=print) -> tuple[Config, dict]:
+    """``--layout auto``: rank the layouts over the cluster's devices and pick the fastest that fits
+    ``--max-memory-gib``. Returns (``cfg`` with that layout, validated; the prediction,
+    ``Prediction.as_dict``). Raises ConfigError when none fits (with the smallest predicted need)."""
     if cfg.resume:
         raise ConfigError("--layout auto picks a layout anew but --resume continues the checkpoint's: drop "
                           "--layout auto when resuming")
@@ -210,15 +214,12 @@ def choose_layout(cfg: Config, log=print) -> dict:
         raise ConfigError(ranking.table().splitlines()[-1].replace("choice: ", "--layout auto: ") +
                           ": raise --max-memory-gib or lower --global-batch-size")
     best = ranking.fits[0]
-    for key, value in best.layout.settings().items():
-        setattr(cfg, key, value)
-    cfg.stages = ",".join(str(a) for a, _ in best.stages[1:]) if best.layout.pp > 1 else None
-    cfg.device = kind
-    cfg.layout = "manual"  # config.json records the chosen layout: a re-run or resume runs the same one
-    cfg.validate()
+    # layout "manual": config.json records the chosen layout, so that a re-run or resume runs the same one
+    chosen = dataclasses.replace(cfg, **best.settings(), device=kind, layout="manual", stages=",".join(
+        str(a) for a, _ in best.stages[1:]) if best.layout.pp > 1 else None).validate()
     log(f"{ranking.table()}\n(planned in {time.perf_counter() - t0:.2f} s"
         f"{'; measured ' + ', '.join(meas.measured) if meas.measured else ', from the cache'})")
-    return {**best.as_dict(), "links": ranking.links.source, "device": meas.state["device"]}
+    return chosen, {**best.as_dict(), "links": ranking.links.source, "device": meas.state["device"]}
 
 
 def compare(prediction: dict, summary: dict) -> dict:

@@ -1,4 +1,4 @@
-"""The planner's cost model (rayconv.costmodel), its search (rayconv.layout_search) and commands.
+"""The planner's cost model (rayconv.planner.costmodel), its search (rayconv.planner.search) and commands.
 
 Costs known by construction: synthetic layer times and link speeds whose step times follow by hand;
 the pipeline's timed makespan against the schedule's own unit-time simulation; memory accounting on
@@ -16,9 +16,12 @@ import sys
 import pytest
 import ray
 
-from rayconv.planner import costmodel, search as layout_search
+from rayconv.planner import costmodel, memory, search as layout_search
 from rayconv.parallel.pipeline import validate as schedule
-from rayconv.planner.costmodel import GIB, Layout, Links, LinkSpeed, Profile
+from rayconv.layout import Layout
+from rayconv.planner.links import Links, LinkSpeed
+from rayconv.planner.memory import GIB
+from rayconv.planner.profile import Profile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -93,9 +96,9 @@ def test_memory_accounting_on_the_convnet():
     # conv1 saves its 1 x 8 x 8 input, its ReLU its 32 x 8 x 8 output; flatten saves nothing.
     assert prof["saved_elems"][:2] == [64, 32 * 64] and prof["saved_elems"][8] == 0
     acts = sum(prof["saved_elems"])  # per sample
-    assert costmodel.peak_gib(Layout(), p, 4, "fp32") * GIB == 3 * n_params * 4 + 4 * acts * 4
-    assert costmodel.peak_gib(Layout(), p, 4, "fp64") * GIB == 3 * n_params * 8 + 4 * acts * 8
-    assert costmodel.peak_gib(Layout(dp=2), p, 8, "fp32") * GIB == 4 * n_params * 4 + 4 * acts * 4
+    assert memory.peak_gib(Layout(), p, 4, "fp32") * GIB == 3 * n_params * 4 + 4 * acts * 4
+    assert memory.peak_gib(Layout(), p, 4, "fp64") * GIB == 3 * n_params * 8 + 4 * acts * 8
+    assert memory.peak_gib(Layout(dp=2), p, 8, "fp32") * GIB == 4 * n_params * 4 + 4 * acts * 4
     # The convnet's filter split gathers before conv2, conv3, fc1 and fc2 (and its logits at the end).
     assert prof["gathers"] == [2, 5, 9, 11] and prof["max_fs"] == 10
 
@@ -173,7 +176,7 @@ def test_layout_auto_runs_the_top_layout_and_records_the_prediction(ray2, tmp_pa
 
 
 def test_links_measured_between_two_actors(ray2):
-    from rayconv.cluster import group as cluster
+    from rayconv.cluster import tasks as cluster
     from rayconv.planner.measure import fit_links, link_probe
 
     probe = cluster.run_on_devices(link_probe, 2, False, ("gloo", (0.0625, 0.25)))[0]
@@ -185,15 +188,12 @@ def test_links_measured_between_two_actors(ray2):
 
 
 def test_layout_names_are_the_bench_names():
-    from rayconv.bench.measure import parse_layout
-
     prof = Profile("toy", 3, (8,) * 12, (1,) * 12, first_fc=10, max_fs=8)
     layouts = layout_search.candidates(prof, 8, 256)
     names = {lay.name for lay in layouts}
     assert {"dp8", "dp4xpp2m4v2", "dp2xpp2m4xfs2-gpipe", "dp4xfs2", "pp2m2xfs4", "plan8"} <= names
     for lay in layouts:
-        want = {k: v for k, v in lay.settings().items() if v != Layout().settings()[k] or k == "dp"}
-        assert parse_layout(lay.name) == want, lay.name
+        assert Layout.parse(lay.name) == lay, lay.name  # (rayconv.layout: the bench's parser too)
 
 
 def test_layout_auto_refuses_when_no_layout_fits(ray2, tmp_path, monkeypatch):
