@@ -115,8 +115,8 @@ def main(argv=None) -> int:
     import torch
 
     from rayconv.data import decode as dec
-    from rayconv.data.source import ImageFolderSource
-    from rayconv.prepare import prepare
+    from rayconv.data.imagefolder import ImageFolderSource
+    from rayconv.data.shard_writer import prepare
     from rayconv.data.shards import ShardSource
 
     device = torch.device(a.device)

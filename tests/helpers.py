@@ -7,7 +7,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from rayconv.config import Config
-from rayconv.data.source import Sharding, make_source
+from rayconv.data.registry import make_source
+from rayconv.data.source import Sharding
 from rayconv.mesh import split_slices
 from rayconv.driver.job import learning_rate
 from rayconv.models import build_model

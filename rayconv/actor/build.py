@@ -13,7 +13,8 @@ import ray
 import torch
 from torch import nn
 
-from rayconv.data import source as data_mod
+from rayconv.data.registry import make_source
+from rayconv.data.source import Sharding
 from rayconv.mesh import split_sizes
 from rayconv.models import run_model, to_layers
 from rayconv.parallel import comm
@@ -56,8 +57,8 @@ class BuildMixin:
         self.device = self._pick_device()
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.groups = comm.init_process_groups(mesh, rank, master, backend, cfg.collective_timeout_s)
-        self.source = data_mod.make_source(cfg)
-        self.sharding = data_mod.Sharding(self.source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed)
+        self.source = make_source(cfg)
+        self.sharding = Sharding(self.source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed)
 
         # Every actor builds the same full model from the seed, then keeps its part.
         self.model = run_model(cfg, self.source)

@@ -62,7 +62,7 @@ from rayconv.bench import anchor
 from rayconv.cluster import group as cluster
 from rayconv.errors import CallTimeout, ClusterError
 from rayconv.config import Config, ConfigError, OneLineParser
-from rayconv.data.source import make_source
+from rayconv.data.registry import make_source
 from rayconv.errors import DataError
 from rayconv.driver.job import call_timeout_s as default_call_timeout_s, fit, launch, prepare
 from rayconv.outputs.charts import error_against_time, pyplot

@@ -29,12 +29,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from rayconv.data import decode as dec
+from rayconv.data.folders import SPLITS
 from rayconv.data.source import Source, stable_seed
 from rayconv.errors import DataError
 
 MANIFEST = "manifest.json"
 FORMAT = "rayconv-shards/1"
-SPLITS = {"train": "train", "test": "val"}   # Source's split name -> the folder's
 
 
 def is_prepared(path: Optional[str]) -> bool:

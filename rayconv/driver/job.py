@@ -34,7 +34,8 @@ from rayconv.cluster import group as cluster
 from rayconv.outputs.checkpoint import Checkpoint, check_resumable, latest_checkpoint, list_checkpoints, load_checkpoint, remove_partial, shard_for, write_checkpoint
 from rayconv.errors import CallTimeout, CheckpointError, ClusterError
 from rayconv.config import Config, batch_split_problem
-from rayconv.data.source import Sharding, make_source
+from rayconv.data.registry import make_source
+from rayconv.data.source import Sharding
 from rayconv.outputs.export import assemble, export_model
 from rayconv.planner.search import choose_layout, compare, memory_check
 from rayconv.outputs.metrics import MetricsLog, actor_gauges, read_rows, reduce_step

@@ -137,7 +137,7 @@ def layer_times(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, ..
 def measured_costs(cfg_dict: dict, micro_batch: int) -> list[float]:
     """``layer_times`` of the run's model on this process's device (run as a Ray task on a GPU by
     ``driver.prepare``). Returns one time in ms per layer of ``models.to_layers``."""
-    from rayconv.data.source import make_source
+    from rayconv.data.registry import make_source
     from rayconv.models import run_model
 
     cfg = Config(**cfg_dict)

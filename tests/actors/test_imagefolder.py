@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from rayconv.data.source import ImageFolderSource
+from rayconv.data.imagefolder import ImageFolderSource
 from rayconv.models import ConvNet
 from rayconv.run import main
 
@@ -117,7 +117,7 @@ def test_imagefolder_loading_is_deterministic(image_root):
 def test_hidden_folders_and_files_are_not_data(tmp_path):
     """``.thumbnails`` beside the class folders is no class, and dot-files (macOS's ``._x.png``, not an
     image at all) and files in hidden subfolders are no images: real files through the real loader."""
-    from rayconv.data.source import check_image_folder
+    from rayconv.data.folders import check_image_folder
     from rayconv.errors import DataError
 
     root = tmp_path / "data"
@@ -138,7 +138,7 @@ def test_hidden_folders_and_files_are_not_data(tmp_path):
     assert x.shape == (2, 3, 32, 32) and torch.equal(src.labels("train", np.arange(2)), torch.tensor([0, 1]))
     # rayconv.prepare reads the same folder alike: the same classes and images, nothing reported skipped,
     # and a hidden folder holding a non-image file draws no warning from --data imagefolder.
-    from rayconv.prepare import scan, warn_skipped
+    from rayconv.data.folders import scan, warn_skipped
 
     (root / "train" / ".thumbnails" / "notes.txt").write_text("not data")
     classes, files, skipped = scan(root)

@@ -17,7 +17,8 @@ from PIL import Image
 from helpers import assert_same_state, reference_sgd
 from rayconv import prepare as prep
 from rayconv.config import Config
-from rayconv.data.source import ImageFolderSource, make_source
+from rayconv.data.imagefolder import ImageFolderSource
+from rayconv.data.registry import make_source
 from rayconv.errors import DataError
 from rayconv.data.decode import crop_params
 from rayconv.driver.job import fit

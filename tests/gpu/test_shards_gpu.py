@@ -13,7 +13,7 @@ from PIL import Image
 from helpers import assert_same_state
 from rayconv.config import Config
 from rayconv.driver.job import fit
-from rayconv.prepare import prepare
+from rayconv.data.shard_writer import prepare
 from rayconv.data.shards import ShardSource
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")]

@@ -90,7 +90,7 @@ def test_main_writes_the_run_files(ray_cluster, tmp_path):
     model = ConvNet(1, 10)
     model.load_state_dict(state, strict=True)
     # It is the trained model: its test accuracy is the reported one (up to a near-tie flipping).
-    from rayconv.data.source import load_digits
+    from rayconv.data.digits import load_digits
 
     test = load_digits().sets["test"].tensors
     with torch.no_grad():

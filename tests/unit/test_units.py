@@ -15,7 +15,9 @@ from torch import nn
 
 from rayconv.config import Config, ConfigError, parse_args
 from rayconv.data import source as data_mod
+from rayconv.data.digits import digits_arrays
 from rayconv.data.source import Sharding
+from rayconv.data.synthetic import SyntheticSource
 from rayconv.mesh import AXES, Mesh
 from rayconv.models import ConvNet, build_model, run_layers, to_layers
 from rayconv.parallel.pipeline.runner import balance, parse_stages
@@ -484,7 +486,7 @@ def test_capturable_sgd_equals_torch_sgd(dtype):
 
 
 def test_synthetic_images_are_made_in_the_dtype_asked_for():
-    src = data_mod.SyntheticSource(num_classes=10, image_size=8, train_size=32, seed=0)
+    src = SyntheticSource(num_classes=10, image_size=8, train_size=32, seed=0)
     idx = np.arange(4)
     x32, x16 = src.images("train", idx, torch.device("cpu")), src.images("train", idx, torch.device("cpu"),
                                                                            dtype=torch.bfloat16)
@@ -553,7 +555,7 @@ def test_image_suffixes_are_torchvisions():
     actor seconds); they must stay the same set."""
     from torchvision.datasets.folder import IMG_EXTENSIONS
 
-    from rayconv.data.source import IMAGE_SUFFIXES
+    from rayconv.data.folders import IMAGE_SUFFIXES
 
     assert sorted(IMAGE_SUFFIXES) == sorted(IMG_EXTENSIONS)
 
@@ -561,7 +563,7 @@ def test_image_suffixes_are_torchvisions():
 def test_a_run_of_rayconvs_own_model_does_not_import_torchvision():
     """An actor of a convnet run on the digits imports the worker, builds its part and reads data
     without torchvision (whose import pulls in torch._dynamo) or scikit-learn: seconds per actor."""
-    code = ("import sys; from rayconv.actor import worker; from rayconv.driver import job; from rayconv.data import source as data; from rayconv import models; "
+    code = ("import sys; from rayconv.actor import worker; from rayconv.driver import job; from rayconv.data import registry as data; from rayconv import models; "
             "from rayconv.config import Config; cfg = Config(model='convnet').validate(); "
             "src = data.make_source(cfg); models.to_layers(models.run_model(cfg, src)); "
             "print('torchvision' in sys.modules, 'sklearn' in sys.modules)")
@@ -572,7 +574,7 @@ def test_a_run_of_rayconvs_own_model_does_not_import_torchvision():
 def test_digits_read_without_scikit_learn_equal_load_digits():
     from sklearn.datasets import load_digits
 
-    images, targets = data_mod.digits_arrays()
+    images, targets = digits_arrays()
     d = load_digits()
     assert images.shape == (1797, 8, 8) and np.array_equal(images, d.images)
     assert np.array_equal(targets, d.target)

@@ -1,0 +1,107 @@
+"""``--data imagefolder``: an ImageNet-layout folder (``rayconv/data/folders.py`` says what it holds),
+decoded and augmented by torchvision (RandomResizedCrop + flip for training; resize + center crop for
+evaluation), read by a ``torch.utils.data.DataLoader`` with worker processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from rayconv.data.folders import check_image_folder, visible_image_folder, warn_skipped
+from rayconv.data.source import Source, stable_seed
+from rayconv.errors import DataError
+
+
+class _CheckedImageFolder(Dataset):
+    """torchvision ImageFolder whose decode errors name the file and what to do."""
+
+    def __init__(self, root: Path, transform):
+        try:
+            self.inner = visible_image_folder(str(root), transform)
+        except FileNotFoundError as e:  # a class folder without image files
+            raise DataError(f"data folder {root}: {e}: put images in every class folder or remove the empty ones") \
+                from None
+        self.targets = torch.tensor(self.inner.targets, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, item: tuple[int, int]):
+        """``item`` = (sample index, augmentation seed): the random crop and flip of a sample depend only
+        on its seed, not on which loader process decodes it or what else is in its batch."""
+        i, seed = item
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                return self.inner[i]
+        except Exception as e:  # PIL.UnidentifiedImageError, OSError for truncated files, ...
+            path = self.inner.samples[i][0]
+            raise DataError(f"cannot decode image {path} ({type(e).__name__}: {e}): "
+                            "remove or replace that file") from None
+
+
+class ImageFolderSource(Source):
+    """An ImageNet-layout folder read through torchvision's ImageFolder and a DataLoader.
+
+    Raises DataError for a folder without classes or images, or val classes other than train's."""
+
+    def __init__(self, root: str, image_size: int, seed: int, workers: int):
+        from torchvision.transforms import v2 as T   # (torchvision's import takes seconds: only when used)
+
+        base = Path(root)
+        for split in ("train", "val"):
+            check_image_folder(base / split)
+        norm = [T.ToImage(), T.ToDtype(torch.float32, scale=True),
+                T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]
+        self.sets = {
+            "train": _CheckedImageFolder(base / "train", T.Compose(
+                [T.RandomResizedCrop(image_size, antialias=True), T.RandomHorizontalFlip(), *norm])),
+            "test": _CheckedImageFolder(base / "val", T.Compose(
+                [T.Resize(image_size * 8 // 7, antialias=True), T.CenterCrop(image_size), *norm])),
+        }
+        train_classes = self.sets["train"].inner.classes
+        if self.sets["test"].inner.classes != train_classes:
+            raise DataError(f"{base}/val has classes {self.sets['test'].inner.classes[:5]}... but train has "
+                            f"{train_classes[:5]}...: both need the same class folders")
+        self.num_classes = len(train_classes)
+        self.sample_shape = (3, image_size, image_size)
+        self.train_size, self.test_size = len(self.sets["train"]), len(self.sets["test"])
+        self.skipped = sum(warn_skipped(base / split) for split in ("train", "val"))
+        self.seed, self.workers = seed, workers
+        self._pending: dict[str, tuple] = {}
+
+    def prefetch(self, split: str, epoch: int, batches: list[np.ndarray]) -> None:
+        """Start decoding ``batches`` (this actor's, in the order it will ask for them) in
+        ``workers`` background processes; ``images`` then takes them in turn."""
+        ds = self.sets[split]
+        plan = [[(int(i), stable_seed(self.seed, split, epoch, int(i))) for i in b] for b in batches if len(b)]
+        # (Its own generator: creating the iterator must not draw from the global torch RNG.)
+        loader = DataLoader(ds, batch_sampler=plan, num_workers=self.workers, generator=torch.Generator(),
+                            prefetch_factor=2 if self.workers else None, pin_memory=torch.cuda.is_available())
+        self._pending[split] = (epoch, [np.asarray(b) for b in batches if len(b)], iter(loader))
+
+    def images(self, split, idx, device, epoch=0, dtype=None):
+        if len(idx) == 0:
+            return torch.empty((0, *self.sample_shape), device=device, dtype=dtype or torch.float32)
+        pending = self._pending.get(split)   # one announced sequence per split: evaluation keeps training's
+        if pending is None or pending[0] != epoch or not pending[1] or not np.array_equal(pending[1][0], idx):
+            self.prefetch(split, epoch, [idx])          # not announced: decode this batch alone
+            pending = self._pending[split]
+        pending[1].pop(0)
+        if not pending[1]:
+            del self._pending[split]  # the last announced batch: the loader and its workers go with it
+        try:
+            x, _ = next(pending[2])
+        except DataError as e:
+            # A worker's error comes back as "Caught DataError in DataLoader worker ...\n<traceback>":
+            # keep the one line that names the file.
+            msg = str(e).strip().splitlines()
+            raise DataError(msg[-1].split("DataError: ", 1)[-1] if len(msg) > 1 else str(e)) from None
+        x = x.to(device, non_blocking=True)
+        return x if dtype is None else x.to(dtype)
+
+    def labels(self, split, idx):
+        return self.sets[split].targets[torch.as_tensor(idx, dtype=torch.long)]

@@ -1,0 +1,49 @@
+"""``--data NAME`` -> the Source that reads it, and how many decode processes an actor's loader gets.
+
+Names: ``digits`` (``rayconv/data/digits.py``), ``synthetic`` (``synthetic.py``), ``imagefolder``
+(``imagefolder.py``; a folder prepared by ``python -m rayconv.prepare`` is read as shards) and
+``shards`` (``shards.py``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from rayconv.config import Config, ConfigError
+from rayconv.data.digits import load_digits
+from rayconv.data.imagefolder import ImageFolderSource
+from rayconv.data.shards import ShardSource, is_prepared
+from rayconv.data.source import Source
+from rayconv.data.synthetic import SyntheticSource
+
+
+def loader_workers(cfg: Config) -> int:
+    """Decode processes per actor: ``--loader-workers``, or by default on GPUs this node's CPU cores per
+    GPU less 2 (one for the actor, one spare), at least 2; on CPUs 2 (the actors use the cores)."""
+    if cfg.loader_workers is not None:
+        return cfg.loader_workers
+    if cfg.device == "cpu" or not torch.cuda.is_available():
+        return 2
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(2, cores // max(1, torch.cuda.device_count()) - 2)
+
+
+def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
+    """The data source named by ``cfg.data``. Raises DataError / ConfigError."""
+    if cfg.data == "digits":
+        src: Source = load_digits()
+    elif cfg.data == "synthetic":
+        src = SyntheticSource(cfg.image_size, cfg.num_classes or 1000, cfg.synthetic_samples, cfg.seed)
+    elif cfg.data in ("imagefolder", "shards"):
+        if cfg.data == "shards" or is_prepared(cfg.data_dir):  # a prepared folder is read as shards
+            src = ShardSource(cfg.data_dir or "", cfg.image_size, cfg.seed, loader_workers(cfg), cfg.decode)
+        else:
+            src = ImageFolderSource(cfg.data_dir or "", cfg.image_size, cfg.seed, loader_workers(cfg))
+    else:
+        raise ConfigError(f"unknown --data {cfg.data!r}")
+    if cfg.num_classes is not None and cfg.num_classes != src.num_classes:
+        raise ConfigError(f"--num-classes {cfg.num_classes} but --data {cfg.data} has {src.num_classes} classes: "
+                          "drop --num-classes (it follows the data)")
+    return src

@@ -1,0 +1,217 @@
+"""An ImageNet-layout folder -> Parquet shards of JPEGs re-encoded at training size (what
+``python -m rayconv.prepare`` runs), so that training decodes small baseline JPEGs from a few large files.
+
+The shorter side of each image is resized to ``size`` (smaller images are kept at their size, never
+enlarged), as FFCV and fast ImageNet recipes store ImageNet, and re-encoded at ``quality``. Every
+``shard_size`` files of a split make one shard (``write_shard``, one call per shard, fanned out by the
+caller: Ray tasks for the command line, local processes otherwise), written into ``<name>.tmp`` and
+renamed when complete. A re-run skips the shards already complete (same settings, same input files,
+same sha256 as the manifest says), so an interrupted run resumes. ``manifest.json`` is written last
+(atomically): classes, images per split and class, the files skipped and why, each shard's rows, bytes
+and sha256, and the settings. The shard format is described in ``rayconv/data/shards.py``.
+
+Bad input (``rayconv/data/folders.py``: what a folder holds): CMYK, grayscale, palette and RGBA
+images, PNG, WebP and the other formats Pillow reads are converted to RGB. A file that does not decode
+(corrupt, truncated), one without an image suffix, one that cannot be read (a dangling link) and a
+directory named like an image are skipped and counted: a warning names the count and the first few,
+the manifest lists them all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from rayconv.data.folders import SPLITS, scan
+from rayconv.data.shards import FORMAT, MANIFEST
+from rayconv.errors import DataError
+from rayconv.files import sha256_file
+
+SHARD_META = b"rayconv.shard"   # Parquet key-value metadata of a shard: its settings, inputs and skipped files
+
+# args of each shard's write_shard call, by shard name -> (shard name, its manifest entry) as each finishes
+FanOut = Callable[[dict[str, tuple]], Iterator[tuple[str, dict[str, Any]]]]
+
+
+def encode(path: Path, size: int, quality: int) -> tuple[bytes, int, int]:
+    """One image file -> (baseline RGB JPEG bytes, height, width), shorter side resized to ``size``
+    (never enlarged). JPEGs are decoded at a reduced DCT scale first when much larger (Pillow's draft).
+    Raises OSError / ValueError (Pillow's) for a file that cannot be read or decoded."""
+    from PIL import Image   # (only where images are encoded: keeps Pillow out of the command line's start)
+
+    with Image.open(path) as img:
+        w, h = img.size
+        scale = min(1.0, size / min(w, h))
+        tw, th = max(1, round(w * scale)), max(1, round(h * scale))
+        if img.format == "JPEG" and scale < 1:
+            img.draft("RGB", (tw, th))   # DCT-domain downscale by 1/2, 1/4 or 1/8, never below (tw, th)
+        img.load()
+        rgb = img.convert("RGB")
+    if rgb.size != (tw, th):
+        rgb = rgb.resize((tw, th), Image.Resampling.BICUBIC, reducing_gap=None)
+    buf = io.BytesIO()
+    rgb.save(buf, "JPEG", quality=quality)
+    return buf.getvalue(), th, tw
+
+
+def _meta(settings: dict[str, Any], inputs: list[tuple[int, str, int]]) -> dict[str, Any]:
+    digest = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()
+    return {"settings": settings, "inputs_sha256": digest}
+
+
+def _complete(final: Path, meta: dict[str, Any], expect_sha256: Optional[str]) -> Optional[dict[str, Any]]:
+    """The result of a complete shard ``final`` of these inputs and settings already there, else None."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not final.is_file():
+        return None
+    try:
+        done = json.loads((pq.read_schema(final).metadata or {})[SHARD_META])
+        sha = sha256_file(final)
+        if {k: done[k] for k in meta} == meta and expect_sha256 in (None, sha):
+            return {**_entry(final, done["rows"], sha), "skipped": done["skipped"], "counts": done["counts"],
+                    "resumed": True}
+    except (OSError, KeyError, ValueError, pa.ArrowException):
+        pass  # not a complete shard of these inputs: write it again
+    return None
+
+
+def write_shard(root: str, out: str, name: str, inputs: list[tuple[int, str, int]], settings: dict[str, Any],
+                expect_sha256: Optional[str]) -> dict[str, Any]:
+    """Write shard ``name`` of ``inputs`` (index, relative path, label) unless a complete one is there
+    (same settings and inputs, and ``expect_sha256`` when the manifest knew it). Returns its manifest
+    entry plus ``skipped`` files and per-label ``counts``. Runs in a Ray task or a pool process."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    final, meta = Path(out) / name, _meta(settings, inputs)
+    resumed = _complete(final, meta, expect_sha256)
+    if resumed is not None:
+        return resumed
+    rows: dict[str, list] = {"index": [], "label": [], "height": [], "width": [], "jpeg": [], "path": []}
+    skipped, counts = [], {}
+    for index, rel, label in inputs:
+        try:
+            data, h, w = encode(Path(root) / rel, settings["size"], settings["quality"])
+        except Exception as e:  # noqa: BLE001 - Pillow raises OSError, ValueError, SyntaxError, DecompressionBombError...
+            skipped.append({"path": rel, "reason": f"cannot read or decode ({type(e).__name__}: {e})"})
+            continue
+        for k, v in zip(rows, (index, label, h, w, data, rel)):
+            rows[k].append(v)
+        counts[str(label)] = counts.get(str(label), 0) + 1
+    schema = pa.schema([("index", pa.int64()), ("label", pa.int32()), ("height", pa.int32()),
+                        ("width", pa.int32()), ("jpeg", pa.binary()), ("path", pa.string())])
+    done = {**meta, "rows": len(rows["index"]), "skipped": skipped, "counts": counts}
+    table = pa.table(rows, schema=schema).replace_schema_metadata({SHARD_META: json.dumps(done)})
+    tmp = final.with_name(name + ".tmp")
+    # JPEG bytes do not compress: stored plain, so reading them is a copy, not a decompression.
+    pq.write_table(table, tmp, compression="none", use_dictionary=["label"], row_group_size=1024)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    return {**_entry(final, done["rows"], sha256_file(final)), "skipped": skipped, "counts": counts, "resumed": False}
+
+
+def _ours(name: str) -> bool:
+    """Whether ``name`` is a file prepare writes: a shard, the manifest, or either's ``.tmp``."""
+    return re.fullmatch(r"(train|val)-\d{5}\.parquet(\.tmp)?|manifest\.json(\.tmp)?", name) is not None
+
+
+def _entry(path: Path, rows: int, sha: str) -> dict[str, Any]:
+    return {"file": path.name, "rows": rows, "bytes": path.stat().st_size, "sha256": sha}
+
+
+def on_processes(args: dict[str, tuple], processes: int) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each shard's ``write_shard`` on a local pool of ``processes`` processes (no Ray:
+    benchmarks/input_bench.py); yields (name, entry) as they finish."""
+    with ProcessPoolExecutor(processes) as pool:
+        futures = {pool.submit(write_shard, *a): name for name, a in args.items()}
+        for f in as_completed(futures):
+            yield futures[f], f.result()
+
+
+def _previous_shards(dest: Path, settings: dict[str, Any]) -> dict[str, str]:
+    """{shard file: sha256} of the manifest already in ``dest`` (empty without one). Raises DataError for
+    a manifest that cannot be read, one of other settings, or a ``dest`` holding files prepare did not write."""
+    old: dict[str, str] = {}
+    if (dest / MANIFEST).is_file():
+        try:
+            manifest = json.loads((dest / MANIFEST).read_text())
+            prev = manifest["settings"]
+            old = {e["file"]: e["sha256"] for s in manifest["splits"].values() for e in s["shards"]}
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{dest / MANIFEST} cannot be read ({e}): remove it or choose another --out") from None
+        if prev != settings:
+            raise DataError(f"{dest} was prepared with {prev}, not {settings}: use the same settings or another --out")
+    others = sorted(p.name for p in dest.iterdir() if not _ours(p.name)) if dest.is_dir() else []
+    if others:
+        raise DataError(f"--out {dest} holds files prepare did not write ({', '.join(others[:3])}): choose a new "
+                        "or empty folder")
+    return old
+
+
+def _split_summary(split: str, entries: list[dict[str, Any]], classes: list[str], skipped: list[dict[str, str]],
+                   listed: int, dest: Path, log) -> dict[str, Any]:
+    """The manifest's entry for one split; logs one warning line when files were skipped."""
+    per_class = {c: sum(e["counts"].get(str(i), 0) for e in entries) for i, c in enumerate(classes)}
+    bad = skipped + [x for e in entries for x in e["skipped"]]
+    if bad:
+        names = ", ".join(f"{b['path']} ({b['reason']})" for b in bad[:3])
+        log(f"prepare: warning: skipped {len(bad)} of {listed + len(skipped)} {split} entries "
+            f"(first: {names}); all are listed in {dest / MANIFEST}")
+    return {"images": sum(e["rows"] for e in entries), "per_class": per_class, "skipped": bad,
+            "shards": [{k: e[k] for k in ("file", "rows", "bytes", "sha256")} for e in entries]}
+
+
+def prepare(src: str, out: str, size: int = 256, quality: int = 90, shard_size: int = 1000, log=print,
+            processes: Optional[int] = None, fan_out: Optional[FanOut] = None) -> dict[str, Any]:
+    """Prepare ``src`` into ``out``; returns the manifest. The shards are written by ``fan_out`` (the
+    command line passes Ray tasks), else by ``processes`` local processes (default: this machine's CPU
+    count). Raises DataError for bad input (nothing is written then) or an ``out`` prepared with other
+    settings."""
+    from tqdm import tqdm   # (only while preparing: keeps tqdm out of the command line's start)
+
+    root, dest = Path(src).resolve(), Path(out)
+    settings = {"size": size, "quality": quality, "shard_size": shard_size}
+    classes, files, skipped = scan(root)
+    old = _previous_shards(dest, settings)
+    dest.mkdir(parents=True, exist_ok=True)
+    # A folder with a manifest is complete: it goes until the new one is written (shards already
+    # complete are kept and checked against the old manifest's sha256).
+    (dest / MANIFEST).unlink(missing_ok=True)
+    for tmp in dest.glob("*.tmp"):
+        tmp.unlink()   # left by an interrupted run
+    jobs = []
+    for split, listing in files.items():
+        for k, start in enumerate(range(0, len(listing), shard_size)):
+            inputs = [(start + i, rel, label) for i, (rel, label) in enumerate(listing[start:start + shard_size])]
+            jobs.append((split, f"{split}-{k:05d}.parquet", inputs))
+    args = {name: (str(root), str(dest), name, inputs, settings, old.get(name)) for _, name, inputs in jobs}
+    run = fan_out or (lambda a: on_processes(a, processes or os.cpu_count() or 1))
+    results: dict[str, dict[str, Any]] = {}
+    with tqdm(total=len(args), desc="prepare", unit="shard", disable=not sys.stderr.isatty()) as bar:
+        for name, result in run(args):
+            results[name] = result
+            bar.update(1)
+    wanted = {name for _, name, _ in jobs}
+    for stale in dest.glob("*.parquet"):
+        if _ours(stale.name) and stale.name not in wanted:
+            stale.unlink()   # a shard of files no longer in the source folder
+    splits = {split: _split_summary(split, [results[n] for s, n, _ in jobs if s == split], classes,
+                                    skipped[split], len(files[split]), dest, log) for split in SPLITS.values()}
+    manifest = {"format": FORMAT, "source": str(root), "settings": settings, "classes": classes, "splits": splits}
+    tmp = dest / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    os.replace(tmp, dest / MANIFEST)
+    resumed = sum(1 for r in results.values() if r["resumed"])
+    log(f"prepare: {splits['train']['images']} train and {splits['val']['images']} val images in {len(jobs)} "
+        f"shards ({resumed} already complete) -> {dest}")
+    return manifest
