@@ -48,7 +48,7 @@ set -euo pipefail
 
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [[ ! -f rayconv/bench.py ]]; then echo "paper.sh: run it from the repository root" >&2; exit 2; fi
+if [[ ! -f rayconv/bench/__main__.py ]]; then echo "paper.sh: run it from the repository root" >&2; exit 2; fi
 PARTS=(speed batch convergence memory curve input real plan dp-mp dp-mp-resnet mp-overlap pp-bound hybrid scale
        report)
 if [[ $# -eq 0 ]]; then sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 2; fi

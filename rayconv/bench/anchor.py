@@ -13,8 +13,8 @@ is the result:
   its graph split at the buckets), ``ddp(compile) bucket 25MB`` (DDP around the compiled model) and
   ``ddp(compile) bucket 100MB gradient_as_bucket_view static_graph``.
 
-    python -m rayconv.anchor --model resnet50 --batch 256 --compile                     # plain PyTorch, 1 GPU
-    torchrun --nproc_per_node=2 -m rayconv.anchor --model resnet50 --batch 128 --ddp --compile   # per-GPU batch
+    python -m rayconv.bench.anchor --model resnet50 --batch 256 --compile                     # plain PyTorch, 1 GPU
+    torchrun --nproc_per_node=2 -m rayconv.bench.anchor --model resnet50 --batch 128 --ddp --compile   # per-GPU batch
 
 Prints ``CANDIDATE {json}`` per configuration (images_per_s, or ``error``) and then ``RESULT {json}``:
 the fastest one's images_per_s (all devices), step_ms, peak_gib (rank 0), ``config`` (its name) and
@@ -27,6 +27,7 @@ import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
 import time
 from typing import Any, Optional
@@ -68,7 +69,7 @@ def pick_fastest(results: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rayconv.anchor", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rayconv.bench.anchor", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="resnet50")
     p.add_argument("--batch", type=int, default=256, help="images per device per step")
     p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
@@ -175,6 +176,47 @@ def time_config(a, dev: torch.device, world: int, name: str, compile_where: Opti
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     return {"config": name, "images_per_s": a.batch * world / dt, "step_ms": dt * 1e3, "warmup_s": warmup_s,
             "peak_gib": peak}
+
+
+# ---------------------------------------------------------------------- run from the bench
+def compiles(args) -> bool:
+    """Whether the anchors also time their torch.compile configurations (the fastest of all counts): on
+    GPUs unless ``--compile off`` (rayconv itself compiles as its ``--compile`` rule says)."""
+    return args.compile == "on" or (args.compile == "auto" and args.device_kind == "cuda")
+
+
+def run_anchor(model: str, devices: int, global_batch: int, args) -> Optional[dict[str, Any]]:
+    """Plain PyTorch (devices == 1) or torchrun DDP (devices > 1) at the same global batch, in its
+    fastest configuration: this module run as a subprocess (``python -m rayconv.bench.anchor``), which
+    times each candidate (eager ones, and when the bench compiles also the torch.compile ones). The
+    result's ``config`` names the winner and ``candidates`` gives every candidate's images/s (None
+    where it failed). Past ``--anchor-timeout`` the fastest of the candidates timed so far counts.
+    None if no candidate ran (its stderr printed)."""
+    base = ["-m", "rayconv.bench.anchor", "--model", model, "--batch", str(global_batch // devices),
+            "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--precision", "bf16" if args.precision == "bf16" else "fp32",
+            "--device", args.device_kind, "--image-size", str(args.image_size)]
+    base += ["--compile"] if compiles(args) else []
+    cmd = [sys.executable, *base] if devices == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={devices}", *base, "--ddp"]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.anchor_timeout, env=env)
+        stdout, stderr = out.stdout, out.stderr
+    except subprocess.TimeoutExpired as e:
+        stdout = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        stderr = f"past --anchor-timeout {args.anchor_timeout:g} s"
+    timed = []
+    for line in stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+        if line.startswith("CANDIDATE "):
+            timed.append(json.loads(line[len("CANDIDATE "):]))
+    best = pick_fastest(timed)
+    if best is not None:  # cut short: the fastest of those timed
+        return {**best, "candidates": {r["config"]: r.get("images_per_s") for r in timed}}
+    print(f"anchor failed ({' '.join(cmd)}):\n{stderr[-2000:]}", file=sys.stderr)
+    return None
 
 
 if __name__ == "__main__":

@@ -13,24 +13,27 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from rayconv.bench import anchor, measure as bench
+import rayconv.bench.__main__ as bench
+from rayconv.bench import anchor
+from rayconv.bench.table import BENCH_SCHEMA, bench_table, write_table
+from rayconv.layout import Layout
 from rayconv.config import ConfigError
 
 
 def test_parse_layout():
-    assert bench.parse_layout("1gpu") == {"dp": 1}
-    assert bench.parse_layout("dp2xfs2") == {"dp": 2, "fs": 2}
-    assert bench.parse_layout("pp2m4") == {"dp": 1, "pp": 2, "num_microbatches": 4}
-    assert bench.parse_layout("pp2m4v2") == {"dp": 1, "pp": 2, "num_microbatches": 4, "virtual_stages": 2}
-    assert bench.parse_layout("plan4") == {"dp": 4, "plan": "krizhevsky2014"}
-    assert bench.parse_layout("fs2c4") == {"dp": 1, "fs": 2, "exchange_chunks": 4}
-    assert bench.layout_size("dp2xpp2") == 4
+    assert Layout.parse("1gpu") == Layout(dp=1)
+    assert Layout.parse("dp2xfs2") == Layout(dp=2, fs=2)
+    assert Layout.parse("pp2m4") == Layout(dp=1, pp=2, num_microbatches=4)
+    assert Layout.parse("pp2m4v2") == Layout(dp=1, pp=2, num_microbatches=4, virtual_stages=2)
+    assert Layout.parse("plan4") == Layout(dp=4, plan="krizhevsky2014")
+    assert Layout.parse("fs2c4") == Layout(dp=1, fs=2, exchange_chunks=4)
+    assert Layout.parse("dp2xpp2").world_size == 4
     with pytest.raises(ConfigError, match="unknown layout"):
-        bench.parse_layout("tp2")
+        Layout.parse("tp2")
     with pytest.raises(ConfigError, match="unknown layout"):
-        bench.parse_layout("pp2c4")  # overlapped pieces belong to filter split
+        Layout.parse("pp2c4")  # overlapped pieces belong to filter split
     with pytest.raises(ConfigError, match="zero count"):
-        bench.parse_layout("fs2c0")
+        Layout.parse("fs2c0")
 
 
 def test_bench_writes_table_chart_and_anchor_ratios(ray_cluster, tmp_path):
@@ -40,7 +43,7 @@ def test_bench_writes_table_chart_and_anchor_ratios(ray_cluster, tmp_path):
                      "--precision", "fp32", "--out", str(out)])
     assert rc == 0
     table = pq.read_table(out / "bench.parquet")
-    assert table.schema == bench.BENCH_SCHEMA
+    assert table.schema == BENCH_SCHEMA
     rows = table.to_pylist()
     assert [r["layout"] for r in rows] == ["1gpu", "dp2", "pp2m2", "fs2c2"]
     for r in rows:
@@ -99,7 +102,7 @@ def test_a_layout_past_its_call_limit_is_stopped_noted_and_the_bench_goes_on(ray
     printed = capsys.readouterr()
     assert "rayconv.bench: error: no layout was measured" in printed.err
     table = pq.read_table(out / "bench.parquet")
-    assert table.schema == bench.BENCH_SCHEMA  # every column, though nothing was measured
+    assert table.schema == BENCH_SCHEMA  # every column, though nothing was measured
     rows = table.to_pylist()
     assert [(r["layout"], r["world_size"]) for r in rows] == [("1gpu", 1), ("dp2", 2)]
     for r in rows:
@@ -115,12 +118,12 @@ def test_a_layout_past_its_call_limit_is_stopped_noted_and_the_bench_goes_on(ray
 def test_a_failed_first_layout_keeps_the_measured_columns_of_the_rows_after_it(tmp_path):
     rows = [{"model": "m", "layout": "1gpu", "global_batch_size": 8, "note": "out of memory"},
             {"model": "m", "layout": "dp2", "global_batch_size": 8, "note": "", "images_per_s": 10.5, "world_size": 2}]
-    bench.write_table(rows, tmp_path)
+    write_table(rows, tmp_path)
     back = pq.read_table(tmp_path / "bench.parquet").to_pylist()
     assert [r["images_per_s"] for r in back] == [None, 10.5] and [r["world_size"] for r in back] == [None, 2]
     assert back[0]["note"] == "out of memory"
     with pytest.raises(ValueError, match="missing from BENCH_SCHEMA: \\['new_metric'\\]"):
-        bench.write_table([{**rows[1], "new_metric": 1.0}], tmp_path)
+        write_table([{**rows[1], "new_metric": 1.0}], tmp_path)
 
 
 @pytest.mark.parametrize("limit", ["0", "-5", "nan", "inf", "1e20"])
@@ -201,7 +204,7 @@ def test_paper_report_tables_from_a_run_folder(tmp_path):
                                   "images_per_s": 1500.0, "torchrun_ddp_config": "ddp bucket 25MB",
                                   "comm_mb_per_step": 233.08}]}.items():
         (run / part).mkdir(parents=True)
-        pq.write_table(bench.bench_table(rows), run / part / "bench.parquet")
+        pq.write_table(bench_table(rows), run / part / "bench.parquet")
     (run / "batch").mkdir()
     pq.write_table(pa.Table.from_pylist([
         {"model": "alexnet", "layout": "1gpu", "batch_per_device": b, "global_batch_size": b, "fits": fits,
