@@ -11,8 +11,8 @@ with SUM, then every actor computes the same ``clip_coefficient`` and applies it
 Which group to all-reduce over, and what to count: after the data-parallel all-reduce the replicas of
 a shard hold the same gradient, so the sum runs over the pipeline and filter-split groups (pp x fs),
 not over dp, or each shard would count dp times. Within that group a parameter held by more than one
-actor (a layer left whole on every filter-split actor, the conv layers under ``--plan
-krizhevsky2014``) must also count once: pass it as ``replicated`` and let only one of its holders
+actor (a layer left whole on several actors of the group, such as the data-parallel conv layers of
+``--plan krizhevsky2014``) must also count once: pass it as ``replicated`` and let only one of its holders
 count it (``count_replicated=True`` on, say, fs rank 0).
 """
 

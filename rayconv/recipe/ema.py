@@ -7,8 +7,8 @@ update copying; during the learning-rate warm-up train.py resets the count after
 average keeps copying the model until the warm-up ends. The update is elementwise, so the average of a
 shard (a pipeline stage, a filter-split slice) is the same slice of the whole model's average: each
 actor averages what it holds, with no communication, and the checkpoint merges the averages as it
-merges the model. Integer buffers (``num_batches_tracked``) are copied, not averaged (torchvision's
-average would truncate them to their first value).
+merges the model. Integer buffers (``num_batches_tracked``) are copied, not averaged (torchvision
+writes the float average back into the integer tensor, truncating it).
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ train.py's ``--norm-weight-decay`` and ``--bias-weight-decay``): a parameter bel
 module that holds it, so the grouping is decided per parameter from its own module's type and its own
 name, never from its position in the model. A model shard (an ``nn.Module`` holding some of the
 model's layers, as a pipeline stage or a filter-split part does) therefore puts each of its parameters
-in the same group as the whole model would. Shard layers stay instances of their torch classes
-(a split ``BatchNorm2d``, ``DeferredBatchNorm`` and ``SyncBatchNorm`` are ``_BatchNorm``\\ s).
+in the same group as the whole model would, provided its layers keep a normalisation class (a
+filter-split ``BatchNorm2d``, rayconv's ``DeferredBatchNorm`` and torch's ``SyncBatchNorm`` are all
+subclasses of ``_BatchNorm``).
 """
 
 from __future__ import annotations
