@@ -23,7 +23,7 @@ from rayconv.actor.cuda_graph import StepGraph
 from rayconv.parallel.data_parallel import GradientSync, broadcast_modules
 from rayconv.parallel.pipeline.runner import Chunk, StageRunner
 from rayconv.parallel.part import compile_part
-from rayconv.parallel.layout_plan import Plan, build_part
+from rayconv.parallel.layout_plan import LayoutPlan, build_part
 from rayconv.parallel.pipeline.validate import exchange_plan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.float32, "fp64": torch.float64}
@@ -46,7 +46,7 @@ class BuildMixin:
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
 
-    def setup(self, rank: int, master: str, plan: Plan) -> dict[str, Any]:
+    def setup(self, rank: int, master: str, plan: LayoutPlan) -> dict[str, Any]:
         """Join the process groups, build this actor's part of the model and its optimizer.
 
         Returns parameters held (count) and the device. Raises what data and model loading raise.
@@ -65,7 +65,7 @@ class BuildMixin:
         layers = to_layers(self.model)
         assert tuple(n for n, _ in layers) == plan.layer_names, "plan was made for another model"
         stage, fs_index = self.coord.pp, self.coord.fs
-        self.plan_mode = plan.plan == "krizhevsky2014"
+        self.plan_mode = plan.per_layer_plan == "krizhevsky2014"
         part, in_sizes = build_part(plan, layers, stage, fs_index, self.groups.axis["fs"], self.coord.dp,
                                     self.groups.axis["dp"])
         self.sharded = part

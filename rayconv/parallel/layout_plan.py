@@ -1,4 +1,4 @@
-"""The parallel plan: what the driver computes once and sends to every actor.
+"""The layout plan: what the driver computes once and sends to every actor.
 
 ``make_plan`` views the model as its flat layer list (``models.to_layers``), measures each layer's
 forward FLOPs and output shape with one CPU forward of a single sample, cuts the pipeline stages,
@@ -8,6 +8,7 @@ builds and validates the schedule, and checks the layout against the model. Ever
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -16,22 +17,25 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from rayconv.config import Config, batch_split_problem
+from rayconv.data.registry import make_source
 from rayconv.mesh import Mesh
-from rayconv.models import to_layers
+from rayconv.models import run_model, to_layers
+from rayconv.parallel.filter_split.per_layer_plan import krizhevsky2014
+from rayconv.parallel.filter_split.split import ShardedPart, shard_layers, whole_part
 from rayconv.parallel.pipeline.validate import Schedule, make_schedule, validate
 from rayconv.parallel.pipeline.runner import balance, parse_stages
 from rayconv.errors import PlanError
 
 
 @dataclass(frozen=True)
-class Plan:
+class LayoutPlan:
     """Layout of one run, identical on every actor.
 
     ``layer_names``: qualified names of the flat layers; ``out_shapes[i]``: per-sample output shape
     of layer i (``in_shape`` for the input); ``flops[i]``: forward FLOPs of layer i per sample;
     ``stages``: [start, end) layer ranges, one per pipeline stage, or per virtual stage under
     interleaved 1F1B (``P * V`` of them; stage s holds ``virtual_stages(s)``); ``schedule``: the
-    micro-batch program of each stage.
+    micro-batch program of each stage; ``per_layer_plan``: "none" or "krizhevsky2014" (``--plan``).
     """
 
     mesh: Mesh
@@ -42,7 +46,7 @@ class Plan:
     params: tuple[int, ...]
     stages: tuple[tuple[int, int], ...]
     schedule: Schedule
-    plan: str = "none"
+    per_layer_plan: str = "none"
     exchange_chunks: int = 1  # filter split: batch pieces of each overlapped gather (filter_split.overlapped_gather)
 
     def stage_in_shape(self, stage: int) -> tuple[int, ...]:
@@ -93,8 +97,6 @@ def layer_times(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, ..
     memory traffic (batch norm, ReLU and pooling on the large early activations). Each layer runs
     ``reps`` timed times after one untimed run, on the previous layer's output, eagerly (on CPU the
     median repetition)."""
-    import time
-
     cuda = device.type == "cuda"
     fmt = torch.channels_last if cuda else torch.contiguous_format
     x = torch.randn((batch, *sample_shape), device=device).contiguous(memory_format=fmt)
@@ -135,11 +137,8 @@ def layer_times(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, ..
 
 
 def measured_costs(cfg_dict: dict, micro_batch: int) -> list[float]:
-    """``layer_times`` of the run's model on this process's device (run as a Ray task on a GPU by
-    ``driver.prepare``). Returns one time in ms per layer of ``models.to_layers``."""
-    from rayconv.data.registry import make_source
-    from rayconv.models import run_model
-
+    """``layer_times`` of the run's model on this process's device (run as a Ray task on a GPU by the
+    driver's setup, ``driver.job``). Returns one time in ms per layer of ``models.to_layers``."""
     cfg = Config(**cfg_dict)
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -149,14 +148,13 @@ def measured_costs(cfg_dict: dict, micro_batch: int) -> list[float]:
                        torch.bfloat16 if cfg.precision == "bf16" else None)
 
 
-def build_part(plan: Plan, layers, stage: int, fs_index: int, fs_group, dp_index: int, dp_group):
+def build_part(plan: LayoutPlan, layers, stage: int, fs_index: int, fs_group, dp_index: int,
+               dp_group) -> tuple[ShardedPart, Optional[list[int]]]:
     """This actor's runnable part (a ``filter_split.ShardedPart``) and the shard sizes of its input
     (None when replicated): the stage's layers, filter-split over fs, or the per-layer plan.
     Stages before ``stage`` are sharded too (cheap slicing) to learn those sizes. Raises PlanError for
     a layer that cannot be split; the driver calls it once with actor 0's coordinates to check."""
-    from rayconv.parallel.filter_split.layers import krizhevsky2014, shard_layers, whole_part  # (filter_split imports PlanError)
-
-    if plan.plan == "krizhevsky2014":
+    if plan.per_layer_plan == "krizhevsky2014":
         return krizhevsky2014(layers, plan.in_shape, list(plan.out_shapes), dp_index, plan.mesh.dp, dp_group), None
     if plan.schedule.num_chunks > 1:
         # Interleaved 1F1B: the stage's chunks, one after the other (no filter split: the settings refuse it).
@@ -177,8 +175,8 @@ def build_part(plan: Plan, layers, stage: int, fs_index: int, fs_group, dp_index
 
 
 def make_plan(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[int, ...],
-              costs: Optional[list[float]] = None) -> Plan:
-    """Plan ``model`` (built with the run's settings) for ``mesh``; pipeline stages balance ``costs``
+              costs: Optional[list[float]] = None) -> LayoutPlan:
+    """The layout plan of ``model`` (built with the run's settings) for ``mesh``; pipeline stages balance ``costs``
     (one per layer, e.g. measured times) when given, else forward FLOPs. Raises PlanError."""
     layers = to_layers(model)
     shapes, flops, params = layer_profile(layers, sample_shape)
@@ -207,8 +205,8 @@ def make_plan(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[int
     except ValueError as e:
         raise PlanError(str(e)) from None
     validate(schedule)
-    plan = Plan(mesh=mesh, layer_names=tuple(n for n, _ in layers), in_shape=tuple(sample_shape),
+    plan = LayoutPlan(mesh=mesh, layer_names=tuple(n for n, _ in layers), in_shape=tuple(sample_shape),
                 out_shapes=tuple(shapes), flops=tuple(flops), params=tuple(params), stages=tuple(stages),
-                schedule=schedule, plan=cfg.plan, exchange_chunks=cfg.exchange_chunks)
+                schedule=schedule, per_layer_plan=cfg.plan, exchange_chunks=cfg.exchange_chunks)
     build_part(plan, layers, mesh.pp - 1, 0, None, 0, None)  # refuse unsplittable layers before any actor
     return plan

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from rayconv.parallel import comm
-from rayconv.parallel.filter_split.layers import ExchangeSpec, Gather, overlapped_gather
+from rayconv.parallel.filter_split.exchanges import ExchangeSpec, Gather, overlapped_gather
 
 SIZES = [3, 2]  # input channels per actor (uneven: the gather pads and trims)
 

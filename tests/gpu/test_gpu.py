@@ -175,7 +175,7 @@ def test_overlapped_gather_on_nccl_eager_and_captured():
     import torch.distributed as dist
     from torch import nn
 
-    from rayconv.parallel.filter_split.layers import ExchangeSpec, overlapped_gather
+    from rayconv.parallel.filter_split.exchanges import ExchangeSpec, overlapped_gather
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -426,7 +426,7 @@ def test_config_file_of_a_resumed_run_starts_a_new_run(tmp_path):
 
 # ---------------------------------------------------------------------- compiled segments, gradient buckets
 def test_segments_end_at_the_bucket_size_and_keep_exchanges_eager():
-    from rayconv.parallel.filter_split.layers import Gather
+    from rayconv.parallel.filter_split.exchanges import Gather
     from rayconv.parallel.part import segments
 
     lin = [nn.Linear(16, 16) for _ in range(5)]  # 272 parameters, 1088 bytes each
