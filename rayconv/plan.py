@@ -77,7 +77,7 @@ def _plan(a) -> int:
 
     use_cluster = a.address is not None
     if use_cluster:
-        from rayconv.cluster import group as cluster
+        import rayconv.cluster.connect as cluster  # (the module: the face re-exports a function of that name)
 
         cluster.connect(a.address)
         kind, slots = cluster.available_devices(a.device)

@@ -46,7 +46,7 @@ import sys
 from pathlib import Path
 
 from rayconv.bench.sweeps import main_bench, sweep_batch, training_curve
-from rayconv.cluster import connect as cluster
+from rayconv.cluster.connect import available_devices, connect
 from rayconv.config import Config, OneLineParser
 from rayconv.data.registry import make_source
 from rayconv.errors import ClusterError, ConfigError, DataError
@@ -169,8 +169,8 @@ def main(argv=None) -> int:
     try:
         check(args)
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        cluster.connect(args.address)
-        args.device_kind, _ = cluster.available_devices(args.device)
+        connect(args.address)
+        args.device_kind, _ = available_devices(args.device)
         if args.sweep:
             sweep_batch(args, until_largest=args.sweep == "memory")
         elif args.curve:

@@ -10,9 +10,9 @@ What is measured, on the device the run will use:
   from one CPU forward of one sample (``parallel.layout_plan.layer_profile``, ``filter_split.shard_layers``);
 * each layer's forward + backward time at every batch size the candidate layouts need
   (``parallel.layout_plan.layer_times``, what ``--balance time`` measures), on one GPU of the cluster
-  (``tasks.run_on_device``) or on this process's CPU;
+  (``cluster.tasks.run_on_device``) or on this process's CPU;
 * with two or more GPUs, all-reduce, all-gather and send/recv times between two actors on the
-  cluster (``tasks.run_on_devices``), fitted to latency + bytes / bandwidth; on one device or on
+  cluster (``cluster.tasks.run_on_devices``), fitted to latency + bytes / bandwidth; on one device or on
   CPU the links come from ``LINK_TABLE``.
 
 Measurements are cached as JSON under ``$RAYCONV_CACHE_DIR`` (default ``~/.cache/rayconv/``), one file
@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rayconv.cluster import connect, tasks
+from rayconv.cluster.connect import available_devices, connect
+from rayconv.cluster.tasks import run_on_device, run_on_devices
 from rayconv.config import Config
 from rayconv.data.registry import make_source
 from rayconv.errors import PlanError
@@ -191,7 +192,7 @@ def sharded_costs(cfg_dict: dict, batch: int, fs: int) -> list[float]:
 
 def link_probe(rank: int, world: int, master: str, backend: str, sizes_mb: Sequence[float]) -> dict:
     """Median times (ms) of all-reduce, all-gather (each rank gives size / world) and a one-way send of
-    each size (MB) between ``world`` processes (run by ``tasks.run_on_devices``)."""
+    each size (MB) between ``world`` processes (run by ``cluster.tasks.run_on_devices``)."""
     dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -257,7 +258,7 @@ class Measurements:
 
     def _run(self, fn, args: Sequence[Any]):
         if self.use_cluster:
-            return tasks.run_on_device(fn, args, gpu=self.device == "cuda", timeout_s=600.0)
+            return run_on_device(fn, args, gpu=self.device == "cuda", timeout_s=600.0)
         threads = torch.get_num_threads()
         if self.device == "cpu":  # as an actor computes: --num-cpus-per-actor threads (worker.py)
             torch.set_num_threads(max(1, self.cfg.num_cpus_per_actor))
@@ -306,12 +307,12 @@ class Measurements:
         """Measured between two GPU actors when the cluster (``--address``, else a local Ray) has two
         or more GPUs, cached per cluster; else the link table."""
         if self.device == "cuda" and world >= 2:
-            connect.connect(self.cfg.address)
-            if connect.available_devices("cuda")[1] >= 2:
+            connect(self.cfg.address)
+            if available_devices("cuda")[1] >= 2:
                 where = f"{self.cfg.address or 'local'}@{platform.node()}"
                 measured = self.state.setdefault("links", None) or {}
                 if where not in measured:
-                    measured[where] = tasks.run_on_devices(link_probe, 2, True, ("nccl", (1, 8, 32)))[0]
+                    measured[where] = run_on_devices(link_probe, 2, True, ("nccl", (1, 8, 32)))[0]
                     self.measured.append("links")
                 self.state["links"] = measured
                 return fit_links(measured[where], 2, f"{self.state['device']} x {world}")

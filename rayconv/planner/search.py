@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from rayconv.cluster import connect as cluster
+from rayconv.cluster.connect import available_devices, connect
 from rayconv.config import Config, ConfigError
 from rayconv.layout import Layout
 from rayconv.planner import costmodel
@@ -200,8 +200,8 @@ def choose_layout(cfg: Config, log=print) -> tuple[Config, dict]:
     if cfg.resume:
         raise ConfigError("--layout auto picks a layout anew but --resume continues the checkpoint's: drop "
                           "--layout auto when resuming")
-    cluster.connect(cfg.address, min_cpus=None)
-    kind, slots = cluster.available_devices(cfg.device)
+    connect(cfg.address, min_cpus=None)
+    kind, slots = available_devices(cfg.device)
     world = slots if kind == "cuda" else max(1, slots // cfg.num_cpus_per_actor)
     meas = Measurements(plan_config(cfg), kind, use_cluster=kind == "cuda")
     meas.load()
