@@ -24,7 +24,7 @@ from rayconv.errors import ConfigError
 
 MODELS_HELP = ("convnet (small test ConvNet; convnet_bn with batch norm; convnet2col two-column), alexnet, "
                "alexnet2012 (two-column), or any torchvision classification ConvNet name")
-DATA_CHOICES = ("digits", "synthetic", "imagefolder", "shards")
+DATA_CHOICES = ("digits", "fashion-mnist", "synthetic", "imagefolder", "shards")
 DECODE_CHOICES = ("auto", "cpu", "gpu")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 SCHEDULE_CHOICES = ("gpipe", "1f1b")
@@ -52,14 +52,14 @@ def batch_split_problem(global_batch_size: int, dp: int, num_microbatches: int) 
     return None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     """Settings of one training run, frozen (``dataclasses.replace`` makes a changed copy). Units are
     given per field."""
 
     # what to train
     model: str = field(default="convnet", metadata={"help": MODELS_HELP})
-    data: str = field(default="digits", metadata={"help": "digits (embedded real scans), synthetic, imagefolder, "
+    data: str = field(default="digits", metadata={"help": "digits (embedded real scans), fashion-mnist (apt-get install dataset-fashion-mnist, or its idx files in --data-dir), synthetic, imagefolder, "
                                                           "shards (a folder from python -m rayconv.prepare)",
                                                   "choices": DATA_CHOICES})
     data_dir: Optional[str] = field(default=None, metadata={"help": "ImageNet-layout folder with train/ and val/, "
@@ -158,76 +158,10 @@ class Config:
     # ------------------------------------------------------------------ validation
     def validate(self) -> "Config":
         """Check what can be checked without a cluster or data; return self (validated, and frozen as
-        every Config is). Raises ConfigError."""
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ConfigError(msg)
-
-        need(self.data in DATA_CHOICES, f"unknown --data {self.data!r}: choose one of {', '.join(DATA_CHOICES)}")
-        need(self.device in DEVICE_CHOICES, f"unknown --device {self.device!r}: choose auto, cpu or cuda")
-        need(self.schedule in SCHEDULE_CHOICES, f"unknown --schedule {self.schedule!r}: choose gpipe or 1f1b")
-        need(self.plan in PLAN_CHOICES, f"unknown --plan {self.plan!r}: choose one of {', '.join(PLAN_CHOICES)}")
-        need(self.precision in PRECISION_CHOICES, f"unknown --precision {self.precision!r}: choose fp32, bf16 or fp64")
-        need(self.layout in LAYOUT_CHOICES, f"unknown --layout {self.layout!r}: choose manual or auto")
-        need(self.max_memory_gib is None or self.max_memory_gib > 0,
-             f"--max-memory-gib must be > 0 GiB (got {self.max_memory_gib})")
-        need(self.balance in BALANCE_CHOICES, f"unknown --balance {self.balance!r}: choose auto, time or flops")
-        need(self.compile in COMPILE_CHOICES, f"unknown --compile {self.compile!r}: choose auto, on or off")
-        need(self.cuda_graphs in COMPILE_CHOICES, f"unknown --cuda-graphs {self.cuda_graphs!r}: choose auto, on or off")
-        need(not (self.cuda_graphs == "on" and self.device == "cpu"),
-             "--cuda-graphs on needs GPUs (CUDA graphs): drop it on CPU (--device cpu, or a cluster "
-             "without GPUs)")
-        need(not (self.sync_batchnorm and self.device == "cpu"),
-             "--sync-batchnorm needs GPUs (torch's SyncBatchNorm runs on CUDA only): drop it on CPU (--device "
-             "cpu, or a cluster without GPUs; batch norm then uses per-replica statistics, as DDP)")
-        need(self.lr_schedule in LR_SCHEDULE_CHOICES, f"unknown --lr-schedule {self.lr_schedule!r}: constant or cosine")
-        need(self.data != "imagefolder" or bool(self.data_dir),
-             "--data imagefolder needs --data-dir DIR (a folder with train/<class>/<images> and val/<class>/<images>)")
-        need(self.data != "shards" or bool(self.data_dir),
-             "--data shards needs --data-dir SHARDS (a folder written by python -m rayconv.prepare DIR --out SHARDS)")
-        need(self.decode in DECODE_CHOICES, f"unknown --decode {self.decode!r}: choose auto, cpu or gpu")
-        need(not (self.decode == "gpu" and self.device == "cpu"),
-             "--decode gpu decodes on the actors' GPUs: use --decode cpu with --device cpu")
-        for name in ("pp", "fs", "num_microbatches", "virtual_stages", "global_batch_size", "log_every",
-                     "num_cpus_per_actor", "exchange_chunks"):
-            need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
-        for name in ("dp", "steps", "epochs", "eval_every", "num_classes"):
-            v = getattr(self, name)
-            need(v is None or v >= 1, f"--{name.replace('_', '-')} must be >= 1 (got {v})")
-        if self.dp:  # (with --dp left to the cluster, these are checked once it is known)
-            problem = batch_split_problem(self.global_batch_size, self.dp, self.num_microbatches)
-            need(problem is None, problem or "")
-        need(self.lr > 0, f"--lr must be > 0 (got {self.lr})")
-        need(0 <= self.momentum < 1, f"--momentum must be in [0, 1) (got {self.momentum})")
-        need(self.weight_decay >= 0, f"--weight-decay must be >= 0 (got {self.weight_decay})")
-        need(self.exchange_chunks == 1 or self.fs > 1 or self.layout == "auto",
-             f"--exchange-chunks {self.exchange_chunks} applies to filter split's gathers: add --fs 2 (or more), "
-             "or drop it")
-        need(self.bucket_mb > 0, f"--bucket-mb must be > 0 (got {self.bucket_mb})")
-        need(self.collective_timeout_s > 0, "--collective-timeout-s must be > 0")
-        need(self.image_size >= 32, f"--image-size must be >= 32 pixels (got {self.image_size})")
-        need(self.loader_workers is None or self.loader_workers >= 0, "--loader-workers must be >= 0")
-        need(self.checkpoint_every >= 0, f"--checkpoint-every must be >= 0 steps (got {self.checkpoint_every}; "
-                                         "0 writes no checkpoints)")
-        need(self.keep_checkpoints >= 0, f"--keep-checkpoints must be >= 0 (got {self.keep_checkpoints}; 0 keeps all)")
-        need(self.max_failures >= 0, f"--max-failures must be >= 0 (got {self.max_failures})")
-        need(self.max_wait > 0, f"--max-wait must be > 0 seconds (got {self.max_wait})")
-        need(self.max_failures == 0 or self.checkpoint_every > 0 or self.resume is not None,
-             f"--max-failures {self.max_failures} restarts from the last checkpoint: also set --checkpoint-every N "
-             "(without checkpoints a recovery would start the run over)")
-        if self.virtual_stages > 1:
-            need(self.pp >= 2, f"--virtual-stages {self.virtual_stages} interleaves model chunks over pipeline "
-                               "stages: set --pp 2 or more, or drop --virtual-stages")
-            need(self.schedule == "1f1b", f"--virtual-stages {self.virtual_stages} runs interleaved 1F1B: use "
-                                          f"--schedule 1f1b, not {self.schedule}, or drop --virtual-stages")
-            need(self.fs == 1 and self.plan == "none",
-                 f"--virtual-stages {self.virtual_stages} does not combine with --fs or --plan: drop one of them")
-            need(self.num_microbatches % self.pp == 0,
-                 f"--virtual-stages {self.virtual_stages} takes micro-batches in groups of --pp {self.pp}: set "
-                 f"--num-microbatches to a multiple of {self.pp} (got {self.num_microbatches})")
-        if self.plan != "none":
-            need(self.pp == 1 and self.fs == 1,
-                 f"--plan {self.plan} spreads the model over all actors itself: drop --pp/--fs and set only --dp")
+        every Config is). Raises ConfigError naming the flag and what to change."""
+        _check_names(self)
+        _check_numbers(self)
+        _check_combinations(self)
         return self
 
     @property
@@ -241,6 +175,90 @@ class Config:
 
     def to_json(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def _check_names(cfg: Config) -> None:
+    """Every choice among the known ones, and the choices that need GPUs or a data folder."""
+    _need(cfg.data in DATA_CHOICES, f"unknown --data {cfg.data!r}: choose one of {', '.join(DATA_CHOICES)}")
+    _need(cfg.device in DEVICE_CHOICES, f"unknown --device {cfg.device!r}: choose auto, cpu or cuda")
+    _need(cfg.schedule in SCHEDULE_CHOICES, f"unknown --schedule {cfg.schedule!r}: choose gpipe or 1f1b")
+    _need(cfg.plan in PLAN_CHOICES, f"unknown --plan {cfg.plan!r}: choose one of {', '.join(PLAN_CHOICES)}")
+    _need(cfg.precision in PRECISION_CHOICES, f"unknown --precision {cfg.precision!r}: choose fp32, bf16 or fp64")
+    _need(cfg.layout in LAYOUT_CHOICES, f"unknown --layout {cfg.layout!r}: choose manual or auto")
+    _need(cfg.balance in BALANCE_CHOICES, f"unknown --balance {cfg.balance!r}: choose auto, time or flops")
+    _need(cfg.compile in COMPILE_CHOICES, f"unknown --compile {cfg.compile!r}: choose auto, on or off")
+    _need(cfg.cuda_graphs in COMPILE_CHOICES, f"unknown --cuda-graphs {cfg.cuda_graphs!r}: choose auto, on or off")
+    _need(not (cfg.cuda_graphs == "on" and cfg.device == "cpu"),
+          "--cuda-graphs on needs GPUs (CUDA graphs): drop it on CPU (--device cpu, or a cluster "
+          "without GPUs)")
+    _need(not (cfg.sync_batchnorm and cfg.device == "cpu"),
+          "--sync-batchnorm needs GPUs (torch's SyncBatchNorm runs on CUDA only): drop it on CPU (--device "
+          "cpu, or a cluster without GPUs; batch norm then uses per-replica statistics, as DDP)")
+    _need(cfg.lr_schedule in LR_SCHEDULE_CHOICES, f"unknown --lr-schedule {cfg.lr_schedule!r}: constant or cosine")
+    _need(cfg.data != "imagefolder" or bool(cfg.data_dir),
+          "--data imagefolder needs --data-dir DIR (a folder with train/<class>/<images> and val/<class>/<images>)")
+    _need(cfg.data != "shards" or bool(cfg.data_dir),
+          "--data shards needs --data-dir SHARDS (a folder written by python -m rayconv.prepare DIR --out SHARDS)")
+    _need(cfg.decode in DECODE_CHOICES, f"unknown --decode {cfg.decode!r}: choose auto, cpu or gpu")
+    _need(not (cfg.decode == "gpu" and cfg.device == "cpu"),
+          "--decode gpu decodes on the actors' GPUs: use --decode cpu with --device cpu")
+
+
+def _check_numbers(cfg: Config) -> None:
+    """Counts at least 1 (0 where it means none), rates, sizes and times positive, the batch split
+    evenly (when --dp is given)."""
+    for name in ("pp", "fs", "num_microbatches", "virtual_stages", "global_batch_size", "log_every",
+                 "num_cpus_per_actor", "exchange_chunks"):
+        _need(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
+    for name in ("dp", "steps", "epochs", "eval_every", "num_classes"):
+        v = getattr(cfg, name)
+        _need(v is None or v >= 1, f"--{name.replace('_', '-')} must be >= 1 (got {v})")
+    if cfg.dp:  # (with --dp left to the cluster, these are checked once it is known)
+        problem = batch_split_problem(cfg.global_batch_size, cfg.dp, cfg.num_microbatches)
+        _need(problem is None, problem or "")
+    _need(cfg.lr > 0, f"--lr must be > 0 (got {cfg.lr})")
+    _need(0 <= cfg.momentum < 1, f"--momentum must be in [0, 1) (got {cfg.momentum})")
+    _need(cfg.weight_decay >= 0, f"--weight-decay must be >= 0 (got {cfg.weight_decay})")
+    _need(cfg.bucket_mb > 0, f"--bucket-mb must be > 0 (got {cfg.bucket_mb})")
+    _need(cfg.collective_timeout_s > 0, "--collective-timeout-s must be > 0")
+    _need(cfg.image_size >= 32, f"--image-size must be >= 32 pixels (got {cfg.image_size})")
+    _need(cfg.loader_workers is None or cfg.loader_workers >= 0, "--loader-workers must be >= 0")
+    _need(cfg.checkpoint_every >= 0, f"--checkpoint-every must be >= 0 steps (got {cfg.checkpoint_every}; "
+                                      "0 writes no checkpoints)")
+    _need(cfg.keep_checkpoints >= 0, f"--keep-checkpoints must be >= 0 (got {cfg.keep_checkpoints}; 0 keeps all)")
+    _need(cfg.max_failures >= 0, f"--max-failures must be >= 0 (got {cfg.max_failures})")
+    _need(cfg.max_wait > 0, f"--max-wait must be > 0 seconds (got {cfg.max_wait})")
+    _need(cfg.max_memory_gib is None or cfg.max_memory_gib > 0,
+          f"--max-memory-gib must be > 0 GiB (got {cfg.max_memory_gib})")
+
+
+def _check_combinations(cfg: Config) -> None:
+    """Settings that only make sense together (exchange chunks with filter split, recovery with
+    checkpoints, virtual stages with an interleavable pipeline, the per-layer plan alone)."""
+    _need(cfg.exchange_chunks == 1 or cfg.fs > 1 or cfg.layout == "auto",
+          f"--exchange-chunks {cfg.exchange_chunks} applies to filter split's gathers: add --fs 2 (or more), "
+          "or drop it")
+    _need(cfg.max_failures == 0 or cfg.checkpoint_every > 0 or cfg.resume is not None,
+          f"--max-failures {cfg.max_failures} restarts from the last checkpoint: also set --checkpoint-every N "
+          "(without checkpoints a recovery would start the run over)")
+    if cfg.virtual_stages > 1:
+        _need(cfg.pp >= 2, f"--virtual-stages {cfg.virtual_stages} interleaves model chunks over pipeline "
+                            "stages: set --pp 2 or more, or drop --virtual-stages")
+        _need(cfg.schedule == "1f1b", f"--virtual-stages {cfg.virtual_stages} runs interleaved 1F1B: use "
+                                       f"--schedule 1f1b, not {cfg.schedule}, or drop --virtual-stages")
+        _need(cfg.fs == 1 and cfg.plan == "none",
+              f"--virtual-stages {cfg.virtual_stages} does not combine with --fs or --plan: drop one of them")
+        _need(cfg.num_microbatches % cfg.pp == 0,
+              f"--virtual-stages {cfg.virtual_stages} takes micro-batches in groups of --pp {cfg.pp}: set "
+              f"--num-microbatches to a multiple of {cfg.pp} (got {cfg.num_microbatches})")
+    if cfg.plan != "none":
+        _need(cfg.pp == 1 and cfg.fs == 1,
+              f"--plan {cfg.plan} spreads the model over all actors itself: drop --pp/--fs and set only --dp")
 
 
 # ---------------------------------------------------------------------- command line

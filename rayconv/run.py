@@ -31,7 +31,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         cfg = parse_command_line(argv)
         # The driver imports torch and Ray (seconds): only once the arguments are known to be good.
         from rayconv.driver.job import fit
+        from rayconv.driver.setup import with_output_folder
 
+        cfg = with_output_folder(cfg)  # named before the run starts, so that a failure's hint can name it
         fit(cfg)
         return 0
     except (ConfigError, DataError, PlanError, FileExistsError) as e:

@@ -1,1 +1,10 @@
-"""Ray plumbing: connecting to a cluster, the actor group and its placement group, tasks on devices (``group``)."""
+"""Ray plumbing, below the parallel code: connecting to a cluster (``connect``), the actors of one run
+and their placement group (``group``: handed the actor class, it imports none), short jobs on the
+cluster's devices (``tasks``)."""
+
+from rayconv.cluster.connect import available_devices, connect, exception_summary, probe, visible_index
+from rayconv.cluster.group import Gang, Pending, reserve, start_actors, start_workers
+from rayconv.cluster.tasks import run_on_device, run_on_devices
+
+__all__ = ["available_devices", "connect", "exception_summary", "probe", "visible_index", "Gang", "Pending",
+           "reserve", "start_actors", "start_workers", "run_on_device", "run_on_devices"]

@@ -1,25 +1,24 @@
-"""Step metrics: reduction of the actors' numbers, progress display, Parquet and JSON files.
+"""Step metrics: the actors' numbers reduced to one row per step, the rows written to Parquet, and the
+gauges of Ray's dashboard.
 
 One row per step (``kind="train"``): step, epoch, loss (mean over the global batch), lr, step_ms
-(the step's own time, the slowest actor's, measured in the actors: ``steptime.py``), images_per_s
+(the step's own time, the slowest actor's, measured in the actors: ``actor/steptime.py``), images_per_s
 (global batch / step_ms), input_stall_ms (the step's wait for input not overlapped with compute, the
 largest over the actors that read input) and input_stall_fraction (input_stall_ms / step_ms). One row
 per evaluation (``kind="eval"``): test_loss, test_error, test_accuracy and test_top5_accuracy (null
 below 5 classes) over every held-out sample once.
 ``time_s`` is seconds since training began (for test error against wall-clock time).
-Files are written atomically (temporary file, then rename): a crash never leaves half a file.
+``metrics.parquet`` is written atomically (temporary file, then rename): a crash never leaves half a file.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
 from rayconv.files import atomic_write
 
 SCHEMA = pa.schema([
@@ -78,14 +77,11 @@ def read_rows(parquet: bytes) -> list[dict[str, Any]]:
     return pq.read_table(pa.BufferReader(parquet)).to_pylist()
 
 
-
-
-
-
 # ---------------------------------------------------------------------- Ray metrics (dashboard)
 # Gauges exported through Ray's metrics agent (Prometheus names ray_rayconv_*), shown in the Ray
-# dashboard's Metrics view and Grafana when configured. Tags: run (the output folder's name) and role
-# (an actor's mesh role such as dp1.pp0.fs0, or "driver" for the per-run numbers).
+# dashboard's Metrics view and Grafana when configured. Tags: run (the run's name on the cluster: its
+# output folder's name and a random suffix) and role (an actor's mesh role such as dp1.pp0.fs0, or
+# "driver" for the per-run numbers).
 GAUGES = {
     "images_per_s": "images per second (actor: its samples / the time between its step calls; driver: images over the "
                     "wall-clock of the last 20 steps)",
@@ -100,7 +96,7 @@ _gauges: dict[str, Any] = {}
 
 def _gauge(name: str):
     if name not in _gauges:
-        from ray.util.metrics import Gauge
+        from ray.util.metrics import Gauge  # (Ray's import takes seconds: only once a gauge is set)
 
         _gauges[name] = Gauge(f"rayconv_{name}", description=GAUGES[name], tag_keys=("run", "role"))
     return _gauges[name]

@@ -115,7 +115,7 @@ def test_a_pipeline_with_fewer_micro_batches_than_stages_says_how_to_overlap(ray
     assert ("note: with 1 micro-batch for 2 stages the stages mostly take turns (bubble 50% of the step); "
             "--num-microbatches 8 lets them overlap") in printed
     # Enough micro-batches for the stages, or one stage: no note (the same function, without a run).
-    from rayconv.driver.job import overlap_note
+    from rayconv.driver.progress import overlap_note
     from rayconv.mesh import Mesh
     from rayconv.models import ConvNet
     from rayconv.parallel.layout_plan import make_plan

@@ -21,6 +21,7 @@ from helpers import wait_until
 from rayconv.outputs.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from ray.util.placement_group import placement_group, remove_placement_group
 
+from rayconv.actor.worker import Worker
 from rayconv.cluster import group as cluster
 from rayconv.errors import ClusterError
 from rayconv.config import Config
@@ -121,7 +122,7 @@ def test_slow_actor_start_names_max_wait(ray_cluster, tmp_path):
     cfg, mesh = cfg_for(tmp_path / "slow"), Mesh(2, 1, 1)
     pg = cluster.reserve(cfg, mesh, "slow-start", timeout_s=60)  # resources are there: only the start is slow
     with pytest.raises(ClusterError) as e:
-        cluster.start_actors(cfg, mesh, "slow-start", pg, timeout_s=0.3, limit_s=20)
+        cluster.start_actors(Worker, cfg, mesh, "slow-start", pg, timeout_s=0.3, limit_s=20)
     msg = str(e.value)
     assert msg.startswith("the 2 actors did not start within 20 s (--max-wait;") and "raise --max-wait" in msg, msg
     assert "stuck" not in msg
@@ -133,7 +134,7 @@ def test_ray_error_at_start_is_one_line(ray_cluster, tmp_path):
     taken = placement_group([{"CPU": 1}], name="rayconv/taken-run")
     try:
         with pytest.raises(ClusterError) as e:
-            cluster.start_workers(cfg_for(tmp_path / "x"), Mesh(1, 1, 1), "taken-run", timeout_s=30)
+            cluster.start_workers(Worker, cfg_for(tmp_path / "x"), Mesh(1, 1, 1), "taken-run", timeout_s=30)
     finally:
         remove_placement_group(taken)
     msg = str(e.value)

@@ -1,0 +1,110 @@
+"""Connecting to a Ray cluster and asking it what it has; the small Ray helpers the rest of cluster/ shares.
+
+``connect`` finds or starts the cluster (``probe`` refuses, in one line, an address where no Ray
+answers); ``available_devices`` counts the slots an actor can take (GPUs, or CPUs); ``visible_index``
+maps the GPU id Ray assigned to torch's device index; ``exception_summary`` and ``first_line`` turn
+Ray's multi-line errors into the one line a user reads.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Optional
+
+import ray
+
+from rayconv.errors import ClusterError, ConfigError
+
+NAMESPACE = "rayconv"
+# Actors and tasks with this see every GPU of their node (and select theirs by ``visible_index``).
+ALL_GPUS_VISIBLE_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+
+
+def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] = None) -> None:
+    """Connect to the cluster at ``address``, else to RAY_ADDRESS or a running local cluster
+    (``ray start --head``), else start a local one (dashboard on 127.0.0.1). A local one started
+    here gets at least ``min_cpus`` logical CPUs, so that a layout with more CPU actors than cores
+    (``--dp 2 --fs 2`` on a 2-core laptop) still runs, oversubscribed. Raises ConfigError for an address
+    where no Ray cluster answers, ClusterError when Ray cannot connect."""
+    probe(address or os.environ.get("RAY_ADDRESS"))
+    if ray.is_initialized():
+        return
+    kw = dict(address=address, namespace=NAMESPACE, log_to_driver=not quiet, configure_logging=True,
+              logging_level="WARNING")
+    extra = {"num_cpus": min_cpus} if min_cpus and min_cpus > (os.cpu_count() or 1) else {}
+    try:
+        try:
+            ray.init(**kw, **extra)
+        except ValueError as e:
+            if not extra or "num_cpus" not in str(e):
+                raise
+            ray.init(**kw)  # an existing cluster was found: its resources are what they are
+    except (ConnectionError, TimeoutError, RuntimeError, ValueError) as e:
+        where = address or os.environ.get("RAY_ADDRESS") or "a local cluster"
+        raise ClusterError(f"cannot connect to Ray at {where} ({e}): check --address / RAY_ADDRESS, "
+                           "or run `ray start --head` first") from None
+
+
+def probe(address: Optional[str], timeout_s: float = 5.0) -> None:
+    """Fail fast, in one line, on a ``host:port`` cluster address where no Ray GCS answers: nobody
+    listening (Ray itself retries for minutes), or something other than Ray (Ray's GCS client then
+    logs its RPC errors for as long). The GCS is a gRPC server, so it must complete gRPC's HTTP/2
+    handshake (``grpc.channel_ready_future``) within ``timeout_s`` seconds. Raises ConfigError: the
+    address is the user's to change."""
+    if not address or "://" in address or address == "auto" or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    hint = ("check --address / RAY_ADDRESS (the head's GCS address, e.g. 10.0.0.5:6379), "
+            "or run `ray start --head` first")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot reach a Ray cluster at {address} ({e}): {hint}") from None
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return  # the GCS speaks TLS first: a plain handshake would not get through
+    import grpc  # (installed with Ray)
+
+    channel = grpc.insecure_channel(address)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+    except grpc.FutureTimeoutError:
+        raise ConfigError(f"something answers at {address} but not a Ray cluster (no gRPC handshake within "
+                          f"{timeout_s:g} s): {hint}") from None
+    finally:
+        channel.close()
+
+
+def available_devices(device: str) -> tuple[str, int]:
+    """(resolved device kind, number of actor slots): GPUs for cuda, CPUs for cpu. Raises ConfigError."""
+    res = ray.cluster_resources()
+    gpus = int(res.get("GPU", 0))
+    if device == "cuda" and gpus == 0:
+        raise ConfigError("--device cuda but the Ray cluster has no GPUs: use --device cpu (or auto)")
+    kind = "cuda" if device == "cuda" or (device == "auto" and gpus > 0) else "cpu"
+    return kind, gpus if kind == "cuda" else int(res.get("CPU", 0))
+
+
+def visible_index(gpu_id: Any, visible: Optional[str] = None) -> int:
+    """torch's device index of the GPU Ray calls ``gpu_id`` when this process sees the node's GPUs:
+    Ray's ids are those of the node (its CUDA_VISIBLE_DEVICES, if the node was started with one), so a
+    node started with CUDA_VISIBLE_DEVICES=2,3 calls its GPUs 2 and 3, which torch numbers 0 and 1."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    listed = [v.strip() for v in visible.split(",")] if visible else []
+    return listed.index(str(gpu_id)) if str(gpu_id) in listed else int(gpu_id)
+
+
+def exception_summary(e: BaseException) -> str:
+    """The one-line message of the innermost user-facing error in ``e`` (Ray wraps an actor's or a
+    task's error in RayTaskError, possibly several deep)."""
+    cause: Optional[BaseException] = e
+    while isinstance(cause, ray.exceptions.RayTaskError) and cause.cause is not None:
+        cause = cause.cause
+    return f"{type(cause).__name__}: {cause}"
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of a Ray error, without Ray's ``System error:`` prefix."""
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    return lines[0].removeprefix("System error: ")

@@ -1,0 +1,97 @@
+"""Short jobs on the cluster's devices, outside any run's actors: the planner's and the pipeline
+balancer's measurements.
+
+``run_on_device`` runs a function as a Ray task on one GPU or CPU; ``run_on_devices`` runs one in
+``world`` ``Probe`` actors at once, packed in one placement group as the training actors are, so that
+a process-group rendezvous between them measures the links a run would use.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, Sequence
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rayconv.cluster.connect import ALL_GPUS_VISIBLE_ENV, exception_summary, visible_index
+from rayconv.errors import ClusterError
+
+
+def _on_device(fn, gpu: bool, *args) -> Any:
+    """Body of ``run_on_device``'s task: select the GPU Ray assigned (all GPUs visible), run ``fn``."""
+    if gpu:
+        import torch
+
+        torch.cuda.set_device(visible_index(ray.get_gpu_ids()[0]))
+    return fn(*args)
+
+
+def run_on_device(fn, args: Sequence[Any], gpu: bool, timeout_s: float = 300.0) -> Any:
+    """``fn(*args)`` as a Ray task on one GPU (``gpu``) or one CPU of the cluster; its result.
+    With all GPUs of the node visible, the task uses the one Ray assigned. Raises ClusterError naming
+    the task's error or the timeout."""
+    env = ALL_GPUS_VISIBLE_ENV if gpu else {}
+    # max_calls=1: the worker process exits afterwards, releasing its CUDA context and cached memory.
+    ref = ray.remote(max_calls=1)(_on_device).options(
+        num_gpus=1 if gpu else 0, num_cpus=1, max_retries=0,
+        runtime_env={"env_vars": env} if env else None).remote(fn, gpu, *args)
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.cancel(ref, force=True)
+        raise ClusterError(f"{fn.__name__} did not finish within {timeout_s:g} s on the cluster") from None
+    except ray.exceptions.RayError as e:
+        raise ClusterError(f"{fn.__name__} failed: {exception_summary(e)}") from None
+
+
+class Probe:
+    """A bare process on one device of a placement group, for short measurements (``run_on_devices``)."""
+
+    def __init__(self, gpu: bool):
+        if gpu:
+            import torch
+
+            torch.cuda.set_device(visible_index(ray.get_gpu_ids()[0]))
+
+    def free_address(self) -> str:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"{ray.util.get_node_ip_address()}:{port}"
+
+    def run(self, fn, *args) -> Any:
+        return fn(*args)
+
+
+def run_on_devices(fn, world: int, gpu: bool, args: Sequence[Any] = (), timeout_s: float = 300.0) -> list[Any]:
+    """``fn(rank, world, master, *args)`` at once in ``world`` actors, one per GPU (``gpu``) or CPU, packed
+    in one placement group as the training actors are (``master``: a free host:port on rank 0's node for
+    a process-group rendezvous); their results in rank order. Raises ClusterError naming the error or
+    the timeout; the actors and the reservation are released in every case."""
+    bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
+    pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+    actors: list[Any] = []
+    try:
+        try:
+            ray.get(pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise ClusterError(f"could not reserve {world} x {bundle} within {timeout_s:.0f} s for "
+                               f"{fn.__name__}: free resources") from None
+        env = ALL_GPUS_VISIBLE_ENV if gpu else {}
+        remote = ray.remote(Probe)
+        actors = [remote.options(num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=0,
+                                 runtime_env={"env_vars": env} if env else None,
+                                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)
+                                 ).remote(gpu) for r in range(world)]
+        master = ray.get(actors[0].free_address.remote(), timeout=timeout_s)
+        return ray.get([a.run.remote(fn, r, world, master, *args) for r, a in enumerate(actors)], timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise ClusterError(f"{fn.__name__} did not finish within {timeout_s:g} s on the cluster") from None
+    except ray.exceptions.RayError as e:
+        raise ClusterError(f"{fn.__name__} failed: {exception_summary(e)}") from None
+    finally:
+        for a in actors:
+            ray.kill(a)
+        remove_placement_group(pg)

@@ -1,0 +1,103 @@
+"""The end of a run: ``model.pt``, ``metrics.parquet`` and ``summary.json`` in the output folder; and
+what a failed run leaves there (its checkpoints and config.json, or nothing).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from rayconv.cluster.group import Gang
+from rayconv.driver.loop import Run
+from rayconv.files import write_json
+from rayconv.models import run_model
+from rayconv.outputs.checkpoint import list_checkpoints, remove_partial
+from rayconv.outputs.export import assemble, export_model
+from rayconv.planner.search import compare
+
+
+def finish(run: Run, gang: Gang) -> dict[str, Any]:
+    """Write model.pt (a plain state_dict of the whole model), metrics.parquet and summary.json into
+    the output folder; return the summary. Raises ClusterError when an actor fails meanwhile."""
+    out = run.setup.out
+    export(run, gang, out / "model.pt")
+    memory = gang.call("memory", timeout_s=run.call_timeout_s)
+    run.metrics.write(out / "metrics.parquet")
+    summary = summarize(run, memory)
+    write_json(out / "summary.json", summary)
+    run.log(f"done: train loss {summary['final_train_loss']:.4f}, test accuracy {summary['test_accuracy']:.4f}, "
+            f"{summary['images_per_s']:.0f} images/s, {summary['wall_time_s']:.1f} s -> {out}")
+    return summary
+
+
+def export(run: Run, gang: Gang, path: Path) -> None:
+    """``path`` <- the actors' parts assembled into one state_dict, loaded into a fresh model to check it."""
+    cfg, mesh = run.cfg, run.setup.mesh
+    # Replica 0's actors hold the whole model between them.
+    # (Under the per-layer plan every actor holds a slice of the FC layers.)
+    holders = list(range(mesh.world_size)) if cfg.plan != "none" else \
+        [mesh.rank((0, p, f)) for p in range(mesh.pp) for f in range(mesh.fs)]
+    states = gang.call("state", ranks=holders, timeout_s=run.call_timeout_s)
+    split_dims: dict[str, int] = {}
+    for d in gang.call("split_dims", ranks=holders, timeout_s=run.call_timeout_s):
+        split_dims.update(d)
+    export_model(path, assemble(states, split_dims), run_model(cfg, run.setup.source))
+
+
+def summarize(run: Run, memory: list[dict[str, Any]]) -> dict[str, Any]:
+    """summary.json: the layout, the final loss and test figures, images/s, input stall, times, and
+    per actor its setup report and peak memory (``memory``: one report per rank)."""
+    cfg, s, mesh = run.cfg, run.setup, run.setup.mesh
+    train_rows = [row for row in run.metrics.rows if row["kind"] == "train"]
+    stall_ms = sum(x.get("input_stall_ms") or 0.0 for x in train_rows)
+    own_ms = sum(x["step_ms"] or 0.0 for x in train_rows)
+    ev = run.last_eval
+    summary = {
+        "model": cfg.model, "data": cfg.data, "device": cfg.device,
+        "layout": {"dp": mesh.dp, "pp": mesh.pp, "fs": mesh.fs, "world_size": mesh.world_size,
+                   "plan": cfg.plan, "schedule": cfg.schedule if mesh.pp > 1 else None,
+                   "num_microbatches": cfg.num_microbatches, "virtual_stages": cfg.virtual_stages,
+                   "exchange_chunks": cfg.exchange_chunks if mesh.fs > 1 else None,
+                   "stages": [list(st) for st in s.plan.stages]},
+        "global_batch_size": cfg.global_batch_size, "steps": s.total_steps,
+        "epochs": s.total_steps / s.sharding.steps_per_epoch,
+        "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
+        "test_accuracy": ev.get("test_accuracy"), "test_error": ev.get("test_error"),
+        "test_loss": ev.get("test_loss"), "test_top5_accuracy": ev.get("test_top5_accuracy"),
+        "images_per_s": run.images_per_s(),
+        # The steps' waits for input not overlapped with compute, summed, and their share of the steps' time.
+        "input_stall_s": stall_ms / 1e3, "input_stall_fraction": stall_ms / own_ms if own_ms > 0 else None,
+        "train_time_s": run.train_s, "wall_time_s": time.perf_counter() - s.t_start,
+        "run_name": s.run_name,
+        "resumed_from": str(s.resume.path) if s.resume is not None else None, "failures_recovered": run.failures,
+        "actors": [{**setup, **m} for setup, m in zip(run.setups, memory)],
+    }
+    if s.predicted is not None:
+        summary["planner"] = compare(s.predicted, summary)
+    return summary
+
+
+@contextmanager
+def writing_into(out: Path, log=print) -> Iterator[Path]:
+    """Make the output folder ``out`` for the body. If the body raises, nothing half-written stays
+    behind, but checkpoints are never deleted: a folder holding one keeps it (and config.json) so that
+    the run can be resumed; otherwise the folder is removed (if made here) or emptied."""
+    made = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        yield out
+    except BaseException:
+        remove_partial(out)
+        if list_checkpoints(out):
+            pass
+        elif made:
+            shutil.rmtree(out, ignore_errors=True)
+            log(f"rayconv: {out} removed: the run stopped before any result or checkpoint was written")
+        else:  # the folder was empty when this run began
+            for p in out.iterdir():
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+            log(f"rayconv: {out} left empty: the run stopped before any result or checkpoint was written")
+        raise

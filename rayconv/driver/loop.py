@@ -1,0 +1,207 @@
+"""The step loop: one ``train_step`` call per actor per step, two steps in flight; evaluations and
+checkpoints between steps.
+
+Step k+1 is queued on the actors before step k's call returns, and each call returns the metrics of the
+step before it, so neither the device nor the actor waits for the driver between steps (the bench's
+``driver_overhead`` measures what is left). Before an evaluation, a checkpoint or the test hook the
+loop lets the actors go quiet (``flush``). Synchronous SGD unchanged (Yadan et al. 2013): every step
+equals one single-device step on the global batch, whatever the layout.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Optional
+
+from rayconv.cluster.group import Gang, Pending
+from rayconv.config import Config
+from rayconv.driver.progress import Progress
+from rayconv.driver.setup import Setup, call_timeout_s
+from rayconv.outputs.checkpoint import Checkpoint, write_checkpoint
+from rayconv.outputs.metrics import MetricsLog, actor_gauges, read_rows, reduce_step
+
+
+def learning_rate(cfg: Config, step: int, total_steps: int) -> float:
+    """lr of ``step``: constant, or cosine decay from ``cfg.lr`` to 0 over the run (Loshchilov & Hutter 2017)."""
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * step / max(1, total_steps)))
+
+
+class Run:
+    """One run across its attempts (a recovery starts new actors and continues): the setup, and what the
+    attempts gathered (metrics rows, the last evaluation, the actors' setup reports, training time)."""
+
+    def __init__(self, setup: Setup, log=print, on_step=None):
+        self.setup, self.cfg, self.log, self.on_step = setup, setup.cfg, log, on_step
+        self.call_timeout_s = call_timeout_s(setup.cfg)
+        self.metrics = MetricsLog()
+        self.last_eval: dict[str, Optional[float]] = {}
+        self.setups: list[dict[str, Any]] = []  # what each actor's ``setup`` reported
+        self.train_s = 0.0
+        self.failures = 0     # actor failures recovered from
+        self.trained = False  # every step done: what fails after it (the export) is not retried
+        # step -> (images, driver wall-clock seconds from the previous result to this one, evaluation and
+        # checkpoint time left out), over every attempt of this process: the summary's images/s.
+        self.wall: dict[int, tuple[int, float]] = {}
+
+    def continue_from(self, ckpt: Optional[Checkpoint]) -> None:
+        """Start an attempt's records: empty, or the metrics rows and last evaluation of ``ckpt``."""
+        self.metrics = MetricsLog()
+        self.last_eval = {}
+        if ckpt is None or "metrics.parquet" not in ckpt.files:
+            return
+        self.metrics.rows = [r for r in read_rows(ckpt.files["metrics.parquet"]) if r["step"] < ckpt.step]
+        evals = [r for r in self.metrics.rows if r["kind"] == "eval"]
+        if evals:
+            self.last_eval = {k: evals[-1].get(k) for k in ("test_loss", "test_accuracy", "test_error",
+                                                            "test_top5_accuracy")}
+
+    def images_per_s(self) -> Optional[float]:
+        """Training images per second of wall-clock: images of the steps this process ran, after the
+        first two (compiling, warming up) when at least four ran, over the driver's wall-clock time of
+        those steps (evaluation and checkpoint time left out). With two steps in flight one step's
+        result can come back just after the one before it, so no single step's wall time is its own;
+        summed over steps they are the training time."""
+        steps = sorted(self.wall)
+        steady = [self.wall[k] for k in (steps[2:] if len(steps) >= 4 else steps)]
+        seconds = sum(s for _, s in steady)
+        return sum(n for n, _ in steady) / seconds if seconds > 0 else None
+
+    def boundary(self, step: int) -> bool:
+        """After this step the driver needs the actors quiet (evaluation, checkpoint, test hook)."""
+        done, every = step + 1, self.cfg.checkpoint_every
+        return (done % self.setup.eval_every == 0 or done == self.setup.total_steps or self.on_step is not None
+                or bool(every and done % every == 0))
+
+
+@dataclass
+class _Attempt:
+    """The clock and display of one attempt's steps."""
+
+    start: int
+    progress: Progress
+    t_train: float = field(default_factory=time.perf_counter)
+    t_last: float = 0.0  # when the previous result came back
+    lrs: dict[int, float] = field(default_factory=dict)  # submitted steps' learning rates
+
+
+def train(run: Run, gang: Gang, start: int) -> None:
+    """Steps ``start`` .. total_steps - 1, with evaluations and checkpoints (see the module docstring).
+    Raises ClusterError (an actor failed or a call timed out) or FloatingPointError (a loss not finite)."""
+    total = run.setup.total_steps
+    att = _Attempt(start, Progress(run.cfg, total, start, run.log))
+    att.t_last = att.t_train
+    try:
+        in_flight: Optional[Pending] = None
+        for step in range(start, total):
+            if in_flight is None:
+                in_flight = _submit(run, gang, att, step)
+            current, in_flight = in_flight, None
+            if not run.boundary(step):  # queue the next step before waiting for this one
+                in_flight = _submit(run, gang, att, step + 1)
+            _record(run, att, gang.collect(current, timeout_s=run.call_timeout_s))
+            if run.boundary(step):
+                _between_steps(run, gang, att, step)
+        run.trained = True
+    finally:
+        att.progress.close()
+        run.train_s += time.perf_counter() - att.t_train
+
+
+def _submit(run: Run, gang: Gang, att: _Attempt, step: int) -> Pending:
+    att.lrs[step] = learning_rate(run.cfg, step, run.setup.total_steps)
+    return gang.submit("train_step", step, att.lrs[step])
+
+
+def _record(run: Run, att: _Attempt, results: list) -> None:
+    """Log the step whose metrics came back (a call that returned none is skipped). Raises
+    FloatingPointError when its loss is not finite."""
+    results = [x for x in results if x is not None]
+    if not results:
+        return
+    now = time.perf_counter()
+    wall_s, att.t_last = now - att.t_last, now
+    r, k, epoch = reduce_step(results), results[0]["step"], results[0]["epoch"]
+    count = results[0]["global_count"]
+    run.wall[k] = (count, wall_s)
+    ips = att.progress.rate(count, wall_s, first=k == att.start)
+    # The row: the step's own time, measured in the actors (the driver's wall time between two
+    # results can belong partly to the neighbouring step with two in flight).
+    step_ms = r["step_ms"] if r["step_ms"] is not None else wall_s * 1e3
+    stall = r["input_stall_ms"]
+    run.metrics.add(kind="train", step=k, epoch=epoch, loss=r["loss"], lr=att.lrs.pop(k),
+                    images_per_s=count / max(1e-9, step_ms / 1e3), step_ms=step_ms, input_stall_ms=stall,
+                    input_stall_fraction=None if stall is None else stall / max(1e-9, step_ms),
+                    time_s=run.train_s + now - att.t_train)
+    if run.cfg.metrics:
+        actor_gauges(run.setup.run_name, "driver", images_per_s=ips, step_ms=step_ms, loss=r["loss"], step=k)
+    if not math.isfinite(r["loss"]):
+        raise FloatingPointError(f"loss is {r['loss']} at step {k}: lower --lr (now {run.cfg.lr})")
+    att.progress.step(k, epoch, r["loss"], run.metrics.rows[-1]["lr"], ips, run.last_eval)
+
+
+def _between_steps(run: Run, gang: Gang, att: _Attempt, step: int) -> None:
+    """After ``step``, with nothing in flight: the actors' last metrics, then the evaluation, the
+    checkpoint, the metrics so far and the test hook that are due."""
+    cfg, s, done = run.cfg, run.setup, step + 1
+    _record(run, att, gang.call("flush", timeout_s=run.call_timeout_s))
+    if done % s.eval_every == 0 or done == s.total_steps:
+        run.last_eval = evaluate(gang, run.call_timeout_s)
+        run.metrics.add(kind="eval", step=step, epoch=step // s.sharding.steps_per_epoch,
+                        time_s=run.train_s + time.perf_counter() - att.t_train, **run.last_eval)
+        att.progress.evaluation(step, run.metrics.last("train", "loss"), run.last_eval)
+    if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == s.total_steps):
+        checkpoint(run, gang, done)
+    if done % s.eval_every == 0 or cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
+        run.metrics.write(s.out / "metrics.parquet")  # the progress so far, readable mid-run
+    if run.on_step is not None:
+        run.on_step(gang, step)
+    att.t_last = time.perf_counter()  # evaluation and checkpoint time is not a step's
+
+
+def evaluate(gang: Gang, timeout_s: Optional[float] = None) -> dict[str, Optional[float]]:
+    """Test loss, error, top-1 and top-5 accuracy over every held-out sample once (summed over
+    replicas); top-5 is None below 5 classes."""
+    res = [r for r in gang.call("evaluate", timeout_s=timeout_s) if r["reports"]]
+    n = sum(r["samples"] for r in res)
+    correct = sum(r["correct"] for r in res)
+    top5 = None if any(r.get("correct5") is None for r in res) else sum(r["correct5"] for r in res) / max(1, n)
+    return {"test_loss": sum(r["loss_sum"] for r in res) / max(1, n),
+            "test_accuracy": correct / max(1, n), "test_error": 1.0 - correct / max(1, n), "test_top5_accuracy": top5}
+
+
+def checkpoint(run: Run, gang: Gang, step: int) -> Path:
+    """Write checkpoints/step-<step>/ (``step`` steps done) atomically; prune to --keep-checkpoints."""
+    shards = gang.call("checkpoint_shard", timeout_s=run.call_timeout_s)
+    path = write_checkpoint(run.setup.out, step, shards, _manifest(run, step),
+                            extra={"metrics.parquet": run.metrics.to_bytes()}, keep=run.cfg.keep_checkpoints)
+    if not run.cfg.progress:
+        run.log(f"checkpoint {path}")
+    return path
+
+
+def _manifest(run: Run, step: int) -> dict[str, Any]:
+    """What a checkpoint records besides the actors' shards: model, layout, data and lr-schedule
+    position, the settings (``--resume`` takes them over)."""
+    cfg, s, mesh = run.cfg, run.setup, run.setup.mesh
+    epoch, step_in_epoch = divmod(step, s.sharding.steps_per_epoch)
+    return {
+        "model": cfg.model, "num_classes": s.source.num_classes,
+        "sample_shape": list(s.source.sample_shape), "precision": cfg.precision,
+        "layout": {"dp": mesh.dp, "pp": mesh.pp, "fs": mesh.fs, "plan": cfg.plan,
+                   "world_size": mesh.world_size, "stages": [list(st) for st in s.plan.stages],
+                   "roles": [mesh.role(r) for r in range(mesh.world_size)]},
+        "data": {"data": cfg.data, "next_step": step, "epoch": epoch, "step_in_epoch": step_in_epoch,
+                 "steps_per_epoch": s.sharding.steps_per_epoch, "seed": cfg.seed,
+                 "global_batch_size": cfg.global_batch_size},
+        "lr_schedule": {"schedule": cfg.lr_schedule, "lr": cfg.lr, "total_steps": s.total_steps,
+                        "next_step": step,
+                        "next_lr": learning_rate(cfg, step, s.total_steps) if step < s.total_steps else None},
+        "config": cfg.to_dict(),
+        "written": datetime.now().isoformat(timespec="seconds"),
+    }

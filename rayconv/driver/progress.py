@@ -1,0 +1,102 @@
+"""What a run prints: the header, then a progress bar on a terminal or plain lines in a log file.
+
+The header names the model, data, layout, device, batch, steps and output folder (and, for a pipeline,
+its stages and schedule grid, with a note when too few micro-batches leave the stages taking turns).
+During training a tqdm bar shows loss, images/s and the last test accuracy when stderr is a terminal
+and ``--progress`` is on; otherwise a line every ``--log-every`` steps and one per evaluation.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from typing import Optional
+
+from tqdm import tqdm
+
+from rayconv.config import Config, batch_split_problem
+from rayconv.driver.setup import Setup
+from rayconv.mesh import Mesh
+from rayconv.parallel.layout_plan import LayoutPlan
+from rayconv.parallel.pipeline.simulate import bubble_fraction, format_grid
+
+RATE_WINDOW = 20  # steps: the progress line's images/s is over the wall-clock of the last 20
+
+
+def log_header(setup: Setup, log=print) -> None:
+    """The lines a run starts with (see the module docstring)."""
+    cfg, mesh, source, out = setup.cfg, setup.mesh, setup.source, setup.out
+    log(f"rayconv: {cfg.model} on {cfg.data} ({source.train_size} train / {source.test_size} test images, "
+        f"{source.num_classes} classes), layout {mesh.describe()}"
+        f"{' plan ' + cfg.plan if cfg.plan != 'none' else ''} on {cfg.device}, "
+        f"global batch {cfg.global_batch_size}, {setup.total_steps} steps -> {out}; Ray run name {setup.run_name}")
+    if setup.resume is not None:
+        log(f"rayconv: resuming from {setup.resume.path} (step {setup.resume.step} of {setup.total_steps})")
+    if mesh.pp > 1:
+        chunks = (f", interleaved: {cfg.virtual_stages} model chunks per stage (stage s holds chunks s, s + "
+                  f"{mesh.pp}, ...)" if cfg.virtual_stages > 1 else "")
+        micro = f"{cfg.num_microbatches} micro-batch{'es' if cfg.num_microbatches > 1 else ''}"
+        log(f"pipeline stages {list(setup.plan.stages)}, schedule {cfg.schedule}{chunks}, {micro}:\n"
+            f"{format_grid(setup.plan.schedule)}")
+        note = overlap_note(cfg, mesh, setup.plan)
+        if note:
+            log(note)
+
+
+def overlap_note(cfg: Config, mesh: Mesh, plan: LayoutPlan) -> Optional[str]:
+    """The note a pipeline with fewer micro-batches than stages gets: its bubble, and a
+    ``--num-microbatches`` that divides the batch and lets the stages overlap (None when there are
+    enough micro-batches, or none that divides the batch)."""
+    if mesh.pp == 1 or cfg.num_microbatches >= mesh.pp:
+        return None
+    better = [m for m in (4 * mesh.pp, 2 * mesh.pp, mesh.pp)
+              if batch_split_problem(cfg.global_batch_size, mesh.dp, m) is None]
+    if not better:
+        return None
+    micro = f"{cfg.num_microbatches} micro-batch{'es' if cfg.num_microbatches > 1 else ''}"
+    return (f"note: with {micro} for {mesh.pp} stages the stages mostly take turns (bubble "
+            f"{bubble_fraction(plan.schedule):.0%} of the step); --num-microbatches {better[0]} lets them overlap")
+
+
+class Progress:
+    """One attempt's progress display: the bar (or plain lines) and the rate it shows.
+
+    The rate is images over the wall-clock of the last RATE_WINDOW results (the attempt's first, which
+    compiles, left out once 4 more came back). With two steps in flight a result's wall time can hold
+    its neighbour's step (or none, just after an evaluation); over several it evens out."""
+
+    def __init__(self, cfg: Config, total_steps: int, start: int, log=print):
+        self.cfg, self.total_steps, self.log = cfg, total_steps, log
+        self.window: deque = deque(maxlen=RATE_WINDOW)
+        # A progress bar on a terminal; plain progress lines every --log-every steps otherwise (a log file).
+        self.use_bar = cfg.progress and sys.stderr.isatty()
+        self.bar = tqdm(total=total_steps, initial=start, desc="train", unit="step", disable=not self.use_bar,
+                        dynamic_ncols=True, mininterval=1.0)
+
+    def rate(self, images: int, wall_s: float, first: bool) -> float:
+        """Images/s over the window, after adding a result of ``images`` in ``wall_s`` seconds
+        (``first``: the attempt's first step)."""
+        self.window.append((images, wall_s, first))
+        recent = list(self.window)[1:] if self.window[0][2] and len(self.window) > 4 else self.window
+        return sum(n for n, _, _ in recent) / max(1e-9, sum(w for _, w, _ in recent))
+
+    def step(self, k: int, epoch: int, loss: float, lr: float, ips: float, last_eval: dict) -> None:
+        """Step ``k``'s result: the bar moves, or a plain line every --log-every steps and at the last."""
+        acc = last_eval.get("test_accuracy") if last_eval else None
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{ips:.0f}",
+                             **({"test_acc": f"{acc:.4f}"} if last_eval else {}))
+        if not self.use_bar and (k % self.cfg.log_every == 0 or k + 1 == self.total_steps):
+            self.log(f"step {k:5d} epoch {epoch:3d} loss {loss:.4f} lr {lr:.4g} {ips:8.0f} images/s"
+                     + (f" test_acc {acc:.4f}" if last_eval else ""))
+
+    def evaluation(self, step: int, train_loss: float, ev: dict) -> None:
+        """An evaluation after ``step``: on the bar, or a plain line with test loss and accuracies."""
+        self.bar.set_postfix(loss=f"{train_loss:.4f}", test_acc=f"{ev['test_accuracy']:.4f}")
+        if not self.use_bar:
+            top5 = ev.get("test_top5_accuracy")
+            self.log(f"step {step:5d} test_loss {ev['test_loss']:.4f} test_accuracy {ev['test_accuracy']:.4f}"
+                     + (f" test_top5_accuracy {top5:.4f}" if top5 is not None else ""))
+
+    def close(self) -> None:
+        self.bar.close()

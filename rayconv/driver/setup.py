@@ -1,0 +1,204 @@
+"""A run's setup, done once before any actor starts: checks, data, model, layout, routing plan, output folder.
+
+Everything that needs no cluster is checked first (the model name, ``--max-memory-gib``, the data, the
+model's training output, the layout against the model, a ``--resume`` checkpoint against the run), so
+that a user's mistake costs no Ray start. Then Ray is connected, the device and ``dp`` are resolved
+against the cluster, and the routing plan (``parallel.layout_plan.make_plan``) is built for the
+resolved mesh. Each resolution makes a new, validated ``Config`` (``dataclasses.replace``); the result
+is one frozen ``Setup`` that the loop, the checkpoints and the summary read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Optional
+
+from rayconv.cluster.connect import available_devices, connect
+from rayconv.cluster.tasks import run_on_device
+from rayconv.config import Config
+from rayconv.data.registry import make_source
+from rayconv.data.source import Sharding, Source
+from rayconv.errors import CheckpointError, ConfigError
+from rayconv.mesh import Mesh
+from rayconv.models import build_model, check_trainable, model_names, run_model
+from rayconv.outputs.checkpoint import Checkpoint, check_resumable, find_checkpoint, list_checkpoints, load_checkpoint
+from rayconv.parallel.layout_plan import LayoutPlan, make_plan, measured_costs
+from rayconv.planner.search import choose_layout, memory_check
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What one run is, resolved once: the settings (device, ``dp``, pipeline cut and output folder
+    filled in), the mesh, the routing plan every actor cuts its part from, the data, the step counts."""
+
+    cfg: Config
+    mesh: Mesh
+    plan: LayoutPlan
+    source: Source
+    sharding: Sharding
+    total_steps: int
+    eval_every: int            # steps between test evaluations
+    out: Path                  # the output folder (made by the driver when the run starts)
+    run_name: str              # on the cluster: placement group, actor names, the gauges' tag
+    resume: Optional[Checkpoint]
+    predicted: Optional[dict[str, Any]]  # --layout auto: the planner's prediction, for summary.json
+    t_start: float             # time.perf_counter() when the setup began: the summary's wall time
+
+
+def setup_run(cfg: Config, log=print) -> Setup:
+    """Check and resolve everything a run needs before its actors start (see the module docstring).
+    Nothing is written. Raises ConfigError / DataError / PlanError / CheckpointError / FileExistsError
+    before Ray starts, ClusterError when the cluster cannot be reached."""
+    t_start = time.perf_counter()
+    resume = load_checkpoint(cfg.resume) if cfg.resume else None
+    cfg = with_output_folder(cfg, resume)
+    out = Path(cfg.out)
+    check_output_folder(out, resume)
+    predicted = None
+    if cfg.layout == "auto":
+        cfg, predicted = choose_layout(cfg, log)
+    cfg, mesh, source, plan = prepare(cfg, log, resume)
+    sharding = Sharding(source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed)
+    return Setup(cfg=cfg, mesh=mesh, plan=plan, source=source, sharding=sharding,
+                 total_steps=cfg.steps or (cfg.epochs or 10) * sharding.steps_per_epoch,
+                 eval_every=cfg.eval_every or sharding.steps_per_epoch, out=out, run_name=new_run_name(out),
+                 resume=resume, predicted=predicted, t_start=t_start)
+
+
+def prepare(cfg: Config, log=print, resume: Optional[Checkpoint] = None) -> tuple[Config, Mesh, Source, LayoutPlan]:
+    """Check everything that needs no cluster, then connect to Ray, resolve the layout against the
+    cluster and build the routing plan.
+
+    Before Ray starts: the data (folders), the model (name, image shape, training output), the layout
+    against the model (with --dp as given, 1 when the cluster decides it) and ``resume``'s checkpoint
+    against the run. Returns (the settings with device, ``dp`` and a balanced pipeline cut resolved;
+    mesh; source; plan). Raises ConfigError / DataError / PlanError / CheckpointError / ClusterError
+    before any actor starts."""
+    source, reference, checked = check_before_ray(cfg, resume)
+    dp_given = cfg.dp is not None
+    # (with --dp left to the cluster, at least one replica: --fs 3 alone on 2 cores still runs)
+    wanted = (cfg.dp or 1) * cfg.pp * cfg.fs * cfg.num_cpus_per_actor
+    connect(cfg.address, min_cpus=wanted if cfg.device != "cuda" else None)
+    cfg, mesh = resolve_layout(cfg, log)
+    if not dp_given:
+        memory_check(cfg)  # (with --dp from the cluster: before any actor starts)
+    cfg, plan = routing_plan(cfg, mesh, checked, reference, source, log)
+    return cfg, mesh, source, plan
+
+
+def check_before_ray(cfg: Config, resume: Optional[Checkpoint]) -> tuple[Source, Any, LayoutPlan]:
+    """The checks that need no cluster; returns (source, the whole model as one device runs it, the
+    routing plan for ``dp`` as given or 1). Raises ConfigError / DataError / PlanError / CheckpointError."""
+    if cfg.model not in model_names():
+        build_model(cfg.model, 1)  # raises ConfigError naming --model, before the data is read
+    if cfg.dp is not None:
+        memory_check(cfg)  # --max-memory-gib: refused before Ray starts
+    source = make_source(cfg)
+    reference = run_model(cfg, source)
+    check_trainable(cfg.model, reference, tuple(source.sample_shape))
+    plan = make_plan(cfg, Mesh(cfg.dp or 1, cfg.pp, cfg.fs), reference, source.sample_shape)
+    if resume is not None:  # (a resumed run's --dp comes from its checkpoint)
+        check_resumable(resume, cfg, plan.mesh, plan.stages, source.num_classes, tuple(source.sample_shape))
+    return source, reference, plan
+
+
+def resolve_layout(cfg: Config, log=print) -> tuple[Config, Mesh]:
+    """``cfg`` with ``device`` and ``dp`` taken from the cluster (validated again: the batch split over
+    ``dp``, the GPU-only features), and its mesh, checked to fit. Raises ConfigError.
+
+    On a cluster given by --address or RAY_ADDRESS (one that can grow: autoscaler, nodes joining),
+    a layout larger than the cluster waits up to --max-wait seconds for the devices, saying so; a
+    local cluster cannot grow, so there the error is immediate."""
+    kind, slots = available_devices(cfg.device)
+    per_actor = 1 if kind == "cuda" else cfg.num_cpus_per_actor
+    unit = "GPUs" if kind == "cuda" else f"CPU slots ({per_actor} CPU each)"
+    dp = cfg.dp if cfg.dp is not None else max(1, slots // per_actor // (cfg.pp * cfg.fs))
+    mesh = Mesh(dp, cfg.pp, cfg.fs)
+    can_grow = bool(cfg.address or os.environ.get("RAY_ADDRESS"))
+    deadline = time.monotonic() + cfg.max_wait
+    if mesh.world_size > slots // per_actor and can_grow:
+        log(f"rayconv: layout {mesh.describe()} needs {mesh.world_size} {unit}, the cluster has "
+            f"{slots // per_actor}: waiting up to {cfg.max_wait:.0f} s (--max-wait) for more")
+    while mesh.world_size > slots // per_actor and can_grow and time.monotonic() < deadline:
+        time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+        slots = available_devices(cfg.device)[1]
+    devices = slots // per_actor
+    if mesh.world_size > devices:
+        waited = f" after waiting {cfg.max_wait:.0f} s" if can_grow else ""
+        raise ConfigError(f"layout {mesh.describe()} needs {mesh.world_size} {unit} but the cluster has "
+                          f"{devices}{waited}: lower --dp/--pp/--fs, or add nodes")
+    return dataclasses.replace(cfg, device=kind, dp=dp).validate(), mesh
+
+
+def routing_plan(cfg: Config, mesh: Mesh, checked: LayoutPlan, reference, source: Source,
+                 log=print) -> tuple[Config, LayoutPlan]:
+    """The run's routing plan for the resolved ``mesh``: ``checked`` (the plan the settings were checked
+    with before Ray) when the mesh is the same and the stages need no measuring, else built once more.
+
+    With ``--balance time`` (or auto on GPUs) and no ``--stages``, the pipeline stages are balanced by
+    measured layer times (on one device of the cluster, at the micro-batch size); the cut is written
+    into the returned settings, so that a resumed run keeps it."""
+    by_time = cfg.balance == "time" or (cfg.balance == "auto" and cfg.device == "cuda")
+    if mesh.pp == 1 or cfg.stages or not by_time:
+        return cfg, checked if mesh == checked.mesh else make_plan(cfg, mesh, reference, source.sample_shape)
+    micro_batch = max(1, cfg.global_batch_size // mesh.dp // cfg.num_microbatches)
+    costs = run_on_device(measured_costs, (cfg.to_dict(), micro_batch), gpu=cfg.device == "cuda")
+    plan = make_plan(cfg, mesh, reference, source.sample_shape, costs=costs)
+    log(f"pipeline stages balanced by measured forward+backward time per layer (ms, micro-batch "
+        f"{micro_batch}): " + ", ".join(f"{sum(costs[a:b]):.2f}" for a, b in plan.stages))
+    return dataclasses.replace(cfg, stages=",".join(str(a) for a, _ in plan.stages[1:])), plan
+
+
+# ---------------------------------------------------------------------- the output folder
+def new_run_dir(cfg: Config) -> Path:
+    """A new folder under runs/ named by the time, the model and the data."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{stamp}-{cfg.model}-{cfg.data}"
+
+
+def with_output_folder(cfg: Config, resume: Optional[Checkpoint] = None) -> Config:
+    """``cfg`` with its output folder named (nothing is made): ``--out``, else the folder of the run
+    ``--resume`` continues (``resume``, or found from ``cfg.resume``), else a new one under runs/.
+    Raises CheckpointError when ``cfg.resume`` names no checkpoint."""
+    if cfg.out:
+        return cfg
+    if resume is not None:
+        out = resume.run_dir
+    elif cfg.resume:
+        out = find_checkpoint(cfg.resume).parent.parent  # checkpoints/step-<k> of the run folder
+    else:
+        out = new_run_dir(cfg)
+    return dataclasses.replace(cfg, out=str(out))
+
+
+def check_output_folder(out: Path, resume: Optional[Checkpoint]) -> None:
+    """Refuse an output folder where writing would lose something. Raises CheckpointError (a resumed
+    run's folder holds newer checkpoints) or FileExistsError (a file, or a folder holding files)."""
+    if resume is not None and out.resolve() == resume.run_dir.resolve():
+        newer = [p.name for p in list_checkpoints(out) if int(p.name.split("-")[1]) > resume.step]
+        if newer:
+            raise CheckpointError(f"--resume {resume.path} is older than {', '.join(newer)} of the same run: "
+                                  f"resume from the newest, or give --out NEW to branch off from step {resume.step}")
+    elif out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file: choose a folder (nothing was overwritten)")
+    elif out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"--out {out} already holds files: choose a new folder (nothing was overwritten)")
+
+
+def new_run_name(out: Path) -> str:
+    """The run's name on the cluster (placement group ``rayconv/<name>``, actors ``rayconv/<name>/<role>``,
+    the gauges' ``run`` tag): the output folder's name and a random suffix, e.g. ``r1-3f9a2c``, so that
+    runs whose folders share a name (``/tmp/a/run``, ``/tmp/b/run``) can share a cluster."""
+    return f"{out.name}-{secrets.token_hex(3)}"
+
+
+def call_timeout_s(cfg: Config) -> float:
+    """Seconds one call to the actors may take before they are stopped: a collective fails after
+    ``--collective-timeout-s`` inside the actors; this catches an actor stuck outside any collective."""
+    return 2 * cfg.collective_timeout_s + 30
