@@ -4,7 +4,8 @@ Reproduces Yadan, Adams, Taigman and Ranzato, "Multi-GPU Training of ConvNets" (
 ``python -m rayconv.run`` (training) and ``rayconv.driver.fit(Config(...))``.
 """
 
-from rayconv.config import Config, ConfigError
+from rayconv.config import Config
+from rayconv.errors import ConfigError
 
 __all__ = ["Config", "ConfigError", "__version__"]
 __version__ = "0.1.0"

@@ -6,24 +6,28 @@
     python -m rayconv.plan --model alexnet --global-batch-size 256 --machine h200x8,2xh200x8   # predictions
     python -m rayconv.plan --device cpu --model convnet
 
-The thin command line of the planner: the cost model is ``rayconv.costmodel``, the measurements
-``rayconv.cost_measure``, the search ``rayconv.layout_search``. Not to be confused with
-``rayconv/parallel/plan.py`` (the routing plan of one layout, and ``--plan krizhevsky2014``, the
-per-layer plan). Exit status 2 for bad input, one line.
+The command line of the planner, nothing else: the cost model is ``rayconv.planner.costmodel``, the
+measurements ``rayconv.planner.measure``, the search ``rayconv.planner.search``. Not to be confused
+with ``rayconv/parallel/layout_plan.py`` (the routing plan of one layout) or ``--plan krizhevsky2014``
+(the per-layer plan). Exit status 2 for bad input, one line; 1 when no layout fits.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from pathlib import Path
 from typing import Optional
 
-from rayconv.config import Config, ConfigError, OneLineParser, PRECISION_CHOICES
+from rayconv.config import PRECISION_CHOICES, Config, OneLineParser
+from rayconv.errors import ConfigError
+from rayconv.files import atomic_write
+from rayconv.planner.links import MACHINES  # (plain Python: --help and argument errors stay torch-free)
 
 
 def parse_args(argv: Optional[list[str]] = None):
-    from rayconv.planner.links import MACHINES
-
+    """The planner's arguments; argparse exits 2 with one line on a bad one."""
     p = OneLineParser(prog="python -m rayconv.plan",
                       description="Rank rayconv's layouts by predicted images/s from measured layer and link times.")
     p.add_argument("--model", default="convnet", help="model name, as rayconv.run's --model (default convnet)")
@@ -67,58 +71,64 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _plan(a) -> int:
-    import json
-
-    import torch
-
-    from rayconv.planner import search as ls
-    from rayconv.planner.links import MACHINES
+    """Measure (or read from the cache), rank and print; the exit status. Raises ConfigError."""
+    # The measurements import torch (and Ray with --address): only once the arguments are good.
+    from rayconv.planner import search
     from rayconv.planner.measure import Measurements
 
-    use_cluster = a.address is not None
-    if use_cluster:
-        import rayconv.cluster.connect as cluster  # (the module: the face re-exports a function of that name)
-
-        cluster.connect(a.address)
-        kind, slots = cluster.available_devices(a.device)
-    else:
-        if a.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("--device cuda but this machine has no GPU: give --address of a GPU cluster or "
-                              "--device cpu")
-        kind = "cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu"
-        slots = torch.cuda.device_count() if kind == "cuda" else 2
+    kind, slots = _devices(a)
     world = a.gpus or slots
     data = a.data or ("digits" if a.model.startswith("convnet") else "synthetic")
     cfg = Config(model=a.model, data=data, image_size=a.image_size, global_batch_size=a.global_batch_size,
                  precision=a.precision or ("bf16" if kind == "cuda" else "fp32"), device=kind,
                  address=a.address).validate()
-    meas = Measurements(ls.plan_config(cfg), kind, use_cluster=use_cluster and kind == "cuda")
+    use_cluster = a.address is not None
+    meas = Measurements(search.plan_config(cfg), kind, use_cluster=use_cluster and kind == "cuda")
     meas.load()
     t0 = time.perf_counter()
     where = "on the cluster" if use_cluster else "here"
-    rankings = [ls.search(meas, world, meas.links(world), a.max_memory_gib,
-                          f"{a.model}, global batch {a.global_batch_size}, {cfg.precision}, {world} x "
-                          f"{meas.state['device']} ({where})")]
+    rankings = [search.search(meas, world, meas.links(world), a.max_memory_gib,
+                              f"{a.model}, global batch {a.global_batch_size}, {cfg.precision}, {world} x "
+                              f"{meas.state['device']} ({where})")]
     for key in a.machine:
         m = MACHINES[key]
-        rankings.append(ls.search(meas, m.gpus, m.links(), a.max_memory_gib,
-                                  f"PREDICTION for {m.name} ({m.gpus} GPUs; layer times of {meas.state['device']}, "
-                                  f"links assumed, not measured): {a.model}, global batch {a.global_batch_size}"))
+        rankings.append(search.search(meas, m.gpus, m.links(), a.max_memory_gib,
+                                      f"PREDICTION for {m.name} ({m.gpus} GPUs; layer times of "
+                                      f"{meas.state['device']}, links assumed, not measured): {a.model}, "
+                                      f"global batch {a.global_batch_size}"))
     meas.save()
     print("\n\n".join(r.table(a.top) for r in rankings))
     print(f"\n(planned in {time.perf_counter() - t0:.2f} s"
           f"{'; measured ' + ', '.join(meas.measured) if meas.measured else ', all measurements from the cache'}: "
           f"{meas.path})")
     if a.json:
-        from pathlib import Path
-
-        from rayconv.files import atomic_write
-
-        rows = [{"title": r.title, "links": r.links.source, "fits": [p.as_dict() for p in r.fits],
-                 "too_big": [p.as_dict() for p in r.too_big],
-                 "single": r.single.as_dict() if r.single else None} for r in rankings]
-        atomic_write(Path(a.json), lambda tmp: Path(tmp).write_text(json.dumps(rows, indent=1)))
+        _write_json(Path(a.json), rankings)
     return 0 if rankings[0].fits else 1
+
+
+def _devices(a) -> tuple[str, int]:
+    """(device kind, devices to lay out): the cluster's with --address, else this machine's (2 CPU
+    actors on CPU). Raises ConfigError for --device cuda without a GPU."""
+    if a.address is not None:
+        from rayconv.cluster import connect as cluster  # (imports Ray: only with --address)
+
+        cluster.connect(a.address)
+        return cluster.available_devices(a.device)
+    import torch  # (seconds: after the arguments are checked)
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but this machine has no GPU: give --address of a GPU cluster or "
+                          "--device cpu")
+    kind = "cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu"
+    return kind, torch.cuda.device_count() if kind == "cuda" else 2
+
+
+def _write_json(path: Path, rankings) -> None:
+    """The rankings as JSON: per table its title, link source, the layouts that fit and those too big."""
+    rows = [{"title": r.title, "links": r.links.source, "fits": [p.as_dict() for p in r.fits],
+             "too_big": [p.as_dict() for p in r.too_big],
+             "single": r.single.as_dict() if r.single else None} for r in rankings]
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(rows, indent=1)))
 
 
 if __name__ == "__main__":
