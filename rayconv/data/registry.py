@@ -1,6 +1,7 @@
 """``--data NAME`` -> the Source that reads it, and how many decode processes an actor's loader gets.
 
-Names: ``digits`` (``rayconv/data/digits.py``), ``synthetic`` (``synthetic.py``), ``imagefolder``
+Names: ``digits`` (``rayconv/data/digits.py``), ``fashion-mnist`` (``fashion_mnist.py``; 28x28 whatever
+``--image-size`` says, which sizes the other sources), ``synthetic`` (``synthetic.py``), ``imagefolder``
 (``imagefolder.py``; a folder prepared by ``python -m rayconv.prepare`` is read as shards) and
 ``shards`` (``shards.py``)."""
 
@@ -13,6 +14,7 @@ import torch
 
 from rayconv.config import Config, ConfigError
 from rayconv.data.digits import load_digits
+from rayconv.data.fashion_mnist import load_fashion_mnist
 from rayconv.data.imagefolder import ImageFolderSource
 from rayconv.data.shards import ShardSource, is_prepared
 from rayconv.data.source import Source
@@ -34,6 +36,8 @@ def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
     """The data source named by ``cfg.data``. Raises DataError / ConfigError."""
     if cfg.data == "digits":
         src: Source = load_digits()
+    elif cfg.data == "fashion-mnist":
+        src = load_fashion_mnist(cfg.data_dir, cfg.seed)
     elif cfg.data == "synthetic":
         src = SyntheticSource(cfg.image_size, cfg.num_classes or 1000, cfg.synthetic_samples, cfg.seed)
     elif cfg.data in ("imagefolder", "shards"):
