@@ -16,7 +16,7 @@ import torch
 from rayconv.config import Config
 from rayconv.mesh import Mesh
 from rayconv.models import build_model, to_layers
-from rayconv.parallel.pipeline.runner import balance
+from rayconv.parallel.pipeline.stages import balance
 from rayconv.parallel.layout_plan import layer_times, make_plan
 
 

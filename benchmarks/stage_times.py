@@ -37,8 +37,8 @@ from torch import nn
 
 from rayconv.models import build_model, to_layers
 from rayconv.parallel.layout_plan import layer_times
-from rayconv.parallel.pipeline.runner import balance
-from rayconv.parallel.pipeline.validate import make_schedule, timeline
+from rayconv.parallel.pipeline.stages import balance
+from rayconv.parallel.pipeline import make_schedule, timeline
 
 
 def timed(fn, reps: int) -> float:

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from rayconv.layout import Layout
-from rayconv.parallel.pipeline import validate as schedule
+from rayconv.parallel import pipeline as schedule
 from rayconv.planner.buckets import buckets, exposed_allreduce_ms
 from rayconv.planner.links import Links
 from rayconv.planner.memory import Precision, peak_gib

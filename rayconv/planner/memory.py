@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from rayconv.layout import Layout
-from rayconv.parallel.pipeline import validate as schedule
+from rayconv.parallel import pipeline as schedule
 from rayconv.planner.profile import Profile, chunks_of, stage_layers
 
 GIB = 2**30

@@ -1,5 +1,5 @@
 """What the cost model knows of a model: per-layer sizes and parameters (``Profile``), the measured
-layer times (``LayerTimes``), and the pipeline cut over them (``balance``).
+layer times (``LayerTimes``), and the pipeline cut over them (``chunks_of``).
 
 ``planner.measure.profile_of`` fills a ``Profile`` from one CPU forward of one sample; the times are
 measured on the device (``planner.measure.times_at``).
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
+
+from rayconv.parallel.pipeline.stages import balance
 
 LayerTimes = Callable[[int, int], Sequence[float]]  # (batch size, fs) -> forward+backward ms per layer
 
@@ -49,17 +51,10 @@ class Profile:
         return self.in_elems if i == 0 else self.out_elems[i - 1]
 
 
-def balance(costs: Sequence[float], num_stages: int) -> list[tuple[int, int]]:
-    """Contiguous [start, end) ranges minimising the largest sum: the pipeline runner's rule, so that
-    the model cuts where the run cuts. Raises PlanError for more stages than layers."""
-    # (imported here: the runner imports torch, which python -m rayconv.plan --help does not need)
-    from rayconv.parallel.pipeline.runner import balance as runner_balance
-
-    return runner_balance(costs, num_stages)
-
-
 def chunks_of(costs: Sequence[float], num_chunks: int) -> list[tuple[int, int]]:
-    """The [start, end) layer ranges of ``num_chunks`` virtual stages (one range when 1)."""
+    """The [start, end) layer ranges of ``num_chunks`` virtual stages minimising the largest sum of
+    ``costs`` (one range when 1): the pipeline's own cut (``parallel.pipeline.stages.balance``), so that
+    the model cuts where the run cuts. Raises PlanError for more chunks than layers."""
     return balance(costs, num_chunks) if num_chunks > 1 else [(0, len(costs))]
 
 
@@ -68,4 +63,4 @@ def stage_layers(chunks: Sequence[tuple[int, int]], pp: int, stage: int) -> list
     return [i for v in range(stage, len(chunks), pp) for i in range(*chunks[v])]
 
 
-__all__ = ["Profile", "LayerTimes", "balance", "chunks_of", "stage_layers"]
+__all__ = ["Profile", "LayerTimes", "chunks_of", "stage_layers"]

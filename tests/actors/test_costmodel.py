@@ -17,7 +17,7 @@ import pytest
 import ray
 
 from rayconv.planner import costmodel, memory, search as layout_search
-from rayconv.parallel.pipeline import validate as schedule
+from rayconv.parallel import pipeline as schedule
 from rayconv.layout import Layout
 from rayconv.planner.links import Links, LinkSpeed
 from rayconv.planner.memory import GIB
