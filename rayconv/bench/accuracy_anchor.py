@@ -84,77 +84,76 @@ def augment(x_u8: torch.Tensor, pad: int, erase: float, gen: torch.Generator) ->
     return x, None
 
 
-def train(a, data, compiled: bool) -> dict:
-    torch.manual_seed(a.seed)
-    dev = torch.device("cuda")
-    model = torchvision.models.get_model(a.model, num_classes=10).to(dev).to(memory_format=torch.channels_last)
-    norm_or_bias = [p for n, p in model.named_parameters() if p.ndim <= 1]
-    rest = [p for n, p in model.named_parameters() if p.ndim > 1]
-    opt = torch.optim.SGD([{"params": rest, "weight_decay": a.weight_decay},
-                           {"params": norm_or_bias, "weight_decay": a.norm_weight_decay}],
-                          lr=a.lr, momentum=0.9, nesterov=True)
-    (xtr, ytr), (xte, yte) = data["train"], data["test"]
-    mean, std = xtr.float().mean() / 255, xtr.float().std() / 255
-    steps_per_epoch = xtr.shape[0] // a.global_batch_size
-    total = steps_per_epoch * a.epochs
-    warm = steps_per_epoch * a.lr_warmup_epochs
+def lr_schedule(a, steps_per_epoch: int):
+    """lr of a step: linear warm-up from lr x warm-up decay over the warm-up epochs, then cosine to 0."""
+    total, warm = steps_per_epoch * a.epochs, steps_per_epoch * a.lr_warmup_epochs
 
     def lr_at(step: int) -> float:
         if step < warm:
             return a.lr * (a.lr_warmup_decay + (1 - a.lr_warmup_decay) * step / warm)
         return a.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
+    return lr_at
 
-    def step_fn(x, y, mask):
-        x = (x / 255 - mean) / std  # B x 1 x S x S, seen by the model as 3 equal channels (expand: a view)
-        if mask is not None:
-            x = x.masked_fill(mask, 0.0)
-        with torch.autocast("cuda", torch.bfloat16):
-            loss = F.cross_entropy(model(x.expand(-1, 3, -1, -1).contiguous(memory_format=torch.channels_last)), y,
-                                   label_smoothing=a.label_smoothing)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
 
-    def eval_fn(x):
-        with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
-            x = ((x.float() / 255 - mean) / std).expand(-1, 3, -1, -1)
-            return model(x.contiguous(memory_format=torch.channels_last)).argmax(1)
+def model_and_optimizer(a, compiled: bool):
+    """The torchvision model (compiled or not) and Nesterov SGD without decay on norms and biases."""
+    torch.manual_seed(a.seed)
+    model = torchvision.models.get_model(a.model, num_classes=10).cuda().to(memory_format=torch.channels_last)
+    norm_or_bias = [p for p in model.parameters() if p.ndim <= 1]
+    rest = [p for p in model.parameters() if p.ndim > 1]
+    opt = torch.optim.SGD([{"params": rest, "weight_decay": a.weight_decay},
+                           {"params": norm_or_bias, "weight_decay": a.norm_weight_decay}],
+                          lr=a.lr, momentum=0.9, nesterov=True)
+    return (torch.compile(model, mode=a.compile_mode) if compiled else model), opt
 
-    run_step = torch.compile(step_fn, mode=a.compile_mode) if compiled else step_fn
-    run_eval = torch.compile(eval_fn) if compiled else eval_fn
-    gen = torch.Generator(device=dev).manual_seed(a.seed)
-    curve, t_train, t_first, reached = [], 0.0, None, {}
-    start = time.perf_counter()
+
+def train(a, data, compiled: bool) -> dict:
+    """Train, evaluating after every epoch; the curve and the time to ``--target-accuracy``."""
+    model, opt = model_and_optimizer(a, compiled)
+    (xtr, ytr), (xte, yte) = data["train"], data["test"]
+    mean, std = xtr.float().mean() / 255, xtr.float().std() / 255
+
+    def inputs(x):  # B x 1 x S x S in [0, 255] -> normalised, seen by the model as 3 equal channels (a view)
+        return ((x / 255 - mean) / std).expand(-1, 3, -1, -1).contiguous(memory_format=torch.channels_last)
+
+    steps_per_epoch = xtr.shape[0] // a.global_batch_size
+    lr_at = lr_schedule(a, steps_per_epoch)
+    gen = torch.Generator(device="cuda").manual_seed(a.seed)
+    curve, t_train, t_first, reached, start = [], 0.0, None, {}, time.perf_counter()
     for epoch in range(a.epochs):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        perm = torch.randperm(xtr.shape[0], device=dev, generator=gen)
+        perm = torch.randperm(xtr.shape[0], device="cuda", generator=gen)
         model.train()
         for i in range(steps_per_epoch):
             for g in opt.param_groups:
                 g["lr"] = lr_at(epoch * steps_per_epoch + i)
             idx = perm[i * a.global_batch_size:(i + 1) * a.global_batch_size]
             x, mask = augment(xtr[idx], a.pad, a.random_erase, gen)
-            loss = run_step(x, ytr[idx], mask)
+            x = inputs(x if mask is None else x.masked_fill(mask, float(mean * 255)))
+            with torch.autocast("cuda", torch.bfloat16):
+                loss = F.cross_entropy(model(x), ytr[idx], label_smoothing=a.label_smoothing)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
             if t_first is None:
                 torch.cuda.synchronize()
                 t_first = time.perf_counter() - t0  # the first step holds the compilation
         torch.cuda.synchronize()
         t_train += time.perf_counter() - t0
         model.eval()
-        correct = sum(int((run_eval(xte[j:j + 1000]) == yte[j:j + 1000]).sum()) for j in range(0, xte.shape[0], 1000))
-        acc = correct / xte.shape[0]
-        wall = time.perf_counter() - start
-        curve.append({"epoch": epoch + 1, "train_s": t_train, "wall_s": wall, "test_accuracy": acc,
-                      "loss": float(loss)})
+        with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+            correct = sum(int((model(inputs(xte[j:j + 1000].float())).argmax(1) == yte[j:j + 1000]).sum())
+                          for j in range(0, xte.shape[0], 1000))
+        acc, wall = correct / xte.shape[0], time.perf_counter() - start
+        curve.append({"epoch": epoch + 1, "train_s": t_train, "wall_s": wall, "test_accuracy": acc})
         if acc >= a.target_accuracy and not reached:
             reached = {"time_to_target_train_s": t_train, "time_to_target_wall_s": wall}
         print(f"anchor {'compiled' if compiled else 'eager'} epoch {epoch + 1} acc {acc:.4f} "
               f"train {t_train:.1f} s wall {wall:.1f} s", flush=True)
-    images = steps_per_epoch * a.global_batch_size * a.epochs
     return {"mode": "compiled" if compiled else "eager", "final_test_accuracy": curve[-1]["test_accuracy"],
-            "first_step_s": t_first, "train_s": t_train, "images_per_s": images / t_train,
+            "first_step_s": t_first, "train_s": t_train,
+            "images_per_s": steps_per_epoch * a.global_batch_size * a.epochs / t_train,
             **({"time_to_target_train_s": None, "time_to_target_wall_s": None} | reached), "curve": curve}
 
 
