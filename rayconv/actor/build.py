@@ -1,7 +1,8 @@
 """Building an actor's part: device choice, process groups, data source, the part of the model
-(plan, filter split, sync or deferred batch norm), dtype, optimizer, compile, CUDA graph, the stage
-runner and its program. ``BuildMixin.setup`` is the actor's ``setup`` call; ``rayconv/worker.py``'s
-``Worker`` inherits it.
+(``parallel.parallelize``: cut, filter split or per-layer plan, batch-norm mode, data-parallel sync),
+dtype, optimizer, compile, CUDA graph, the stage runner and its program. ``BuildMixin.setup`` is the
+actor's ``setup`` call; ``rayconv/actor/worker.py``'s ``Worker`` inherits it and declares the state
+it sets.
 """
 
 from __future__ import annotations
@@ -11,26 +12,25 @@ from typing import Any, Optional
 
 import ray
 import torch
-from torch import nn
 
+from rayconv.actor.batches import Batches
+from rayconv.actor.cuda_graph import StepGraph
 from rayconv.data.registry import make_source
 from rayconv.data.source import Sharding
 from rayconv.mesh import split_sizes
 from rayconv.models import run_model, to_layers
 from rayconv.parallel import comm
-from rayconv.parallel.batchnorm import DeferredBatchNorm, defer_batchnorm
-from rayconv.actor.cuda_graph import StepGraph
-from rayconv.parallel.data_parallel import GradientSync, broadcast_modules
-from rayconv.parallel.pipeline.runner import Chunk, StageRunner
+from rayconv.parallel.layout_plan import LayoutPlan
+from rayconv.parallel.parallelize import parallelize
 from rayconv.parallel.part import compile_part
-from rayconv.parallel.layout_plan import LayoutPlan, build_part
-from rayconv.parallel.pipeline.validate import exchange_plan
+from rayconv.parallel.pipeline.p2p import exchange_plan
+from rayconv.parallel.pipeline.runner import Chunk, StageRunner
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.float32, "fp64": torch.float64}
 
 
 class BuildMixin:
-    """``setup`` and the device choice of ``Worker`` (which holds ``cfg`` and ``role``)."""
+    """``setup`` and the device choice of ``Worker`` (which declares the state set here)."""
 
     def _pick_device(self) -> torch.device:
         if self.cfg.device != "cuda":
@@ -52,80 +52,76 @@ class BuildMixin:
         Returns parameters held (count) and the device. Raises what data and model loading raise.
         """
         cfg, mesh = self.cfg, plan.mesh
-        self.rank, self.plan, self.mesh = rank, plan, mesh
-        self.coord = mesh.coord(rank)
+        self.rank, self.plan, self.mesh, self.coord = rank, plan, mesh, mesh.coord(rank)
         self.device = self._pick_device()
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.groups = comm.init_process_groups(mesh, rank, master, backend, cfg.collective_timeout_s)
         self.source = make_source(cfg)
-        self.sharding = Sharding(self.source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed)
-
-        # Every actor builds the same full model from the seed, then keeps its part.
-        self.model = run_model(cfg, self.source)
-        layers = to_layers(self.model)
-        assert tuple(n for n, _ in layers) == plan.layer_names, "plan was made for another model"
-        stage, fs_index = self.coord.pp, self.coord.fs
-        self.plan_mode = plan.per_layer_plan == "krizhevsky2014"
-        part, in_sizes = build_part(plan, layers, stage, fs_index, self.groups.axis["fs"], self.coord.dp,
-                                    self.groups.axis["dp"])
-        self.sharded = part
-        modules = part.modules
-        if cfg.sync_batchnorm:
-            # Batch-norm statistics over the global batch (all replicas), on request.
-            modules = [nn.SyncBatchNorm.convert_sync_batchnorm(m, process_group=self.groups.axis["dp"])
-                       for m in modules]
-        elif plan.schedule.num_microbatches > 1:
-            # Running statistics advance once per step, from the replica's whole batch (parallel/batchnorm.py).
-            modules = [defer_batchnorm(m) for m in modules]
-        replicated_at = [any(m is s for s in part.synced) for m in part.modules]
-        self.part = nn.Sequential(*modules)
-        self.part_names = part.names
-        self.deferred_bn = [m for m in self.part.modules() if isinstance(m, DeferredBatchNorm)]
-        dtype = DTYPES[cfg.precision]
-        self.part.to(device=self.device, dtype=dtype)
-        if self.device.type == "cuda":
-            self.part.to(memory_format=torch.channels_last)
-        self.dtype = dtype
-        self.autocast = torch.bfloat16 if cfg.precision == "bf16" else None
-        # Images enter the first layer in bf16 under bf16 autocast on GPUs (its convolution would cast them).
-        self.input_dtype = torch.bfloat16 if self.autocast is not None and self.device.type == "cuda" else dtype
-        wire = torch.bfloat16 if cfg.precision == "bf16" else dtype
-
-        dp_group = self.groups.axis["dp"]
-        dp_root = self.groups.ranks["dp"][0]
-        # Modules replicated over the dp group start identical; only their gradients are all-reduced.
-        self.replicated = [m for m, r in zip(self.part, replicated_at) if r]
-        broadcast_modules(self.replicated, dp_root, dp_group)
-        self.sync = GradientSync([p for m in self.replicated for p in m.parameters()], dp_group, cfg.bucket_mb,
-                                 first_bucket_mb=min(1.0, cfg.bucket_mb))
-        self.has_buffers = any(True for m in self.replicated for _ in m.buffers())
+        self._set_precision()
+        self._build_part()
         # (one explicit group: a stage of parameter-free layers, e.g. pooling alone, has an empty one)
         self.optimizer = torch.optim.SGD([{"params": list(self.part.parameters())}], lr=cfg.lr,
                                          momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-        pp_ranks = self.groups.ranks["pp"]
-        if self.device.type == "cuda":
+        self._choose_step_mode()
+        stage = self.coord.pp
+        self.runner = self._stage_runner()
+        self.program = plan.schedule.programs[stage]
+        self.exchange_plan = exchange_plan(plan.schedule, stage)
+        self.is_first, self.is_last = stage == 0, stage == mesh.pp - 1
+        self.batches = Batches(self.source, Sharding(self.source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed),
+                               mesh, self.coord, self.device, self.input_dtype, self.parallel.sharded.batch_gather)
+        self.reports = self.is_last and self.coord.fs == 0 and not (self.per_layer and self.coord.dp != 0)
+        return {"rank": rank, "role": self.role, "device": str(self.device), "compiled": self.compiled,
+                "cuda_graphs": self.cuda_graphs, "parameters": sum(p.numel() for p in self.part.parameters())}
+
+    def _set_precision(self) -> None:
+        """Parameter dtype, autocast dtype and the images' dtype from ``--precision``."""
+        self.dtype = DTYPES[self.cfg.precision]
+        self.autocast = torch.bfloat16 if self.cfg.precision == "bf16" else None
+        # Images enter the first layer in bf16 under bf16 autocast on GPUs (its convolution would cast them).
+        cuda_bf16 = self.autocast is not None and self.device.type == "cuda"
+        self.input_dtype = torch.bfloat16 if cuda_bf16 else self.dtype
+
+    def _build_part(self) -> None:
+        """This actor's part: every actor builds the same full model from the seed, then keeps its part
+        (``parallelize``)."""
+        layers = to_layers(run_model(self.cfg, self.source))
+        assert tuple(n for n, _ in layers) == self.plan.layer_names, "layout plan was made for another model"
+        self.per_layer = self.plan.per_layer_plan == "krizhevsky2014"
+        self.parallel = parallelize(self.plan, layers, self.coord, self.groups, self.device, self.dtype,
+                                    self.cfg.sync_batchnorm, self.cfg.bucket_mb)
+        self.part, self.sync = self.parallel.part, self.parallel.sync
+
+    def _choose_step_mode(self) -> None:
+        """Compiled or eager, whole-step CUDA graph or not, and the device learning rates a graph reads."""
+        cfg, device = self.cfg, self.device
+        if device.type == "cuda":
             torch.backends.cudnn.benchmark = True
         # auto: compile on GPUs (not fp64). Without whole-step CUDA graphs, compiled data parallelism runs
         # slower than eager (each segment's launch overhead), so with --cuda-graphs off auto compiles
         # one-GPU runs only.
-        graphs_on = self.device.type == "cuda" and cfg.cuda_graphs in ("on", "auto")
-        self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and self.device.type == "cuda"
-                                                  and cfg.precision != "fp64" and (graphs_on or mesh.world_size == 1))
+        graphs_on = device.type == "cuda" and cfg.cuda_graphs in ("on", "auto")
+        self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda"
+                                                  and cfg.precision != "fp64" and (graphs_on or self.mesh.world_size == 1))
         # The whole step captured as one CUDA graph and replayed (auto: on every GPU layout), so the CPU
-        # launches one graph a step instead of every kernel (parallel/cuda_graph.py).
+        # launches one graph a step instead of every kernel (actor/cuda_graph.py).
         self.cuda_graphs = graphs_on
-        full_batch = tuple(split_sizes(cfg.global_batch_size, mesh.dp))  # per-replica sizes
-        self.step_graph = StepGraph(self.device, full_batch) if self.cuda_graphs else None
+        full_batch = tuple(split_sizes(cfg.global_batch_size, self.mesh.dp))  # per-replica sizes
+        self.step_graph = StepGraph(device, full_batch) if self.cuda_graphs else None
         # The learning rate on the device, per parameter dtype (float32 below float64: what torch's fused
         # SGD reads), for the captured update; set before each step.
-        self.lr_t = {p.dtype: torch.tensor(cfg.lr, device=self.device,
+        self.lr_t = {p.dtype: torch.tensor(cfg.lr, device=device,
                                            dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
                      for p in self.part.parameters()} if self.cuda_graphs else {}
+
+    def _stage_runner(self) -> StageRunner:
+        """The stage's model chunks (one, or V under interleaved 1F1B: virtual stages stage, stage + P, ...),
+        each compiled apart, and the runner of its program; chunk c's neighbours hold virtual stages
+        v - 1 and v + 1. (One chunk is the whole part, exchange layers of a filter split included.)"""
+        plan, mesh, stage, fs_index = self.plan, self.mesh, self.coord.pp, self.coord.fs
+        pp_ranks = self.groups.ranks["pp"]
         # Compiled segments end at the gradient bucket size, so all-reduce overlaps the backward pass.
         limit = self.sync.bucket_bytes if self.sync.group is not None else None
-        # The stage's model chunks (one, or V under interleaved 1F1B: virtual stages stage, stage + P, ...),
-        # each compiled apart; chunk c's neighbours hold virtual stages v - 1 and v + 1.
-        # (One chunk is the whole part, exchange layers of a filter split included.)
         virtual, last_v = plan.virtual_stages(stage), mesh.pp * plan.schedule.num_chunks - 1
         widths = [len(self.part)] if len(virtual) == 1 else [plan.stages[v][1] - plan.stages[v][0] for v in virtual]
         chunks, offset = [], 0
@@ -135,20 +131,11 @@ class BuildMixin:
             chunks.append(Chunk(compile_part(seq, limit) if self.compiled else seq,
                                 prev=pp_ranks[(v - 1) % mesh.pp] if v > 0 else None,
                                 next=pp_ranks[(v + 1) % mesh.pp] if v < last_v else None,
-                                in_shape=_local(plan.stage_in_shape(v), in_sizes, fs_index),
-                                out_shape=_local(plan.stage_out_shape(v), part.out_sizes, fs_index)))
-        self.runner = StageRunner(chunks, self.groups.axis["pp"], wire_dtype=wire, device=self.device,
-                                  autocast=self.autocast)
-        self.program = plan.schedule.programs[stage]
-        self.exchange_plan = exchange_plan(plan.schedule, stage)
-        self.is_first, self.is_last = stage == 0, stage == mesh.pp - 1
-        self.first_step = 0
-        self.pending: Optional[dict[str, Any]] = None
-        self.last_return: Optional[float] = None
-        self.last_start: Optional[float] = None
-        self.reports = self.is_last and self.coord.fs == 0 and not (self.plan_mode and self.coord.dp != 0)
-        return {"rank": rank, "role": self.role, "device": str(self.device), "compiled": self.compiled,
-                "cuda_graphs": self.cuda_graphs, "parameters": sum(p.numel() for p in self.part.parameters())}
+                                in_shape=_local(plan.stage_in_shape(v), self.parallel.in_sizes, fs_index),
+                                out_shape=_local(plan.stage_out_shape(v), self.parallel.sharded.out_sizes, fs_index)))
+        wire = torch.bfloat16 if self.cfg.precision == "bf16" else self.dtype
+        return StageRunner(chunks, self.groups.axis["pp"], wire_dtype=wire, device=self.device,
+                           autocast=self.autocast)
 
 
 def visible_index(gpu_id: Any, visible: Optional[str] = None) -> int:

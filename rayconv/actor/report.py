@@ -1,6 +1,6 @@
 """Metrics of an actor: a step's device scalars to Python numbers (``materialise``), the per-actor
 gauges in Ray's metrics (``ReportMixin._report``) and peak device memory (``memory``).
-``ReportMixin`` is inherited by ``rayconv/worker.py``'s ``Worker``.
+``ReportMixin`` is inherited by ``rayconv/actor/worker.py``'s ``Worker``.
 """
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+
+from rayconv.outputs.metrics import actor_gauges
 
 
 class ReportMixin:
@@ -23,8 +25,6 @@ class ReportMixin:
         """Per-actor gauges in Ray's metrics (dashboard Metrics view): images/s, step ms, loss, peak memory."""
         if not self.cfg.metrics or result is None or not result.get("interval_ms"):
             return
-        from rayconv.outputs.metrics import actor_gauges
-
         ms = result["interval_ms"]
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
         loss = result["loss_sum"] / max(1, result["samples"]) if result["reports"] else None

@@ -1,7 +1,7 @@
 """State in and out of an actor: its parameters and buffers (``state``, ``load_state``), the
 dimensions filter split cuts (``split_dims``), and its checkpoint shard (``checkpoint_shard``,
 ``load_shard``: model, optimizer and RNG states). ``StateMixin`` is inherited by
-``rayconv/worker.py``'s ``Worker``.
+``rayconv/actor/worker.py``'s ``Worker``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class StateMixin:
     def state(self) -> dict[str, torch.Tensor]:
         """This actor's parameters and buffers on CPU, keyed by the whole model's state_dict names."""
         out = {}
-        for name, sub in zip(self.part_names, self.part):
+        for name, sub in zip(self.parallel.names, self.part):
             if name is None:
                 continue  # an exchange, no state
             for k, v in sub.state_dict().items():
@@ -29,7 +29,7 @@ class StateMixin:
 
     def split_dims(self) -> dict[str, int]:
         """state_dict keys that filter split cuts, and the dimension (empty without filter split)."""
-        return dict(self.sharded.split_dims)
+        return dict(self.parallel.sharded.split_dims)
 
     def checkpoint_shard(self) -> bytes:
         """This actor's shard as ``torch.save`` bytes: model state (keys as in ``state()``), optimizer
@@ -60,7 +60,7 @@ class StateMixin:
         random.setstate((py[0], tuple(py[1]), py[2]))
         if "cuda" in rng and self.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], self.device)
-        self.first_step = next_step
+        self.batches.first_step = next_step
         if self.step_graph is not None:
             self.step_graph.reset()  # the optimizer's momentum buffers are new tensors: capture again
 
@@ -68,7 +68,7 @@ class StateMixin:
         """Inverse of ``state()``: copy parameters and buffers into this part (strict: every key of the
         part present, none left over). Raises RuntimeError naming the keys that do not match."""
         used = set()
-        for name, sub in zip(self.part_names, self.part):
+        for name, sub in zip(self.parallel.names, self.part):
             if name is None:
                 continue
             mine = {}

@@ -152,7 +152,8 @@ def to_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     Known families: rayconv ConvNet and any ``nn.Sequential``; models with ``features`` / ``avgpool`` /
     ``classifier`` (AlexNet, VGG, MobileNet, EfficientNet, ...); ResNets (stem, blocks, pool, fc).
     Any other model is one unsplittable layer: it trains data parallel but cannot be cut or split.
-    The equality of the flat view and ``model(x)`` is checked in tests/test_models.py.
+    The equality of ``run_layers`` on the flat view and ``model(x)`` is checked in
+    tests/unit/test_units.py (``test_flat_layers_compute_the_model``).
     """
     if isinstance(model, nn.Sequential):
         return [(n, m) for n, m in model.named_children()]
@@ -182,6 +183,7 @@ def _features_forward() -> frozenset:
 
 
 def run_layers(layers: list[tuple[str, nn.Module]], x: torch.Tensor) -> torch.Tensor:
+    """``x`` through ``layers`` in order (``to_layers``' view of a model: equals the model's forward)."""
     for _, m in layers:
         x = m(x)
     return x

@@ -1,1 +1,4 @@
-"""The parallel training machinery: collectives (``comm``), data parallel, pipeline, filter split, the per-actor part (``layout_plan``, ``part``) and batch norm across micro-batches."""
+"""The parallel training machinery: collectives (``comm``), the layout plan every actor cuts its part
+from (``layout_plan``), ``parallelize`` (cut, filter split or per-layer plan, batch-norm mode,
+data-parallel sync, in that order), data parallel (``data_parallel``), batch norm across micro-batches
+(``batchnorm``), compiled segments (``part``), ``pipeline/`` and ``filter_split/``."""

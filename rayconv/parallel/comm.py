@@ -1,4 +1,9 @@
-"""The only torch.distributed calls of rayconv: process groups, point-to-point and collectives.
+"""The torch.distributed calls of the training actors: process groups, point-to-point and collectives.
+
+Every collective and point-to-point operation of rayconv's training code goes through here, except
+those ``nn.SyncBatchNorm`` makes inside its own forward and backward (``--sync-batchnorm``); outside
+the actors, the planner's link measurement (``planner/measure.py``) and the bench's anchor
+(``bench/anchor.py``) run process groups of their own.
 
 Actors join one process group (NCCL on GPUs, gloo on CPU) and make one subgroup per mesh group
 (torch requires every rank to create every subgroup, in the same order). Groups are passed

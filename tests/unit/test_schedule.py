@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from rayconv.parallel.pipeline.validate import SCHEDULE_NAMES, Action, Post, Schedule, ScheduleError, bubble_fraction, check_exchanges, exchange_plan, format_grid, forward_only, interleaved_1f1b, gpipe, make_schedule, one_f_one_b, peak_in_flight, timeline, validate
+from rayconv.parallel.pipeline import SCHEDULE_NAMES, Action, Post, Schedule, ScheduleError, bubble_fraction, check_exchanges, exchange_plan, format_grid, forward_only, interleaved_1f1b, gpipe, make_schedule, one_f_one_b, peak_in_flight, timeline, validate
 from rayconv.parallel.pipeline.simulate import simulate
 from rayconv.parallel.pipeline.p2p import _round_plan  # the exchange model itself
 from rayconv.parallel.pipeline.nccl_model import _counterparts, _events, _messages, _replay

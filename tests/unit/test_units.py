@@ -20,7 +20,7 @@ from rayconv.data.source import Sharding
 from rayconv.data.synthetic import SyntheticSource
 from rayconv.mesh import AXES, Mesh
 from rayconv.models import ConvNet, build_model, run_layers, to_layers
-from rayconv.parallel.pipeline.runner import balance, parse_stages
+from rayconv.parallel.pipeline.stages import balance, parse_stages
 from rayconv.errors import PlanError
 
 

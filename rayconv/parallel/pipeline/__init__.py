@@ -1,1 +1,34 @@
-"""Pipeline parallelism: the schedules as data (``schedules``, ``simulate``, ``p2p``, ``nccl_model``, ``validate``) and the stage that runs them (``runner``)."""
+"""Pipeline parallelism: step programs as data, and the stage that runs them.
+
+Where each piece lives:
+
+* ``schedules`` -- actions (``F3``, ``B3``, ``F3c1``), ``Schedule``, the schedules (GPipe, 1F1B,
+  interleaved 1F1B, ``forward_only``), ``make_schedule``, ``peak_in_flight``;
+* ``simulate`` -- when actions run: ``timeline`` (unit or measured times), the unit-time
+  ``simulate`` grid, ``bubble_fraction``, ``format_grid``;
+* ``p2p`` -- the batches of sends and receives a stage posts (``exchange_plan``, ``Post``) and
+  ``check_exchanges``, which replays them;
+* ``nccl_model`` -- the replay model of NCCL's point-to-point rules those checks run on;
+* ``validate`` -- ``validate``, which runs both checks;
+* ``stages`` -- the layer list cut into stages (``balance``, ``parse_stages``);
+* ``runner`` -- ``StageRunner``, which runs one stage's program in an actor (``Chunk``, ``StepResult``).
+
+Each module's docstring gives its model and sources (GPipe: Huang et al. 2019, arXiv:1811.06965;
+1F1B and interleaving: Narayanan et al. 2021, PipeDream-Flush and Megatron-LM). Everything re-exported
+here is plain Python, so the planner imports it without torch; ``runner`` (torch, torch.distributed)
+is imported by its own path.
+"""
+
+from rayconv.errors import ScheduleError
+from rayconv.parallel.pipeline.p2p import Post, check_exchanges, exchange_plan
+from rayconv.parallel.pipeline.schedules import (SCHEDULE_NAMES, Action, Schedule, forward_only, gpipe,
+                                                 interleaved_1f1b, make_schedule, one_f_one_b, peak_in_flight)
+from rayconv.parallel.pipeline.simulate import bubble_fraction, format_grid, simulate, timeline
+from rayconv.parallel.pipeline.stages import balance, parse_stages
+from rayconv.parallel.pipeline.validate import validate
+
+__all__ = [
+    "Action", "Schedule", "ScheduleError", "SCHEDULE_NAMES", "gpipe", "one_f_one_b", "interleaved_1f1b",
+    "forward_only", "make_schedule", "validate", "simulate", "timeline", "Post", "exchange_plan",
+    "check_exchanges", "bubble_fraction", "peak_in_flight", "format_grid", "balance", "parse_stages",
+]

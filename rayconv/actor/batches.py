@@ -1,0 +1,147 @@
+"""A batch's way from its source to the step: which samples this actor reads, in which micro-batches,
+and what it announces to the loader ahead of time.
+
+Which samples a step sees depends only on (seed, epoch, step) and the replica (``data.source.Sharding``),
+so every layout equals one device. Each replica's batch is cut into micro-batches (``mesh.split_slices``).
+The first pipeline stage reads images; the last reads labels, except under Krizhevsky 2014's
+per-layer plan, where the FC layers see the whole gathered batch, so every actor reads the labels of
+micro-batch m of every replica.
+
+The prefetch protocol (``Source.prefetch``): the first stage announces, before reading them, the
+index arrays it will ask ``images`` for, in order -- for training the rest of the epoch at the
+epoch's first step (and at an actor's first step, after a resume), for evaluation every chunk; a
+source that decodes files starts decoding them then. ``Batches.announce`` is the one place that
+announces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from rayconv.actor.cuda_graph import StepGraph
+from rayconv.actor.steptime import StepClock
+from rayconv.data.source import Sharding, Source, test_shard
+from rayconv.mesh import Coord, Mesh, split_slices
+from rayconv.parallel.filter_split.exchanges import BatchGather
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor to ``device`` without a stream synchronisation (a copy from pageable memory would
+    wait for all queued work first): through pinned memory, asynchronously."""
+    if device.type != "cuda" or t.device.type == "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class MicroBatches:
+    """One step's micro-batches for this actor: ``sizes[m]`` samples of this replica in micro-batch m;
+    ``inputs(m)`` its images ``x_NCHW`` on the device (None off the first stage); ``labels(m)`` its
+    labels on the device (None where no loss is computed); ``before_forward(m)``, if any, sets the
+    per-layer plan's batch gather to micro-batch m's sizes."""
+
+    sizes: list[int]
+    inputs: Callable[[int], Optional[torch.Tensor]]
+    labels: Callable[[int], Optional[torch.Tensor]]
+    before_forward: Optional[Callable[[int], None]] = None
+
+
+class Batches:
+    """Who reads which micro-batch, for one actor at ``coord`` of ``mesh``."""
+
+    def __init__(self, source: Source, sharding: Sharding, mesh: Mesh, coord: Coord, device: torch.device,
+                 input_dtype: torch.dtype, batch_gather: Optional[BatchGather]):
+        self.source, self.sharding, self.mesh, self.coord = source, sharding, mesh, coord
+        self.device, self.input_dtype = device, input_dtype
+        self.is_first, self.is_last = coord.pp == 0, coord.pp == mesh.pp - 1
+        self.batch_gather = batch_gather  # (the per-layer plan's: it needs every replica's labels)
+        self.first_step = 0  # the first step this actor runs (after a resume, not 0)
+
+    # ------------------------------------------------------------------ which samples
+    def train_indices(self, step: int) -> tuple[int, list[np.ndarray]]:
+        """(epoch, every replica's sample indices) of global step ``step``; announces the rest of
+        the epoch to the loader at its first step (and at this actor's first step)."""
+        epoch, step_in_epoch = divmod(step, self.sharding.steps_per_epoch)
+        replica_idx = [self.sharding.replica_batch(epoch, step_in_epoch, r)[0] for r in range(self.mesh.dp)]
+        if step_in_epoch == 0 or step == self.first_step:
+            self.announce("train", epoch, [self.sharding.replica_batch(epoch, s, self.coord.dp)[0]
+                                           for s in range(step_in_epoch, self.sharding.steps_per_epoch)])
+        return epoch, replica_idx
+
+    def test_indices(self) -> list[np.ndarray]:
+        """Every replica's share of the held-out set (each sample once)."""
+        return [test_shard(self.source.test_size, self.mesh.dp, r) for r in range(self.mesh.dp)]
+
+    def announce(self, split: str, epoch: int, batches: list[np.ndarray]) -> None:
+        """Tell the source the index arrays ``images`` will be asked for next, in order (first stage only:
+        the others read no images)."""
+        if self.is_first:
+            self.source.prefetch(split, epoch, batches)
+
+    # ------------------------------------------------------------------ micro-batches
+    def train(self, epoch: int, replica_idx: list[np.ndarray], n_mb: int, clock: StepClock,
+              graph: Optional[StepGraph]) -> MicroBatches:
+        """The step's ``n_mb`` micro-batches. The first stage reads the step's batch at once (the
+        stall is timed by ``clock``) and slices it; with ``graph`` (a CUDA graph step) images and labels
+        are copied into the graph's static buffers."""
+        idx = replica_idx[self.coord.dp]
+        slices = split_slices(len(idx), n_mb)
+        inputs = lambda m: None  # noqa: E731
+        if self.is_first:
+            clock.input_begin()  # (the wait for the batch not overlapped with compute: input stall)
+            x_all = self._images("train", idx, epoch)  # (announced ahead to the loader)
+            clock.input_end()
+            if graph is not None:
+                x_all = graph.buffer("images", x_all)
+            inputs = lambda m: x_all[slices[m]]  # noqa: E731
+        labels, before_forward = self._labels("train", replica_idx, n_mb, graph)
+        return MicroBatches([s.stop - s.start for s in slices], inputs, labels, before_forward)
+
+    def evaluate(self, replica_idx: list[np.ndarray], n_chunks: int) -> MicroBatches:
+        """The held-out shard in ``n_chunks`` chunks, read chunk by chunk (it can be far larger than a
+        batch), announced first."""
+        idx = replica_idx[self.coord.dp]
+        slices = split_slices(len(idx), n_chunks)
+        self.announce("test", 0, [idx[sl] for sl in slices])
+        inputs = lambda m: None  # noqa: E731
+        if self.is_first:
+            inputs = lambda m: self._images("test", idx[slices[m]], 0)  # noqa: E731
+        labels, before_forward = self._labels("test", replica_idx, n_chunks, None)
+        return MicroBatches([s.stop - s.start for s in slices], inputs, labels, before_forward)
+
+    def _images(self, split: str, idx: np.ndarray, epoch: int) -> torch.Tensor:
+        x = self.source.images(split, idx, self.device, epoch, dtype=self.input_dtype)
+        return x.contiguous(memory_format=torch.channels_last) if self.device.type == "cuda" and x.dim() == 4 else x
+
+    def _labels(self, split: str, replica_idx: list[np.ndarray], n_mb: int, graph: Optional[StepGraph]):
+        """(labels(m) on the device, before_forward or None): this replica's micro-batch m on the last
+        stage; under the per-layer plan micro-batch m of every replica, in replica order, and the batch
+        gather's sizes set before each forward."""
+        labels: Callable[[int], Optional[torch.Tensor]] = lambda m: None  # noqa: E731
+        before_forward = None
+        if self.batch_gather is not None:
+            per_replica = [split_slices(len(r), n_mb) for r in replica_idx]
+            y = [self.source.labels(split, r) for r in replica_idx]
+            host = lambda m: torch.cat([yr[sl[m]] for yr, sl in zip(y, per_replica)])  # noqa: E731
+            gather = self.batch_gather
+
+            def set_sizes(m: int) -> None:
+                gather.sizes = [sl[m].stop - sl[m].start for sl in per_replica]
+            before_forward = set_sizes
+        elif self.is_last:
+            idx = replica_idx[self.coord.dp]
+            slices = split_slices(len(idx), n_mb)
+            y_all = self.source.labels(split, idx)
+            host = lambda m: y_all[slices[m]]  # noqa: E731
+        else:
+            return labels, None
+        if graph is None:
+            return (lambda m: to_device(host(m), self.device)), before_forward
+        parts = [host(m) for m in range(n_mb)]
+        y_dev = graph.buffer("labels", to_device(torch.cat(parts), self.device))
+        views = torch.split(y_dev, [len(h) for h in parts])
+        return (lambda m: views[m]), before_forward
