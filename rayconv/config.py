@@ -8,15 +8,20 @@ Errors a user can cause raise :class:`ConfigError` (a ``ValueError``) whose mess
 and what to change. A Config is frozen: ``validate()`` checks it and returns it; what the driver
 resolves later (the device, ``dp``, the pipeline cut, the output folder) makes a new one with
 ``dataclasses.replace``. The module imports only ``errors``, so that every layer can read settings;
-``--resume``'s checkpoint is read by the command line (``rayconv.run``).
+the flags are built from the fields by ``rayconv.flags``, and ``--resume``'s checkpoint is read by the
+command line (``rayconv.run``).
+
+The recipe flags keep the names of torchvision's reference script (references/classification/train.py:
+``--opt``, ``--lr-warmup-*``, ``--label-smoothing``, ``--norm-weight-decay``, ``--model-ema*``,
+``--mixup-alpha``, ``--cutmix-alpha``, ``--random-erase``, ``--clip-grad-norm``); their defaults leave
+a run as plain SGD with momentum, cosine decay and no warm-up.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -29,11 +34,19 @@ DECODE_CHOICES = ("auto", "cpu", "gpu")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 SCHEDULE_CHOICES = ("gpipe", "1f1b")
 PLAN_CHOICES = ("none", "krizhevsky2014")
-PRECISION_CHOICES = ("fp32", "bf16", "fp64")
+PRECISION_CHOICES = ("fp32", "bf16", "fp16", "fp64")
 LR_SCHEDULE_CHOICES = ("constant", "cosine")
 COMPILE_CHOICES = ("auto", "on", "off")
 BALANCE_CHOICES = ("auto", "time", "flops")
 LAYOUT_CHOICES = ("manual", "auto")
+OPT_CHOICES = ("sgd", "sgd_nesterov", "adamw")  # rayconv.recipe.optim.OPTIMIZERS
+WARMUP_CHOICES = ("linear", "constant")         # rayconv.recipe.schedule.WARMUP_METHODS
+LR_SCALING_CHOICES = ("none", "linear")
+AUGMENT_CHOICES = ("auto", "resized-crop", "pad-crop", "none")
+# The side in pixels of each data set's own images (--image-size left out): digits are 8x8 scans,
+# Fashion-MNIST 28x28; synthetic, image folders and shards are cropped to 224 (ImageNet's).
+DATA_IMAGE_SIZE = {"digits": 8, "fashion-mnist": 28, "synthetic": 224, "imagefolder": 224, "shards": 224}
+PAD_CROP_MAX_SIZE = 64  # --augment auto: pad-crop + flip up to this side in pixels, resized crops above
 
 
 def batch_split_problem(global_batch_size: int, dp: int, num_microbatches: int) -> Optional[str]:
@@ -70,7 +83,22 @@ class Config:
                 "14 workers: nvJPEG and the crops take GPU time from the model)",
         "choices": DECODE_CHOICES})
     num_classes: Optional[int] = field(default=None, metadata={"help": "classes; default: follows the data"})
-    image_size: int = field(default=224, metadata={"help": "side in pixels of the training images (synthetic data, and the crops of imagefolder and shards data)"})
+    image_size: Optional[int] = field(default=None, metadata={
+        "help": "side in pixels of the training images (synthetic data, the crops of imagefolder and shards "
+                "data, a resize of digits and fashion-mnist); default: the data's own, digits 8, "
+                "fashion-mnist 28, synthetic/imagefolder/shards 224 (each model refuses sizes it cannot take)"})
+    channels: Optional[int] = field(default=None, metadata={
+        "help": "image channels the model takes, 1 or 3 (grey images repeated to 3); default: the data's"})
+    augment: str = field(default="auto", metadata={
+        "help": "training augmentation: pad-crop (pad by size/8, random crop, horizontal flip), resized-crop "
+                "(RandomResizedCrop + flip, Szegedy et al. 2015), none; auto: pad-crop + flip up to 64 pixels, "
+                "resized-crop above", "choices": AUGMENT_CHOICES})
+    random_erase: float = field(default=0.0, metadata={
+        "help": "probability in [0, 1] of erasing a random rectangle of each training image (Zhong et al. "
+                "2020, torchvision's --random-erase; default 0)"})
+    zero_init_residual: bool = field(default=False, metadata={
+        "help": "start the last batch norm of each residual block at zero weight, so each block starts as "
+                "the identity (Goyal et al. 2017, section 5.1; torchvision's zero_init_residual)"})
     synthetic_samples: int = field(default=4096, metadata={"help": "train samples of synthetic data"})
     # layout: a mesh of dp * pp * fs actors
     dp: Optional[int] = field(default=None, metadata={"help": "data-parallel replicas; default: all devices / (pp*fs)"})
@@ -103,12 +131,51 @@ class Config:
     global_batch_size: int = field(default=64, metadata={"help": "images per step over all replicas"})
     epochs: Optional[int] = field(default=None, metadata={"help": "epochs to train (default 10 when --steps is not given)"})
     steps: Optional[int] = field(default=None, metadata={"help": "optimizer steps to train (overrides --epochs)"})
-    lr: float = field(default=0.05, metadata={"help": "learning rate for the global batch"})
+    lr: float = field(default=0.05, metadata={
+        "help": "peak learning rate: for the global batch with --lr-scaling none (default 0.05); per 256 images "
+                "with --lr-scaling linear, multiplied by global batch / 256"})
+    lr_scaling: str = field(default="none", metadata={
+        "help": "none: --lr is for the global batch; linear: --lr is per 256 images and multiplied by global "
+                "batch / 256 (Goyal et al. 2017, section 2.1)", "choices": LR_SCALING_CHOICES})
+    lr_warmup_epochs: int = field(default=0, metadata={
+        "help": "epochs of learning-rate warm-up, counted in steps (epochs x steps per epoch), the cosine "
+                "decay after it (Goyal et al. 2017, section 2.2; default 0: none)"})
+    lr_warmup_method: str = field(default="linear", metadata={
+        "help": "warm-up: linear (from --lr x --lr-warmup-decay up to --lr, torch's LinearLR) or constant "
+                "(--lr x --lr-warmup-decay throughout, ConstantLR)", "choices": WARMUP_CHOICES})
+    lr_warmup_decay: float = field(default=0.01, metadata={
+        "help": "the warm-up's starting fraction of --lr, in (0, 1] (default 0.01; torchvision's recipe 0.01)"})
+    opt: str = field(default="sgd", metadata={
+        "help": "optimizer: sgd (with --momentum), sgd_nesterov (Nesterov momentum, Sutskever et al. 2013), "
+                "adamw (Loshchilov & Hutter 2019)", "choices": OPT_CHOICES})
     lr_schedule: str = field(default="cosine", metadata={"help": "learning-rate schedule", "choices": LR_SCHEDULE_CHOICES})
     momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
     weight_decay: float = field(default=5e-4, metadata={"help": "L2 weight decay"})
+    norm_weight_decay: Optional[float] = field(default=None, metadata={
+        "help": "weight decay of normalisation layers' weights and biases, e.g. 0 (torchvision's "
+                "--norm-weight-decay); default: --weight-decay"})
+    bias_weight_decay: Optional[float] = field(default=None, metadata={
+        "help": "weight decay of every bias (torchvision's --bias-weight-decay); default: --weight-decay"})
+    label_smoothing: float = field(default=0.0, metadata={
+        "help": "label smoothing in [0, 1) of the cross entropy (Szegedy et al. 2016, section 7; default 0)"})
+    clip_grad_norm: Optional[float] = field(default=None, metadata={
+        "help": "clip the global gradient norm over all shards to this (> 0, Pascanu et al. 2013); default: none"})
+    mixup_alpha: float = field(default=0.0, metadata={
+        "help": "mixup's Beta(alpha, alpha), >= 0, drawn per global batch (Zhang et al. 2018; default 0: off)"})
+    cutmix_alpha: float = field(default=0.0, metadata={
+        "help": "CutMix's Beta(alpha, alpha), >= 0, drawn per global batch (Yun et al. 2019; default 0: off); "
+                "with mixup too, one of the two per batch"})
+    model_ema: bool = field(default=False, metadata={
+        "help": "keep an exponential moving average of the weights, evaluate it after each evaluation and "
+                "write model_ema.pt (torchvision's --model-ema; default off)"})
+    model_ema_steps: int = field(default=32, metadata={"help": "steps between EMA updates, >= 1 (default 32)"})
+    model_ema_decay: float = field(default=0.99998, metadata={
+        "help": "EMA decay in [0, 1], adjusted for the batch and --model-ema-steps as torchvision's train.py "
+                "does (default 0.99998, torchvision's)"})
     seed: int = field(default=0, metadata={"help": "seed of weights, data order and augmentation"})
-    precision: str = field(default="fp32", metadata={"help": "fp32, bf16 (autocast) or fp64", "choices": PRECISION_CHOICES})
+    precision: str = field(default="fp32", metadata={
+        "help": "fp32, bf16 (autocast), fp16 (autocast with dynamic loss scaling, Micikevicius et al. 2018) or "
+                "fp64", "choices": PRECISION_CHOICES})
     compile: str = field(default="auto", metadata={
         "help": "torch.compile each actor's part, in segments that end at the gradient bucket size: on, off, or "
                 "auto: on with GPUs (except fp64; with --cuda-graphs off, one-GPU runs only), where it was measured "
@@ -136,6 +203,10 @@ class Config:
     # output
     out: Optional[str] = field(default=None, metadata={"help": "output folder (default: a new folder under runs/)"})
     eval_every: Optional[int] = field(default=None, metadata={"help": "steps between test evaluations (default: each epoch)"})
+    target_accuracy: Optional[float] = field(default=None, metadata={
+        "help": "record the first evaluation whose test top-1 accuracy reaches this, in (0, 1]: summary.json's "
+                "time_to_target_s (wall-clock from the start) and time_to_target_train_s (the steps' time); "
+                "training goes on (default: none)"})
     log_every: int = field(default=10, metadata={"help": "steps between progress lines"})
     progress: bool = field(default=True, metadata={"help": "a progress bar on a terminal (plain lines every --log-every steps otherwise)"})
     # operations: checkpoints, resume, recovery, dashboard metrics
@@ -161,6 +232,7 @@ class Config:
         every Config is). Raises ConfigError naming the flag and what to change."""
         _check_names(self)
         _check_numbers(self)
+        _check_recipe(self)
         _check_combinations(self)
         return self
 
@@ -169,6 +241,19 @@ class Config:
         """Actors in the mesh: dp * pp * fs (dp must be resolved)."""
         assert self.dp is not None, "dp is resolved against the cluster first"
         return self.dp * self.pp * self.fs
+
+    @property
+    def data_image_size(self) -> int:
+        """Side in pixels of the training images: ``image_size``, else the data's own (``DATA_IMAGE_SIZE``)."""
+        return self.image_size if self.image_size is not None else DATA_IMAGE_SIZE.get(self.data, 224)
+
+    @property
+    def augmentation(self) -> str:
+        """The augmentation ``augment`` names, ``auto`` resolved by the image side: ``pad-crop`` up to
+        ``PAD_CROP_MAX_SIZE`` pixels (small images, as CIFAR's recipe), ``resized-crop`` above (ImageNet's)."""
+        if self.augment != "auto":
+            return self.augment
+        return "pad-crop" if self.data_image_size <= PAD_CROP_MAX_SIZE else "resized-crop"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -204,6 +289,11 @@ def _check_names(cfg: Config) -> None:
           "--data imagefolder needs --data-dir DIR (a folder with train/<class>/<images> and val/<class>/<images>)")
     _need(cfg.data != "shards" or bool(cfg.data_dir),
           "--data shards needs --data-dir SHARDS (a folder written by python -m rayconv.prepare DIR --out SHARDS)")
+    _need(cfg.opt in OPT_CHOICES, f"unknown --opt {cfg.opt!r}: choose one of {', '.join(OPT_CHOICES)}")
+    _need(cfg.lr_warmup_method in WARMUP_CHOICES, f"unknown --lr-warmup-method {cfg.lr_warmup_method!r}: "
+                                                  "choose linear or constant")
+    _need(cfg.lr_scaling in LR_SCALING_CHOICES, f"unknown --lr-scaling {cfg.lr_scaling!r}: choose none or linear")
+    _need(cfg.augment in AUGMENT_CHOICES, f"unknown --augment {cfg.augment!r}: choose one of {', '.join(AUGMENT_CHOICES)}")
     _need(cfg.decode in DECODE_CHOICES, f"unknown --decode {cfg.decode!r}: choose auto, cpu or gpu")
     _need(not (cfg.decode == "gpu" and cfg.device == "cpu"),
           "--decode gpu decodes on the actors' GPUs: use --decode cpu with --device cpu")
@@ -226,7 +316,7 @@ def _check_numbers(cfg: Config) -> None:
     _need(cfg.weight_decay >= 0, f"--weight-decay must be >= 0 (got {cfg.weight_decay})")
     _need(cfg.bucket_mb > 0, f"--bucket-mb must be > 0 (got {cfg.bucket_mb})")
     _need(cfg.collective_timeout_s > 0, "--collective-timeout-s must be > 0")
-    _need(cfg.image_size >= 32, f"--image-size must be >= 32 pixels (got {cfg.image_size})")
+    _need(cfg.image_size is None or cfg.image_size >= 1, f"--image-size must be >= 1 pixel (got {cfg.image_size})")
     _need(cfg.loader_workers is None or cfg.loader_workers >= 0, "--loader-workers must be >= 0")
     _need(cfg.checkpoint_every >= 0, f"--checkpoint-every must be >= 0 steps (got {cfg.checkpoint_every}; "
                                       "0 writes no checkpoints)")
@@ -235,6 +325,26 @@ def _check_numbers(cfg: Config) -> None:
     _need(cfg.max_wait > 0, f"--max-wait must be > 0 seconds (got {cfg.max_wait})")
     _need(cfg.max_memory_gib is None or cfg.max_memory_gib > 0,
           f"--max-memory-gib must be > 0 GiB (got {cfg.max_memory_gib})")
+
+
+def _check_recipe(cfg: Config) -> None:
+    """The training recipe's numbers in their ranges (torchvision's reference script takes the same)."""
+    _need(cfg.lr_warmup_epochs >= 0, f"--lr-warmup-epochs must be >= 0 (got {cfg.lr_warmup_epochs}; 0: no warm-up)")
+    _need(0 < cfg.lr_warmup_decay <= 1, f"--lr-warmup-decay must be in (0, 1] (got {cfg.lr_warmup_decay})")
+    _need(0 <= cfg.label_smoothing < 1, f"--label-smoothing must be in [0, 1) (got {cfg.label_smoothing})")
+    for name in ("norm_weight_decay", "bias_weight_decay"):
+        v = getattr(cfg, name)
+        _need(v is None or v >= 0, f"--{name.replace('_', '-')} must be >= 0 (got {v}; leave it out for --weight-decay)")
+    _need(cfg.clip_grad_norm is None or cfg.clip_grad_norm > 0,
+          f"--clip-grad-norm must be > 0 (got {cfg.clip_grad_norm}; leave it out for no clipping)")
+    _need(cfg.model_ema_steps >= 1, f"--model-ema-steps must be >= 1 (got {cfg.model_ema_steps})")
+    _need(0 <= cfg.model_ema_decay <= 1, f"--model-ema-decay must be in [0, 1] (got {cfg.model_ema_decay})")
+    _need(cfg.mixup_alpha >= 0, f"--mixup-alpha must be >= 0 (got {cfg.mixup_alpha}; 0: off)")
+    _need(cfg.cutmix_alpha >= 0, f"--cutmix-alpha must be >= 0 (got {cfg.cutmix_alpha}; 0: off)")
+    _need(0 <= cfg.random_erase <= 1, f"--random-erase must be a probability in [0, 1] (got {cfg.random_erase})")
+    _need(cfg.channels in (None, 1, 3), f"--channels must be 1 or 3 (got {cfg.channels}; leave it out for the data's)")
+    _need(cfg.target_accuracy is None or 0 < cfg.target_accuracy <= 1,
+          f"--target-accuracy must be in (0, 1] (got {cfg.target_accuracy})")
 
 
 def _check_combinations(cfg: Config) -> None:
@@ -259,106 +369,3 @@ def _check_combinations(cfg: Config) -> None:
     if cfg.plan != "none":
         _need(cfg.pp == 1 and cfg.fs == 1,
               f"--plan {cfg.plan} spreads the model over all actors itself: drop --pp/--fs and set only --dp")
-
-
-# ---------------------------------------------------------------------- command line
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An argparse parser whose errors are one line (not the whole usage block) and exit 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """An argparse parser with one flag per Config field (defaults left unset to detect what was given)."""
-    p = OneLineParser(
-        prog="python -m rayconv.run",
-        description="Train a ConvNet with synchronous SGD across Ray actors (data parallel, pipeline, filter split).",
-        argument_default=argparse.SUPPRESS)
-    p.add_argument("--config", help="JSON file of settings (e.g. a run's config.json); flags override it")
-    for f in fields(Config):
-        meta = dict(f.metadata)
-        text = meta.get("help", "")
-        kw: dict[str, Any] = {"help": text if "default" in text else f"{text} (default: {f.default})"}
-        if f.type in ("bool", bool):
-            kw["action"] = argparse.BooleanOptionalAction
-        else:
-            kw["type"] = _parse_type(f.type)
-        if "choices" in meta:
-            kw["choices"] = meta["choices"]
-        p.add_argument(_flag(f.name), dest=f.name, **kw)
-    return p
-
-
-def _parse_type(t: Any):
-    t = str(t)
-    if "int" in t:
-        return int
-    if "float" in t:
-        return float
-    return str
-
-
-def from_mapping(values: dict[str, Any]) -> Config:
-    """Config from a dict; unknown keys raise ConfigError naming them."""
-    known = {f.name: f for f in fields(Config)}
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}: known are {', '.join(sorted(known))}")
-    if isinstance(values.get("compile"), bool):  # configs written before --compile took auto/on/off
-        values = {**values, "compile": "on" if values["compile"] else "off"}
-    for key, v in values.items():  # JSON gives any type: check each against the field's
-        t = str(known[key].type)
-        ok = (v is None and "Optional" in t) or (
-            isinstance(v, bool) if "bool" in t else
-            isinstance(v, int) and not isinstance(v, bool) if "int" in t else
-            isinstance(v, (int, float)) and not isinstance(v, bool) if "float" in t else isinstance(v, str))
-        if not ok:
-            raise ConfigError(f"setting {key} = {v!r} has the wrong type: {_flag(key)} takes "
-                              f"{t.replace('Optional[', '').rstrip(']')}")
-    return Config(**values)
-
-
-def read_settings(argv: Optional[list[str]] = None) -> dict[str, Any]:
-    """The settings of a command line: its flags over its ``--config`` file's (the file's output folder,
-    checkpoint and cluster address left out), unchecked. Raises ConfigError; argparse exits 2 on a
-    malformed flag."""
-    ns = vars(build_parser().parse_args(argv))
-    values: dict[str, Any] = {}
-    cfg_file = ns.pop("config", None)
-    if cfg_file is not None:
-        path = Path(cfg_file)
-        if not path.is_file():
-            raise ConfigError(f"--config {cfg_file}: no such file")
-        try:
-            values = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--config {cfg_file} is not valid JSON ({e}): fix the file") from None
-        if not isinstance(values, dict):
-            raise ConfigError(f"--config {cfg_file} must hold a JSON object of settings")
-        # A run's config.json names its output folder (and checkpoint, cluster): a re-run is a new run,
-        # into a new folder, unless flags say otherwise.
-        for key in NOT_RESUMED:
-            values.pop(key, None)
-    return {**values, **ns}
-
-
-def parse_args(argv: Optional[list[str]] = None) -> Config:
-    """The validated Config of a command line (``read_settings``). ``--resume``'s checkpoint settings
-    are not read here: ``rayconv.run`` puts them under the flags. Raises ConfigError."""
-    return from_mapping(read_settings(argv)).validate()
-
-
-# Settings a resumed run does not take over from its checkpoint: where it runs and writes.
-NOT_RESUMED = ("out", "resume", "address")
-
-
-def resumed_settings(saved: dict[str, Any]) -> dict[str, Any]:
-    """Of the settings saved in a checkpoint (its manifest's ``config``), those a resumed run takes
-    over (flags given override them; the output folder defaults to the checkpoint's run folder)."""
-    known = {f.name for f in fields(Config)}
-    return {k: v for k, v in saved.items() if k in known and k not in NOT_RESUMED}

@@ -20,9 +20,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from rayconv.config import PRECISION_CHOICES, Config, OneLineParser
+from rayconv.config import PRECISION_CHOICES, Config
 from rayconv.errors import ConfigError
 from rayconv.files import atomic_write
+from rayconv.flags import OneLineParser
 from rayconv.planner.links import MACHINES  # (plain Python: --help and argument errors stay torch-free)
 
 

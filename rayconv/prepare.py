@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Iterator, Optional
 
-from rayconv.config import OneLineParser
+from rayconv.flags import OneLineParser
 from rayconv.data.shard_writer import prepare, write_shard
 from rayconv.errors import ClusterError, DataError
 

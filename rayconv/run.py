@@ -11,8 +11,9 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from rayconv.config import Config, from_mapping, read_settings, resumed_settings
+from rayconv.config import Config
 from rayconv.errors import ClusterError, ConfigError, DataError, PlanError
+from rayconv.flags import from_mapping, read_settings, resumed_settings
 from rayconv.outputs.checkpoint import latest_checkpoint, saved_config
 
 

@@ -47,9 +47,10 @@ from pathlib import Path
 
 from rayconv.bench.sweeps import main_bench, sweep_batch, training_curve
 from rayconv.cluster.connect import available_devices, connect
-from rayconv.config import Config, OneLineParser
+from rayconv.config import Config
 from rayconv.data.registry import make_source
 from rayconv.errors import ClusterError, ConfigError, DataError
+from rayconv.flags import OneLineParser
 from rayconv.layout import Layout
 
 MAX_CALL_TIMEOUT_S = 7 * 24 * 3600.0  # --call-timeout-s: a week (Ray's wait takes no infinite limit)

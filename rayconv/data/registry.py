@@ -39,12 +39,12 @@ def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
     elif cfg.data == "fashion-mnist":
         src = load_fashion_mnist(cfg.data_dir, cfg.seed)
     elif cfg.data == "synthetic":
-        src = SyntheticSource(cfg.image_size, cfg.num_classes or 1000, cfg.synthetic_samples, cfg.seed)
+        src = SyntheticSource(cfg.data_image_size, cfg.num_classes or 1000, cfg.synthetic_samples, cfg.seed)
     elif cfg.data in ("imagefolder", "shards"):
         if cfg.data == "shards" or is_prepared(cfg.data_dir):  # a prepared folder is read as shards
-            src = ShardSource(cfg.data_dir or "", cfg.image_size, cfg.seed, loader_workers(cfg), cfg.decode)
+            src = ShardSource(cfg.data_dir or "", cfg.data_image_size, cfg.seed, loader_workers(cfg), cfg.decode)
         else:
-            src = ImageFolderSource(cfg.data_dir or "", cfg.image_size, cfg.seed, loader_workers(cfg))
+            src = ImageFolderSource(cfg.data_dir or "", cfg.data_image_size, cfg.seed, loader_workers(cfg))
     else:
         raise ConfigError(f"unknown --data {cfg.data!r}")
     if cfg.num_classes is not None and cfg.num_classes != src.num_classes:

@@ -15,7 +15,8 @@ import ray
 import torch
 from torch import nn
 
-from rayconv.config import Config, parse_args
+from rayconv.config import Config
+from rayconv.flags import parse_args
 from rayconv.run import main
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rayconv.config import parse_args
+from rayconv.flags import parse_args
 
 EXAMPLES = sorted(p for p in (Path(__file__).parents[2] / "examples").glob("*.py") if not p.name.startswith("_"))
 RUN_FULLY = ("data_parallel", "hybrid_pipeline")

@@ -1,0 +1,123 @@
+"""The command-line and JSON form of :class:`rayconv.config.Config`: one flag per field.
+
+``build_parser`` makes ``--global-batch-size`` of ``global_batch_size`` (booleans as ``--x/--no-x``),
+with each field's help text and choices; ``read_settings`` puts the flags over a ``--config`` JSON
+file; ``from_mapping`` checks each value's type against its field (JSON gives any type) and builds the
+Config; ``parse_args`` validates it. ``resumed_settings`` picks what a ``--resume`` run takes over from
+its checkpoint. Errors a user can cause raise ConfigError naming the flag; argparse's own errors are
+one line and exit 2 (``OneLineParser``). Imports only ``config`` and ``errors``, so the command lines
+stay free of torch and Ray until their arguments are known to be good.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Optional
+
+from rayconv.config import Config
+from rayconv.errors import ConfigError
+
+# Settings a resumed run does not take over from its checkpoint: where it runs and writes.
+NOT_RESUMED = ("out", "resume", "address")
+
+
+def flag(name: str) -> str:
+    """The flag of a Config field: ``global_batch_size`` -> ``--global-batch-size``."""
+    return "--" + name.replace("_", "-")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line (not the whole usage block) and exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """An argparse parser with one flag per Config field (defaults left unset to detect what was given)."""
+    p = OneLineParser(
+        prog="python -m rayconv.run",
+        description="Train a ConvNet with synchronous SGD across Ray actors (data parallel, pipeline, filter split).",
+        argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", help="JSON file of settings (e.g. a run's config.json); flags override it")
+    for f in fields(Config):
+        meta = dict(f.metadata)
+        text = meta.get("help", "")
+        kw: dict[str, Any] = {"help": text if "default" in text else f"{text} (default: {f.default})"}
+        if f.type in ("bool", bool):
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = _parse_type(f.type)
+        if "choices" in meta:
+            kw["choices"] = meta["choices"]
+        p.add_argument(flag(f.name), dest=f.name, **kw)
+    return p
+
+
+def _parse_type(t: Any):
+    t = str(t)
+    if "int" in t:
+        return int
+    if "float" in t:
+        return float
+    return str
+
+
+def from_mapping(values: dict[str, Any]) -> Config:
+    """Config from a dict; unknown keys raise ConfigError naming them, as do values of the wrong type."""
+    known = {f.name: f for f in fields(Config)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}: known are {', '.join(sorted(known))}")
+    if isinstance(values.get("compile"), bool):  # configs written before --compile took auto/on/off
+        values = {**values, "compile": "on" if values["compile"] else "off"}
+    for key, v in values.items():  # JSON gives any type: check each against the field's
+        t = str(known[key].type)
+        ok = (v is None and "Optional" in t) or (
+            isinstance(v, bool) if "bool" in t else
+            isinstance(v, int) and not isinstance(v, bool) if "int" in t else
+            isinstance(v, (int, float)) and not isinstance(v, bool) if "float" in t else isinstance(v, str))
+        if not ok:
+            raise ConfigError(f"setting {key} = {v!r} has the wrong type: {flag(key)} takes "
+                              f"{t.replace('Optional[', '').rstrip(']')}")
+    return Config(**values)
+
+
+def read_settings(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    """The settings of a command line: its flags over its ``--config`` file's (the file's output folder,
+    checkpoint and cluster address left out), unchecked. Raises ConfigError; argparse exits 2 on a
+    malformed flag."""
+    ns = vars(build_parser().parse_args(argv))
+    values: dict[str, Any] = {}
+    cfg_file = ns.pop("config", None)
+    if cfg_file is not None:
+        path = Path(cfg_file)
+        if not path.is_file():
+            raise ConfigError(f"--config {cfg_file}: no such file")
+        try:
+            values = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--config {cfg_file} is not valid JSON ({e}): fix the file") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"--config {cfg_file} must hold a JSON object of settings")
+        # A run's config.json names its output folder (and checkpoint, cluster): a re-run is a new run,
+        # into a new folder, unless flags say otherwise.
+        for key in NOT_RESUMED:
+            values.pop(key, None)
+    return {**values, **ns}
+
+
+def parse_args(argv: Optional[list[str]] = None) -> Config:
+    """The validated Config of a command line (``read_settings``). ``--resume``'s checkpoint settings
+    are not read here: ``rayconv.run`` puts them under the flags. Raises ConfigError."""
+    return from_mapping(read_settings(argv)).validate()
+
+
+def resumed_settings(saved: dict[str, Any]) -> dict[str, Any]:
+    """Of the settings saved in a checkpoint (its manifest's ``config``), those a resumed run takes
+    over (flags given override them; the output folder defaults to the checkpoint's run folder)."""
+    known = {f.name for f in fields(Config)}
+    return {k: v for k, v in saved.items() if k in known and k not in NOT_RESUMED}
