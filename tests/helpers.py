@@ -10,7 +10,7 @@ from rayconv.config import Config
 from rayconv.data.registry import make_source
 from rayconv.data.source import Sharding
 from rayconv.mesh import split_slices
-from rayconv.driver.loop import learning_rate
+from rayconv.driver.schedule import learning_rate
 from rayconv.models import build_model
 
 

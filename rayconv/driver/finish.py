@@ -1,5 +1,6 @@
-"""The end of a run: ``model.pt``, ``metrics.parquet`` and ``summary.json`` in the output folder; and
-what a failed run leaves there (its checkpoints and config.json, or nothing).
+"""The end of a run: ``model.pt`` (and ``model_ema.pt`` with ``--model-ema``), ``metrics.parquet`` and
+``summary.json`` in the output folder; and what a failed run leaves there (its checkpoints and
+config.json, or nothing).
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ from rayconv.planner.search import compare
 
 
 def finish(run: Run, gang: Gang) -> dict[str, Any]:
-    """Write model.pt (a plain state_dict of the whole model), metrics.parquet and summary.json into
-    the output folder; return the summary. Raises ClusterError when an actor fails meanwhile."""
+    """Write model.pt (a plain state_dict of the whole model; model_ema.pt, the moving average's, with
+    --model-ema), metrics.parquet and summary.json into the output folder; return the summary. Raises
+    ClusterError when an actor fails meanwhile."""
     out = run.setup.out
     export(run, gang, out / "model.pt")
+    if run.cfg.model_ema:
+        export(run, gang, out / "model_ema.pt", ema=True)
     memory = gang.call("memory", timeout_s=run.call_timeout_s)
     run.metrics.write(out / "metrics.parquet")
     summary = summarize(run, memory)
@@ -33,14 +37,15 @@ def finish(run: Run, gang: Gang) -> dict[str, Any]:
     return summary
 
 
-def export(run: Run, gang: Gang, path: Path) -> None:
-    """``path`` <- the actors' parts assembled into one state_dict, loaded into a fresh model to check it."""
+def export(run: Run, gang: Gang, path: Path, ema: bool = False) -> None:
+    """``path`` <- the actors' parts (``ema``: of their moving averages) assembled into one state_dict,
+    loaded into a fresh model to check it, written atomically."""
     cfg, mesh = run.cfg, run.setup.mesh
     # Replica 0's actors hold the whole model between them.
     # (Under the per-layer plan every actor holds a slice of the FC layers.)
     holders = list(range(mesh.world_size)) if cfg.plan != "none" else \
         [mesh.rank((0, p, f)) for p in range(mesh.pp) for f in range(mesh.fs)]
-    states = gang.call("state", ranks=holders, timeout_s=run.call_timeout_s)
+    states = gang.call("state", *((True,) if ema else ()), ranks=holders, timeout_s=run.call_timeout_s)
     split_dims: dict[str, int] = {}
     for d in gang.call("split_dims", ranks=holders, timeout_s=run.call_timeout_s):
         split_dims.update(d)
@@ -48,8 +53,9 @@ def export(run: Run, gang: Gang, path: Path) -> None:
 
 
 def summarize(run: Run, memory: list[dict[str, Any]]) -> dict[str, Any]:
-    """summary.json: the layout, the final loss and test figures, images/s, input stall, times, and
-    per actor its setup report and peak memory (``memory``: one report per rank)."""
+    """summary.json: the layout, the final loss and test figures (``ema_test_accuracy`` of the moving
+    average, null without --model-ema), images/s, input stall, times, the time to --target-accuracy
+    (``driver.target``), and per actor its setup report and peak memory (``memory``: one per rank)."""
     cfg, s, mesh = run.cfg, run.setup, run.setup.mesh
     train_rows = [row for row in run.metrics.rows if row["kind"] == "train"]
     stall_ms = sum(x.get("input_stall_ms") or 0.0 for x in train_rows)
@@ -67,10 +73,12 @@ def summarize(run: Run, memory: list[dict[str, Any]]) -> dict[str, Any]:
         "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
         "test_accuracy": ev.get("test_accuracy"), "test_error": ev.get("test_error"),
         "test_loss": ev.get("test_loss"), "test_top5_accuracy": ev.get("test_top5_accuracy"),
+        "ema_test_accuracy": ev.get("ema_test_accuracy"),
         "images_per_s": run.images_per_s(),
         # The steps' waits for input not overlapped with compute, summed, and their share of the steps' time.
         "input_stall_s": stall_ms / 1e3, "input_stall_fraction": stall_ms / own_ms if own_ms > 0 else None,
         "train_time_s": run.train_s, "wall_time_s": time.perf_counter() - s.t_start,
+        **run.target.summary(run.wall),
         "run_name": s.run_name,
         "resumed_from": str(s.resume.path) if s.resume is not None else None, "failures_recovered": run.failures,
         "actors": [{**setup, **m} for setup, m in zip(run.setups, memory)],

@@ -5,7 +5,10 @@ Step k+1 is queued on the actors before step k's call returns, and each call ret
 step before it, so neither the device nor the actor waits for the driver between steps (the bench's
 ``driver_overhead`` measures what is left). Before an evaluation, a checkpoint or the test hook the
 loop lets the actors go quiet (``flush``). Synchronous SGD unchanged (Yadan et al. 2013): every step
-equals one single-device step on the global batch, whatever the layout.
+equals one single-device step on the global batch, whatever the layout. Each step's learning rate
+comes from ``driver.schedule``; with ``--model-ema`` each evaluation is followed by one of the moving
+average (``evaluate(ema=True)`` on the actors); with ``--target-accuracy`` the first evaluation that
+reaches it is timed (``driver.target``).
 """
 
 from __future__ import annotations
@@ -18,18 +21,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rayconv.cluster.group import Gang, Pending
-from rayconv.config import Config
 from rayconv.driver.progress import Progress
+from rayconv.driver.schedule import learning_rate, peak_lr, warmup_steps
 from rayconv.driver.setup import Setup, call_timeout_s
+from rayconv.driver.target import Target, train_seconds
 from rayconv.outputs.checkpoint import Checkpoint, write_checkpoint
 from rayconv.outputs.metrics import MetricsLog, actor_gauges, read_rows, reduce_step
 
 
-def learning_rate(cfg: Config, step: int, total_steps: int) -> float:
-    """lr of ``step``: constant, or cosine decay from ``cfg.lr`` to 0 over the run (Loshchilov & Hutter 2017)."""
-    if cfg.lr_schedule == "constant":
-        return cfg.lr
-    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * step / max(1, total_steps)))
+EVAL_KEYS = ("test_loss", "test_accuracy", "test_error", "test_top5_accuracy", "ema_test_accuracy")
 
 
 class Run:
@@ -43,6 +43,7 @@ class Run:
         self.last_eval: dict[str, Optional[float]] = {}
         self.setups: list[dict[str, Any]] = []  # what each actor's ``setup`` reported
         self.train_s = 0.0
+        self.target = Target(setup.cfg.target_accuracy)  # the first evaluation reaching --target-accuracy
         self.failures = 0     # actor failures recovered from
         self.trained = False  # every step done: what fails after it (the export) is not retried
         # step -> (images, driver wall-clock seconds from the previous result to this one, evaluation and
@@ -58,8 +59,7 @@ class Run:
         self.metrics.rows = [r for r in read_rows(ckpt.files["metrics.parquet"]) if r["step"] < ckpt.step]
         evals = [r for r in self.metrics.rows if r["kind"] == "eval"]
         if evals:
-            self.last_eval = {k: evals[-1].get(k) for k in ("test_loss", "test_accuracy", "test_error",
-                                                            "test_top5_accuracy")}
+            self.last_eval = {k: evals[-1].get(k) for k in EVAL_KEYS}
 
     def images_per_s(self) -> Optional[float]:
         """Training images per second of wall-clock: images of the steps this process ran, after the
@@ -114,7 +114,7 @@ def train(run: Run, gang: Gang, start: int) -> None:
 
 
 def _submit(run: Run, gang: Gang, att: _Attempt, step: int) -> Pending:
-    att.lrs[step] = learning_rate(run.cfg, step, run.setup.total_steps)
+    att.lrs[step] = learning_rate(run.cfg, step, run.setup.total_steps, run.setup.sharding.steps_per_epoch)
     return gang.submit("train_step", step, att.lrs[step])
 
 
@@ -137,7 +137,7 @@ def _record(run: Run, att: _Attempt, results: list) -> None:
     run.metrics.add(kind="train", step=k, epoch=epoch, loss=r["loss"], lr=att.lrs.pop(k),
                     images_per_s=count / max(1e-9, step_ms / 1e3), step_ms=step_ms, input_stall_ms=stall,
                     input_stall_fraction=None if stall is None else stall / max(1e-9, step_ms),
-                    time_s=run.train_s + now - att.t_train)
+                    time_s=run.train_s + now - att.t_train, loss_scale=r["loss_scale"])
     if run.cfg.metrics:
         actor_gauges(run.setup.run_name, "driver", images_per_s=ips, step_ms=step_ms, loss=r["loss"], step=k)
     if not math.isfinite(r["loss"]):
@@ -151,10 +151,7 @@ def _between_steps(run: Run, gang: Gang, att: _Attempt, step: int) -> None:
     cfg, s, done = run.cfg, run.setup, step + 1
     _record(run, att, gang.call("flush", timeout_s=run.call_timeout_s))
     if done % s.eval_every == 0 or done == s.total_steps:
-        run.last_eval = evaluate(gang, run.call_timeout_s)
-        run.metrics.add(kind="eval", step=step, epoch=step // s.sharding.steps_per_epoch,
-                        time_s=run.train_s + time.perf_counter() - att.t_train, **run.last_eval)
-        att.progress.evaluation(step, run.metrics.last("train", "loss"), run.last_eval)
+        _evaluation(run, gang, att, step)
     if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == s.total_steps):
         checkpoint(run, gang, done)
     if done % s.eval_every == 0 or cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
@@ -164,10 +161,27 @@ def _between_steps(run: Run, gang: Gang, att: _Attempt, step: int) -> None:
     att.t_last = time.perf_counter()  # evaluation and checkpoint time is not a step's
 
 
-def evaluate(gang: Gang, timeout_s: Optional[float] = None) -> dict[str, Optional[float]]:
+def _evaluation(run: Run, gang: Gang, att: _Attempt, step: int) -> None:
+    """The evaluation after ``step`` (and of the moving average with --model-ema): its metrics row,
+    the progress line, and the time to --target-accuracy if this is the first to reach it."""
+    s = run.setup
+    run.last_eval = evaluate(gang, run.call_timeout_s)
+    if run.cfg.model_ema:
+        run.last_eval["ema_test_accuracy"] = evaluate(gang, run.call_timeout_s, ema=True)["test_accuracy"]
+    if run.target.update(step, run.last_eval["test_accuracy"], time.perf_counter() - s.t_start,
+                         train_seconds(run.wall, step)):
+        run.log(f"rayconv: test accuracy {run.last_eval['test_accuracy']:.4f} reached --target-accuracy "
+                f"{run.target.accuracy:g} after step {step}: {run.target.wall_s:.1f} s from the start, "
+                f"{run.target.train_s:.1f} s of training")
+    run.metrics.add(kind="eval", step=step, epoch=step // s.sharding.steps_per_epoch,
+                    time_s=run.train_s + time.perf_counter() - att.t_train, **run.last_eval)
+    att.progress.evaluation(step, run.metrics.last("train", "loss"), run.last_eval)
+
+
+def evaluate(gang: Gang, timeout_s: Optional[float] = None, ema: bool = False) -> dict[str, Optional[float]]:
     """Test loss, error, top-1 and top-5 accuracy over every held-out sample once (summed over
-    replicas); top-5 is None below 5 classes."""
-    res = [r for r in gang.call("evaluate", timeout_s=timeout_s) if r["reports"]]
+    replicas); top-5 is None below 5 classes. ``ema``: of the actors' moving average of the weights."""
+    res = [r for r in gang.call("evaluate", *((True,) if ema else ()), timeout_s=timeout_s) if r["reports"]]
     n = sum(r["samples"] for r in res)
     correct = sum(r["correct"] for r in res)
     top5 = None if any(r.get("correct5") is None for r in res) else sum(r["correct5"] for r in res) / max(1, n)
@@ -199,9 +213,10 @@ def _manifest(run: Run, step: int) -> dict[str, Any]:
         "data": {"data": cfg.data, "next_step": step, "epoch": epoch, "step_in_epoch": step_in_epoch,
                  "steps_per_epoch": s.sharding.steps_per_epoch, "seed": cfg.seed,
                  "global_batch_size": cfg.global_batch_size},
-        "lr_schedule": {"schedule": cfg.lr_schedule, "lr": cfg.lr, "total_steps": s.total_steps,
-                        "next_step": step,
-                        "next_lr": learning_rate(cfg, step, s.total_steps) if step < s.total_steps else None},
+        "lr_schedule": {"schedule": cfg.lr_schedule, "lr": cfg.lr, "peak_lr": peak_lr(cfg),
+                        "warmup_steps": warmup_steps(cfg, s.sharding.steps_per_epoch), "total_steps": s.total_steps,
+                        "next_step": step, "next_lr": learning_rate(cfg, step, s.total_steps, s.sharding.steps_per_epoch)
+                        if step < s.total_steps else None},
         "config": cfg.to_dict(),
         "written": datetime.now().isoformat(timespec="seconds"),
     }

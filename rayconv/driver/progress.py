@@ -1,7 +1,9 @@
 """What a run prints: the header, then a progress bar on a terminal or plain lines in a log file.
 
-The header names the model, data, layout, device, batch, steps and output folder (and, for a pipeline,
-its stages and schedule grid, with a note when too few micro-batches leave the stages taking turns).
+The header names the model, data, layout, device, batch, steps and output folder; the images (channels
+and side as the source gives them, the augmentation) and the recipe (optimizer, learning rate and its
+warm-up, the other recipe settings that are on); for a pipeline, its stages and schedule grid, with a
+note when too few micro-batches leave the stages taking turns.
 During training a tqdm bar shows loss, images/s and the last test accuracy when stderr is a terminal
 and ``--progress`` is on; otherwise a line every ``--log-every`` steps and one per evaluation.
 """
@@ -15,6 +17,7 @@ from typing import Optional
 from tqdm import tqdm
 
 from rayconv.config import Config, batch_split_problem
+from rayconv.driver.schedule import peak_lr, warmup_steps
 from rayconv.driver.setup import Setup
 from rayconv.mesh import Mesh
 from rayconv.parallel.layout_plan import LayoutPlan
@@ -30,6 +33,8 @@ def log_header(setup: Setup, log=print) -> None:
         f"{source.num_classes} classes), layout {mesh.describe()}"
         f"{' plan ' + cfg.plan if cfg.plan != 'none' else ''} on {cfg.device}, "
         f"global batch {cfg.global_batch_size}, {setup.total_steps} steps -> {out}; Ray run name {setup.run_name}")
+    log(images_line(setup))
+    log(recipe_line(setup))
     if setup.resume is not None:
         log(f"rayconv: resuming from {setup.resume.path} (step {setup.resume.step} of {setup.total_steps})")
     if mesh.pp > 1:
@@ -41,6 +46,42 @@ def log_header(setup: Setup, log=print) -> None:
         note = overlap_note(cfg, mesh, setup.plan)
         if note:
             log(note)
+
+
+def images_line(setup: Setup) -> str:
+    """The images the model sees: channels x side x side (the source's), and the augmentation (the
+    source's own name for it where it tells one, else the --augment setting and what auto resolves to)."""
+    cfg, shape = setup.cfg, tuple(setup.source.sample_shape)
+    channels = cfg.channels or shape[0]
+    told = getattr(setup.source, "augmentation", None)  # (a source that names what it does)
+    augment = f"augmentation {told}" if told else \
+        f"--augment {cfg.augment}" + (f" ({cfg.augmentation})" if cfg.augment == "auto" else "")
+    erase = f", random erasing p={cfg.random_erase:g}" if cfg.random_erase else ""
+    return (f"rayconv: images {channels} x {shape[1]} x {shape[2]}"
+            f"{f' (the data has {shape[0]} channel(s))' if channels != shape[0] else ''}, "
+            f"{augment}{erase}, precision {cfg.precision}")
+
+
+def recipe_line(setup: Setup) -> str:
+    """The optimizer, the learning rate (peak, schedule, warm-up in steps) and the recipe settings on."""
+    cfg = setup.cfg
+    warm = warmup_steps(cfg, setup.sharding.steps_per_epoch)
+    scaled = f" (--lr {cfg.lr:g} per 256 images)" if cfg.lr_scaling == "linear" else ""
+    parts = [f"optimizer {cfg.opt}, lr {peak_lr(cfg):.4g}{scaled} {cfg.lr_schedule}"
+             + (f" after {warm} warm-up steps ({cfg.lr_warmup_method} from x{cfg.lr_warmup_decay:g})" if warm else "")]
+    parts.append(f"weight decay {cfg.weight_decay:g}" + "".join(
+        f", {name} {v:g}" for name, v in (("norms", cfg.norm_weight_decay), ("biases", cfg.bias_weight_decay))
+        if v is not None))
+    on = {"label smoothing": cfg.label_smoothing, "mixup alpha": cfg.mixup_alpha, "cutmix alpha": cfg.cutmix_alpha,
+          "clip grad norm": cfg.clip_grad_norm}
+    parts += [f"{name} {v:g}" for name, v in on.items() if v]
+    if cfg.model_ema:
+        parts.append(f"EMA every {cfg.model_ema_steps} steps, decay {cfg.model_ema_decay:g}")
+    if cfg.zero_init_residual:
+        parts.append("zero-init residual")
+    if cfg.target_accuracy is not None:
+        parts.append(f"target accuracy {cfg.target_accuracy:g}")
+    return "rayconv: " + ", ".join(parts)
 
 
 def overlap_note(cfg: Config, mesh: Mesh, plan: LayoutPlan) -> Optional[str]:

@@ -1,7 +1,9 @@
 """A run's setup, done once before any actor starts: checks, data, model, layout, routing plan, output folder.
 
-Everything that needs no cluster is checked first (the model name, ``--max-memory-gib``, the data, the
-model's training output, the layout against the model, a ``--resume`` checkpoint against the run), so
+Everything that needs no cluster is checked first (the settings themselves, also for a ``Config`` made
+in Python; the model name, ``--max-memory-gib``, the data, the model's training output, the
+learning-rate warm-up against the run's length, the layout against the model, a ``--resume``
+checkpoint against the run), so
 that a user's mistake costs no Ray start. Then Ray is connected, the device and ``dp`` are resolved
 against the cluster, and the routing plan (``parallel.layout_plan.make_plan``) is built for the
 resolved mesh. Each resolution makes a new, validated ``Config`` (``dataclasses.replace``); the result
@@ -24,6 +26,7 @@ from rayconv.cluster.tasks import run_on_device
 from rayconv.config import Config
 from rayconv.data.registry import make_source
 from rayconv.data.source import Sharding, Source
+from rayconv.driver.schedule import check_schedule, total_steps
 from rayconv.errors import CheckpointError, ConfigError
 from rayconv.mesh import Mesh
 from rayconv.models import build_model, check_trainable, model_names, run_model
@@ -56,6 +59,7 @@ def setup_run(cfg: Config, log=print) -> Setup:
     Nothing is written. Raises ConfigError / DataError / PlanError / CheckpointError / FileExistsError
     before Ray starts, ClusterError when the cluster cannot be reached."""
     t_start = time.perf_counter()
+    cfg.validate()  # (a Config made in Python: refused here, before Ray starts)
     resume = load_checkpoint(cfg.resume) if cfg.resume else None
     cfg = with_output_folder(cfg, resume)
     out = Path(cfg.out)
@@ -66,7 +70,7 @@ def setup_run(cfg: Config, log=print) -> Setup:
     cfg, mesh, source, plan = prepare(cfg, log, resume)
     sharding = Sharding(source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed)
     return Setup(cfg=cfg, mesh=mesh, plan=plan, source=source, sharding=sharding,
-                 total_steps=cfg.steps or (cfg.epochs or 10) * sharding.steps_per_epoch,
+                 total_steps=total_steps(cfg, sharding.steps_per_epoch),
                  eval_every=cfg.eval_every or sharding.steps_per_epoch, out=out, run_name=new_run_name(out),
                  resume=resume, predicted=predicted, t_start=t_start)
 
@@ -100,6 +104,7 @@ def check_before_ray(cfg: Config, resume: Optional[Checkpoint]) -> tuple[Source,
     if cfg.dp is not None:
         memory_check(cfg)  # --max-memory-gib: refused before Ray starts
     source = make_source(cfg)
+    check_schedule(cfg, Sharding(source.train_size, cfg.global_batch_size, cfg.dp or 1, cfg.seed).steps_per_epoch)
     reference = run_model(cfg, source)
     check_trainable(cfg.model, reference, tuple(source.sample_shape))
     plan = make_plan(cfg, Mesh(cfg.dp or 1, cfg.pp, cfg.fs), reference, source.sample_shape)

@@ -6,7 +6,8 @@ One row per step (``kind="train"``): step, epoch, loss (mean over the global bat
 (global batch / step_ms), input_stall_ms (the step's wait for input not overlapped with compute, the
 largest over the actors that read input) and input_stall_fraction (input_stall_ms / step_ms). One row
 per evaluation (``kind="eval"``): test_loss, test_error, test_accuracy and test_top5_accuracy (null
-below 5 classes) over every held-out sample once.
+below 5 classes) over every held-out sample once, and with ``--model-ema`` ema_test_accuracy (the
+moving average's top-1). ``loss_scale``: the fp16 dynamic loss scale the step ran with (null otherwise).
 ``time_s`` is seconds since training began (for test error against wall-clock time).
 ``metrics.parquet`` is written atomically (temporary file, then rename): a crash never leaves half a file.
 """
@@ -26,22 +27,24 @@ SCHEMA = pa.schema([
     ("lr", pa.float64()), ("images_per_s", pa.float64()), ("step_ms", pa.float64()),
     ("time_s", pa.float64()), ("test_loss", pa.float64()), ("test_error", pa.float64()),
     ("test_accuracy", pa.float64()), ("input_stall_ms", pa.float64()), ("input_stall_fraction", pa.float64()),
-    ("test_top5_accuracy", pa.float64()),
+    ("test_top5_accuracy", pa.float64()), ("ema_test_accuracy", pa.float64()), ("loss_scale", pa.float64()),
 ])
 
 
 def reduce_step(results: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Global loss (mean per sample) and sample count from the actors' step results; the step's own
-    time and input stall (ms), the largest over the actors (None where the actors did not time it)."""
+    time and input stall (ms), the largest over the actors (None where the actors did not time it);
+    the fp16 loss scale (one value, agreed over the mesh; None without one)."""
     results = list(results)
     rep = [r for r in results if r["reports"]]
     samples = sum(r["samples"] for r in rep)
     loss_sum = sum(r["loss_sum"] for r in rep)
     own = [r["step_ms"] for r in results if r.get("step_ms") is not None]
     stall = [r["input_stall_ms"] for r in results if r.get("input_stall_ms") is not None]
+    scale = [r["loss_scale"] for r in results if r.get("loss_scale") is not None]
     return {"loss": loss_sum / max(1, samples), "samples": samples,
             "correct": sum(r["correct"] for r in rep), "step_ms": max(own) if own else None,
-            "input_stall_ms": max(stall) if stall else None}
+            "input_stall_ms": max(stall) if stall else None, "loss_scale": float(scale[0]) if scale else None}
 
 
 class MetricsLog:
