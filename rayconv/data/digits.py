@@ -21,7 +21,8 @@ def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
 
     Read from the file that scikit-learn ships (``sklearn/datasets/data/digits.csv.gz``: 64 pixels and
     the target per row) without importing scikit-learn, whose import takes over a second of CPU in each
-    actor; ``load_digits`` itself where that file is not found. ``tests/unit/test_units.py`` checks both agree."""
+    actor; ``load_digits`` itself where that file is not found. ``tests/unit/test_light_imports.py``
+    checks both agree."""
     spec = importlib.util.find_spec("sklearn")
     folders = list(spec.submodule_search_locations or []) if spec is not None else []
     path = Path(folders[0]) / "datasets" / "data" / "digits.csv.gz" if folders else None

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rayconv.errors import DataError
 
-# torchvision's ImageFolder suffixes (torchvision.datasets.folder.IMG_EXTENSIONS; tests/unit/test_units.py
+# torchvision's ImageFolder suffixes (torchvision.datasets.folder.IMG_EXTENSIONS; tests/unit/test_light_imports.py
 # checks they are the same). Written out so that importing this module does not import torchvision.
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 SPLITS = {"train": "train", "test": "val"}   # Source's split name -> the folder's

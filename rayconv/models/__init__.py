@@ -153,7 +153,7 @@ def to_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ``classifier`` (AlexNet, VGG, MobileNet, EfficientNet, ...); ResNets (stem, blocks, pool, fc).
     Any other model is one unsplittable layer: it trains data parallel but cannot be cut or split.
     The equality of ``run_layers`` on the flat view and ``model(x)`` is checked in
-    tests/unit/test_units.py (``test_flat_layers_compute_the_model``).
+    tests/unit/test_models.py (``test_flat_layers_compute_the_model``).
     """
     if isinstance(model, nn.Sequential):
         return [(n, m) for n, m in model.named_children()]

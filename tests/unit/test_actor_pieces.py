@@ -1,0 +1,45 @@
+"""Pieces of the actor without Ray: the CUDA-graph step's SGD update equals torch.optim.SGD's; Ray GPU ids
+map to torch device indices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from rayconv.actor.cuda_graph import sgd_step
+from rayconv.actor.worker import visible_index
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_capturable_sgd_equals_torch_sgd(dtype):
+    """The update a CUDA graph step replays (learning rate read from a device tensor) is torch.optim.SGD's,
+    over several steps with momentum, weight decay and a changing learning rate."""
+    torch.manual_seed(0)
+    ref = [nn.Parameter(torch.randn(5, 3, dtype=dtype)), nn.Parameter(torch.randn(3, dtype=dtype))]
+    mine = [nn.Parameter(p.detach().clone()) for p in ref]
+    opt_ref = torch.optim.SGD(ref, lr=0.1, momentum=0.9, weight_decay=5e-4)
+    opt_mine = torch.optim.SGD(mine, lr=0.1, momentum=0.9, weight_decay=5e-4)
+    lr_t = {dtype: torch.tensor(0.0, dtype=dtype)}
+    for step, lr in enumerate([0.1, 0.05, 0.02, 0.07]):
+        grads = [torch.randn_like(p) for p in ref]
+        for p, q, g in zip(ref, mine, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt_ref.param_groups[0]["lr"] = lr
+        opt_ref.step()
+        lr_t[dtype].fill_(lr)
+        sgd_step(opt_mine, lr_t)
+        for p, q in zip(ref, mine):
+            torch.testing.assert_close(q, p, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-14)
+            assert torch.equal(opt_mine.state[q]["momentum_buffer"], opt_ref.state[p]["momentum_buffer"])
+    # Its state is torch.optim.SGD's: a checkpoint of one loads into the other.
+    opt_ref.load_state_dict(opt_mine.state_dict())
+    with pytest.raises(ValueError, match="plain SGD"):
+        sgd_step(torch.optim.SGD(mine, lr=0.1, momentum=0.9, nesterov=True), lr_t)
+
+
+def test_visible_index_maps_ray_gpu_ids_to_torch_indices():
+    assert visible_index("3", "") == 3                 # every GPU visible: ids are indices
+    assert visible_index("3", "2,3") == 1              # node started with CUDA_VISIBLE_DEVICES=2,3
+    assert visible_index(2, " 2 , 3") == 0
+    assert visible_index("GPU-abc", "GPU-xyz,GPU-abc") == 1  # UUIDs as ids
