@@ -31,7 +31,8 @@ bench goes on with the next layout. Rows are written after each layout.
 ``--sweep batch`` measures images/s and peak memory over per-device batch sizes 16..1024 (until one
 does not fit); ``--sweep memory`` keeps doubling the batch until it does not fit (the largest
 trainable batch per layout, to within a factor of 2); ``--curve`` trains each layout on the real
-digits data and plots test error against wall-clock time (the paper's Figure 1) (``bench.sweeps``).
+digits data and plots test error against wall-clock time (the paper's Figure 1) (``bench.sweeps``);
+with ``--target-accuracy A`` each curve run's time to test accuracy A goes into ``bench.parquet``.
 Layout names are ``rayconv.layout``'s: ``1gpu``, ``dp2``, ``fs2``, ``pp2`` (``pp2m4`` fixes 4
 micro-batches; plain ``pp2`` tries 2, 4 and 8 and keeps the fastest; ``pp2m4v2`` interleaves 2 model
 chunks per stage), ``fs2c4`` (filter split with each gather in 4 overlapped batch pieces,
@@ -128,6 +129,9 @@ def _add_modes(p: argparse.ArgumentParser) -> None:
                    help="largest per-device batch of --sweep batch (default %(default)s; --sweep memory: 65536)")
     p.add_argument("--curve", action="store_true", help="test error vs wall-clock time on digits")
     p.add_argument("--curve-epochs", type=int, default=5, help="epochs of each --curve run (default %(default)s)")
+    p.add_argument("--target-accuracy", type=float, default=None, metavar="A",
+                   help="with --curve: each run also records the time to the first test top-1 accuracy >= A, in "
+                        "(0, 1] (rayconv.run's --target-accuracy), one row a run in bench.parquet (default: none)")
     p.add_argument("--out", default="benchmarks/latest", help="folder for the results (default %(default)s)")
 
 
@@ -159,6 +163,11 @@ def check(args) -> None:
     if limit is not None and not 0 < limit <= MAX_CALL_TIMEOUT_S:  # (also refuses nan and inf)
         raise ConfigError(f"--call-timeout-s {limit:g}: give a positive number of seconds up to "
                           f"{MAX_CALL_TIMEOUT_S:g} (or leave it out for the default, 630)")
+    if args.target_accuracy is not None:
+        if not args.curve:
+            raise ConfigError("--target-accuracy times training runs: add --curve (the layout table and sweeps "
+                              "measure throughput only)")
+        Config(target_accuracy=args.target_accuracy).validate()  # (in (0, 1], refused as rayconv.run does)
     if args.data != "synthetic":
         make_source(Config(data=args.data, data_dir=args.data_dir, loader_workers=args.loader_workers,
                            decode=args.decode, image_size=args.image_size, device=args.device).validate())

@@ -154,19 +154,24 @@ def sweep_batch(args, until_largest: bool) -> list[dict[str, Any]]:
 def training_curve(args) -> list[dict[str, Any]]:
     """Test error against wall-clock time for each layout on the real digits data (Figure 1); with
     ``--global-batch-size`` given, for each of its batch sizes (RQ4's convergence against batch).
-    Writes ``curve.parquet`` and ``curve.png``; each run's own folder is ``curve-<layout>[-B<batch>]``."""
+    Writes ``curve.parquet`` and ``curve.png``; each run's own folder is ``curve-<layout>[-B<batch>]``.
+    With ``--target-accuracy A`` each run also times the first evaluation reaching A, one bench row a
+    run (``bench.parquet``, ``bench.md``: ``target_row``)."""
     out = Path(args.out)
-    rows = []
+    rows, bench_rows = [], []
     for gb, name in [(b, name) for b in args.curve_batches for name in args.layouts.split(",")]:
         label = name if gb is None else f"{name} B={gb}"
         cfg = Config(**{**dict(model="convnet", data="digits", epochs=args.curve_epochs, device=args.device,
                                address=args.address, progress=False, eval_every=5, compile=args.compile,
-                               cuda_graphs=args.cuda_graphs,
+                               cuda_graphs=args.cuda_graphs, target_accuracy=args.target_accuracy,
                                out=str(out / f"curve-{name}" if gb is None else out / f"curve-{name}-B{gb}")),
                         **({} if gb is None else {"global_batch_size": gb}),
                         **Layout.parse(name).to_config_fields()}).validate()
         shutil.rmtree(cfg.out, ignore_errors=True)
-        fit(cfg, log=lambda *_: None)
+        summary = fit(cfg, log=lambda *_: None)
+        if args.target_accuracy is not None:
+            bench_rows.append(target_row(name, cfg, summary))
+            write_table(bench_rows, out)
         table = pq.read_table(Path(cfg.out) / "metrics.parquet").to_pylist()
         evals = [{"layout": name, "global_batch_size": cfg.global_batch_size, "label": label, "time_s": r["time_s"],
                   "step": r["step"], "test_error": r["test_error"]} for r in table if r["kind"] == "eval"]
@@ -179,4 +184,17 @@ def training_curve(args) -> list[dict[str, Any]]:
     return rows
 
 
-__all__ = ["main_bench", "sweep_batch", "training_curve", "ratio", "PP_MICROBATCH_TRIES"]
+def target_row(name: str, cfg: Config, summary: dict[str, Any]) -> dict[str, Any]:
+    """A bench row (``BENCH_SCHEMA``) of one ``fit`` run with a target: its images/s, test accuracy and
+    time to ``cfg.target_accuracy`` (``note`` says when it was not reached)."""
+    reached = summary["time_to_target_s"] is not None
+    return {"model": cfg.model, "layout": name, "global_batch_size": cfg.global_batch_size,
+            "image_size": cfg.data_image_size, "data": cfg.data, "world_size": summary["layout"]["world_size"],
+            "images_per_s": summary["images_per_s"], "test_accuracy": summary["test_accuracy"],
+            **{k: summary[k] for k in ("target_accuracy", "time_to_target_s", "time_to_target_train_s",
+                                       "first_steps_s")},
+            "note": "" if reached else f"test accuracy {summary['test_accuracy']:.4f} never reached "
+                                       f"{cfg.target_accuracy:g} in {summary['steps']} steps"}
+
+
+__all__ = ["main_bench", "sweep_batch", "training_curve", "target_row", "ratio", "PP_MICROBATCH_TRIES"]

@@ -30,6 +30,10 @@ BENCH_SCHEMA = pa.schema([
     ("speedup_vs_1", _F), ("plain_pytorch_images_per_s", _F), ("plain_pytorch_config", _S),
     ("plain_pytorch_candidates", _S), ("vs_plain_pytorch", _F), ("torchrun_ddp_images_per_s", _F),
     ("torchrun_ddp_config", _S), ("torchrun_ddp_candidates", _S), ("vs_torchrun_ddp", _F),
+    # --curve --target-accuracy A: the run's test accuracy, and the time to A (driver.target; null when
+    # not reached), with the first two steps' wall time (compilation, CUDA-graph capture) apart.
+    ("test_accuracy", _F), ("target_accuracy", _F), ("time_to_target_s", _F), ("time_to_target_train_s", _F),
+    ("first_steps_s", _F),
 ])
 
 # bench.md's columns
