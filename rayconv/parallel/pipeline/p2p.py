@@ -60,74 +60,102 @@ def _plans(schedule: Schedule) -> tuple[tuple[tuple[Post, ...], ...], ...]:
     several stages split into one batch per stage (sends first) and mirrored again. What cannot be
     mended so (messages in another order, a deadlock of single-peer batches) is left for
     ``check_exchanges`` to name."""
-    P = schedule.num_stages
-    msgs = [[_messages(schedule, s, a) for a in prog] for s, prog in enumerate(schedule.programs)]
-    plans = [[[p] if p.sends or p.recvs else [] for p in _round_plan(schedule, s)] for s in range(P)]
-
-    def peer(s: int, msg: tuple) -> int:
-        return msg[3] if msg[2] == s else msg[2]
-
-    def ops(s: int, post: Post) -> list[tuple[str, int, tuple]]:
-        return [("send", j, msgs[s][j][1]) for j in post.sends] + [("recv", j, msgs[s][j][0]) for j in post.recvs]
-
-    def make(part: list[tuple[str, int, tuple]]) -> Post:
-        return Post(tuple(j for kind, j, _ in part if kind == "send"), tuple(j for kind, j, _ in part if kind == "recv"))
-
-    def projection(s: int, q: int) -> list[tuple[int, int, frozenset]]:
-        return [(i, b, x) for i, posts in enumerate(plans[s]) for b, post in enumerate(posts)
-                if (x := frozenset(m for _, _, m in ops(s, post) if peer(s, m) == q))]
-
-    def split(s: int, i: int, b: int, q: int, first: frozenset) -> None:
-        """Batch b before action i of stage s in two: its operations with q in ``first`` (and those
-        with other stages), then its other operations with q."""
-        o = ops(s, plans[s][i][b])
-        head = [op for op in o if peer(s, op[2]) != q or op[2] in first]
-        plans[s][i][b:b + 1] = [make(head), make([op for op in o if op not in head])]
-
-    pairs = sorted({tuple(sorted((s, peer(s, m)))) for s in range(P) for r, t in msgs[s] for m in (r, t) if m})
-
-    def mirror() -> None:
-        changed = True
-        while changed:
-            changed = False
-            for a, q in pairs:
-                for (ia, ba, x), (iq, bq, y) in zip(projection(a, q), projection(q, a)):
-                    if x == y:
-                        continue
-                    common = x & y
-                    if common:  # else messages in another order: check_exchanges names it
-                        if x - common:
-                            split(a, ia, ba, q, common)
-                        if y - common:
-                            split(q, iq, bq, a, common)
-                        changed = True
-                    break
-                if changed:
-                    break
-
-    def frozen() -> tuple[tuple[tuple[Post, ...], ...], ...]:
-        return tuple(tuple(tuple(posts) for posts in plan) for plan in plans)
-
-    mirror()
+    plans = _Plans(schedule)
+    plans.mirror()
     while True:
-        events = _events(schedule, frozen())
+        events = _events(schedule, plans.frozen())
         try:
             stuck = _replay(events, _counterparts(schedule, events))
         except ScheduleError:
             break
+        if not plans.split_by_peer(events, stuck):
+            break
+        plans.mirror()
+    return plans.frozen()
+
+
+_Op = tuple[str, int, tuple]  # ("send" or "recv", index of the action in the stage's program, message)
+
+
+class _Plans:
+    """The stages' batches while ``_plans`` splits them: ``plans[s][i]`` is the list of batches stage ``s``
+    posts before action ``i``, starting from ``_round_plan`` (an empty round is no batch)."""
+
+    def __init__(self, schedule: Schedule):
+        P = schedule.num_stages
+        self.msgs = [[_messages(schedule, s, a) for a in prog] for s, prog in enumerate(schedule.programs)]
+        self.plans = [[[p] if p.sends or p.recvs else [] for p in _round_plan(schedule, s)] for s in range(P)]
+        # Every pair of stages (lower first) that exchanges a message.
+        self.pairs = sorted({tuple(sorted((s, self.peer(s, m))))
+                             for s in range(P) for r, t in self.msgs[s] for m in (r, t) if m})
+
+    @staticmethod
+    def peer(s: int, msg: tuple) -> int:
+        """The stage at the other end of ``msg`` from stage ``s``."""
+        return msg[3] if msg[2] == s else msg[2]
+
+    def ops(self, s: int, post: Post) -> list[_Op]:
+        """The operations of batch ``post`` of stage ``s``: its sends, then its receives."""
+        return ([("send", j, self.msgs[s][j][1]) for j in post.sends]
+                + [("recv", j, self.msgs[s][j][0]) for j in post.recvs])
+
+    @staticmethod
+    def make(part: list[_Op]) -> Post:
+        """The batch of operations ``part``."""
+        return Post(tuple(j for kind, j, _ in part if kind == "send"), tuple(j for kind, j, _ in part if kind == "recv"))
+
+    def projection(self, s: int, q: int) -> list[tuple[int, int, frozenset]]:
+        """Stage ``s``'s batches that talk to ``q``, in posting order: (action index, batch index, the
+        messages with ``q``)."""
+        return [(i, b, x) for i, posts in enumerate(self.plans[s]) for b, post in enumerate(posts)
+                if (x := frozenset(m for _, _, m in self.ops(s, post) if self.peer(s, m) == q))]
+
+    def split(self, s: int, i: int, b: int, q: int, first: frozenset) -> None:
+        """Batch b before action i of stage s in two: its operations with q in ``first`` (and those
+        with other stages), then its other operations with q."""
+        o = self.ops(s, self.plans[s][i][b])
+        head = [op for op in o if self.peer(s, op[2]) != q or op[2] in first]
+        self.plans[s][i][b:b + 1] = [self.make(head), self.make([op for op in o if op not in head])]
+
+    def mirror(self) -> None:
+        """Split batches until, for every pair of stages, the k-th batch of each that talks to the other
+        holds the same messages, or the first pair that differs shares none (another order)."""
+        while self._mirror_once():
+            pass
+
+    def _mirror_once(self) -> bool:
+        """Mend the first pair of batches that does not mirror; whether one was split."""
+        for a, q in self.pairs:
+            for (ia, ba, x), (iq, bq, y) in zip(self.projection(a, q), self.projection(q, a)):
+                if x == y:
+                    continue
+                common = x & y
+                if not common:  # messages in another order: check_exchanges names it
+                    break
+                if x - common:
+                    self.split(a, ia, ba, q, common)
+                if y - common:
+                    self.split(q, iq, bq, a, common)
+                return True
+        return False
+
+    def split_by_peer(self, events: list, stuck: list[tuple[int, int]]) -> bool:
+        """Split each stuck batch that talks to several stages into one batch per stage, the stages it
+        sends to first; whether any was split."""
         mended = False
         for s, j in stuck:
             _, _, i, b = events[s][j]
-            o = ops(s, plans[s][i][b])
-            peers = sorted({peer(s, m) for _, _, m in o},
-                           key=lambda q: min(0 if kind == "send" else 1 for kind, _, m in o if peer(s, m) == q))
+            o = self.ops(s, self.plans[s][i][b])
+            peers = sorted({self.peer(s, m) for _, _, m in o},
+                           key=lambda q: min(0 if kind == "send" else 1 for kind, _, m in o if self.peer(s, m) == q))
             if len(peers) > 1:
-                plans[s][i][b:b + 1] = [make([op for op in o if peer(s, op[2]) == q]) for q in peers]
+                self.plans[s][i][b:b + 1] = [self.make([op for op in o if self.peer(s, op[2]) == q]) for q in peers]
                 mended = True
-        if not mended:
-            break
-        mirror()
-    return frozen()
+        return mended
+
+    def frozen(self) -> tuple[tuple[tuple[Post, ...], ...], ...]:
+        """The plans as nested tuples (what ``_events`` reads and ``_plans`` returns)."""
+        return tuple(tuple(tuple(posts) for posts in plan) for plan in self.plans)
 
 
 def _round_plan(schedule: Schedule, stage: int) -> list[Post]:
@@ -137,75 +165,103 @@ def _round_plan(schedule: Schedule, stage: int) -> list[Post]:
     if schedule.num_chunks == 1 or not schedule.training:
         return [Post((i - 1,) if i > 0 and msgs[i - 1][1] is not None else (),
                      (i,) if i < len(prog) and msgs[i][0] is not None else ()) for i in range(len(prog) + 1)]
-    P, M, V = schedule.num_stages, schedule.num_microbatches, schedule.num_chunks
-    total = M * V
-    first, last = stage == 0, stage == P - 1
+    return _InterleavedRounds(schedule, stage, msgs).posts()
 
-    def chunk(k: int, forward: bool) -> int:
-        return _interleaved_chunk(k, P, V, forward)
 
-    # The actions of each chunk that receive their input, in program order (consumed first in, first out).
-    queue = {(kind, c): [i for i, a in enumerate(prog) if a.kind == kind and a.chunk == c and msgs[i][0]]
-             for kind in (FORWARD, BACKWARD) for c in range(V)}
+class _InterleavedRounds:
+    """Interleaved 1F1B's rounds on one stage, as Megatron-LM's
+    ``forward_backward_pipelining_with_interleaving`` exchanges: after each warm-up forward, after each
+    steady-state forward-backward pair, after each cool-down backward. ``sends[i]``/``recvs[i]`` collect
+    the batch posted before action ``i``."""
 
-    def take(kind: str, c: int) -> tuple[int, ...]:
-        return (queue[(kind, c)].pop(0),)
+    def __init__(self, schedule: Schedule, stage: int, msgs: list[tuple]):
+        self.schedule, self.stage, self.msgs = schedule, stage, msgs
+        self.prog = prog = schedule.programs[stage]
+        self.P, self.M, self.V = P, M, V = schedule.num_stages, schedule.num_microbatches, schedule.num_chunks
+        self.total = M * V
+        self.first, self.last = stage == 0, stage == P - 1
+        # The actions of each chunk that receive their input, in program order (consumed first in, first out).
+        self.queue = {(kind, c): [i for i, a in enumerate(prog) if a.kind == kind and a.chunk == c and msgs[i][0]]
+                      for kind in (FORWARD, BACKWARD) for c in range(V)}
+        self.sends: list[list[int]] = [[] for _ in range(len(prog) + 1)]
+        self.recvs: list[list[int]] = [[] for _ in range(len(prog) + 1)]
+        self.all_warmup = M == P
+        self.warmup = _interleaved_warmup(P, M, V, stage)
+        self.remaining = self.total - self.warmup
 
-    sends: list[list[int]] = [[] for _ in range(len(prog) + 1)]
-    recvs: list[list[int]] = [[] for _ in range(len(prog) + 1)]
-    all_warmup = M == P
-    warmup = _interleaved_warmup(P, M, V, stage)
-    remaining = total - warmup
+    def chunk(self, k: int, forward: bool) -> int:
+        """The model chunk of the stage's k-th forward (or backward)."""
+        return _interleaved_chunk(k, self.P, self.V, forward)
 
-    def out(i: int) -> list[int]:
-        return [i] if msgs[i][1] is not None else []
+    def take(self, kind: str, c: int) -> tuple[int, ...]:
+        """The next action of chunk ``c`` of ``kind`` that receives its input."""
+        return (self.queue[(kind, c)].pop(0),)
 
-    if not first:
-        recvs[0] += take(FORWARD, 0)
-    for k in range(warmup):  # after warm-up forward k (program index k)
-        at = k + 1
-        sends[at] += out(k)
-        if k + 1 < total and not (first and chunk(k + 1, True) == 0):
-            recvs[at] += take(FORWARD, chunk(k + 1, True))
-        if k == warmup - 1 and not all_warmup and not last:
-            recvs[at] += take(BACKWARD, V - 1)
-    for k in range(remaining):  # after steady pair k: forward warmup + k, backward k
-        f_i, b_i = warmup + 2 * k, warmup + 2 * k + 1
-        at = b_i + 1
-        sends[at] += out(f_i) + out(b_i)
-        fk = warmup + k
-        recv_prev = k < remaining - 1
-        if first:
-            nfc = chunk(fk - (P - 1), True)
-            recv_prev = recv_prev and nfc != V - 1
-            nfc += 1
-        else:
-            nfc = chunk(fk + 1, True)
-        recv_next = True
-        if last:
-            nbc = chunk(k - (P - 1), False)
-            recv_next = nbc != 0
-            nbc -= 1
-        else:
-            nbc = chunk(k + 1, False)
-        if recv_prev:
-            recvs[at] += take(FORWARD, nfc)
-        if recv_next:
-            recvs[at] += take(BACKWARD, nbc)
-    cool0 = warmup + 2 * remaining
-    if all_warmup and not last:
-        recvs[cool0] += take(BACKWARD, V - 1)
-    for k in range(remaining, total):  # after cool-down backward k
-        i = cool0 + (k - remaining)
-        sends[i + 1] += out(i)
-        nbc = chunk(k + 1, False)
-        if k < total - 1 and not (last and nbc == V - 1):
-            recvs[i + 1] += take(BACKWARD, nbc)
-    left = [i for q in queue.values() for i in q]
-    if left:
-        raise ScheduleError(f"schedule {schedule.name!r}: stage {stage} never receives the input of "
-                            f"{', '.join(str(prog[i]) for i in sorted(left))}")
-    return [Post(tuple(sends[i]), tuple(recvs[i])) for i in range(len(prog) + 1)]
+    def out(self, i: int) -> list[int]:
+        """Action ``i`` if it sends its output, else nothing."""
+        return [i] if self.msgs[i][1] is not None else []
+
+    def posts(self) -> list[Post]:
+        """The rounds, one batch (maybe empty) per action and one after.
+
+        Raises:
+            ScheduleError: if an action that needs an input is never given a receive."""
+        if not self.first:
+            self.recvs[0] += self.take(FORWARD, 0)
+        self._warmup_rounds()
+        self._steady_rounds()
+        self._cooldown_rounds()
+        left = [i for q in self.queue.values() for i in q]
+        if left:
+            raise ScheduleError(f"schedule {self.schedule.name!r}: stage {self.stage} never receives the input of "
+                                f"{', '.join(str(self.prog[i]) for i in sorted(left))}")
+        return [Post(tuple(self.sends[i]), tuple(self.recvs[i])) for i in range(len(self.prog) + 1)]
+
+    def _warmup_rounds(self) -> None:
+        for k in range(self.warmup):  # after warm-up forward k (program index k)
+            at = k + 1
+            self.sends[at] += self.out(k)
+            if k + 1 < self.total and not (self.first and self.chunk(k + 1, True) == 0):
+                self.recvs[at] += self.take(FORWARD, self.chunk(k + 1, True))
+            if k == self.warmup - 1 and not self.all_warmup and not self.last:
+                self.recvs[at] += self.take(BACKWARD, self.V - 1)
+
+    def _steady_rounds(self) -> None:
+        P, V, warmup, remaining = self.P, self.V, self.warmup, self.remaining
+        for k in range(remaining):  # after steady pair k: forward warmup + k, backward k
+            f_i, b_i = warmup + 2 * k, warmup + 2 * k + 1
+            at = b_i + 1
+            self.sends[at] += self.out(f_i) + self.out(b_i)
+            fk = warmup + k
+            recv_prev = k < remaining - 1
+            if self.first:
+                nfc = self.chunk(fk - (P - 1), True)
+                recv_prev = recv_prev and nfc != V - 1
+                nfc += 1
+            else:
+                nfc = self.chunk(fk + 1, True)
+            recv_next = True
+            if self.last:
+                nbc = self.chunk(k - (P - 1), False)
+                recv_next = nbc != 0
+                nbc -= 1
+            else:
+                nbc = self.chunk(k + 1, False)
+            if recv_prev:
+                self.recvs[at] += self.take(FORWARD, nfc)
+            if recv_next:
+                self.recvs[at] += self.take(BACKWARD, nbc)
+
+    def _cooldown_rounds(self) -> None:
+        cool0 = self.warmup + 2 * self.remaining
+        if self.all_warmup and not self.last:
+            self.recvs[cool0] += self.take(BACKWARD, self.V - 1)
+        for k in range(self.remaining, self.total):  # after cool-down backward k
+            i = cool0 + (k - self.remaining)
+            self.sends[i + 1] += self.out(i)
+            nbc = self.chunk(k + 1, False)
+            if k < self.total - 1 and not (self.last and nbc == self.V - 1):
+                self.recvs[i + 1] += self.take(BACKWARD, nbc)
 
 
 def check_exchanges(schedule: Schedule, paired: bool = True) -> None:
