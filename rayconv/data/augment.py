@@ -1,14 +1,20 @@
-"""Batched augmentation and normalisation on NCHW uint8 image tensors, for data held on the device:
-one gather kernel per batch for the crop and flip, no per-image Python loop or kernel launch.
+"""Batched augmentation and normalisation on NCHW image tensors, for data held on the device: one
+gather (pad-crop) or one ``grid_sample`` (resized crop) kernel per batch, no per-image Python loop or
+kernel launch. Each sample's parameters are given by the caller, so that they can be drawn per sample
+from (seed, epoch, index) alone (``*_params`` draw them for n samples at once from a generator).
 
 ``random_crop_flip`` is torchvision's ``RandomCrop(size, padding=pad)`` (zero padding) followed by
-``RandomHorizontalFlip``, with each sample's offsets and flip given by the caller, so that they can be
-drawn per sample from (seed, epoch, index) alone; ``normalize`` is ``ToDtype(float32, scale=True)``
-followed by ``Normalize(mean, std)``; ``resize`` is ``Resize`` with antialiasing.
+``RandomHorizontalFlip``; ``resized_crop_params`` + ``resized_crop_flip`` are ``RandomResizedCrop(S,
+scale=(0.08, 1), ratio=(3/4, 4/3))`` (Szegedy et al. 2015, section 6) + flip, the crop resampled
+bilinearly without antialiasing (the crops of an S x S image are never larger than S: upsampling);
+``erase_params`` + ``erase`` are ``RandomErasing(p, value=0)`` (Zhong et al. 2020) on normalised
+images; ``normalize`` is ``ToDtype(float32, scale=True)`` followed by ``Normalize(mean, std)``;
+``resize`` is ``Resize`` with antialiasing.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence, Union
 
 import torch
@@ -36,6 +42,92 @@ def random_crop_flip(x: torch.Tensor, pad: int, offsets: torch.Tensor, flips: to
     batch = torch.arange(n, device=x.device)[:, None, None, None]
     chan = torch.arange(c, device=x.device)[None, :, None, None]
     return xp[batch, chan, rows[:, None, :, None], cols[:, None, None, :]]    # (N, C, H, W)
+
+
+def _boxes(n: int, height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float],
+           generator: torch.Generator, tries: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tries`` candidate boxes per sample, drawn as torchvision's ``RandomResizedCrop.get_params`` and
+    ``RandomErasing.get_params`` draw theirs: area ``U(scale) * H * W``, aspect ``exp(U(log ratio))``,
+    sides rounded. Returns (heights, widths), each (n, tries) int64; ``u`` for the position is drawn by
+    the caller."""
+    area = torch.rand(n, tries, generator=generator, dtype=torch.float64) * (scale[1] - scale[0]) + scale[0]
+    log_r = torch.rand(n, tries, generator=generator, dtype=torch.float64) * math.log(ratio[1] / ratio[0]) \
+        + math.log(ratio[0])
+    area, aspect = area * height * width, torch.exp(log_r)
+    return torch.sqrt(area / aspect).round().long(), torch.sqrt(area * aspect).round().long()
+
+
+def _first_fit(ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index of the first True per row, whether any row entry is True) of ``ok`` (n, tries) bool."""
+    first = torch.argmax(ok.to(torch.int8), dim=1)
+    return first, ok.any(1)
+
+
+def resized_crop_params(n: int, height: int, width: int, generator: torch.Generator,
+                        scale: tuple[float, float] = (0.08, 1.0),
+                        ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(boxes (n, 4) int64 = top, left, crop height, crop width; flips (n,) bool) of n samples of a
+    ``height`` x ``width`` image, as ``RandomResizedCrop.get_params``: ten tries per sample, the first
+    box that fits, else the whole image clamped to the ratio range and centred. On the CPU."""
+    h, w = _boxes(n, height, width, scale, ratio, generator)
+    u = torch.rand(n, 10, 2, generator=generator, dtype=torch.float64)
+    first, fits = _first_fit((h > 0) & (h <= height) & (w > 0) & (w <= width))
+    rows = torch.arange(n)
+    h, w, u = h[rows, first], w[rows, first], u[rows, first]
+    in_ratio = width / height
+    fh, fw = (round(width / ratio[0]), width) if in_ratio < ratio[0] else \
+        (height, round(height * ratio[1])) if in_ratio > ratio[1] else (height, width)
+    h, w = torch.where(fits, h, fh), torch.where(fits, w, fw)
+    top = torch.where(fits, (u[:, 0] * (height - h + 1)).long(), (height - h) // 2)
+    left = torch.where(fits, (u[:, 1] * (width - w + 1)).long(), (width - w) // 2)
+    flips = torch.rand(n, generator=generator) < 0.5
+    return torch.stack([top, left, h, w], 1), flips
+
+
+def resized_crop_flip(x: torch.Tensor, boxes: torch.Tensor, flips: torch.Tensor) -> torch.Tensor:
+    """x (N, C, H, W) uint8 -> (N, C, H, W) uint8: sample ``i``'s box ``boxes[i]`` = (top, left, h, w)
+    resampled to H x W (bilinear, pixel centres as ``F.interpolate(align_corners=False)``, edges
+    clamped), mirrored left-right where ``flips[i]``; one ``grid_sample`` for the batch. ``boxes`` (N, 4)
+    and ``flips`` (N,) on x's device."""
+    n, _, height, width = x.shape
+    b = boxes.to(torch.float32)
+    sx, sy = b[:, 3] / width, b[:, 2] / height
+    theta = torch.zeros(n, 2, 3, device=x.device)
+    theta[:, 0, 0] = torch.where(flips, -sx, sx)
+    theta[:, 0, 2] = (2 * b[:, 1] + b[:, 3]) / width - 1      # the crop's centre, normalised
+    theta[:, 1, 1] = sy
+    theta[:, 1, 2] = (2 * b[:, 0] + b[:, 2]) / height - 1
+    grid = F.affine_grid(theta, [n, 1, height, width], align_corners=False)
+    out = F.grid_sample(x.to(torch.float32), grid, mode="bilinear", padding_mode="border", align_corners=False)
+    return out.round_().clamp_(0, 255).to(x.dtype)
+
+
+def erase_params(n: int, height: int, width: int, p: float, generator: torch.Generator,
+                 scale: tuple[float, float] = (0.02, 0.33),
+                 ratio: tuple[float, float] = (0.3, 3.3)) -> torch.Tensor:
+    """boxes (n, 4) int64 = top, left, height, width of each sample's erased rectangle (height 0: none),
+    as ``RandomErasing(p, scale, ratio).get_params``: erased with probability ``p``, ten tries for a
+    box strictly inside the image, none if no try fits. On the CPU."""
+    on = torch.rand(n, generator=generator, dtype=torch.float64) < p
+    h, w = _boxes(n, height, width, scale, ratio, generator)
+    u = torch.rand(n, 10, 2, generator=generator, dtype=torch.float64)
+    first, fits = _first_fit((h < height) & (w < width))
+    rows = torch.arange(n)
+    h, w, u = h[rows, first], w[rows, first], u[rows, first]
+    keep = on & fits
+    top, left = (u[:, 0] * (height - h + 1)).long(), (u[:, 1] * (width - w + 1)).long()
+    return torch.where(keep[:, None], torch.stack([top, left, h, w], 1), 0)
+
+
+def erase(x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    """x (N, C, H, W) with sample ``i``'s rectangle ``boxes[i]`` = (top, left, h, w) set to 0 in every
+    channel (h = 0: unchanged); a new tensor. ``boxes`` (N, 4) on x's device."""
+    _, _, height, width = x.shape
+    r = torch.arange(height, device=x.device)
+    c = torch.arange(width, device=x.device)
+    in_r = (r >= boxes[:, :1]) & (r < boxes[:, :1] + boxes[:, 2:3])           # (N, H)
+    in_c = (c >= boxes[:, 1:2]) & (c < boxes[:, 1:2] + boxes[:, 3:4])         # (N, W)
+    return x.masked_fill((in_r[:, :, None] & in_c[:, None, :])[:, None], 0)
 
 
 def normalize(x: torch.Tensor, mean: Union[Sequence[float], torch.Tensor], std: Union[Sequence[float], torch.Tensor],

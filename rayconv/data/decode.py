@@ -1,8 +1,10 @@
 """JPEG decode and augmentation for prepared shards, on the CPU (libjpeg-turbo) or the GPU (nvJPEG).
 
-Training: RandomResizedCrop (scale 0.08-1, aspect ratio 3/4-4/3, ten tries then a center crop, as
-torchvision's; Szegedy et al. 2015, "Going deeper with convolutions", section 6) to S x S, then a
-horizontal flip with probability 1/2. Evaluation: the shorter side resized to S * 8 / 7, then a
+Training (``--augment``): ``resized-crop``: RandomResizedCrop (scale 0.08-1, aspect ratio 3/4-4/3, ten
+tries then a center crop, as torchvision's; Szegedy et al. 2015, "Going deeper with convolutions",
+section 6) to S x S, then a horizontal flip with probability 1/2; ``pad-crop``: the evaluation's
+center crop, zero-padded by ``on_device.pad_for(S)``, randomly cropped back and flipped; ``none``:
+the evaluation's center crop. Evaluation: the shorter side resized to S * 8 / 7, then a
 center S x S crop. Both end with ImageNet's mean/std normalisation.
 
 Exactness: a training sample's crop box and flip are drawn from a generator seeded only by
@@ -21,6 +23,9 @@ import random
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as TF
+
+from rayconv.data.on_device import pad_for
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
@@ -53,6 +58,23 @@ def crop_params(height: int, width: int, seed: int, scale=(0.08, 1.0),
     return (height - h) // 2, (width - w) // 2, h, w, rng.random() < 0.5
 
 
+def pad_crop_params(size: int, seed: int) -> tuple[int, int, bool]:
+    """(row, column of the crop in the padded image, flip) of one pad-crop training sample of an S x S
+    center crop (``size`` = S); depends only on the two arguments."""
+    rng = random.Random(seed)
+    pad = pad_for(size)
+    return rng.randint(0, 2 * pad), rng.randint(0, 2 * pad), rng.random() < 0.5
+
+
+def pad_crop(image: torch.Tensor, params: tuple[int, int, bool], size: int) -> torch.Tensor:
+    """One pad-crop training sample: uint8 (3, H, W) -> uint8 (3, size, size): ``center``, zero-padded
+    by ``pad_for(size)``, cropped at ``params`` (from ``pad_crop_params``) and flipped as they say."""
+    pad = pad_for(size)
+    top, left, flip = params
+    out = TF.pad(center(image, size), (pad, pad, pad, pad))[:, top:top + size, left:left + size]
+    return out.flip(-1) if flip else out
+
+
 def augment(image: torch.Tensor, params: tuple[int, int, int, int, bool], size: int) -> torch.Tensor:
     """One training sample: uint8 (3, H, W) -> uint8 (3, size, size), cropped, resized (bilinear,
     antialiased) and flipped as ``params`` (from ``crop_params``) say. On the image's device."""
@@ -82,12 +104,15 @@ def decode(jpegs: Sequence[torch.Tensor], device: torch.device) -> list[torch.Te
     return [decode_jpeg(j, mode=ImageReadMode.RGB) for j in jpegs]
 
 
-def transform(images: Sequence[torch.Tensor], size: int, params: Optional[Sequence[tuple]] = None) -> torch.Tensor:
-    """Decoded images -> uint8 (B, 3, size, size): ``augment`` with each sample's ``params`` (training),
-    or ``center`` when ``params`` is None (evaluation)."""
+def transform(images: Sequence[torch.Tensor], size: int, params: Optional[Sequence[tuple]] = None,
+              mode: str = "resized-crop") -> torch.Tensor:
+    """Decoded images -> uint8 (B, 3, size, size): each sample's ``params`` applied by ``augment``
+    (``mode`` resized-crop) or ``pad_crop`` (pad-crop); ``center`` when ``params`` is None (evaluation,
+    and training under ``none``)."""
     if params is None:
         return torch.stack([center(img, size) for img in images])
-    return torch.stack([augment(img, p, size) for img, p in zip(images, params)])
+    crop = pad_crop if mode == "pad-crop" else augment
+    return torch.stack([crop(img, p, size) for img, p in zip(images, params)])
 
 
 _MEAN_STD: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}

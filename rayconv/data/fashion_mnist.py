@@ -4,9 +4,10 @@ kinds of clothing, its own split of 60,000 train and 10,000 test images (6,000 a
 Read from the four idx files (``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
 ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``, each plain or gzipped) in ``--data-dir``, or
 where Debian's package ``dataset-fashion-mnist`` installs them. Held on the device as uint8
-(``rayconv/data/on_device.py``); training samples are zero-padded by 4 pixels, randomly cropped back
-to 28x28 and randomly mirrored (the CIFAR recipe of He et al. 2016, section 4.2), all images normalised
-by the train set's mean and std.
+(``rayconv/data/on_device.py``), resized there once to ``--image-size`` when given; by default
+(``--augment auto`` at 28 pixels: pad-crop) training samples are zero-padded by 4 pixels, randomly
+cropped back to 28x28 and randomly mirrored (the CIFAR recipe of He et al. 2016, section 4.2); all
+images normalised by the train set's mean and std.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"   # where `apt-get install data
 FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
          "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
 IMAGE_MAGIC, LABEL_MAGIC = 0x0803, 0x0801   # idx: unsigned bytes, 3 dims (images) or 1 (labels)
-PAD = 4   # pixels of the training crop's zero padding
+PAD = 4   # pixels of the 28x28 training crop's zero padding (on_device.pad_for(28))
 
 
 def _find(folder: Path, name: str) -> Optional[Path]:
@@ -75,10 +76,13 @@ def fashion_mnist_arrays(data_dir: Optional[str] = None) -> dict[str, tuple[np.n
     return out
 
 
-def load_fashion_mnist(data_dir: Optional[str], seed: int, image_size: Optional[int] = None) -> OnDeviceSource:
+def load_fashion_mnist(data_dir: Optional[str], seed: int, image_size: Optional[int] = None,
+                       augment: str = "pad-crop", random_erase: float = 0.0) -> OnDeviceSource:
     """Fashion-MNIST as a Source held on the device: 1 channel, 28x28 (``image_size``: resized once on
-    the device), 10 classes; training crops padded by ``PAD`` and mirrored, keyed by (``seed``, epoch,
-    sample). Raises DataError when the files are missing or malformed."""
+    the device), 10 classes; training samples augmented by ``augment`` (pad-crop: padded by
+    ``on_device.pad_for(S)``, ``PAD`` at 28, and mirrored) and erased with probability ``random_erase``,
+    keyed by (``seed``, epoch, sample). Raises DataError when the files are missing or malformed."""
     arrays = fashion_mnist_arrays(data_dir)
-    return OnDeviceSource(arrays["train"], arrays["test"], num_classes=10, seed=seed, pad=PAD, flip=True,
-                          image_size=image_size)
+    size = None if image_size in (None, 28) else image_size
+    return OnDeviceSource(arrays["train"], arrays["test"], num_classes=10, seed=seed, image_size=size,
+                          augment=augment, random_erase=random_erase, name="fashion-mnist")

@@ -1,6 +1,10 @@
 """``--data imagefolder``: an ImageNet-layout folder (``rayconv/data/folders.py`` says what it holds),
-decoded and augmented by torchvision (RandomResizedCrop + flip for training; resize + center crop for
-evaluation), read by a ``torch.utils.data.DataLoader`` with worker processes."""
+decoded and augmented by torchvision's ``transforms.v2`` in the loader's processes, read by a
+``torch.utils.data.DataLoader`` with worker processes. Training (``augment``): ``resized-crop``
+(RandomResizedCrop + flip), ``pad-crop`` (resize + center crop, then RandomCrop padded by
+``on_device.pad_for(S)`` + flip) or ``none`` (resize + center crop, as evaluation); then, with
+``random_erase`` > 0, ``RandomErasing(p, value=0)`` after the normalisation. Evaluation: resize +
+center crop."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from rayconv.data.folders import check_image_folder, visible_image_folder, warn_skipped
+from rayconv.data.on_device import pad_for
 from rayconv.data.source import Source, stable_seed
 from rayconv.errors import DataError
 
@@ -48,7 +53,8 @@ class ImageFolderSource(Source):
 
     Raises DataError for a folder without classes or images, or val classes other than train's."""
 
-    def __init__(self, root: str, image_size: int, seed: int, workers: int):
+    def __init__(self, root: str, image_size: int, seed: int, workers: int, augment: str = "resized-crop",
+                 random_erase: float = 0.0):
         from torchvision.transforms import v2 as T   # (torchvision's import takes seconds: only when used)
 
         base = Path(root)
@@ -56,12 +62,21 @@ class ImageFolderSource(Source):
             check_image_folder(base / split)
         norm = [T.ToImage(), T.ToDtype(torch.float32, scale=True),
                 T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]
+        center = [T.Resize(image_size * 8 // 7, antialias=True), T.CenterCrop(image_size)]
+        pad = pad_for(image_size)
+        train = {"resized-crop": [T.RandomResizedCrop(image_size, antialias=True), T.RandomHorizontalFlip()],
+                 "pad-crop": [*center, T.RandomCrop(image_size, padding=pad), T.RandomHorizontalFlip()],
+                 "none": center}[augment]
+        erase = [T.RandomErasing(random_erase, value=0)] if random_erase > 0 else []
         self.sets = {
-            "train": _CheckedImageFolder(base / "train", T.Compose(
-                [T.RandomResizedCrop(image_size, antialias=True), T.RandomHorizontalFlip(), *norm])),
-            "test": _CheckedImageFolder(base / "val", T.Compose(
-                [T.Resize(image_size * 8 // 7, antialias=True), T.CenterCrop(image_size), *norm])),
+            "train": _CheckedImageFolder(base / "train", T.Compose([*train, *norm, *erase])),
+            "test": _CheckedImageFolder(base / "val", T.Compose([*center, *norm])),
         }
+        self.name = "imagefolder"
+        self.augmentation = {"resized-crop": "RandomResizedCrop(0.08-1) + flip",
+                             "pad-crop": f"resize + center crop, pad {pad} + random crop + flip",
+                             "none": "resize + center crop"}[augment] \
+            + (f", random erasing p={random_erase:g}" if random_erase > 0 else "") + " (in the loader)"
         train_classes = self.sets["train"].inner.classes
         if self.sets["test"].inner.classes != train_classes:
             raise DataError(f"{base}/val has classes {self.sets['test'].inner.classes[:5]}... but train has "

@@ -1,11 +1,16 @@
 """Small image sets held on the actor's device: the decoded uint8 images of both splits (Fashion-MNIST's
 70,000 28x28 images are 55 MB) copied to the device once, on the first ``images`` call for it; each
-batch is then an index, a batched crop and flip (training only) and a normalisation there, with no
-host-to-device copy and no per-image work (``rayconv/data/augment.py``).
+batch is then an index, a batched augmentation (training only), a normalisation and an optional
+random erasing there, with no per-batch host-to-device copy and no per-image work
+(``rayconv/data/augment.py``).
 
-Augmentation: each training sample's crop offsets and flip come from one table of the whole train set
-per epoch, drawn on the CPU from ``stable_seed(seed, "train", epoch)``, so that a sample's crop depends
-only on (seed, epoch, sample index): not on the batch it is in, the data-parallel layout or the device.
+Augmentation (``augment``): ``pad-crop`` (zero-pad by ``pad`` pixels, random crop back, mirror: the
+CIFAR recipe of He et al. 2016, section 4.2; ``pad`` by default ``pad_for(S)``), ``resized-crop``
+(RandomResizedCrop + mirror), ``none``. Each training sample's parameters come from one table of the
+whole train set per epoch, drawn on the CPU from ``stable_seed(seed, "train", epoch)`` (the erasing's
+from ``stable_seed(seed, "erase", epoch)``) and copied to the device once per epoch, so that a
+sample's augmentation depends only on (seed, epoch, sample index): not on the batch it is in, the
+data-parallel layout or the device.
 """
 
 from __future__ import annotations
@@ -15,8 +20,18 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from rayconv.data.augment import crop_flip_params, normalize, random_crop_flip, resize
+from rayconv.data.augment import (crop_flip_params, erase, erase_params, normalize, random_crop_flip,
+                                  resize, resized_crop_flip, resized_crop_params)
 from rayconv.data.source import Source, stable_seed
+from rayconv.errors import ConfigError
+
+AUGMENTS = ("pad-crop", "resized-crop", "none")
+
+
+def pad_for(size: int) -> int:
+    """The pad-crop's zero padding for S x S images: 4 pixels at 28-32 (CIFAR's and Fashion-MNIST's
+    recipe), ``S // 8`` otherwise (at least 1)."""
+    return 4 if 28 <= size <= 32 else max(1, size // 8)
 
 
 def channel_stats(x: np.ndarray) -> tuple[list[float], list[float]]:
@@ -39,27 +54,38 @@ class OnDeviceSource(Source):
     that asks for them.
 
     ``images`` returns float32 (or ``dtype``) (len(idx), C, S, S), S = ``image_size`` or H: normalised
-    by ``mean`` / ``std`` (per channel, [0, 1] units; default: the train set's own); train samples
-    zero-padded by ``pad`` pixels, randomly cropped back and randomly mirrored (``pad`` 0: no crop;
-    ``flip`` False: no mirror); test samples as they are. With ``image_size`` other than H the images
-    are resized once on the device to S x S (bilinear, antialiased) before any crop."""
+    by ``mean`` / ``std`` (per channel, [0, 1] units; default: the train set's own). Training samples
+    get ``augment`` (``AUGMENTS``; None: pad-crop by ``pad`` pixels and mirrored where ``flip``, nothing
+    when both are off), then with probability ``random_erase`` one rectangle set to 0 after the
+    normalisation; test samples are as they are. With ``image_size`` other than H the images are
+    resized once on the device to S x S (bilinear, antialiased) before any crop. Raises ConfigError for
+    an unknown ``augment``."""
 
     def __init__(self, train: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.ndarray],
                  num_classes: int, seed: int, pad: int = 0, flip: bool = False,
                  image_size: Optional[int] = None, mean: Optional[Sequence[float]] = None,
-                 std: Optional[Sequence[float]] = None):
+                 std: Optional[Sequence[float]] = None, augment: Optional[str] = None,
+                 random_erase: float = 0.0, name: str = "data"):
         self.host = {"train": torch.from_numpy(train[0]), "test": torch.from_numpy(test[0])}
         self.targets = {"train": torch.from_numpy(train[1]).long(), "test": torch.from_numpy(test[1]).long()}
         c, h, w = train[0].shape[1:]
         self.sample_shape = (c, h, w) if image_size is None else (c, image_size, image_size)
-        self.num_classes = num_classes
+        self.num_classes, self.name = num_classes, name
         self.train_size, self.test_size = len(train[0]), len(test[0])
-        self.seed, self.pad, self.flip = seed, pad, flip
+        if augment is None:
+            augment = "pad-crop" if pad or flip else "none"
+        elif augment == "pad-crop":
+            pad, flip = pad or pad_for(self.sample_shape[1]), True
+        if augment not in AUGMENTS:
+            raise ConfigError(f"unknown --augment {augment!r}: choose one of {', '.join(AUGMENTS)}")
+        self.seed, self.augment, self.random_erase = seed, augment, random_erase
+        self.pad, self.flip = (pad, flip) if augment == "pad-crop" else (0, augment == "resized-crop")
+        self.augmentation = _words(augment, self.pad, self.flip, random_erase)
         if mean is None or std is None:
             mean, std = channel_stats(train[0])
         self.mean, self.std = list(mean), list(std)
         self._stored: dict[torch.device, dict[str, torch.Tensor]] = {}
-        self._params: dict[torch.device, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        self._params: dict[torch.device, tuple[int, dict[str, torch.Tensor]]] = {}
 
     def _on(self, device: torch.device) -> dict[str, torch.Tensor]:
         """Both splits' uint8 images on ``device`` (and the normalisation's mean and std), copied (and
@@ -68,33 +94,57 @@ class OnDeviceSource(Source):
         if stored is None:
             stored = {"mean": torch.tensor(self.mean, dtype=torch.float32, device=device),
                       "std": torch.tensor(self.std, dtype=torch.float32, device=device)}
+            size = self.sample_shape[1]
             for split, x in self.host.items():
                 x = x.to(device)
-                stored[split] = resize(x, self.sample_shape[1]) if x.shape[1:] != self.sample_shape else x
+                stored[split] = resize(x, size) if x.shape[2:] != (size, size) else x
             self._stored[device] = stored
         return stored
 
-    def _epoch_params(self, device: torch.device, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(offsets (N, 2), flips (N,)) of every train sample in ``epoch``, on ``device``."""
+    def _epoch_params(self, device: torch.device, epoch: int) -> dict[str, torch.Tensor]:
+        """Every train sample's augmentation in ``epoch``, on ``device``: ``offsets`` (N, 2) and ``flips``
+        (N,) for pad-crop, ``boxes`` (N, 4) and ``flips`` for resized-crop, ``erase`` (N, 4) boxes."""
         cached = self._params.get(device)
         if cached is None or cached[0] != epoch:
+            n, size = self.train_size, self.sample_shape[1]
             g = torch.Generator().manual_seed(stable_seed(self.seed, "train", epoch))
-            offsets, flips = crop_flip_params(self.train_size, self.pad, g)
-            if not self.flip:
-                flips.zero_()
-            cached = self._params[device] = (epoch, offsets.to(device), flips.to(device))
-        return cached[1], cached[2]
+            params: dict[str, torch.Tensor] = {}
+            if self.augment == "pad-crop":
+                params["offsets"], params["flips"] = crop_flip_params(n, self.pad, g)
+                if not self.flip:
+                    params["flips"].zero_()
+            elif self.augment == "resized-crop":
+                params["boxes"], params["flips"] = resized_crop_params(n, size, size, g)
+            if self.random_erase > 0:
+                g_erase = torch.Generator().manual_seed(stable_seed(self.seed, "erase", epoch))
+                params["erase"] = erase_params(n, size, size, self.random_erase, g_erase)
+            cached = self._params[device] = (epoch, {k: v.to(device) for k, v in params.items()})
+        return cached[1]
 
     def images(self, split, idx, device, epoch=0, dtype=None):
         dev = torch.device(device)
         rows = torch.as_tensor(np.asarray(idx), dtype=torch.long).to(dev)
         stored = self._on(dev)
         x = stored[split][rows]                                              # (n, C, S, S) uint8
-        if split == "train" and (self.pad or self.flip):
-            offsets, flips = self._epoch_params(dev, epoch)
-            x = random_crop_flip(x, self.pad, offsets[rows], flips[rows])
+        train = split == "train" and (self.augment != "none" or self.random_erase > 0)
+        params = self._epoch_params(dev, epoch) if train else {}
+        if "offsets" in params and (self.pad or self.flip):
+            x = random_crop_flip(x, self.pad, params["offsets"][rows], params["flips"][rows])
+        elif "boxes" in params:
+            x = resized_crop_flip(x, params["boxes"][rows], params["flips"][rows])
         x = normalize(x, stored["mean"], stored["std"])                      # (n, C, S, S) float32
-        return x if dtype is None else x.to(dtype)
+        if "erase" in params:
+            x = erase(x, params["erase"][rows])
+        return self.expand(x if dtype is None else x.to(dtype))
 
     def labels(self, split, idx):
         return self.targets[split][torch.as_tensor(np.asarray(idx), dtype=torch.long)]
+
+
+def _words(augment: str, pad: int, flip: bool, random_erase: float) -> str:
+    """The augmentation in words, for ``Source.describe``."""
+    text = {"pad-crop": f"pad {pad} + random crop" + (" + flip" if flip else ""),
+            "resized-crop": "RandomResizedCrop(0.08-1) + flip", "none": "none"}[augment]
+    if augment == "pad-crop" and not pad:
+        text = "flip" if flip else "none"
+    return text + (f", random erasing p={random_erase:g}" if random_erase > 0 else "") + " (on the device)"

@@ -1,9 +1,11 @@
 """``--data NAME`` -> the Source that reads it, and how many decode processes an actor's loader gets.
 
-Names: ``digits`` (``rayconv/data/digits.py``), ``fashion-mnist`` (``fashion_mnist.py``; 28x28 whatever
-``--image-size`` says, which sizes the other sources), ``synthetic`` (``synthetic.py``), ``imagefolder``
-(``imagefolder.py``; a folder prepared by ``python -m rayconv.prepare`` is read as shards) and
-``shards`` (``shards.py``)."""
+Names: ``digits`` (``rayconv/data/digits.py``; 8x8, not augmented, whatever ``--image-size`` and
+``--augment`` say), ``fashion-mnist`` (``fashion_mnist.py``; resized on the device to ``--image-size``),
+``synthetic`` (``synthetic.py``), ``imagefolder`` (``imagefolder.py``; a folder prepared by ``python -m
+rayconv.prepare`` is read as shards) and ``shards`` (``shards.py``). ``--augment`` (resolved by
+``Config.augmentation``) and ``--random-erase`` reach fashion-mnist, imagefolder and shards;
+``--channels`` (``model_channels``) every source."""
 
 from __future__ import annotations
 
@@ -20,6 +22,16 @@ from rayconv.data.shards import ShardSource, is_prepared
 from rayconv.data.source import Source
 from rayconv.data.synthetic import SyntheticSource
 
+GREY_MODELS = ("convnet", "convnet_bn", "convnet2col")  # rayconv.models' models that take any channel count
+
+
+def model_channels(cfg: Config, data_channels: int) -> int:
+    """The channels the model gets: ``--channels``, else 3 for grey data given to a model made for RGB
+    (torchvision's, alexnet2012), else the data's own."""
+    if cfg.channels is not None:
+        return cfg.channels
+    return 3 if data_channels == 1 and cfg.model not in GREY_MODELS else data_channels
+
 
 def loader_workers(cfg: Config) -> int:
     """Decode processes per actor: ``--loader-workers``, or by default on GPUs this node's CPU cores per
@@ -33,21 +45,26 @@ def loader_workers(cfg: Config) -> int:
 
 
 def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
-    """The data source named by ``cfg.data``. Raises DataError / ConfigError."""
+    """The data source named by ``cfg.data``, giving the model ``model_channels``. Raises DataError /
+    ConfigError."""
+    augment, erase = cfg.augmentation, cfg.random_erase
     if cfg.data == "digits":
         src: Source = load_digits()
     elif cfg.data == "fashion-mnist":
-        src = load_fashion_mnist(cfg.data_dir, cfg.seed)
+        src = load_fashion_mnist(cfg.data_dir, cfg.seed, cfg.image_size, augment, erase)
     elif cfg.data == "synthetic":
         src = SyntheticSource(cfg.data_image_size, cfg.num_classes or 1000, cfg.synthetic_samples, cfg.seed)
     elif cfg.data in ("imagefolder", "shards"):
         if cfg.data == "shards" or is_prepared(cfg.data_dir):  # a prepared folder is read as shards
-            src = ShardSource(cfg.data_dir or "", cfg.data_image_size, cfg.seed, loader_workers(cfg), cfg.decode)
+            src = ShardSource(cfg.data_dir or "", cfg.data_image_size, cfg.seed, loader_workers(cfg), cfg.decode,
+                              augment=augment, random_erase=erase)
         else:
-            src = ImageFolderSource(cfg.data_dir or "", cfg.data_image_size, cfg.seed, loader_workers(cfg))
+            src = ImageFolderSource(cfg.data_dir or "", cfg.data_image_size, cfg.seed, loader_workers(cfg),
+                                    augment=augment, random_erase=erase)
     else:
         raise ConfigError(f"unknown --data {cfg.data!r}")
     if cfg.num_classes is not None and cfg.num_classes != src.num_classes:
         raise ConfigError(f"--num-classes {cfg.num_classes} but --data {cfg.data} has {src.num_classes} classes: "
                           "drop --num-classes (it follows the data)")
+    src.set_channels(model_channels(cfg, src.sample_shape[0]))
     return src

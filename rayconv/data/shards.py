@@ -29,7 +29,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from rayconv.data import decode as dec
+from rayconv.data.augment import erase, erase_params
 from rayconv.data.folders import SPLITS
+from rayconv.data.on_device import pad_for
 from rayconv.data.source import Source, stable_seed
 from rayconv.errors import DataError
 
@@ -84,7 +86,8 @@ class ShardSource(Source):
     the hardware JPEG decoder of A100/H100-class GPUs), so the actor's thread spends that time before
     it launches step k, while step k - 1 still runs on the GPU."""
 
-    def __init__(self, root: str, image_size: int, seed: int, workers: int, decode: str = "auto"):
+    def __init__(self, root: str, image_size: int, seed: int, workers: int, decode: str = "auto",
+                 augment: str = "resized-crop", random_erase: float = 0.0):
         import pyarrow.parquet as pq
 
         self.root = Path(root)
@@ -93,6 +96,11 @@ class ShardSource(Source):
         self.num_classes = len(self.classes)
         self.sample_shape = (3, image_size, image_size)
         self.size, self.seed, self.workers, self.decode = image_size, seed, workers, decode
+        self.augment, self.random_erase, self.name = augment, random_erase, "shards"
+        self.augmentation = {"resized-crop": "RandomResizedCrop(0.08-1) + flip",
+                             "pad-crop": f"center crop, pad {pad_for(image_size)} + random crop + flip",
+                             "none": "center crop"}[augment] \
+            + (f", random erasing p={random_erase:g}" if random_erase > 0 else "") + f" (decode {decode})"
         self.entries = {s: self.manifest["splits"][f]["shards"] for s, f in SPLITS.items()}
         self.targets: dict[str, torch.Tensor] = {}
         self.hw: dict[str, np.ndarray] = {}
@@ -149,16 +157,20 @@ class ShardSource(Source):
         return list(torch.split(flat, [len(p) for p in pieces]))
 
     def params(self, split: str, epoch: int, idx: np.ndarray) -> Optional[list[tuple]]:
-        """Each training sample's crop and flip (``decode.crop_params``), from (seed, epoch, index)
-        and its stored size; None for evaluation (center crop)."""
-        if split != "train":
+        """Each training sample's crop and flip (``decode.crop_params``, or ``decode.pad_crop_params``
+        under pad-crop), from (seed, epoch, index) and its stored size; None for evaluation and under
+        ``--augment none`` (center crop)."""
+        if split != "train" or self.augment == "none":
             return None
+        if self.augment == "pad-crop":
+            return [dec.pad_crop_params(self.size, stable_seed(self.seed, split, epoch, int(i))) for i in idx]
         return [dec.crop_params(int(self.hw[split][i, 0]), int(self.hw[split][i, 1]),
                                 stable_seed(self.seed, split, epoch, int(i))) for i in idx]
 
     def uint8_batch(self, split: str, idx: np.ndarray, epoch: int, device: torch.device) -> torch.Tensor:
         """Decoded and cropped samples ``idx``: uint8 (len(idx), 3, S, S) on ``device`` (no overlap)."""
-        return dec.transform(dec.decode(self.jpegs(split, idx), device), self.size, self.params(split, epoch, idx))
+        return dec.transform(dec.decode(self.jpegs(split, idx), device), self.size, self.params(split, epoch, idx),
+                             self.augment)
 
     # ------------------------------------------------------------------ Source
     def _use_gpu(self, device: torch.device) -> bool:
@@ -184,7 +196,17 @@ class ShardSource(Source):
         x = self._take_gpu(split, pending, device) if self._use_gpu(device) else self._take_cpu(split, pending)
         if not pending["queue"]:
             self._pending.pop(split, None)   # the last announced batch: the loader and its workers go with it
-        return dec.normalize(x.to(device, non_blocking=True), dtype)
+        x = dec.normalize(x.to(device, non_blocking=True), dtype)
+        return self._erase(x, epoch, idx) if split == "train" and self.random_erase > 0 else x
+
+    def _erase(self, x: torch.Tensor, epoch: int, idx: np.ndarray) -> torch.Tensor:
+        """``x`` with each sample's RandomErasing rectangle (``augment.erase_params``, from (seed, epoch,
+        index) alone) set to 0."""
+        boxes = torch.cat([erase_params(1, self.size, self.size, self.random_erase,
+                                        torch.Generator().manual_seed(stable_seed(self.seed, "erase", epoch, int(i))))
+                           for i in idx])
+        boxes = boxes.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else boxes
+        return erase(x, boxes)
 
     def _take_gpu(self, split: str, pending: dict, device: torch.device) -> torch.Tensor:
         """This batch (launched ahead, or now), after handing the next one to the decode thread."""
@@ -211,7 +233,7 @@ class ShardSource(Source):
         jpegs, params = self.jpegs(split, idx), self.params(split, epoch, idx)
         with torch.cuda.device(device), torch.cuda.stream(self._stream):
             try:
-                x = dec.transform(dec.decode(jpegs, device), self.size, params)
+                x = dec.transform(dec.decode(jpegs, device), self.size, params, self.augment)
             except RuntimeError as e:   # nvJPEG's error on bytes that passed the sha256 check
                 raise DataError(f"cannot decode a sample of {self.root} on {device} ({e}): prepare the "
                                 "folder again, or use --decode cpu") from None

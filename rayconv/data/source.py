@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from rayconv.errors import ConfigError
 from rayconv.mesh import split_slices
 
 
@@ -71,15 +72,48 @@ def test_shard(test_size: int, dp: int, replica: int) -> np.ndarray:
 class Source:
     """Train and test data of one kind, as seen by one actor.
 
-    ``num_classes``; ``sample_shape`` (C, H, W); ``train_size`` and ``test_size`` in samples.
-    ``images(split, idx, device, epoch, dtype)`` -> float tensor (len(idx), C, H, W) of ``dtype`` (float32 when
-    None); ``labels(split, idx)`` -> int64 (len(idx),).
+    ``num_classes``; ``sample_shape`` (C, H, W) as the model sees it; ``train_size`` and ``test_size``
+    in samples. ``images(split, idx, device, epoch, dtype)`` -> float tensor (len(idx), C, H, W) of
+    ``dtype`` (float32 when None); ``labels(split, idx)`` -> int64 (len(idx),). ``describe()``: one line
+    saying what the source gives (the driver prints it). ``set_channels(3)`` on grey data makes
+    ``images`` return each grey image as 3 equal channels (a view); a source's ``images`` applies it
+    with ``expand``.
     """
 
     num_classes: int
     sample_shape: tuple[int, int, int]
     train_size: int
     test_size: int
+    name: str = "data"
+    augmentation: str = "none"   # what training samples get, in words (describe's)
+    expanded_from: Optional[int] = None   # the data's own channels where set_channels changed them
+
+    def set_channels(self, channels: Optional[int]) -> None:
+        """Give the model ``channels`` (1 or 3; None: the data's own). Grey data asked for 3 is expanded
+        (``expand``); other changes raise ConfigError naming --channels."""
+        own = self.expanded_from or self.sample_shape[0]
+        if channels is None or channels == own:
+            self.sample_shape, self.expanded_from = (own, *self.sample_shape[1:]), None
+            return
+        if own != 1 or channels != 3:
+            raise ConfigError(f"--channels {channels}: --data {self.name} has {own}-channel images, and only "
+                              "grey images can be given as 3 channels: drop --channels or set it to "
+                              f"{own}")
+        self.sample_shape, self.expanded_from = (3, *self.sample_shape[1:]), 1
+
+    def expand(self, x: torch.Tensor) -> torch.Tensor:
+        """x (N, C, H, W) as the model's channels: grey x expanded to 3 equal channels (a view) after
+        ``set_channels(3)``, else x itself."""
+        return x.expand(-1, self.sample_shape[0], -1, -1) if self.expanded_from else x
+
+    def describe(self) -> str:
+        """One line: name, sizes, image shape, classes, training augmentation, channel expansion."""
+        c, h, w = self.sample_shape
+        text = (f"{self.name}: {self.train_size} train / {self.test_size} test images, {h}x{w}, "
+                f"{self.num_classes} classes; training augmentation: {self.augmentation}")
+        if self.expanded_from:
+            text += f"; grey images given to the model as {c} equal channels (expand, a view)"
+        return text
 
     def images(self, split: str, idx: np.ndarray, device: torch.device, epoch: int = 0,
                dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -95,16 +129,17 @@ class Source:
 class TensorSource(Source):
     """A data set held in host memory as float tensors (digits), indexed per batch and copied to the device."""
 
-    def __init__(self, train: TensorDataset, test: TensorDataset, num_classes: int):
+    def __init__(self, train: TensorDataset, test: TensorDataset, num_classes: int, name: str = "data"):
         self.sets = {"train": train, "test": test}
         self.num_classes = num_classes
         self.sample_shape = tuple(train.tensors[0].shape[1:])  # type: ignore[assignment]
         self.train_size, self.test_size = len(train), len(test)
+        self.name = name
 
     def images(self, split, idx, device, epoch=0, dtype=None):
         x = self.sets[split].tensors[0][torch.as_tensor(idx, dtype=torch.long)]
         x = x.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else x
-        return x if dtype is None else x.to(dtype)
+        return self.expand(x if dtype is None else x.to(dtype))
 
     def labels(self, split, idx):
         return self.sets[split].tensors[1][torch.as_tensor(idx, dtype=torch.long)]

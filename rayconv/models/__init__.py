@@ -35,14 +35,21 @@ def model_names() -> list[str]:
 
 
 def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: int = 224,
-                batch_norm: bool = False) -> nn.Module:
+                batch_norm: bool = False, zero_init_residual: bool = False) -> nn.Module:
     """A freshly initialised model (weights from the current torch RNG state).
 
     ``alexnet`` is torchvision's single-column AlexNet (Krizhevsky et al. 2012 / "One weird trick" 2014);
     ``googlenet`` and ``inception_v3`` are built without auxiliary classifiers (``BUILD_ARGS``).
-    Raises ConfigError for unknown names and for models that cannot take the data's image shape.
-    """
+    rayconv's convnets take any channel count and images of 2 pixels and more; a torchvision model below
+    32 pixels is tried by a dry forward (``check_trainable``) and refused where it fails.
+    ``zero_init_residual`` is torchvision's (the last batch norm of each residual block starts at 0;
+    Goyal et al. 2017, section 5.1), for builders that take it (ResNets, ResNeXts, wide ResNets).
+    Raises ConfigError for unknown names, for models that cannot take the data's image shape and for
+    ``zero_init_residual`` on a model without it."""
     if name in RAYCONV_MODELS:
+        if zero_init_residual:
+            raise ConfigError(f"--zero-init-residual applies to residual models (torchvision's resnet18, ...): "
+                              f"--model {name} has no residual blocks; drop the flag")
         if name == "alexnet2012":
             if in_channels != 3 or image_size < 63:
                 raise ConfigError("--model alexnet2012 needs 3-channel images of at least 63x63 pixels: "
@@ -59,11 +66,18 @@ def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: i
                           f"{LIST_MODELS} lists them)")
     if in_channels != 3:
         raise ConfigError(f"--model {name} takes 3-channel images but the data has {in_channels} channel(s): "
-                          "use --model convnet for --data digits, or --data synthetic/imagefolder")
-    if image_size < 32:
-        raise ConfigError(f"--model {name} needs images of at least 32x32 pixels (data gives {image_size}): "
-                          "use --model convnet for --data digits")
-    return _torchvision().models.get_model(name, weights=None, num_classes=num_classes, **BUILD_ARGS.get(name, {}))
+                          "give grey data as 3 channels with --channels 3, or use --model convnet")
+    args = dict(BUILD_ARGS.get(name, {}), **({"zero_init_residual": True} if zero_init_residual else {}))
+    try:
+        model = _torchvision().models.get_model(name, weights=None, num_classes=num_classes, **args)
+    except TypeError as e:
+        if zero_init_residual and "zero_init_residual" in str(e):
+            raise ConfigError(f"--zero-init-residual: torchvision's {name} builder does not take it (ResNets, "
+                              "ResNeXts and wide ResNets do): drop the flag") from None
+        raise
+    if image_size < 32:  # (torchvision's models are made for 224: below 32 many reduce the image to nothing)
+        check_trainable(name, model, (in_channels, image_size, image_size))
+    return model
 
 
 LIST_MODELS = "`python -c 'import torchvision; print(torchvision.models.list_models(module=torchvision.models))'`"
@@ -131,7 +145,8 @@ def run_model(cfg, source) -> nn.Module:
     ``cfg.seed``, then ``build_model`` for ``source``'s classes and image shape (``source`` a
     ``rayconv.data.Source``). Raises what ``build_model`` raises."""
     torch.manual_seed(cfg.seed)
-    return build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1])
+    return build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1],
+                       zero_init_residual=cfg.zero_init_residual)
 
 
 def alexnet_two_column(num_classes: int = 1000) -> nn.Module:
