@@ -68,7 +68,12 @@ def as_graph(fn):
     return graph.replay
 
 
-def main() -> None:
+DEV = torch.device("cuda")
+SHAPE = (3, 224, 224)
+AMP = dict(device_type="cuda", dtype=torch.bfloat16)
+
+
+def parse_flags() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="resnet50")
     p.add_argument("--batch", type=int, default=512, help="global batch size (images)")
@@ -79,87 +84,118 @@ def main() -> None:
     p.add_argument("--bound", action="store_true",
                    help="only time the whole model at the global batch and its micro-batch sizes (M = 2..16) and "
                         "print the speedup bound of a balanced pp=2 1F1B pipeline with free transfers")
-    a = p.parse_args()
-    dev = torch.device("cuda")
-    torch.backends.cudnn.benchmark = True
-    torch.manual_seed(0)
-    mb = a.batch // a.microbatches
-    shape = (3, 224, 224)
-    amp = dict(device_type="cuda", dtype=torch.bfloat16)
+    return p.parse_args()
 
-    def whole(b: int, graphed: bool = False) -> float:
-        model = build_model(a.model, 1000, 3, 224).to(dev).to(memory_format=torch.channels_last)
-        cm = torch.compile(model, dynamic=False)
-        x = torch.randn(b, *shape, device=dev).contiguous(memory_format=torch.channels_last)
-        y = torch.randint(0, 1000, (b,), device=dev)
 
-        def step():
-            with torch.autocast(**amp):
-                loss = nn.functional.cross_entropy(cm(x).float(), y)
-            loss.backward()
-        return timed(as_graph(step) if graphed else step, a.reps)
+def time_whole(model_name: str, b: int, reps: int, graphed: bool = False) -> float:
+    """ms of one compiled forward + backward of the whole model at batch ``b`` (replayed from a CUDA
+    graph with ``graphed``)."""
+    model = build_model(model_name, 1000, 3, 224).to(DEV).to(memory_format=torch.channels_last)
+    cm = torch.compile(model, dynamic=False)
+    x = torch.randn(b, *SHAPE, device=DEV).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (b,), device=DEV)
 
-    if a.bound:
-        # The bound of a perfectly balanced two-stage 1F1B pipeline with free transfers: each stage does
-        # half of the whole model's work on a micro-batch, and the step takes (M + P - 1) of those.
-        # Steps replay a CUDA graph, as rayconv's pipeline stages do: without one, a compiled ResNet-50's
-        # forward + backward costs the CPU about 18 ms, which hides the GPU time of small batches.
-        sizes = sorted({a.batch // m for m in (1, 2, 4, 8, 16) if a.batch % m == 0 and a.batch // m >= 32})
-        ms = {b: whole(b, graphed=True) for b in sizes}
+    def step():
+        with torch.autocast(**AMP):
+            loss = nn.functional.cross_entropy(cm(x).float(), y)
+        loss.backward()
+    return timed(as_graph(step) if graphed else step, reps)
+
+
+def print_bound(a: argparse.Namespace) -> None:
+    """The ``--bound`` lines: ``WHOLE_GRAPHED`` per batch size, then ``BOUND`` per global batch and M."""
+    # The bound of a perfectly balanced two-stage 1F1B pipeline with free transfers: each stage does
+    # half of the whole model's work on a micro-batch, and the step takes (M + P - 1) of those.
+    # Steps replay a CUDA graph, as rayconv's pipeline stages do: without one, a compiled ResNet-50's
+    # forward + backward costs the CPU about 18 ms, which hides the GPU time of small batches.
+    sizes = sorted({a.batch // m for m in (1, 2, 4, 8, 16) if a.batch % m == 0 and a.batch // m >= 32})
+    ms = {b: time_whole(a.model, b, a.reps, graphed=True) for b in sizes}
+    for b in sizes:
+        print(f"WHOLE_GRAPHED b={b} {ms[b]:.2f} ms {b / ms[b] * 1e3:.0f} img/s", flush=True)
+    for g in sizes:
         for b in sizes:
-            print(f"WHOLE_GRAPHED b={b} {ms[b]:.2f} ms {b / ms[b] * 1e3:.0f} img/s", flush=True)
-        for g in sizes:
-            for b in sizes:
-                m = g // b
-                if g < 256 or m < 2:
-                    continue
-                bound = ms[g] / ((m + 1) * ms[b] / 2)
-                print(f"BOUND global {g} M={m} micro-batch {b}: pp=2 1F1B at most {bound:.3f}x one GPU "
-                      f"(micro-batch efficiency {ms[g] / g / (ms[b] / b):.3f}, bubble {1 / (m + 1):.3f})", flush=True)
-        return
-    whole_ms = {}
-    for b in (a.batch, mb):
-        whole_ms[b] = whole(b, graphed=True)
-        print(f"WHOLE b={b} {whole_ms[b]:.2f} ms {b / whole_ms[b] * 1e3:.0f} img/s", flush=True)
-    ref_ms = whole_ms[a.batch]
+            m = g // b
+            if g < 256 or m < 2:
+                continue
+            bound = ms[g] / ((m + 1) * ms[b] / 2)
+            print(f"BOUND global {g} M={m} micro-batch {b}: pp=2 1F1B at most {bound:.3f}x one GPU "
+                  f"(micro-batch efficiency {ms[g] / g / (ms[b] / b):.3f}, bubble {1 / (m + 1):.3f})", flush=True)
 
-    layers = to_layers(build_model(a.model, 1000, 3, 224))
-    eager = layer_times(layers, shape, mb, dev, torch.bfloat16)
+
+def print_eager_cut(model_name: str, mb: int) -> tuple[int, int]:
+    """The cut ``--balance time`` picks from eager per-layer times at micro-batch ``mb`` (printed as
+    ``EAGER_CUT``), and the number of layers."""
+    layers = to_layers(build_model(model_name, 1000, 3, 224))
+    eager = layer_times(layers, SHAPE, mb, DEV, torch.bfloat16)
     eager_cut = balance(eager, 2)[1][0]
     print(f"EAGER_CUT k={eager_cut} stage ms {sum(eager[:eager_cut]):.2f} / {sum(eager[eager_cut:]):.2f} "
           f"(eager per-layer sums, micro-batch {mb})", flush=True)
+    return eager_cut, len(layers)
+
+
+def time_stage(part: nn.Module, x: torch.Tensor, first: bool, y: torch.Tensor,
+               reps: int) -> tuple[float, float, torch.Tensor]:
+    """One stage compiled as a pipeline actor compiles it: (forward ms, backward ms, the input of the
+    next stage), each timed from a CUDA graph; the last stage's backward starts from the loss."""
+    part.to(DEV).to(memory_format=torch.channels_last)
+    cp = torch.compile(part, dynamic=False)
+    inp = x if first else x.detach().requires_grad_()
+
+    def fwd():
+        with torch.autocast(**AMP):
+            return cp(inp)
+    with torch.no_grad():  # (no autograd nodes on the default stream: they would break the capture)
+        out = fwd()
+    grad = torch.randn_like(out) if first else None
+    f_ms = timed(as_graph(fwd), reps)
+
+    def fb():
+        o = fwd()
+        if first:
+            o.backward(grad)
+        else:
+            nn.functional.cross_entropy(o.float(), y).backward()
+    b_ms = max(timed(as_graph(fb), reps) - f_ms, 0.0)
+    with torch.no_grad(), torch.autocast(**AMP):
+        x = cp(x).detach().contiguous(memory_format=torch.channels_last) if first else x
+    part.to("cpu")
+    return f_ms, b_ms, x
+
+
+def time_cut(model_name: str, k: int, mb: int, reps: int) -> tuple[list[float], list[float], list]:
+    """Forward and backward ms of both stages of cut ``k`` at micro-batch ``mb``, and the flat layers."""
+    layers = to_layers(build_model(model_name, 1000, 3, 224))
+    parts = [nn.Sequential(*[m for _, m in layers[:k]]), nn.Sequential(*[m for _, m in layers[k:]])]
+    f_ms, b_ms = [], []
+    x = torch.randn(mb, *SHAPE, device=DEV).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (mb,), device=DEV)
+    for s, part in enumerate(parts):
+        f, b, x = time_stage(part, x, s == 0, y, reps)
+        f_ms.append(f)
+        b_ms.append(b)
+    return f_ms, b_ms, layers
+
+
+def main() -> None:
+    a = parse_flags()
+    torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    mb = a.batch // a.microbatches
+    if a.bound:
+        print_bound(a)
+        return
+    whole_ms = {}
+    for b in (a.batch, mb):
+        whole_ms[b] = time_whole(a.model, b, a.reps, graphed=True)
+        print(f"WHOLE b={b} {whole_ms[b]:.2f} ms {b / whole_ms[b] * 1e3:.0f} img/s", flush=True)
+    ref_ms = whole_ms[a.batch]
+
+    eager_cut, n_layers = print_eager_cut(a.model, mb)
     cuts = [int(c) for c in a.cuts.split(",") if c] or [eager_cut + d for d in (0, -1, 1, -2, 2)
-                                                           if 0 < eager_cut + d < len(layers)]
+                                                           if 0 < eager_cut + d < n_layers]
     sched = make_schedule("1f1b", 2, a.microbatches)
     for k in cuts:
-        layers = to_layers(build_model(a.model, 1000, 3, 224))
-        parts = [nn.Sequential(*[m for _, m in layers[:k]]), nn.Sequential(*[m for _, m in layers[k:]])]
-        f_ms, b_ms = [], []
-        x = torch.randn(mb, *shape, device=dev).contiguous(memory_format=torch.channels_last)
-        y = torch.randint(0, 1000, (mb,), device=dev)
-        for s, part in enumerate(parts):
-            part.to(dev).to(memory_format=torch.channels_last)
-            cp = torch.compile(part, dynamic=False)
-            inp = x if s == 0 else x.detach().requires_grad_()
-
-            def fwd():
-                with torch.autocast(**amp):
-                    return cp(inp)
-            with torch.no_grad():  # (no autograd nodes on the default stream: they would break the capture)
-                out = fwd()
-            grad = torch.randn_like(out) if s == 0 else None
-            f_ms.append(timed(as_graph(fwd), a.reps))
-
-            def fb():
-                o = fwd()
-                if s == 0:
-                    o.backward(grad)
-                else:
-                    nn.functional.cross_entropy(o.float(), y).backward()
-            b_ms.append(max(timed(as_graph(fb), a.reps) - f_ms[-1], 0.0))
-            with torch.no_grad(), torch.autocast(**amp):
-                x = cp(x).detach().contiguous(memory_format=torch.channels_last) if s == 0 else x
-            part.to("cpu")
+        f_ms, b_ms, layers = time_cut(a.model, k, mb, a.reps)
         pred = max(finish for row in timeline(sched, f_ms, b_ms, a.link_ms) for _, finish in row)
         print(f"CUT k={k} ({layers[k][0]}) F0 {f_ms[0]:.2f} B0 {b_ms[0]:.2f} F1 {f_ms[1]:.2f} B1 {b_ms[1]:.2f} "
               f"stage0 {f_ms[0] + b_ms[0]:.2f} stage1 {f_ms[1] + b_ms[1]:.2f} pred_step_ms {pred:.2f} "
