@@ -96,7 +96,7 @@ def draft_loader(size: int):
     return load
 
 
-def main(argv=None) -> int:
+def parse_flags(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="where batches go (cuda: the GPU "
                                                                              "figures too)")
@@ -108,16 +108,102 @@ def main(argv=None) -> int:
     p.add_argument("--classes", type=int, default=16, help="class folders")
     p.add_argument("--out", default="benchmarks/input-latest", help="folder for input_bench.parquet and .md")
     p.add_argument("--tmp", default=None, help="where to write the images (default: a temporary folder)")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+
+def write_and_prepare(a: argparse.Namespace, tmp: str, device, procs: int) -> tuple[Path, list[Path], float]:
+    """The JPEG folder under ``tmp``/images and its two prepared copies (``s256``, ``full``); returns the
+    folder, its train files and their mean size in KB."""
     import torch
 
-    from rayconv.data import decode as dec
-    from rayconv.data.imagefolder import ImageFolderSource
-    from rayconv.data.shard_writer import prepare
+    from rayconv.data.shard_writer import prepare  # (kept out of --help's path, as torch is)
+
+    root = Path(tmp) / "images"
+    t0 = time.perf_counter()
+    make_folder(root, a.images, max(a.classes, a.images // 16), a.classes, a.side, procs)
+    files = sorted(root.glob("train/*/*.JPEG"))
+    kb = np.mean([f.stat().st_size for f in files]) / 1e3
+    print(f"# {len(files)} train JPEGs of {a.side}x{a.side * 3 // 4}, {kb:.0f} KB each, written in "
+          f"{time.perf_counter() - t0:.1f} s; torch {torch.__version__}; {procs} CPUs; device {device}"
+          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""), flush=True)
+    quiet = lambda *_: None  # noqa: E731
+    t0 = time.perf_counter()
+    prepare(str(root), str(Path(tmp) / "s256"), size=256, shard_size=512, log=quiet, processes=procs)
+    print(f"# prepared at 256 in {time.perf_counter() - t0:.1f} s on {procs} processes", flush=True)
+    prepare(str(root), str(Path(tmp) / "full"), size=1 << 16, shard_size=512, log=quiet, processes=procs)
+    return root, files, kb
+
+
+class Figures:
+    """The rows of ``input_bench.parquet``, each printed as it is recorded."""
+
+    def __init__(self, device, batch: int, kb: float):
+        self.device, self.batch, self.kb = device, batch, kb
+        self.rows: list[dict] = []
+
+    def record(self, figure: str, what: str, seconds: float, images: int, workers=None) -> None:
+        row = {"figure": figure, "what": what, "device": str(self.device), "workers": workers,
+               "batch": self.batch, "images": images, "seconds": seconds, "images_per_s": images / seconds,
+               "source_kb": self.kb}
+        self.rows.append(row)
+        print(f"{figure:24s} {row['images_per_s']:10.0f} images/s   ({what}; {images} images in "
+              f"{seconds:.2f} s)", flush=True)
+
+
+def time_cpu_paths(a: argparse.Namespace, root: Path, tmp: str, batches: list[np.ndarray], sync,
+                   figs: Figures) -> None:
+    """The figures of the CPU decode paths: imagefolder-pil(-draft), shards-cpu, full-cpu."""
+    from rayconv.data.imagefolder import ImageFolderSource  # (kept out of --help's path, as torch is)
     from rayconv.data.shards import ShardSource
+
+    for figure, loader in (("imagefolder-pil", None), ("imagefolder-pil-draft", draft_loader(a.size))):
+        src = ImageFolderSource(str(root), a.size, seed=0, workers=a.workers)
+        if loader is not None:
+            src.sets["train"].inner.loader = loader
+        s, k = time_source(src, batches, figs.device, sync)
+        figs.record(figure, f"PIL decode + RandomResizedCrop, {a.workers} workers", s, k, a.workers)
+        del src
+    for figure, folder in (("shards-cpu", "s256"), ("full-cpu", "full")):
+        src = ShardSource(str(Path(tmp) / folder), a.size, seed=0, workers=a.workers, decode="cpu")
+        s, k = time_source(src, batches, figs.device, sync)
+        figs.record(figure, f"libjpeg-turbo decode + crop in {a.workers} workers, {folder}", s, k, a.workers)
+
+
+def time_gpu_paths(a: argparse.Namespace, tmp: str, batches: list[np.ndarray], n: int, sync,
+                   figs: Figures) -> None:
+    """The figures of the GPU decode paths: shards-gpu, full-gpu, nvjpeg-only (of ``n`` images)."""
+    from rayconv.data import decode as dec  # (kept out of --help's path, as torch is)
+    from rayconv.data.shards import ShardSource
+
+    device = figs.device
+    for figure, folder in (("shards-gpu", "s256"), ("full-gpu", "full")):
+        src = ShardSource(str(Path(tmp) / folder), a.size, seed=0, workers=0, decode="gpu")
+        s, k = time_source(src, batches, device, sync)
+        figs.record(figure, f"nvJPEG batched decode + crop on the GPU, {folder}", s, k)
+    src = ShardSource(str(Path(tmp) / "s256"), a.size, seed=0, workers=0, decode="gpu")
+    dec.decode(src.jpegs("train", batches[0]), device)
+    sync()
+    t0 = time.perf_counter()
+    for b in batches[1:]:
+        dec.decode(src.jpegs("train", b), device)
+    sync()
+    figs.record("nvjpeg-only", "batched nvJPEG decode alone, s256", time.perf_counter() - t0, n - len(batches[0]))
+
+
+def write_tables(rows: list[dict], out: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), out / "input_bench.parquet")
+    lines = ["| figure | images/s | what |", "| --- | ---: | --- |"]
+    lines += [f"| {r['figure']} | {r['images_per_s']:.0f} | {r['what']} |" for r in rows]
+    (out / "input_bench.md").write_text("\n".join(lines) + "\n")
+    print(f"# wrote {out / 'input_bench.parquet'} and {out / 'input_bench.md'}")
+
+
+def main(argv=None) -> int:
+    a = parse_flags(argv)
+    import torch
 
     device = torch.device(a.device)
     cuda = device.type == "cuda"
@@ -125,68 +211,21 @@ def main(argv=None) -> int:
     procs = os.cpu_count() or 1
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
     with tempfile.TemporaryDirectory(dir=a.tmp) as tmp:
-        root = Path(tmp) / "images"
-        t0 = time.perf_counter()
-        make_folder(root, a.images, max(a.classes, a.images // 16), a.classes, a.side, procs)
-        files = sorted(root.glob("train/*/*.JPEG"))
-        kb = np.mean([f.stat().st_size for f in files]) / 1e3
-        print(f"# {len(files)} train JPEGs of {a.side}x{a.side * 3 // 4}, {kb:.0f} KB each, written in "
-              f"{time.perf_counter() - t0:.1f} s; torch {torch.__version__}; {procs} CPUs; device {device}"
-              + (f" ({torch.cuda.get_device_name(device)})" if cuda else ""), flush=True)
-        quiet = lambda *_: None  # noqa: E731
-        t0 = time.perf_counter()
-        prepare(str(root), str(Path(tmp) / "s256"), size=256, shard_size=512, log=quiet, processes=procs)
-        print(f"# prepared at 256 in {time.perf_counter() - t0:.1f} s on {procs} processes", flush=True)
-        prepare(str(root), str(Path(tmp) / "full"), size=1 << 16, shard_size=512, log=quiet, processes=procs)
-
+        root, files, kb = write_and_prepare(a, tmp, device, procs)
         n = len(files)
         order = np.random.default_rng(0).permutation(n)
         batches = [order[i:i + a.batch] for i in range(0, n, a.batch)]
         if len(batches) < 2:
             print("input_bench: error: --images must be at least 2 x --batch", file=sys.stderr)
             return 2
-
-        def record(figure: str, what: str, seconds: float, images: int, workers=None) -> None:
-            row = {"figure": figure, "what": what, "device": str(device), "workers": workers,
-                   "batch": a.batch, "images": images, "seconds": seconds, "images_per_s": images / seconds,
-                   "source_kb": kb}
-            rows.append(row)
-            print(f"{figure:24s} {row['images_per_s']:10.0f} images/s   ({what}; {images} images in "
-                  f"{seconds:.2f} s)", flush=True)
-
-        for figure, loader in (("imagefolder-pil", None), ("imagefolder-pil-draft", draft_loader(a.size))):
-            src = ImageFolderSource(str(root), a.size, seed=0, workers=a.workers)
-            if loader is not None:
-                src.sets["train"].inner.loader = loader
-            s, k = time_source(src, batches, device, sync)
-            record(figure, f"PIL decode + RandomResizedCrop, {a.workers} workers", s, k, a.workers)
-            del src
-        for figure, folder in (("shards-cpu", "s256"), ("full-cpu", "full")):
-            src = ShardSource(str(Path(tmp) / folder), a.size, seed=0, workers=a.workers, decode="cpu")
-            s, k = time_source(src, batches, device, sync)
-            record(figure, f"libjpeg-turbo decode + crop in {a.workers} workers, {folder}", s, k, a.workers)
+        figs = Figures(device, a.batch, kb)
+        time_cpu_paths(a, root, tmp, batches, sync, figs)
         if cuda:
-            for figure, folder in (("shards-gpu", "s256"), ("full-gpu", "full")):
-                src = ShardSource(str(Path(tmp) / folder), a.size, seed=0, workers=0, decode="gpu")
-                s, k = time_source(src, batches, device, sync)
-                record(figure, f"nvJPEG batched decode + crop on the GPU, {folder}", s, k)
-            src = ShardSource(str(Path(tmp) / "s256"), a.size, seed=0, workers=0, decode="gpu")
-            dec.decode(src.jpegs("train", batches[0]), device)
-            sync()
-            t0 = time.perf_counter()
-            for b in batches[1:]:
-                dec.decode(src.jpegs("train", b), device)
-            sync()
-            record("nvjpeg-only", "batched nvJPEG decode alone, s256", time.perf_counter() - t0, n - len(batches[0]))
+            time_gpu_paths(a, tmp, batches, n, sync, figs)
         else:
             print("# GPU figures (shards-gpu, full-gpu, nvjpeg-only) need --device cuda", flush=True)
-    pq.write_table(pa.Table.from_pylist(rows), out / "input_bench.parquet")
-    lines = ["| figure | images/s | what |", "| --- | ---: | --- |"]
-    lines += [f"| {r['figure']} | {r['images_per_s']:.0f} | {r['what']} |" for r in rows]
-    (out / "input_bench.md").write_text("\n".join(lines) + "\n")
-    print(f"# wrote {out / 'input_bench.parquet'} and {out / 'input_bench.md'}")
+    write_tables(figs.rows, out)
     return 0
 
 
