@@ -7,14 +7,14 @@ it sets.
 
 from __future__ import annotations
 
-import os
-from typing import Any, Optional
+from typing import Any
 
 import ray
 import torch
 
 from rayconv.actor.batches import Batches
 from rayconv.actor.cuda_graph import StepGraph
+from rayconv.cluster.connect import visible_index
 from rayconv.data.registry import make_source
 from rayconv.data.source import Sharding
 from rayconv.mesh import split_sizes
@@ -136,15 +136,6 @@ class BuildMixin:
         wire = torch.bfloat16 if self.cfg.precision == "bf16" else self.dtype
         return StageRunner(chunks, self.groups.axis["pp"], wire_dtype=wire, device=self.device,
                            autocast=self.autocast)
-
-
-def visible_index(gpu_id: Any, visible: Optional[str] = None) -> int:
-    """torch's device index of the GPU Ray calls ``gpu_id`` when this process sees the node's GPUs:
-    Ray's ids are those of the node (its CUDA_VISIBLE_DEVICES, if the node was started with one), so a
-    node started with CUDA_VISIBLE_DEVICES=2,3 calls its GPUs 2 and 3, which torch numbers 0 and 1."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
-    listed = [v.strip() for v in visible.split(",")] if visible else []
-    return listed.index(str(gpu_id)) if str(gpu_id) in listed else int(gpu_id)
 
 
 def _local(shape: tuple[int, ...], sizes, index: int) -> tuple[int, ...]:

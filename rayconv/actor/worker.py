@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from rayconv.actor.batches import Batches
-from rayconv.actor.build import BuildMixin, visible_index
+from rayconv.actor.build import BuildMixin
 from rayconv.actor.cuda_graph import StepGraph
 from rayconv.actor.report import ReportMixin
 from rayconv.actor.state import StateMixin
@@ -46,7 +46,7 @@ from rayconv.parallel.pipeline.p2p import Post
 from rayconv.parallel.pipeline.runner import StageRunner
 from rayconv.parallel.pipeline.schedules import Action
 
-__all__ = ["Worker", "exception_summary", "visible_index"]
+__all__ = ["Worker"]
 
 
 class Worker(BuildMixin, StepMixin, StateMixin, ReportMixin):
@@ -132,12 +132,3 @@ class Worker(BuildMixin, StepMixin, StateMixin, ReportMixin):
         if self.sync is not None:
             self.sync.close()
         comm.destroy()
-
-
-def exception_summary(e: BaseException) -> str:
-    """The one-line message of the innermost user-facing error in ``e``."""
-    cause: Optional[BaseException] = e
-    while isinstance(cause, ray.exceptions.RayTaskError) and cause.cause is not None:
-        cause = cause.cause
-    return f"{type(cause).__name__}: {cause}"
-

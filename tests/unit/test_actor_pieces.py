@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from rayconv.actor.cuda_graph import sgd_step
-from rayconv.actor.worker import visible_index
+from rayconv.cluster.connect import visible_index
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
