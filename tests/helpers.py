@@ -12,6 +12,7 @@ from rayconv.data.source import Sharding
 from rayconv.mesh import split_slices
 from rayconv.driver.schedule import learning_rate
 from rayconv.models import build_model
+from rayconv.recipe.mix import draw_mix, mix_images, mix_targets
 
 
 def sgd_config(tmp_path, name: str, **kw) -> Config:
@@ -48,6 +49,31 @@ def reference_sgd(cfg: Config, steps: int) -> dict[str, torch.Tensor]:
         idx = sharding.global_batch(epoch, s)
         x = source.images("train", idx, torch.device("cpu"), epoch).double()
         y = source.labels("train", idx)
+        for g in opt.param_groups:
+            g["lr"] = learning_rate(cfg, step, steps)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def reference_mix_sgd(cfg: Config, steps: int) -> dict[str, torch.Tensor]:
+    """``reference_sgd`` with ``cfg``'s mixup/cutmix: each global batch mixed as a whole with the draw of
+    (seed, step) (``recipe.mix``), images and one-hot targets alike, mean cross entropy on the soft
+    targets, in float64."""
+    source = make_source(cfg)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1]).double()
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    sharding = Sharding(source.train_size, cfg.global_batch_size, dp=1, seed=cfg.seed)
+    for step in range(steps):
+        epoch, s = divmod(step, sharding.steps_per_epoch)
+        idx = sharding.global_batch(epoch, s)
+        draw = draw_mix(cfg.seed, step, len(idx), cfg.mixup_alpha, cfg.cutmix_alpha, tuple(source.sample_shape[1:]))
+        x = source.images("train", idx, torch.device("cpu"), epoch).double()
+        y = source.labels("train", idx)
+        x = mix_images(draw, x, x[draw.partner])
+        y = mix_targets(draw, y, y[draw.partner], source.num_classes, torch.float64)
         for g in opt.param_groups:
             g["lr"] = learning_rate(cfg, step, steps)
         opt.zero_grad()

@@ -7,11 +7,20 @@ The first pipeline stage reads images; the last reads labels, except under Krizh
 per-layer plan, where the FC layers see the whole gathered batch, so every actor reads the labels of
 micro-batch m of every replica.
 
+Mixup and cutmix (``--mixup-alpha``, ``--cutmix-alpha``; ``rayconv/recipe/mix.py``): one draw per
+global batch from (seed, step). The first stage reads, with its own samples and in the same
+``images`` call, the samples at its samples' partner positions of the global batch (which may belong
+to other replicas); a source's augmentation of a sample depends on (seed, epoch, index) alone, so a
+partner is seen exactly as its own replica sees it. The images are mixed before the step; the stage
+that computes the loss mixes the one-hot labels the same way into soft targets (N, K). Every layout
+(replicas, micro-batches, filter-split shards, which all read the same images) thus trains on the
+same mixed global batch.
+
 The prefetch protocol (``Source.prefetch``): the first stage announces, before reading them, the
 index arrays it will ask ``images`` for, in order -- for training the rest of the epoch at the
-epoch's first step (and at an actor's first step, after a resume), for evaluation every chunk; a
-source that decodes files starts decoding them then. ``Batches.announce`` is the one place that
-announces.
+epoch's first step (and at an actor's first step, after a resume), each step's own samples followed
+by their partners' when mixing, for evaluation every chunk; a source that decodes files starts
+decoding them then. ``Batches.announce`` is the one place that announces.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from rayconv.actor.steptime import StepClock
 from rayconv.data.source import Sharding, Source, test_shard
 from rayconv.mesh import Coord, Mesh, split_slices
 from rayconv.parallel.filter_split.exchanges import BatchGather
+from rayconv.recipe.mix import MixDraw, draw_mix, mix_images, mix_targets, partner_positions
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -37,11 +47,27 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+@dataclass(frozen=True)
+class StepMix:
+    """One step's mix: ``draw`` (``recipe.mix.MixDraw``) over the global batch ``batch`` (its sample
+    indices, (B,)), split over ``dp`` replicas as ``Sharding`` splits it."""
+
+    draw: MixDraw
+    batch: np.ndarray
+    dp: int
+
+    def partners(self, replica: int) -> np.ndarray:
+        """Sample indices of the partners of replica ``replica``'s samples, in its samples' order."""
+        sl = split_slices(len(self.batch), self.dp)[replica]
+        return self.batch[partner_positions(self.draw, np.arange(sl.start, sl.stop))]
+
+
 @dataclass
 class MicroBatches:
     """One step's micro-batches for this actor: ``sizes[m]`` samples of this replica in micro-batch m;
     ``inputs(m)`` its images ``x_NCHW`` on the device (None off the first stage); ``labels(m)`` its
-    labels on the device (None where no loss is computed); ``before_forward(m)``, if any, sets the
+    labels on the device (soft targets (N, K) under mixup or cutmix; None where no loss is computed);
+    ``before_forward(m)``, if any, sets the
     per-layer plan's batch gather to micro-batch m's sizes."""
 
     sizes: list[int]
@@ -51,26 +77,51 @@ class MicroBatches:
 
 
 class Batches:
-    """Who reads which micro-batch, for one actor at ``coord`` of ``mesh``."""
+    """Who reads which micro-batch, for one actor at ``coord`` of ``mesh``; ``mix`` = (mixup alpha,
+    cutmix alpha), (0, 0) for neither. ``train`` uses the mix ``train_indices`` drew for its step."""
 
     def __init__(self, source: Source, sharding: Sharding, mesh: Mesh, coord: Coord, device: torch.device,
-                 input_dtype: torch.dtype, batch_gather: Optional[BatchGather]):
+                 input_dtype: torch.dtype, batch_gather: Optional[BatchGather],
+                 mix: tuple[float, float] = (0.0, 0.0)):
         self.source, self.sharding, self.mesh, self.coord = source, sharding, mesh, coord
         self.device, self.input_dtype = device, input_dtype
         self.is_first, self.is_last = coord.pp == 0, coord.pp == mesh.pp - 1
         self.batch_gather = batch_gather  # (the per-layer plan's: it needs every replica's labels)
         self.first_step = 0  # the first step this actor runs (after a resume, not 0)
+        self.mix_alphas = mix
+        self.mix: Optional[StepMix] = None  # the mix of the step train_indices last named
+        # soft targets in the parameters' precision (float64 runs stay exact)
+        self.target_dtype = torch.float64 if input_dtype == torch.float64 else torch.float32
 
     # ------------------------------------------------------------------ which samples
     def train_indices(self, step: int) -> tuple[int, list[np.ndarray]]:
-        """(epoch, every replica's sample indices) of global step ``step``; announces the rest of
-        the epoch to the loader at its first step (and at this actor's first step)."""
+        """(epoch, every replica's sample indices) of global step ``step``, and its mix (``self.mix``);
+        announces the rest of the epoch to the loader at its first step (and at this actor's first step)."""
         epoch, step_in_epoch = divmod(step, self.sharding.steps_per_epoch)
         replica_idx = [self.sharding.replica_batch(epoch, step_in_epoch, r)[0] for r in range(self.mesh.dp)]
+        self.mix = self.step_mix(step)
         if step_in_epoch == 0 or step == self.first_step:
-            self.announce("train", epoch, [self.sharding.replica_batch(epoch, s, self.coord.dp)[0]
+            first = step - step_in_epoch
+            self.announce("train", epoch, [self._read("train", epoch, s, self.step_mix(first + s))
                                            for s in range(step_in_epoch, self.sharding.steps_per_epoch)])
         return epoch, replica_idx
+
+    def step_mix(self, step: int) -> Optional[StepMix]:
+        """The mixup/cutmix of global step ``step`` (``recipe.mix.draw_mix`` from (seed, step)), None
+        when both alphas are 0."""
+        if not any(self.mix_alphas):
+            return None
+        epoch, step_in_epoch = divmod(step, self.sharding.steps_per_epoch)
+        batch = self.sharding.global_batch(epoch, step_in_epoch)
+        draw = draw_mix(self.sharding.seed, step, len(batch), *self.mix_alphas,
+                        image_size=tuple(self.source.sample_shape[1:]))
+        return StepMix(draw, batch, self.mesh.dp)
+
+    def _read(self, split: str, epoch: int, step_in_epoch: int, mix: Optional[StepMix]) -> np.ndarray:
+        """The sample indices this replica asks ``images`` for at a step: its own, then (mixing) its
+        samples' partners."""
+        own = self.sharding.replica_batch(epoch, step_in_epoch, self.coord.dp)[0]
+        return own if mix is None else np.concatenate([own, mix.partners(self.coord.dp)])
 
     def test_indices(self) -> list[np.ndarray]:
         """Every replica's share of the held-out set (each sample once)."""
@@ -91,14 +142,18 @@ class Batches:
         idx = replica_idx[self.coord.dp]
         slices = split_slices(len(idx), n_mb)
         inputs = lambda m: None  # noqa: E731
+        mix = self.mix
         if self.is_first:
             clock.input_begin()  # (the wait for the batch not overlapped with compute: input stall)
-            x_all = self._images("train", idx, epoch)  # (announced ahead to the loader)
+            read = idx if mix is None else np.concatenate([idx, mix.partners(self.coord.dp)])
+            x_all = self._images("train", read, epoch)  # (announced ahead to the loader)
+            if mix is not None:
+                x_all = mix_images(mix.draw, x_all[:len(idx)], x_all[len(idx):])
             clock.input_end()
             if graph is not None:
                 x_all = graph.buffer("images", x_all)
             inputs = lambda m: x_all[slices[m]]  # noqa: E731
-        labels, before_forward = self._labels("train", replica_idx, n_mb, graph)
+        labels, before_forward = self._labels("train", replica_idx, n_mb, graph, mix)
         return MicroBatches([s.stop - s.start for s in slices], inputs, labels, before_forward)
 
     def evaluate(self, replica_idx: list[np.ndarray], n_chunks: int) -> MicroBatches:
@@ -117,15 +172,25 @@ class Batches:
         x = self.source.images(split, idx, self.device, epoch, dtype=self.input_dtype)
         return x.contiguous(memory_format=torch.channels_last) if self.device.type == "cuda" and x.dim() == 4 else x
 
-    def _labels(self, split: str, replica_idx: list[np.ndarray], n_mb: int, graph: Optional[StepGraph]):
+    def _targets(self, split: str, replica: int, idx: np.ndarray, mix: Optional[StepMix]) -> torch.Tensor:
+        """Replica ``replica``'s labels of samples ``idx`` (N,), or mixed with its partners' as soft
+        targets (N, K) of ``target_dtype``."""
+        y = self.source.labels(split, idx)
+        if mix is None:
+            return y
+        partner = self.source.labels(split, mix.partners(replica))
+        return mix_targets(mix.draw, y, partner, self.source.num_classes, self.target_dtype)
+
+    def _labels(self, split: str, replica_idx: list[np.ndarray], n_mb: int, graph: Optional[StepGraph],
+                mix: Optional[StepMix] = None):
         """(labels(m) on the device, before_forward or None): this replica's micro-batch m on the last
         stage; under the per-layer plan micro-batch m of every replica, in replica order, and the batch
-        gather's sizes set before each forward."""
+        gather's sizes set before each forward. With ``mix``, soft targets (``_targets``)."""
         labels: Callable[[int], Optional[torch.Tensor]] = lambda m: None  # noqa: E731
         before_forward = None
         if self.batch_gather is not None:
             per_replica = [split_slices(len(r), n_mb) for r in replica_idx]
-            y = [self.source.labels(split, r) for r in replica_idx]
+            y = [self._targets(split, r, idx, mix) for r, idx in enumerate(replica_idx)]
             host = lambda m: torch.cat([yr[sl[m]] for yr, sl in zip(y, per_replica)])  # noqa: E731
             gather = self.batch_gather
 
@@ -135,7 +200,7 @@ class Batches:
         elif self.is_last:
             idx = replica_idx[self.coord.dp]
             slices = split_slices(len(idx), n_mb)
-            y_all = self.source.labels(split, idx)
+            y_all = self._targets(split, self.coord.dp, idx, mix)
             host = lambda m: y_all[slices[m]]  # noqa: E731
         else:
             return labels, None
