@@ -1,6 +1,11 @@
 """Ray plumbing, below the parallel code: connecting to a cluster (``connect``), the actors of one run
 and their placement group (``group``: handed the actor class, it imports none), short jobs on the
-cluster's devices (``tasks``)."""
+cluster's devices (``tasks``).
+
+The driver, the planner and the bench reach Ray only through here. Elsewhere Ray is asked only what a
+process learns of itself or hands to Ray directly: an actor's node, IP and GPU ids
+(``actor/worker.py``, ``actor/build.py``), Ray's metric gauges (``outputs/metrics.py``), and
+``prepare.py``'s shard-writing tasks."""
 
 from rayconv.cluster.connect import available_devices, connect, exception_summary, probe, visible_index
 from rayconv.cluster.group import Gang, Pending, reserve, start_actors, start_workers
