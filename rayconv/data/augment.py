@@ -86,18 +86,23 @@ def resized_crop_params(n: int, height: int, width: int, generator: torch.Genera
 
 def resized_crop_flip(x: torch.Tensor, boxes: torch.Tensor, flips: torch.Tensor) -> torch.Tensor:
     """x (N, C, H, W) uint8 -> (N, C, H, W) uint8: sample ``i``'s box ``boxes[i]`` = (top, left, h, w)
-    resampled to H x W (bilinear, pixel centres as ``F.interpolate(align_corners=False)``, edges
-    clamped), mirrored left-right where ``flips[i]``; one ``grid_sample`` for the batch. ``boxes`` (N, 4)
-    and ``flips`` (N,) on x's device."""
-    n, _, height, width = x.shape
+    resampled to H x W as torchvision's ``resized_crop(antialias=False)`` does (bilinear, pixel centres
+    as ``F.interpolate(align_corners=False)``, sample points clamped to the box), mirrored left-right
+    where ``flips[i]``; one ``grid_sample`` for the batch. ``boxes`` (N, 4) and ``flips`` (N,) on x's
+    device."""
+    _, _, height, width = x.shape
     b = boxes.to(torch.float32)
-    sx, sy = b[:, 3] / width, b[:, 2] / height
-    theta = torch.zeros(n, 2, 3, device=x.device)
-    theta[:, 0, 0] = torch.where(flips, -sx, sx)
-    theta[:, 0, 2] = (2 * b[:, 1] + b[:, 3]) / width - 1      # the crop's centre, normalised
-    theta[:, 1, 1] = sy
-    theta[:, 1, 2] = (2 * b[:, 0] + b[:, 2]) / height - 1
-    grid = F.affine_grid(theta, [n, 1, height, width], align_corners=False)
+
+    def axis(start: torch.Tensor, length: torch.Tensor, size: int) -> torch.Tensor:
+        """(N, size) sample coordinates along one axis, normalised to [-1, 1] of the whole image."""
+        centres = (torch.arange(size, device=x.device, dtype=torch.float32) + 0.5)
+        pos = start[:, None] + (centres[None] * (length[:, None] / size) - 0.5).clamp_(min=0)
+        pos = torch.minimum(pos, (start + length - 1)[:, None])
+        return (2 * pos + 1) / size - 1
+
+    ys, xs = axis(b[:, 0], b[:, 2], height), axis(b[:, 1], b[:, 3], width)
+    xs = torch.where(flips[:, None], xs.flip(1), xs)
+    grid = torch.stack(torch.broadcast_tensors(xs[:, None, :], ys[:, :, None]), dim=-1)   # (N, H, W, 2)
     out = F.grid_sample(x.to(torch.float32), grid, mode="bilinear", padding_mode="border", align_corners=False)
     return out.round_().clamp_(0, 255).to(x.dtype)
 
