@@ -3,7 +3,7 @@
     timeout 500 python benchmarks/stage_times.py --model resnet50 --batch 512 --microbatches 4
 
 What it answers: ``--balance time`` cuts stages by *eager* per-layer times
-(``rayconv.parallel.plan.layer_times``), while a GPU run compiles each stage. For each candidate cut
+(``rayconv.parallel.layout_plan.layer_times``), while a GPU run compiles each stage. For each candidate cut
 ``k`` (stage 0 = layers ``[0, k)``, stage 1 = ``[k, L)``) the two stages are compiled exactly as a
 pipeline actor compiles them (``torch.compile(nn.Sequential(...), dynamic=False)``, bf16 autocast,
 channels_last) and their forward and backward are timed separately at the micro-batch size, each
@@ -21,7 +21,7 @@ Prints (one line each, ms per micro-batch unless said):
   (what one GPU does, and how much a smaller batch costs per image);
 * ``EAGER_CUT``: the cut ``--balance time`` picks from eager per-layer times at the micro-batch size;
 * ``CUT k F0 B0 F1 B1 pred_step_ms pred_speedup``: per cut, the compiled stage times and the 1F1B
-  step they predict (``rayconv.schedule.timeline``: each action starts when its stage is free and its
+  step they predict (``rayconv.parallel.pipeline.simulate.timeline``: each action starts when its stage is free and its
   input has arrived; transfers cost ``--link-ms``), as a speedup over ``WHOLE`` at the global batch.
 
 The prediction leaves out what the real pipeline adds (the exchange's launch, the optimizer step of

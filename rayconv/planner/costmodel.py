@@ -26,8 +26,8 @@ The step of a layout (Yadan et al. 2013, section 3; Huang et al. 2019; Narayanan
   size (of the ``fs`` shard), plus the filter split's exchanges (an all-gather of the full activation
   before each layer that needs all input channels in the forward pass, a reduce-scatter of the same
   size in the backward pass); a forward on a stage waits for the previous virtual stage's output
-  plus one point-to-point transfer (``timed_makespan``, through ``schedule.timeline``: the unit-time
-  model of ``schedule.simulate`` with measured times in place of unit ticks).
+  plus one point-to-point transfer (``timed_makespan``, through ``parallel.pipeline.simulate.timeline``: the unit-time
+  model of ``simulate`` with measured times in place of unit ticks).
 * Data parallel: each stage's gradients (``params / fs``) are all-reduced over ``dp`` replicas in
   buckets (``planner.buckets``); only the part past the stage's last backward is exposed.
 * ``--plan krizhevsky2014`` (Krizhevsky 2014, section 4): conv layers data parallel at ``B / N``
@@ -91,7 +91,7 @@ def timed_makespan(sched: schedule.Schedule, f_ms: Sequence[float], b_ms: Sequen
     is free and its input has arrived (the previous virtual stage's forward, or the next one's
     backward, plus ``link_ms[b]``: the transfer over the boundary b between virtual stages b and b + 1, ms).
 
-    With every time 1 and links 0 the makespan is ``len`` of ``schedule.simulate``'s grid rows.
+    With every time 1 and links 0 the makespan is ``len`` of ``parallel.pipeline.simulate.simulate``'s grid rows.
     Returns (makespan ms, per stage the end of its last action, per stage its busy ms).
     Raises schedule.ScheduleError on a deadlock."""
     rows = schedule.timeline(sched, f_ms, b_ms, list(link_ms) or 0)

@@ -1,4 +1,4 @@
-"""Tests for rayconv.schedule (pure Python: no Ray, no torch)."""
+"""Tests for rayconv.parallel.pipeline's schedules, exchanges and simulation (pure Python: no Ray, no torch)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ Schedules provided
 
 Also here: the structure check every other check starts with (one ``F`` and one ``B`` per micro-batch
 and chunk, ``F`` before ``B``) and ``peak_in_flight``, which reads the activation memory off the
-programs. When actions run is ``simulate.py``'s; what they send is ``exchange.py``'s.
+programs. When actions run is ``simulate.py``'s; what they send is ``p2p.py``'s.
 """
 
 from __future__ import annotations
