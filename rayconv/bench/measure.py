@@ -63,7 +63,7 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
     ``trace_to``. Returns one bench row's measured columns (``bench.table.BENCH_SCHEMA``).
 
     Every call to the actors (one step, or the in-actor loop of ``steps`` steps) must return within
-    ``call_timeout_s`` seconds (default ``driver.call_timeout_s(cfg)``, as ``rayconv.run``);
+    ``call_timeout_s`` seconds (default ``driver.setup.call_timeout_s(cfg)``, as ``rayconv.run``);
     otherwise the actors are stopped. Raises ClusterError (out of memory, an actor's error) or its
     subclass CallTimeout (a call past its limit), the message prefixed with the phase it happened in
     (e.g. ``warm-up step 0``)."""

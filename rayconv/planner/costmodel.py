@@ -22,7 +22,7 @@ Inputs
 The step of a layout (Yadan et al. 2013, section 3; Huang et al. 2019; Narayanan et al. 2021)
 ----------------------------------------------------------------------------------------------
 * Each pipeline stage (``pp``, times ``virtual_stages`` chunks) runs its schedule's program
-  (``schedule.make_schedule``), each action taking its chunk's measured time at the micro-batch
+  (``parallel.pipeline.make_schedule``), each action taking its chunk's measured time at the micro-batch
   size (of the ``fs`` shard), plus the filter split's exchanges (an all-gather of the full activation
   before each layer that needs all input channels in the forward pass, a reduce-scatter of the same
   size in the backward pass); a forward on a stage waits for the previous virtual stage's output
@@ -86,7 +86,7 @@ class Prediction:
 
 def timed_makespan(sched: schedule.Schedule, f_ms: Sequence[float], b_ms: Sequence[float],
                    link_ms: Sequence[float]) -> tuple[float, list[float], list[float]]:
-    """Run ``sched``'s programs with measured times (``schedule.timeline``): an action on virtual stage
+    """Run ``sched``'s programs with measured times (``parallel.pipeline.timeline``): an action on virtual stage
     v (chunk c of stage s, v = c * P + s) takes ``f_ms[v]`` or ``b_ms[v]``, and starts when its stage
     is free and its input has arrived (the previous virtual stage's forward, or the next one's
     backward, plus ``link_ms[b]``: the transfer over the boundary b between virtual stages b and b + 1, ms).

@@ -3,7 +3,7 @@
 Per actor: parameters, gradients and SGD momentum (3 x parameters x 4 bytes in fp32 and bf16
 autocast, x 8 in fp64), the data-parallel gradient buckets (1 x more when dp > 1), and the
 activations of the micro-batches in flight: what each layer saves for its backward pass per sample
-(autograd's saved tensors) x samples in flight (``schedule.peak_in_flight``: 1F1B at most ``P - s``
+(autograd's saved tensors) x samples in flight (``parallel.pipeline.peak_in_flight``: 1F1B at most ``P - s``
 on stage s, GPipe all ``M``) x activation bytes (2 in bf16), divided by ``fs``. The per-layer plan
 keeps the conv layers' activations of ``B / N`` samples, the FC layers' of ``B`` samples over ``N``
 shards, and the gathered batch. Measured peaks come out lower than predicted (benchmarks/RESULTS.md),
