@@ -65,8 +65,8 @@ def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: i
                           f"{len(names) - len(RAYCONV_MODELS)} classification models (alexnet, resnet18, vgg16, ...; "
                           f"{LIST_MODELS} lists them)")
     if in_channels != 3:
-        raise ConfigError(f"--model {name} takes 3-channel images but the data has {in_channels} channel(s): "
-                          "give grey data as 3 channels with --channels 3, or use --model convnet")
+        raise ConfigError(f"--model {name} takes 3-channel images but gets {in_channels} channel(s): drop "
+                          "--channels (grey --data is then given as 3 equal channels), or use --model convnet")
     args = dict(BUILD_ARGS.get(name, {}), **({"zero_init_residual": True} if zero_init_residual else {}))
     try:
         model = _torchvision().models.get_model(name, weights=None, num_classes=num_classes, **args)

@@ -56,7 +56,7 @@ CASES = {
                       ["resnet1000", "convnet_bn", "convnet2col", "alexnet2012", "list_models"]),
     "vit at 64 px": (["--model", "vit_b_32", "--data", "synthetic", "--image-size", "64"], None,
                      ["vit_b_32", "64x64", "--image-size 224"]),
-    "3-channel model on digits": (["--model", "resnet18"], None, ["resnet18", "3-channel", "--data"]),
+    "3-channel model on digits": (["--model", "resnet18", "--channels", "1"], None, ["resnet18", "3-channel", "--data"]),
     "classes differ": (["--num-classes", "7"], None, ["--num-classes 7", "10 classes"]),
     "pipeline of an uncuttable model": (["--model", "googlenet", "--data", "synthetic", "--image-size", "64",
                                          "--pp", "2"], None, ["googlenet", "--pp 1"]),
