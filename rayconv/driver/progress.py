@@ -132,12 +132,15 @@ class Progress:
                      + (f" test_acc {acc:.4f}" if last_eval else ""))
 
     def evaluation(self, step: int, train_loss: float, ev: dict) -> None:
-        """An evaluation after ``step``: on the bar, or a plain line with test loss and accuracies."""
+        """An evaluation after ``step``: on the bar, or a plain line with test loss and accuracies (also
+        the moving average's, with --model-ema)."""
         self.bar.set_postfix(loss=f"{train_loss:.4f}", test_acc=f"{ev['test_accuracy']:.4f}")
         if not self.use_bar:
             top5 = ev.get("test_top5_accuracy")
             self.log(f"step {step:5d} test_loss {ev['test_loss']:.4f} test_accuracy {ev['test_accuracy']:.4f}"
-                     + (f" test_top5_accuracy {top5:.4f}" if top5 is not None else ""))
+                     + (f" test_top5_accuracy {top5:.4f}" if top5 is not None else "")
+                     + (f" ema_test_accuracy {ev['ema_test_accuracy']:.4f}" if ev.get("ema_test_accuracy") is not None
+                        else ""))
 
     def close(self) -> None:
         self.bar.close()
