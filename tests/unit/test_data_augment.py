@@ -157,3 +157,30 @@ def test_imagefolder_honours_augment_and_erasing(tmp_path, augment):
         assert not torch.equal(ImageFolderSource(str(tmp_path), 32, seed=0, workers=0, augment=augment)
                                .images("train", np.arange(4), CPU), first)
     assert "random erasing p=1" in src.describe()
+
+
+def test_shards_honour_augment_and_erasing(tmp_path):
+    from PIL import Image
+
+    from rayconv.data.shard_writer import prepare
+    from rayconv.data.shards import ShardSource
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for cls in ("a", "b"):
+            (tmp_path / "src" / split / cls).mkdir(parents=True)
+            for i in range(2):
+                Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(
+                    tmp_path / "src" / split / cls / f"{i}.JPEG", quality=95)
+    prepare(str(tmp_path / "src"), str(tmp_path / "shards"), size=40, shard_size=4, log=lambda *_: None, processes=1)
+    make = lambda augment, erase=0.0: ShardSource(str(tmp_path / "shards"), 32, 0, 0, "cpu", augment, erase)  # noqa: E731
+    idx = np.arange(4)
+    none = make("none").images("train", idx, CPU)
+    assert torch.equal(none, make("none").images("train", idx, CPU, epoch=2))       # no randomness
+    for augment in ("pad-crop", "resized-crop"):
+        x = make(augment).images("train", idx, CPU)
+        assert x.shape == (4, 3, 32, 32) and not torch.equal(x, none)
+        assert torch.equal(make(augment).images("train", idx[2:], CPU), x[2:])      # per sample
+    erased = make("none", 1.0).images("train", idx, CPU)
+    assert ((erased == 0).all(1).sum((1, 2)) > 0).all() and "random erasing p=1" in make("none", 1.0).describe()
+    assert torch.equal(make("none", 1.0).images("train", idx[1:3], CPU), erased[1:3])
