@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from rayconv.config import Config
@@ -13,6 +16,7 @@ from rayconv.mesh import split_slices
 from rayconv.driver.schedule import learning_rate
 from rayconv.models import build_model
 from rayconv.recipe.mix import draw_mix, mix_images, mix_targets
+from rayconv.recipe.optim import param_groups
 
 
 def sgd_config(tmp_path, name: str, **kw) -> Config:
@@ -85,24 +89,48 @@ def reference_mix_sgd(cfg: Config, steps: int) -> dict[str, torch.Tensor]:
 def reference_microbatch_sgd(cfg: Config, steps: int) -> tuple[dict[str, torch.Tensor], float]:
     """Single-device float64 SGD over ``cfg``'s global batches, each replica's share run as
     ``cfg.num_microbatches`` micro-batches with gradient accumulation (loss: per-sample sum / global
-    batch); batch-norm running statistics updated once per step from replica 0's whole share.
-    Returns (state_dict, test loss in eval mode)."""
+    batch); batch-norm running statistics updated once per step from replica 0's whole share; with
+    ``cfg``'s recipe (``reference_recipe_sgd``). Returns (state_dict, test loss in eval mode)."""
     source = make_source(cfg)
+    model, _ = _reference_run(cfg, steps, source)
+    model.eval()
+    idx = torch.arange(source.test_size).numpy()
+    with torch.no_grad():
+        logits = model(source.images("test", idx, torch.device("cpu")).double())
+        test_loss = nn.functional.cross_entropy(logits, source.labels("test", idx), reduction="sum").item()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, test_loss / source.test_size
+
+
+def reference_recipe_sgd(cfg: Config, steps: int) -> tuple[dict[str, torch.Tensor], Optional[dict[str, torch.Tensor]]]:
+    """``reference_microbatch_sgd``'s training with torchvision's recipe written in plain torch: the
+    optimizer ``cfg.opt`` (torch's SGD, Nesterov SGD or AdamW) over ``recipe.param_groups`` (no decay on
+    norm layers or biases as asked), the learning rate of ``driver.schedule`` (warm-up), cross entropy
+    with ``label_smoothing``, ``nn.utils.clip_grad_norm_`` on the whole model, and with --model-ema
+    torch's ``AveragedModel`` updated as torchvision's train.py updates its ExponentialMovingAverage.
+    Returns (state_dict, the average's state_dict or None)."""
+    model, ema = _reference_run(cfg, steps, make_source(cfg))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return state, None if ema is None else {k: v.detach().clone() for k, v in ema.module.state_dict().items()}
+
+
+def _reference_run(cfg: Config, steps: int, source) -> tuple[nn.Module, Optional[AveragedModel]]:
+    """The training loop of the micro-batch and recipe references (see their docstrings)."""
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1]).double()
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    opt = _reference_optimizer(cfg, model)
+    sharding = Sharding(source.train_size, cfg.global_batch_size, dp=cfg.dp, seed=cfg.seed)
+    ema = _reference_ema(cfg, model, sharding.steps_per_epoch)
     bns = [m for m in model.modules() if isinstance(m, _BatchNorm)]
     seen: dict[nn.Module, list[torch.Tensor]] = {m: [] for m in bns}
     record = [False]
     for m in bns:
         m.register_forward_pre_hook(lambda mod, args: seen[mod].append(args[0].detach()) if record[0] else None)
-    sharding = Sharding(source.train_size, cfg.global_batch_size, dp=cfg.dp, seed=cfg.seed)
     for step in range(steps):
         epoch, s = divmod(step, sharding.steps_per_epoch)
         replicas = [sharding.replica_batch(epoch, s, r)[0] for r in range(cfg.dp)]
         count = sum(len(r) for r in replicas)
         for g in opt.param_groups:
-            g["lr"] = learning_rate(cfg, step, steps)
+            g["lr"] = learning_rate(cfg, step, steps, sharding.steps_per_epoch)
         opt.zero_grad()
         for m in bns:  # micro-batches normalised by their own statistics, tracking nothing
             m.track_running_stats = False
@@ -110,20 +138,42 @@ def reference_microbatch_sgd(cfg: Config, steps: int) -> tuple[dict[str, torch.T
             record[0] = r == 0
             for sl in split_slices(len(idx), cfg.num_microbatches):
                 x = source.images("train", idx[sl], torch.device("cpu"), epoch).double()
-                loss = nn.functional.cross_entropy(model(x), source.labels("train", idx[sl]), reduction="sum")
+                loss = nn.functional.cross_entropy(model(x), source.labels("train", idx[sl]), reduction="sum",
+                                                   label_smoothing=cfg.label_smoothing)
                 (loss / count).backward()
+        if cfg.clip_grad_norm is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
         opt.step()
         with torch.no_grad():
             for m in bns:  # one update from replica 0's whole share: nn.BatchNorm on the concatenation
                 m.track_running_stats = True
                 m.train()(torch.cat(seen[m]))
                 seen[m].clear()
-    model.eval()
-    idx = torch.arange(source.test_size).numpy()
-    with torch.no_grad():
-        logits = model(source.images("test", idx, torch.device("cpu")).double())
-        test_loss = nn.functional.cross_entropy(logits, source.labels("test", idx), reduction="sum").item()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, test_loss / source.test_size
+        if ema is not None and s % cfg.model_ema_steps == 0:  # train.py: batch i of the epoch
+            ema.update_parameters(model)
+            if epoch < cfg.lr_warmup_epochs:
+                ema.n_averaged.fill_(0)
+    return model, ema
+
+
+def _reference_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay, cfg.norm_weight_decay, cfg.bias_weight_decay)
+    if cfg.opt == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                           nesterov=cfg.opt == "sgd_nesterov")
+
+
+def _reference_ema(cfg: Config, model: nn.Module, steps_per_epoch: int) -> Optional[AveragedModel]:
+    """torchvision's ExponentialMovingAverage (an AveragedModel over parameters and buffers), its
+    decay adjusted as train.py does: ``1 - min(1, (1 - decay) * batch * model_ema_steps / epochs)``,
+    the epochs those the run spans (``--steps`` rounded up to whole epochs)."""
+    if not cfg.model_ema:
+        return None
+    epochs = -(-cfg.steps // steps_per_epoch) if cfg.steps else (cfg.epochs or 10)
+    adjust = cfg.global_batch_size * cfg.model_ema_steps / epochs
+    decay = 1.0 - min(1.0, (1.0 - cfg.model_ema_decay) * adjust)
+    return AveragedModel(model, avg_fn=lambda avg, p, n: decay * avg + (1 - decay) * p, use_buffers=True)
 
 
 def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float = 1e-10) -> None:

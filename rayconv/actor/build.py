@@ -1,6 +1,7 @@
 """Building an actor's part: device choice, process groups, data source, the part of the model
 (``parallel.parallelize``: cut, filter split or per-layer plan, batch-norm mode, data-parallel sync),
-dtype, optimizer, compile, CUDA graph, the stage runner and its program. ``BuildMixin.setup`` is the
+dtype, optimizer and the rest of the recipe (``recipe.py``), compile, CUDA graph, the stage runner and
+its program. ``BuildMixin.setup`` is the
 actor's ``setup`` call; ``rayconv/actor/worker.py``'s ``Worker`` inherits it and declares the state
 it sets.
 """
@@ -14,9 +15,11 @@ import torch
 
 from rayconv.actor.batches import Batches
 from rayconv.actor.cuda_graph import StepGraph
+from rayconv.actor.recipe import StepRecipe, build_optimizer
 from rayconv.cluster.connect import visible_index
 from rayconv.data.registry import make_source
 from rayconv.data.source import Sharding
+from rayconv.errors import ConfigError
 from rayconv.mesh import split_sizes
 from rayconv.models import run_model, to_layers
 from rayconv.parallel import comm
@@ -26,7 +29,8 @@ from rayconv.parallel.part import compile_part
 from rayconv.parallel.pipeline.p2p import exchange_plan
 from rayconv.parallel.pipeline.runner import Chunk, StageRunner
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.float32, "fp64": torch.float64}
+DTYPES = {"fp32": torch.float32, "bf16": torch.float32, "fp16": torch.float32, "fp64": torch.float64}
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --precision -> autocast dtype (parameters float32)
 
 
 class BuildMixin:
@@ -59,28 +63,31 @@ class BuildMixin:
         self.source = make_source(cfg)
         self._set_precision()
         self._build_part()
-        # (one explicit group: a stage of parameter-free layers, e.g. pooling alone, has an empty one)
-        self.optimizer = torch.optim.SGD([{"params": list(self.part.parameters())}], lr=cfg.lr,
-                                         momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        self.optimizer = build_optimizer(cfg, self.part)
         self._choose_step_mode()
         stage = self.coord.pp
         self.runner = self._stage_runner()
         self.program = plan.schedule.programs[stage]
         self.exchange_plan = exchange_plan(plan.schedule, stage)
         self.is_first, self.is_last = stage == 0, stage == mesh.pp - 1
-        self.batches = Batches(self.source, Sharding(self.source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed),
-                               mesh, self.coord, self.device, self.input_dtype, self.parallel.sharded.batch_gather)
+        sharding = Sharding(self.source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed)
+        self.batches = Batches(self.source, sharding, mesh, self.coord, self.device, self.input_dtype,
+                               self.parallel.sharded.batch_gather, mix=(cfg.mixup_alpha, cfg.cutmix_alpha))
+        self.recipe = StepRecipe(cfg, self.parallel, self.groups, self.coord, self.per_layer, self.device,
+                                 sharding.steps_per_epoch)
         self.reports = self.is_last and self.coord.fs == 0 and not (self.per_layer and self.coord.dp != 0)
         return {"rank": rank, "role": self.role, "device": str(self.device), "compiled": self.compiled,
                 "cuda_graphs": self.cuda_graphs, "parameters": sum(p.numel() for p in self.part.parameters())}
 
     def _set_precision(self) -> None:
-        """Parameter dtype, autocast dtype and the images' dtype from ``--precision``."""
+        """Parameter dtype, autocast dtype and the images' dtype from ``--precision``: bf16 and fp16
+        keep float32 parameters and autocast the forward pass (fp16 with dynamic loss scaling,
+        ``recipe.py``; CPU autocast runs float16 convolutions and matrix products too)."""
         self.dtype = DTYPES[self.cfg.precision]
-        self.autocast = torch.bfloat16 if self.cfg.precision == "bf16" else None
-        # Images enter the first layer in bf16 under bf16 autocast on GPUs (its convolution would cast them).
-        cuda_bf16 = self.autocast is not None and self.device.type == "cuda"
-        self.input_dtype = torch.bfloat16 if cuda_bf16 else self.dtype
+        self.autocast = AUTOCAST.get(self.cfg.precision)
+        # Images enter the first layer in the autocast dtype on GPUs (its convolution would cast them).
+        cuda_autocast = self.autocast is not None and self.device.type == "cuda"
+        self.input_dtype = self.autocast if cuda_autocast else self.dtype
 
     def _build_part(self) -> None:
         """This actor's part: every actor builds the same full model from the seed, then keeps its part
@@ -100,7 +107,7 @@ class BuildMixin:
         # auto: compile on GPUs (not fp64). Without whole-step CUDA graphs, compiled data parallelism runs
         # slower than eager (each segment's launch overhead), so with --cuda-graphs off auto compiles
         # one-GPU runs only.
-        graphs_on = device.type == "cuda" and cfg.cuda_graphs in ("on", "auto")
+        graphs_on = device.type == "cuda" and cfg.cuda_graphs in ("on", "auto") and _graphable(cfg)
         self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda"
                                                   and cfg.precision != "fp64" and (graphs_on or self.mesh.world_size == 1))
         # The whole step captured as one CUDA graph and replayed (auto: on every GPU layout), so the CPU
@@ -133,9 +140,21 @@ class BuildMixin:
                                 next=pp_ranks[(v + 1) % mesh.pp] if v < last_v else None,
                                 in_shape=_local(plan.stage_in_shape(v), self.parallel.in_sizes, fs_index),
                                 out_shape=_local(plan.stage_out_shape(v), self.parallel.sharded.out_sizes, fs_index)))
-        wire = torch.bfloat16 if self.cfg.precision == "bf16" else self.dtype
+        wire = self.autocast or self.dtype  # activations and their gradients: bf16/fp16 under autocast
         return StageRunner(chunks, self.groups.axis["pp"], wire_dtype=wire, device=self.device,
                            autocast=self.autocast)
+
+
+def _graphable(cfg) -> bool:
+    """Whether this run's step can be captured as a CUDA graph. AdamW and float16 loss scaling run
+    eagerly: the captured update is SGD's (``cuda_graph.sgd_step``), and skipping a step on overflow
+    is a decision on the host. Raises ConfigError for ``--cuda-graphs on`` with either."""
+    eager = [flag for flag, on in (("--opt adamw", cfg.opt == "adamw"), ("--precision fp16", cfg.precision == "fp16"))
+             if on]
+    if eager and cfg.cuda_graphs == "on":
+        raise ConfigError(f"--cuda-graphs on does not combine with {' and '.join(eager)} (those steps run eagerly): "
+                          "use --cuda-graphs auto or off")
+    return not eager
 
 
 def _local(shape: tuple[int, ...], sizes, index: int) -> tuple[int, ...]:

@@ -26,29 +26,32 @@ import torch
 
 @torch.no_grad()
 def sgd_step(optimizer: torch.optim.SGD, lr: dict[torch.dtype, torch.Tensor]) -> None:
-    """``optimizer``'s SGD update (momentum, weight decay; no dampening or Nesterov) with the learning
-    rate read on the device from ``lr[dtype]`` (a 0-d tensor per parameter dtype), so it can be captured.
+    """``optimizer``'s SGD update (momentum, Nesterov momentum, each group's own weight decay; no
+    dampening) with the learning rate read on the device from ``lr[dtype]`` (a 0-d tensor per parameter
+    dtype), so it can be captured. The arithmetic is torch.optim.SGD's: ``g += wd * p``; ``buf = m * buf
+    + g`` (the first step: ``buf = g``); ``g = g + m * buf`` with Nesterov, else ``g = buf``; ``p -= lr * g``.
 
     Float32 and lower parameters on a GPU take torch's fused SGD kernel (one pass over parameters,
     gradients and momentum: AlexNet's 61 M parameters made the unfused update a millisecond of every
     step); it reads the learning rate in float32, which is what float32 arithmetic uses anyway. Float64
     parameters (and CPUs) take torch.optim.SGD's foreach arithmetic, the learning rate in float64.
     Momentum buffers live in ``optimizer.state`` (checkpoints are the usual SGD state_dict); the first
-    step makes them as torch.optim.SGD does. Raises ValueError for dampening, Nesterov or maximize."""
+    step makes them as torch.optim.SGD does. (AdamW is not captured: ``--opt adamw`` steps run eagerly,
+    ``build.py``.) Raises ValueError for dampening or maximize."""
     for group in optimizer.param_groups:
-        if group.get("dampening", 0) or group.get("nesterov", False) or group.get("maximize", False):
-            raise ValueError("CUDA graph steps support plain SGD with momentum and weight decay only")
+        if group.get("dampening", 0) or group.get("maximize", False):
+            raise ValueError("CUDA graph steps support SGD with (Nesterov) momentum and weight decay only")
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             continue
         grads = [p.grad for p in params]
-        wd, momentum = group["weight_decay"], group["momentum"]
+        wd, momentum, nesterov = group["weight_decay"], group["momentum"], group.get("nesterov", False)
         bufs = [optimizer.state[p].get("momentum_buffer") for p in params] if momentum else []
         lr_t = lr[params[0].dtype]
         first = any(b is None for b in bufs)
         if params[0].is_cuda and params[0].dtype != torch.float64 and not first:
             torch._fused_sgd_(params, grads, bufs, weight_decay=wd, momentum=momentum, lr=lr_t, dampening=0.0,
-                              nesterov=False, maximize=False, is_first_step=False)
+                              nesterov=nesterov, maximize=False, is_first_step=False)
             continue
         if wd:
             grads = torch._foreach_add(grads, params, alpha=wd)
@@ -59,7 +62,8 @@ def sgd_step(optimizer: torch.optim.SGD, lr: dict[torch.dtype, torch.Tensor]) ->
             else:
                 torch._foreach_mul_(bufs, momentum)
                 torch._foreach_add_(bufs, grads)
-            grads = [optimizer.state[p]["momentum_buffer"] for p in params]
+            bufs = [optimizer.state[p]["momentum_buffer"] for p in params]
+            grads = torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else bufs
         torch._foreach_sub_(params, torch._foreach_mul(grads, lr_t))
 
 

@@ -1,6 +1,6 @@
 """State in and out of an actor: its parameters and buffers (``state``, ``load_state``), the
 dimensions filter split cuts (``split_dims``), and its checkpoint shard (``checkpoint_shard``,
-``load_shard``: model, optimizer and RNG states). ``StateMixin`` is inherited by
+``load_shard``: model, optimizer, loss-scale, moving-average and RNG states). ``StateMixin`` is inherited by
 ``rayconv/actor/worker.py``'s ``Worker``.
 """
 
@@ -8,17 +8,24 @@ from __future__ import annotations
 
 import io
 import random
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
 
 class StateMixin:
-    """The state calls of ``Worker``: ``state``, ``split_dims``, ``checkpoint_shard``, ``load_shard``, ``load_state``."""
+    """The state calls of ``Worker``: ``state``, ``split_dims``, ``checkpoint_shard``, ``load_shard``,
+    ``load_state``; ``weights`` swaps the moving average in (``state``, ``evaluate``)."""
 
-    def state(self) -> dict[str, torch.Tensor]:
-        """This actor's parameters and buffers on CPU, keyed by the whole model's state_dict names."""
+    def state(self, ema: bool = False) -> dict[str, torch.Tensor]:
+        """This actor's parameters and buffers on CPU, keyed by the whole model's state_dict names;
+        ``ema``: those of its moving average (--model-ema; RuntimeError without it)."""
+        with self.weights(ema):
+            return self._state()
+
+    def _state(self) -> dict[str, torch.Tensor]:
         out = {}
         for name, sub in zip(self.parallel.names, self.part):
             if name is None:
@@ -27,13 +34,32 @@ class StateMixin:
                 out[f"{name}.{k}" if name else k] = v.detach().to("cpu", copy=True)
         return out
 
+    @contextmanager
+    def weights(self, ema: bool) -> Iterator[None]:
+        """The part holds the moving average's tensors inside the block when ``ema`` (copied in place,
+        so compiled and captured code keeps its tensors), its own outside. Raises RuntimeError for
+        ``ema`` without --model-ema."""
+        if not ema:
+            yield
+            return
+        if self.recipe.ema is None:
+            raise RuntimeError("no moving average of the weights: the run was started without --model-ema")
+        own = {k: v.detach().clone() for k, v in self.part.state_dict().items()}
+        self.recipe.ema.copy_to(self.part)
+        try:
+            yield
+        finally:
+            self.part.load_state_dict(own)
+
     def split_dims(self) -> dict[str, int]:
         """state_dict keys that filter split cuts, and the dimension (empty without filter split)."""
         return dict(self.parallel.sharded.split_dims)
 
     def checkpoint_shard(self) -> bytes:
         """This actor's shard as ``torch.save`` bytes: model state (keys as in ``state()``), optimizer
-        state_dict and RNG states, all tensors and plain types (loads with ``weights_only=True``)."""
+        state_dict, the fp16 loss scale's state (``loss_scale``, None without fp16), the moving
+        average's (``ema``, None without --model-ema) and RNG states, all tensors and plain types (loads
+        with ``weights_only=True``)."""
         np_state = np.random.get_state()
         rng = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
                "numpy_pos": int(np_state[2]), "numpy_has_gauss": int(np_state[3]),
@@ -41,17 +67,21 @@ class StateMixin:
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         payload = {"rank": self.rank, "role": self.role, "coord": list(self.coord), "model": self.state(),
-                   "optimizer": _to_cpu(self.optimizer.state_dict()), "rng": rng}
+                   "optimizer": _to_cpu(self.optimizer.state_dict()), "rng": rng,
+                   "loss_scale": None if self.recipe.scaler is None else self.recipe.scaler.state_dict(),
+                   "ema": None if self.recipe.ema is None else _to_cpu(self.recipe.ema.state_dict())}
         buf = io.BytesIO()
         torch.save(payload, buf)
         return buf.getvalue()
 
     def load_shard(self, blob: bytes, next_step: int) -> None:
         """Load a shard written by ``checkpoint_shard`` (this rank's, or replica 0's after a --dp change);
-        the next ``train_step`` is ``next_step``. Raises RuntimeError if it does not fit this part."""
+        the next ``train_step`` is ``next_step``. Raises RuntimeError if it does not fit this part (or
+        lacks the loss scale or moving average this run keeps)."""
         payload = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
         self.load_state(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
+        self._load_recipe(payload)
         rng = payload["rng"]
         torch.set_rng_state(rng["torch"])
         np.random.set_state(("MT19937", rng["numpy_keys"].numpy().astype(np.uint32), rng["numpy_pos"],
@@ -63,6 +93,16 @@ class StateMixin:
         self.batches.first_step = next_step
         if self.step_graph is not None:
             self.step_graph.reset()  # the optimizer's momentum buffers are new tensors: capture again
+
+    def _load_recipe(self, payload: dict[str, Any]) -> None:
+        """The loss scale and the moving average from a shard (those this run keeps)."""
+        for name, held in (("loss_scale", self.recipe.scaler), ("ema", self.recipe.ema)):
+            if held is None:
+                continue
+            if payload.get(name) is None:
+                raise RuntimeError(f"the checkpoint shard holds no {name} state, which this run keeps "
+                                   "(--precision fp16 / --model-ema must match the checkpointed run)")
+            held.load_state_dict(payload[name])
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Inverse of ``state()``: copy parameters and buffers into this part (strict: every key of the

@@ -1,6 +1,6 @@
 """The step program of an actor: launching one synchronous SGD step (dropout seeds, learning rate, the
-stage runner, gradient all-reduce, the update, two steps in flight), ``train_steps``, ``trace``,
-``flush`` and ``evaluate``. Which micro-batches a step reads is ``batches.py``'s; its loss is
+stage runner, gradient all-reduce, loss scaling and clipping, the update, the moving average, two
+steps in flight), ``train_steps``, ``trace``, ``flush``, ``evaluate`` and the loss scale's test hook. Which micro-batches a step reads is ``batches.py``'s; its loss is
 ``loss.py``'s. ``StepMixin`` is inherited by ``rayconv/actor/worker.py``'s ``Worker``; it reads what
 ``BuildMixin.setup`` built.
 """
@@ -45,7 +45,9 @@ class StepMixin:
         graphs a step cannot be split, and counts as compute (the waits are None). A profiled step also
         reports ``comm_bytes``: the bytes this actor handed to torch.distributed in the step (sends and
         collectives' inputs, as ``parallel/comm.py`` defines them; a replayed CUDA graph step repeats the
-        captured step's, counted when it was captured).
+        captured step's, counted when it was captured). Under ``--precision fp16`` the metrics carry
+        ``loss_scale`` (the factor the step's loss was multiplied by; None otherwise) and ``skipped``
+        (True when an overflow anywhere in the mesh skipped the update; False without fp16).
         Raises what the model or the data raise.
         """
         t0 = time.perf_counter()
@@ -74,8 +76,10 @@ class StepMixin:
             g["lr"] = lr
         for t in self.lr_t.values():
             t.fill_(lr)
-        res, loss, t_run, allreduce_s, exchange_s = self._run_sgd(mb, global_count, key, generators, profile)
-        current = {"rank": self.rank, "step": step, "reports": self.reports, "loss_sum": loss.loss_sum,
+        loss_scale = self.recipe.loss_scale
+        res, loss, t_run, allreduce_s, exchange_s = self._run_sgd(step, mb, global_count, key, generators, profile)
+        self.recipe.after_update(self.part, step)  # the moving average (eager, outside any captured step)
+        current = {"loss_scale": loss_scale, "skipped": self.recipe.skipped, "rank": self.rank, "step": step, "reports": self.reports, "loss_sum": loss.loss_sum,
                    "correct": loss.correct, "samples": global_count if self.per_layer else sum(mb.sizes),
                    "global_count": global_count, "epoch": epoch, "idle_ms": idle_ms,
                    "interval_ms": (t0 - self.last_start) * 1e3 if self.last_start is not None else None}
@@ -109,9 +113,9 @@ class StepMixin:
                 generators.append(mod.generator)
         return generators
 
-    def _run_sgd(self, mb: MicroBatches, global_count: int, key: tuple[int, ...], generators: list[torch.Generator],
+    def _run_sgd(self, step: int, mb: MicroBatches, global_count: int, key: tuple[int, ...], generators: list[torch.Generator],
                  profile: bool) -> tuple[StepResult, StepLoss, float, Optional[float], float]:
-        """Forward, backward, all-reduce and update of one step: eagerly, or the CUDA graph's replay.
+        """Forward, backward, all-reduce and update of step ``step``: eagerly, or the CUDA graph's replay.
         Returns (the runner's result, the loss, perf_counter at the start, all-reduce wait s or None,
         exposed filter-split exchange s). With ``profile``, the step is synchronised around the
         all-reduce and every activation exchange of filter split to time them apart (eagerly: nothing
@@ -120,7 +124,8 @@ class StepMixin:
 
         def sgd() -> tuple[StepResult, StepLoss]:
             comm.reset_volume()
-            loss = StepLoss(mb.labels, global_count)
+            loss = StepLoss(mb.labels, global_count, label_smoothing=self.cfg.label_smoothing,
+                            scale=self.recipe.loss_scale)
             res = self.runner.run(self.program, self.exchange_plan, mb.inputs, loss, mb.sizes, self.sync.arm,
                                   before_forward=mb.before_forward)
             if profile:
@@ -130,7 +135,7 @@ class StepMixin:
             if profile:
                 sync_device(self.device)
                 allreduce["s"] = time.perf_counter() - t_sync if self.sync.group is not None else 0.0
-            self._update()
+            self._update(step)
             # (a replay does not run this function: it repeats the captured step's communication)
             self.comm_bytes = sum(comm.volume().values())
             return res, loss
@@ -180,12 +185,15 @@ class StepMixin:
         event.record()
         current.update(loss_sum=host[0], correct=host[1], event=event)
 
-    def _update(self) -> None:
-        """The SGD update (from the device learning rate under CUDA graphs), then batch-norm buffers."""
-        if self.step_graph is not None:
-            sgd_step(self.optimizer, self.lr_t)
-        else:
-            self.optimizer.step()
+    def _update(self, step: int) -> None:
+        """Loss-scale agreement and clipping (``recipe.py``), the update unless an overflow skips it
+        (from the device learning rate under CUDA graphs), then batch-norm buffers (committed also on
+        a skipped step: the forward passes ran, as torch's batch norm would have counted them)."""
+        if not self.recipe.before_update(step):
+            if self.step_graph is not None:
+                sgd_step(self.optimizer, self.lr_t)
+            else:
+                self.optimizer.step()
         commit_batchnorm(self.parallel.deferred_bn)  # (once per step, after the last micro-batch)
         if self.parallel.has_buffers and not self.cfg.sync_batchnorm:
             # Per-replica batch-norm statistics (as DDP): running stats follow dp replica 0.
@@ -239,8 +247,14 @@ class StepMixin:
         self.last_return = None  # the driver waits on purpose after a flush: not counted as idle
         return out
 
-    def evaluate(self) -> dict[str, Any]:
-        """Loss sum and correct count over this replica's share of the held-out set (each sample once)."""
+    def evaluate(self, ema: bool = False) -> dict[str, Any]:
+        """Loss sum (unsmoothed cross entropy) and correct counts over this replica's share of the
+        held-out set (each sample once); ``ema``: of the moving average's weights (--model-ema; the
+        model's own are restored after, ``state.py``'s ``weights``). Raises RuntimeError for ``ema`` without --model-ema."""
+        with self.weights(ema):
+            return self._evaluate()
+
+    def _evaluate(self) -> dict[str, Any]:
         replica_idx = self.batches.test_indices()
         chunk = max(1, self.cfg.global_batch_size // self.mesh.dp)
         # The same number of chunks on every replica (replica 0's shard is the largest): the per-layer
@@ -255,3 +269,14 @@ class StepMixin:
                         mb.sizes, lambda: None, train=False, before_forward=mb.before_forward)
         return {"reports": self.reports, "loss_sum": float(loss.loss_sum), "correct": int(loss.correct),
                 "correct5": None if loss.correct5 is None else int(loss.correct5), "samples": count}
+
+    def inject_overflow(self, step: int) -> None:
+        """Test hook: at ``step`` (under --precision fp16), make this actor's first gradient inf after the
+        backward pass, as an overflow would (``recipe.StepRecipe.before_update``)."""
+        self.recipe.overflow_at = step
+
+    def loss_scale_state(self) -> Optional[dict[str, Any]]:
+        """The float16 loss scale's state (``DynamicLossScale.state_dict``) and whether the last step
+        was skipped; None without --precision fp16."""
+        scaler = self.recipe.scaler
+        return None if scaler is None else {**scaler.state_dict(), "skipped": self.recipe.skipped}

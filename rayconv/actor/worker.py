@@ -11,10 +11,13 @@ or the Ray object store.
 ``free_address``, ``shutdown``) and inherits the rest, one concept a file under ``rayconv/actor/``:
 
     build.py    ``setup``: device, process groups, the part of the model, optimizer, compile, CUDA graph
-    step.py     ``train_step``, ``train_steps``, ``trace``, ``flush``, ``evaluate``: the step program
+    recipe.py   the optimizer's groups, fp16 loss scaling, gradient clipping, the moving average
+    step.py     ``train_step``, ``train_steps``, ``trace``, ``flush``, ``evaluate``: the step program;
+                ``inject_overflow`` and ``loss_scale_state`` (the fp16 test hook and its read-out)
     batches.py  which micro-batches this actor reads, and what it announces to the loader
     loss.py     the loss of the last stage, micro-batch by micro-batch
-    state.py    ``state``, ``load_state``, ``split_dims``, ``checkpoint_shard``, ``load_shard``
+    state.py    ``state``, ``load_state``, ``split_dims``, ``checkpoint_shard``, ``load_shard`` (``state``
+                and ``evaluate`` take ``ema=True`` for the moving average's weights)
     report.py   ``memory`` and the per-actor gauges in Ray's metrics
 """
 
@@ -31,6 +34,7 @@ from torch import nn
 from rayconv.actor.batches import Batches
 from rayconv.actor.build import BuildMixin
 from rayconv.actor.cuda_graph import StepGraph
+from rayconv.actor.recipe import StepRecipe
 from rayconv.actor.report import ReportMixin
 from rayconv.actor.state import StateMixin
 from rayconv.actor.step import StepMixin
@@ -60,7 +64,9 @@ class Worker(BuildMixin, StepMixin, StateMixin, ReportMixin):
     * ``parallel`` (``parallelize``'s result: the part, its layer names, split, replicated modules,
       gradient sync, deferred batch norms), ``part`` and ``sync`` (``parallel.part``, ``parallel.sync``),
       ``per_layer`` (under Krizhevsky 2014's per-layer plan);
-    * ``dtype`` (parameters), ``autocast`` (bf16 or None), ``input_dtype`` (images), ``optimizer``;
+    * ``dtype`` (parameters), ``autocast`` (bf16, fp16 or None), ``input_dtype`` (images), ``optimizer``
+      (``--opt`` over ``recipe.optim``'s groups), ``recipe`` (``recipe.StepRecipe``: loss scale,
+      clipping, moving average);
     * ``compiled``, ``cuda_graphs``, ``step_graph`` (the captured step or None), ``lr_t`` (device
       learning rates for a captured update, by parameter dtype);
     * ``runner`` (the stage's ``StageRunner``), ``program`` and ``exchange_plan`` (its actions and
@@ -92,7 +98,8 @@ class Worker(BuildMixin, StepMixin, StateMixin, ReportMixin):
         self.dtype: torch.dtype = torch.float32
         self.autocast: Optional[torch.dtype] = None
         self.input_dtype: torch.dtype = torch.float32
-        self.optimizer: Optional[torch.optim.SGD] = None
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.recipe: Optional[StepRecipe] = None
         # how a step runs (setup)
         self.compiled: bool = False
         self.cuda_graphs: bool = False

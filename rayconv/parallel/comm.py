@@ -99,6 +99,15 @@ def all_reduce_sum(t: torch.Tensor, group: Optional[dist.ProcessGroup], async_op
     return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
+def all_reduce_max(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
+    """In-place maximum over ``group``, blocking (no-op for a singleton or missing group): the float16
+    overflow flag every actor of the mesh must agree on."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    _count("all_reduce", t)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+
+
 def broadcast(t: torch.Tensor, src: int, group: Optional[dist.ProcessGroup]) -> None:
     """Broadcast ``t`` in place from global rank ``src`` to ``group``."""
     if group is not None:
