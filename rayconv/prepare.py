@@ -22,7 +22,7 @@ def _on_ray(args: dict[str, tuple], address: Optional[str]) -> Iterator[tuple[st
     naming the shard whose task failed (the others are cancelled)."""
     import ray   # (Ray's import takes seconds: not for --help or a bad argument)
 
-    import rayconv.cluster.connect as cluster  # (the module, not the face's function; imports Ray, as above)
+    from rayconv.cluster import connect as cluster  # (imports Ray, as above)
 
     cluster.connect(address)
     task = ray.remote(num_cpus=1)(write_shard)

@@ -1,15 +1,16 @@
 """Ray plumbing, below the parallel code: connecting to a cluster (``connect``), the actors of one run
 and their placement group (``group``: handed the actor class, it imports none), short jobs on the
-cluster's devices (``tasks``).
+cluster's devices (``tasks``). The face re-exports no name of a submodule (``connect`` stays the module,
+so ``rayconv.cluster.connect.connect`` is the function).
 
 The driver, the planner and the bench reach Ray only through here. Elsewhere Ray is asked only what a
 process learns of itself or hands to Ray directly: an actor's node, IP and GPU ids
 (``actor/worker.py``, ``actor/build.py``), Ray's metric gauges (``outputs/metrics.py``), and
 ``prepare.py``'s shard-writing tasks."""
 
-from rayconv.cluster.connect import available_devices, connect, exception_summary, probe, visible_index
+from rayconv.cluster.connect import available_devices, exception_summary, probe, visible_index
 from rayconv.cluster.group import Gang, Pending, reserve, start_actors, start_workers
 from rayconv.cluster.tasks import run_on_device, run_on_devices
 
-__all__ = ["available_devices", "connect", "exception_summary", "probe", "visible_index", "Gang", "Pending",
+__all__ = ["available_devices", "exception_summary", "probe", "visible_index", "Gang", "Pending",
            "reserve", "start_actors", "start_workers", "run_on_device", "run_on_devices"]
