@@ -56,7 +56,7 @@ def images_line(setup: Setup) -> str:
     told = getattr(setup.source, "augmentation", None)  # (a source that names what it does)
     augment = f"augmentation {told}" if told else \
         f"--augment {cfg.augment}" + (f" ({cfg.augmentation})" if cfg.augment == "auto" else "")
-    erase = f", random erasing p={cfg.random_erase:g}" if cfg.random_erase else ""
+    erase = f", random erasing p={cfg.random_erase:g}" if cfg.random_erase and not told else ""
     return (f"rayconv: images {channels} x {shape[1]} x {shape[2]}"
             f"{f' (the data has {shape[0]} channel(s))' if channels != shape[0] else ''}, "
             f"{augment}{erase}, precision {cfg.precision}")
