@@ -1,0 +1,111 @@
+"""float16 with dynamic loss scaling on 2 replicas of a 2-stage pipeline (CPU autocast): an overflow
+in one actor (replica 0's stage 1, after the gradient all-reduce, so no other actor sees an inf of its
+own) skips the step on every actor of the mesh and halves the scale on every actor, and the run goes
+on; the scale
+and the moving average travel in the checkpoint shards, so a resumed run equals the straight one.
+
+The overflow is forced: ``Worker.inject_overflow(step)`` makes stage 1's first gradient inf at
+``INJECT`` (the other actors' gradients stay finite: only the mesh-wide MAX of the flag can make them
+skip).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from rayconv.config import Config
+from rayconv.driver.job import fit
+from rayconv.mesh import Mesh
+from rayconv.run import main
+
+STEPS = 6
+INJECT = 2      # the step whose update stage 1's overflow skips
+STOP_AFTER = 2  # the stopped run ends after step 2 (3 steps; its checkpoint is step-3)
+MESH = Mesh(dp=2, pp=2, fs=1)
+STAGE1 = MESH.rank((0, 1, 0))  # replica 0's second stage
+
+
+class Stop(Exception):
+    """Raised from on_step to end a run mid-way, as a crash would."""
+
+
+def fp16_config(out: Path) -> Config:
+    return Config(model="convnet", data="digits", dp=2, pp=2, num_microbatches=2, global_batch_size=96, steps=STEPS,
+                  lr=0.05, precision="fp16", device="cpu", progress=False, eval_every=STEPS, checkpoint_every=3,
+                  model_ema=True, model_ema_steps=1, model_ema_decay=0.99, loader_workers=0, out=str(out)).validate()
+
+
+class Recorder:
+    """on_step: asks stage 1 to overflow at INJECT (before that step is launched), then records every
+    actor's state and loss scale after each step; raises Stop after ``stop_after``."""
+
+    def __init__(self, stop_after: int | None = None):
+        self.stop_after = stop_after
+        self.states: dict[int, list[dict[str, torch.Tensor]]] = {}
+        self.scales: dict[int, list[dict]] = {}
+
+    def __call__(self, gang, step: int) -> None:
+        if step == 0:
+            gang.call("inject_overflow", INJECT, ranks=[STAGE1])
+        self.states[step] = gang.call("state")
+        self.scales[step] = gang.call("loss_scale_state")
+        if step == self.stop_after:
+            raise Stop()
+
+
+@pytest.fixture(scope="module")
+def straight(ray_cluster, tmp_path_factory) -> tuple[Path, Recorder]:
+    out = tmp_path_factory.mktemp("fp16") / "straight"
+    rec = Recorder()
+    fit(fp16_config(out), log=lambda *_: None, on_step=rec)
+    return out, rec
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_overflow_in_one_stage_skips_the_step_everywhere(straight):
+    out, rec = straight
+    assert sorted(rec.states) == list(range(STEPS))
+    for step in range(STEPS):
+        skipped = [s["skipped"] for s in rec.scales[step]]
+        assert skipped == [step == INJECT] * MESH.world_size, f"step {step}: {skipped}"  # the same everywhere
+        assert len({s["scale"] for s in rec.scales[step]}) == 1  # one scale over the mesh
+        if step > 0:
+            moved = [not _same(a, b) for a, b in zip(rec.states[step], rec.states[step - 1])]
+            assert moved == [step != INJECT] * MESH.world_size, f"step {step}: parameters moved {moved}"
+    before, after = rec.scales[INJECT - 1], rec.scales[INJECT]
+    assert all(a["scale"] == b["scale"] / 2 for a, b in zip(after, before))
+    assert before[0]["scale"] == 2.0 ** 16
+    # The metrics row of each step carries the scale its loss was multiplied by.
+    rows = [r for r in pq.read_table(out / "metrics.parquet").to_pylist() if r["kind"] == "train"]
+    assert [r["loss_scale"] for r in rows] == [2.0 ** 16] * (INJECT + 1) + [2.0 ** 15] * (STEPS - INJECT - 1)
+    assert all(torch.isfinite(v).all() for v in torch.load(out / "model.pt", weights_only=True).values())
+
+
+def test_resume_keeps_the_scale_and_the_average(straight, tmp_path_factory):
+    """Stopped after the skipped step and resumed: model, moving average and loss-scale state equal
+    the straight run's exactly."""
+    out, _ = straight
+    stopped = tmp_path_factory.mktemp("fp16") / "stopped"
+    with pytest.raises(Stop):
+        fit(fp16_config(stopped), log=lambda *_: None, on_step=Recorder(stop_after=STOP_AFTER))
+    branch = stopped.parent / "branch"
+    shutil.copytree(stopped, branch)
+    assert torch.load(branch / "checkpoints" / "step-3" / "rank-0.pt", weights_only=True)["loss_scale"]["scale"] \
+        == 2.0 ** 15
+    assert main(["--resume", str(branch)]) == 0
+    for name in ("model.pt", "model_ema.pt"):
+        assert _same(torch.load(branch / name, weights_only=True), torch.load(out / name, weights_only=True)), name
+    for r in range(MESH.world_size):
+        got = torch.load(branch / "checkpoints" / f"step-{STEPS}" / f"rank-{r}.pt", weights_only=True)
+        want = torch.load(out / "checkpoints" / f"step-{STEPS}" / f"rank-{r}.pt", weights_only=True)
+        assert got["loss_scale"] == want["loss_scale"]
+        assert got["ema"]["n_averaged"] == want["ema"]["n_averaged"]
+        assert _same(got["ema"]["tensors"], want["ema"]["tensors"])
