@@ -273,7 +273,7 @@ def _check_names(cfg: Config) -> None:
     _need(cfg.device in DEVICE_CHOICES, f"unknown --device {cfg.device!r}: choose auto, cpu or cuda")
     _need(cfg.schedule in SCHEDULE_CHOICES, f"unknown --schedule {cfg.schedule!r}: choose gpipe or 1f1b")
     _need(cfg.plan in PLAN_CHOICES, f"unknown --plan {cfg.plan!r}: choose one of {', '.join(PLAN_CHOICES)}")
-    _need(cfg.precision in PRECISION_CHOICES, f"unknown --precision {cfg.precision!r}: choose fp32, bf16 or fp64")
+    _need(cfg.precision in PRECISION_CHOICES, f"unknown --precision {cfg.precision!r}: choose fp32, bf16, fp16 or fp64")
     _need(cfg.layout in LAYOUT_CHOICES, f"unknown --layout {cfg.layout!r}: choose manual or auto")
     _need(cfg.balance in BALANCE_CHOICES, f"unknown --balance {cfg.balance!r}: choose auto, time or flops")
     _need(cfg.compile in COMPILE_CHOICES, f"unknown --compile {cfg.compile!r}: choose auto, on or off")
@@ -281,6 +281,9 @@ def _check_names(cfg: Config) -> None:
     _need(not (cfg.cuda_graphs == "on" and cfg.device == "cpu"),
           "--cuda-graphs on needs GPUs (CUDA graphs): drop it on CPU (--device cpu, or a cluster "
           "without GPUs)")
+    _need(not (cfg.cuda_graphs == "on" and (cfg.opt == "adamw" or cfg.precision == "fp16")),
+          f"--cuda-graphs on captures SGD steps only (an fp16 step may be skipped, which the host decides): "
+          f"drop it with {'--opt adamw' if cfg.opt == 'adamw' else '--precision fp16'} (auto steps eagerly)")
     _need(not (cfg.sync_batchnorm and cfg.device == "cpu"),
           "--sync-batchnorm needs GPUs (torch's SyncBatchNorm runs on CUDA only): drop it on CPU (--device "
           "cpu, or a cluster without GPUs; batch norm then uses per-replica statistics, as DDP)")

@@ -49,6 +49,8 @@ BAD = [
     (["--target-accuracy", "1.2"], "--target-accuracy"),
     (["--precision", "fp8"], "--precision"),
     (["--image-size", "0"], "--image-size"),
+    (["--cuda-graphs", "on", "--opt", "adamw"], "--cuda-graphs on"),
+    (["--cuda-graphs", "on", "--precision", "fp16"], "--cuda-graphs on"),
 ]
 
 
