@@ -2,7 +2,7 @@
 # Fashion-MNIST to its published accuracy on one GPU, against the plain-PyTorch anchor in the same call:
 #   bash benchmarks/fashion_mnist.sh OUT_DIR [DATA_DIR]
 # rows: OUT_DIR/anchor.json (eager and compiled), OUT_DIR/rayconv/summary.json, OUT_DIR/synthetic/bench.parquet
-set -euo pipefail
+set -uo pipefail  # each part runs even when one before it failed
 OUT_DIR=${1:?usage: fashion_mnist.sh OUT_DIR [DATA_DIR]}
 DATA=${2:-/usr/share/datasets/fashion-mnist}
 PY=${PY:-python3}
