@@ -33,18 +33,10 @@ import torch
 
 from rayconv.actor.cuda_graph import StepGraph
 from rayconv.actor.steptime import StepClock
-from rayconv.data.source import Sharding, Source, test_shard
+from rayconv.data.source import Sharding, Source, test_shard, to_device
 from rayconv.mesh import Coord, Mesh, split_slices
 from rayconv.parallel.filter_split.exchanges import BatchGather
 from rayconv.recipe.mix import MixDraw, draw_mix, mix_images, mix_targets, partner_positions
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor to ``device`` without a stream synchronisation (a copy from pageable memory would
-    wait for all queued work first): through pinned memory, asynchronously."""
-    if device.type != "cuda" or t.device.type == "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch
 
 from rayconv.data.augment import (crop_flip_params, erase, erase_params, normalize, random_crop_flip,
                                   resize, resized_crop_flip, resized_crop_params)
-from rayconv.data.source import Source, stable_seed
+from rayconv.data.source import Source, stable_seed, to_device
 from rayconv.errors import ConfigError
 
 AUGMENTS = ("pad-crop", "resized-crop", "none")
@@ -123,7 +123,7 @@ class OnDeviceSource(Source):
 
     def images(self, split, idx, device, epoch=0, dtype=None):
         dev = torch.device(device)
-        rows = torch.as_tensor(np.asarray(idx), dtype=torch.long).to(dev)
+        rows = to_device(torch.as_tensor(np.asarray(idx), dtype=torch.long), dev)
         stored = self._on(dev)
         x = stored[split][rows]                                              # (n, C, S, S) uint8
         train = split == "train" and (self.augment != "none" or self.random_erase > 0)

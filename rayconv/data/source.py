@@ -143,3 +143,11 @@ class TensorSource(Source):
 
     def labels(self, split, idx):
         return self.sets[split].tensors[1][torch.as_tensor(idx, dtype=torch.long)]
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor to ``device`` without a stream synchronisation (a copy from pageable memory would
+    wait for all queued work first): through pinned memory, asynchronously."""
+    if device.type != "cuda" or t.device.type == "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
