@@ -40,7 +40,7 @@ COMPILE_CHOICES = ("auto", "on", "off")
 BALANCE_CHOICES = ("auto", "time", "flops")
 LAYOUT_CHOICES = ("manual", "auto")
 OPT_CHOICES = ("sgd", "sgd_nesterov", "adamw")  # rayconv.recipe.optim.OPTIMIZERS
-WARMUP_CHOICES = ("linear", "constant")         # rayconv.recipe.schedule.WARMUP_METHODS
+WARMUP_CHOICES = ("linear", "constant")         # rayconv.recipe.lr_schedule.WARMUP_METHODS
 LR_SCALING_CHOICES = ("none", "linear")
 AUGMENT_CHOICES = ("auto", "resized-crop", "pad-crop", "none")
 # The side in pixels of each data set's own images (--image-size left out): digits are 8x8 scans,

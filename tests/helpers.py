@@ -13,7 +13,7 @@ from rayconv.config import Config
 from rayconv.data.registry import make_source
 from rayconv.data.source import Sharding
 from rayconv.mesh import split_slices
-from rayconv.driver.schedule import learning_rate
+from rayconv.driver.lr import learning_rate
 from rayconv.models import build_model
 from rayconv.recipe.mix import draw_mix, mix_images, mix_targets
 from rayconv.recipe.optim import param_groups
@@ -104,7 +104,7 @@ def reference_microbatch_sgd(cfg: Config, steps: int) -> tuple[dict[str, torch.T
 def reference_recipe_sgd(cfg: Config, steps: int) -> tuple[dict[str, torch.Tensor], Optional[dict[str, torch.Tensor]]]:
     """``reference_microbatch_sgd``'s training with torchvision's recipe written in plain torch: the
     optimizer ``cfg.opt`` (torch's SGD, Nesterov SGD or AdamW) over ``recipe.param_groups`` (no decay on
-    norm layers or biases as asked), the learning rate of ``driver.schedule`` (warm-up), cross entropy
+    norm layers or biases as asked), the learning rate of ``driver.lr`` (warm-up), cross entropy
     with ``label_smoothing``, ``nn.utils.clip_grad_norm_`` on the whole model, and with --model-ema
     torch's ``AveragedModel`` updated as torchvision's train.py updates its ExponentialMovingAverage.
     Returns (state_dict, the average's state_dict or None)."""

@@ -6,7 +6,7 @@ step before it, so neither the device nor the actor waits for the driver between
 ``driver_overhead`` measures what is left). Before an evaluation, a checkpoint or the test hook the
 loop lets the actors go quiet (``flush``). Synchronous SGD unchanged (Yadan et al. 2013): every step
 equals one single-device step on the global batch, whatever the layout. Each step's learning rate
-comes from ``driver.schedule``; with ``--model-ema`` each evaluation is followed by one of the moving
+comes from ``driver.lr``; with ``--model-ema`` each evaluation is followed by one of the moving
 average (``evaluate(ema=True)`` on the actors); with ``--target-accuracy`` the first evaluation that
 reaches it is timed (``driver.target``).
 """
@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from rayconv.cluster.group import Gang, Pending
 from rayconv.driver.progress import Progress
-from rayconv.driver.schedule import learning_rate, peak_lr, warmup_steps
+from rayconv.driver.lr import learning_rate, peak_lr, warmup_steps
 from rayconv.driver.setup import Setup, call_timeout_s
 from rayconv.driver.target import Target, train_seconds
 from rayconv.outputs.checkpoint import Checkpoint, write_checkpoint

@@ -17,7 +17,7 @@ from typing import Optional
 from tqdm import tqdm
 
 from rayconv.config import Config, batch_split_problem
-from rayconv.driver.schedule import peak_lr, warmup_steps
+from rayconv.driver.lr import peak_lr, warmup_steps
 from rayconv.driver.setup import Setup
 from rayconv.mesh import Mesh
 from rayconv.parallel.layout_plan import LayoutPlan

@@ -26,7 +26,7 @@ from rayconv.cluster.tasks import run_on_device
 from rayconv.config import Config
 from rayconv.data.registry import make_source
 from rayconv.data.source import Sharding, Source
-from rayconv.driver.schedule import check_schedule, total_steps
+from rayconv.driver.lr import check_schedule, total_steps
 from rayconv.errors import CheckpointError, ConfigError
 from rayconv.mesh import Mesh
 from rayconv.models import build_model, check_trainable, model_names, run_model

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from rayconv.layout import Layout
-from rayconv.parallel import pipeline as schedule
+from rayconv.parallel import pipeline
 from rayconv.planner.buckets import buckets, exposed_allreduce_ms
 from rayconv.planner.links import Links
 from rayconv.planner.memory import Precision, peak_gib
@@ -84,7 +84,7 @@ class Prediction:
                 "stages": [list(s) for s in self.stages]}
 
 
-def timed_makespan(sched: schedule.Schedule, f_ms: Sequence[float], b_ms: Sequence[float],
+def timed_makespan(sched: pipeline.Schedule, f_ms: Sequence[float], b_ms: Sequence[float],
                    link_ms: Sequence[float]) -> tuple[float, list[float], list[float]]:
     """Run ``sched``'s programs with measured times (``parallel.pipeline.timeline``): an action on virtual stage
     v (chunk c of stage s, v = c * P + s) takes ``f_ms[v]`` or ``b_ms[v]``, and starts when its stage
@@ -93,8 +93,8 @@ def timed_makespan(sched: schedule.Schedule, f_ms: Sequence[float], b_ms: Sequen
 
     With every time 1 and links 0 the makespan is ``len`` of ``parallel.pipeline.simulate.simulate``'s grid rows.
     Returns (makespan ms, per stage the end of its last action, per stage its busy ms).
-    Raises schedule.ScheduleError on a deadlock."""
-    rows = schedule.timeline(sched, f_ms, b_ms, list(link_ms) or 0)
+    Raises pipeline.ScheduleError on a deadlock."""
+    rows = pipeline.timeline(sched, f_ms, b_ms, list(link_ms) or 0)
     free = [row[-1][1] if row else 0.0 for row in rows]
     busy = [sum(end - start for start, end in row) for row in rows]
     return max(free), free, busy
@@ -158,7 +158,7 @@ def _predict_mesh(layout: Layout, prof: Profile, times: LayerTimes, links: Links
     t = list(times(mb, fs))  # one filter shard's layers
     chunks = chunks_of(list(times(mb, 1)), pp * V)  # whole layers' times, as the run's --balance time cuts
     c = _chunk_times(layout, prof, t, links, mb, prec, chunks)
-    makespan, ends, busy = timed_makespan(schedule.make_schedule(layout.schedule, pp, M, V), c.f_ms, c.b_ms, c.link)
+    makespan, ends, busy = timed_makespan(pipeline.make_schedule(layout.schedule, pp, M, V), c.f_ms, c.b_ms, c.link)
     # Data parallel: each stage's gradients, all-reduced as its last backward produces them.
     step = makespan
     back = [x * BACKWARD_SHARE for x in t]

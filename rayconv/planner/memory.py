@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from rayconv.layout import Layout
-from rayconv.parallel import pipeline as schedule
+from rayconv.parallel import pipeline
 from rayconv.planner.profile import Profile, chunks_of, stage_layers
 
 GIB = 2**30
@@ -55,7 +55,7 @@ def peak_gib(layout: Layout, prof: Profile, global_batch: int, precision: Union[
     if chunks is None:
         chunks = chunks_of([f + p for f, p in zip(prof.flops or [0.0] * prof.num_layers, prof.params)], pp * V)
     mb = global_batch // layout.dp // layout.microbatches
-    in_flight = schedule.peak_in_flight(schedule.make_schedule(layout.schedule, pp, layout.microbatches, V))
+    in_flight = pipeline.peak_in_flight(pipeline.make_schedule(layout.schedule, pp, layout.microbatches, V))
     worst = 0.0
     for s in range(pp):
         layers = stage_layers(chunks, pp, s)

@@ -17,7 +17,7 @@ import pytest
 import ray
 
 from rayconv.planner import costmodel, memory, search as layout_search
-from rayconv.parallel import pipeline as schedule
+from rayconv.parallel import pipeline
 from rayconv.layout import Layout
 from rayconv.planner.links import Links, LinkSpeed
 from rayconv.planner.memory import GIB
@@ -76,11 +76,11 @@ def test_memory_limit_keeps_only_what_fits():
 @pytest.mark.parametrize("name,P,M,V", [("gpipe", 2, 4, 1), ("gpipe", 3, 2, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1),
                                         ("1f1b", 3, 2, 1), ("1f1b", 2, 4, 2), ("1f1b", 3, 6, 2)])
 def test_bubble_matches_the_schedule_simulation(name, P, M, V):
-    sched = schedule.make_schedule(name, P, M, V)
+    sched = pipeline.make_schedule(name, P, M, V)
     ones = [1.0] * (P * V)
     makespan, _, busy = costmodel.timed_makespan(sched, ones, ones, [0.0] * (P * V))
-    assert makespan == len(schedule.simulate(sched)[0])
-    assert 1 - sum(busy) / (P * makespan) == pytest.approx(schedule.bubble_fraction(sched), abs=1e-12)
+    assert makespan == len(pipeline.simulate(sched)[0])
+    assert 1 - sum(busy) / (P * makespan) == pytest.approx(pipeline.bubble_fraction(sched), abs=1e-12)
 
 
 def test_memory_accounting_on_the_convnet():

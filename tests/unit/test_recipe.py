@@ -19,7 +19,7 @@ from rayconv.models.convnet import ConvNet
 from rayconv.parallel.batchnorm import defer_batchnorm
 from rayconv.recipe.loss import cross_entropy, microbatch_loss
 from rayconv.recipe.optim import group_of, make_optimizer, param_groups
-from rayconv.recipe.schedule import learning_rate, scaled_lr
+from rayconv.recipe.lr_schedule import learning_rate, scaled_lr
 
 f64 = torch.float64
 

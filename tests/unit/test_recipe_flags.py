@@ -1,6 +1,6 @@
 """The recipe's settings on the driver side, without Ray: every flag's bad values refused in one line
 naming it, the learning rate of each step (warm-up, cosine, linear scaling) against
-``rayconv.recipe.schedule``, the image size each data set defaults to, and the time-to-accuracy and
+``rayconv.recipe.lr_schedule``, the image size each data set defaults to, and the time-to-accuracy and
 metrics bookkeeping."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from rayconv.bench.sweeps import target_row
 from rayconv.bench.table import BENCH_SCHEMA, bench_table
 from rayconv.config import DATA_IMAGE_SIZE, Config, ConfigError
 from rayconv.driver.progress import images_line, recipe_line
-from rayconv.driver.schedule import check_schedule, learning_rate, total_steps, warmup_steps
+from rayconv.driver.lr import check_schedule, learning_rate, total_steps, warmup_steps
 from rayconv.driver.setup import setup_run
 from rayconv.driver.target import Target, first_steps_s, train_seconds
 from rayconv.flags import from_mapping, parse_args
 from rayconv.outputs.metrics import SCHEMA, MetricsLog, reduce_step
-from rayconv.recipe import schedule
+from rayconv.recipe import lr_schedule
 
 BAD = [
     (["--opt", "lamb"], "--opt"),
@@ -129,7 +129,7 @@ def test_warmup_epochs_become_steps_and_follow_recipe_schedule(method, sched):
     total = total_steps(cfg, spe)
     assert total == 230 and warmup_steps(cfg, spe) == warm * spe
     got = [learning_rate(cfg, s, total, spe) for s in range(total)]
-    want = [schedule.learning_rate(s, total, 0.2, warm * spe, 0.05, sched, method) for s in range(total)]
+    want = [lr_schedule.learning_rate(s, total, 0.2, warm * spe, 0.05, sched, method) for s in range(total)]
     assert got == want
     assert got[0] == pytest.approx(0.2 * 0.05) and got[warm * spe] == pytest.approx(0.2)
     if method == "linear":
