@@ -153,6 +153,8 @@ def test_a_warmup_longer_than_the_run_is_refused_naming_the_flag():
 @pytest.mark.parametrize("bad", [dict(label_smoothing=1.0), dict(opt="lamb"), dict(lr_warmup_decay=0.0),
                                  dict(target_accuracy=0.0), dict(channels=4)])
 def test_fit_from_python_validates_before_ray_starts(bad):
+    if ray.is_initialized():  # (an earlier module's shared cluster: this test needs none connected)
+        ray.shutdown()
     with pytest.raises(ConfigError):
         setup_run(Config(**bad), log=lambda *_: None)
     assert not ray.is_initialized()
