@@ -16,6 +16,7 @@ from torch import nn
 
 from rayconv.config import ConfigError
 from rayconv.models.convnet import ConvNet
+from rayconv.models.traced import NotCuttable, traced_layers
 
 __all__ = ["ConvNet", "build_model", "check_trainable", "to_layers", "model_names"]
 
@@ -164,20 +165,17 @@ def alexnet_two_column(num_classes: int = 1000) -> nn.Module:
 def to_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The flat sequence of (qualified name, module) that ``model.forward`` applies in order.
 
-    Known families: rayconv ConvNet and any ``nn.Sequential``; models with ``features`` / ``avgpool`` /
-    ``classifier`` (AlexNet, VGG, MobileNet, EfficientNet, ...); ResNets (stem, blocks, pool, fc).
-    Any other model is one unsplittable layer: it trains data parallel but cannot be cut or split.
-    The equality of ``run_layers`` on the flat view and ``model(x)`` is checked in
-    tests/unit/test_models.py (``test_flat_layers_compute_the_model``).
+    rayconv's ConvNet and any ``nn.Sequential``: its children. MobileNet v2/v3 and EfficientNet:
+    ``features``' children, avgpool, flatten, ``classifier``'s children (their traced graphs cut
+    inside blocks, and EfficientNet's reads ``self.training``). Any other model, ResNets, AlexNet
+    and VGG among them (whose traced view is these families' block list): the pieces between the
+    points of its torch.fx graph where exactly one tensor is live (``traced.traced_layers``). A model
+    fx cannot cut is one unsplittable layer: it trains data parallel but cannot be cut or split
+    (``traced.cut_problem`` says why). The equality of ``run_layers`` on the flat view and
+    ``model(x)`` is checked in tests/unit/test_models.py and tests/unit/test_traced.py.
     """
     if isinstance(model, nn.Sequential):
         return [(n, m) for n, m in model.named_children()]
-    tv = _torchvision()
-    if isinstance(model, tv.models.ResNet):
-        out = [(n, getattr(model, n)) for n in ("conv1", "bn1", "relu", "maxpool")]
-        for ln in ("layer1", "layer2", "layer3", "layer4"):
-            out += [(f"{ln}.{i}", blk) for i, blk in getattr(model, ln).named_children()]
-        return out + [("avgpool", model.avgpool), ("flatten", nn.Flatten(1)), ("fc", model.fc)]
     if all(hasattr(model, a) for a in ("features", "avgpool", "classifier")) and isinstance(model.features, nn.Sequential) \
             and type(model).forward in _features_forward():
         out = [(f"features.{n}", m) for n, m in model.features.named_children()]
@@ -186,15 +184,18 @@ def to_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         out += [(f"classifier.{n}", m) for n, m in cls.named_children()] if isinstance(cls, nn.Sequential) \
             else [("classifier", cls)]
         return out
-    return [("", model)]
+    try:
+        return traced_layers(model)
+    except NotCuttable:
+        return [("", model)]
 
 
 @functools.cache
 def _features_forward() -> frozenset:
-    """The forwards of models that run exactly features -> avgpool -> flatten(1) -> classifier."""
+    """The forwards of models that run exactly features -> avgpool -> flatten(1) -> classifier and
+    keep the hand-written view (AlexNet and VGG run so too; their traced view is the same)."""
     m = _torchvision().models
-    return frozenset({m.AlexNet.forward, m.VGG.forward, m.MobileNetV2.forward, m.MobileNetV3.forward,
-                      m.EfficientNet.forward})
+    return frozenset({m.MobileNetV2.forward, m.MobileNetV3.forward, m.EfficientNet.forward})
 
 
 def run_layers(layers: list[tuple[str, nn.Module]], x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from rayconv.config import Config, batch_split_problem
 from rayconv.data.registry import make_source
 from rayconv.mesh import Mesh
 from rayconv.models import run_model, to_layers
+from rayconv.models.traced import cut_problem
 from rayconv.parallel.filter_split.per_layer_plan import krizhevsky2014
 from rayconv.parallel.filter_split.split import ShardedPart, shard_layers, whole_part
 from rayconv.parallel.pipeline.schedules import Schedule, make_schedule
@@ -182,8 +183,8 @@ def make_plan(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[int
     layers = to_layers(model)
     shapes, flops, params = layer_profile(layers, sample_shape)
     if mesh.pp > 1 and len(layers) == 1:
-        raise PlanError(f"--model {cfg.model} cannot be cut into pipeline stages (rayconv does not know its "
-                        "layer order): use --pp 1")
+        raise PlanError(f"--model {cfg.model} cannot be cut into pipeline stages ({cut_problem(model)}): "
+                        "use --pp 1 (it trains data parallel)")
     chunks = mesh.pp * cfg.virtual_stages  # contiguous runs of layers; stage s holds s, s + P, ...
     if cfg.virtual_stages > 1 and chunks > len(layers):
         raise PlanError(f"--pp {mesh.pp} with --virtual-stages {cfg.virtual_stages} cuts the model into {chunks} "
