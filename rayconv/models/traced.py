@@ -9,7 +9,7 @@ boundary never has to carry more than one tensor. Each piece is built from the u
 
 * a piece that is exactly one call of a submodule taking one input (a residual block, a convolution)
   is that submodule, named by its path in the model;
-* ``torch.flatten(x, d)`` alone is ``nn.Flatten(d)``;
+* ``torch.flatten(x, d)`` alone is ``nn.Flatten(d)``, ``torch.relu(x)`` alone ``nn.ReLU()``;
 * any other piece is a ``torch.fx.GraphModule`` rooted at the deepest submodule holding all the
   modules it calls, named by that submodule's path.
 
@@ -225,11 +225,25 @@ def _build(model: nn.Module, piece: _Piece, calls) -> tuple[str, nn.Module]:
     if path is not None:
         return path, model.get_submodule(path)
     n = piece.nodes[0]
-    if len(piece.nodes) == 1 and n.op == "call_function" and n.target is torch.flatten and n.args[:1] == (piece.src,):
+    if len(piece.nodes) == 1 and n.op == "call_function" and n.args[:1] == (piece.src,):
+        module = _module_form(n)
+        if module is not None:
+            return n.name, module
+    return _graph_module(model, piece)
+
+
+def _module_form(n: fx.Node) -> Optional[nn.Module]:
+    """``torch.flatten(x, d)`` as ``nn.Flatten(d)``, ``torch.relu(x)`` / ``F.relu(x)`` as ``nn.ReLU``
+    (layers the filter split knows), else None."""
+    if n.target is torch.flatten:
         args = dict(zip(("input", "start_dim", "end_dim"), n.args), **n.kwargs)
         if set(args) <= {"input", "start_dim", "end_dim"}:
-            return n.name, nn.Flatten(args.get("start_dim", 0), args.get("end_dim", -1))
-    return _graph_module(model, piece)
+            return nn.Flatten(args.get("start_dim", 0), args.get("end_dim", -1))
+    if n.target in (torch.relu, nn.functional.relu):
+        args = dict(zip(("input", "inplace"), n.args), **n.kwargs)
+        if set(args) <= ({"input", "inplace"} if n.target is nn.functional.relu else {"input"}):
+            return nn.ReLU(inplace=bool(args.get("inplace", False)))
+    return None
 
 
 def _graph_module(model: nn.Module, piece: _Piece) -> tuple[str, nn.Module]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
+from torch import fx, nn
 
 from rayconv.config import Config
 from rayconv.errors import PlanError
@@ -23,7 +23,8 @@ _SPEC = importlib.util.spec_from_file_location("blocks_fixture", Path(__file__).
 blocks = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(blocks)
 
-BLOCKNET_LAYERS = ["conv1", "bn1", "relu", "layer1.0", "layer1.1", "pool", "flatten", "fc"]
+# "": the gain's product (a GraphModule holding the model's own ``scale``); relu_1: torch.relu's piece.
+BLOCKNET_LAYERS = ["conv1", "bn1", "relu", "layer1.0", "layer1.1", "", "relu_1", "pool", "flatten", "fc"]
 
 
 def blocknet() -> nn.Module:
@@ -40,11 +41,13 @@ def test_cuts_are_the_block_boundaries():
     model = blocknet()
     layers = to_layers(model)
     assert [n for n, _ in layers] == BLOCKNET_LAYERS
-    # Each piece is the user's own module (a block whole, skip inside), flatten its module form.
+    # Each piece is the user's own module (a block whole, skip inside), or holds the user's tensors.
     for name, m in layers:
-        if name != "flatten":
+        if name not in ("", "relu_1", "flatten"):
             assert m is model.get_submodule(name)
-    assert isinstance(layers[BLOCKNET_LAYERS.index("flatten")][1], nn.Flatten)
+    pieces = dict(layers)
+    assert isinstance(pieces["flatten"], nn.Flatten) and isinstance(pieces["relu_1"], nn.ReLU)
+    assert isinstance(pieces[""], fx.GraphModule) and pieces[""].scale is model.scale
 
 
 def test_no_cut_where_a_skip_is_live():
