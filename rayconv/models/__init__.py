@@ -98,7 +98,8 @@ def check_trainable(name: str, model: nn.Module, sample_shape: tuple[int, ...]) 
     a tuple or dict, or cannot take images of that size (vision transformers are made for one size).
 
     The forward runs in training mode on the meta device (shapes only: no memory, no compute, the
-    model's own tensors untouched), falling back to a CPU forward for an operation meta tensors lack.
+    model's own tensors untouched), falling back to a CPU forward for an operation meta tensors lack
+    or a value the forward reads (data-dependent control flow).
     Raises ConfigError naming --model and what to change."""
     def forward(shape: tuple[int, ...], device: str):
         state = {n: t.detach().to("meta") if device == "meta" else t.detach().clone()
@@ -115,6 +116,10 @@ def check_trainable(name: str, model: nn.Module, sample_shape: tuple[int, ...]) 
         try:
             return forward(shape, "meta")
         except NotImplementedError:
+            return forward(shape, "cpu")
+        except RuntimeError as e:  # (a forward that reads a value, ``if x.mean() > 0``, needs real data)
+            if "meta" not in str(e):
+                raise
             return forward(shape, "cpu")
 
     try:

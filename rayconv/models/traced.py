@@ -88,7 +88,7 @@ def _trace(model: nn.Module) -> fx.Graph:
     finally:
         model.train(was_training)
     if codes[0] != codes[1]:
-        raise NotCuttable("its traced forward differs between training and evaluation (it reads self.training)")
+        raise NotCuttable("its traced forward differs between training and evaluation: it reads self.training")
     graph = traced.graph
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     if len(inputs) != 1:

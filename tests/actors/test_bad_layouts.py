@@ -7,7 +7,7 @@ from rayconv.run import main
 
 CASES = {
     "mesh-larger-than-cluster": (["--dp", "3", "--fs", "2"], "--dp/--pp/--fs"),
-    "pp-on-uncuttable-model": (["--dp", "1", "--pp", "2", "--model", "densenet121", "--data", "synthetic",
+    "pp-on-uncuttable-model": (["--dp", "1", "--pp", "2", "--model", "convnext_tiny", "--data", "synthetic",
                                 "--image-size", "32"], "--pp 1"),
     "microbatches-not-dividing": (["--dp", "1", "--pp", "2", "--num-microbatches", "5",
                                    "--global-batch-size", "64"], "--num-microbatches"),

@@ -58,8 +58,8 @@ CASES = {
                      ["vit_b_32", "64x64", "--image-size 224"]),
     "3-channel model on digits": (["--model", "resnet18", "--channels", "1"], None, ["resnet18", "3-channel", "--data"]),
     "classes differ": (["--num-classes", "7"], None, ["--num-classes 7", "10 classes"]),
-    "pipeline of an uncuttable model": (["--model", "googlenet", "--data", "synthetic", "--image-size", "64",
-                                         "--pp", "2"], None, ["googlenet", "--pp 1"]),
+    "pipeline of an uncuttable model": (["--model", "convnext_tiny", "--data", "synthetic", "--image-size", "64",
+                                         "--pp", "2"], None, ["convnext_tiny", "--pp 1"]),
     "stages out of range": (["--pp", "2", "--stages", "99"], None, ["--stages"]),
     "sync batch norm on cpu": (["--sync-batchnorm"], None, ["--sync-batchnorm", "--device cpu"]),
 }
