@@ -149,3 +149,21 @@ def test_torchvision_families_keep_their_block_list(name, shape):
         want += [f"classifier.{n}" for n, _ in model.classifier.named_children()]
     assert [n for n, _ in layers] == want
     assert all(m is model.get_submodule(n) for n, m in layers if n != "flatten")
+
+
+def test_non_persistent_buffer_stays_out_of_the_state():
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Conv2d(2, 2, 1), nn.Linear(2, 3)
+            self.register_buffer("mask", torch.tensor([1.0, 0.0]).view(1, 2, 1, 1), persistent=False)
+            self.register_buffer("gain", torch.full((1, 2, 1, 1), 2.0))
+
+        def forward(self, x):
+            return self.b(torch.flatten(self.a(x) * self.mask * self.gain, 1))
+
+    model = Masked()
+    layers = traced_layers(model)
+    assert {f"{n}.{k}" if n else k for n, m in layers for k in m.state_dict()} == set(model.state_dict())
+    x = torch.randn(2, 2, 1, 1)
+    torch.testing.assert_close(run_layers(layers, x), model(x), rtol=0, atol=0)
