@@ -28,7 +28,9 @@ from typing import Any, Optional
 from rayconv.errors import ConfigError
 
 MODELS_HELP = ("convnet (small test ConvNet; convnet_bn with batch norm; convnet2col two-column), alexnet, "
-               "alexnet2012 (two-column), or any torchvision classification ConvNet name")
+               "alexnet2012 (two-column), any torchvision classification ConvNet name, or your own: "
+               "MODULE:FUNCTION or path/to/file.py:FUNCTION (called with num_classes, and in_channels and "
+               "image_size where it takes them; returns an nn.Module)")
 DATA_CHOICES = ("digits", "fashion-mnist", "synthetic", "imagefolder", "shards")
 DECODE_CHOICES = ("auto", "cpu", "gpu")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -72,6 +74,13 @@ class Config:
 
     # what to train
     model: str = field(default="convnet", metadata={"help": MODELS_HELP})
+    init: Optional[str] = field(default=None, metadata={
+        "help": "start from these weights: a run's model.pt (or its folder) or a torchvision-format state_dict, "
+                "checked against the model before Ray starts; readable on every node (default: none)"})
+    init_skip_head: bool = field(default=False, metadata={
+        "help": "with --init: leave the classifier (the model's last Linear) as built, for a new number of classes"})
+    evaluate_only: bool = field(default=False, metadata={
+        "help": "evaluate --init's weights on the test data (top-1, top-5) and write summary.json; no training"})
     data: str = field(default="digits", metadata={"help": "digits (embedded real scans), fashion-mnist (apt-get install dataset-fashion-mnist, or its idx files in --data-dir), synthetic, imagefolder, "
                                                           "shards (a folder from python -m rayconv.prepare)",
                                                   "choices": DATA_CHOICES})
@@ -369,6 +378,13 @@ def _check_combinations(cfg: Config) -> None:
         _need(cfg.num_microbatches % cfg.pp == 0,
               f"--virtual-stages {cfg.virtual_stages} takes micro-batches in groups of --pp {cfg.pp}: set "
               f"--num-microbatches to a multiple of {cfg.pp} (got {cfg.num_microbatches})")
+    _need(cfg.init is not None or not (cfg.init_skip_head or cfg.evaluate_only),
+          f"--{'init-skip-head' if cfg.init_skip_head else 'evaluate-only'} applies to the weights of --init PATH: "
+          "add it, or drop the flag")
+    _need(not (cfg.init and cfg.resume), "--init starts a new run from given weights, --resume continues one "
+                                         "from its checkpoint: give one of them")
+    _need(not (cfg.evaluate_only and cfg.init_skip_head), "--evaluate-only with --init-skip-head would evaluate "
+                                                          "a classifier never trained: drop --init-skip-head")
     if cfg.plan != "none":
         _need(cfg.pp == 1 and cfg.fs == 1,
               f"--plan {cfg.plan} spreads the model over all actors itself: drop --pp/--fs and set only --dp")

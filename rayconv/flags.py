@@ -22,6 +22,8 @@ from rayconv.errors import ConfigError
 
 # Settings a resumed run does not take over from its checkpoint: where it runs and writes.
 NOT_RESUMED = ("out", "resume", "address")
+# Settings of how a run started, which its checkpoint's weights replace when it is resumed.
+STARTING_POINT = ("init", "init_skip_head", "evaluate_only")
 
 
 def flag(name: str) -> str:
@@ -118,6 +120,7 @@ def parse_args(argv: Optional[list[str]] = None) -> Config:
 
 def resumed_settings(saved: dict[str, Any]) -> dict[str, Any]:
     """Of the settings saved in a checkpoint (its manifest's ``config``), those a resumed run takes
-    over (flags given override them; the output folder defaults to the checkpoint's run folder)."""
+    over (flags given override them; the output folder defaults to the checkpoint's run folder; the
+    weights come from the checkpoint, not from the run's --init)."""
     known = {f.name for f in fields(Config)}
-    return {k: v for k, v in saved.items() if k in known and k not in NOT_RESUMED}
+    return {k: v for k, v in saved.items() if k in known and k not in NOT_RESUMED + STARTING_POINT}

@@ -4,7 +4,9 @@ Bootstrap follows Ray Train's: one placement-group bundle per actor (PACK, so th
 share a node), actors ordered by (node, bundle) so that ranks of one node are contiguous and the
 filter-split groups (innermost mesh axis) stay inside a node; rank 0 picks the rendezvous address and
 every actor joins the torch.distributed process group at once. The actor class is the caller's
-(``rayconv.actor.worker.Worker`` for a training run): this module only places and calls it.
+(``rayconv.actor.worker.Worker`` for a training run): this module only places and calls it. A user's
+model (``--model MODULE:FUNCTION``) reaches the actors through Ray's runtime environment
+(``models.user.actor_runtime_env``: its modules in ``py_modules``), on every node.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from rayconv.cluster.connect import ALL_GPUS_VISIBLE_ENV, NAMESPACE, exception_s
 from rayconv.config import Config
 from rayconv.errors import CallTimeout, ClusterError
 from rayconv.mesh import Mesh
+from rayconv.models.user import actor_runtime_env
 
 LOST_GRACE_S = 2.0  # after an actor error, how long to look for a lost actor that caused it
 
@@ -197,7 +200,7 @@ def start_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: An
         for b in range(mesh.world_size):
             node_order.setdefault(nodes[b], len(node_order))
         bundles = sorted(range(mesh.world_size), key=lambda b: (node_order[nodes[b]], b))
-        env = ALL_GPUS_VISIBLE_ENV if (gpu and cfg.all_gpus_visible) else {}
+        env = actor_runtime_env(cfg.model, ALL_GPUS_VISIBLE_ENV if (gpu and cfg.all_gpus_visible) else {})
         remote = ray.remote(actor_cls)
         _wait_names_free([f"rayconv/{run_name}/{mesh.role(r)}" for r in range(mesh.world_size)],
                          max(0.0, deadline - time.monotonic()))
@@ -205,7 +208,7 @@ def start_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: An
             role = mesh.role(rank)
             actors.append(remote.options(
                 name=f"rayconv/{run_name}/{role}", namespace=NAMESPACE, num_cpus=bundle["CPU"],
-                num_gpus=1 if gpu else 0, max_restarts=0, runtime_env={"env_vars": env} if env else None,
+                num_gpus=1 if gpu else 0, max_restarts=0, runtime_env=env,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
             ).remote(cfg.to_dict(), run_name, role))
             roles.append(role)

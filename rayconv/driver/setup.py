@@ -30,6 +30,7 @@ from rayconv.driver.lr import check_schedule, total_steps
 from rayconv.errors import CheckpointError, ConfigError
 from rayconv.mesh import Mesh
 from rayconv.models import build_model, check_trainable, model_names, run_model
+from rayconv.models.user import is_user_model, model_label, resolve
 from rayconv.outputs.checkpoint import Checkpoint, check_resumable, find_checkpoint, list_checkpoints, load_checkpoint
 from rayconv.parallel.layout_plan import LayoutPlan, make_plan, measured_costs
 from rayconv.planner.search import choose_layout, memory_check
@@ -99,14 +100,19 @@ def prepare(cfg: Config, log=print, resume: Optional[Checkpoint] = None) -> tupl
 def check_before_ray(cfg: Config, resume: Optional[Checkpoint]) -> tuple[Source, Any, LayoutPlan]:
     """The checks that need no cluster; returns (source, the whole model as one device runs it, the
     routing plan for ``dp`` as given or 1). Raises ConfigError / DataError / PlanError / CheckpointError."""
-    if cfg.model not in model_names():
+    if is_user_model(cfg.model):
+        resolve(cfg.model)  # the module and function found: raises ConfigError before the data is read
+    elif cfg.model not in model_names():
         build_model(cfg.model, 1)  # raises ConfigError naming --model, before the data is read
     if cfg.dp is not None:
         memory_check(cfg)  # --max-memory-gib: refused before Ray starts
     source = make_source(cfg)
     check_schedule(cfg, Sharding(source.train_size, cfg.global_batch_size, cfg.dp or 1, cfg.seed).steps_per_epoch)
-    reference = run_model(cfg, source)
-    check_trainable(cfg.model, reference, tuple(source.sample_shape))
+    reference = run_model(cfg, source)  # (with --init: its keys and shapes checked, its weights loaded)
+    classes = check_trainable(cfg.model, reference, tuple(source.sample_shape))[1]
+    if classes != source.num_classes:
+        raise ConfigError(f"--model {cfg.model} gives {classes} class scores, the data has {source.num_classes} "
+                          "classes: build the model with the num_classes it is called with")
     plan = make_plan(cfg, Mesh(cfg.dp or 1, cfg.pp, cfg.fs), reference, source.sample_shape)
     if resume is not None:  # (a resumed run's --dp comes from its checkpoint)
         check_resumable(resume, cfg, plan.mesh, plan.stages, source.num_classes, tuple(source.sample_shape))
@@ -164,7 +170,7 @@ def routing_plan(cfg: Config, mesh: Mesh, checked: LayoutPlan, reference, source
 def new_run_dir(cfg: Config) -> Path:
     """A new folder under runs/ named by the time, the model and the data."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{stamp}-{cfg.model}-{cfg.data}"
+    return Path("runs") / f"{stamp}-{model_label(cfg.model)}-{cfg.data}"
 
 
 def with_output_folder(cfg: Config, resume: Optional[Checkpoint] = None) -> Config:

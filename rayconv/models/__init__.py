@@ -17,6 +17,8 @@ from torch import nn
 from rayconv.config import ConfigError
 from rayconv.models.convnet import ConvNet
 from rayconv.models.traced import NotCuttable, traced_layers
+from rayconv.models.user import SPEC_FORM, build_user_model, is_user_model
+from rayconv.models.weights import load_init
 
 __all__ = ["ConvNet", "build_model", "check_trainable", "to_layers", "model_names"]
 
@@ -45,8 +47,15 @@ def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: i
     32 pixels is tried by a dry forward (``check_trainable``) and refused where it fails.
     ``zero_init_residual`` is torchvision's (the last batch norm of each residual block starts at 0;
     Goyal et al. 2017, section 5.1), for builders that take it (ResNets, ResNeXts, wide ResNets).
+    A user's model (``MODULE:FUNCTION``, ``path/to/file.py:FUNCTION``, a callable given to
+    ``rayconv.fit``) is built by its own function (``rayconv.models.user``).
     Raises ConfigError for unknown names, for models that cannot take the data's image shape and for
     ``zero_init_residual`` on a model without it."""
+    if is_user_model(name):
+        if zero_init_residual:
+            raise ConfigError(f"--zero-init-residual is torchvision's builder argument: --model {name} is "
+                              "initialised by its own function; drop the flag")
+        return build_user_model(name, num_classes, in_channels, image_size)
     if name in RAYCONV_MODELS:
         if zero_init_residual:
             raise ConfigError(f"--zero-init-residual applies to residual models (torchvision's resnet18, ...): "
@@ -62,9 +71,11 @@ def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: i
     if name not in names:
         close = [n for n in names if n.startswith(name[:3])][:8]
         hint = f" (close: {', '.join(close)})" if close else ""
+        if "." in name:  # (module.function: the user's own model, given without its colon)
+            hint = f" (your own model? --model {name.rpartition('.')[0]}:{name.rpartition('.')[2]})"
         raise ConfigError(f"unknown --model {name!r}{hint}: use {', '.join(RAYCONV_MODELS)}, or any of torchvision's "
                           f"{len(names) - len(RAYCONV_MODELS)} classification models (alexnet, resnet18, vgg16, ...; "
-                          f"{LIST_MODELS} lists them)")
+                          f"{LIST_MODELS} lists them), or your own as {SPEC_FORM}")
     if in_channels != 3:
         raise ConfigError(f"--model {name} takes 3-channel images but gets {in_channels} channel(s): drop "
                           "--channels (grey --data is then given as 3 equal channels), or use --model convnet")
@@ -92,7 +103,7 @@ BUILD_ARGS = {"googlenet": {"aux_logits": False, "init_weights": True},
               "inception_v3": {"aux_logits": False, "init_weights": True}}
 
 
-def check_trainable(name: str, model: nn.Module, sample_shape: tuple[int, ...]) -> None:
+def check_trainable(name: str, model: nn.Module, sample_shape: tuple[int, ...]) -> tuple[int, ...]:
     """Refuse, before any actor starts, a model whose training forward does not map a batch of
     ``sample_shape`` images (C, H, W) to one tensor of class scores (batch, classes): one that returns
     a tuple or dict, or cannot take images of that size (vision transformers are made for one size).
@@ -100,7 +111,7 @@ def check_trainable(name: str, model: nn.Module, sample_shape: tuple[int, ...]) 
     The forward runs in training mode on the meta device (shapes only: no memory, no compute, the
     model's own tensors untouched), falling back to a CPU forward for an operation meta tensors lack
     or a value the forward reads (data-dependent control flow).
-    Raises ConfigError naming --model and what to change."""
+    Returns the output's shape, (2, classes). Raises ConfigError naming --model and what to change."""
     def forward(shape: tuple[int, ...], device: str):
         state = {n: t.detach().to("meta") if device == "meta" else t.detach().clone()
                  for n, t in [*model.named_parameters(), *model.named_buffers()]}
@@ -141,6 +152,7 @@ def check_trainable(name: str, model: nn.Module, sample_shape: tuple[int, ...]) 
     if out.dim() != 2 or out.shape[0] != 2:
         raise ConfigError(f"--model {name} maps 2 images to a tensor of shape {tuple(out.shape)}, not (2, classes): "
                           "pick another --model")
+    return tuple(out.shape)
 
 
 RAYCONV_MODELS = ("convnet", "convnet_bn", "convnet2col", "alexnet2012")
@@ -149,10 +161,14 @@ RAYCONV_MODELS = ("convnet", "convnet_bn", "convnet2col", "alexnet2012")
 def run_model(cfg, source) -> nn.Module:
     """The run's full model as every process builds it, identical everywhere: torch's RNG seeded with
     ``cfg.seed``, then ``build_model`` for ``source``'s classes and image shape (``source`` a
-    ``rayconv.data.Source``). Raises what ``build_model`` raises."""
+    ``rayconv.data.Source``), its weights then replaced by ``--init``'s (``models.weights``). Raises what
+    ``build_model`` and ``load_init`` raise."""
     torch.manual_seed(cfg.seed)
-    return build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1],
-                       zero_init_residual=cfg.zero_init_residual)
+    model = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1],
+                        zero_init_residual=cfg.zero_init_residual)
+    if cfg.init:
+        load_init(model, cfg.init, cfg.init_skip_head)
+    return model
 
 
 def alexnet_two_column(num_classes: int = 1000) -> nn.Module:

@@ -1,0 +1,46 @@
+"""``rayconv.fit``: the Python form of ``python -m rayconv.run``.
+
+    import rayconv
+    summary = rayconv.fit(model="path/to/resnetish.py:ResNetish", data="digits", dp=2, steps=100)
+    summary = rayconv.fit(rayconv.Config(model="resnet18", data="shards", data_dir="shards"), lr=0.1)
+
+Settings have the flags' names (``global_batch_size`` is ``--global-batch-size``) and are checked as
+the command line checks them, all before Ray starts: a bad one raises ConfigError (DataError,
+PlanError, CheckpointError) at once. ``model`` may also be a callable (a function or class returning an
+``nn.Module``): one importable by its module and name runs as ``module:qualname``; any other (a lambda,
+a local function) is pickled to the actors with Ray's serializer, and refused in one line when it
+cannot be. This module imports neither torch nor Ray until ``fit`` is called.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from rayconv.config import Config
+from rayconv.errors import ConfigError
+from rayconv.flags import from_mapping, resumed_settings
+from rayconv.outputs.checkpoint import saved_config
+
+
+def fit(config: Optional[Config] = None, /, *, log=print, **settings: Any) -> dict[str, Any]:
+    """Train as ``config`` (a Config, or None for the defaults) with ``settings`` over it, as
+    ``python -m rayconv.run`` with those flags would, and return the run's summary (summary.json's
+    content). ``log`` receives the progress lines. With ``resume=``, the checkpoint's settings come
+    first, as on the command line. Raises ConfigError / DataError / PlanError / CheckpointError /
+    FileExistsError before Ray starts, ClusterError when the actors fail."""
+    if config is not None and not isinstance(config, Config):
+        raise ConfigError(f"rayconv.fit(config): a rayconv.Config or None, not {type(config).__name__} "
+                          "(settings go as keywords: rayconv.fit(model='convnet', steps=10))")
+    values = {**(config.to_dict() if config is not None else {}), **settings}
+    if values.get("resume"):
+        values = {**resumed_settings(saved_config(values["resume"])), **values}
+    if "model" in values and not isinstance(values["model"], str):
+        # (torch and Ray only once a callable is given: the model's name is made from it)
+        from rayconv.models.user import model_name
+
+        values["model"] = model_name(values["model"])
+    cfg = from_mapping(values).validate()
+    # The driver imports torch and Ray (seconds): only once the settings are known to be good.
+    from rayconv.driver.job import fit as run
+
+    return run(cfg, log=log)
