@@ -6,16 +6,20 @@ filter-split groups (innermost mesh axis) stay inside a node; rank 0 picks the r
 every actor joins the torch.distributed process group at once. The actor class is the caller's
 (``rayconv.actor.worker.Worker`` for a training run): this module only places and calls it. A user's
 model (``--model MODULE:FUNCTION``) reaches the actors through Ray's runtime environment
-(``models.user.actor_runtime_env``: its modules in ``py_modules``), on every node.
+(``models.user.actor_runtime_env``: its modules in ``py_modules``, uploaded by ``with_uploads``), on
+every node.
 """
 
 from __future__ import annotations
 
+import logging
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import ray
+from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -200,7 +204,7 @@ def start_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: An
         for b in range(mesh.world_size):
             node_order.setdefault(nodes[b], len(node_order))
         bundles = sorted(range(mesh.world_size), key=lambda b: (node_order[nodes[b]], b))
-        env = actor_runtime_env(cfg.model, ALL_GPUS_VISIBLE_ENV if (gpu and cfg.all_gpus_visible) else {})
+        env = with_uploads(actor_runtime_env(cfg.model, ALL_GPUS_VISIBLE_ENV if (gpu and cfg.all_gpus_visible) else {}))
         remote = ray.remote(actor_cls)
         _wait_names_free([f"rayconv/{run_name}/{mesh.role(r)}" for r in range(mesh.world_size)],
                          max(0.0, deadline - time.monotonic()))
@@ -225,6 +229,22 @@ def start_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: An
         raise ClusterError(f"the {mesh.world_size} actors did not start within {limit_s or timeout_s:g} s (--max-wait; "
                            "their processes start and import torch, slowly on a loaded machine): raise --max-wait") from None
     return gang
+
+
+def with_uploads(env: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """``env`` with the local paths of its ``py_modules`` uploaded to the cluster and replaced by their
+    ``gcs://`` URIs (named by content: uploaded once, fetched by each node that starts an actor).
+    Ray uploads local paths itself only for the job's runtime environment (``ray.init``); an actor's
+    must name URIs, so this does what ``ray.init`` does (Ray's ``upload_py_modules_if_needed``).
+    Raises ClusterError when the upload fails."""
+    if not env or not env.get("py_modules"):
+        return env
+    try:
+        with tempfile.TemporaryDirectory(prefix="rayconv-upload-") as scratch:
+            return upload_py_modules_if_needed(dict(env), include_gitignore=True, scratch_dir=scratch,
+                                               logger=logging.getLogger("rayconv"))
+    except Exception as e:  # noqa: BLE001 - any failure to upload is reported in one line
+        raise ClusterError(f"could not ship {', '.join(env['py_modules'])} to the cluster: {first_line(e)}") from None
 
 
 def _wait_names_free(names: list[str], timeout_s: float) -> None:

@@ -1,6 +1,6 @@
 """The end of a run: ``model.pt`` (and ``model_ema.pt`` with ``--model-ema``), ``metrics.parquet`` and
-``summary.json`` in the output folder; and what a failed run leaves there (its checkpoints and
-config.json, or nothing).
+``summary.json`` in the output folder (``finish_evaluation``: of an --evaluate-only run, the last two);
+and what a failed run leaves there (its checkpoints and config.json, or nothing).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from rayconv.cluster.group import Gang
-from rayconv.driver.loop import Run
+from rayconv.driver.loop import Run, evaluate
 from rayconv.files import write_json
 from rayconv.models import run_model
 from rayconv.outputs.checkpoint import list_checkpoints, remove_partial
@@ -37,6 +37,23 @@ def finish(run: Run, gang: Gang) -> dict[str, Any]:
     return summary
 
 
+def finish_evaluation(run: Run, gang: Gang) -> dict[str, Any]:
+    """--evaluate-only: the actors evaluate --init's weights once (test loss, top-1, top-5); write
+    metrics.parquet (one ``eval`` row at step 0) and summary.json (``steps`` 0); return the summary.
+    Raises ClusterError when an actor fails."""
+    out, cfg = run.setup.out, run.cfg
+    t0 = time.perf_counter()
+    run.last_eval = evaluate(gang, run.call_timeout_s)
+    run.metrics.add(kind="eval", step=0, epoch=0, time_s=time.perf_counter() - t0, **run.last_eval)
+    run.metrics.write(out / "metrics.parquet")
+    summary = summarize(run, gang.call("memory", timeout_s=run.call_timeout_s))
+    write_json(out / "summary.json", summary)
+    top5 = summary["test_top5_accuracy"]
+    run.log(f"evaluated --init {cfg.init}: test top-1 {summary['test_accuracy']:.4f}, top-5 "
+            f"{'n/a' if top5 is None else f'{top5:.4f}'}, test loss {summary['test_loss']:.4f} -> {out}")
+    return summary
+
+
 def export(run: Run, gang: Gang, path: Path, ema: bool = False) -> None:
     """``path`` <- the actors' parts (``ema``: of their moving averages) assembled into one state_dict,
     loaded into a fresh model to check it, written atomically."""
@@ -55,7 +72,7 @@ def export(run: Run, gang: Gang, path: Path, ema: bool = False) -> None:
 def summarize(run: Run, memory: list[dict[str, Any]]) -> dict[str, Any]:
     """summary.json: the layout, the final loss and test figures (``ema_test_accuracy`` of the moving
     average, null without --model-ema), images/s, input stall, times, the time to --target-accuracy
-    (``driver.target``), and per actor its setup report and peak memory (``memory``: one per rank)."""
+    (``driver.target``), the weights it started from (``init``; ``evaluate_only``), and per actor its setup report and peak memory (``memory``: one per rank)."""
     cfg, s, mesh = run.cfg, run.setup, run.setup.mesh
     train_rows = [row for row in run.metrics.rows if row["kind"] == "train"]
     stall_ms = sum(x.get("input_stall_ms") or 0.0 for x in train_rows)
@@ -68,8 +85,9 @@ def summarize(run: Run, memory: list[dict[str, Any]]) -> dict[str, Any]:
                    "num_microbatches": cfg.num_microbatches, "virtual_stages": cfg.virtual_stages,
                    "exchange_chunks": cfg.exchange_chunks if mesh.fs > 1 else None,
                    "stages": [list(st) for st in s.plan.stages]},
-        "global_batch_size": cfg.global_batch_size, "steps": s.total_steps,
-        "epochs": s.total_steps / s.sharding.steps_per_epoch,
+        "global_batch_size": cfg.global_batch_size, "steps": 0 if cfg.evaluate_only else s.total_steps,
+        "epochs": 0.0 if cfg.evaluate_only else s.total_steps / s.sharding.steps_per_epoch,
+        "init": cfg.init, "evaluate_only": cfg.evaluate_only,
         "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
         "test_accuracy": ev.get("test_accuracy"), "test_error": ev.get("test_error"),
         "test_loss": ev.get("test_loss"), "test_top5_accuracy": ev.get("test_top5_accuracy"),

@@ -5,6 +5,9 @@
         train(run, gang, start)                       # one call per actor per step, two in flight (loop.py)
         return finish(run, gang)                      # model.pt, metrics.parquet, summary.json (finish.py)
 
+With --evaluate-only the actors, once set up with --init's weights, evaluate them and the run ends
+(``finish_evaluation``: metrics.parquet and summary.json, no training, no model.pt).
+
 An actor lost mid-run (process or node died, collective timed out) ends the step for all; with
 --max-failures F the driver then starts new actors, reloads the last checkpoint and continues (F times).
 Tensors of the training path never pass through the driver: it sends each actor its rank and the
@@ -18,7 +21,7 @@ from typing import Any, Optional
 from rayconv.actor.worker import Worker
 from rayconv.cluster.group import Gang, start_workers
 from rayconv.config import Config
-from rayconv.driver.finish import finish, writing_into
+from rayconv.driver.finish import finish, finish_evaluation, writing_into
 from rayconv.driver.loop import Run, train
 from rayconv.driver.progress import log_header
 from rayconv.driver.setup import call_timeout_s, setup_run
@@ -45,6 +48,8 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
         while True:
             try:
                 with start_actors(run, ckpt) as gang:
+                    if setup.cfg.evaluate_only:
+                        return finish_evaluation(run, gang)
                     train(run, gang, start=ckpt.step if ckpt is not None else 0)
                     return finish(run, gang)
             except ClusterError as e:

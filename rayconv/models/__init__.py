@@ -161,8 +161,9 @@ RAYCONV_MODELS = ("convnet", "convnet_bn", "convnet2col", "alexnet2012")
 def run_model(cfg, source) -> nn.Module:
     """The run's full model as every process builds it, identical everywhere: torch's RNG seeded with
     ``cfg.seed``, then ``build_model`` for ``source``'s classes and image shape (``source`` a
-    ``rayconv.data.Source``), its weights then replaced by ``--init``'s (``models.weights``). Raises what
-    ``build_model`` and ``load_init`` raise."""
+    ``rayconv.data.Source``), its weights then replaced by ``--init``'s (``models.weights``; copied
+    into the model as built, in float32, before a run's --precision converts it: float64 weights are
+    rounded to float32). Raises what ``build_model`` and ``load_init`` raise."""
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1],
                         zero_init_residual=cfg.zero_init_residual)

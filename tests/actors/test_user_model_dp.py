@@ -1,0 +1,59 @@
+"""A user's own ResNet-like ConvNet (tests/fixtures/resnetish.py: skip connections, batch norm; not
+installed) given as ``--model models/resnetish.py:ResNetish`` trains under dp=2 as single-device SGD
+does (float64, to 1e-10), its model.pt loads into ResNetish, and ``--evaluate-only --init`` of that
+model.pt reports the run's test accuracy.
+
+The file is copied into a folder the driver then runs in, named by a relative path that the actors
+(which run in the folder the test's Ray cluster started from) do not see: they import it from Ray's
+``py_modules``. Batch norm under
+dp=2 normalises each replica's share by its own statistics, so the reference is
+``helpers.reference_microbatch_sgd`` (running statistics from replica 0, as in DDP)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from helpers import assert_same_state, reference_microbatch_sgd, sgd_config
+from rayconv.driver.job import fit
+from rayconv.models.user import resolve
+from rayconv.run import main
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "resnetish.py"
+MODEL = "models/resnetish.py:ResNetish"
+STEPS = 3
+
+
+def test_users_model_dp2_equals_single_device_sgd_and_evaluates_from_init(ray_cluster, tmp_path, monkeypatch, capsys):
+    assert not Path(MODEL.split(":")[0]).exists()  # (where the actors run)
+    (tmp_path / "models").mkdir()
+    shutil.copy(FIXTURE, tmp_path / "models" / "resnetish.py")
+    monkeypatch.chdir(tmp_path)
+    cfg = sgd_config(tmp_path, "r", model=MODEL, dp=2, steps=STEPS, eval_every=STEPS, loader_workers=0)
+    summary = fit(cfg, log=lambda *_: None)
+    assert summary["model"] == MODEL and summary["layout"]["dp"] == 2
+    got = torch.load(tmp_path / "r" / "model.pt", weights_only=True)
+    want, test_loss = reference_microbatch_sgd(cfg, STEPS)  # (built by the same function: build_model(MODEL))
+    assert_same_state(got, want, atol=1e-10)
+    assert abs(summary["test_loss"] - test_loss) < 1e-10
+    model = resolve(MODEL)(num_classes=10)  # the user's own class, parameter names unchanged
+    model.load_state_dict(got, strict=True)
+
+    capsys.readouterr()
+    rc = main(["--model", MODEL, "--evaluate-only", "--init", str(tmp_path / "r" / "model.pt"), "--dp", "2",
+               "--precision", "fp64", "--device", "cpu", "--no-progress", "--loader-workers", "0",
+               "--out", str(tmp_path / "e")])
+    captured = capsys.readouterr()
+    out = captured.out
+    assert rc == 0, captured.err
+    ev = json.loads((tmp_path / "e" / "summary.json").read_text())
+    assert ev["steps"] == 0 and ev["evaluate_only"] and ev["init"] == str(tmp_path / "r" / "model.pt")
+    assert ev["test_accuracy"] == summary["test_accuracy"]
+    assert ev["test_top5_accuracy"] == summary["test_top5_accuracy"]
+    # (--init's float64 weights enter the model as built, in float32: the loss differs by that rounding)
+    assert abs(ev["test_loss"] - summary["test_loss"]) < 1e-6
+    assert f"test top-1 {summary['test_accuracy']:.4f}" in out
+    assert not (tmp_path / "e" / "model.pt").exists()
