@@ -46,6 +46,7 @@ from rayconv.data.registry import make_source
 from rayconv.errors import PlanError
 from rayconv.files import atomic_write
 from rayconv.models import run_model, to_layers
+from rayconv.models.user import model_label
 from rayconv.parallel.filter_split.exchanges import Gather, Scatter
 from rayconv.parallel.filter_split.layers import ShardedDropout
 from rayconv.parallel.filter_split.split import shard_layers
@@ -273,7 +274,7 @@ class Measurements:
         key = json.dumps([self.cfg.model, self.cfg.data, self.cfg.image_size, self.cfg.num_classes, name,
                           self.cfg.precision])
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-        self.path = cache_dir() / f"plan-{self.cfg.model}-{digest}.json"
+        self.path = cache_dir() / f"plan-{model_label(self.cfg.model)}-{digest}.json"  # (a path spec has slashes)
         if self.path.is_file():
             try:
                 self.state = json.loads(self.path.read_text())
