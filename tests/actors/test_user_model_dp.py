@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from helpers import assert_same_state, reference_microbatch_sgd, sgd_config
@@ -25,6 +27,14 @@ from rayconv.run import main
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "resnetish.py"
 MODEL = "models/resnetish.py:ResNetish"
 STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def forget_the_copy():
+    """The copy imported here is the user's module ``resnetish`` of this test's folder only: later tests
+    import the fixture itself under that name, which the loader refuses as a shadowing module."""
+    yield
+    sys.modules.pop("resnetish", None)
 
 
 def test_users_model_dp2_equals_single_device_sgd_and_evaluates_from_init(ray_cluster, tmp_path, monkeypatch, capsys):
