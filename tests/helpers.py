@@ -41,8 +41,9 @@ def wait_until(proc, ready, what: str, timeout_s: float = 120, poll_s: float = 0
         time.sleep(poll_s)
 
 
-def reference_sgd(cfg: Config, steps: int) -> dict[str, torch.Tensor]:
-    """Plain single-device SGD on the same global batches (mean cross-entropy), in float64."""
+def reference_sgd(cfg: Config, steps: int, mix_batch=None) -> dict[str, torch.Tensor]:
+    """Plain single-device SGD on the same global batches (mean cross-entropy), in float64.
+    ``mix_batch(step, x, y) -> (x, y)`` changes each global batch before the step (``reference_mix_sgd``)."""
     source = make_source(cfg)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1]).double()
@@ -53,6 +54,8 @@ def reference_sgd(cfg: Config, steps: int) -> dict[str, torch.Tensor]:
         idx = sharding.global_batch(epoch, s)
         x = source.images("train", idx, torch.device("cpu"), epoch).double()
         y = source.labels("train", idx)
+        if mix_batch is not None:
+            x, y = mix_batch(step, x, y)
         for g in opt.param_groups:
             g["lr"] = learning_rate(cfg, step, steps)
         opt.zero_grad()
@@ -66,24 +69,13 @@ def reference_mix_sgd(cfg: Config, steps: int) -> dict[str, torch.Tensor]:
     (seed, step) (``recipe.mix``), images and one-hot targets alike, mean cross entropy on the soft
     targets, in float64."""
     source = make_source(cfg)
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1]).double()
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    sharding = Sharding(source.train_size, cfg.global_batch_size, dp=1, seed=cfg.seed)
-    for step in range(steps):
-        epoch, s = divmod(step, sharding.steps_per_epoch)
-        idx = sharding.global_batch(epoch, s)
-        draw = draw_mix(cfg.seed, step, len(idx), cfg.mixup_alpha, cfg.cutmix_alpha, tuple(source.sample_shape[1:]))
-        x = source.images("train", idx, torch.device("cpu"), epoch).double()
-        y = source.labels("train", idx)
-        x = mix_images(draw, x, x[draw.partner])
-        y = mix_targets(draw, y, y[draw.partner], source.num_classes, torch.float64)
-        for g in opt.param_groups:
-            g["lr"] = learning_rate(cfg, step, steps)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def mix_batch(step, x, y):
+        draw = draw_mix(cfg.seed, step, len(x), cfg.mixup_alpha, cfg.cutmix_alpha, tuple(source.sample_shape[1:]))
+        return (mix_images(draw, x, x[draw.partner]),
+                mix_targets(draw, y, y[draw.partner], source.num_classes, torch.float64))
+
+    return reference_sgd(cfg, steps, mix_batch)
 
 
 def reference_microbatch_sgd(cfg: Config, steps: int) -> tuple[dict[str, torch.Tensor], float]:
