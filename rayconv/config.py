@@ -7,7 +7,8 @@ configuration is written to ``<out>/config.json`` and can be passed back with ``
 Errors a user can cause raise :class:`ConfigError` (a ``ValueError``) whose message names the flag
 and what to change. A Config is frozen: ``validate()`` checks it and returns it; what the driver
 resolves later (the device, ``dp``, the pipeline cut, the output folder) makes a new one with
-``dataclasses.replace``. The module imports only ``errors``, so that every layer can read settings;
+``dataclasses.replace``. The module imports only ``errors`` and ``choices`` (the flags' named
+choices), so that every layer can read settings;
 the flags are built from the fields by ``rayconv.flags``, and ``--resume``'s checkpoint is read by the
 command line (``rayconv.run``).
 
@@ -25,30 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from rayconv.choices import (  # noqa: F401 (re-exported: the flags and checks read them here)
+    MODELS_HELP, DATA_CHOICES, DECODE_CHOICES, DEVICE_CHOICES, SCHEDULE_CHOICES, PLAN_CHOICES,
+    PRECISION_CHOICES, LR_SCHEDULE_CHOICES, COMPILE_CHOICES, BALANCE_CHOICES, LAYOUT_CHOICES,
+    OPT_CHOICES, WARMUP_CHOICES, LR_SCALING_CHOICES, AUGMENT_CHOICES, AUTO_AUGMENT_CHOICES,
+    DATA_IMAGE_SIZE, PAD_CROP_MAX_SIZE
+)
 from rayconv.errors import ConfigError
-
-MODELS_HELP = ("convnet (small test ConvNet; convnet_bn with batch norm; convnet2col two-column), alexnet, "
-               "alexnet2012 (two-column), any torchvision classification ConvNet name, or your own: "
-               "MODULE:FUNCTION or path/to/file.py:FUNCTION (called with num_classes, and in_channels and "
-               "image_size where it takes them; returns an nn.Module)")
-DATA_CHOICES = ("digits", "fashion-mnist", "synthetic", "imagefolder", "shards")
-DECODE_CHOICES = ("auto", "cpu", "gpu")
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
-SCHEDULE_CHOICES = ("gpipe", "1f1b")
-PLAN_CHOICES = ("none", "krizhevsky2014")
-PRECISION_CHOICES = ("fp32", "bf16", "fp16", "fp64")
-LR_SCHEDULE_CHOICES = ("constant", "cosine")
-COMPILE_CHOICES = ("auto", "on", "off")
-BALANCE_CHOICES = ("auto", "time", "flops")
-LAYOUT_CHOICES = ("manual", "auto")
-OPT_CHOICES = ("sgd", "sgd_nesterov", "adamw")  # rayconv.recipe.optim.OPTIMIZERS
-WARMUP_CHOICES = ("linear", "constant")         # rayconv.recipe.lr_schedule.WARMUP_METHODS
-LR_SCALING_CHOICES = ("none", "linear")
-AUGMENT_CHOICES = ("auto", "resized-crop", "pad-crop", "none")
-# The side in pixels of each data set's own images (--image-size left out): digits are 8x8 scans,
-# Fashion-MNIST 28x28; synthetic, image folders and shards are cropped to 224 (ImageNet's).
-DATA_IMAGE_SIZE = {"digits": 8, "fashion-mnist": 28, "synthetic": 224, "imagefolder": 224, "shards": 224}
-PAD_CROP_MAX_SIZE = 64  # --augment auto: pad-crop + flip up to this side in pixels, resized crops above
 
 
 def batch_split_problem(global_batch_size: int, dp: int, num_microbatches: int) -> Optional[str]:
@@ -102,6 +86,10 @@ class Config:
         "help": "training augmentation: pad-crop (pad by size/8, random crop, horizontal flip), resized-crop "
                 "(RandomResizedCrop + flip, Szegedy et al. 2015), none; auto: pad-crop + flip up to 64 pixels, "
                 "resized-crop above", "choices": AUGMENT_CHOICES})
+    auto_augment: Optional[str] = field(default=None, metadata={
+        "help": "augmentation policy after the crop and flip, torchvision's: imagenet, cifar10, svhn "
+                "(AutoAugment, Cubuk et al. 2019), ra (RandAugment), ta_wide (TrivialAugmentWide); default none",
+        "choices": AUTO_AUGMENT_CHOICES})
     random_erase: float = field(default=0.0, metadata={
         "help": "probability in [0, 1] of erasing a random rectangle of each training image (Zhong et al. "
                 "2020, torchvision's --random-erase; default 0)"})
@@ -306,6 +294,10 @@ def _check_names(cfg: Config) -> None:
                                                   "choose linear or constant")
     _need(cfg.lr_scaling in LR_SCALING_CHOICES, f"unknown --lr-scaling {cfg.lr_scaling!r}: choose none or linear")
     _need(cfg.augment in AUGMENT_CHOICES, f"unknown --augment {cfg.augment!r}: choose one of {', '.join(AUGMENT_CHOICES)}")
+    _need(cfg.auto_augment is None or cfg.auto_augment in AUTO_AUGMENT_CHOICES,
+          f"unknown --auto-augment {cfg.auto_augment!r}: choose one of {', '.join(AUTO_AUGMENT_CHOICES)}")
+    _need(cfg.auto_augment is None or cfg.data in ("fashion-mnist", "imagefolder", "shards"),
+          f"--auto-augment augments fashion-mnist, imagefolder and shards data, not --data {cfg.data}: drop it")
     _need(cfg.decode in DECODE_CHOICES, f"unknown --decode {cfg.decode!r}: choose auto, cpu or gpu")
     _need(not (cfg.decode == "gpu" and cfg.device == "cpu"),
           "--decode gpu decodes on the actors' GPUs: use --decode cpu with --device cpu")
