@@ -21,6 +21,7 @@ OPT_CHOICES = ("sgd", "sgd_nesterov", "adamw")  # rayconv.recipe.optim.OPTIMIZER
 WARMUP_CHOICES = ("linear", "constant")         # rayconv.recipe.lr_schedule.WARMUP_METHODS
 LR_SCALING_CHOICES = ("none", "linear")
 AUGMENT_CHOICES = ("auto", "resized-crop", "pad-crop", "none")
+SHUFFLE_CHOICES = ("exact", "block")   # rayconv/data/order.py
 AUTO_AUGMENT_CHOICES = ("imagenet", "cifar10", "svhn", "ra", "ta_wide")   # rayconv/data/auto_augment.py
 # The side in pixels of each data set's own images (--image-size left out): digits are 8x8 scans,
 # Fashion-MNIST 28x28; synthetic, image folders and shards are cropped to 224 (ImageNet's).

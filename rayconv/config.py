@@ -30,6 +30,7 @@ from rayconv.choices import (  # noqa: F401 (re-exported: the flags and checks r
     MODELS_HELP, DATA_CHOICES, DECODE_CHOICES, DEVICE_CHOICES, SCHEDULE_CHOICES, PLAN_CHOICES,
     PRECISION_CHOICES, LR_SCHEDULE_CHOICES, COMPILE_CHOICES, BALANCE_CHOICES, LAYOUT_CHOICES,
     OPT_CHOICES, WARMUP_CHOICES, LR_SCALING_CHOICES, AUGMENT_CHOICES, AUTO_AUGMENT_CHOICES,
+    SHUFFLE_CHOICES,
     DATA_IMAGE_SIZE, PAD_CROP_MAX_SIZE
 )
 from rayconv.errors import ConfigError
@@ -97,6 +98,12 @@ class Config:
         "help": "start the last batch norm of each residual block at zero weight, so each block starts as "
                 "the identity (Goyal et al. 2017, section 5.1; torchvision's zero_init_residual)"})
     synthetic_samples: int = field(default=4096, metadata={"help": "train samples of synthetic data"})
+    shuffle: str = field(default="exact", metadata={"choices": SHUFFLE_CHOICES, "help": "train order: exact "
+        "(all samples permuted per epoch) or block (--data shards: shards permuted, then the samples of each "
+        "window of --shuffle-window shards; README: Shuffle order)"})
+    shuffle_window: int = field(default=8, metadata={"help": "--shuffle block: shards per window, >= 1"})
+    stage_dir: Optional[str] = field(default=None, metadata={"help": "--data shards: first copy the shards to "
+        "this folder on each node's local disk (sha256-checked, skipped when there) and read them there"})
     # layout: a mesh of dp * pp * fs actors
     dp: Optional[int] = field(default=None, metadata={"help": "data-parallel replicas; default: all devices / (pp*fs)"})
     pp: int = field(default=1, metadata={"help": "pipeline stages (model split by layers)"})
@@ -289,6 +296,12 @@ def _check_names(cfg: Config) -> None:
           "--data imagefolder needs --data-dir DIR (a folder with train/<class>/<images> and val/<class>/<images>)")
     _need(cfg.data != "shards" or bool(cfg.data_dir),
           "--data shards needs --data-dir SHARDS (a folder written by python -m rayconv.prepare DIR --out SHARDS)")
+    _need(cfg.shuffle in SHUFFLE_CHOICES, f"unknown --shuffle {cfg.shuffle!r}: choose exact or block")
+    _need(cfg.shuffle != "block" or cfg.data == "shards",
+          f"--shuffle block permutes within windows of shards: use --data shards (got --data {cfg.data}), "
+          "or --shuffle exact")
+    _need(cfg.stage_dir is None or cfg.data == "shards",
+          f"--stage-dir copies a prepared shard folder: use --data shards (got --data {cfg.data}), or drop it")
     _need(cfg.opt in OPT_CHOICES, f"unknown --opt {cfg.opt!r}: choose one of {', '.join(OPT_CHOICES)}")
     _need(cfg.lr_warmup_method in WARMUP_CHOICES, f"unknown --lr-warmup-method {cfg.lr_warmup_method!r}: "
                                                   "choose linear or constant")
@@ -307,7 +320,7 @@ def _check_numbers(cfg: Config) -> None:
     """Counts at least 1 (0 where it means none), rates, sizes and times positive, the batch split
     evenly (when --dp is given)."""
     for name in ("pp", "fs", "num_microbatches", "virtual_stages", "global_batch_size", "log_every",
-                 "num_cpus_per_actor", "exchange_chunks"):
+                 "num_cpus_per_actor", "exchange_chunks", "shuffle_window"):
         _need(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
     for name in ("dp", "steps", "epochs", "eval_every", "num_classes"):
         v = getattr(cfg, name)
