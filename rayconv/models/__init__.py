@@ -161,14 +161,15 @@ RAYCONV_MODELS = ("convnet", "convnet_bn", "convnet2col", "alexnet2012")
 def run_model(cfg, source) -> nn.Module:
     """The run's full model as every process builds it, identical everywhere: torch's RNG seeded with
     ``cfg.seed``, then ``build_model`` for ``source``'s classes and image shape (``source`` a
-    ``rayconv.data.Source``), its weights then replaced by ``--init``'s (``models.weights``; copied
-    into the model as built, in float32, before a run's --precision converts it: float64 weights are
-    rounded to float32). Raises what ``build_model`` and ``load_init`` raise."""
+    ``rayconv.data.Source``), its weights then replaced by ``--init``'s (``models.weights``). With
+    --init under --precision fp64 the model is made float64 first, so that float64 weights enter
+    exactly (not rounded through float32); the built weights are the same either way. Raises what
+    ``build_model`` and ``load_init`` raise."""
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1],
                         zero_init_residual=cfg.zero_init_residual)
     if cfg.init:
-        load_init(model, cfg.init, cfg.init_skip_head)
+        load_init(model, cfg.init, cfg.init_skip_head, dtype=torch.float64 if cfg.precision == "fp64" else None)
     return model
 
 
