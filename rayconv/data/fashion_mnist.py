@@ -77,12 +77,14 @@ def fashion_mnist_arrays(data_dir: Optional[str] = None) -> dict[str, tuple[np.n
 
 
 def load_fashion_mnist(data_dir: Optional[str], seed: int, image_size: Optional[int] = None,
-                       augment: str = "pad-crop", random_erase: float = 0.0) -> OnDeviceSource:
+                       augment: str = "pad-crop", random_erase: float = 0.0,
+                       auto_augment: Optional[str] = None) -> OnDeviceSource:
     """Fashion-MNIST as a Source held on the device: 1 channel, 28x28 (``image_size``: resized once on
     the device), 10 classes; training samples augmented by ``augment`` (pad-crop: padded by
-    ``on_device.pad_for(S)``, ``PAD`` at 28, and mirrored) and erased with probability ``random_erase``,
+    ``on_device.pad_for(S)``, ``PAD`` at 28, and mirrored), given ``auto_augment``'s policy and erased with probability ``random_erase``,
     keyed by (``seed``, epoch, sample). Raises DataError when the files are missing or malformed."""
     arrays = fashion_mnist_arrays(data_dir)
     size = None if image_size in (None, 28) else image_size
     return OnDeviceSource(arrays["train"], arrays["test"], num_classes=10, seed=seed, image_size=size,
-                          augment=augment, random_erase=random_erase, name="fashion-mnist")
+                          augment=augment, random_erase=random_erase, name="fashion-mnist",
+                          auto_augment=auto_augment)

@@ -2,18 +2,21 @@
 decoded and augmented by torchvision's ``transforms.v2`` in the loader's processes, read by a
 ``torch.utils.data.DataLoader`` with worker processes. Training (``augment``): ``resized-crop``
 (RandomResizedCrop + flip), ``pad-crop`` (resize + center crop, then RandomCrop padded by
-``on_device.pad_for(S)`` + flip) or ``none`` (resize + center crop, as evaluation); then, with
+``on_device.pad_for(S)`` + flip) or ``none`` (resize + center crop, as evaluation); then ``auto_augment``'s
+policy per image (``rayconv/data/auto_augment.py``); then, with
 ``random_erase`` > 0, ``RandomErasing(p, value=0)`` after the normalisation. Evaluation: resize +
 center crop."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from rayconv.data import auto_augment as aa
 from rayconv.data.folders import check_image_folder, visible_image_folder, warn_skipped
 from rayconv.data.on_device import pad_for
 from rayconv.data.source import Source, stable_seed
@@ -54,7 +57,7 @@ class ImageFolderSource(Source):
     Raises DataError for a folder without classes or images, or val classes other than train's."""
 
     def __init__(self, root: str, image_size: int, seed: int, workers: int, augment: str = "resized-crop",
-                 random_erase: float = 0.0):
+                 random_erase: float = 0.0, auto_augment: Optional[str] = None):
         from torchvision.transforms import v2 as T   # (torchvision's import takes seconds: only when used)
 
         base = Path(root)
@@ -68,14 +71,16 @@ class ImageFolderSource(Source):
                  "pad-crop": [*center, T.RandomCrop(image_size, padding=pad), T.RandomHorizontalFlip()],
                  "none": center}[augment]
         erase = [T.RandomErasing(random_erase, value=0)] if random_erase > 0 else []
+        policy = [aa.make_transform(auto_augment)] if auto_augment else []
         self.sets = {
-            "train": _CheckedImageFolder(base / "train", T.Compose([*train, *norm, *erase])),
+            "train": _CheckedImageFolder(base / "train", T.Compose([*train, *policy, *norm, *erase])),
             "test": _CheckedImageFolder(base / "val", T.Compose([*center, *norm])),
         }
         self.name = "imagefolder"
         self.augmentation = {"resized-crop": "RandomResizedCrop(0.08-1) + flip",
                              "pad-crop": f"resize + center crop, pad {pad} + random crop + flip",
                              "none": "resize + center crop"}[augment] \
+            + (f", auto-augment {auto_augment}" if auto_augment else "") \
             + (f", random erasing p={random_erase:g}" if random_erase > 0 else "") + " (in the loader)"
         train_classes = self.sets["train"].inner.classes
         if self.sets["test"].inner.classes != train_classes:

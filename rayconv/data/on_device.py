@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from rayconv.data import auto_augment as aa
 from rayconv.data.augment import (crop_flip_params, erase, erase_params, normalize, random_crop_flip,
                                   resize, resized_crop_flip, resized_crop_params)
 from rayconv.data.source import Source, stable_seed, to_device
@@ -56,7 +57,7 @@ class OnDeviceSource(Source):
     ``images`` returns float32 (or ``dtype``) (len(idx), C, S, S), S = ``image_size`` or H: normalised
     by ``mean`` / ``std`` (per channel, [0, 1] units; default: the train set's own). Training samples
     get ``augment`` (``AUGMENTS``; None: pad-crop by ``pad`` pixels and mirrored where ``flip``, nothing
-    when both are off), then with probability ``random_erase`` one rectangle set to 0 after the
+    when both are off), then ``auto_augment``'s policy (``rayconv/data/auto_augment.py``), then with probability ``random_erase`` one rectangle set to 0 after the
     normalisation; test samples are as they are. With ``image_size`` other than H the images are
     resized once on the device to S x S (bilinear, antialiased) before any crop. Raises ConfigError for
     an unknown ``augment``."""
@@ -65,7 +66,7 @@ class OnDeviceSource(Source):
                  num_classes: int, seed: int, pad: int = 0, flip: bool = False,
                  image_size: Optional[int] = None, mean: Optional[Sequence[float]] = None,
                  std: Optional[Sequence[float]] = None, augment: Optional[str] = None,
-                 random_erase: float = 0.0, name: str = "data"):
+                 random_erase: float = 0.0, name: str = "data", auto_augment: Optional[str] = None):
         self.host = {"train": torch.from_numpy(train[0]), "test": torch.from_numpy(test[0])}
         self.targets = {"train": torch.from_numpy(train[1]).long(), "test": torch.from_numpy(test[1]).long()}
         c, h, w = train[0].shape[1:]
@@ -80,7 +81,8 @@ class OnDeviceSource(Source):
             raise ConfigError(f"unknown --augment {augment!r}: choose one of {', '.join(AUGMENTS)}")
         self.seed, self.augment, self.random_erase = seed, augment, random_erase
         self.pad, self.flip = (pad, flip) if augment == "pad-crop" else (0, augment == "resized-crop")
-        self.augmentation = _words(augment, self.pad, self.flip, random_erase)
+        self.auto_augment = aa.make_transform(auto_augment) if auto_augment else None
+        self.augmentation = _words(augment, self.pad, self.flip, random_erase, auto_augment)
         if mean is None or std is None:
             mean, std = channel_stats(train[0])
         self.mean, self.std = list(mean), list(std)
@@ -115,6 +117,9 @@ class OnDeviceSource(Source):
                     params["flips"].zero_()
             elif self.augment == "resized-crop":
                 params["boxes"], params["flips"] = resized_crop_params(n, size, size, g)
+            if self.auto_augment is not None:
+                g_aa = torch.Generator().manual_seed(stable_seed(self.seed, "auto-augment", epoch))
+                params["aa_groups"] = aa.group_params(n, g_aa)
             if self.random_erase > 0:
                 g_erase = torch.Generator().manual_seed(stable_seed(self.seed, "erase", epoch))
                 params["erase"] = erase_params(n, size, size, self.random_erase, g_erase)
@@ -126,12 +131,15 @@ class OnDeviceSource(Source):
         rows = to_device(torch.as_tensor(np.asarray(idx), dtype=torch.long), dev)
         stored = self._on(dev)
         x = stored[split][rows]                                              # (n, C, S, S) uint8
-        train = split == "train" and (self.augment != "none" or self.random_erase > 0)
+        train = split == "train" and (self.augment != "none" or self.random_erase > 0
+                                      or self.auto_augment is not None)
         params = self._epoch_params(dev, epoch) if train else {}
         if "offsets" in params and (self.pad or self.flip):
             x = random_crop_flip(x, self.pad, params["offsets"][rows], params["flips"][rows])
         elif "boxes" in params:
             x = resized_crop_flip(x, params["boxes"][rows], params["flips"][rows])
+        if "aa_groups" in params:
+            x = aa.apply(x, params["aa_groups"][rows], self.auto_augment, self.seed, epoch)
         x = normalize(x, stored["mean"], stored["std"])                      # (n, C, S, S) float32
         if "erase" in params:
             x = erase(x, params["erase"][rows])
@@ -141,10 +149,11 @@ class OnDeviceSource(Source):
         return self.targets[split][torch.as_tensor(np.asarray(idx), dtype=torch.long)]
 
 
-def _words(augment: str, pad: int, flip: bool, random_erase: float) -> str:
+def _words(augment: str, pad: int, flip: bool, random_erase: float, auto_augment: Optional[str]) -> str:
     """The augmentation in words, for ``Source.describe``."""
     text = {"pad-crop": f"pad {pad} + random crop" + (" + flip" if flip else ""),
             "resized-crop": "RandomResizedCrop(0.08-1) + flip", "none": "none"}[augment]
     if augment == "pad-crop" and not pad:
         text = "flip" if flip else "none"
+    text += f", auto-augment {auto_augment} (batched in {aa.GROUPS} groups)" if auto_augment else ""
     return text + (f", random erasing p={random_erase:g}" if random_erase > 0 else "") + " (on the device)"

@@ -4,7 +4,7 @@ Names: ``digits`` (``rayconv/data/digits.py``; 8x8, not augmented, whatever ``--
 ``--augment`` say), ``fashion-mnist`` (``fashion_mnist.py``; resized on the device to ``--image-size``),
 ``synthetic`` (``synthetic.py``), ``imagefolder`` (``imagefolder.py``; a folder prepared by ``python -m
 rayconv.prepare`` is read as shards) and ``shards`` (``shards.py``). ``--augment`` (resolved by
-``Config.augmentation``) and ``--random-erase`` reach fashion-mnist, imagefolder and shards;
+``Config.augmentation``), ``--auto-augment`` and ``--random-erase`` reach fashion-mnist, imagefolder and shards;
 ``--channels`` (``model_channels``) every source."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
     if cfg.data == "digits":
         src: Source = load_digits()
     elif cfg.data == "fashion-mnist":
-        src = load_fashion_mnist(cfg.data_dir, cfg.seed, cfg.image_size, augment, erase)
+        src = load_fashion_mnist(cfg.data_dir, cfg.seed, cfg.image_size, augment, erase, cfg.auto_augment)
     elif cfg.data == "synthetic":
         src = SyntheticSource(cfg.data_image_size, cfg.num_classes or 1000, cfg.synthetic_samples, cfg.seed)
     elif cfg.data in ("imagefolder", "shards"):
@@ -60,7 +60,7 @@ def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
                               augment=augment, random_erase=erase)
         else:
             src = ImageFolderSource(cfg.data_dir or "", cfg.data_image_size, cfg.seed, loader_workers(cfg),
-                                    augment=augment, random_erase=erase)
+                                    augment=augment, random_erase=erase, auto_augment=cfg.auto_augment)
     else:
         raise ConfigError(f"unknown --data {cfg.data!r}")
     if cfg.num_classes is not None and cfg.num_classes != src.num_classes:

@@ -1,4 +1,5 @@
-"""--data fashion-mnist on a real local Ray cluster: dp=2 with the on-device crops and flips equals
+"""--data fashion-mnist on a real local Ray cluster: dp=2 with the on-device crops and flips (and
+TrivialAugmentWide with random erasing) equals
 single-device SGD on the same augmented batches, parameter for parameter. The four idx files are
 written here (256 train and 32 test images, so that the final evaluation is quick); the real files'
 reading is tests/unit/test_data_fashion_mnist.py's."""
@@ -6,6 +7,7 @@ reading is tests/unit/test_data_fashion_mnist.py's."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from helpers import assert_same_state, reference_sgd
@@ -27,9 +29,11 @@ def write_fashion_mnist(root, n_train: int, n_test: int) -> None:
             (root / name).write_bytes(head + array.tobytes())
 
 
-def test_dp2_on_fashion_mnist_matches_single_device_sgd(ray_cluster, tmp_path):
+@pytest.mark.parametrize("augmentation", [{}, dict(auto_augment="ta_wide", random_erase=0.5)])
+def test_dp2_on_fashion_mnist_matches_single_device_sgd(ray_cluster, tmp_path, augmentation):
     write_fashion_mnist(tmp_path, 256, 32)
     cfg = Config(model="convnet", data="fashion-mnist", data_dir=str(tmp_path), dp=2, global_batch_size=64,
+                 **augmentation,
                  steps=STEPS, lr=0.05, momentum=0.9, weight_decay=5e-4, precision="fp64", device="cpu",
                  progress=False, out=str(tmp_path / "run")).validate()
     fit(cfg, log=lambda *_: None)

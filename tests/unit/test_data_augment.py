@@ -41,7 +41,9 @@ def _source(root: Path, **kw):
 
 
 @pytest.mark.parametrize("kw", [dict(augment="resized-crop"), dict(augment="pad-crop", random_erase=0.5),
-                                dict(augment="resized-crop", random_erase=1.0, image_size=40)])
+                                dict(augment="resized-crop", random_erase=1.0, image_size=40),
+                                dict(augment="pad-crop", auto_augment="imagenet"),
+                                dict(augment="none", auto_augment="ta_wide", random_erase=0.5)])
 def test_augmentation_does_not_depend_on_the_batch_or_the_source_instance(fmnist, kw):
     src = _source(fmnist, seed=5, **kw)
     idx = np.array([3, 40, 7, 19, 0, 33, 12, 47])
@@ -54,6 +56,34 @@ def test_augmentation_does_not_depend_on_the_batch_or_the_source_instance(fmnist
     plain = _source(fmnist, seed=5, augment="none", **{k: v for k, v in kw.items() if k == "image_size"})
     assert not torch.equal(plain.images("train", idx, CPU, epoch=1), whole)        # really augmented
     assert torch.equal(src.images("test", np.arange(8), CPU), plain.images("test", np.arange(8), CPU))   # as is
+
+
+@pytest.mark.parametrize("policy", ["imagenet", "cifar10", "svhn", "ra", "ta_wide"])
+def test_auto_augment_is_torchvisions_policy_per_group_and_keeps_the_global_rng(policy):
+    from rayconv.data import auto_augment as aa
+    from rayconv.data.source import stable_seed
+
+    x = torch.randint(0, 256, (24, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    groups = torch.tensor([0, 1, 2, 3] * 6)
+    transform = aa.make_transform(policy)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    out = aa.apply(x, groups, transform, seed=7, epoch=2)
+    assert torch.equal(torch.get_rng_state(), before)                  # the model's RNG (dropout) untouched
+    for g in range(4):
+        torch.manual_seed(stable_seed(7, "auto-augment", 2, g))
+        assert torch.equal(out[groups == g], transform(x[groups == g]))    # the v2 transform's own draw
+    assert not torch.equal(out, x)
+    with pytest.raises(ValueError, match="choose one of"):
+        aa.make_transform("autoaugment")
+
+
+def test_auto_augment_needs_data_it_augments_and_a_known_policy():
+    with pytest.raises(ConfigError, match="--auto-augment augments fashion-mnist, imagefolder and shards"):
+        Config(auto_augment="ra").validate()                            # the digits are never augmented
+    with pytest.raises(SystemExit):
+        from rayconv.flags import parse_args
+        parse_args(["--data", "fashion-mnist", "--auto-augment", "v1"])
 
 
 def test_resized_crop_is_torchvisions_crop_then_resize():
@@ -145,9 +175,10 @@ def test_imagefolder_honours_augment_and_erasing(tmp_path, augment):
             (tmp_path / split / cls).mkdir(parents=True)
             for i in range(2):
                 Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(tmp_path / split / cls / f"{i}.png")
-    src = ImageFolderSource(str(tmp_path), 32, seed=0, workers=0, augment=augment, random_erase=1.0)
+    aa = dict(auto_augment="ra") if augment == "none" else {}
+    src = ImageFolderSource(str(tmp_path), 32, seed=0, workers=0, augment=augment, random_erase=1.0, **aa)
     x = src.images("train", np.arange(4), CPU)
-    again = ImageFolderSource(str(tmp_path), 32, seed=0, workers=0, augment=augment, random_erase=1.0)
+    again = ImageFolderSource(str(tmp_path), 32, seed=0, workers=0, augment=augment, random_erase=1.0, **aa)
     assert x.shape == (4, 3, 32, 32) and torch.equal(again.images("train", np.arange(4)[2:], CPU), x[2:])
     assert ((x == 0).all(1).sum((1, 2)) > 0).all()                     # every image has an erased patch
     plain = ImageFolderSource(str(tmp_path), 32, seed=0, workers=0, augment="none")
@@ -156,7 +187,7 @@ def test_imagefolder_honours_augment_and_erasing(tmp_path, augment):
     if augment != "none":
         assert not torch.equal(ImageFolderSource(str(tmp_path), 32, seed=0, workers=0, augment=augment)
                                .images("train", np.arange(4), CPU), first)
-    assert "random erasing p=1" in src.describe()
+    assert "random erasing p=1" in src.describe() and ("auto-augment ra" in src.describe()) == bool(aa)
 
 
 def test_shards_honour_augment_and_erasing(tmp_path):
