@@ -10,6 +10,7 @@ from torch.optim.swa_utils import AveragedModel
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from rayconv.config import Config
+from rayconv.data.order import make_order
 from rayconv.data.registry import make_source
 from rayconv.data.source import Sharding
 from rayconv.mesh import split_slices
@@ -48,7 +49,7 @@ def reference_sgd(cfg: Config, steps: int, mix_batch=None) -> dict[str, torch.Te
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1]).double()
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    sharding = Sharding(source.train_size, cfg.global_batch_size, dp=1, seed=cfg.seed)
+    sharding = Sharding(source.train_size, cfg.global_batch_size, dp=1, seed=cfg.seed, order=make_order(cfg, source))
     for step in range(steps):
         epoch, s = divmod(step, sharding.steps_per_epoch)
         idx = sharding.global_batch(epoch, s)
@@ -110,7 +111,8 @@ def _reference_run(cfg: Config, steps: int, source) -> tuple[nn.Module, Optional
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1]).double()
     opt = _reference_optimizer(cfg, model)
-    sharding = Sharding(source.train_size, cfg.global_batch_size, dp=cfg.dp, seed=cfg.seed)
+    sharding = Sharding(source.train_size, cfg.global_batch_size, dp=cfg.dp, seed=cfg.seed,
+                        order=make_order(cfg, source))
     ema = _reference_ema(cfg, model, sharding.steps_per_epoch)
     bns = [m for m in model.modules() if isinstance(m, _BatchNorm)]
     seen: dict[nn.Module, list[torch.Tensor]] = {m: [] for m in bns}

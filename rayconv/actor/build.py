@@ -17,6 +17,7 @@ from rayconv.actor.batches import Batches
 from rayconv.actor.cuda_graph import StepGraph
 from rayconv.actor.recipe import StepRecipe, build_optimizer
 from rayconv.cluster.connect import visible_index
+from rayconv.data.order import make_order
 from rayconv.data.registry import make_source
 from rayconv.data.source import Sharding
 from rayconv.errors import ConfigError
@@ -70,7 +71,8 @@ class BuildMixin:
         self.program = plan.schedule.programs[stage]
         self.exchange_plan = exchange_plan(plan.schedule, stage)
         self.is_first, self.is_last = stage == 0, stage == mesh.pp - 1
-        sharding = Sharding(self.source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed)
+        sharding = Sharding(self.source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed,
+                            make_order(cfg, self.source))
         self.batches = Batches(self.source, sharding, mesh, self.coord, self.device, self.input_dtype,
                                self.parallel.sharded.batch_gather, mix=(cfg.mixup_alpha, cfg.cutmix_alpha))
         self.recipe = StepRecipe(cfg, self.parallel, self.groups, self.coord, self.per_layer, self.device,

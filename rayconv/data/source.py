@@ -1,7 +1,8 @@
 """The data interface every source implements, and the deterministic sharding of each global batch over
 data-parallel replicas.
 
-Sharding: the train set is permuted once per epoch from (seed, epoch); global step ``s`` of the epoch
+Sharding: the train set is ordered once per epoch from (seed, epoch) (``data.order``: one permutation
+of all samples, or ``--shuffle block``'s windows of shards); global step ``s`` of the epoch
 takes the next ``global_batch_size`` samples (the last batch of an epoch may be smaller); replica ``r``
 takes its contiguous slice of that batch, slices as even as possible (sizes differ by at most 1).
 Every actor computes the same indices alone, so data never passes through the driver. Gradients are
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from rayconv.data.order import BlockOrder, ExactOrder
 from rayconv.errors import ConfigError
 from rayconv.mesh import split_slices
 
@@ -33,13 +35,14 @@ class Sharding:
     """Which train samples each replica reads at each step.
 
     ``train_size`` samples, ``global_batch_size`` per step, ``dp`` replicas; ``steps_per_epoch`` counts
-    the last partial batch.
+    the last partial batch. ``order``: the epoch order (``data.order.make_order``); None: ExactOrder.
     """
 
     train_size: int
     global_batch_size: int
     dp: int
     seed: int
+    order: Optional[BlockOrder] = None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -49,7 +52,9 @@ class Sharding:
         """The epoch's sample order (computed once per epoch: ImageNet's is 1.28 M long)."""
         cached = self.__dict__.get("_perm")
         if cached is None or cached[0] != epoch:
-            cached = (epoch, np.random.default_rng([self.seed, epoch, 0x5EED]).permutation(self.train_size))
+            order = self.order or ExactOrder(self.train_size, self.seed)
+            assert order.size == self.train_size, "the order was made for another train set"
+            cached = (epoch, order.epoch_order(epoch))
             object.__setattr__(self, "_perm", cached)
         return cached[1]
 

@@ -24,6 +24,7 @@ from typing import Any, Optional
 from rayconv.cluster.connect import available_devices, connect
 from rayconv.cluster.tasks import run_on_device
 from rayconv.config import Config
+from rayconv.data.order import make_order
 from rayconv.data.registry import make_source
 from rayconv.data.source import Sharding, Source
 from rayconv.driver.lr import check_schedule, total_steps
@@ -69,7 +70,7 @@ def setup_run(cfg: Config, log=print) -> Setup:
     if cfg.layout == "auto":
         cfg, predicted = choose_layout(cfg, log)
     cfg, mesh, source, plan = prepare(cfg, log, resume)
-    sharding = Sharding(source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed)
+    sharding = Sharding(source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed, make_order(cfg, source))
     return Setup(cfg=cfg, mesh=mesh, plan=plan, source=source, sharding=sharding,
                  total_steps=total_steps(cfg, sharding.steps_per_epoch),
                  eval_every=cfg.eval_every or sharding.steps_per_epoch, out=out, run_name=new_run_name(out),
@@ -107,7 +108,8 @@ def check_before_ray(cfg: Config, resume: Optional[Checkpoint]) -> tuple[Source,
     if cfg.dp is not None:
         memory_check(cfg)  # --max-memory-gib: refused before Ray starts
     source = make_source(cfg)
-    check_schedule(cfg, Sharding(source.train_size, cfg.global_batch_size, cfg.dp or 1, cfg.seed).steps_per_epoch)
+    sharding = Sharding(source.train_size, cfg.global_batch_size, cfg.dp or 1, cfg.seed, make_order(cfg, source))
+    check_schedule(cfg, sharding.steps_per_epoch)
     reference = run_model(cfg, source)  # (with --init: its keys and shapes checked, its weights loaded)
     classes = check_trainable(cfg.model, reference, tuple(source.sample_shape))[1]
     if classes != source.num_classes:
