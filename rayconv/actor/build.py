@@ -94,7 +94,7 @@ class BuildMixin:
     def _build_part(self) -> None:
         """This actor's part: every actor builds the same full model from the seed, then keeps its part
         (``parallelize``)."""
-        layers = to_layers(run_model(self.cfg, self.source))
+        layers = to_layers(run_model(self.cfg, self.source, self.dtype))  # (--init loaded in the run's dtype)
         assert tuple(n for n, _ in layers) == self.plan.layer_names, "layout plan was made for another model"
         self.per_layer = self.plan.per_layer_plan == "krizhevsky2014"
         self.parallel = parallelize(self.plan, layers, self.coord, self.groups, self.device, self.dtype,

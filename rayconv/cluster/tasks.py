@@ -1,7 +1,9 @@
 """Short jobs on the cluster's devices, outside any run's actors: the planner's and the pipeline
 balancer's measurements.
 
-``run_on_device`` runs a function as a Ray task on one GPU or CPU; ``run_on_devices`` runs one in
+``run_on_device`` runs a function as a Ray task on one GPU or CPU (with a user's model's runtime
+environment, ``models.user.actor_runtime_env``, as the run's actors get it, so that the task can build
+the model); ``run_on_devices`` runs one in
 ``world`` ``Probe`` actors at once, packed in one placement group as the training actors are, so that
 a process-group rendezvous between them measures the links a run would use.
 """
@@ -9,14 +11,16 @@ a process-group rendezvous between them measures the links a run would use.
 from __future__ import annotations
 
 import socket
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayconv.cluster.connect import ALL_GPUS_VISIBLE_ENV, exception_summary, visible_index
+from rayconv.cluster.group import with_uploads
 from rayconv.errors import ClusterError
+from rayconv.models.user import actor_runtime_env
 
 
 def _on_device(fn, gpu: bool, *args) -> Any:
@@ -28,15 +32,17 @@ def _on_device(fn, gpu: bool, *args) -> Any:
     return fn(*args)
 
 
-def run_on_device(fn, args: Sequence[Any], gpu: bool, timeout_s: float = 300.0) -> Any:
+def run_on_device(fn, args: Sequence[Any], gpu: bool, timeout_s: float = 300.0, model: Optional[str] = None) -> Any:
     """``fn(*args)`` as a Ray task on one GPU (``gpu``) or one CPU of the cluster; its result.
-    With all GPUs of the node visible, the task uses the one Ray assigned. Raises ClusterError naming
-    the task's error or the timeout."""
-    env = ALL_GPUS_VISIBLE_ENV if gpu else {}
+    With all GPUs of the node visible, the task uses the one Ray assigned. ``model`` (a ``--model``
+    name) gives the task the runtime environment a run's actors get for it: a user's modules shipped
+    in ``py_modules``, a pickled callable. Raises ClusterError naming the task's error, the timeout,
+    or a failed upload."""
+    env = actor_runtime_env(model or "", ALL_GPUS_VISIBLE_ENV if gpu else {})
     # max_calls=1: the worker process exits afterwards, releasing its CUDA context and cached memory.
     ref = ray.remote(max_calls=1)(_on_device).options(
         num_gpus=1 if gpu else 0, num_cpus=1, max_retries=0,
-        runtime_env={"env_vars": env} if env else None).remote(fn, gpu, *args)
+        runtime_env=with_uploads(env)).remote(fn, gpu, *args)
     try:
         return ray.get(ref, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:

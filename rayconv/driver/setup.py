@@ -161,7 +161,8 @@ def routing_plan(cfg: Config, mesh: Mesh, checked: LayoutPlan, reference, source
     if mesh.pp == 1 or cfg.stages or not by_time:
         return cfg, checked if mesh == checked.mesh else make_plan(cfg, mesh, reference, source.sample_shape)
     micro_batch = max(1, cfg.global_batch_size // mesh.dp // cfg.num_microbatches)
-    costs = run_on_device(measured_costs, (cfg.to_dict(), micro_batch), gpu=cfg.device == "cuda")
+    costs = run_on_device(measured_costs, (cfg.to_dict(), micro_batch), gpu=cfg.device == "cuda",
+                          model=cfg.model)
     plan = make_plan(cfg, mesh, reference, source.sample_shape, costs=costs)
     log(f"pipeline stages balanced by measured forward+backward time per layer (ms, micro-batch "
         f"{micro_batch}): " + ", ".join(f"{sum(costs[a:b]):.2f}" for a, b in plan.stages))

@@ -10,6 +10,7 @@ flat view and the model share parameters.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 from torch import nn
@@ -158,18 +159,20 @@ def check_trainable(name: str, model: nn.Module, sample_shape: tuple[int, ...]) 
 RAYCONV_MODELS = ("convnet", "convnet_bn", "convnet2col", "alexnet2012")
 
 
-def run_model(cfg, source) -> nn.Module:
+def run_model(cfg, source, dtype: Optional[torch.dtype] = None) -> nn.Module:
     """The run's full model as every process builds it, identical everywhere: torch's RNG seeded with
     ``cfg.seed``, then ``build_model`` for ``source``'s classes and image shape (``source`` a
-    ``rayconv.data.Source``), its weights then replaced by ``--init``'s (``models.weights``). With
-    --init under --precision fp64 the model is made float64 first, so that float64 weights enter
-    exactly (not rounded through float32); the built weights are the same either way. Raises what
-    ``build_model`` and ``load_init`` raise."""
+    ``rayconv.data.Source``), then in ``dtype`` when given (an actor's parameter dtype), its weights
+    then replaced by ``--init``'s (``models.weights``) in that dtype: float64 weights enter a float64
+    run exactly, not rounded through the float32 model as built. Raises what ``build_model`` and
+    ``load_init`` raise."""
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1],
                         zero_init_residual=cfg.zero_init_residual)
+    if dtype is not None:
+        model.to(dtype)
     if cfg.init:
-        load_init(model, cfg.init, cfg.init_skip_head, dtype=torch.float64 if cfg.precision == "fp64" else None)
+        load_init(model, cfg.init, cfg.init_skip_head)
     return model
 
 

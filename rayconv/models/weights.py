@@ -61,11 +61,10 @@ def head_keys(model: nn.Module) -> tuple[str, ...]:
     return tuple(k for k in model.state_dict() if k.startswith(prefix) and "." not in k[len(prefix):])
 
 
-def load_init(model: nn.Module, path: str, skip_head: bool = False, dtype: Optional[torch.dtype] = None) -> None:
-    """Copy ``--init path``'s weights into ``model`` in place (converted to the model's dtype: with
-    ``dtype``, the model's floating-point tensors are converted to it first, so that weights of that
-    dtype enter exactly), after checking every key and shape; with ``skip_head`` the classifier stays
-    as built. Raises ConfigError naming the first missing, unexpected or mis-shaped key."""
+def load_init(model: nn.Module, path: str, skip_head: bool = False) -> None:
+    """Copy ``--init path``'s weights into ``model`` in place (converted to the model's dtype), after
+    checking every key and shape; with ``skip_head`` the classifier stays as built. Raises ConfigError
+    naming the first missing, unexpected or mis-shaped key."""
     state = read_state(path)
     skipped = head_keys(model) if skip_head else ()
     own = model.state_dict()
@@ -73,8 +72,6 @@ def load_init(model: nn.Module, path: str, skip_head: bool = False, dtype: Optio
     problem = _first_mismatch(own, state, skipped, head)
     if problem is not None:
         raise ConfigError(f"--init {path}: {problem}")
-    if dtype is not None:
-        model.to(dtype)
     model.load_state_dict({k: v for k, v in state.items() if k not in skipped}, strict=not skipped)
 
 

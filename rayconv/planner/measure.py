@@ -259,7 +259,7 @@ class Measurements:
 
     def _run(self, fn, args: Sequence[Any]):
         if self.use_cluster:
-            return run_on_device(fn, args, gpu=self.device == "cuda", timeout_s=600.0)
+            return run_on_device(fn, args, gpu=self.device == "cuda", timeout_s=600.0, model=self.cfg.model)
         threads = torch.get_num_threads()
         if self.device == "cpu":  # as an actor computes: --num-cpus-per-actor threads (worker.py)
             torch.set_num_threads(max(1, self.cfg.num_cpus_per_actor))

@@ -111,8 +111,9 @@ def test_a_resumed_run_takes_its_weights_from_the_checkpoint():
 
 
 def test_float64_init_enters_a_float64_run_exactly(tmp_path):
-    """Under --precision fp64, --init's float64 weights are the run's weights bit for bit (not rounded
-    through the float32 model as built); under fp32 they are rounded to float32."""
+    """An fp64 run's actors build the model in float64 (``run_model(..., dtype)``): --init's float64
+    weights are its weights bit for bit (not rounded through the float32 model as built); without a
+    dtype they are rounded to the built model's float32."""
     torch.manual_seed(5)
     trained = build_model(SPEC, 10, 3, 8).double()
     with torch.no_grad():
@@ -120,8 +121,8 @@ def test_float64_init_enters_a_float64_run_exactly(tmp_path):
             p.add_(torch.randn_like(p) * 1e-3)  # (values that float32 cannot hold)
     path = saved(tmp_path, trained.state_dict())
     cfg = Config(model=SPEC, init=path, precision="fp64").validate()
-    model = run_model(cfg, make_source(cfg))
+    model = run_model(cfg, make_source(cfg), torch.float64)
     for k, v in trained.state_dict().items():
         assert model.state_dict()[k].dtype == v.dtype and torch.equal(model.state_dict()[k], v), k
-    fp32 = run_model(Config(model=SPEC, init=path).validate(), make_source(cfg))
+    fp32 = run_model(cfg, make_source(cfg))
     assert fp32.fc.weight.dtype == torch.float32 and torch.equal(fp32.fc.weight, trained.fc.weight.float())
