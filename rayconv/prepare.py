@@ -1,7 +1,8 @@
 """``python -m rayconv.prepare DIR --out SHARDS``: the command line that re-encodes an ImageNet-layout
-folder into Parquet shards of training-size JPEGs for ``--data shards`` (``rayconv/data/shard_writer.py``
+folder into Arrow IPC shards of training-size JPEGs for ``--data shards`` (``rayconv/data/shard_writer.py``
 does the work and says how), one Ray task per shard on the cluster (``--address``, RAY_ADDRESS or a
-running cluster, else a local one).
+running cluster, else a local one). ``python -m rayconv.prepare --convert DIR`` rewrites a folder of
+the older Parquet format in place (``rayconv/data/shard_convert.py``).
 
 Exit status: 0 done; 2 bad arguments or bad input (the message names the file or folder); 1 the
 cluster failed; 130 interrupted (complete shards are kept: the same command again finishes the job).
@@ -13,6 +14,7 @@ import sys
 from typing import Any, Iterator, Optional
 
 from rayconv.flags import OneLineParser
+from rayconv.data.shard_convert import convert
 from rayconv.data.shard_writer import prepare, write_shard
 from rayconv.errors import ClusterError, DataError
 
@@ -43,9 +45,11 @@ def _on_ray(args: dict[str, tuple], address: Optional[str]) -> Iterator[tuple[st
 def _parser() -> OneLineParser:
     p = OneLineParser(prog="python -m rayconv.prepare",
                       description="Re-encode an ImageNet-layout folder (train/<class>/*, val/<class>/*) into "
-                                  "Parquet shards of training-size JPEGs for --data shards, on the Ray cluster.")
-    p.add_argument("dir", help="the image folder, holding train/ and val/")
-    p.add_argument("--out", required=True, help="the folder to write the shards and manifest.json into")
+                                  "Arrow IPC shards of training-size JPEGs for --data shards, on the Ray cluster.")
+    p.add_argument("dir", nargs="?", help="the image folder, holding train/ and val/")
+    p.add_argument("--out", help="the folder to write the shards and manifest.json into (required with DIR)")
+    p.add_argument("--convert", metavar="SHARDS", default=None,
+                   help="rewrite a prepared folder of the older Parquet format in place, then exit")
     p.add_argument("--size", type=int, default=256, help="shorter side in pixels (default 256; never enlarged)")
     p.add_argument("--quality", type=int, default=90, help="JPEG quality 1-100 (default 90)")
     p.add_argument("--shard-size", type=int, default=1000, help="images per shard (default 1000)")
@@ -56,18 +60,24 @@ def _parser() -> OneLineParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     a = _parser().parse_args(argv)
+    if (a.convert is None) == (a.dir is None) or (a.dir is not None and a.out is None):
+        print("rayconv.prepare: error: give DIR --out SHARDS, or --convert SHARDS alone", file=sys.stderr)
+        return 2
     for flag, v, lo, hi in (("--size", a.size, 32, 1 << 16), ("--quality", a.quality, 1, 100),
                             ("--shard-size", a.shard_size, 1, 1 << 24)):
         if not lo <= v <= hi:
             print(f"rayconv.prepare: error: {flag} must be in [{lo}, {hi}] (got {v})", file=sys.stderr)
             return 2
     try:
+        if a.convert is not None:
+            convert(a.convert)
+            return 0
         prepare(a.dir, a.out, a.size, a.quality, a.shard_size, fan_out=lambda args: _on_ray(args, a.address))
         return 0
     except DataError as e:
         print(f"rayconv.prepare: error: {e}", file=sys.stderr)
         return 2
-    except ClusterError as e:
+    except (ClusterError, OSError) as e:   # OSError: --convert on a full disk (no half shard is left)
         print(f"rayconv.prepare: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

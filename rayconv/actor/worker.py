@@ -36,11 +36,13 @@ from rayconv.actor.build import BuildMixin
 from rayconv.actor.cuda_graph import StepGraph
 from rayconv.actor.recipe import StepRecipe
 from rayconv.actor.report import ReportMixin
+from rayconv.actor.rss import RssSampler
 from rayconv.actor.state import StateMixin
 from rayconv.actor.step import StepMixin
 from rayconv.actor.steptime import StepClock
 from rayconv.config import Config
 from rayconv.data.source import Source
+from rayconv.errors import DataError
 from rayconv.mesh import Coord, Mesh
 from rayconv.parallel import comm
 from rayconv.parallel.data_parallel import GradientSync
@@ -117,6 +119,7 @@ class Worker(BuildMixin, StepMixin, StateMixin, ReportMixin):
         self.last_return: Optional[float] = None
         self.clock: Optional[StepClock] = None
         self.comm_bytes: int = 0
+        self.rss = RssSampler(os.getpid())   # peak RssAnon of this actor and its loader processes
 
     def __repr__(self) -> str:  # the Ray dashboard shows this
         return f"rayconv/{self.run_name}/{self.role}"
@@ -133,6 +136,18 @@ class Worker(BuildMixin, StepMixin, StateMixin, ReportMixin):
             s.bind(("", 0))
             port = s.getsockname()[1]
         return f"{ray.util.get_node_ip_address()}:{port}"
+
+    def train_step(self, step: int, lr: float, profile: bool = False) -> Optional[dict[str, Any]]:
+        """``StepMixin.train_step``; a DataError (e.g. a shard that disappeared or changed during the run)
+        is re-raised naming the step, so that the driver's one line says which step stopped."""
+        try:
+            return StepMixin.train_step(self, step, lr, profile)
+        except DataError as e:
+            raise DataError(f"step {step}: {e}") from None
+
+    def memory(self) -> dict[str, Any]:
+        """``ReportMixin.memory`` plus the peak RssAnon (MiB) of this actor and of its loader processes."""
+        return {**ReportMixin.memory(self), **self.rss.peaks()}
 
     def shutdown(self) -> None:
         """Remove the gradient hooks and leave the process groups (the last call to an actor)."""

@@ -1,14 +1,16 @@
-"""An ImageNet-layout folder -> Parquet shards of JPEGs re-encoded at training size (what
+"""An ImageNet-layout folder -> Arrow IPC shards of JPEGs re-encoded at training size (what
 ``python -m rayconv.prepare`` runs), so that training decodes small baseline JPEGs from a few large files.
 
 The shorter side of each image is resized to ``size`` (smaller images are kept at their size, never
 enlarged), as FFCV and fast ImageNet recipes store ImageNet, and re-encoded at ``quality``. Every
 ``shard_size`` files of a split make one shard (``write_shard``, one call per shard, fanned out by the
 caller: Ray tasks for the command line, local processes otherwise), written into ``<name>.tmp`` and
-renamed when complete. A re-run skips the shards already complete (same settings, same input files,
+fsynced and renamed when complete; a write that fails (a full disk: ENOSPC, EFBIG) removes its
+``.tmp``, so no half shard is left to be taken as complete. A re-run skips the shards already complete (same settings, same input files,
 same sha256 as the manifest says), so an interrupted run resumes. ``manifest.json`` is written last
 (atomically): classes, images per split and class, the files skipped and why, each shard's rows, bytes
-and sha256, and the settings. The shard format is described in ``rayconv/data/shards.py``.
+and sha256, the format version and the settings. The shard format is described in
+``rayconv/data/shard_files.py``; ``shard_convert.py`` rewrites a folder of the older Parquet format.
 
 Bad input (``rayconv/data/folders.py``: what a folder holds): CMYK, grayscale, palette and RGBA
 images, PNG, WebP and the other formats Pillow reads are converted to RGB. A file that does not decode
@@ -25,16 +27,17 @@ import json
 import os
 import re
 import sys
+import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from rayconv.data.folders import SPLITS, scan
-from rayconv.data.shards import FORMAT, MANIFEST
+from rayconv.data.shard_files import FORMAT, MANIFEST, SUFFIX
 from rayconv.errors import DataError
 from rayconv.files import sha256_file
 
-SHARD_META = b"rayconv.shard"   # Parquet key-value metadata of a shard: its settings, inputs and skipped files
+SHARD_META = b"rayconv.shard"   # Arrow schema key-value metadata of a shard: its settings, inputs and skipped files
 
 # args of each shard's write_shard call, by shard name -> (shard name, its manifest entry) as each finishes
 FanOut = Callable[[dict[str, tuple]], Iterator[tuple[str, dict[str, Any]]]]
@@ -69,12 +72,12 @@ def _meta(settings: dict[str, Any], inputs: list[tuple[int, str, int]]) -> dict[
 def _complete(final: Path, meta: dict[str, Any], expect_sha256: Optional[str]) -> Optional[dict[str, Any]]:
     """The result of a complete shard ``final`` of these inputs and settings already there, else None."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     if not final.is_file():
         return None
     try:
-        done = json.loads((pq.read_schema(final).metadata or {})[SHARD_META])
+        with pa.memory_map(str(final)) as f:
+            done = json.loads((pa.ipc.open_file(f).schema.metadata or {})[SHARD_META])
         sha = sha256_file(final)
         if {k: done[k] for k in meta} == meta and expect_sha256 in (None, sha):
             return {**_entry(final, done["rows"], sha), "skipped": done["skipped"], "counts": done["counts"],
@@ -88,14 +91,15 @@ def write_shard(root: str, out: str, name: str, inputs: list[tuple[int, str, int
                 expect_sha256: Optional[str]) -> dict[str, Any]:
     """Write shard ``name`` of ``inputs`` (index, relative path, label) unless a complete one is there
     (same settings and inputs, and ``expect_sha256`` when the manifest knew it). Returns its manifest
-    entry plus ``skipped`` files and per-label ``counts``. Runs in a Ray task or a pool process."""
+    entry plus ``skipped`` files, per-label ``counts`` and ``seconds`` (this call's own time). Runs in a
+    Ray task or a pool process. Raises OSError (e.g. the disk is full) with no ``.tmp`` left behind."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
+    t0 = time.perf_counter()
     final, meta = Path(out) / name, _meta(settings, inputs)
     resumed = _complete(final, meta, expect_sha256)
     if resumed is not None:
-        return resumed
+        return {**resumed, "seconds": time.perf_counter() - t0}
     rows: dict[str, list] = {"index": [], "label": [], "height": [], "width": [], "jpeg": [], "path": []}
     skipped, counts = [], {}
     for index, rel, label in inputs:
@@ -107,22 +111,51 @@ def write_shard(root: str, out: str, name: str, inputs: list[tuple[int, str, int
         for k, v in zip(rows, (index, label, h, w, data, rel)):
             rows[k].append(v)
         counts[str(label)] = counts.get(str(label), 0) + 1
-    schema = pa.schema([("index", pa.int64()), ("label", pa.int32()), ("height", pa.int32()),
-                        ("width", pa.int32()), ("jpeg", pa.binary()), ("path", pa.string())])
     done = {**meta, "rows": len(rows["index"]), "skipped": skipped, "counts": counts}
-    table = pa.table(rows, schema=schema).replace_schema_metadata({SHARD_META: json.dumps(done)})
-    tmp = final.with_name(name + ".tmp")
-    # JPEG bytes do not compress: stored plain, so reading them is a copy, not a decompression.
-    pq.write_table(table, tmp, compression="none", use_dictionary=["label"], row_group_size=1024)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    return {**_entry(final, done["rows"], sha256_file(final)), "skipped": skipped, "counts": counts, "resumed": False}
+    table = pa.table(rows, schema=shard_schema()).replace_schema_metadata({SHARD_META: json.dumps(done)})
+    write_atomic(table, final)
+    return {**_entry(final, done["rows"], sha256_file(final)), "skipped": skipped, "counts": counts, "resumed": False,
+            "seconds": time.perf_counter() - t0}
+
+
+def shard_schema():
+    """The columns of a shard (``rayconv/data/shard_files.py`` says what each holds)."""
+    import pyarrow as pa
+
+    return pa.schema([("index", pa.int64()), ("label", pa.int32()), ("height", pa.int32()),
+                      ("width", pa.int32()), ("jpeg", pa.binary()), ("path", pa.string())])
+
+
+def write_atomic(table, final: Path) -> None:
+    """Write ``table`` as the Arrow IPC file ``final``: into ``final.tmp``, uncompressed (JPEG bytes do
+    not compress, and a reader maps them zero-copy), one record batch, fsynced, then renamed over
+    ``final`` and the folder fsynced. On any failure (ENOSPC, EFBIG, an interrupt) the ``.tmp`` is removed
+    and the error re-raised: ``final`` is either the old file, absent, or complete."""
+    import pyarrow as pa
+
+    tmp = final.with_name(final.name + ".tmp")
+    try:
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table.combine_chunks(), max_chunksize=max(1, table.num_rows))
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _ours(name: str) -> bool:
     """Whether ``name`` is a file prepare writes: a shard, the manifest, or either's ``.tmp``."""
-    return re.fullmatch(r"(train|val)-\d{5}\.parquet(\.tmp)?|manifest\.json(\.tmp)?", name) is not None
+    return re.fullmatch(r"(train|val)-\d{5}\.(arrow|parquet)(\.tmp)?|manifest\.json(\.tmp)?", name) is not None
 
 
 def _entry(path: Path, rows: int, sha: str) -> dict[str, Any]:
@@ -171,14 +204,53 @@ def _split_summary(split: str, entries: list[dict[str, Any]], classes: list[str]
             "shards": [{k: e[k] for k in ("file", "rows", "bytes", "sha256")} for e in entries]}
 
 
+def _fan_out(args: dict[str, tuple], run: FanOut) -> dict[str, dict[str, Any]]:
+    """Run every shard's ``write_shard`` through ``run`` under a progress bar over images (rate and time
+    left; on a terminal only); returns the results by shard name."""
+    from tqdm import tqdm   # (only while preparing: keeps tqdm out of the command line's start)
+
+    results: dict[str, dict[str, Any]] = {}
+    total = sum(len(a[3]) for a in args.values())
+    with tqdm(total=total, desc="prepare", unit="img", smoothing=0.1, disable=not sys.stderr.isatty()) as bar:
+        for name, result in run(args):
+            results[name] = result
+            bar.update(len(args[name][3]))
+    return results
+
+
+def _rate_line(results: dict[str, dict[str, Any]], inputs: dict[str, int], wall_s: float) -> str:
+    """Images encoded, and images/s per core: over the summed time of the shard calls that wrote (each
+    call runs on one core), so that it does not depend on how many cores the fan-out had."""
+    written = [n for n, r in results.items() if not r["resumed"]]
+    images, core_s = sum(inputs[n] for n in written), sum(results[n]["seconds"] for n in written)
+    if not images:
+        return "nothing to encode"
+    return (f"{images} images encoded in {wall_s:.1f} s: {images / max(core_s, 1e-9):.0f} images/s per core "
+            f"({core_s:.1f} core-seconds), {images / max(wall_s, 1e-9):.0f} images/s in all")
+
+
+def write_manifest(dest: Path, manifest: dict[str, Any]) -> None:
+    """``manifest.json`` written atomically (tmp, fsync, rename; the tmp removed on failure)."""
+    tmp = dest / (MANIFEST + ".tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(manifest, indent=1) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest / MANIFEST)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def prepare(src: str, out: str, size: int = 256, quality: int = 90, shard_size: int = 1000, log=print,
             processes: Optional[int] = None, fan_out: Optional[FanOut] = None) -> dict[str, Any]:
     """Prepare ``src`` into ``out``; returns the manifest. The shards are written by ``fan_out`` (the
     command line passes Ray tasks), else by ``processes`` local processes (default: this machine's CPU
-    count). Raises DataError for bad input (nothing is written then) or an ``out`` prepared with other
-    settings."""
-    from tqdm import tqdm   # (only while preparing: keeps tqdm out of the command line's start)
-
+    count). The last log line names the images encoded and images/s per core. Raises DataError for bad
+    input (nothing is written then) or an ``out`` prepared with other settings; OSError (a full disk)
+    with no half-written shard or manifest left."""
+    t0 = time.perf_counter()
     root, dest = Path(src).resolve(), Path(out)
     settings = {"size": size, "quality": quality, "shard_size": shard_size}
     classes, files, skipped = scan(root)
@@ -193,25 +265,19 @@ def prepare(src: str, out: str, size: int = 256, quality: int = 90, shard_size: 
     for split, listing in files.items():
         for k, start in enumerate(range(0, len(listing), shard_size)):
             inputs = [(start + i, rel, label) for i, (rel, label) in enumerate(listing[start:start + shard_size])]
-            jobs.append((split, f"{split}-{k:05d}.parquet", inputs))
+            jobs.append((split, f"{split}-{k:05d}{SUFFIX}", inputs))
     args = {name: (str(root), str(dest), name, inputs, settings, old.get(name)) for _, name, inputs in jobs}
-    run = fan_out or (lambda a: on_processes(a, processes or os.cpu_count() or 1))
-    results: dict[str, dict[str, Any]] = {}
-    with tqdm(total=len(args), desc="prepare", unit="shard", disable=not sys.stderr.isatty()) as bar:
-        for name, result in run(args):
-            results[name] = result
-            bar.update(1)
+    results = _fan_out(args, fan_out or (lambda a: on_processes(a, processes or os.cpu_count() or 1)))
     wanted = {name for _, name, _ in jobs}
-    for stale in dest.glob("*.parquet"):
-        if _ours(stale.name) and stale.name not in wanted:
-            stale.unlink()   # a shard of files no longer in the source folder
+    for stale in dest.iterdir():
+        if _ours(stale.name) and stale.name != MANIFEST and stale.name not in wanted:
+            stale.unlink()   # a shard of files no longer in the source folder, or of the older format
     splits = {split: _split_summary(split, [results[n] for s, n, _ in jobs if s == split], classes,
                                     skipped[split], len(files[split]), dest, log) for split in SPLITS.values()}
     manifest = {"format": FORMAT, "source": str(root), "settings": settings, "classes": classes, "splits": splits}
-    tmp = dest / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, dest / MANIFEST)
+    write_manifest(dest, manifest)
     resumed = sum(1 for r in results.values() if r["resumed"])
     log(f"prepare: {splits['train']['images']} train and {splits['val']['images']} val images in {len(jobs)} "
         f"shards ({resumed} already complete) -> {dest}")
+    log("prepare: " + _rate_line(results, {n: len(i) for _, n, i in jobs}, time.perf_counter() - t0))
     return manifest

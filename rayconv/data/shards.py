@@ -1,24 +1,20 @@
 """Prepared shards (``python -m rayconv.prepare``) as a training source: ``--data shards``.
 
-A prepared folder holds ``manifest.json`` and Parquet shards ``train-00000.parquet``, ...,
-``val-00000.parquet``, ... with columns ``index`` (the file's position in its split's sorted listing),
-``label`` (int32, position of its class in ``classes``), ``height``, ``width`` (int32, pixels) and
-``jpeg`` (binary: the image re-encoded as a baseline RGB JPEG, shorter side at most ``size``), plus
-``path`` (the source file, relative to the source folder). Sample ``k`` of a split is row ``k`` of its
-shards taken in order.
+The folder's format, its checks and how a shard is opened are in ``rayconv/data/shard_files.py``.
 
-Checks: the manifest must list exactly the shard files present, each with its byte size (checked when
-the source opens) and sha256 (checked on the bytes an actor loads), else DataError names the file.
-
-Memory: an actor that feeds the first pipeline stage holds the ``jpeg`` column of both splits in
-memory (about the folder's size on disk; the files are memory-mapped while read, so actors of one
-node share their page cache). Other actors read the ``label`` column only.
+Memory: every shard is memory-mapped (``pyarrow.memory_map``, zero-copy): JPEG bytes are read from
+the OS page cache, which the actors and forked loader processes of a node share, so each process's
+private memory (RssAnon) holds labels and image sizes (16 bytes a sample) but no image bytes, whatever
+the folder's size. Only the first pipeline stage reads JPEG bytes; the pages a node touches are those
+of its own samples. Read-ahead: when batches are announced (``prefetch``) the byte ranges of the next
+``READ_AHEAD`` batches are handed to ``posix_fadvise(WILLNEED)``, one batch more as each is taken, so
+that a cold page cache is read from disk ahead of the loader's decode. Before a batch's bytes are read
+the shards it touches are checked (``OpenShard.check``): a file that disappeared or changed raises
+DataError naming it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -32,42 +28,13 @@ from rayconv.data import decode as dec
 from rayconv.data.augment import erase, erase_params
 from rayconv.data.folders import SPLITS
 from rayconv.data.on_device import pad_for
+from rayconv.data.shard_files import FORMAT, MANIFEST, OpenShard, is_prepared, read_manifest
 from rayconv.data.source import Source, stable_seed
 from rayconv.errors import DataError
 
-MANIFEST = "manifest.json"
-FORMAT = "rayconv-shards/1"
+__all__ = ["FORMAT", "MANIFEST", "ShardSource", "is_prepared", "read_manifest"]
 
-
-def is_prepared(path: Optional[str]) -> bool:
-    """Whether ``path`` is a folder written by ``python -m rayconv.prepare`` (has its manifest)."""
-    return bool(path) and (Path(path) / MANIFEST).is_file()
-
-
-def read_manifest(root: Path) -> dict[str, Any]:
-    """The manifest of a prepared folder, checked against the files present: every listed shard exists
-    with its byte size, and no unlisted shard is there. Raises DataError naming what does not match."""
-    path = root / MANIFEST
-    if not path.is_file():
-        raise DataError(f"{root} has no {MANIFEST}: prepare it with `python -m rayconv.prepare DIR --out {root}`")
-    try:
-        manifest = json.loads(path.read_text())
-        assert manifest.get("format") == FORMAT, f"format {manifest.get('format')!r}, not {FORMAT!r}"
-        listed = {e["file"]: e for split in SPLITS.values() for e in manifest["splits"][split]["shards"]}
-    except (ValueError, AssertionError, KeyError, TypeError) as e:
-        raise DataError(f"{path} is not a rayconv shard manifest ({e}): prepare the folder again") from None
-    present = {p.name for p in root.glob("*.parquet")}
-    for name in sorted(set(listed) - present):
-        raise DataError(f"{root / name} is listed in {MANIFEST} but missing: run `python -m rayconv.prepare` "
-                        f"again with --out {root} (it rewrites what is missing)")
-    for name in sorted(present - set(listed)):
-        raise DataError(f"{root / name} is not listed in {MANIFEST}: remove it or prepare the folder again")
-    for name, entry in sorted(listed.items()):
-        size = (root / name).stat().st_size
-        if size != entry["bytes"]:
-            raise DataError(f"{root / name} has {size} bytes, {MANIFEST} says {entry['bytes']}: run "
-                            f"`python -m rayconv.prepare` again with --out {root} (it rewrites bad shards)")
-    return manifest
+READ_AHEAD = 8   # batches whose bytes are requested from the disk ahead of their decode
 
 
 class ShardSource(Source):
@@ -88,8 +55,6 @@ class ShardSource(Source):
 
     def __init__(self, root: str, image_size: int, seed: int, workers: int, decode: str = "auto",
                  augment: str = "resized-crop", random_erase: float = 0.0):
-        import pyarrow.parquet as pq
-
         self.root = Path(root)
         self.manifest = read_manifest(self.root)
         self.classes = list(self.manifest["classes"])
@@ -104,17 +69,21 @@ class ShardSource(Source):
         self.entries = {s: self.manifest["splits"][f]["shards"] for s, f in SPLITS.items()}
         self.targets: dict[str, torch.Tensor] = {}
         self.hw: dict[str, np.ndarray] = {}
+        self.shards: dict[str, list[OpenShard]] = {}
+        self.starts: dict[str, np.ndarray] = {}   # per split: first sample of each shard, then the total
         for split, entries in self.entries.items():
-            tables = [pq.read_table(self.root / e["file"], columns=["label", "height", "width"]) for e in entries]
-            col = lambda name: np.concatenate([t.column(name).to_numpy() for t in tables]) if tables \
+            opened = [OpenShard(self.root / e["file"], int(e["rows"])) for e in entries]
+            cols = [sh.columns(["label", "height", "width"]) for sh in opened]
+            col = lambda name: np.concatenate([c[name] for c in cols]) if cols \
                 else np.zeros(0, np.int32)  # noqa: E731
             self.targets[split] = torch.from_numpy(col("label").astype(np.int64))
             self.hw[split] = np.stack([col("height"), col("width")], axis=1)
+            self.shards[split] = opened
+            self.starts[split] = np.cumsum([0] + [sh.rows for sh in opened])
         self.train_size, self.test_size = len(self.targets["train"]), len(self.targets["test"])
         if self.train_size == 0 or self.test_size == 0:
             raise DataError(f"{self.root} holds {self.train_size} train and {self.test_size} val images: "
                             "both splits need images")
-        self._bytes: dict[str, tuple[list, np.ndarray]] = {}
         self._pending: dict[str, dict[str, Any]] = {}
         self._stream: Optional[torch.cuda.Stream] = None
         # GPU decode runs on a thread of its own: nvJPEG holds the calling thread until its batch is
@@ -122,37 +91,29 @@ class ShardSource(Source):
         self._decoder: Optional[ThreadPoolExecutor] = None
 
     # ------------------------------------------------------------------ bytes
-    def _load(self, split: str) -> tuple[list, np.ndarray]:
-        """Every shard's (data, offsets) of the ``jpeg`` column, and the first row of each shard."""
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+    def _locate(self, split: str, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(shard, row in shard) of each sample ``idx`` of ``split``."""
+        starts = self.starts[split]
+        shard = np.searchsorted(starts, idx, side="right") - 1
+        return shard, np.asarray(idx) - starts[shard]
 
-        if split not in self._bytes:
-            parts, starts = [], [0]
-            for e in self.entries[split]:
-                path = self.root / e["file"]
-                with pa.memory_map(str(path)) as f:
-                    buf = f.read_buffer()
-                    if hashlib.sha256(memoryview(buf)).hexdigest() != e["sha256"]:
-                        raise DataError(f"{path}: sha256 does not match {MANIFEST}: run `python -m rayconv."
-                                        f"prepare` again with --out {self.root} (it rewrites bad shards)")
-                    col = pq.read_table(pa.BufferReader(buf), columns=["jpeg"]).column("jpeg").combine_chunks()
-                _, offsets, data = col.buffers()
-                off = np.frombuffer(offsets, dtype=np.int32)[col.offset:col.offset + len(col) + 1]
-                parts.append((np.frombuffer(data, dtype=np.uint8), off, col))
-                starts.append(starts[-1] + len(col))
-            self._bytes[split] = (parts, np.asarray(starts))
-        return self._bytes[split]
+    def check(self, split: str, idx: np.ndarray) -> None:
+        """Raise DataError naming the first shard of samples ``idx`` that disappeared or changed since open."""
+        for s in np.unique(self._locate(split, idx)[0]):
+            self.shards[split][s].check()
+
+    def read_ahead(self, split: str, idx: np.ndarray) -> None:
+        """Ask the kernel to read the JPEG bytes of samples ``idx`` from disk now (``OpenShard.will_need``)."""
+        shard, row = self._locate(split, idx)
+        for s in np.unique(shard):
+            self.shards[split][s].will_need(row[shard == s])
 
     def jpegs(self, split: str, idx: np.ndarray) -> list[torch.Tensor]:
-        """The JPEG bytes of samples ``idx`` of ``split``: 1-D uint8 CPU tensors (views of one copy)."""
-        parts, starts = self._load(split)
-        shard = np.searchsorted(starts, idx, side="right") - 1
-        pieces = []
-        for s, i in zip(shard, idx):
-            data, off, _ = parts[s]
-            r = int(i) - int(starts[s])
-            pieces.append(data[off[r]:off[r + 1]])
+        """The JPEG bytes of samples ``idx`` of ``split``: 1-D uint8 CPU tensors (views of one copy of
+        the batch's bytes, read from the memory-mapped shards after ``check``)."""
+        self.check(split, idx)
+        shard, row = self._locate(split, idx)
+        pieces = [self.shards[split][s].jpeg(int(r)) for s, r in zip(shard, row)]
         flat = torch.from_numpy(np.concatenate(pieces))
         return list(torch.split(flat, [len(p) for p in pieces]))
 
@@ -180,9 +141,12 @@ class ShardSource(Source):
 
     def prefetch(self, split: str, epoch: int, batches: list[np.ndarray]) -> None:
         """Announce this actor's next batches of ``split``: CPU decode starts them in the loader's
-        workers; GPU decode launches each when the one before it is taken."""
+        workers; GPU decode launches each when the one before it is taken. The bytes of the first
+        ``READ_AHEAD`` batches are requested from the disk at once (``read_ahead``)."""
         batches = [np.asarray(b) for b in batches if len(b)]
         self._pending[split] = {"epoch": epoch, "queue": deque(batches), "loader": None, "launched": None}
+        for b in batches[:READ_AHEAD]:
+            self.read_ahead(split, b)
 
     def images(self, split, idx, device, epoch=0, dtype=None):
         device = torch.device(device)
@@ -193,6 +157,9 @@ class ShardSource(Source):
                 or not np.array_equal(pending["queue"][0], idx):
             self.prefetch(split, epoch, [idx])          # not announced: decode this batch alone
             pending = self._pending[split]
+        self.check(split, idx)
+        if len(pending["queue"]) > READ_AHEAD:
+            self.read_ahead(split, pending["queue"][READ_AHEAD])
         x = self._take_gpu(split, pending, device) if self._use_gpu(device) else self._take_cpu(split, pending)
         if not pending["queue"]:
             self._pending.pop(split, None)   # the last announced batch: the loader and its workers go with it
@@ -234,7 +201,7 @@ class ShardSource(Source):
         with torch.cuda.device(device), torch.cuda.stream(self._stream):
             try:
                 x = dec.transform(dec.decode(jpegs, device), self.size, params, self.augment)
-            except RuntimeError as e:   # nvJPEG's error on bytes that passed the sha256 check
+            except RuntimeError as e:   # nvJPEG's error on bytes of a shard that passed its checks
                 raise DataError(f"cannot decode a sample of {self.root} on {device} ({e}): prepare the "
                                 "folder again, or use --decode cpu") from None
             event = torch.cuda.Event()
@@ -242,8 +209,7 @@ class ShardSource(Source):
         return x, event
 
     def _take_cpu(self, split: str, pending: dict) -> torch.Tensor:
-        if pending["loader"] is None:
-            self._load(split)  # before the workers fork: they share the bytes
+        if pending["loader"] is None:   # forked workers share the shards' mappings
             plan = [[(int(i), pending["epoch"]) for i in b] for b in pending["queue"]]
             workers = self.workers
             loader = DataLoader(_Samples(self, split), batch_sampler=plan, num_workers=workers,
@@ -254,10 +220,18 @@ class ShardSource(Source):
         pending["queue"].popleft()
         try:
             return next(pending["loader"])
-        except RuntimeError as e:
+        except (RuntimeError, DataError) as e:   # a worker's error, or a worker killed (SIGBUS: a shard shrank)
+            self._check_all(split)
             lines = str(e).strip().splitlines()
+            if isinstance(e, DataError):
+                named = [x for x in lines if str(self.root) in x] or lines[-1:]
+                raise DataError(named[-1].removeprefix("rayconv.errors.DataError: ")) from None
             raise DataError(f"cannot decode a sample of {self.root} ({lines[-1] if lines else e}): "
                             "prepare the folder again") from None
+
+    def _check_all(self, split: str) -> None:
+        for sh in self.shards[split]:
+            sh.check()
 
     def labels(self, split, idx):
         return self.targets[split][torch.as_tensor(idx, dtype=torch.long)]

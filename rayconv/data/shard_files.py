@@ -1,0 +1,173 @@
+"""The files of a prepared folder (``python -m rayconv.prepare``): its manifest, and each shard opened
+memory-mapped for reading (``OpenShard``).
+
+Format ``rayconv-shards/2``: ``manifest.json`` and Arrow IPC files (``pyarrow.ipc.new_file``,
+uncompressed) ``train-00000.arrow``, ..., ``val-00000.arrow``, ... with columns ``index`` (the file's
+position in its split's sorted listing), ``label`` (int32, position of its class in ``classes``),
+``height``, ``width`` (int32, pixels), ``jpeg`` (binary: a baseline RGB JPEG, shorter side at most
+``size``) and ``path`` (the source file, relative to the source folder). Sample ``k`` of a split is row
+``k`` of its shards taken in order. The manifest lists each shard's ``file``, ``rows``, ``bytes`` and
+``sha256``.
+
+Checks at open (``read_manifest``, ``OpenShard``): the manifest lists exactly the shard files present,
+each with its byte size, and each file's Arrow footer reads with the listed row count; else DataError
+names the file. The whole-file sha256 is not recomputed by every reader: prepare checks it when it
+resumes (a shard is kept only when its sha256 matches the manifest), and ``--stage-dir`` checks it
+when it copies shards to a node. During a run ``OpenShard.check`` compares the file's (inode, size,
+mtime) with those at open before its bytes are read, so a shard that disappears, shrinks or changes
+stops the run with DataError naming it (reading a memory-mapped file that shrank would raise SIGBUS).
+
+Format ``rayconv-shards/1`` (Parquet shards) is refused with the command that converts it in place:
+``python -m rayconv.prepare --convert DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from rayconv.data.folders import SPLITS
+from rayconv.errors import DataError
+
+MANIFEST = "manifest.json"
+FORMAT = "rayconv-shards/2"
+FORMAT_PARQUET = "rayconv-shards/1"   # the older format: Parquet shards, converted by --convert
+SUFFIX = ".arrow"
+
+
+def is_prepared(path: Optional[str]) -> bool:
+    """Whether ``path`` is a folder written by ``python -m rayconv.prepare`` (has its manifest)."""
+    return bool(path) and (Path(path) / MANIFEST).is_file()
+
+
+def convert_hint(root: Path) -> str:
+    return f"convert it with `python -m rayconv.prepare --convert {root}`"
+
+
+def read_manifest(root: Path) -> dict[str, Any]:
+    """The manifest of a prepared folder, checked against the files present: every listed shard exists
+    with its byte size, and no unlisted shard is there. Raises DataError naming what does not match, and
+    for a folder of the older format (Parquet shards) naming the command that converts it."""
+    path = root / MANIFEST
+    if not path.is_file():
+        raise DataError(f"{root} has no {MANIFEST}: prepare it with `python -m rayconv.prepare DIR --out {root}`")
+    try:
+        manifest = json.loads(path.read_text())
+        if manifest.get("format") == FORMAT_PARQUET:
+            raise DataError(f"{root} holds shards of the older format {FORMAT_PARQUET} (Parquet): "
+                            f"{convert_hint(root)}")
+        assert manifest.get("format") == FORMAT, f"format {manifest.get('format')!r}, not {FORMAT!r}"
+        listed = {e["file"]: e for split in SPLITS.values() for e in manifest["splits"][split]["shards"]}
+    except (ValueError, AssertionError, KeyError, TypeError, AttributeError) as e:
+        raise DataError(f"{path} is not a rayconv shard manifest ({e}): prepare the folder again") from None
+    present = {p.name for p in root.glob("*" + SUFFIX)}
+    for name in sorted(set(listed) - present):
+        raise DataError(f"{root / name} is listed in {MANIFEST} but missing: run `python -m rayconv.prepare` "
+                        f"again with --out {root} (it rewrites what is missing)")
+    for name in sorted(present - set(listed)):
+        raise DataError(f"{root / name} is not listed in {MANIFEST}: remove it or prepare the folder again")
+    for name, entry in sorted(listed.items()):
+        size = (root / name).stat().st_size
+        if size != entry["bytes"]:
+            raise DataError(f"{root / name} has {size} bytes, {MANIFEST} says {entry['bytes']}: run "
+                            f"`python -m rayconv.prepare` again with --out {root} (it rewrites bad shards)")
+    return manifest
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class OpenShard:
+    """One shard file, memory-mapped (``pa.memory_map``: its pages live in the OS page cache, shared by
+    every process of the node that maps it, so reading it adds no private memory).
+
+    ``columns(names)``: numpy copies of small columns (labels, sizes). ``pieces``: per record batch
+    (first row, JPEG bytes uint8 view, offsets int32 view), views into the mapping, zero-copy.
+    ``ranges(rows)``: the (file offset, length) of those rows' JPEG bytes, for read-ahead. Raises
+    DataError naming the file when its Arrow footer does not read or its rows differ from ``rows``."""
+
+    def __init__(self, path: Path, rows: int):
+        import pyarrow as pa   # (pyarrow's import is slow: only where shards are read)
+
+        self.path = path
+        try:
+            self.identity = _identity(os.stat(path))
+            self.mmap = pa.memory_map(str(path))
+            base = self.mmap.read_buffer().address   # (a zero-copy view of the whole mapping)
+            self.mmap.seek(0)
+            reader = pa.ipc.open_file(self.mmap)
+            self.batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        except (OSError, pa.ArrowException) as e:
+            raise DataError(f"{path} is not a readable Arrow shard ({e}): run `python -m rayconv.prepare` "
+                            f"again with --out {path.parent} (it rewrites bad shards)") from None
+        self.rows = sum(b.num_rows for b in self.batches)
+        if self.rows != rows:
+            raise DataError(f"{path} holds {self.rows} rows, {MANIFEST} says {rows}: run `python -m "
+                            f"rayconv.prepare` again with --out {path.parent} (it rewrites bad shards)")
+        self.pieces: list[tuple[int, np.ndarray, np.ndarray]] = []
+        self.base, first = base, 0
+        for b in self.batches:
+            col = b.column("jpeg")
+            _, offsets, data = col.buffers()
+            off = np.frombuffer(offsets, dtype=np.int32)[col.offset:col.offset + len(col) + 1]
+            raw = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
+            self.pieces.append((first, raw, off))
+            first += b.num_rows
+        self.starts = np.asarray([p[0] for p in self.pieces] + [first])
+
+    def columns(self, names: list[str]) -> dict[str, np.ndarray]:
+        out = {n: [b.column(n).to_numpy() for b in self.batches] for n in names}
+        return {n: np.concatenate(v) if v else np.zeros(0, np.int32) for n, v in out.items()}
+
+    def jpeg(self, row: int) -> np.ndarray:
+        """Row ``row``'s JPEG bytes: a uint8 view into the mapping."""
+        k = int(np.searchsorted(self.starts, row, side="right")) - 1
+        first, raw, off = self.pieces[k]
+        r = row - first
+        return raw[off[r]:off[r + 1]]
+
+    def ranges(self, rows: np.ndarray) -> list[tuple[int, int]]:
+        """The (file offset, length) of the JPEG bytes of ``rows``, sorted, adjacent ranges merged."""
+        spans = []
+        for row in np.sort(rows):
+            view = self.jpeg(int(row))
+            if len(view):
+                spans.append((view.ctypes.data - self.base, len(view)))
+        merged: list[tuple[int, int]] = []
+        for off, n in spans:
+            if merged and off <= merged[-1][0] + merged[-1][1] + 4096:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], off + n - merged[-1][0]))
+            else:
+                merged.append((off, n))
+        return merged
+
+    def will_need(self, rows: np.ndarray) -> None:
+        """Ask the kernel to read the pages of ``rows``' JPEG bytes now (``POSIX_FADV_WILLNEED``: returns at
+        once, the reads go on in the background), so that decoding them later does not wait on the disk."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return   # gone: ``check`` names it before the bytes are read
+        try:
+            for off, n in self.ranges(rows):
+                os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+
+    def check(self) -> None:
+        """Raise DataError naming the file if it disappeared, or its inode, size or mtime changed since open."""
+        try:
+            now: Optional[tuple] = _identity(os.stat(self.path))
+        except OSError:
+            now = None
+        if now != self.identity:
+            what = "disappeared" if now is None else "changed (inode, size or mtime differ from when it was opened)"
+            raise DataError(f"{self.path} {what} during the run: put the file back as prepared and continue with "
+                            "--resume (the last checkpoint stays)")
