@@ -1,14 +1,22 @@
 """Two Ray nodes on one machine (``ray.cluster_utils.Cluster``, 2 CPUs each, told apart by custom
-resources): a dp=2 x fs=2 job places ranks by node, so each filter-split group stays inside a node.
+resources): a dp=2 x fs=2 job places ranks by node, so each filter-split group stays inside a node;
+a user's ResNet-like model in a file that is not installed trains dp=2 with one actor per node (its
+module shipped to both nodes in Ray's py_modules) as single-device SGD does.
 
 This module starts its own two-node cluster and shuts it down at the end (no ``ray_cluster`` fixture)."""
 
 from __future__ import annotations
 
+import shutil
+import sys
+from pathlib import Path
+
 import pytest
 import ray
+import torch
 from ray.cluster_utils import Cluster
 
+from helpers import assert_same_state, reference_microbatch_sgd, sgd_config
 from rayconv.config import Config
 from rayconv.driver.job import fit
 from rayconv.mesh import Mesh
@@ -55,3 +63,21 @@ def test_ranks_by_node_and_fs_groups_inside_a_node(two_nodes, tmp_path):
         assert len({node_of[r] for r in group}) == 1, (group, node_of)
     # Each node holds one of the two custom resources it was started with.
     assert sorted(k for r in nodes.values() for k in r if k.startswith("node_")) == ["node_a", "node_b"]
+
+
+def test_users_model_from_a_file_trains_dp2_across_the_nodes(two_nodes, tmp_path, monkeypatch):
+    """ResNetish (tests/fixtures/resnetish.py) copied to a folder no worker runs in, given by a relative
+    path: each of the two actors (2 CPUs each, one per node) imports it from py_modules. Batch norm
+    normalises each replica's share: the reference is reference_microbatch_sgd, to 1e-10."""
+    (tmp_path / "mine").mkdir()
+    shutil.copy(Path(__file__).resolve().parents[1] / "fixtures" / "resnetish.py", tmp_path / "mine" / "resnetish.py")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "resnetish", raising=False)  # (this copy is imported as resnetish)
+    seen = {}
+    cfg = sgd_config(tmp_path, "users", model="mine/resnetish.py:ResNetish", dp=2, steps=2, eval_every=2,
+                     num_cpus_per_actor=2, loader_workers=0)
+    summary = fit(cfg, log=lambda *_: None, on_step=lambda gang, step: seen.update(info=list(gang.info)))
+    assert len({i["node_id"] for i in seen["info"]}) == 2, "one actor per node"
+    want, test_loss = reference_microbatch_sgd(cfg, 2)
+    assert_same_state(torch.load(tmp_path / "users" / "model.pt", weights_only=True), want, atol=1e-10)
+    assert abs(summary["test_loss"] - test_loss) < 1e-10
