@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
+import pyarrow as pa
 import pytest
 import torch
 from PIL import Image
@@ -95,7 +95,8 @@ def test_prepare_writes_a_checked_manifest(shards, folder):
         p = shards / e["file"]
         assert p.stat().st_size == e["bytes"] and sha256_file(p) == e["sha256"]
     assert not list(shards.glob("*.tmp"))
-    table = pq.read_table(sorted(shards.glob("train-*.parquet"))).to_pylist()
+    assert not list(shards.glob("*.parquet"))
+    table = pa.concat_tables([pa.ipc.open_file(p).read_all() for p in sorted(shards.glob("train-*.arrow"))]).to_pylist()
     by_path = {r["path"]: r for r in table}
     # CMYK, grayscale, PNG and WebP became RGB JPEGs; the 80 x 120 one was downscaled to shorter side 40.
     for name in ("x-png.png", "x-webp.webp", "x-gray.jpg", "x-cmyk.jpg"):
@@ -112,18 +113,18 @@ def test_prepare_writes_a_checked_manifest(shards, folder):
 def test_prepare_resumes_and_rewrites_only_bad_shards(shards, tmp_path, capsys):
     out = tmp_path / "s"
     shutil.copytree(shards, out)
-    (out / "train-00001.parquet").unlink()
-    bad = out / "train-00003.parquet"
+    (out / "train-00001.arrow").unlink()
+    bad = out / "train-00003.arrow"
     data = bytearray(bad.read_bytes())
     data[len(data) // 2] ^= 0xFF          # a flipped bit inside the JPEG bytes: same size, other sha256
     bad.write_bytes(bytes(data))
-    (out / "train-00004.parquet.tmp").write_bytes(b"half")   # left by an interrupted run
-    untouched = {p.name: p.stat().st_mtime_ns for p in out.glob("*.parquet") if p.name != bad.name}
+    (out / "train-00004.arrow.tmp").write_bytes(b"half")   # left by an interrupted run
+    untouched = {p.name: p.stat().st_mtime_ns for p in out.glob("*.arrow") if p.name != bad.name}
     capsys.readouterr()
     src = json.loads((shards / "manifest.json").read_text())["source"]
     assert prep.main([src, "--out", str(out), "--size", str(SIZE), "--shard-size", "4"]) == 0
     assert "(4 already complete)" in capsys.readouterr().out
-    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.parquet") if p.name in untouched} == untouched
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.arrow") if p.name in untouched} == untouched
     assert (out / "manifest.json").read_text() == (shards / "manifest.json").read_text()
     assert not list(out.glob("*.tmp"))
 
@@ -160,9 +161,10 @@ def test_prepare_bad_input_is_one_line_and_writes_nothing(ray_cluster, folder, s
 
 def test_training_refuses_a_folder_that_does_not_match_its_manifest(shards, tmp_path):
     cases = {
-        "missing": lambda d: (d / "val-00000.parquet").unlink(),
-        "not listed": lambda d: shutil.copy(d / "val-00000.parquet", d / "extra.parquet"),
-        "bytes": lambda d: open(d / "train-00002.parquet", "ab").write(b"x"),
+        "missing": lambda d: (d / "val-00000.arrow").unlink(),
+        "not listed": lambda d: shutil.copy(d / "val-00000.arrow", d / "extra.arrow"),
+        "bytes": lambda d: open(d / "train-00002.arrow", "ab").write(b"x"),
+        "not a readable Arrow shard": _damage_footer,
     }
     for want, damage in cases.items():
         d = tmp_path / want.replace(" ", "-")
@@ -170,16 +172,37 @@ def test_training_refuses_a_folder_that_does_not_match_its_manifest(shards, tmp_
         damage(d)
         with pytest.raises(DataError, match=want):
             ShardSource(str(d), 32, seed=0, workers=0)
-    # Same size, another sha256: refused when the bytes are read, naming the shard.
-    d = tmp_path / "flipped"
-    shutil.copytree(shards, d)
-    p = d / "train-00004.parquet"
+    # (The whole-file sha256 is checked by prepare's resume, above, and by --stage-dir; not by every reader.)
+
+
+def _damage_footer(d: Path) -> None:
+    """The last bytes of a shard (its Arrow footer) overwritten: same size, no longer readable."""
+    p = d / "train-00004.arrow"
     data = bytearray(p.read_bytes())
-    data[len(data) // 2] ^= 0xFF
+    data[-10:] = b"\0" * 10
     p.write_bytes(bytes(data))
-    src = ShardSource(str(d), 32, seed=0, workers=0)
-    with pytest.raises(DataError, match="train-00004.parquet: sha256 does not match"):
-        src.images("train", np.arange(3), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shard_that_disappears_or_changes_while_open_is_named(shards, tmp_path, workers):
+    d = tmp_path / "d"
+    shutil.copytree(shards, d)
+    cpu = torch.device("cpu")
+    src = ShardSource(str(d), 32, seed=0, workers=workers, decode="cpu")
+    assert src.images("train", np.arange(6), cpu).shape == (6, 3, 32, 32)
+    p = d / "train-00002.arrow"   # samples 4..7
+    p.rename(d / "away")
+    src.prefetch("train", 0, [np.arange(3), np.arange(4, 8)])
+    assert src.images("train", np.arange(3), cpu).shape[0] == 3   # other shards read on
+    with pytest.raises(DataError, match=f"{p} disappeared during the run"):
+        src.images("train", np.arange(4, 8), cpu)
+    shutil.copy(d / "away", p)   # the same bytes back, but another file (inode, mtime)
+    with pytest.raises(DataError, match=f"{p} changed"):
+        src.images("train", np.arange(4, 8), cpu)
+    # Opened again, the folder reads as before.
+    fresh = ShardSource(str(d), 32, seed=0, workers=0)
+    torch.testing.assert_close(fresh.images("train", np.arange(8), cpu),
+                               ShardSource(str(shards), 32, seed=0, workers=0).images("train", np.arange(8), cpu))
 
 
 def test_crop_and_flip_depend_only_on_seed_epoch_index(shards):
