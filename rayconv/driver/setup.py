@@ -54,6 +54,7 @@ class Setup:
     resume: Optional[Checkpoint]
     predicted: Optional[dict[str, Any]]  # --layout auto: the planner's prediction, for summary.json
     t_start: float             # time.perf_counter() when the setup began: the summary's wall time
+    data_dir: Optional[str] = None  # --data-dir as given (cfg.data_dir is --stage-dir's copy when staged)
 
 
 def setup_run(cfg: Config, log=print) -> Setup:
@@ -69,12 +70,13 @@ def setup_run(cfg: Config, log=print) -> Setup:
     predicted = None
     if cfg.layout == "auto":
         cfg, predicted = choose_layout(cfg, log)
+    data_dir = cfg.data_dir
     cfg, mesh, source, plan = prepare(cfg, log, resume)
     sharding = Sharding(source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed, make_order(cfg, source))
     return Setup(cfg=cfg, mesh=mesh, plan=plan, source=source, sharding=sharding,
                  total_steps=total_steps(cfg, sharding.steps_per_epoch),
                  eval_every=cfg.eval_every or sharding.steps_per_epoch, out=out, run_name=new_run_name(out),
-                 resume=resume, predicted=predicted, t_start=t_start)
+                 resume=resume, predicted=predicted, t_start=t_start, data_dir=data_dir)
 
 
 def prepare(cfg: Config, log=print, resume: Optional[Checkpoint] = None) -> tuple[Config, Mesh, Source, LayoutPlan]:
@@ -83,8 +85,9 @@ def prepare(cfg: Config, log=print, resume: Optional[Checkpoint] = None) -> tupl
 
     Before Ray starts: the data (folders), the model (name, image shape, training output), the layout
     against the model (with --dp as given, 1 when the cluster decides it) and ``resume``'s checkpoint
-    against the run. Returns (the settings with device, ``dp`` and a balanced pipeline cut resolved;
-    mesh; source; plan). Raises ConfigError / DataError / PlanError / CheckpointError / ClusterError
+    against the run. With --stage-dir, the shards are then copied to the nodes (``cluster.stage``).
+    Returns (the settings with device, ``dp``, a balanced pipeline cut and a staged ``data_dir``
+    resolved; mesh; source; plan). Raises ConfigError / DataError / PlanError / CheckpointError / ClusterError
     before any actor starts."""
     source, reference, checked = check_before_ray(cfg, resume)
     dp_given = cfg.dp is not None
@@ -92,6 +95,7 @@ def prepare(cfg: Config, log=print, resume: Optional[Checkpoint] = None) -> tupl
     wanted = (cfg.dp or 1) * cfg.pp * cfg.fs * cfg.num_cpus_per_actor
     connect(cfg.address, min_cpus=wanted if cfg.device != "cuda" else None)
     cfg, mesh = resolve_layout(cfg, log)
+    cfg = stage_run(cfg, log)  # --stage-dir: the shards copied to each node; the actors read the copies
     if not dp_given:
         memory_check(cfg)  # (with --dp from the cluster: before any actor starts)
     cfg, plan = routing_plan(cfg, mesh, checked, reference, source, log)

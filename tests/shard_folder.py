@@ -1,0 +1,31 @@
+"""A small prepared shard folder for the tests of ``--shuffle block`` and ``--stage-dir``: real JPEGs
+written with PIL, two classes, prepared by ``python -m rayconv.prepare`` (needs a Ray cluster)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from rayconv import prepare as prep
+
+CLASSES = ("cat", "dog")
+
+
+def make_prepared(root: Path, train_per_class: int = 8, val_per_class: int = 2, shard_size: int = 4) -> Path:
+    """``root/src`` (train/<class>/, val/<class>/ of JPEGs, class c brighter in channel c) prepared into
+    ``root/shards`` (shorter side 40, ``shard_size`` images a shard); returns the shard folder. Sorted
+    listing, so the first train shards hold cats only and the last dogs only."""
+    rng = np.random.default_rng(0)
+    for split, n in (("train", train_per_class), ("val", val_per_class)):
+        for c, name in enumerate(CLASSES):
+            d = root / "src" / split / name
+            d.mkdir(parents=True)
+            for i in range(n):
+                px = rng.integers(0, 90, (36 + 3 * i, 48, 3)).astype(np.uint8)
+                px[..., c] += 160
+                Image.fromarray(px).save(d / f"{name}{i}.jpg", quality=90)
+    out = root / "shards"
+    assert prep.main([str(root / "src"), "--out", str(out), "--size", "40", "--shard-size", str(shard_size)]) == 0
+    return out
