@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rayconv.cluster.connect import available_devices, connect
+from rayconv.cluster.stage import stage_run
 from rayconv.cluster.tasks import run_on_device
 from rayconv.config import Config
 from rayconv.data.order import make_order
