@@ -210,7 +210,7 @@ class ShardSource(Source):
 
     def _take_cpu(self, split: str, pending: dict) -> torch.Tensor:
         if pending["loader"] is None:   # forked workers share the shards' mappings
-            plan = [[(int(i), pending["epoch"]) for i in b] for b in pending["queue"]]
+            plan = _Plan(list(pending["queue"]), pending["epoch"])
             workers = self.workers
             loader = DataLoader(_Samples(self, split), batch_sampler=plan, num_workers=workers,
                                 generator=torch.Generator(), prefetch_factor=2 if workers else None,
@@ -249,3 +249,18 @@ class _Samples(Dataset):
     def __getitem__(self, item: tuple[int, int]) -> torch.Tensor:
         i, epoch = item
         return self.source.uint8_batch(self.split, np.array([i]), epoch, torch.device("cpu"))[0]
+
+
+class _Plan:
+    """The loader's batch sampler: each announced batch as items ``(index, epoch)``, made as it is asked
+    for (the batches stay index arrays, 8 bytes a sample, not a list of tuples for the whole epoch)."""
+
+    def __init__(self, batches: list[np.ndarray], epoch: int):
+        self.batches, self.epoch = batches, epoch
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        for b in self.batches:
+            yield [(int(i), self.epoch) for i in b]
