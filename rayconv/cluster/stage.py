@@ -88,6 +88,12 @@ def stage_folder(src: str, dest: str) -> dict[str, Any]:
     Raises DataError naming the file and ``dest``."""
     root, out = Path(src), Path(dest)
     manifest_bytes, entries = _read_manifest(root)
+    if out.exists() and out.resolve() == root.resolve():  # (a resumed run: its data_dir is DIR already)
+        bad = [e["file"] for e in entries if not is_staged(out / e["file"], e)]
+        if bad:
+            raise DataError(f"--stage-dir {out} is --data-dir itself and {bad[0]} there does not match {MANIFEST}: "
+                            "give --data-dir the prepared folder it was staged from")
+        return {"node": _node(), "copied": [], "skipped": sorted(e["file"] for e in entries), "copied_bytes": 0}
     try:
         out.mkdir(parents=True, exist_ok=True)
         listed = {e["file"] for e in entries}
@@ -107,9 +113,13 @@ def stage_folder(src: str, dest: str) -> dict[str, Any]:
     if todo or not manifest_current:
         _copy_guarded(out / MANIFEST, lambda tmp: Path(tmp).write_bytes(manifest_bytes), out)
     copied = {e["file"] for e in todo}
-    return {"node": ray.util.get_node_ip_address() if ray.is_initialized() else None,
+    return {"node": _node(),
             "copied": sorted(copied), "skipped": sorted(listed - copied),
             "copied_bytes": sum(int(e["bytes"]) for e in todo)}
+
+
+def _node() -> str | None:
+    return ray.util.get_node_ip_address() if ray.is_initialized() else None
 
 
 def _read_manifest(root: Path) -> tuple[bytes, list[dict[str, Any]]]:

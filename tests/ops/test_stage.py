@@ -60,6 +60,12 @@ def test_copied_checked_then_skipped_and_a_bad_copy_copied_again(prepared, tmp_p
     third = stage_folder(str(prepared), str(dest))
     assert third["copied"] == sorted([bad.name, short.name])
     assert same_files(prepared, dest)
+    # DIR given as --data-dir too (a resumed run's settings): checked, nothing touched.
+    assert stage_folder(str(dest), str(dest))["copied"] == []
+    bad.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=f"is --data-dir itself and {bad.name}"):
+        stage_folder(str(dest), str(dest))
+    assert (dest / "manifest.json").is_file()
 
 
 def test_a_full_disk_leaves_no_file_taken_as_complete(prepared, tmp_path):
