@@ -5,6 +5,7 @@
     python -m rayconv.plan --model alexnet --global-batch-size 256 --max-memory-gib 6   # the paper's TITAN
     python -m rayconv.plan --model alexnet --global-batch-size 256 --machine h200x8,2xh200x8   # predictions
     python -m rayconv.plan --device cpu --model convnet
+    python -m rayconv.plan --model resnet18 --data shards --data-dir shards --global-batch-size 256
 
 The command line of the planner, nothing else: the cost model is ``rayconv.planner.costmodel``, the
 measurements ``rayconv.planner.measure``, the search ``rayconv.planner.search``. Not to be confused
@@ -20,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from rayconv.config import PRECISION_CHOICES, Config
-from rayconv.errors import ConfigError
+from rayconv.config import DATA_CHOICES, PRECISION_CHOICES, Config
+from rayconv.errors import ConfigError, DataError
 from rayconv.files import atomic_write
 from rayconv.flags import OneLineParser
 from rayconv.planner.links import MACHINES  # (plain Python: --help and argument errors stay torch-free)
@@ -40,9 +41,15 @@ def parse_args(argv: Optional[list[str]] = None):
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when there is a GPU")
     p.add_argument("--precision", default=None, choices=PRECISION_CHOICES,
                    help="default: bf16 on GPUs, fp32 on CPU")
-    p.add_argument("--data", default=None, choices=("digits", "synthetic"),
-                   help="input shape: digits (1x8x8) for convnet, synthetic ImageNet-shaped otherwise")
-    p.add_argument("--image-size", type=int, default=224, help="synthetic image side in pixels (default 224)")
+    p.add_argument("--data", default=None, choices=DATA_CHOICES,
+                   help="the data to plan for, as rayconv.run's --data (its image shape and classes; default: "
+                        "digits (1x8x8) for convnet, synthetic ImageNet-shaped otherwise)")
+    p.add_argument("--data-dir", default=None, help="the folder of --data imagefolder, shards or fashion-mnist, "
+                                                   "as rayconv.run's --data-dir")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="training image side in pixels, as rayconv.run's (default: the data's own; synthetic 224)")
+    p.add_argument("--remeasure", action="store_true",
+                   help="measure anew, ignoring (and then replacing) the cached measurements")
     p.add_argument("--max-memory-gib", type=float, default=None,
                    help="keep only layouts whose predicted peak memory per device fits (6: Yadan et al.'s TITAN)")
     p.add_argument("--machine", default="", help=f"also predict for machines not at hand, comma-separated: "
@@ -66,7 +73,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = parse_args(argv)
     try:
         return _plan(a)
-    except ConfigError as e:
+    except (ConfigError, DataError) as e:
         print(f"rayconv.plan: error: {e}", file=sys.stderr)
         return 2
 
@@ -80,12 +87,12 @@ def _plan(a) -> int:
     kind, slots = _devices(a)
     world = a.gpus or slots
     data = a.data or ("digits" if a.model.startswith("convnet") else "synthetic")
-    cfg = Config(model=a.model, data=data, image_size=a.image_size, global_batch_size=a.global_batch_size,
-                 precision=a.precision or ("bf16" if kind == "cuda" else "fp32"), device=kind,
-                 address=a.address).validate()
+    cfg = Config(model=a.model, data=data, data_dir=a.data_dir, image_size=a.image_size,
+                 global_batch_size=a.global_batch_size, precision=a.precision or ("bf16" if kind == "cuda" else "fp32"),
+                 device=kind, address=a.address).validate()
     use_cluster = a.address is not None
     meas = Measurements(search.plan_config(cfg), kind, use_cluster=use_cluster and kind == "cuda")
-    meas.load()
+    meas.load(remeasure=a.remeasure)
     t0 = time.perf_counter()
     where = "on the cluster" if use_cluster else "here"
     rankings = [search.search(meas, world, meas.links(world), a.max_memory_gib,
@@ -102,6 +109,8 @@ def _plan(a) -> int:
     print(f"\n(planned in {time.perf_counter() - t0:.2f} s"
           f"{'; measured ' + ', '.join(meas.measured) if meas.measured else ', all measurements from the cache'}: "
           f"{meas.path})")
+    if meas.reused:
+        print(meas.reused)
     if a.json:
         _write_json(Path(a.json), rankings)
     return 0 if rankings[0].fits else 1

@@ -16,7 +16,9 @@ What is measured, on the device the run will use:
   CPU the links come from ``LINK_TABLE``.
 
 Measurements are cached as JSON under ``$RAYCONV_CACHE_DIR`` (default ``~/.cache/rayconv/``), one file
-per (model, data shape, device name, precision); a second plan reads it and measures nothing new.
+per (model, data and its folder, image size, classes, device name, precision), with the time (UTC) and
+machine of its last measurement; a second plan reads it, says when and where it was measured
+(``Measurements.reused``) and measures nothing new; ``load(remeasure=True)`` ignores it.
 
 Machines we cannot run on are predicted from the link table (``planner.links.MACHINES``,
 ``--machine``) with the per-layer times of the device at hand.
@@ -256,6 +258,7 @@ class Measurements:
         self.state: dict[str, Any] = {"times": {}, "links": None, "device": None, "profile": None}
         self.path: Optional[Path] = None
         self.measured: list[str] = []
+        self.reused: Optional[str] = None  # the line saying whose cache is reused (None: measured here)
 
     def _run(self, fn, args: Sequence[Any]):
         if self.use_cluster:
@@ -268,22 +271,32 @@ class Measurements:
         finally:
             torch.set_num_threads(threads)
 
-    def load(self) -> None:
-        """Find this configuration's cache file (asks the device for its name first)."""
+    def load(self, remeasure: bool = False) -> None:
+        """Find this configuration's cache file (asks the device for its name first) and read it, unless
+        ``remeasure`` (then everything is measured again and the file replaced on ``save``); a file read
+        sets ``reused`` to a line naming its time and machine."""
         name = self._run(device_name, (self.cfg_dict,))
-        key = json.dumps([self.cfg.model, self.cfg.data, self.cfg.image_size, self.cfg.num_classes, name,
-                          self.cfg.precision])
+        key = json.dumps([self.cfg.model, self.cfg.data, self.cfg.data_dir, self.cfg.image_size,
+                          self.cfg.num_classes, name, self.cfg.precision])
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
         self.path = cache_dir() / f"plan-{model_label(self.cfg.model)}-{digest}.json"  # (a path spec has slashes)
-        if self.path.is_file():
+        if self.path.is_file() and not remeasure:
             try:
                 self.state = json.loads(self.path.read_text())
+                made, machine = self.state.get("measured_at"), self.state.get("machine")
+                self.reused = (f"reusing measurements made {made or 'at an unknown time'} on "
+                               f"{machine or 'an unknown machine'} ({self.path}; --remeasure of "
+                               "python -m rayconv.plan measures anew)")
             except (OSError, ValueError):
                 pass  # a damaged cache is measured again
         self.state["device"] = name
 
     def save(self) -> None:
+        """Write the cache file; when something was measured, stamped with the time (UTC) and machine."""
         assert self.path is not None
+        if self.measured:
+            self.state["measured_at"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+            self.state["machine"] = platform.node()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(self.path, lambda tmp: Path(tmp).write_text(json.dumps(self.state)))
 

@@ -164,10 +164,11 @@ def search(meas: Measurements, world: int, links: Links, max_memory_gib: Optiona
 
 def plan_config(cfg: Config) -> Config:
     """The settings the planner measures with: the run's, the data defaulting to what the model takes
-    (digits for convnet, synthetic ImageNet-shaped images otherwise)."""
+    (digits for convnet, synthetic ImageNet-shaped images otherwise). The class count follows the
+    data as in the run (an image or shard folder's own classes); synthetic images default to 1000."""
     data = cfg.data if cfg.data != "digits" or cfg.model.startswith("convnet") else "synthetic"
-    return Config(**{**cfg.to_dict(), "data": data, "num_classes": cfg.num_classes if data == "digits"
-                     else (cfg.num_classes or 1000)})
+    return Config(**{**cfg.to_dict(), "data": data, "num_classes": (cfg.num_classes or 1000) if data == "synthetic"
+                     else cfg.num_classes})
 
 
 # ---------------------------------------------------------------------- hooks for rayconv.run
@@ -217,8 +218,9 @@ def choose_layout(cfg: Config, log=print) -> tuple[Config, dict]:
     # layout "manual": config.json records the chosen layout, so that a re-run or resume runs the same one
     chosen = dataclasses.replace(cfg, **best.settings(), device=kind, layout="manual", stages=",".join(
         str(a) for a, _ in best.stages[1:]) if best.layout.pp > 1 else None).validate()
+    reused = f"\n{meas.reused}" if meas.reused else ""
     log(f"{ranking.table()}\n(planned in {time.perf_counter() - t0:.2f} s"
-        f"{'; measured ' + ', '.join(meas.measured) if meas.measured else ', from the cache'})")
+        f"{'; measured ' + ', '.join(meas.measured) if meas.measured else ', from the cache'}){reused}")
     return chosen, {**best.as_dict(), "links": ranking.links.source, "device": meas.state["device"]}
 
 
