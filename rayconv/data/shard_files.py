@@ -54,7 +54,7 @@ def read_manifest(root: Path) -> dict[str, Any]:
     for a folder of the older format (Parquet shards) naming the command that converts it."""
     path = root / MANIFEST
     if not path.is_file():
-        raise DataError(f"{root} has no {MANIFEST}: prepare it with `python -m rayconv.prepare DIR --out {root}`")
+        raise DataError(f"{root} has no {MANIFEST}: prepare it with `python -m rayconv.prepare {root} --out {root.parent / (root.name + '-shards')}` and give that --data-dir, or read its images with --data imagefolder")
     try:
         manifest = json.loads(path.read_text())
         if manifest.get("format") == FORMAT_PARQUET:
