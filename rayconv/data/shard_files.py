@@ -24,6 +24,7 @@ Format ``rayconv-shards/1`` (Parquet shards) is refused with the command that co
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -83,8 +84,9 @@ def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
 
 
 class OpenShard:
-    """One shard file, memory-mapped (``pa.memory_map``: its pages live in the OS page cache, shared by
-    every process of the node that maps it, so reading it adds no private memory).
+    """One shard file, memory-mapped read-only (``mmap``, shared: its pages live in the OS page cache,
+    shared by every process of the node that maps it, so reading it adds no private memory), its Arrow
+    IPC footer and record batches read from the mapping zero-copy (``pa.ipc.open_file``).
 
     ``columns(names)``: numpy copies of small columns (labels, sizes). ``pieces``: per record batch
     (first row, JPEG bytes uint8 view, offsets int32 view), views into the mapping, zero-copy.
@@ -96,13 +98,16 @@ class OpenShard:
 
         self.path = path
         try:
-            self.identity = _identity(os.stat(path))
-            self.mmap = pa.memory_map(str(path))
-            base = self.mmap.read_buffer().address   # (a zero-copy view of the whole mapping)
-            self.mmap.seek(0)
-            reader = pa.ipc.open_file(self.mmap)
+            # The mapping outlives the file descriptor (closed here), so a folder of thousands of shards
+            # holds no open files; Arrow reads the record batches from it zero-copy.
+            with open(path, "rb") as f:
+                self.identity = _identity(os.fstat(f.fileno()))
+                self.mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            whole = pa.py_buffer(self.mmap)
+            base = whole.address
+            reader = pa.ipc.open_file(whole)
             self.batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
-        except (OSError, pa.ArrowException) as e:
+        except (OSError, ValueError, pa.ArrowException) as e:   # ValueError: an empty file
             raise DataError(f"{path} is not a readable Arrow shard ({e}): run `python -m rayconv.prepare` "
                             f"again with --out {path.parent} (it rewrites bad shards)") from None
         self.rows = sum(b.num_rows for b in self.batches)

@@ -2,7 +2,7 @@
 
 The folder's format, its checks and how a shard is opened are in ``rayconv/data/shard_files.py``.
 
-Memory: every shard is memory-mapped (``pyarrow.memory_map``, zero-copy): JPEG bytes are read from
+Memory: every shard is memory-mapped (read-only, shared; Arrow reads it zero-copy): JPEG bytes are read from
 the OS page cache, which the actors and forked loader processes of a node share, so each process's
 private memory (RssAnon) holds labels and image sizes (16 bytes a sample) but no image bytes, whatever
 the folder's size. Only the first pipeline stage reads JPEG bytes; the pages a node touches are those

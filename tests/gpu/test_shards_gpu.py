@@ -1,5 +1,5 @@
 """GPU decode of prepared shards (run on the lent GPU machine: ``pytest -m gpu tests/gpu/test_shards_gpu.py``):
-nvJPEG + crop on the GPU takes the same pixels as the CPU path, batches decoded ahead on the side
+from the memory-mapped Arrow shards, nvJPEG + crop on the GPU takes the same pixels as the CPU path, batches decoded ahead on the side
 stream equal batches decoded alone, and training on shards under whole-step CUDA graphs equals eager."""
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def shards(tmp_path_factory):
                 img.save(d / f"{i}.JPEG", quality=95)
     out = tmp_path_factory.mktemp("shards") / "s"
     prepare(str(root), str(out), size=64, shard_size=10, log=lambda *_: None, processes=2)
+    assert len(list(out.glob("*.arrow"))) == 6 and not list(out.glob("*.parquet"))   # format 2: Arrow IPC files
     return out
 
 
