@@ -188,6 +188,10 @@ class Config:
         "help": "capture each actor's whole training step (forward, backward, exchanges, all-reduce, update) as "
                 "one CUDA graph and replay it, so the CPU launches one graph a step, not every kernel: on, off, "
                 "or auto: on with GPUs; refused on CPU", "choices": COMPILE_CHOICES})
+    cudnn_benchmark: str = field(default="auto", metadata={
+        "help": "let cuDNN time its algorithms for each new convolution shape (torch.backends.cudnn.benchmark): "
+                "on, off, or auto: on for runs of at least 10,000 steps, where its faster steps repay the seconds "
+                "of timing at the first step, the last partial batch and the first evaluation", "choices": COMPILE_CHOICES})
     bucket_mb: float = field(default=25.0, metadata={"help": "gradient all-reduce bucket size in MB (2**20 bytes); "
                                                           "compiled segments end at bucket boundaries"})
     sync_batchnorm: bool = field(default=False, metadata={"help": "batch-norm statistics over the global batch (SyncBatchNorm, GPUs only)"})
@@ -281,6 +285,7 @@ def _check_names(cfg: Config) -> None:
     _need(cfg.layout in LAYOUT_CHOICES, f"unknown --layout {cfg.layout!r}: choose manual or auto")
     _need(cfg.balance in BALANCE_CHOICES, f"unknown --balance {cfg.balance!r}: choose auto, time or flops")
     _need(cfg.compile in COMPILE_CHOICES, f"unknown --compile {cfg.compile!r}: choose auto, on or off")
+    _need(cfg.cudnn_benchmark in COMPILE_CHOICES, f"unknown --cudnn-benchmark {cfg.cudnn_benchmark!r}: choose auto, on or off")
     _need(cfg.cuda_graphs in COMPILE_CHOICES, f"unknown --cuda-graphs {cfg.cuda_graphs!r}: choose auto, on or off")
     _need(not (cfg.cuda_graphs == "on" and cfg.device == "cpu"),
           "--cuda-graphs on needs GPUs (CUDA graphs): drop it on CPU (--device cpu, or a cluster "

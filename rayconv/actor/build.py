@@ -104,8 +104,8 @@ class BuildMixin:
     def _choose_step_mode(self) -> None:
         """Compiled or eager, whole-step CUDA graph or not, and the device learning rates a graph reads."""
         cfg, device = self.cfg, self.device
-        if device.type == "cuda":
-            torch.backends.cudnn.benchmark = True
+        if device.type == "cuda":  # (auto resolved by the driver's setup from the run's length)
+            torch.backends.cudnn.benchmark = cfg.cudnn_benchmark == "on"
         # auto: compile on GPUs (not fp64). Without whole-step CUDA graphs, compiled data parallelism runs
         # slower than eager (each segment's launch overhead), so with --cuda-graphs off auto compiles
         # one-GPU runs only.

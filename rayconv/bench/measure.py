@@ -36,7 +36,8 @@ def base_config(args, model: str, layout: Layout, global_batch: int) -> Config:
     kw: dict[str, Any] = dict(model=model, **data, image_size=args.image_size, global_batch_size=global_batch,
                               precision=args.precision, device=args.device, address=args.address,
                               progress=False, lr=0.01, compile=args.compile,
-                              cuda_graphs=args.cuda_graphs, all_gpus_visible=args.all_gpus_visible)
+                              cuda_graphs=args.cuda_graphs, all_gpus_visible=args.all_gpus_visible,
+                              cudnn_benchmark="on")  # (steady images/s: cuDNN's timed choice, as the anchors')
     kw.update(layout.to_config_fields())
     return Config(**kw).validate()
 

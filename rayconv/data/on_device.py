@@ -15,6 +15,7 @@ data-parallel layout or the device.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional, Sequence
 
 import numpy as np
@@ -88,6 +89,12 @@ class OnDeviceSource(Source):
         self.mean, self.std = list(mean), list(std)
         self._stored: dict[torch.device, dict[str, torch.Tensor]] = {}
         self._params: dict[torch.device, tuple[int, dict[str, torch.Tensor]]] = {}
+        self._ahead: dict[int, Future] = {}   # epoch -> its table being drawn on self._pool
+        self._pool: Optional[ThreadPoolExecutor] = None
+
+    def __getstate__(self) -> dict:
+        """Picklable (a thread pool is not): the tables drawn ahead stay behind."""
+        return {**self.__dict__, "_ahead": {}, "_pool": None}
 
     def _on(self, device: torch.device) -> dict[str, torch.Tensor]:
         """Both splits' uint8 images on ``device`` (and the normalisation's mean and std), copied (and
@@ -105,26 +112,37 @@ class OnDeviceSource(Source):
 
     def _epoch_params(self, device: torch.device, epoch: int) -> dict[str, torch.Tensor]:
         """Every train sample's augmentation in ``epoch``, on ``device``: ``offsets`` (N, 2) and ``flips``
-        (N,) for pad-crop, ``boxes`` (N, 4) and ``flips`` for resized-crop, ``erase`` (N, 4) boxes."""
+        (N,) for pad-crop, ``boxes`` (N, 4) and ``flips`` for resized-crop, ``aa_groups`` (N,), ``erase``
+        (N, 4) boxes. The next epoch's table is drawn on a background thread meanwhile (torch's CPU ops
+        release the GIL), so that an epoch's first step does not wait for it."""
         cached = self._params.get(device)
         if cached is None or cached[0] != epoch:
-            n, size = self.train_size, self.sample_shape[1]
-            g = torch.Generator().manual_seed(stable_seed(self.seed, "train", epoch))
-            params: dict[str, torch.Tensor] = {}
-            if self.augment == "pad-crop":
-                params["offsets"], params["flips"] = crop_flip_params(n, self.pad, g)
-                if not self.flip:
-                    params["flips"].zero_()
-            elif self.augment == "resized-crop":
-                params["boxes"], params["flips"] = resized_crop_params(n, size, size, g)
-            if self.auto_augment is not None:
-                g_aa = torch.Generator().manual_seed(stable_seed(self.seed, "auto-augment", epoch))
-                params["aa_groups"] = aa.group_params(n, g_aa)
-            if self.random_erase > 0:
-                g_erase = torch.Generator().manual_seed(stable_seed(self.seed, "erase", epoch))
-                params["erase"] = erase_params(n, size, size, self.random_erase, g_erase)
+            ahead = self._ahead.pop(epoch, None)
+            params = ahead.result() if ahead is not None else self._draw_params(epoch)
             cached = self._params[device] = (epoch, {k: v.to(device) for k, v in params.items()})
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="rayconv-augment")
+            self._ahead = {epoch + 1: self._pool.submit(self._draw_params, epoch + 1)}
         return cached[1]
+
+    def _draw_params(self, epoch: int) -> dict[str, torch.Tensor]:
+        """The augmentation table of ``epoch`` on the CPU (see ``_epoch_params``), from (seed, epoch) alone."""
+        n, size = self.train_size, self.sample_shape[1]
+        g = torch.Generator().manual_seed(stable_seed(self.seed, "train", epoch))
+        params: dict[str, torch.Tensor] = {}
+        if self.augment == "pad-crop":
+            params["offsets"], params["flips"] = crop_flip_params(n, self.pad, g)
+            if not self.flip:
+                params["flips"].zero_()
+        elif self.augment == "resized-crop":
+            params["boxes"], params["flips"] = resized_crop_params(n, size, size, g)
+        if self.auto_augment is not None:
+            g_aa = torch.Generator().manual_seed(stable_seed(self.seed, "auto-augment", epoch))
+            params["aa_groups"] = aa.group_params(n, g_aa)
+        if self.random_erase > 0:
+            g_erase = torch.Generator().manual_seed(stable_seed(self.seed, "erase", epoch))
+            params["erase"] = erase_params(n, size, size, self.random_erase, g_erase)
+        return params
 
     def images(self, split, idx, device, epoch=0, dtype=None):
         dev = torch.device(device)

@@ -29,6 +29,8 @@ from rayconv.data.order import make_order
 from rayconv.data.registry import make_source
 from rayconv.data.source import Sharding, Source
 from rayconv.driver.lr import check_schedule, total_steps
+
+CUDNN_BENCHMARK_MIN_STEPS = 10_000  # --cudnn-benchmark auto: on for runs at least this long
 from rayconv.errors import CheckpointError, ConfigError
 from rayconv.mesh import Mesh
 from rayconv.models import build_model, check_trainable, model_names, run_model
@@ -74,10 +76,21 @@ def setup_run(cfg: Config, log=print) -> Setup:
     data_dir = cfg.data_dir
     cfg, mesh, source, plan = prepare(cfg, log, resume)
     sharding = Sharding(source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed, make_order(cfg, source))
-    return Setup(cfg=cfg, mesh=mesh, plan=plan, source=source, sharding=sharding,
-                 total_steps=total_steps(cfg, sharding.steps_per_epoch),
+    steps = total_steps(cfg, sharding.steps_per_epoch)
+    cfg = with_cudnn_benchmark(cfg, steps)
+    return Setup(cfg=cfg, mesh=mesh, plan=plan, source=source, sharding=sharding, total_steps=steps,
                  eval_every=cfg.eval_every or sharding.steps_per_epoch, out=out, run_name=new_run_name(out),
                  resume=resume, predicted=predicted, t_start=t_start, data_dir=data_dir)
+
+
+def with_cudnn_benchmark(cfg: Config, steps: int) -> Config:
+    """``cfg`` with ``--cudnn-benchmark auto`` resolved: on from ``CUDNN_BENCHMARK_MIN_STEPS`` steps. cuDNN's
+    timing of each new convolution shape costs seconds (the first step, the last partial batch, the first
+    evaluation) and its choice saves a share of every later step: the break-even is thousands of steps
+    (benchmarks/RESULTS.md, Fashion-MNIST)."""
+    if cfg.cudnn_benchmark != "auto":
+        return cfg
+    return dataclasses.replace(cfg, cudnn_benchmark="on" if steps >= CUDNN_BENCHMARK_MIN_STEPS else "off")
 
 
 def prepare(cfg: Config, log=print, resume: Optional[Checkpoint] = None) -> tuple[Config, Mesh, Source, LayoutPlan]:

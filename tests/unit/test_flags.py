@@ -175,3 +175,16 @@ def test_cuda_graphs_setting_is_checked():
     with pytest.raises(ConfigError, match="--cuda-graphs"):
         Config(cuda_graphs="yes").validate()
     Config(cuda_graphs="on", compile="off").validate()  # graphs capture eager steps too
+
+
+def test_cudnn_benchmark_auto_follows_the_runs_length():
+    from rayconv.driver.setup import CUDNN_BENCHMARK_MIN_STEPS, with_cudnn_benchmark
+
+    cfg = Config().validate()
+    assert cfg.cudnn_benchmark == "auto"
+    assert with_cudnn_benchmark(cfg, CUDNN_BENCHMARK_MIN_STEPS - 1).cudnn_benchmark == "off"
+    assert with_cudnn_benchmark(cfg, CUDNN_BENCHMARK_MIN_STEPS).cudnn_benchmark == "on"
+    given = Config(cudnn_benchmark="on").validate()
+    assert with_cudnn_benchmark(given, 10).cudnn_benchmark == "on"
+    with pytest.raises(SystemExit):
+        parse_args(["--cudnn-benchmark", "yes"])
