@@ -5,7 +5,8 @@ running cluster, else a local one). ``python -m rayconv.prepare --convert DIR`` 
 the older Parquet format in place (``rayconv/data/shard_convert.py``).
 
 Exit status: 0 done; 2 bad arguments or bad input (the message names the file or folder); 1 the
-cluster failed; 130 interrupted (complete shards are kept: the same command again finishes the job).
+cluster failed, or the disk filled during --convert (no half shard is left); 130 interrupted
+(complete shards are kept: the same command again finishes the job).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"rayconv.prepare: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"rayconv.prepare: interrupted: complete shards are kept in {a.out}; run the same command again "
+        print(f"rayconv.prepare: interrupted: complete shards are kept in {a.out or a.convert}; run the same command again "
               "to finish", file=sys.stderr)
         return 130
 
