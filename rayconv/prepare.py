@@ -82,8 +82,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"rayconv.prepare: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"rayconv.prepare: interrupted: complete shards are kept in {a.out or a.convert}; run the same command again "
-              "to finish", file=sys.stderr)
+        print(f"rayconv.prepare: interrupted: complete shards are kept in {a.out or a.convert}; run the same "
+              "command again to finish", file=sys.stderr)
         return 130
 
 

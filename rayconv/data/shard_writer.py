@@ -6,8 +6,8 @@ enlarged), as FFCV and fast ImageNet recipes store ImageNet, and re-encoded at `
 ``shard_size`` files of a split make one shard (``write_shard``, one call per shard, fanned out by the
 caller: Ray tasks for the command line, local processes otherwise), written into ``<name>.tmp`` and
 fsynced and renamed when complete; a write that fails (a full disk: ENOSPC, EFBIG) removes its
-``.tmp``, so no half shard is left to be taken as complete. A re-run skips the shards already complete (same settings, same input files,
-same sha256 as the manifest says), so an interrupted run resumes. ``manifest.json`` is written last
+``.tmp``, so no half shard is left to be taken as complete. A re-run skips the shards already complete
+(same settings, same input files, same sha256 as the manifest says), so an interrupted run resumes. ``manifest.json`` is written last
 (atomically): classes, images per split and class, the files skipped and why, each shard's rows, bytes
 and sha256, the format version and the settings. The shard format is described in
 ``rayconv/data/shard_files.py``; ``shard_convert.py`` rewrites a folder of the older Parquet format.
