@@ -5,7 +5,7 @@ classification script names them: ``imagenet``, ``cifar10``, ``svhn`` (AutoAugme
 the crop and flip and before the normalisation (the reference script's order).
 
 Batched on the device (``apply``): each training sample falls, per epoch, into one of ``GROUPS`` groups
-drawn from (seed, epoch, index); the transform runs once per group on the group's images, its random
+drawn from (seed, epoch, index) (a per-epoch table, ``group_params``, or a hash, ``sample_groups``); the transform runs once per group on the group's images, its random
 choice (sub-policy, magnitudes, signs) drawn from ``stable_seed(seed, "auto-augment", epoch, group)`` in a
 forked RNG. A sample's augmentation therefore depends on (seed, epoch, index) and its own pixels alone,
 not on the batch, the layout or the device; the transforms' per-image operations (equalize,
@@ -41,6 +41,13 @@ def make_transform(policy: str):
 def group_params(n: int, generator: torch.Generator) -> torch.Tensor:
     """Each of n samples' group (n,) int64 in [0, GROUPS), drawn from ``generator``."""
     return torch.randint(0, GROUPS, (n,), generator=generator, device=generator.device)
+
+
+def sample_groups(seed: int, epoch: int, idx) -> torch.Tensor:
+    """The groups (len(idx),) int64 of samples ``idx`` in ``epoch``, each from (seed, epoch, index) alone
+    (for sources that draw no per-epoch table)."""
+    return torch.tensor([stable_seed(seed, "auto-augment-group", epoch, int(i)) % GROUPS for i in idx],
+                        dtype=torch.int64)
 
 
 def apply(x: torch.Tensor, groups: torch.Tensor, transform, seed: int, epoch: int) -> torch.Tensor:

@@ -57,7 +57,7 @@ def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
     elif cfg.data in ("imagefolder", "shards"):
         if cfg.data == "shards" or is_prepared(cfg.data_dir):  # a prepared folder is read as shards
             src = ShardSource(cfg.data_dir or "", cfg.data_image_size, cfg.seed, loader_workers(cfg), cfg.decode,
-                              augment=augment, random_erase=erase)
+                              augment=augment, random_erase=erase, auto_augment=cfg.auto_augment)
         else:
             src = ImageFolderSource(cfg.data_dir or "", cfg.data_image_size, cfg.seed, loader_workers(cfg),
                                     augment=augment, random_erase=erase, auto_augment=cfg.auto_augment)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from rayconv.data import auto_augment as aa
 from rayconv.data import decode as dec
 from rayconv.data.augment import erase, erase_params
 from rayconv.data.folders import SPLITS
@@ -54,8 +55,9 @@ class ShardSource(Source):
     it launches step k, while step k - 1 still runs on the GPU."""
 
     def __init__(self, root: str, image_size: int, seed: int, workers: int, decode: str = "auto",
-                 augment: str = "resized-crop", random_erase: float = 0.0):
+                 augment: str = "resized-crop", random_erase: float = 0.0, auto_augment: Optional[str] = None):
         self.root = Path(root)
+        self.auto_augment = (auto_augment, aa.make_transform(auto_augment)) if auto_augment else None
         self.manifest = read_manifest(self.root)
         self.classes = list(self.manifest["classes"])
         self.num_classes = len(self.classes)
@@ -65,6 +67,7 @@ class ShardSource(Source):
         self.augmentation = {"resized-crop": "RandomResizedCrop(0.08-1) + flip",
                              "pad-crop": f"center crop, pad {pad_for(image_size)} + random crop + flip",
                              "none": "center crop"}[augment] \
+            + (f", auto-augment {auto_augment} (batched in {aa.GROUPS} groups)" if auto_augment else "") \
             + (f", random erasing p={random_erase:g}" if random_erase > 0 else "") + f" (decode {decode})"
         self.entries = {s: self.manifest["splits"][f]["shards"] for s, f in SPLITS.items()}
         self.targets: dict[str, torch.Tensor] = {}
@@ -163,7 +166,10 @@ class ShardSource(Source):
         x = self._take_gpu(split, pending, device) if self._use_gpu(device) else self._take_cpu(split, pending)
         if not pending["queue"]:
             self._pending.pop(split, None)   # the last announced batch: the loader and its workers go with it
-        x = dec.normalize(x.to(device, non_blocking=True), dtype)
+        x = x.to(device, non_blocking=True)
+        if split == "train" and self.auto_augment is not None:
+            x = aa.apply(x, aa.sample_groups(self.seed, epoch, idx).to(device), self.auto_augment[1], self.seed, epoch)
+        x = dec.normalize(x, dtype)
         return self._erase(x, epoch, idx) if split == "train" and self.random_erase > 0 else x
 
     def _erase(self, x: torch.Tensor, epoch: int, idx: np.ndarray) -> torch.Tensor:

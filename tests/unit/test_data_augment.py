@@ -15,7 +15,7 @@ from rayconv.config import Config
 from rayconv.data.augment import erase, erase_params, resized_crop_flip, resized_crop_params
 from rayconv.data.fashion_mnist import FILES
 from rayconv.data.imagefolder import ImageFolderSource
-from rayconv.data.on_device import OnDeviceSource, pad_for
+from rayconv.data.on_device import pad_for
 from rayconv.data.registry import make_source
 from rayconv.errors import ConfigError
 from rayconv.models import build_model
@@ -215,3 +215,7 @@ def test_shards_honour_augment_and_erasing(tmp_path):
     erased = make("none", 1.0).images("train", idx, CPU)
     assert ((erased == 0).all(1).sum((1, 2)) > 0).all() and "random erasing p=1" in make("none", 1.0).describe()
     assert torch.equal(make("none", 1.0).images("train", idx[1:3], CPU), erased[1:3])
+    policy = lambda: ShardSource(str(tmp_path / "shards"), 32, 0, 0, "cpu", "none", auto_augment="ta_wide")  # noqa: E731
+    x = policy().images("train", idx, CPU, epoch=1)
+    assert not torch.equal(x, none) and torch.equal(policy().images("train", idx[[3, 1]], CPU, epoch=1), x[[3, 1]])
+    assert "auto-augment ta_wide" in policy().describe()
