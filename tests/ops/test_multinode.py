@@ -73,6 +73,13 @@ def test_users_model_from_a_file_trains_dp2_across_the_nodes(two_nodes, tmp_path
     shutil.copy(Path(__file__).resolve().parents[1] / "fixtures" / "resnetish.py", tmp_path / "mine" / "resnetish.py")
     monkeypatch.chdir(tmp_path)
     monkeypatch.delitem(sys.modules, "resnetish", raising=False)  # (this copy is imported as resnetish)
+    try:
+        _train_the_copy(tmp_path)
+    finally:  # later tests import the fixture itself under that name, which the loader refuses as shadowing
+        sys.modules.pop("resnetish", None)
+
+
+def _train_the_copy(tmp_path) -> None:
     seen = {}
     cfg = sgd_config(tmp_path, "users", model="mine/resnetish.py:ResNetish", dp=2, steps=2, eval_every=2,
                      num_cpus_per_actor=2, loader_workers=0)
