@@ -232,9 +232,19 @@ def _build(model: nn.Module, piece: _Piece, calls) -> tuple[str, nn.Module]:
     return _graph_module(model, piece)
 
 
+# Functional calls that have a module form the filter split knows: name -> (module, its arguments in order)
+_FUNCTIONAL = {
+    nn.functional.max_pool2d: (nn.MaxPool2d, ("kernel_size", "stride", "padding", "dilation", "ceil_mode")),
+    nn.functional.avg_pool2d: (nn.AvgPool2d, ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad")),
+    nn.functional.adaptive_avg_pool2d: (nn.AdaptiveAvgPool2d, ("output_size",)),
+    nn.functional.adaptive_max_pool2d: (nn.AdaptiveMaxPool2d, ("output_size",)),
+}
+
+
 def _module_form(n: fx.Node) -> Optional[nn.Module]:
-    """``torch.flatten(x, d)`` as ``nn.Flatten(d)``, ``torch.relu(x)`` / ``F.relu(x)`` as ``nn.ReLU``
-    (layers the filter split knows), else None."""
+    """``torch.flatten(x, d)`` as ``nn.Flatten(d)``, ``torch.relu(x)`` / ``F.relu(x)`` as ``nn.ReLU``,
+    ``F.max_pool2d`` / ``avg_pool2d`` / ``adaptive_*_pool2d`` as their modules (layers the filter split
+    knows), else None (also for arguments that are not constants)."""
     if n.target is torch.flatten:
         args = dict(zip(("input", "start_dim", "end_dim"), n.args), **n.kwargs)
         if set(args) <= {"input", "start_dim", "end_dim"}:
@@ -243,6 +253,13 @@ def _module_form(n: fx.Node) -> Optional[nn.Module]:
         args = dict(zip(("input", "inplace"), n.args), **n.kwargs)
         if set(args) <= ({"input", "inplace"} if n.target is nn.functional.relu else {"input"}):
             return nn.ReLU(inplace=bool(args.get("inplace", False)))
+    if n.target in _FUNCTIONAL:
+        module, names = _FUNCTIONAL[n.target]
+        args = dict(zip(names, n.args[1:]), **n.kwargs)
+        if args.get("return_indices") is False:   # (the traced call spells out the default)
+            del args["return_indices"]
+        if set(args) <= set(names) and not any(isinstance(v, fx.Node) for v in args.values()):
+            return module(**args)
     return None
 
 

@@ -1,7 +1,9 @@
 """A user's own ResNet-like ConvNet (tests/fixtures/blocks.py, not installed, given as
 ``--model path/to/blocks.py:blocknet``) cut into pipeline stages at its traced block boundaries
 (rayconv.models.traced) trains as single-device SGD does: pp=2 under 1F1B with 4 micro-batches, and
-dp2 x pp2; a model fx cannot trace trains data parallel and is refused for --pp. Batch norm under micro-batches: the reference is ``helpers.reference_microbatch_sgd``
+dp2 x pp2; a model fx cannot trace trains data parallel and is refused for --pp. Filter split: a
+user's plain ConvNet (functional pooling) under fs=2 equals single-device SGD; the ResNet-like one is
+refused for --fs in one line naming its block. Batch norm under micro-batches: the reference is ``helpers.reference_microbatch_sgd``
 (each micro-batch normalised by its own statistics, running statistics once per step)."""
 
 from __future__ import annotations
@@ -56,3 +58,15 @@ def test_untraceable_model_trains_data_parallel_and_is_refused_for_pp(ray_cluste
         fit(cfg, log=lambda *_: None)
     msg = str(e.value)
     assert "\n" not in msg and "cannot be cut into pipeline stages (torch.fx cannot trace its forward" in msg
+
+
+def test_user_model_filter_split_or_refused(ray_cluster, tmp_path):
+    cfg = sgd_config(tmp_path, "fs2", model=f"{FIXTURE}:plainnet", fs=2, steps=STEPS, eval_every=STEPS)
+    fit(cfg, log=lambda *_: None)
+    got = torch.load(tmp_path / "fs2" / "model.pt", weights_only=True)
+    assert_same_state(got, reference_sgd(cfg, STEPS), atol=1e-10)
+    run_model(cfg, make_source(cfg)).double().load_state_dict(got, strict=True)   # the user's class
+    cfg = sgd_config(tmp_path, "fs2-blocks", model=MODEL, fs=2, steps=STEPS)
+    with pytest.raises(PlanError) as e:
+        fit(cfg, log=lambda *_: None)
+    assert "\n" not in str(e.value) and "filter split cannot divide layer" in str(e.value) and "--fs 1" in str(e.value)
