@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional
 
 from rayconv.flags import OneLineParser
 from rayconv.data.shard_convert import convert
-from rayconv.data.shard_writer import prepare, write_shard
+from rayconv.data.shard_writer import SHARD_ORDERS, prepare, write_shard
 from rayconv.errors import ClusterError, DataError
 
 
@@ -54,6 +54,11 @@ def _parser() -> OneLineParser:
     p.add_argument("--size", type=int, default=256, help="shorter side in pixels (default 256; never enlarged)")
     p.add_argument("--quality", type=int, default=90, help="JPEG quality 1-100 (default 90)")
     p.add_argument("--shard-size", type=int, default=1000, help="images per shard (default 1000)")
+    p.add_argument("--shard-order", choices=SHARD_ORDERS, default="shuffled",
+                   help="order of the train files in the shards: shuffled (default; a permutation seeded by --seed, "
+                        "so that each shard mixes the classes) or sorted (the listing's order, one class after "
+                        "another); val is always sorted")
+    p.add_argument("--seed", type=int, default=0, help="seed of --shard-order shuffled (default 0)")
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, a running "
                                                    "cluster, else a new local one)")
     return p
@@ -73,7 +78,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if a.convert is not None:
             convert(a.convert)
             return 0
-        prepare(a.dir, a.out, a.size, a.quality, a.shard_size, fan_out=lambda args: _on_ray(args, a.address))
+        prepare(a.dir, a.out, a.size, a.quality, a.shard_size, fan_out=lambda args: _on_ray(args, a.address),
+                shard_order=a.shard_order, seed=a.seed)
         return 0
     except DataError as e:
         print(f"rayconv.prepare: error: {e}", file=sys.stderr)

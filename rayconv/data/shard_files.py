@@ -6,8 +6,11 @@ uncompressed) ``train-00000.arrow``, ..., ``val-00000.arrow``, ... with columns 
 position in its split's sorted listing), ``label`` (int32, position of its class in ``classes``),
 ``height``, ``width`` (int32, pixels), ``jpeg`` (binary: a baseline RGB JPEG, shorter side at most
 ``size``) and ``path`` (the source file, relative to the source folder). Sample ``k`` of a split is row
-``k`` of its shards taken in order. The manifest lists each shard's ``file``, ``rows``, ``bytes`` and
-``sha256``.
+``k`` of its shards taken in order. The train rows follow the manifest's ``settings["shard_order"]``:
+``shuffled`` (a permutation of the listing seeded by ``settings["seed"]``, so ``index`` is not ``k``
+and each shard holds files of many classes) or ``sorted`` (listing order; folders whose settings lack
+the key are sorted); val rows are in listing order. The manifest lists each shard's ``file``,
+``rows``, ``bytes`` and ``sha256``.
 
 Checks at open (``read_manifest``, ``OpenShard``): the manifest lists exactly the shard files present,
 each with its byte size, and each file's Arrow footer reads with the listed row count; else DataError

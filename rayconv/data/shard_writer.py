@@ -4,10 +4,16 @@
 The shorter side of each image is resized to ``size`` (smaller images are kept at their size, never
 enlarged), as FFCV and fast ImageNet recipes store ImageNet, and re-encoded at ``quality``. Every
 ``shard_size`` files of a split make one shard (``write_shard``, one call per shard, fanned out by the
-caller: Ray tasks for the command line, local processes otherwise), written into ``<name>.tmp`` and
+caller: Ray tasks for the command line, local processes otherwise). The train split's files go into
+its shards in a seeded permutation of the sorted listing (``shard_order="shuffled"``, ``shard_files``
+says which), so that every shard holds a sample of all classes and ``--shuffle block`` windows of a
+few shards are not class-homogeneous (the advice of webdataset and MosaicML streaming: shuffle
+before sharding); ``shard_order="sorted"`` keeps the listing's order; val is always in listing
+order. Each shard is written into ``<name>.tmp`` and
 fsynced and renamed when complete; a write that fails (a full disk: ENOSPC, EFBIG) removes its
 ``.tmp``, so no half shard is left to be taken as complete. A re-run skips the shards already complete
-(same settings, same input files, same sha256 as the manifest says), so an interrupted run resumes. ``manifest.json`` is written last
+(same settings, shard order and seed included, same input files in the same order, same sha256 as
+the manifest says), so an interrupted run resumes. ``manifest.json`` is written last
 (atomically): classes, images per split and class, the files skipped and why, each shard's rows, bytes
 and sha256, the format version and the settings. The shard format is described in
 ``rayconv/data/shard_files.py``; ``shard_convert.py`` rewrites a folder of the older Parquet format.
@@ -64,6 +70,29 @@ def encode(path: Path, size: int, quality: int) -> tuple[bytes, int, int]:
     return buf.getvalue(), th, tw
 
 
+SHARD_ORDERS = ("shuffled", "sorted")
+
+
+def shard_listing(listing: list[tuple[str, int]], order: str, seed: int) -> list[tuple[int, str, int]]:
+    """The files of a split as (index, relative path, label) in the order they go into its shards:
+    ``index`` is the file's position in the sorted ``listing``. ``sorted``: the listing's order.
+    ``shuffled``: ordered by sha256 of (seed, relative path), a seeded permutation that is the same on
+    every machine and numpy version (same command, same bytes). Raises ValueError for another ``order``."""
+    if order not in SHARD_ORDERS:
+        raise ValueError(f"shard order {order!r} is not one of {SHARD_ORDERS}")
+    indexed = [(i, rel, label) for i, (rel, label) in enumerate(listing)]
+    if order == "sorted":
+        return indexed
+    key = lambda e: hashlib.sha256(f"{seed}\0{e[1]}".encode()).digest()  # noqa: E731
+    return sorted(indexed, key=key)
+
+
+def _with_defaults(settings: dict[str, Any]) -> dict[str, Any]:
+    """Recorded settings with the keys folders written before ``shard_order`` existed lack: those were
+    written in sorted order (so ``--shard-order sorted`` resumes them)."""
+    return {"shard_order": "sorted", "seed": None, **settings}
+
+
 def _meta(settings: dict[str, Any], inputs: list[tuple[int, str, int]]) -> dict[str, Any]:
     digest = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()
     return {"settings": settings, "inputs_sha256": digest}
@@ -78,6 +107,7 @@ def _complete(final: Path, meta: dict[str, Any], expect_sha256: Optional[str]) -
     try:
         with pa.memory_map(str(final)) as f:
             done = json.loads((pa.ipc.open_file(f).schema.metadata or {})[SHARD_META])
+        done["settings"] = _with_defaults(done["settings"])
         sha = sha256_file(final)
         if {k: done[k] for k in meta} == meta and expect_sha256 in (None, sha):
             return {**_entry(final, done["rows"], sha), "skipped": done["skipped"], "counts": done["counts"],
@@ -178,7 +208,7 @@ def _previous_shards(dest: Path, settings: dict[str, Any]) -> dict[str, str]:
     if (dest / MANIFEST).is_file():
         try:
             manifest = json.loads((dest / MANIFEST).read_text())
-            prev = manifest["settings"]
+            prev = _with_defaults(manifest["settings"])
             old = {e["file"]: e["sha256"] for s in manifest["splits"].values() for e in s["shards"]}
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{dest / MANIFEST} cannot be read ({e}): remove it or choose another --out") from None
@@ -243,16 +273,33 @@ def write_manifest(dest: Path, manifest: dict[str, Any]) -> None:
         raise
 
 
+def _jobs(files: dict[str, list[tuple[str, int]]], shard_size: int, shard_order: str,
+          seed: int) -> list[tuple[str, str, list[tuple[int, str, int]]]]:
+    """(split, shard name, its inputs) of every shard: train in ``shard_order``, val sorted."""
+    jobs = []
+    for split, listing in files.items():
+        ordered = shard_listing(listing, shard_order if split == SPLITS["train"] else "sorted", seed)
+        for k, start in enumerate(range(0, len(ordered), shard_size)):
+            jobs.append((split, f"{split}-{k:05d}{SUFFIX}", ordered[start:start + shard_size]))
+    return jobs
+
+
 def prepare(src: str, out: str, size: int = 256, quality: int = 90, shard_size: int = 1000, log=print,
-            processes: Optional[int] = None, fan_out: Optional[FanOut] = None) -> dict[str, Any]:
+            processes: Optional[int] = None, fan_out: Optional[FanOut] = None, shard_order: str = "shuffled",
+            seed: int = 0) -> dict[str, Any]:
     """Prepare ``src`` into ``out``; returns the manifest. The shards are written by ``fan_out`` (the
     command line passes Ray tasks), else by ``processes`` local processes (default: this machine's CPU
-    count). The last log line names the images encoded and images/s per core. Raises DataError for bad
-    input (nothing is written then) or an ``out`` prepared with other settings; OSError (a full disk)
-    with no half-written shard or manifest left."""
+    count); the train files in ``shard_order`` (``shard_listing``; ``seed`` is recorded as None for
+    sorted, which uses none). The last log line names the images encoded and images/s per core. Raises
+    DataError for bad input (nothing is written then) or an ``out`` prepared with other settings;
+    ValueError for an unknown ``shard_order``; OSError (a full disk) with no half-written shard or
+    manifest left."""
     t0 = time.perf_counter()
     root, dest = Path(src).resolve(), Path(out)
-    settings = {"size": size, "quality": quality, "shard_size": shard_size}
+    if shard_order not in SHARD_ORDERS:
+        raise ValueError(f"shard order {shard_order!r} is not one of {SHARD_ORDERS}")
+    settings = {"size": size, "quality": quality, "shard_size": shard_size, "shard_order": shard_order,
+                "seed": seed if shard_order == "shuffled" else None}
     classes, files, skipped = scan(root)
     old = _previous_shards(dest, settings)
     dest.mkdir(parents=True, exist_ok=True)
@@ -261,11 +308,7 @@ def prepare(src: str, out: str, size: int = 256, quality: int = 90, shard_size: 
     (dest / MANIFEST).unlink(missing_ok=True)
     for tmp in dest.glob("*.tmp"):
         tmp.unlink()   # left by an interrupted run
-    jobs = []
-    for split, listing in files.items():
-        for k, start in enumerate(range(0, len(listing), shard_size)):
-            inputs = [(start + i, rel, label) for i, (rel, label) in enumerate(listing[start:start + shard_size])]
-            jobs.append((split, f"{split}-{k:05d}{SUFFIX}", inputs))
+    jobs = _jobs(files, shard_size, shard_order, seed)
     args = {name: (str(root), str(dest), name, inputs, settings, old.get(name)) for _, name, inputs in jobs}
     results = _fan_out(args, fan_out or (lambda a: on_processes(a, processes or os.cpu_count() or 1)))
     wanted = {name for _, name, _ in jobs}
