@@ -18,11 +18,13 @@ from helpers import assert_same_state, reference_sgd
 from rayconv import prepare as prep
 from rayconv.config import Config
 from rayconv.data.imagefolder import ImageFolderSource
+from rayconv.data.folders import scan
 from rayconv.data.registry import make_source
 from rayconv.errors import DataError
 from rayconv.data.decode import crop_params
 from rayconv.driver.job import fit
 from rayconv.run import main
+from rayconv.data.shard_writer import shard_listing
 from rayconv.data.shards import ShardSource
 from rayconv.files import sha256_file
 
@@ -76,7 +78,8 @@ def shards(ray_cluster, folder, tmp_path_factory) -> Path:
 
 def test_prepare_writes_a_checked_manifest(shards, folder):
     m = json.loads((shards / "manifest.json").read_text())
-    assert m["classes"] == list(CLASSES) and m["settings"] == {"size": SIZE, "quality": 90, "shard_size": 4}
+    assert m["classes"] == list(CLASSES) and m["settings"] == {"size": SIZE, "quality": 90, "shard_size": 4,
+                                                              "shard_order": "shuffled", "seed": 0}
     train = m["splits"]["train"]
     assert train["per_class"] == {"cat": 10, "dog": 6} and train["images"] == 16
     assert m["splits"]["val"]["per_class"] == {"cat": 2, "dog": 2}
@@ -88,15 +91,19 @@ def test_prepare_writes_a_checked_manifest(shards, folder):
     assert reasons["train/cat/bad-dir.jpg"].startswith("a directory")
     assert "FileNotFoundError" in reasons["train/cat/bad-link.jpg"]
     assert reasons["train/cat/bad-truncated.jpg"].startswith("cannot read or decode")
-    # 20 train files with an image suffix, in sorted order, 4 per shard: rows are the files kept (the
-    # first shard's four files are all bad: an empty shard).
-    assert [e["rows"] for e in train["shards"]] == [0, 4, 4, 4, 4]
+    # 20 train files with an image suffix in prepare's seeded order, 4 per shard: rows are the files kept.
+    order = shard_listing(scan(folder)[1]["train"], "shuffled", 0)
+    bad = {f"train/cat/bad-{n}.jpg" for n in ("truncated", "random", "zero", "link")}   # listed, do not decode
+    assert len(order) == 20 and bad <= {r for _, r, _ in order}
+    assert [e["rows"] for e in train["shards"]] == [sum(r not in bad for _, r, _ in order[k:k + 4])
+                                                    for k in range(0, 20, 4)]
     for e in train["shards"] + m["splits"]["val"]["shards"]:
         p = shards / e["file"]
         assert p.stat().st_size == e["bytes"] and sha256_file(p) == e["sha256"]
     assert not list(shards.glob("*.tmp"))
     assert not list(shards.glob("*.parquet"))
     table = pa.concat_tables([pa.ipc.open_file(p).read_all() for p in sorted(shards.glob("train-*.arrow"))]).to_pylist()
+    assert [(r["index"], r["path"]) for r in table] == [(i, r) for i, r, _ in order if r not in bad]
     by_path = {r["path"]: r for r in table}
     # CMYK, grayscale, PNG and WebP became RGB JPEGs; the 80 x 120 one was downscaled to shorter side 40.
     for name in ("x-png.png", "x-webp.webp", "x-gray.jpg", "x-cmyk.jpg"):
@@ -190,15 +197,19 @@ def test_a_shard_that_disappears_or_changes_while_open_is_named(shards, tmp_path
     cpu = torch.device("cpu")
     src = ShardSource(str(d), 32, seed=0, workers=workers, decode="cpu")
     assert src.images("train", np.arange(6), cpu).shape == (6, 3, 32, 32)
-    p = d / "train-00002.arrow"   # samples 4..7
+    p = d / "train-00002.arrow"
+    starts = np.cumsum([0] + [e["rows"] for e in src.entries["train"]])
+    mine = np.arange(starts[2], starts[3])   # the samples of train-00002
+    others = np.setdiff1d(np.arange(starts[-1]), mine)[:3]
+    assert len(mine) and len(others) == 3
     p.rename(d / "away")
-    src.prefetch("train", 0, [np.arange(3), np.arange(4, 8)])
-    assert src.images("train", np.arange(3), cpu).shape[0] == 3   # other shards read on
+    src.prefetch("train", 0, [others, mine])
+    assert src.images("train", others, cpu).shape[0] == 3   # other shards read on
     with pytest.raises(DataError, match=f"{p} disappeared during the run"):
-        src.images("train", np.arange(4, 8), cpu)
+        src.images("train", mine, cpu)
     shutil.copy(d / "away", p)   # the same bytes back, but another file (inode, mtime)
     with pytest.raises(DataError, match=f"{p} changed"):
-        src.images("train", np.arange(4, 8), cpu)
+        src.images("train", mine, cpu)
     # Opened again, the folder reads as before.
     fresh = ShardSource(str(d), 32, seed=0, workers=0)
     torch.testing.assert_close(fresh.images("train", np.arange(8), cpu),
