@@ -30,9 +30,7 @@ from rayconv.choices import (  # noqa: F401 (re-exported: the flags and checks r
     MODELS_HELP, DATA_CHOICES, DECODE_CHOICES, DEVICE_CHOICES, SCHEDULE_CHOICES, PLAN_CHOICES,
     PRECISION_CHOICES, LR_SCHEDULE_CHOICES, COMPILE_CHOICES, BALANCE_CHOICES, LAYOUT_CHOICES,
     OPT_CHOICES, WARMUP_CHOICES, LR_SCALING_CHOICES, AUGMENT_CHOICES, AUTO_AUGMENT_CHOICES,
-    SHUFFLE_CHOICES,
-    DATA_IMAGE_SIZE, PAD_CROP_MAX_SIZE
-)
+    SHUFFLE_CHOICES, DATA_ON_DEVICE_CHOICES, DATA_ON_DEVICE_HELP, DATA_IMAGE_SIZE, PAD_CROP_MAX_SIZE)
 from rayconv.errors import ConfigError
 
 
@@ -97,6 +95,7 @@ class Config:
     zero_init_residual: bool = field(default=False, metadata={
         "help": "start the last batch norm of each residual block at zero weight, so each block starts as "
                 "the identity (Goyal et al. 2017, section 5.1; torchvision's zero_init_residual)"})
+    data_on_device: str = field(default="auto", metadata={"help": DATA_ON_DEVICE_HELP, "choices": DATA_ON_DEVICE_CHOICES})
     synthetic_samples: int = field(default=4096, metadata={"help": "train samples of synthetic data"})
     shuffle: str = field(default="exact", metadata={"choices": SHUFFLE_CHOICES, "help": "train order: exact "
         "(all samples permuted per epoch) or block (--data shards: shards permuted, then the samples of each "
