@@ -23,7 +23,7 @@ from rayconv.data.source import Source, stable_seed
 from rayconv.errors import DataError
 
 
-class _CheckedImageFolder(Dataset):
+class CheckedImageFolder(Dataset):
     """torchvision ImageFolder whose decode errors name the file and what to do."""
 
     def __init__(self, root: Path, transform):
@@ -51,6 +51,14 @@ class _CheckedImageFolder(Dataset):
                             "remove or replace that file") from None
 
 
+def center_transforms(image_size: int) -> list:
+    """The evaluation's crop of a PIL image, before its tensor conversion: the shorter side resized to
+    ``image_size * 8 // 7`` (antialiased), then the center ``image_size`` x ``image_size``."""
+    from torchvision.transforms import v2 as T   # (torchvision's import takes seconds: only when used)
+
+    return [T.Resize(image_size * 8 // 7, antialias=True), T.CenterCrop(image_size)]
+
+
 class ImageFolderSource(Source):
     """An ImageNet-layout folder read through torchvision's ImageFolder and a DataLoader.
 
@@ -65,7 +73,7 @@ class ImageFolderSource(Source):
             check_image_folder(base / split)
         norm = [T.ToImage(), T.ToDtype(torch.float32, scale=True),
                 T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]
-        center = [T.Resize(image_size * 8 // 7, antialias=True), T.CenterCrop(image_size)]
+        center = center_transforms(image_size)
         pad = pad_for(image_size)
         train = {"resized-crop": [T.RandomResizedCrop(image_size, antialias=True), T.RandomHorizontalFlip()],
                  "pad-crop": [*center, T.RandomCrop(image_size, padding=pad), T.RandomHorizontalFlip()],
@@ -73,8 +81,8 @@ class ImageFolderSource(Source):
         erase = [T.RandomErasing(random_erase, value=0)] if random_erase > 0 else []
         policy = [aa.make_transform(auto_augment)] if auto_augment else []
         self.sets = {
-            "train": _CheckedImageFolder(base / "train", T.Compose([*train, *policy, *norm, *erase])),
-            "test": _CheckedImageFolder(base / "val", T.Compose([*center, *norm])),
+            "train": CheckedImageFolder(base / "train", T.Compose([*train, *policy, *norm, *erase])),
+            "test": CheckedImageFolder(base / "val", T.Compose([*center, *norm])),
         }
         self.name = "imagefolder"
         self.augmentation = {"resized-crop": "RandomResizedCrop(0.08-1) + flip",

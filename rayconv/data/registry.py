@@ -5,7 +5,8 @@ Names: ``digits`` (``rayconv/data/digits.py``; 8x8, not augmented, whatever ``--
 ``synthetic`` (``synthetic.py``), ``imagefolder`` (``imagefolder.py``; a folder prepared by ``python -m
 rayconv.prepare`` is read as shards) and ``shards`` (``shards.py``). ``--augment`` (resolved by
 ``Config.augmentation``), ``--auto-augment`` and ``--random-erase`` reach fashion-mnist, imagefolder and shards;
-``--channels`` (``model_channels``) every source."""
+``--channels`` (``model_channels``) every source. Small image folders and shard folders are held on the
+device (``--data-on-device``, ``rayconv/data/small.py``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from rayconv.data.digits import load_digits
 from rayconv.data.fashion_mnist import load_fashion_mnist
 from rayconv.data.imagefolder import ImageFolderSource
 from rayconv.data.shards import ShardSource, is_prepared
+from rayconv.data.small import maybe_hold
 from rayconv.data.source import Source
 from rayconv.data.synthetic import SyntheticSource
 
@@ -61,6 +63,7 @@ def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
         else:
             src = ImageFolderSource(cfg.data_dir or "", cfg.data_image_size, cfg.seed, loader_workers(cfg),
                                     augment=augment, random_erase=erase, auto_augment=cfg.auto_augment)
+        src = maybe_hold(cfg, src, loader_workers(cfg))   # --data-on-device: small data held on the device
     else:
         raise ConfigError(f"unknown --data {cfg.data!r}")
     if cfg.num_classes is not None and cfg.num_classes != src.num_classes:

@@ -1,0 +1,170 @@
+"""Small image folders and shard folders held on the device (``--data-on-device``).
+
+``--data imagefolder`` and ``--data shards`` decode each batch in the loader's processes; on small
+images (28-64 pixels) that decode, not the model, sets the step time. When the data is held on the
+device, every image of both splits is decoded once, to exactly the image the loader path gives before
+its augmentation (its evaluation crop: for an image folder torchvision's ``Resize(S * 8 // 7)`` +
+``CenterCrop(S)`` of the PIL image, ``imagefolder.center_transforms``; for shards libjpeg-turbo's decode
+then ``decode.center``), as uint8 (N, 3, S, S), by the loader's worker count of processes (a DataLoader
+over chunks of ``CHUNK`` images). The images go to each actor's device as ``OnDeviceSource`` holds
+them: batches are augmented there by batched tensor operations from per-epoch tables drawn from
+(seed, epoch, index), normalised by ImageNet's mean and std as the loader path is.
+
+Rule (``held_on_device``): ``on`` holds the data (refused with ``--augment resized-crop``, whose crop
+needs each image's own size); ``off`` keeps the loader; ``auto`` holds it when the augmentation is
+pad-crop or none and both splits as uint8 take at most ``SMALL_DATA_BYTES``. The decode runs on the
+first ``images`` call of a process (an actor, or a single-device reference), not where the source is
+only built to check the run (the driver).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from rayconv.choices import DATA_ON_DEVICE_CHOICES
+from rayconv.config import Config
+from rayconv.data import decode as dec
+from rayconv.data.folders import SPLITS
+from rayconv.data.imagefolder import CheckedImageFolder, center_transforms
+from rayconv.data.on_device import OnDeviceSource
+from rayconv.data.shards import ShardSource
+from rayconv.data.source import Source
+from rayconv.errors import ConfigError, DataError
+
+SMALL_DATA_BYTES = 1 << 30   # both splits as uint8 (N x 3 x S x S bytes) at most this: auto holds them
+CHUNK = 256                  # images decoded per task of the decode processes
+CPU = torch.device("cpu")
+
+
+def held_on_device(cfg: Config, images: int) -> bool:
+    """Whether ``images`` (both splits) of ``cfg.data`` at ``cfg.data_image_size`` are held on the
+    device (the module's rule). Raises ConfigError (one line) for an unknown ``--data-on-device`` and
+    for ``on`` with the resized crop."""
+    mode, augment = cfg.data_on_device, cfg.augmentation
+    if mode not in DATA_ON_DEVICE_CHOICES:
+        raise ConfigError(f"unknown --data-on-device {mode!r}: choose one of {', '.join(DATA_ON_DEVICE_CHOICES)}")
+    if mode == "on" and augment == "resized-crop":
+        raise ConfigError("--data-on-device on holds each image's center crop, but --augment resized-crop needs "
+                          "each image's own size: use --augment pad-crop or none, or --data-on-device auto or off")
+    if mode != "auto":
+        return mode == "on"
+    size = cfg.data_image_size
+    return augment in ("pad-crop", "none") and images * 3 * size * size <= SMALL_DATA_BYTES
+
+
+def maybe_hold(cfg: Config, loader: Source, workers: int) -> Source:
+    """``loader`` (an ImageFolderSource or ShardSource, built and checked) or, when ``held_on_device``,
+    a ``HeldSource`` of the same images. Raises ConfigError as ``held_on_device``."""
+    if not held_on_device(cfg, loader.train_size + loader.test_size):
+        return loader
+    center = _ShardCenters(loader) if isinstance(loader, ShardSource) \
+        else _FolderCenters(Path(cfg.data_dir or ""), cfg.data_image_size)
+    return HeldSource(loader, center, workers, cfg)
+
+
+class HeldSource(OnDeviceSource):
+    """An image folder's or a shard folder's images held on the device (``OnDeviceSource``): uint8
+    (N, 3, S, S) buffers of both splits, filled by ``center`` in ``workers`` processes on the first
+    ``_on`` call, labels and classes taken from ``loader``, ImageNet's normalisation, ``cfg``'s
+    augment, random erasing, auto-augment policy and seed. A shard folder's ``manifest`` is kept, so
+    that ``--shuffle block`` orders the samples as the loader path does."""
+
+    def __init__(self, loader: Source, center: Callable, workers: int, cfg: Config):
+        s = loader.sample_shape[1]
+        arrays = {split: (np.empty((n, 3, s, s), dtype=np.uint8), loader.labels(split, np.arange(n)).numpy())
+                  for split, n in (("train", loader.train_size), ("test", loader.test_size))}
+        super().__init__(arrays["train"], arrays["test"], num_classes=loader.num_classes, seed=cfg.seed,
+                         mean=dec.MEAN, std=dec.STD, augment=cfg.augmentation, random_erase=cfg.random_erase,
+                         name=loader.name, auto_augment=cfg.auto_augment)
+        self.buffers = {split: a[0] for split, a in arrays.items()}
+        self.center, self.workers, self.decoded = center, workers, False
+        if hasattr(loader, "manifest"):
+            self.manifest = loader.manifest
+        mb = sum(b.nbytes for b in self.buffers.values()) / 2**20
+        self.augmentation += (f"; data held on the device (--data-on-device): both splits decoded once, "
+                              f"{mb:.1f} MB of uint8 images")
+
+    def _on(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if not self.decoded:
+            for split, buffer in self.buffers.items():
+                decode_into(buffer, self.center, split, self.workers)
+            self.decoded = True
+        return super()._on(device)
+
+
+def decode_into(buffer: np.ndarray, center: Callable, split: str, workers: int) -> None:
+    """Fill ``buffer`` (N, 3, S, S) uint8 with ``center(split, idx)`` of every sample, ``CHUNK`` at a
+    time in ``workers`` forked processes (in this one for 0). Raises DataError naming the file that
+    does not decode."""
+    center.open(split)   # (before the fork: the workers share what it lists)
+    chunks = _Chunks(center, split, len(buffer))
+    loader = DataLoader(chunks, batch_size=None, num_workers=workers, generator=torch.Generator(),
+                        multiprocessing_context="fork" if workers else None,
+                        prefetch_factor=2 if workers else None)
+    it = iter(loader)
+    for k in range(len(chunks)):
+        try:
+            x = next(it)
+        except (RuntimeError, DataError) as e:   # a worker's error comes back with its traceback
+            lines = str(e).strip().splitlines() or [repr(e)]
+            named = [line for line in lines if "DataError: " in line] or lines[-1:]
+            raise DataError(named[-1].split("DataError: ", 1)[-1]) from None
+        buffer[k * CHUNK:k * CHUNK + len(x)] = x.numpy()
+
+
+class _Chunks(Dataset):
+    """Item k: samples k * CHUNK ... of ``split`` as ``center`` makes them, uint8 (n, 3, S, S)."""
+
+    def __init__(self, center: Callable, split: str, n: int):
+        self.center, self.split, self.n = center, split, n
+
+    def __len__(self) -> int:
+        return -(-self.n // CHUNK)
+
+    def __getitem__(self, k: int) -> torch.Tensor:
+        return self.center(self.split, np.arange(k * CHUNK, min(self.n, (k + 1) * CHUNK)))
+
+
+class _ShardCenters:
+    """A shard folder's evaluation images: the JPEG bytes (checked shards) decoded by libjpeg-turbo
+    and center-cropped as ``ShardSource``'s loader path does (``decode.transform`` without params)."""
+
+    def __init__(self, source: ShardSource):
+        self.source = source
+
+    def open(self, split: str) -> None:
+        """Nothing to list: the shards were opened and checked with the source."""
+
+    def __call__(self, split: str, idx: np.ndarray) -> torch.Tensor:
+        try:
+            return dec.transform(dec.decode(self.source.jpegs(split, idx), CPU), self.source.size)
+        except RuntimeError as e:   # libjpeg-turbo's error on bytes of a shard that passed its checks
+            raise DataError(f"cannot decode a sample of {self.source.root} ({e}): prepare the folder again") \
+                from None
+
+
+class _FolderCenters:
+    """An image folder's evaluation images: torchvision's ImageFolder (the loader path's file list and
+    RGB conversion) with ``center_transforms`` and the conversion to a uint8 tensor; each split's
+    folder is listed by ``open``, in the process that decodes (not where the source is only built)."""
+
+    def __init__(self, root: Path, size: int):
+        self.root, self.size = root, size
+        self.sets: dict[str, CheckedImageFolder] = {}
+
+    def open(self, split: str) -> None:
+        """List ``split``'s folder (once)."""
+        if split not in self.sets:
+            from torchvision.transforms import v2 as T   # (torchvision's import takes seconds: only when used)
+
+            self.sets[split] = CheckedImageFolder(self.root / SPLITS[split],
+                                                  T.Compose([*center_transforms(self.size), T.ToImage()]))
+
+    def __call__(self, split: str, idx: np.ndarray) -> torch.Tensor:
+        self.open(split)
+        return torch.stack([self.sets[split][(int(i), 0)][0].as_subclass(torch.Tensor) for i in idx])
