@@ -15,8 +15,8 @@ CLASSES = ("cat", "dog")
 
 def make_prepared(root: Path, train_per_class: int = 8, val_per_class: int = 2, shard_size: int = 4) -> Path:
     """``root/src`` (train/<class>/, val/<class>/ of JPEGs, class c brighter in channel c) prepared into
-    ``root/shards`` (shorter side 40, ``shard_size`` images a shard); returns the shard folder. Sorted
-    listing, so the first train shards hold cats only and the last dogs only."""
+    ``root/shards`` (shorter side 40, ``shard_size`` images a shard, in prepare's default seeded order:
+    the train shards mix cats and dogs); returns the shard folder."""
     rng = np.random.default_rng(0)
     for split, n in (("train", train_per_class), ("val", val_per_class)):
         for c, name in enumerate(CLASSES):

@@ -22,7 +22,7 @@ from shard_folder import make_prepared
 
 @pytest.fixture(scope="module")
 def prepared(ray_cluster, tmp_path_factory) -> Path:
-    # 16 train images in 4 shards of 4 (cats, cats, dogs, dogs): with --shuffle-window 2, two windows.
+    # 16 train images in 4 shards of 4 (cats and dogs mixed): with --shuffle-window 2, two windows.
     return make_prepared(tmp_path_factory.mktemp("block"))
 
 

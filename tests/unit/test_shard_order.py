@@ -21,14 +21,15 @@ CLASSES = ("a", "b", "c", "d")
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory) -> Path:
-    """4 classes x 12 train and 2 val JPEGs, 20 x 24 pixels."""
+    """4 classes x 12 train and 2 val JPEGs, 20 x 24 pixels (prepared at --size 32: kept at their size)."""
     root = tmp_path_factory.mktemp("src")
     rng = np.random.default_rng(0)
     for split, n in (("train", 12), ("val", 2)):
         for name in CLASSES:
             (root / split / name).mkdir(parents=True)
             for i in range(n):
-                Image.fromarray(rng.integers(0, 256, (20, 24, 3), dtype=np.uint8)).save(root / split / name / f"{i:02d}.jpg")
+                px = rng.integers(0, 256, (20, 24, 3), dtype=np.uint8)
+                Image.fromarray(px).save(root / split / name / f"{i:02d}.jpg")
     return root
 
 
