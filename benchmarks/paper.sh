@@ -138,6 +138,7 @@ part_input() {
     log "input: python -m rayconv.run --data imagefolder --data-dir $folder --dp $dp"
     rm -rf "$RUN_DIR/input/run-$name"
     timeout "$PART_TIMEOUT" "$PY" -m rayconv.run --data imagefolder --data-dir "$folder" --image-size "$FOLDER_SIZE" --model convnet \
+      --data-on-device off \
       --dp "$dp" --epochs "$EPOCHS" --eval-every 5 --compile off --device "$DEVICE" --no-progress \
       --out "$RUN_DIR/input/run-$name" >> "$RUN_DIR/log.txt" 2>&1 || log "input $name: failed ($RUN_DIR/log.txt)"
     runs+=("$name=$RUN_DIR/input/run-$name")
@@ -153,9 +154,10 @@ part_real() {
   "$PY" -m rayconv.prepare "$jpegs" --out "$shards" 2>&1 | tee -a "$RUN_DIR/log.txt" | tail -1
   local real=(--models "$RESNET" --layouts "$lay" --global-batch-size "$BATCH" --no-anchors)
   bench real-synthetic "${COMMON[@]}" "${SIZE[@]}" "${STEPS[@]}" "${real[@]}"
-  bench real-shards-cpu "${COMMON[@]}" "${SIZE[@]}" "${STEPS[@]}" "${real[@]}" --data shards --data-dir "$shards" --decode cpu
+  bench real-shards-cpu "${COMMON[@]}" "${SIZE[@]}" "${STEPS[@]}" "${real[@]}" --data shards --data-dir "$shards" --decode cpu \
+    --data-on-device off
   [[ $DEVICE == cuda ]] && bench real-shards-gpu "${COMMON[@]}" "${SIZE[@]}" "${STEPS[@]}" "${real[@]}" \
-    --data shards --data-dir "$shards" --decode gpu
+    --data shards --data-dir "$shards" --decode gpu --data-on-device off
   mkdir -p "$RUN_DIR/real-decode"
   local dec=(); [[ $DEVICE == cpu ]] && dec=(--images 64 --batch 16 --workers 1)
   timeout "$PART_TIMEOUT" "$PY" -u benchmarks/input_bench.py --device "$DEVICE" "${dec[@]}" --out "$RUN_DIR/real-decode" \

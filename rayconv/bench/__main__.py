@@ -86,6 +86,9 @@ def _add_workload(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", default="auto", choices=("auto", "cpu", "gpu"),
                    help="where --data shards decodes JPEGs: cpu (--loader-workers processes), gpu (nvJPEG on "
                         "the actors' GPUs); auto: cpu (default %(default)s)")
+    p.add_argument("--data-on-device", default="auto", choices=("auto", "on", "off"),
+                   help="as rayconv.run's: small imagefolder and shards data held on the device (auto, on) or "
+                        "read through the loader (off, which the input rows measure) (default %(default)s)")
 
 
 def _add_runtime(p: argparse.ArgumentParser) -> None:
@@ -170,6 +173,7 @@ def check(args) -> None:
         Config(target_accuracy=args.target_accuracy).validate()  # (in (0, 1], refused as rayconv.run does)
     if args.data != "synthetic":
         make_source(Config(data=args.data, data_dir=args.data_dir, loader_workers=args.loader_workers,
+                           data_on_device=args.data_on_device,
                            decode=args.decode, image_size=args.image_size, device=args.device).validate())
 
 

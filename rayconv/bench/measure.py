@@ -32,7 +32,8 @@ def base_config(args, model: str, layout: Layout, global_batch: int) -> Config:
     precision, device, compile, CUDA graphs); synthetic data has 1000 classes. Raises ConfigError."""
     data = dict(data="synthetic", num_classes=1000, synthetic_samples=max(global_batch * 4, 1024)) \
         if args.data == "synthetic" else \
-        dict(data=args.data, data_dir=args.data_dir, loader_workers=args.loader_workers, decode=args.decode)
+        dict(data=args.data, data_dir=args.data_dir, loader_workers=args.loader_workers, decode=args.decode,
+             data_on_device=args.data_on_device)
     kw: dict[str, Any] = dict(model=model, **data, image_size=args.image_size, global_batch_size=global_batch,
                               precision=args.precision, device=args.device, address=args.address,
                               progress=False, lr=0.01, compile=args.compile,
