@@ -31,7 +31,7 @@ def block_config(data_dir: Path, out: Path, **kw) -> Config:
     base = dict(model="convnet", data="shards", data_dir=str(data_dir), image_size=32, dp=1, global_batch_size=6,
                 steps=5, lr=0.05, momentum=0.9, weight_decay=5e-4, precision="fp64", device="cpu",
                 progress=False, eval_every=5, loader_workers=1, decode="cpu", shuffle="block", shuffle_window=2,
-                out=str(out))
+                data_on_device="off", out=str(out))
     base.update(kw)
     return Config(**base).validate()
 

@@ -42,7 +42,7 @@ def image_root(tmp_path_factory) -> Path:
 def test_imagefolder_end_to_end(ray_cluster, image_root, tmp_path):
     out = tmp_path / "run"
     rc = main(["--data", "imagefolder", "--data-dir", str(image_root), "--image-size", "32", "--model", "convnet",
-               "--dp", "2", "--steps", "3", "--global-batch-size", "8", "--loader-workers", "0",
+               "--dp", "2", "--steps", "3", "--global-batch-size", "8", "--loader-workers", "0", "--data-on-device", "off",
                "--device", "cpu", "--no-progress", "--out", str(out)])
     assert rc == 0
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.parquet", "model.pt", "summary.json"]

@@ -95,7 +95,7 @@ def config(data_dir: Path, out: Path, **kw) -> Config:
     # 16 train images, global batch 6: steps of 6, 6 and 4 per epoch.
     base = dict(model="convnet", data="shards", data_dir=str(data_dir), image_size=32, dp=2, global_batch_size=6,
                 steps=5, lr=0.05, momentum=0.9, precision="fp64", device="cpu", progress=False, eval_every=5,
-                loader_workers=1, decode="cpu", out=str(out))
+                loader_workers=1, decode="cpu", data_on_device="off", out=str(out))
     return Config(**{**base, **kw}).validate()
 
 

@@ -44,7 +44,7 @@ def folders(tmp_path_factory) -> dict[int, Path]:
 def _peaks(data: Path, out: Path) -> list[dict]:
     cfg = Config(model="convnet", data="shards", data_dir=str(data), image_size=32, dp=2, global_batch_size=32,
                  steps=6, eval_every=6, precision="fp32", device="cpu", progress=False, loader_workers=1,
-                 decode="cpu", out=str(out)).validate()
+                 decode="cpu", data_on_device="off", out=str(out)).validate()
     return fit(cfg, log=lambda *_: None)["actors"]
 
 

@@ -242,7 +242,7 @@ def shard_config(data_dir: Path, out: Path, **kw) -> Config:
     # 16 train images, global batch 6: steps of 6, 6 and 4 per epoch; 5 steps cross an epoch boundary.
     base = dict(model="convnet", data="shards", data_dir=str(data_dir), image_size=32, dp=2, global_batch_size=6,
                 steps=5, lr=0.05, momentum=0.9, weight_decay=5e-4, precision="fp64", device="cpu",
-                progress=False, eval_every=5, loader_workers=1, decode="cpu", out=str(out))
+                progress=False, eval_every=5, loader_workers=1, decode="cpu", data_on_device="off", out=str(out))
     base.update(kw)
     return Config(**base).validate()
 
@@ -259,7 +259,8 @@ def test_dp2_on_shards_equals_single_device_sgd_and_resumes_exactly(ray_cluster,
 
 
 def test_a_prepared_folder_given_as_imagefolder_is_read_as_shards(shards):
-    cfg = Config(data="imagefolder", data_dir=str(shards), image_size=32, device="cpu", loader_workers=0).validate()
+    cfg = Config(data="imagefolder", data_dir=str(shards), image_size=32, device="cpu", loader_workers=0,
+                 data_on_device="off").validate()
     src = make_source(cfg)
     assert isinstance(src, ShardSource) and (src.train_size, src.test_size, src.num_classes) == (16, 4, 2)
 

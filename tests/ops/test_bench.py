@@ -161,7 +161,8 @@ def test_bench_on_an_image_folder_reports_input_stall(ray_cluster, tmp_path):
     files = sorted((root / "train").rglob("*.JPEG"))
     assert len(files) == 16 and files[0].read_bytes()[:2] == b"\xff\xd8"
     out = tmp_path / "bench"
-    rc = bench.main(["--data", "imagefolder", "--data-dir", str(root), "--loader-workers", "0", "--models", "convnet",
+    rc = bench.main(["--data", "imagefolder", "--data-dir", str(root), "--loader-workers", "0", "--data-on-device", "off",
+                     "--models", "convnet",
                      "--layouts", "1gpu", "--image-size", "32", "--global-batch-size", "8", "--steps", "2",
                      "--warmup", "1", "--device", "cpu", "--precision", "fp32", "--out", str(out)])
     assert rc == 0

@@ -122,7 +122,7 @@ def test_a_run_trains_from_the_staged_copy(ray_cluster, prepared, tmp_path):
 
     cfg = Config(model="convnet", data="shards", data_dir=str(src), stage_dir=str(dest), image_size=32, dp=2,
                  global_batch_size=6, steps=4, eval_every=4, device="cpu", progress=False, loader_workers=1,
-                 decode="cpu", out=str(tmp_path / "run")).validate()
+                 decode="cpu", data_on_device="off", out=str(tmp_path / "run")).validate()
     summary = fit(cfg, log=lambda *a: logged.append(" ".join(map(str, a))), on_step=move_away)
     assert summary["data_dir"] == str(src) and summary["stage_dir"] == str(dest)
     assert summary["test_accuracy"] is not None and same_files(moved, dest)
