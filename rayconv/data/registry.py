@@ -22,17 +22,20 @@ from rayconv.data.imagefolder import ImageFolderSource
 from rayconv.data.shards import ShardSource, is_prepared
 from rayconv.data.small import maybe_hold
 from rayconv.data.source import Source
+from rayconv.models.user import is_user_model, takes_in_channels
 from rayconv.data.synthetic import SyntheticSource
 
 GREY_MODELS = ("convnet", "convnet_bn", "convnet2col")  # rayconv.models' models that take any channel count
 
 
 def model_channels(cfg: Config, data_channels: int) -> int:
-    """The channels the model gets: ``--channels``, else 3 for grey data given to a model made for RGB
-    (torchvision's, alexnet2012), else the data's own."""
+    """The channels the model gets: ``--channels``, else the data's own for rayconv's small ConvNets and
+    a user's FUNCTION that takes ``in_channels``, else 3 for grey data (a model made for RGB:
+    torchvision's, alexnet2012, a user's that is not told its channels), else the data's own."""
     if cfg.channels is not None:
         return cfg.channels
-    return 3 if data_channels == 1 and cfg.model not in GREY_MODELS else data_channels
+    keeps = cfg.model in GREY_MODELS or (is_user_model(cfg.model) and takes_in_channels(cfg.model))
+    return 3 if data_channels == 1 and not keeps else data_channels
 
 
 def loader_workers(cfg: Config) -> int:

@@ -80,6 +80,7 @@ def summarize(run: Run, memory: list[dict[str, Any]]) -> dict[str, Any]:
     ev = run.last_eval
     summary = {
         "model": cfg.model, "data": cfg.data, "device": cfg.device,
+        "input_shape": list(s.source.sample_shape),   # (C, S, S) the model was built for and trained on
         "data_dir": s.data_dir, "stage_dir": cfg.stage_dir,   # the folder given; its --stage-dir copy, read
         "layout": {"dp": mesh.dp, "pp": mesh.pp, "fs": mesh.fs, "world_size": mesh.world_size,
                    "plan": cfg.plan, "schedule": cfg.schedule if mesh.pp > 1 else None,

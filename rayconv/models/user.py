@@ -144,10 +144,7 @@ def build_user_model(name: str, num_classes: int, in_channels: int, image_size: 
     Raises ConfigError when the function cannot take ``num_classes``, raises, or returns no nn.Module."""
     fn = resolve(name)
     kwargs: dict[str, Any] = {"num_classes": num_classes}
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # (a builtin without a signature: num_classes only)
-        params = None
+    params = _parameters(fn)
     if params is not None:
         named = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         if "num_classes" not in named and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
@@ -163,6 +160,21 @@ def build_user_model(name: str, num_classes: int, in_channels: int, image_size: 
         raise ConfigError(f"--model {name}: {_label(fn)} returned {type(model).__name__}, not an nn.Module: "
                           "name a function or class that builds the model")
     return model
+
+
+def _parameters(fn: Callable) -> Optional[Any]:
+    """``fn``'s signature parameters, None for a builtin without a signature (then num_classes only)."""
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None
+
+
+def takes_in_channels(name: str) -> bool:
+    """Whether the user's FUNCTION names an ``in_channels`` argument (it is then given the data's own
+    channel count, grey included). Raises ConfigError as ``resolve`` does."""
+    params = _parameters(resolve(name))
+    return params is not None and "in_channels" in params
 
 
 def model_name(model: Any) -> str:

@@ -71,7 +71,8 @@ def test_users_model_dp2_equals_single_device_sgd_and_evaluates_from_init(ray_cl
     want, test_loss = reference_microbatch_sgd(cfg, STEPS)  # (built by the same function: build_model(MODEL))
     assert_same_state(got, want, atol=1e-10)
     assert abs(summary["test_loss"] - test_loss) < 1e-10
-    model = resolve(MODEL)(num_classes=10)  # the user's own class, parameter names unchanged
+    assert summary["input_shape"] == [1, 8, 8]  # the digits' own channel: the function takes in_channels
+    model = resolve(MODEL)(num_classes=10, in_channels=1)  # the user's own class, parameter names unchanged
     model.load_state_dict(got, strict=True)
 
     capsys.readouterr()

@@ -73,6 +73,24 @@ def test_image_size_is_given_where_the_function_takes_it(tmp_path):
     assert model[1].in_features == 75
 
 
+def test_grey_data_keeps_one_channel_where_the_function_takes_in_channels(tmp_path):
+    """A user's FUNCTION told its channels gets the digits' one; one that is not gets 3 equal ones (a
+    model made for RGB), as torchvision's do."""
+    from rayconv.config import Config
+    from rayconv.data.registry import make_source
+
+    f = tmp_path / "flat.py"
+    f.write_text("from torch import nn\n"
+                 "def told(num_classes, in_channels=3):\n"
+                 "    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * 64, num_classes))\n"
+                 "def untold(num_classes):\n"
+                 "    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 64, num_classes))\n")
+    assert make_source(Config(model=f"{f}:told").validate()).sample_shape == (1, 8, 8)
+    assert make_source(Config(model=f"{f}:untold").validate()).sample_shape == (3, 8, 8)
+    assert make_source(Config(model=f"{f}:told", channels=3).validate()).sample_shape == (3, 8, 8)
+    sys.modules.pop("flat", None)
+
+
 @pytest.mark.parametrize("spec, words", [
     ("no_such_module_xyz:build", "importing no_such_module_xyz failed"),
     ("tests/fixtures/missing.py:ResNetish", "no such file tests/fixtures/missing.py"),

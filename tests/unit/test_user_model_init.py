@@ -27,7 +27,7 @@ def saved(tmp_path, state, name="w.pt") -> str:
 def test_run_model_starts_from_init_weights(tmp_path):
     """Every process builds the run's model as run_model does: with --init, the file's weights."""
     torch.manual_seed(5)
-    trained = build_model(SPEC, 10, 3, 8)
+    trained = build_model(SPEC, 10, 1, 8)
     (tmp_path / "run").mkdir()
     torch.save(trained.state_dict(), tmp_path / "run" / "model.pt")
     cfg = Config(model=SPEC, init=str(tmp_path / "run")).validate()  # a run folder: its model.pt
@@ -115,7 +115,7 @@ def test_float64_init_enters_a_float64_run_exactly(tmp_path):
     weights are its weights bit for bit (not rounded through the float32 model as built); without a
     dtype they are rounded to the built model's float32."""
     torch.manual_seed(5)
-    trained = build_model(SPEC, 10, 3, 8).double()
+    trained = build_model(SPEC, 10, 1, 8).double()
     with torch.no_grad():
         for p in trained.parameters():
             p.add_(torch.randn_like(p) * 1e-3)  # (values that float32 cannot hold)
