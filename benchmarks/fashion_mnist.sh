@@ -22,4 +22,4 @@ $PY -u -m rayconv.run --data fashion-mnist --data-dir "$DATA" --model resnet18 $
   --out "$OUT_DIR/rayconv" 2>&1 | tail -4
 echo "== synthetic: $PY -m rayconv.bench --models resnet18 --image-size $SIZE --global-batch-size $BATCH --layouts 1gpu --precision bf16 --compile $COMPILE"
 $PY -u -m rayconv.bench --device cuda --models resnet18 --image-size "$SIZE" --global-batch-size "$BATCH" \
-  --layouts 1gpu --precision bf16 --compile "$COMPILE" --steps 30 --warmup 5 --no-anchors --out "$OUT_DIR/synthetic" 2>&1 | tail -3
+  --layouts 1gpu --precision bf16 --compile "$COMPILE" --steps 200 --warmup 20 --no-anchors --out "$OUT_DIR/synthetic" 2>&1 | tail -3
