@@ -57,7 +57,7 @@ class ShardSource(Source):
     def __init__(self, root: str, image_size: int, seed: int, workers: int, decode: str = "auto",
                  augment: str = "resized-crop", random_erase: float = 0.0, auto_augment: Optional[str] = None):
         self.root = Path(root)
-        self.auto_augment = (auto_augment, aa.make_transform(auto_augment)) if auto_augment else None
+        self.auto_augment = aa.make_transform(auto_augment) if auto_augment else None   # (the policy's transform)
         self.manifest = read_manifest(self.root)
         self.classes = list(self.manifest["classes"])
         self.num_classes = len(self.classes)
@@ -168,7 +168,7 @@ class ShardSource(Source):
             self._pending.pop(split, None)   # the last announced batch: the loader and its workers go with it
         x = x.to(device, non_blocking=True)
         if split == "train" and self.auto_augment is not None:
-            x = aa.apply(x, aa.sample_groups(self.seed, epoch, idx).to(device), self.auto_augment[1], self.seed, epoch)
+            x = aa.apply(x, aa.sample_groups(self.seed, epoch, idx).to(device), self.auto_augment, self.seed, epoch)
         x = dec.normalize(x, dtype)
         return self._erase(x, epoch, idx) if split == "train" and self.random_erase > 0 else x
 
