@@ -150,7 +150,10 @@ class Config:
         "help": "the warm-up's starting fraction of --lr, in (0, 1] (default 0.01; torchvision's recipe 0.01)"})
     opt: str = field(default="sgd", metadata={
         "help": "optimizer: sgd (with --momentum), sgd_nesterov (Nesterov momentum, Sutskever et al. 2013), "
-                "adamw (Loshchilov & Hutter 2019)", "choices": OPT_CHOICES})
+                "lars (layer-wise trust ratios, You et al. 2017; norm layers and biases plain SGD), adamw "
+                "(Loshchilov & Hutter 2019)", "choices": OPT_CHOICES})
+    lars_trust_coefficient: float = field(default=0.001, metadata={
+        "help": "--opt lars: the trust coefficient eta of each layer's ratio eta ||w|| / (||g|| + wd ||w||)"})
     lr_schedule: str = field(default="cosine", metadata={"help": "learning-rate schedule", "choices": LR_SCHEDULE_CHOICES})
     momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
     weight_decay: float = field(default=5e-4, metadata={"help": "L2 weight decay"})
@@ -287,8 +290,7 @@ def _check_names(cfg: Config) -> None:
     _need(cfg.cudnn_benchmark in COMPILE_CHOICES, f"unknown --cudnn-benchmark {cfg.cudnn_benchmark!r}: choose auto, on or off")
     _need(cfg.cuda_graphs in COMPILE_CHOICES, f"unknown --cuda-graphs {cfg.cuda_graphs!r}: choose auto, on or off")
     _need(not (cfg.cuda_graphs == "on" and cfg.device == "cpu"),
-          "--cuda-graphs on needs GPUs (CUDA graphs): drop it on CPU (--device cpu, or a cluster "
-          "without GPUs)")
+          "--cuda-graphs on needs GPUs (CUDA graphs): drop it on CPU (--device cpu, or a cluster without GPUs)")
     _need(not (cfg.cuda_graphs == "on" and (cfg.opt == "adamw" or cfg.precision == "fp16")),
           f"--cuda-graphs on captures SGD steps only (an fp16 step may be skipped, which the host decides): "
           f"drop it with {'--opt adamw' if cfg.opt == 'adamw' else '--precision fp16'} (auto steps eagerly)")
@@ -302,13 +304,11 @@ def _check_names(cfg: Config) -> None:
           "--data shards needs --data-dir SHARDS (a folder written by python -m rayconv.prepare DIR --out SHARDS)")
     _need(cfg.shuffle in SHUFFLE_CHOICES, f"unknown --shuffle {cfg.shuffle!r}: choose exact or block")
     _need(cfg.shuffle != "block" or cfg.data == "shards",
-          f"--shuffle block permutes within windows of shards: use --data shards (got --data {cfg.data}), "
-          "or --shuffle exact")
+          f"--shuffle block permutes windows of shards: use --data shards (got --data {cfg.data}) or --shuffle exact")
     _need(cfg.stage_dir is None or cfg.data == "shards",
           f"--stage-dir copies a prepared shard folder: use --data shards (got --data {cfg.data}), or drop it")
     _need(cfg.opt in OPT_CHOICES, f"unknown --opt {cfg.opt!r}: choose one of {', '.join(OPT_CHOICES)}")
-    _need(cfg.lr_warmup_method in WARMUP_CHOICES, f"unknown --lr-warmup-method {cfg.lr_warmup_method!r}: "
-                                                  "choose linear or constant")
+    _need(cfg.lr_warmup_method in WARMUP_CHOICES, f"unknown --lr-warmup-method {cfg.lr_warmup_method!r}: linear, constant")
     _need(cfg.lr_scaling in LR_SCALING_CHOICES, f"unknown --lr-scaling {cfg.lr_scaling!r}: choose none or linear")
     _need(cfg.augment in AUGMENT_CHOICES, f"unknown --augment {cfg.augment!r}: choose one of {', '.join(AUGMENT_CHOICES)}")
     _need(cfg.auto_augment is None or cfg.auto_augment in AUTO_AUGMENT_CHOICES,
@@ -352,6 +352,7 @@ def _check_recipe(cfg: Config) -> None:
     """The training recipe's numbers in their ranges (torchvision's reference script takes the same)."""
     _need(cfg.lr_warmup_epochs >= 0, f"--lr-warmup-epochs must be >= 0 (got {cfg.lr_warmup_epochs}; 0: no warm-up)")
     _need(0 < cfg.lr_warmup_decay <= 1, f"--lr-warmup-decay must be in (0, 1] (got {cfg.lr_warmup_decay})")
+    _need(cfg.lars_trust_coefficient > 0, f"--lars-trust-coefficient must be > 0 (got {cfg.lars_trust_coefficient})")
     _need(0 <= cfg.label_smoothing < 1, f"--label-smoothing must be in [0, 1) (got {cfg.label_smoothing})")
     for name in ("norm_weight_decay", "bias_weight_decay"):
         v = getattr(cfg, name)

@@ -17,7 +17,7 @@ from rayconv.mesh import split_slices
 from rayconv.driver.lr import learning_rate
 from rayconv.models import build_model
 from rayconv.recipe.mix import draw_mix, mix_images, mix_targets
-from rayconv.recipe.optim import param_groups
+from rayconv.recipe.optim import group_of, param_groups
 
 
 def sgd_config(tmp_path, name: str, **kw) -> Config:
@@ -96,7 +96,7 @@ def reference_microbatch_sgd(cfg: Config, steps: int) -> tuple[dict[str, torch.T
 
 def reference_recipe_sgd(cfg: Config, steps: int) -> tuple[dict[str, torch.Tensor], Optional[dict[str, torch.Tensor]]]:
     """``reference_microbatch_sgd``'s training with torchvision's recipe written in plain torch: the
-    optimizer ``cfg.opt`` (torch's SGD, Nesterov SGD or AdamW) over ``recipe.param_groups`` (no decay on
+    optimizer ``cfg.opt`` (torch's SGD, Nesterov SGD, AdamW, or LARS as ``_reference_lars_``) over ``recipe.param_groups`` (no decay on
     norm layers or biases as asked), the learning rate of ``driver.lr`` (warm-up), cross entropy
     with ``label_smoothing``, ``nn.utils.clip_grad_norm_`` on the whole model, and with --model-ema
     torch's ``AveragedModel`` updated as torchvision's train.py updates its ExponentialMovingAverage.
@@ -137,6 +137,8 @@ def _reference_run(cfg: Config, steps: int, source) -> tuple[nn.Module, Optional
                 (loss / count).backward()
         if cfg.clip_grad_norm is not None:
             nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+        if cfg.opt == "lars":
+            _reference_lars_(cfg, model)
         opt.step()
         with torch.no_grad():
             for m in bns:  # one update from replica 0's whole share: nn.BatchNorm on the concatenation
@@ -151,11 +153,37 @@ def _reference_run(cfg: Config, steps: int, source) -> tuple[nn.Module, Optional
 
 
 def _reference_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
+    if cfg.opt == "lars":  # plain momentum SGD; _reference_lars_ folds the layers' decay into their gradients
+        wd, adapted = cfg.weight_decay, {id(p) for p in _lars_adapted(model)}
+        nwd = wd if cfg.norm_weight_decay is None else cfg.norm_weight_decay
+        bwd = wd if cfg.bias_weight_decay is None else cfg.bias_weight_decay
+        where = group_of(model, 0.0, 0.0)
+        decay = {n: 0.0 if id(p) in adapted else bwd if where[n] == "bias" else nwd
+                 for n, p in model.named_parameters()}
+        return torch.optim.SGD([{"params": [p], "weight_decay": decay[n]} for n, p in model.named_parameters()],
+                               lr=cfg.lr, momentum=cfg.momentum)
     groups = param_groups(model, cfg.weight_decay, cfg.norm_weight_decay, cfg.bias_weight_decay)
     if cfg.opt == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                            nesterov=cfg.opt == "sgd_nesterov")
+
+
+def _lars_adapted(model: nn.Module) -> list[nn.Parameter]:
+    """The tensors LARS adapts: every parameter but norm layers' and those named ``bias``."""
+    where = group_of(model, 0.0, 0.0)
+    return [p for n, p in model.named_parameters() if where[n] == "other"]
+
+
+@torch.no_grad()
+def _reference_lars_(cfg: Config, model: nn.Module) -> None:
+    """You et al. 2017, Algorithm 1, one whole tensor at a time: ``g <- eta ||w|| / (||g|| + wd ||w||) *
+    (g + wd w)`` (ratio 1 where a norm is 0), ``wd`` the run's --weight-decay."""
+    wd, eta = cfg.weight_decay, cfg.lars_trust_coefficient
+    for p in _lars_adapted(model):
+        w_norm, g_norm = float(p.norm()), float(p.grad.norm())
+        ratio = eta * w_norm / (g_norm + wd * w_norm) if w_norm > 0 and g_norm > 0 else 1.0
+        p.grad = ratio * (p.grad + wd * p)
 
 
 def _reference_ema(cfg: Config, model: nn.Module, steps_per_epoch: int) -> Optional[AveragedModel]:

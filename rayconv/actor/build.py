@@ -75,8 +75,8 @@ class BuildMixin:
                             make_order(cfg, self.source))
         self.batches = Batches(self.source, sharding, mesh, self.coord, self.device, self.input_dtype,
                                self.parallel.sharded.batch_gather, mix=(cfg.mixup_alpha, cfg.cutmix_alpha))
-        self.recipe = StepRecipe(cfg, self.parallel, self.groups, self.coord, self.per_layer, self.device,
-                                 sharding.steps_per_epoch)
+        self.recipe = StepRecipe(cfg, self.parallel, self.optimizer, self.groups, self.coord, self.per_layer,
+                                 self.device, sharding.steps_per_epoch)
         self.reports = self.is_last and self.coord.fs == 0 and not (self.per_layer and self.coord.dp != 0)
         return {"rank": rank, "role": self.role, "device": str(self.device), "compiled": self.compiled,
                 "cuda_graphs": self.cuda_graphs, "parameters": sum(p.numel() for p in self.part.parameters())}

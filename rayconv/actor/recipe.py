@@ -14,6 +14,9 @@ collectives that make every layout take the same step as one device:
   that hold different parts of one replica (filter split, then pipeline; the dp group under
   Krizhevsky 2014's per-layer plan), parameters that several of them hold counted once
   (``recipe.clip``), then every actor scales by the same coefficient;
+* ``--opt lars``: after clipping, each layer's gradient is scaled by its trust ratio (``recipe.lars``),
+  the squared norms of a tensor split over filter-split shards (the dp group under the per-layer plan)
+  summed over them first, so each slice takes the whole tensor's ratio;
 * ``--model-ema``: ``recipe.ema.ShardEMA`` over this actor's part, updated after the step as
   torchvision's train.py updates its ``ExponentialMovingAverage``: at batch ``i`` of an epoch with
   ``i % model_ema_steps == 0``, the count reset after each update during the warm-up epochs, the
@@ -33,6 +36,7 @@ from rayconv.parallel import comm
 from rayconv.parallel.parallelize import ParallelPart
 from rayconv.recipe.clip import clip_, clip_coefficient, local_sq_norm
 from rayconv.recipe.ema import ShardEMA, torchvision_ema_decay
+from rayconv.recipe.lars import adapted_params, lars_param_groups, scale_, sq_norms
 from rayconv.recipe.loss_scale import DynamicLossScale, unscale_
 from rayconv.recipe.optim import make_optimizer, param_groups
 
@@ -40,7 +44,8 @@ from rayconv.recipe.optim import make_optimizer, param_groups
 def build_optimizer(cfg: Config, part: nn.Module) -> torch.optim.Optimizer:
     """``cfg.opt`` over ``part``'s parameter groups (``recipe.optim``). A part without parameters (a
     stage of pooling alone) gets one empty group, so the optimizer's state_dict has a fixed shape."""
-    groups = param_groups(part, cfg.weight_decay, cfg.norm_weight_decay, cfg.bias_weight_decay)
+    make_groups = lars_param_groups if cfg.opt == "lars" else param_groups
+    groups = make_groups(part, cfg.weight_decay, cfg.norm_weight_decay, cfg.bias_weight_decay)
     if not groups:
         groups = [{"params": [], "weight_decay": cfg.weight_decay, "name": "other"}]
     return make_optimizer(groups, cfg.opt, cfg.lr, cfg.momentum, cfg.weight_decay)
@@ -68,8 +73,8 @@ class StepRecipe:
     ``skipped``: whether the last step was skipped for an overflow; ``overflow_at``: a test hook, the
     step at which this actor's gradients are made to overflow (``Worker.inject_overflow``)."""
 
-    def __init__(self, cfg: Config, parallel: ParallelPart, groups: comm.Groups, coord: Coord, per_layer: bool,
-                 device: torch.device, steps_per_epoch: int):
+    def __init__(self, cfg: Config, parallel: ParallelPart, optimizer: torch.optim.Optimizer, groups: comm.Groups,
+                 coord: Coord, per_layer: bool, device: torch.device, steps_per_epoch: int):
         self.cfg, self.groups, self.device = cfg, groups, device
         self.steps_per_epoch = steps_per_epoch
         self.params = [p for p in parallel.part.parameters() if p.requires_grad]
@@ -85,6 +90,13 @@ class StepRecipe:
                     (self.split if (f"{name}.{k}" if name else k) in split_keys else self.whole).append(p)
         self.count_whole = coord.dp == 0 if per_layer else coord.fs == 0
         self.norm_groups = [groups.axis["dp"]] if per_layer else [groups.axis["fs"], groups.axis["pp"]]
+        # LARS: its tensors, split ones first (their norms are summed over the split group), and decays.
+        split_ids = {id(p) for p in self.split}
+        pairs = sorted(adapted_params(optimizer), key=lambda pw: id(pw[0]) not in split_ids) \
+            if cfg.opt == "lars" else []
+        self.lars = ([p for p, _ in pairs], [wd for _, wd in pairs], sum(id(p) in split_ids for p, _ in pairs))
+        self.lars_group = groups.axis["dp"] if per_layer else groups.axis["fs"]
+        self.lars_decays = torch.tensor(self.lars[1], dtype=torch.float64, device=device)
         self.ema = ShardEMA(parallel.part, ema_decay(cfg, steps_per_epoch), cfg.model_ema_steps) \
             if cfg.model_ema else None
 
@@ -94,7 +106,7 @@ class StepRecipe:
         return None if self.scaler is None else self.scaler.scale
 
     def before_update(self, step: int) -> bool:
-        """After the data-parallel all-reduce: unscale and agree on overflow (fp16), then clip. Returns
+        """After the data-parallel all-reduce: unscale and agree on overflow (fp16), then clip, then LARS. Returns
         True when the step must be skipped (an overflow anywhere in the mesh; the scale is backed off).
         Collective: over the world group under fp16, over the norm groups with clipping."""
         self.skipped = False
@@ -111,7 +123,20 @@ class StepRecipe:
             for g in self.norm_groups:
                 comm.all_reduce_sum(total, g)
             clip_(self.params, clip_coefficient(total, self.cfg.clip_grad_norm))
+        if self.cfg.opt == "lars":
+            self._lars()
         return False
+
+    def _lars(self) -> None:
+        """Scale each adapted gradient by its whole tensor's trust ratio (collective over the split
+        group when this actor holds split tensors)."""
+        params, decays, n_split = self.lars
+        sq = sq_norms(params, self.device)
+        if n_split:
+            part = sq[:, :n_split].contiguous()
+            comm.all_reduce_sum(part, self.lars_group)
+            sq = torch.cat([part, sq[:, n_split:]], dim=1)
+        scale_(params, decays, sq, self.cfg.lars_trust_coefficient, self.lars_decays)
 
     def after_update(self, part: nn.Module, step: int) -> None:
         """Fold the updated part into the moving average at the update steps (torchvision's batch index

@@ -23,7 +23,7 @@ from rayconv.errors import ConfigError
 
 # torchvision's default norm_classes in set_weight_decay (and ops._utils.split_normalization_params).
 NORM_CLASSES: tuple[type, ...] = (_BatchNorm, nn.LayerNorm, nn.GroupNorm, _InstanceNorm, nn.LocalResponseNorm)
-OPTIMIZERS = ("sgd", "sgd_nesterov", "adamw")
+OPTIMIZERS = ("sgd", "sgd_nesterov", "lars", "adamw")
 
 
 def group_of(module: nn.Module, norm_weight_decay: Optional[float] = None,
@@ -83,6 +83,8 @@ def make_optimizer(groups: list[dict[str, Any]], opt: str, lr: float, momentum: 
 
     ``sgd``: ``torch.optim.SGD(momentum, weight_decay)`` (coupled L2 decay, heavy-ball momentum);
     ``sgd_nesterov``: the same with Nesterov momentum (Sutskever et al. 2013) and ``momentum > 0``;
+    ``lars``: ``torch.optim.SGD(momentum)`` over ``recipe.lars.lars_param_groups`` (the trust ratio
+    scales the gradients before it, ``actor.recipe``);
     ``adamw``: ``torch.optim.AdamW(weight_decay)`` (decoupled decay, Loshchilov & Hutter 2019), its
     betas and eps torch's defaults. ``weight_decay`` applies to groups without their own. Every update
     is elementwise per parameter, so a shard's optimizer moves its slice of a parameter exactly as the
@@ -100,4 +102,4 @@ def make_optimizer(groups: list[dict[str, Any]], opt: str, lr: float, momentum: 
     if opt == "sgd_nesterov" and momentum == 0:
         raise ConfigError("--opt sgd_nesterov needs --momentum > 0")
     return torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay,
-                           nesterov=opt == "sgd_nesterov")
+                           nesterov=opt == "sgd_nesterov")  # (lars: heavy-ball momentum)

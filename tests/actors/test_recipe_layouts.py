@@ -66,6 +66,20 @@ def test_recipe_layout_matches_single_device(ray_cluster, tmp_path, name):
     assert summary["ema_test_accuracy"] is not None
 
 
+# LARS at a learning rate it is used with (the trust ratio makes each step move a layer by about lr x eta
+# of its norm): its ratios are of whole tensors, so a filter-split layer's slices, and the per-layer
+# plan's split fully connected layers, sum their norms over the shards before scaling.
+LARS = dict(opt="lars", lr=1.0, lars_trust_coefficient=0.02)
+
+
+@pytest.mark.parametrize("name", ["fs2", "plan-krizhevsky2014-dp2"])
+def test_lars_layout_matches_single_device(ray_cluster, tmp_path, name):
+    cfg = recipe_config(tmp_path, name, **LARS, **LAYOUTS[name])
+    fit(cfg, log=lambda *_: None)
+    want, _ = reference_recipe_sgd(cfg, STEPS)
+    assert_same_state(torch.load(tmp_path / name / "model.pt", weights_only=True), want, atol=1e-10)
+
+
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a if not k.endswith("num_batches_tracked"))
 
