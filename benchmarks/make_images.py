@@ -24,18 +24,27 @@ import numpy as np
 from PIL import Image
 
 
-_NOISE: dict = {}  # (height, width) -> a bank of sensor-like noise, twice the image's sides, per process
+_BANKS: dict = {}  # (height, width) -> this process's int16 noise and stripe-texture banks
 
 
-def _noise(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
-    """(height, width, 3) float32 Gaussian noise (sd 9): a window of this process's bank at a random offset,
-    so that each image gets distinct noise without drawing a fresh field (the dearest step otherwise)."""
-    bank = _NOISE.get((height, width))
-    if bank is None:
-        bank = _NOISE[(height, width)] = np.random.default_rng([height, width]).standard_normal(
-            (2 * height, 2 * width, 3), dtype=np.float32) * np.float32(9)
-    y, x = rng.integers(0, height), rng.integers(0, width)
-    return bank[y:y + height, x:x + width]
+def _banks(height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """int16 banks for images of ``height`` x ``width``: sensor-like Gaussian noise (sd 9) twice the image's
+    sides, read through a window at a random offset, and stripe textures (amplitude 14) at 16 angles x 8
+    spatial frequencies, so that no image computes a full-size random field or sine (the dearest steps)."""
+    banks = _BANKS.get((height, width))
+    if banks is None:
+        noise = np.random.default_rng([height, width]).standard_normal((2 * height, 2 * width, 3), dtype=np.float32)
+        yy = np.arange(height, dtype=np.float32)[:, None]
+        xx = np.arange(width, dtype=np.float32)[None, :]
+        stripes = np.empty((16, 8, height, width, 1), np.int16)
+        for a in range(16):
+            theta = (a + 0.5) * np.pi / 16
+            for f in range(8):
+                freq = 0.15 + 0.45 * (f + 0.5) / 8
+                wave = np.sin(np.float32(freq) * (xx * np.float32(np.cos(theta)) + yy * np.float32(np.sin(theta))))
+                stripes[a, f, ..., 0] = (14 * wave).round()
+        banks = _BANKS[(height, width)] = ((noise * 9).round().astype(np.int16), stripes)
+    return banks
 
 
 def make_image(seed: int, split: str, cls: int, index: int, width: int, height: int) -> Image.Image:
@@ -44,32 +53,37 @@ def make_image(seed: int, split: str, cls: int, index: int, width: int, height: 
 
     rng = np.random.default_rng([seed, zlib.crc32(split.encode()), cls, index])
     base = np.random.default_rng([seed, cls]).uniform(40, 215, 3)  # the class's colour cast
-    img = np.zeros((height, width, 3), np.float32)
-    # Smooth fields at several scales (a coarse random grid, upsampled bicubically, 3 channels at once).
+    noise, stripes = _banks(height, width)
+    # Smooth fields at three scales (random grids of 3, 8 and 24 rows), summed on the finest grid and
+    # upsampled to the image bicubically once.
+    fine = (24, max(2, 24 * width // height))
+    field = np.zeros((*fine, 3), np.float32)
     for cells, amp in ((3, 60.0), (8, 35.0), (24, 18.0)):
-        grid = rng.normal(0, amp, (cells, max(2, cells * width // height), 3))
-        coarse = Image.fromarray(np.clip(grid * (127 / (3 * amp)) + 128, 0, 255).astype(np.uint8), "RGB")
-        img += (np.asarray(coarse.resize((width, height), Image.BICUBIC), np.float32) - 128) * np.float32(3 * amp / 127)
-    img += base.astype(np.float32)
+        grid = rng.normal(0, amp, (cells, max(2, cells * width // height), 3)).astype(np.float32)
+        if cells != fine[0]:
+            grid = np.stack([np.asarray(Image.fromarray(grid[..., c], "F").resize(fine[::-1], Image.BICUBIC))
+                             for c in range(3)], -1)
+        field += grid
+    field += base.astype(np.float32)
+    smooth = Image.fromarray(np.clip(field, 0, 255).astype(np.uint8), "RGB").resize((width, height), Image.BICUBIC)
+    img = np.asarray(smooth).astype(np.int16)
     # A few hard-edged shapes (objects, edges), each drawn in its bounding box only.
     for _ in range(rng.integers(2, 6)):
         cy, cx = rng.uniform(0, height), rng.uniform(0, width)
         ry, rx = rng.uniform(20, height / 2), rng.uniform(20, width / 2)
-        colour = (rng.uniform(0, 255, 3) * 0.6).astype(np.float32)
+        colour = (rng.uniform(0, 255, 3) * 0.6).astype(np.int16)
         y0, y1 = max(0, int(cy - ry)), min(height, int(cy + ry) + 1)
         x0, x1 = max(0, int(cx - rx)), min(width, int(cx + rx) + 1)
         yy = (np.arange(y0, y1, dtype=np.float32)[:, None] - np.float32(cy)) / np.float32(ry)
         xx = (np.arange(x0, x1, dtype=np.float32)[None, :] - np.float32(cx)) / np.float32(rx)
         box = img[y0:y1, x0:x1]
         inside = yy ** 2 + xx ** 2 < 1
-        box[inside] = box[inside] * np.float32(0.4) + colour
+        box[inside] = box[inside] * 2 // 5 + colour
     # Fine texture (oriented stripes) and per-pixel noise: the high frequencies that make JPEGs large.
-    theta, freq = rng.uniform(0, np.pi), rng.uniform(0.15, 0.6)
-    yy = np.arange(height, dtype=np.float32)[:, None]
-    xx = np.arange(width, dtype=np.float32)[None, :]
-    img += 14 * np.sin(np.float32(freq) * (xx * np.float32(np.cos(theta)) + yy * np.float32(np.sin(theta))))[..., None]
-    img += _noise(rng, height, width)
-    return Image.fromarray(np.clip(img, 0, 255).astype(np.uint8), "RGB")
+    img += stripes[rng.integers(0, 16), rng.integers(0, 8)]
+    y, x = rng.integers(0, height), rng.integers(0, width)
+    img += noise[y:y + height, x:x + width]
+    return Image.fromarray(np.clip(img, 0, 255, out=img).astype(np.uint8), "RGB")
 
 
 def _write_class(job: tuple) -> int:
