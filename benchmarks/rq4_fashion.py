@@ -56,12 +56,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.data_dir:
                 argv_run += ["--data-dir", args.data_dir]
             t0 = time.perf_counter()
+            settings = read_settings(argv_run)
             try:
-                s = rayconv.fit(**read_settings(argv_run), log=lambda *_: None)
+                s = rayconv.fit(**settings, log=lambda *_: None)
             except Exception as e:  # (one bad variant leaves the others to run)
                 print(f"rq4 {name} B={batch}: failed: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
                 continue
-            row = {"variant": name, "flags": flags, "global_batch_size": batch, "epochs": args.epochs,
+            row = {"variant": name, "flags": flags, "global_batch_size": batch, "epochs": settings["epochs"],
                    "steps": s["steps"], "test_accuracy": s["test_accuracy"], "images_per_s": s["images_per_s"],
                    "train_time_s": s["train_time_s"], "wall_s": time.perf_counter() - t0}
             rows.append(row)
