@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 
 import pytest
 import ray
@@ -26,16 +27,26 @@ def local_ray(num_cpus: int, **kw):
 _SHARED: dict[str, object] = {"gcs": None}
 
 
+def _cpus_free(n: int, wait_s: float = 3.0) -> bool:
+    """Whether all ``n`` CPUs of the connected cluster are free within ``wait_s`` seconds: a run that
+    just ended releases its placement group asynchronously, a moment after its actors are killed."""
+    deadline = time.monotonic() + wait_s
+    while ray.available_resources().get("CPU") != n:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A local Ray cluster with 4 logical CPUs (enough for dp=4 on a 2-core machine), no dashboard.
 
     One cluster serves every module that asks for it in turn (starting one costs seconds of the 2
-    cores): a module reuses it when it is still connected and all 4 CPUs are free, and starts a fresh
-    one otherwise (after a module that ran its own cluster, or one that left something holding CPUs).
+    cores): a module reuses it when it is still connected and all 4 CPUs are free (within a few
+    seconds: a run's placement group is released a moment after it ends), and starts a fresh one otherwise (after a module that ran its own cluster, or one that left something holding CPUs).
     ``pytest_sessionfinish`` shuts it down."""
-    if ray.is_initialized() and _SHARED["gcs"] == ray.get_runtime_context().gcs_address \
-            and ray.available_resources().get("CPU") == 4:
+    if ray.is_initialized() and _SHARED["gcs"] == ray.get_runtime_context().gcs_address and _cpus_free(4):
         yield
         return
     if ray.is_initialized():
@@ -67,6 +78,17 @@ def silent_address():
     listener.close()
     for c in contacts:
         c.close()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "own_cluster: the module starts a Ray cluster of its own (run after the others)")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Run the modules marked ``own_cluster`` after every other one (a stable sort: each keeps its
+    order). Each of them shuts the shared ``ray_cluster`` down to start its own, and the next module
+    that asks for the shared one starts it again: grouped at the end, that restart happens once at most."""
+    items.sort(key=lambda item: item.get_closest_marker("own_cluster") is not None)
 
 
 _EXIT_STATUS: list[int] = []

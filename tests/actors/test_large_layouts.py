@@ -12,6 +12,8 @@ from helpers import assert_same_state, reference_sgd
 from rayconv.config import Config
 from rayconv.driver.job import fit
 
+pytestmark = pytest.mark.own_cluster  # (conftest runs such modules last)
+
 
 @pytest.fixture(scope="module")
 def ray_cluster8():

@@ -28,6 +28,8 @@ from helpers import wait_until
 from rayconv.config import Config
 from rayconv.driver.job import fit
 
+pytestmark = pytest.mark.own_cluster  # (conftest runs such modules last)
+
 REPO = Path(__file__).resolve().parents[2]
 # (gauge, role) pairs a dp=2 run exports (dp1 reports the loss too: every replica's last stage does)
 WANT = {("images_per_s", "dp0"), ("images_per_s", "dp1"), ("images_per_s", "driver"),

@@ -21,6 +21,8 @@ from rayconv.config import Config
 from rayconv.driver.job import fit
 from rayconv.mesh import Mesh
 
+pytestmark = pytest.mark.own_cluster  # (conftest runs such modules last)
+
 
 @pytest.fixture(scope="module")
 def two_nodes():

@@ -23,6 +23,8 @@ from rayconv.driver.job import fit
 from rayconv.errors import DataError
 from shard_folder import make_prepared
 
+pytestmark = pytest.mark.own_cluster  # (conftest runs such modules last)
+
 
 @pytest.fixture(scope="module")
 def prepared(ray_cluster, tmp_path_factory) -> Path:
