@@ -25,13 +25,9 @@ from rayconv.run import main
 
 STEPS = 6
 INJECT = 2      # the step whose update stage 1's overflow skips
-STOP_AFTER = 2  # the stopped run ends after step 2 (3 steps; its checkpoint is step-3)
+STOP_AFTER = 2  # the resume starts after step 2 (3 steps done; its checkpoint is step-3)
 MESH = Mesh(dp=2, pp=2, fs=1)
 STAGE1 = MESH.rank((0, 1, 0))  # replica 0's second stage
-
-
-class Stop(Exception):
-    """Raised from on_step to end a run mid-way, as a crash would."""
 
 
 def fp16_config(out: Path) -> Config:
@@ -42,10 +38,9 @@ def fp16_config(out: Path) -> Config:
 
 class Recorder:
     """on_step: asks stage 1 to overflow at INJECT (before that step is launched), then records every
-    actor's state and loss scale after each step; raises Stop after ``stop_after``."""
+    actor's state and loss scale after each step."""
 
-    def __init__(self, stop_after: int | None = None):
-        self.stop_after = stop_after
+    def __init__(self):
         self.states: dict[int, list[dict[str, torch.Tensor]]] = {}
         self.scales: dict[int, list[dict]] = {}
 
@@ -54,8 +49,6 @@ class Recorder:
             gang.call("inject_overflow", INJECT, ranks=[STAGE1])
         self.states[step] = gang.call("state")
         self.scales[step] = gang.call("loss_scale_state")
-        if step == self.stop_after:
-            raise Stop()
 
 
 @pytest.fixture(scope="module")
@@ -90,14 +83,19 @@ def test_overflow_in_one_stage_skips_the_step_everywhere(straight):
 
 
 def test_resume_keeps_the_scale_and_the_average(straight, tmp_path_factory):
-    """Stopped after the skipped step and resumed: model, moving average and loss-scale state equal
-    the straight run's exactly."""
+    """Resumed from the checkpoint after the skipped step (step-3): model, moving average and
+    loss-scale state equal the straight run's exactly. The run folder resumed is the straight run's,
+    cut back to what a run stopped after step 2 leaves (its checkpoint at step 3 is written before
+    the step-6 one exists, so it is the same file): no step-6 checkpoint, no final files, the metrics
+    of the checkpoint."""
     out, _ = straight
-    stopped = tmp_path_factory.mktemp("fp16") / "stopped"
-    with pytest.raises(Stop):
-        fit(fp16_config(stopped), log=lambda *_: None, on_step=Recorder(stop_after=STOP_AFTER))
-    branch = stopped.parent / "branch"
-    shutil.copytree(stopped, branch)
+    branch = tmp_path_factory.mktemp("fp16") / "branch"
+    shutil.copytree(out, branch)
+    shutil.rmtree(branch / "checkpoints" / f"step-{STEPS}")
+    for name in ("model.pt", "model_ema.pt", "summary.json"):
+        (branch / name).unlink()
+    shutil.copy(branch / "checkpoints" / f"step-{STOP_AFTER + 1}" / "metrics.parquet", branch / "metrics.parquet")
+    assert sorted(p.name for p in (branch / "checkpoints").iterdir()) == [f"step-{STOP_AFTER + 1}"]
     assert torch.load(branch / "checkpoints" / "step-3" / "rank-0.pt", weights_only=True)["loss_scale"]["scale"] \
         == 2.0 ** 15
     assert main(["--resume", str(branch)]) == 0
