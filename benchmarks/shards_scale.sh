@@ -11,13 +11,14 @@
 #   2. python -m rayconv.prepare (its last line: images/s per core)              -> $WORK/shards
 #   3. python -m rayconv.bench rows (--steps STEPS --warmup WARMUP), each under benchmarks/rss_watch.py:
 #      synthetic; shards (default order) warm; shards cold (posix_fadvise DONTNEED on every shard first)
-#   4. if `python -m rayconv.run --help` offers --shuffle: python -m rayconv.run rows (summary.json) for
-#      --shuffle block warm and cold, and the default order warm for comparison
-#   5. OUT/report.md: one line a row (images/s; its ratio to the bench's synthetic row, or for the run
-#      rows to run-exact-warm; input stall; peak RssAnon of the actors and loader processes) and prepare's
-#      rate
+#   4. if `python -m rayconv.run --help` offers --shuffle: python -m rayconv.run rows (STEPS + WARMUP steps)
+#      for --shuffle block warm and cold, and the default order warm for comparison
+#   5. OUT/report.md: one line a row (images/s and input stall, of a run row's steps after the first WARMUP
+#      as in the bench rows, from its metrics.parquet; the ratio to the bench's synthetic row; peak RssAnon
+#      of the actors and loader processes) and prepare's rate
 #
-# Rows that would start after BUDGET seconds (default 480) are skipped and say so.
+# Rows that would start after BUDGET seconds (default 480) are skipped and say so; ROWS (default: all six,
+# "synthetic shards-warm shards-cold run-exact-warm run-block-warm run-block-cold") picks some of them.
 # Env: WORK (default OUT/work: the JPEGs and shards, about 15 GB at the defaults; removed at the end unless
 # KEEP=1), CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS, WIDTH, HEIGHT, STEPS (default 30), WARMUP (default 5),
 # DEVICE (auto: cuda when nvidia-smi sees a GPU; cpu: a smoke check with the small ConvNet at 32 px, batch
@@ -70,22 +71,25 @@ late() {  # late ROW: past BUDGET seconds, ROW is skipped (so that the script en
   if (( SECONDS - t0 > BUDGET )); then log "$1: skipped ($((SECONDS - t0)) s > BUDGET $BUDGET s)"; return 0; fi
   return 1
 }
+ROWS=" ${ROWS:-synthetic shards-warm shards-cold run-exact-warm run-block-warm run-block-cold} "
+picked() { [[ $ROWS == *" $1 "* ]]; }
 bench() {  # bench ROW ARGS...: one rayconv.bench row under the RssAnon watcher
   local row=$1; shift
+  picked "$row" || return 0
   late "$row" && return 0
   log "$row: python -m rayconv.bench ${COMMON[*]} $* --out $OUT/$row ($((SECONDS - t0)) s so far)"
   "$PY" benchmarks/rss_watch.py "$OUT/$row/rss.json" -- "$PY" -u -m rayconv.bench "${COMMON[@]}" "$@" --out "$OUT/$row" \
     >> "$LOG" 2>&1 || log "$row: failed (see $LOG)"
 }
-mkdir -p "$OUT"/{synthetic,shards-warm,shards-cold}
 # 3. bench rows
 bench synthetic
-warm; bench shards-warm --data shards --data-dir "$SHARDS"
-cold; bench shards-cold --data shards --data-dir "$SHARDS"
+picked shards-warm && warm; bench shards-warm --data shards --data-dir "$SHARDS"
+picked shards-cold && cold; bench shards-cold --data shards --data-dir "$SHARDS"
 
 # 4. --shuffle block through rayconv.run, where the flag exists
 run_row() {  # run_row ROW ARGS...: one rayconv.run (summary.json) under the RssAnon watcher
   local row=$1; shift
+  picked "$row" || return 0
   late "$row" && return 0
   rm -rf "$OUT/$row"; mkdir -p "$OUT/$row.d"
   local args=(--model "$MODEL" --data shards --data-dir "$SHARDS" --image-size "$SIZE" --global-batch-size "$BATCH"
@@ -96,41 +100,43 @@ run_row() {  # run_row ROW ARGS...: one rayconv.run (summary.json) under the Rss
   rm -f "$OUT/$row/model.pt"
 }
 if "$PY" -m rayconv.run --help 2>/dev/null | grep -q -- '--shuffle'; then
-  warm; run_row run-exact-warm
-  warm; run_row run-block-warm --shuffle block
-  cold; run_row run-block-cold --shuffle block
+  picked run-exact-warm && warm; run_row run-exact-warm
+  picked run-block-warm && warm; run_row run-block-warm --shuffle block
+  picked run-block-cold && cold; run_row run-block-cold --shuffle block
 else
   log "rayconv.run has no --shuffle: the --shuffle block rows are skipped"
 fi
 
 # 5. the report
-"$PY" - "$OUT" <<'EOF' | tee "$OUT/report.md"
+"$PY" - "$OUT" "$WARMUP" "$BATCH" <<'EOF' | tee "$OUT/report.md"
 import json, sys
 from pathlib import Path
 import pyarrow.parquet as pq
-out = Path(sys.argv[1])
+out, warmup, batch = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 def rss(p):
     return json.loads(p.read_text()).get("max_mib") if p.is_file() else None
 rows = []
 for d in ("synthetic", "shards-warm", "shards-cold"):
     f = out / d / "bench.parquet"
-    r = pq.read_table(f).to_pylist()[0] if f.is_file() else {}
-    rows.append((d, r.get("images_per_s"), r.get("input_stall_fraction"), rss(out / d / "rss.json"),
-                 r.get("note") if f.is_file() else "not run (log.txt says why)"))
+    if (out / d).is_dir():
+        r = pq.read_table(f).to_pylist()[0] if f.is_file() else {}
+        rows.append((d, r.get("images_per_s"), r.get("input_stall_fraction"), rss(out / d / "rss.json"),
+                     r.get("note") if f.is_file() else "failed (log.txt says why)"))
 for d in ("run-exact-warm", "run-block-warm", "run-block-cold"):
-    f = out / d / "summary.json"
+    # a run row's steady steps (after the bench rows' WARMUP steps), from its metrics.parquet
+    f = out / d / "metrics.parquet"
     if (out / f"{d}.d").is_dir():
-        s = json.loads(f.read_text()) if f.is_file() else {}
-        rows.append((d, s.get("images_per_s"), s.get("input_stall_fraction"), rss(out / f"{d}.d" / "rss.json"),
-                     None if s else "failed"))
-synth = rows[0][1]
-exact = next((r[1] for r in rows if r[0] == "run-exact-warm"), None)
+        steps = [r for r in pq.read_table(f).to_pylist() if r["kind"] == "train" and r["step"] >= warmup] \
+            if f.is_file() else []
+        ips = batch * len(steps) / sum(r["step_ms"] / 1e3 for r in steps) if steps else None
+        stall = sum(r["input_stall_fraction"] for r in steps) / len(steps) if steps else None
+        rows.append((d, ips, stall, rss(out / f"{d}.d" / "rss.json"), None if steps else "failed"))
+synth = next((r[1] for r in rows if r[0] == "synthetic"), None)
 fmt = lambda v, p="{:.0f}": "-" if v is None else p.format(v)
-print("| row | images/s | x synthetic (run rows: x run-exact-warm) | input stall | peak RssAnon, any actor or loader process (MiB) | note |")
+print(f"| row | images/s | x synthetic | input stall | peak RssAnon, any actor or loader process (MiB) | note |")
 print("|---|---|---|---|---|---|")
 for d, ips, stall, mib, note in rows:
-    base = exact if d.startswith("run-") else synth
-    ratio = ips / base if ips and base else None
+    ratio = ips / synth if ips and synth else None
     print(f"| {d} | {fmt(ips)} | {fmt(ratio, '{:.2f}')} | {fmt(stall, '{:.1%}')} | {fmt(mib)} | {note or ''} |")
 prep = (out / "prepare.txt").read_text().strip().splitlines()
 print("\n" + "\n".join(prep[-2:]))
