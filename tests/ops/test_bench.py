@@ -135,13 +135,13 @@ def test_bench_refuses_a_call_limit_it_cannot_keep(tmp_path, capsys, limit):
 
 def test_training_curve_writes_error_against_time(ray_cluster, tmp_path, capsys):
     out = tmp_path / "curve"
-    rc = bench.main(["--curve", "--curve-epochs", "1", "--layouts", "1gpu,dp2", "--global-batch-size", "128,256",
+    rc = bench.main(["--curve", "--curve-epochs", "1", "--layouts", "1gpu,dp2", "--global-batch-size", "64,256",
                      "--device", "cpu", "--precision", "fp32", "--out", str(out)])
     assert rc == 0
     rows = pq.read_table(out / "curve.parquet").to_pylist()
-    assert {(r["layout"], r["global_batch_size"]) for r in rows} == {(n, b) for n in ("1gpu", "dp2") for b in (128, 256)}
+    assert {(r["layout"], r["global_batch_size"]) for r in rows} == {(n, b) for n in ("1gpu", "dp2") for b in (64, 256)}
     for name in ("1gpu", "dp2"):
-        for b in (128, 256):
+        for b in (64, 256):
             pts = [r for r in rows if r["layout"] == name and r["global_batch_size"] == b]
             times = [r["time_s"] for r in pts]
             assert times == sorted(times) and times[0] > 0
@@ -149,7 +149,7 @@ def test_training_curve_writes_error_against_time(ray_cluster, tmp_path, capsys)
         assert all(0 <= r["test_error"] <= 1 for r in rows)
     assert (out / "curve.png").stat().st_size > 1000
     printed = capsys.readouterr().out
-    assert "CURVE 1gpu B=128: test error" in printed and "CURVE dp2 B=256: test error" in printed
+    assert "CURVE 1gpu B=64: test error" in printed and "CURVE dp2 B=256: test error" in printed
 
 
 def test_bench_on_an_image_folder_reports_input_stall(ray_cluster, tmp_path):
