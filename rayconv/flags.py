@@ -32,16 +32,21 @@ def flag(name: str) -> str:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An argparse parser whose errors are one line (not the whole usage block) and exit 2."""
+    """An argparse parser whose errors are one line (not the whole usage block) and exit 2, starting
+    ``<error_name>: error:`` as the command's own checks' errors do (default: the program's name)."""
+
+    def __init__(self, *args: Any, error_name: Optional[str] = None, **kw: Any):
+        super().__init__(*args, **kw)
+        self.error_name = error_name or self.prog
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+        self.exit(2, f"{self.error_name}: error: {message} (--help lists the flags)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """An argparse parser with one flag per Config field (defaults left unset to detect what was given)."""
     p = OneLineParser(
-        prog="python -m rayconv.run",
+        prog="python -m rayconv.run", error_name="rayconv",
         description="Train a ConvNet with synchronous SGD across Ray actors (data parallel, pipeline, filter split).",
         argument_default=argparse.SUPPRESS)
     p.add_argument("--config", help="JSON file of settings (e.g. a run's config.json); flags override it")

@@ -30,7 +30,7 @@ from rayconv.planner.links import MACHINES  # (plain Python: --help and argument
 
 def parse_args(argv: Optional[list[str]] = None):
     """The planner's arguments; argparse exits 2 with one line on a bad one."""
-    p = OneLineParser(prog="python -m rayconv.plan",
+    p = OneLineParser(prog="python -m rayconv.plan", error_name="rayconv.plan",
                       description="Rank rayconv's layouts by predicted images/s from measured layer and link times.")
     p.add_argument("--model", default="convnet", help="model name, as rayconv.run's --model (default convnet)")
     p.add_argument("--global-batch-size", type=int, default=64, help="images per step (default 64)")

@@ -44,7 +44,7 @@ def _on_ray(args: dict[str, tuple], address: Optional[str]) -> Iterator[tuple[st
 
 
 def _parser() -> OneLineParser:
-    p = OneLineParser(prog="python -m rayconv.prepare",
+    p = OneLineParser(prog="python -m rayconv.prepare", error_name="rayconv.prepare",
                       description="Re-encode an ImageNet-layout folder (train/<class>/*, val/<class>/*) into "
                                   "Arrow IPC shards of training-size JPEGs for --data shards, on the Ray cluster.")
     p.add_argument("dir", nargs="?", help="the image folder, holding train/ and val/")

@@ -113,6 +113,12 @@ def check_trainable(name: str, model: nn.Module, sample_shape: tuple[int, ...]) 
     model's own tensors untouched), falling back to a CPU forward for an operation meta tensors lack
     or a value the forward reads (data-dependent control flow).
     Returns the output's shape, (2, classes). Raises ConfigError naming --model and what to change."""
+    lazy = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.modules.lazy.LazyModuleMixin)})
+    if lazy:
+        raise ConfigError(f"--model {name} has lazy modules ({', '.join(lazy)}), whose parameters a first forward "
+                          "makes: give their sizes (nn.Linear(in_features, ...)), or call the model once on a "
+                          "batch of the run's image size inside the function before returning it")
+
     def forward(shape: tuple[int, ...], device: str):
         state = {n: t.detach().to("meta") if device == "meta" else t.detach().clone()
                  for n, t in [*model.named_parameters(), *model.named_buffers()]}
