@@ -41,7 +41,7 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
     """
     setup = setup_run(cfg, log)                   # nothing written yet; the settings resolved
     with writing_into(setup.out, log):            # on failure only checkpoints (and config.json) stay
-        setup.cfg.to_json(setup.out / "config.json")
+        setup.saved_config().to_json(setup.out / "config.json")
         log_header(setup, log)
         run = Run(setup, log, on_step)
         ckpt = setup.resume

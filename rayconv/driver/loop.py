@@ -217,6 +217,6 @@ def _manifest(run: Run, step: int) -> dict[str, Any]:
                         "warmup_steps": warmup_steps(cfg, s.sharding.steps_per_epoch), "total_steps": s.total_steps,
                         "next_step": step, "next_lr": learning_rate(cfg, step, s.total_steps, s.sharding.steps_per_epoch)
                         if step < s.total_steps else None},
-        "config": cfg.to_dict(),
+        "config": s.saved_config().to_dict(),
         "written": datetime.now().isoformat(timespec="seconds"),
     }

@@ -59,6 +59,11 @@ class Setup:
     t_start: float             # time.perf_counter() when the setup began: the summary's wall time
     data_dir: Optional[str] = None  # --data-dir as given (cfg.data_dir is --stage-dir's copy when staged)
 
+    def saved_config(self) -> Config:
+        """The settings config.json and a checkpoint record: the resolved ones, ``data_dir`` as given (a
+        resumed run stages its copies again from there, also to nodes that have none)."""
+        return dataclasses.replace(self.cfg, data_dir=self.data_dir)
+
 
 def setup_run(cfg: Config, log=print) -> Setup:
     """Check and resolve everything a run needs before its actors start (see the module docstring).

@@ -127,6 +127,8 @@ def test_a_run_trains_from_the_staged_copy(ray_cluster, prepared, tmp_path):
                  decode="cpu", data_on_device="off", out=str(tmp_path / "run")).validate()
     summary = fit(cfg, log=lambda *a: logged.append(" ".join(map(str, a))), on_step=move_away)
     assert summary["data_dir"] == str(src) and summary["stage_dir"] == str(dest)
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())  # a resume stages again from src
+    assert saved["data_dir"] == str(src) and saved["stage_dir"] == str(dest)
     assert summary["test_accuracy"] is not None and same_files(moved, dest)
     assert any("--stage-dir" in line and "1 node(s)" in line and "copied" in line for line in logged), logged
 
