@@ -52,9 +52,55 @@ def kill_once(at_step: int, rank: int, sig=signal.SIGKILL):
     return hook
 
 
+_STRAIGHT: dict[str, Path] = {}
+
+
+def straight_run(tmp_path: Path) -> Path:
+    """The uninterrupted run of ``cfg_for`` (dp=2, 8 steps) into ``tmp_path/straight``, which must finish
+    all its steps; its folder is kept for the module (one run serves test_ctrl_c_stops_cleanly and the
+    recovery test, which runs it itself when run alone)."""
+    out = tmp_path / "straight"
+    assert fit(cfg_for(out), log=lambda *_: None)["steps"] == STEPS
+    _STRAIGHT["out"] = out
+    return out
+
+
+def test_ctrl_c_stops_cleanly(ray_cluster, tmp_path):
+    out = tmp_path / "interrupted"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rayconv.run", "--address", ray.get_runtime_context().gcs_address,
+         "--steps", "100000", "--checkpoint-every", "2", "--dp", "2", "--device", "cpu", "--global-batch-size", "32",
+         "--no-progress", "--out", str(out)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(proc, lambda: latest_checkpoint(out) is not None and load_checkpoint(out).step >= 4,
+                   "no checkpoint", poll_s=0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "--resume" in err
+    # The placement group was removed and the actors are gone.
+    pgs = [pg for pg in ray.util.placement_group_table().values() if pg["name"].startswith(f"rayconv/{out.name}-")]
+    assert pgs and all(pg["state"] == "REMOVED" for pg in pgs), pgs
+    for role in ("dp0", "dp1"):
+        with pytest.raises(ValueError):
+            ray.get_actor(f"{pgs[0]['name']}/{role}", namespace="rayconv")
+    # The newest checkpoint is complete and loads (sizes and sha256 verified, shards weights_only).
+    assert not list((out / "checkpoints").glob("*.tmp"))
+    ckpt = load_checkpoint(out)
+    import io
+    assert torch.load(io.BytesIO(ckpt.shard(0)), weights_only=True)["model"]
+    # The resources are free: a new run of the same size starts and finishes (the recovery test's
+    # uninterrupted run).
+    straight_run(tmp_path)
+
+
 def test_killed_actor_is_recovered_from_the_last_checkpoint(ray_cluster, tmp_path):
-    straight = tmp_path / "straight"
-    fit(cfg_for(straight), log=lambda *_: None)
+    straight = _STRAIGHT.get("out") or straight_run(tmp_path)
 
     out = tmp_path / "recovered"
     lines: list[str] = []
@@ -140,36 +186,3 @@ def test_ray_error_at_start_is_one_line(ray_cluster, tmp_path):
     msg = str(e.value)
     assert msg.startswith("Ray refused the placement group of run taken-run:") and "already exists" in msg, msg
     assert "\n" not in msg
-
-
-def test_ctrl_c_stops_cleanly(ray_cluster, tmp_path):
-    out = tmp_path / "interrupted"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rayconv.run", "--address", ray.get_runtime_context().gcs_address,
-         "--steps", "100000", "--checkpoint-every", "2", "--dp", "2", "--device", "cpu", "--global-batch-size", "32",
-         "--no-progress", "--out", str(out)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_until(proc, lambda: latest_checkpoint(out) is not None and load_checkpoint(out).step >= 4,
-                   "no checkpoint", poll_s=0.2)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, err
-    assert "interrupted" in err and "--resume" in err
-    # The placement group was removed and the actors are gone.
-    pgs = [pg for pg in ray.util.placement_group_table().values() if pg["name"].startswith(f"rayconv/{out.name}-")]
-    assert pgs and all(pg["state"] == "REMOVED" for pg in pgs), pgs
-    for role in ("dp0", "dp1"):
-        with pytest.raises(ValueError):
-            ray.get_actor(f"{pgs[0]['name']}/{role}", namespace="rayconv")
-    # The newest checkpoint is complete and loads (sizes and sha256 verified, shards weights_only).
-    assert not list((out / "checkpoints").glob("*.tmp"))
-    ckpt = load_checkpoint(out)
-    import io
-    assert torch.load(io.BytesIO(ckpt.shard(0)), weights_only=True)["model"]
-    # The resources are free: a new run of the same size starts and finishes.
-    assert fit(cfg_for(tmp_path / "after", steps=2, checkpoint_every=0), log=lambda *_: None)["steps"] == 2
