@@ -86,9 +86,17 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(session, config, items):
     """Run the modules marked ``own_cluster`` after every other one (a stable sort: each keeps its
-    order). Each of them shuts the shared ``ray_cluster`` down to start its own, and the next module
-    that asks for the shared one starts it again: grouped at the end, that restart happens once at most."""
-    items.sort(key=lambda item: item.get_closest_marker("own_cluster") is not None)
+    order), first among them those with a test that uses the shared ``ray_cluster`` (still up from the
+    modules before). Each of them shuts the shared cluster down to start its own, and the next module
+    that asks for the shared one starts it again: ordered so, no module asks for it after one has."""
+    shared = {item.module for item in items if "ray_cluster" in item.fixturenames}
+
+    def group(item) -> int:
+        if item.get_closest_marker("own_cluster") is None:
+            return 0
+        return 1 if item.module in shared else 2
+
+    items.sort(key=group)
 
 
 _EXIT_STATUS: list[int] = []
