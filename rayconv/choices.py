@@ -18,6 +18,7 @@ COMPILE_CHOICES = ("auto", "on", "off")
 BALANCE_CHOICES = ("auto", "time", "flops")
 LAYOUT_CHOICES = ("manual", "auto")
 OPT_CHOICES = ("sgd", "sgd_nesterov", "lars", "adamw")  # rayconv.recipe.optim.OPTIMIZERS
+LARS_ETA = 0.001  # --lars-trust-coefficient's default, You et al. 2017's eta
 WARMUP_CHOICES = ("linear", "constant")         # rayconv.recipe.lr_schedule.WARMUP_METHODS
 LR_SCALING_CHOICES = ("none", "linear")
 AUGMENT_CHOICES = ("auto", "resized-crop", "pad-crop", "none")

@@ -30,7 +30,7 @@ from rayconv.choices import (  # noqa: F401 (re-exported: the flags and checks r
     MODELS_HELP, DATA_CHOICES, DECODE_CHOICES, DEVICE_CHOICES, SCHEDULE_CHOICES, PLAN_CHOICES,
     PRECISION_CHOICES, LR_SCHEDULE_CHOICES, COMPILE_CHOICES, BALANCE_CHOICES, LAYOUT_CHOICES,
     OPT_CHOICES, WARMUP_CHOICES, LR_SCALING_CHOICES, AUGMENT_CHOICES, AUTO_AUGMENT_CHOICES,
-    SHUFFLE_CHOICES, DATA_ON_DEVICE_CHOICES, DATA_ON_DEVICE_HELP, DATA_IMAGE_SIZE, PAD_CROP_MAX_SIZE)
+    SHUFFLE_CHOICES, DATA_ON_DEVICE_CHOICES, DATA_ON_DEVICE_HELP, DATA_IMAGE_SIZE, PAD_CROP_MAX_SIZE, LARS_ETA)
 from rayconv.errors import ConfigError
 
 
@@ -152,7 +152,7 @@ class Config:
         "help": "optimizer: sgd (with --momentum), sgd_nesterov (Nesterov momentum, Sutskever et al. 2013), "
                 "lars (layer-wise trust ratios, You et al. 2017; norm layers and biases plain SGD), adamw "
                 "(Loshchilov & Hutter 2019)", "choices": OPT_CHOICES})
-    lars_trust_coefficient: float = field(default=0.001, metadata={
+    lars_trust_coefficient: float = field(default=LARS_ETA, metadata={
         "help": "--opt lars: the trust coefficient eta of each layer's ratio eta ||w|| / (||g|| + wd ||w||)"})
     lr_schedule: str = field(default="cosine", metadata={"help": "learning-rate schedule", "choices": LR_SCHEDULE_CHOICES})
     momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
@@ -295,8 +295,7 @@ def _check_names(cfg: Config) -> None:
           f"--cuda-graphs on captures SGD steps only (an fp16 step may be skipped, which the host decides): "
           f"drop it with {'--opt adamw' if cfg.opt == 'adamw' else '--precision fp16'} (auto steps eagerly)")
     _need(not (cfg.sync_batchnorm and cfg.device == "cpu"),
-          "--sync-batchnorm needs GPUs (torch's SyncBatchNorm runs on CUDA only): drop it on CPU (--device "
-          "cpu, or a cluster without GPUs; batch norm then uses per-replica statistics, as DDP)")
+          "--sync-batchnorm needs GPUs (torch's SyncBatchNorm is CUDA only): drop it with --device cpu (statistics per replica)")
     _need(cfg.lr_schedule in LR_SCHEDULE_CHOICES, f"unknown --lr-schedule {cfg.lr_schedule!r}: constant or cosine")
     _need(cfg.data != "imagefolder" or bool(cfg.data_dir),
           "--data imagefolder needs --data-dir DIR (a folder with train/<class>/<images> and val/<class>/<images>)")
@@ -353,6 +352,7 @@ def _check_recipe(cfg: Config) -> None:
     _need(cfg.lr_warmup_epochs >= 0, f"--lr-warmup-epochs must be >= 0 (got {cfg.lr_warmup_epochs}; 0: no warm-up)")
     _need(0 < cfg.lr_warmup_decay <= 1, f"--lr-warmup-decay must be in (0, 1] (got {cfg.lr_warmup_decay})")
     _need(cfg.lars_trust_coefficient > 0, f"--lars-trust-coefficient must be > 0 (got {cfg.lars_trust_coefficient})")
+    _need(cfg.opt == "lars" or cfg.lars_trust_coefficient == LARS_ETA, "--lars-trust-coefficient is --opt lars's: add that or drop it")
     _need(0 <= cfg.label_smoothing < 1, f"--label-smoothing must be in [0, 1) (got {cfg.label_smoothing})")
     for name in ("norm_weight_decay", "bias_weight_decay"):
         v = getattr(cfg, name)

@@ -57,8 +57,9 @@ def parse_args(argv: Optional[list[str]] = None):
     p.add_argument("--top", type=int, default=15, help="rows of each table (default 15; 0: all)")
     p.add_argument("--json", default=None, help="also write the rankings to this JSON file")
     a = p.parse_args(argv)
-    if a.global_batch_size < 1 or (a.gpus is not None and a.gpus < 1):
-        p.error("--global-batch-size and --gpus must be >= 1")
+    for flag, v in (("--global-batch-size", a.global_batch_size), ("--gpus", a.gpus)):
+        if v is not None and v < 1:
+            p.error(f"{flag} must be >= 1 (got {v})")
     if a.max_memory_gib is not None and a.max_memory_gib <= 0:
         p.error(f"--max-memory-gib must be > 0 (got {a.max_memory_gib:g})")
     machines = list(MACHINES) if a.machine == "all" else [m for m in a.machine.split(",") if m]

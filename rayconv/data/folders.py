@@ -34,7 +34,8 @@ def scan(root: Path) -> tuple[list[str], dict[str, list[tuple[str, int]]], dict[
     other than train's, or a class folder without image files."""
     def class_dirs(split_dir: Path) -> list[str]:
         if not split_dir.is_dir():
-            raise DataError(f"{split_dir} does not exist: DIR must hold train/<class>/*.JPEG and val/<class>/...")
+            raise DataError(f"{split_dir} does not exist: DIR must hold train/<class>/<images> and val/<class>/<images> "
+                            "(JPEG, PNG or another format of torchvision's ImageFolder)")
         return sorted(p.name for p in split_dir.iterdir() if p.is_dir() and not hidden(p.name))
 
     classes = class_dirs(root / "train")

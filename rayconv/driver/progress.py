@@ -67,7 +67,8 @@ def recipe_line(setup: Setup) -> str:
     cfg = setup.cfg
     warm = warmup_steps(cfg, setup.sharding.steps_per_epoch)
     scaled = f" (--lr {cfg.lr:g} per 256 images)" if cfg.lr_scaling == "linear" else ""
-    parts = [f"optimizer {cfg.opt}, lr {peak_lr(cfg):.4g}{scaled} {cfg.lr_schedule}"
+    lars = f" (trust coefficient {cfg.lars_trust_coefficient:g})" if cfg.opt == "lars" else ""
+    parts = [f"optimizer {cfg.opt}{lars}, lr {peak_lr(cfg):.4g}{scaled} {cfg.lr_schedule}"
              + (f" after {warm} warm-up steps ({cfg.lr_warmup_method} from x{cfg.lr_warmup_decay:g})" if warm else "")]
     parts.append(f"weight decay {cfg.weight_decay:g}" + "".join(
         f", {name} {v:g}" for name, v in (("norms", cfg.norm_weight_decay), ("biases", cfg.bias_weight_decay))

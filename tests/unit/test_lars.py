@@ -86,3 +86,9 @@ def test_lars_changes_the_reference(tmp_path):
 def test_trust_coefficient_must_be_positive(value):
     with pytest.raises(ConfigError, match="--lars-trust-coefficient must be > 0"):
         Config(opt="lars", lars_trust_coefficient=value).validate()
+
+
+def test_trust_coefficient_belongs_to_lars():
+    with pytest.raises(ConfigError, match="--lars-trust-coefficient is --opt lars's"):
+        Config(opt="sgd", lars_trust_coefficient=0.01).validate()
+    assert Config(opt="lars", lars_trust_coefficient=0.01).validate().lars_trust_coefficient == 0.01
