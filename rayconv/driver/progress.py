@@ -32,7 +32,8 @@ def log_header(setup: Setup, log=print) -> None:
     log(f"rayconv: {cfg.model} on {cfg.data} ({source.train_size} train / {source.test_size} test images, "
         f"{source.num_classes} classes), layout {mesh.describe()}"
         f"{' plan ' + cfg.plan if cfg.plan != 'none' else ''} on {cfg.device}, "
-        f"global batch {cfg.global_batch_size}, {setup.total_steps} steps -> {out}; Ray run name {setup.run_name}")
+        f"global batch {cfg.global_batch_size}, {setup.total_steps} step{'s' if setup.total_steps != 1 else ''} "
+        f"-> {out}; Ray run name {setup.run_name}")
     log(images_line(setup))
     log(recipe_line(setup))
     if setup.resume is not None:
