@@ -84,7 +84,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "own_cluster: the module starts a Ray cluster of its own (run after the others)")
 
 
-def pytest_collection_modifyitems(session, config, items):
+def pytest_collection_modifyitems(config, items):
     """Run the modules marked ``own_cluster`` after every other one (a stable sort: each keeps its
     order), first among them those with a test that uses the shared ``ray_cluster`` (still up from the
     modules before). Each of them shuts the shared cluster down to start its own, and the next module
