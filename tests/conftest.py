@@ -9,6 +9,7 @@ import time
 
 import pytest
 import ray
+from ray.cluster_utils import Cluster
 
 # Actors must not oversubscribe the 2 cores of CI machines.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -57,6 +58,47 @@ def ray_cluster():
     yield
 
 
+_TWO_NODES: dict[str, object] = {"cluster": None, "pending": set()}
+
+
+@pytest.fixture(scope="module")
+def two_nodes(request):
+    """Two Ray nodes on this machine (``ray.cluster_utils.Cluster``: 2 CPUs each, told apart by the
+    custom resources ``node_a`` and ``node_b``), connected; yields the cluster.
+
+    One cluster serves the modules that ask for it (starting one costs seconds of the 2 cores): the
+    collection hook runs them next to each other, and the last of them still to run (per the collected
+    items) shuts it down at its end; ``pytest_sessionfinish`` shuts it down after a stopped run."""
+    _TWO_NODES["pending"].discard(request.module.__name__)
+    cluster = _TWO_NODES["cluster"]
+    if cluster is None or not (ray.is_initialized() and ray.get_runtime_context().gcs_address == cluster.address
+                               and _cpus_free(4)):
+        _shut_two_nodes()
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 2, "resources": {"node_a": 1}, "include_dashboard": False})
+        _TWO_NODES["cluster"] = cluster
+        cluster.add_node(num_cpus=2, resources={"node_b": 1})
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace="rayconv", log_to_driver=False,
+                 configure_logging=True, logging_level="WARNING")
+    yield cluster
+    if not _TWO_NODES["pending"]:
+        _shut_two_nodes()
+
+
+def _shut_two_nodes() -> None:
+    """Disconnect from and shut down the shared two-node cluster, when one is up."""
+    cluster = _TWO_NODES["cluster"]
+    if cluster is None:
+        return
+    _TWO_NODES["cluster"] = None
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster.shutdown()
+
+
 @pytest.fixture
 def silent_address():
     """``host:port`` of a loopback listener that records every connection: a run that reaches for its
@@ -88,15 +130,23 @@ def pytest_collection_modifyitems(config, items):
     """Run the modules marked ``own_cluster`` after every other one (a stable sort: each keeps its
     order), first among them those with a test that uses the shared ``ray_cluster`` (still up from the
     modules before). Each of them shuts the shared cluster down to start its own, and the next module
-    that asks for the shared one starts it again: ordered so, no module asks for it after one has."""
-    shared = {item.module for item in items if "ray_cluster" in item.fixturenames}
+    that asks for the shared one starts it again: ordered so, no module asks for it after one has.
 
-    def group(item) -> int:
+    The users of ``two_nodes`` sit next to each other, so that one two-node cluster serves them all:
+    last among the ``ray_cluster`` users (their ``two_nodes`` tests last in the module), then first
+    among the rest."""
+    shared = {item.module for item in items if "ray_cluster" in item.fixturenames}
+    two = {item.module for item in items if "two_nodes" in item.fixturenames}
+
+    def group(item) -> tuple[int, bool]:
         if item.get_closest_marker("own_cluster") is None:
-            return 0
-        return 1 if item.module in shared else 2
+            return (0, False)
+        if item.module in shared:
+            return (2, "two_nodes" in item.fixturenames) if item.module in two else (1, False)
+        return (3, False) if item.module in two else (4, False)
 
     items.sort(key=group)
+    _TWO_NODES["pending"] = {m.__name__ for m in two}
 
 
 _EXIT_STATUS: list[int] = []
@@ -106,6 +156,7 @@ def pytest_sessionfinish(session, exitstatus):
     """Leave nothing for interpreter shutdown to tear down: no Ray connection, no loader workers."""
     import gc
 
+    _shut_two_nodes()
     if ray.is_initialized():
         ray.shutdown()
     gc.collect()

@@ -3,7 +3,8 @@ resources): a dp=2 x fs=2 job places ranks by node, so each filter-split group s
 a user's ResNet-like model in a file that is not installed trains dp=2 with one actor per node (its
 module shipped to both nodes in Ray's py_modules) as single-device SGD does.
 
-This module starts its own two-node cluster and shuts it down at the end (no ``ray_cluster`` fixture)."""
+The two-node cluster is conftest's ``two_nodes`` (shared with tests/ops/test_stage.py's two-node test; no
+``ray_cluster`` fixture)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from ray.cluster_utils import Cluster
 
 from helpers import assert_same_state, reference_microbatch_sgd, sgd_config
 from rayconv.config import Config
@@ -22,23 +22,6 @@ from rayconv.driver.job import fit
 from rayconv.mesh import Mesh
 
 pytestmark = pytest.mark.own_cluster  # (conftest runs such modules last)
-
-
-@pytest.fixture(scope="module")
-def two_nodes():
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "resources": {"node_a": 1}, "include_dashboard": False})
-    try:
-        cluster.add_node(num_cpus=2, resources={"node_b": 1})
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, namespace="rayconv", log_to_driver=False,
-                 configure_logging=True, logging_level="WARNING")
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def test_ranks_by_node_and_fs_groups_inside_a_node(two_nodes, tmp_path):

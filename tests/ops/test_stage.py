@@ -13,8 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import ray
-from ray.cluster_utils import Cluster
 
 from rayconv.cluster.stage import is_staged, stage_folder, stage_run
 from rayconv.config import Config
@@ -133,20 +131,10 @@ def test_a_run_trains_from_the_staged_copy(ray_cluster, prepared, tmp_path):
     assert any("--stage-dir" in line and "1 node(s)" in line and "copied" in line for line in logged), logged
 
 
-def test_every_node_of_two_is_staged(prepared, tmp_path):
-    """Two Ray nodes (ray.cluster_utils.Cluster, as tests/ops/test_multinode.py): one task per node."""
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    try:
-        cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, namespace="rayconv", log_to_driver=False)
-        logged: list[str] = []
-        cfg = Config(data="shards", data_dir=str(prepared), stage_dir=str(tmp_path / "d"), device="cpu").validate()
-        staged = stage_run(cfg, log=logged.append)
-        assert staged.data_dir == str(tmp_path / "d") and "2 node(s)" in logged[0], logged
-        assert same_files(prepared, tmp_path / "d")
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+def test_every_node_of_two_is_staged(prepared, two_nodes, tmp_path):
+    """Two Ray nodes (conftest's ``two_nodes``, shared with tests/ops/test_multinode.py): one task per node."""
+    logged: list[str] = []
+    cfg = Config(data="shards", data_dir=str(prepared), stage_dir=str(tmp_path / "d"), device="cpu").validate()
+    staged = stage_run(cfg, log=logged.append)
+    assert staged.data_dir == str(tmp_path / "d") and "2 node(s)" in logged[0], logged
+    assert same_files(prepared, tmp_path / "d")
