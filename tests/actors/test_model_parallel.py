@@ -25,7 +25,7 @@ LAYOUTS = {
     # each gather in 5 overlapped batch pieces (32 per replica: 7,7,6,6,6), channels uneven over 3 actors
     "fs3-overlapped-exchanges": dict(fs=3, exchange_chunks=5),
     "pp2-gpipe-m1": dict(pp=2, schedule="gpipe", num_microbatches=1),
-    "pp2-1f1b-m3": dict(pp=2, schedule="1f1b", num_microbatches=3),
+    "pp2-1f1b-m3": dict(pp=2, schedule="1f1b", num_microbatches=3, stages="1"),  # (a cut of CUTS)
     "pp3-1f1b-m4": dict(pp=3, schedule="1f1b", num_microbatches=4),
     "pp2-balanced-by-time": dict(pp=2, balance="time", num_microbatches=2),  # stages cut by measured times
     # interleaved 1F1B: each stage holds non-adjacent model chunks (virtual stages s, s + P, ...)
@@ -33,7 +33,7 @@ LAYOUTS = {
     "pp3-interleaved-v2-m6": dict(pp=3, virtual_stages=2, num_microbatches=6),
     "dp2-pp2-interleaved-v2": dict(dp=2, pp=2, virtual_stages=2, num_microbatches=2),
     "dp2-fs2": dict(dp=2, fs=2),
-    "dp2-pp2": dict(dp=2, pp=2, num_microbatches=2),
+    "dp2-pp2": dict(dp=2, pp=2, num_microbatches=2, stages="8"),  # (a cut of CUTS)
     "pp2-fs2": dict(pp=2, fs=2, num_microbatches=2, schedule="gpipe"),
     "plan-krizhevsky2014-dp2": dict(dp=2, plan="krizhevsky2014"),
 }
@@ -53,12 +53,18 @@ def layout_config(tmp_path, name, **kw) -> Config:
     return sgd_config(tmp_path, name, **{"steps": STEPS, "eval_every": STEPS, **kw})
 
 
-@pytest.mark.parametrize("cut", [1, 4, 8, 11])
+# Whatever cut balancing picks (by measured time it varies from run to run): a second stage that
+# starts with a ReLU (1), with pooling (4, parameter-free), with flatten (8) or holds only the
+# last layer (11) trains as single-device SGD does (cuts at a convolution are every other layout's).
+# The cut changes only which layers each stage holds (its first layer, the activation shape on the
+# wire, each stage's parameters), not the schedule's path: cuts 1 and 8 are given to two pp=2 layouts
+# above (their runs check them), 4 and 11 run here.
+CUTS = (1, 4, 8, 11)
+
+
+@pytest.mark.parametrize("cut", [c for c in CUTS if not any(kw.get("stages") == str(c) for kw in LAYOUTS.values())])
 def test_two_stage_cuts_match_single_device_sgd(ray_cluster, tmp_path, cut):
-    """Whatever cut balancing picks (by measured time it varies from run to run): a second stage that
-    starts with an in-place ReLU (1), with pooling (4, parameter-free), with flatten (8) or holds only
-    the last layer (11) trains as single-device SGD does (cuts at a convolution are every other
-    layout's)."""
+    """A two-stage pipeline cut at ``cut`` (1f1b, 2 micro-batches) trains as single-device SGD does."""
     cfg = layout_config(tmp_path, f"cut{cut}", pp=2, num_microbatches=2, stages=str(cut))
     summary = fit(cfg, log=lambda *_: None)
     assert [list(x) for x in summary["layout"]["stages"]] == [[0, cut], [cut, 12]]
@@ -71,6 +77,9 @@ def test_layout_matches_single_device_sgd(ray_cluster, tmp_path, name):
     cfg = layout_config(tmp_path, name, **LAYOUTS[name])
     summary = fit(cfg, log=lambda *_: None)
     assert summary["layout"]["world_size"] == cfg.dp * cfg.pp * cfg.fs
+    if "stages" in LAYOUTS[name]:  # a cut given (CUTS): the stages are exactly those it makes
+        cut = int(LAYOUTS[name]["stages"])
+        assert [list(x) for x in summary["layout"]["stages"]] == [[0, cut], [cut, 12]]
     if name in SUMMARY_LAYOUT:
         stages = summary["layout"]["stages"]
         assert summary["layout"] == {**SUMMARY_LAYOUT[name], "stages": stages}
