@@ -24,7 +24,7 @@ LAYOUTS = {
     "fs2-two-column": dict(fs=2, model="convnet2col"),  # grouped conv2 needs no exchange
     # each gather in 5 overlapped batch pieces (32 per replica: 7,7,6,6,6), channels uneven over 3 actors
     "fs3-overlapped-exchanges": dict(fs=3, exchange_chunks=5),
-    "pp2-gpipe-m1": dict(pp=2, schedule="gpipe", num_microbatches=1),
+    "pp2-gpipe-m1": dict(pp=2, schedule="gpipe", num_microbatches=1, stages="4"),  # (a cut of CUTS)
     "pp2-1f1b-m3": dict(pp=2, schedule="1f1b", num_microbatches=3, stages="1"),  # (a cut of CUTS)
     "pp3-1f1b-m4": dict(pp=3, schedule="1f1b", num_microbatches=4),
     "pp2-balanced-by-time": dict(pp=2, balance="time", num_microbatches=2),  # stages cut by measured times
@@ -57,8 +57,8 @@ def layout_config(tmp_path, name, **kw) -> Config:
 # starts with a ReLU (1), with pooling (4, parameter-free), with flatten (8) or holds only the
 # last layer (11) trains as single-device SGD does (cuts at a convolution are every other layout's).
 # The cut changes only which layers each stage holds (its first layer, the activation shape on the
-# wire, each stage's parameters), not the schedule's path: cuts 1 and 8 are given to two pp=2 layouts
-# above (their runs check them), 4 and 11 run here.
+# wire, each stage's parameters), not the schedule's path: cuts 1, 4 and 8 are given to three pp=2
+# layouts above (their runs check them), 11 runs here.
 CUTS = (1, 4, 8, 11)
 
 
