@@ -14,7 +14,8 @@ Its name is parts joined by ``x``, in the order dp, pp, fs, and an optional ``-g
 
 ``pp2`` leaves the micro-batches unset (``num_microbatches`` None: ``rayconv.run``'s default, 1; the
 bench tries 2, 4 and 8). Names the parser refuses raise ``ConfigError`` with a one-line message that
-says what to write instead. The module imports only ``errors`` and ``mesh``.
+says what to write instead. The fields are ``rayconv.config.LayoutFields``, declared once there for
+Config's flags and Layout alike. The module imports only ``config``, ``errors`` and ``mesh``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from rayconv.config import LayoutFields
 from rayconv.errors import ConfigError
 from rayconv.mesh import Mesh
 
@@ -33,20 +35,15 @@ _PART = re.compile(r"(dp|pp|fs|plan)(\d+)(?:m(\d+))?(?:v(\d+))?(?:c(\d+))?")
 
 
 @dataclass(frozen=True)
-class Layout:
-    """A mesh ``dp x pp x fs`` (or the per-layer plan over ``dp`` actors) with its pipeline settings.
+class Layout(LayoutFields):
+    """A mesh ``dp x pp x fs`` (or the per-layer plan over ``dp`` actors) with its pipeline settings:
+    the fields of ``LayoutFields``, in its order, so ``to_config_fields`` feeds a Config.
 
-    ``num_microbatches`` None means not fixed (``microbatches`` reads it as 1). Field names and
-    defaults are those of ``rayconv.config.Config``, so ``to_config_fields`` feeds a Config."""
+    Two defaults differ from Config's: a layout names its replicas (``dp`` 1, where Config's None means
+    all devices), and ``num_microbatches`` None means not fixed (``microbatches`` reads it as 1)."""
 
     dp: int = 1
-    pp: int = 1
-    fs: int = 1
-    plan: str = "none"
     num_microbatches: Optional[int] = None
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    exchange_chunks: int = 1
 
     @property
     def world_size(self) -> int:
@@ -97,13 +94,12 @@ class Layout:
         return Layout(**fields)
 
     @staticmethod
-    def from_config(cfg: Any) -> "Layout":
-        """The layout of a Config (or anything with its layout fields); ``cfg.dp`` must be resolved.
-        Raises ValueError when it is not (a caller's mistake, not the user's)."""
+    def from_config(cfg: LayoutFields) -> "Layout":
+        """The layout of a Config (or any ``LayoutFields``); ``cfg.dp`` must be resolved. Raises
+        ValueError when it is not (a caller's mistake, not the user's)."""
         if cfg.dp is None:
             raise ValueError("Layout.from_config needs cfg.dp resolved against the cluster first")
-        return Layout(cfg.dp, cfg.pp, cfg.fs, cfg.plan, cfg.num_microbatches, cfg.schedule, cfg.virtual_stages,
-                      cfg.exchange_chunks)
+        return Layout(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(LayoutFields)})
 
     def to_config_fields(self) -> dict[str, Any]:
         """The Config fields of this layout (micro-batches unset give Config's default, 1)."""
