@@ -2,7 +2,7 @@
 
     timeout 300 python benchmarks/layer_times.py --model resnet50 --batch 64,128 --stages 2
 
-Prints ``LAYER b=B i name ms flops_share`` per layer (``rayconv.parallel.layout_plan.layer_times``, what
+Prints ``LAYER b=B i name ms flops_share`` per layer (``rayconv.planner.layer_timing.layer_times``, what
 ``--balance time`` measures) and ``CUT`` lines: the cut balancing the measured times and the cut by
 forward FLOPs (``--balance flops``), each with its largest stage time (ms).
 """
@@ -17,7 +17,8 @@ from rayconv.config import Config
 from rayconv.mesh import Mesh
 from rayconv.models import build_model, to_layers
 from rayconv.parallel.pipeline.stages import balance
-from rayconv.parallel.layout_plan import layer_times, make_plan
+from rayconv.parallel.layout_plan import make_plan
+from rayconv.planner.layer_timing import layer_times
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
     timeout 500 python benchmarks/stage_times.py --model resnet50 --batch 512 --microbatches 4
 
 What it answers: ``--balance time`` cuts stages by *eager* per-layer times
-(``rayconv.parallel.layout_plan.layer_times``), while a GPU run compiles each stage. For each candidate cut
+(``rayconv.planner.layer_timing.layer_times``), while a GPU run compiles each stage. For each candidate cut
 ``k`` (stage 0 = layers ``[0, k)``, stage 1 = ``[k, L)``) the two stages are compiled exactly as a
 pipeline actor compiles them (``torch.compile(nn.Sequential(...), dynamic=False)``, bf16 autocast,
 channels_last) and their forward and backward are timed separately at the micro-batch size, each
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from rayconv.models import build_model, to_layers
-from rayconv.parallel.layout_plan import layer_times
+from rayconv.planner.layer_timing import layer_times
 from rayconv.parallel.pipeline.stages import balance
 from rayconv.parallel.pipeline import make_schedule, timeline
 

@@ -36,7 +36,8 @@ from rayconv.mesh import Mesh
 from rayconv.models import build_model, check_trainable, model_names, run_model
 from rayconv.models.user import is_user_model, model_label, resolve
 from rayconv.outputs.checkpoint import Checkpoint, check_resumable, find_checkpoint, list_checkpoints, load_checkpoint
-from rayconv.parallel.layout_plan import LayoutPlan, make_plan, measured_costs
+from rayconv.parallel.layout_plan import LayoutPlan, make_plan
+from rayconv.planner.layer_timing import measured_costs
 from rayconv.planner.search import choose_layout, memory_check
 
 

@@ -8,7 +8,6 @@ builds and validates the schedule, and checks the layout against the model. Ever
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,9 +16,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from rayconv.config import Config, batch_split_problem
-from rayconv.data.registry import make_source
 from rayconv.mesh import Mesh
-from rayconv.models import run_model, to_layers
+from rayconv.models import to_layers
 from rayconv.models.traced import cut_problem
 from rayconv.parallel.filter_split.per_layer_plan import krizhevsky2014
 from rayconv.parallel.filter_split.split import ShardedPart, shard_layers, whole_part
@@ -90,64 +88,6 @@ def layer_profile(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, 
             flops.append(float(counter.get_total_flops()))
             params.append(sum(p.numel() for p in m.parameters()))
     return shapes, flops, params
-
-
-def layer_times(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, ...], batch: int,
-                device: torch.device, autocast: Optional[torch.dtype], reps: int = 5) -> list[float]:
-    """Forward + backward time in ms of each layer on ``device`` for a micro-batch of ``batch`` images
-    (torchgpipe's ``balance_by_time``, Kim et al. 2020, section 3.3): FLOPs misjudge layers bound by
-    memory traffic (batch norm, ReLU and pooling on the large early activations). Each layer runs
-    ``reps`` timed times after one untimed run, on the previous layer's output, eagerly (on CPU the
-    median repetition)."""
-    cuda = device.type == "cuda"
-    fmt = torch.channels_last if cuda else torch.contiguous_format
-    x = torch.randn((batch, *sample_shape), device=device).contiguous(memory_format=fmt)
-    def amp():
-        return torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None)
-
-    times = []
-    for i, (_, m) in enumerate(layers):
-        m.to(device)
-        if cuda:
-            m.to(memory_format=torch.channels_last)
-        m.train()
-        reps_s = []  # on CPU each repetition's time: their median (a busy host's stray slow repetition)
-        for r in range(reps + 1):
-            if r == 1:
-                if cuda:
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-            t_rep = time.perf_counter()
-            # A non-leaf input (layers may start with an in-place ReLU), fresh each repetition.
-            inp = x.detach().requires_grad_() * 1 if i > 0 else x
-            with amp():
-                out = m(inp)
-            if out.requires_grad:
-                out.float().sum().backward()
-            if r >= 1 and not cuda:
-                reps_s.append(time.perf_counter() - t_rep)
-        if cuda:
-            torch.cuda.synchronize(device)
-            times.append((time.perf_counter() - t0) / reps * 1e3)
-        else:
-            times.append(sorted(reps_s)[len(reps_s) // 2] * 1e3)
-        with torch.no_grad(), amp():
-            x = m(x).detach()
-        m.zero_grad(set_to_none=True)
-        m.to("cpu")
-    return times
-
-
-def measured_costs(cfg_dict: dict, micro_batch: int) -> list[float]:
-    """``layer_times`` of the run's model on this process's device (run as a Ray task on a GPU by the
-    driver's setup, ``driver.job``). Returns one time in ms per layer of ``models.to_layers``."""
-    cfg = Config(**cfg_dict)
-    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-    source = make_source(cfg)
-    return layer_times(to_layers(run_model(cfg, source)), tuple(source.sample_shape), micro_batch, device,
-                       torch.bfloat16 if cfg.precision == "bf16" else None)
 
 
 def build_part(plan: LayoutPlan, layers, stage: int, fs_index: int, fs_group, dp_index: int,

@@ -9,7 +9,7 @@ What is measured, on the device the run will use:
 * the model's profile (per-layer output sizes, parameters, FLOPs, where a filter split gathers),
   from one CPU forward of one sample (``parallel.layout_plan.layer_profile``, ``filter_split.shard_layers``);
 * each layer's forward + backward time at every batch size the candidate layouts need
-  (``parallel.layout_plan.layer_times``, what ``--balance time`` measures), on one GPU of the cluster
+  (``planner.layer_timing.layer_times``, what ``--balance time`` measures), on one GPU of the cluster
   (``cluster.tasks.run_on_device``) or on this process's CPU;
 * with two or more GPUs, all-reduce, all-gather and send/recv times between two actors on the
   cluster (``cluster.tasks.run_on_devices``), fitted to latency + bytes / bandwidth; on one device or on
@@ -52,7 +52,8 @@ from rayconv.models.user import model_label
 from rayconv.parallel.filter_split.exchanges import Gather, Scatter
 from rayconv.parallel.filter_split.layers import ShardedDropout
 from rayconv.parallel.filter_split.split import shard_layers
-from rayconv.parallel.layout_plan import layer_profile, layer_times, measured_costs
+from rayconv.parallel.layout_plan import layer_profile
+from rayconv.planner.layer_timing import layer_times, measured_costs
 from rayconv.planner.links import LINK_TABLE, Links, LinkSpeed
 from rayconv.planner.profile import Profile
 
@@ -123,7 +124,7 @@ def times_key(batch: int, fs: int) -> str:
 
 def times_at(cfg_dict: dict, pairs: Sequence[tuple[int, int]]) -> dict:
     """Forward + backward ms per layer at each (batch size, fs): whole layers
-    (``parallel.layout_plan.measured_costs``, what ``--balance time`` measures) for fs = 1, else one actor's
+    (``planner.layer_timing.measured_costs``, what ``--balance time`` measures) for fs = 1, else one actor's
     shard of the filter split (``sharded_costs``). Returns {"device": name, "times": {key: [ms, ...]}}."""
     return {"device": device_name(cfg_dict),
             "times": {times_key(b, fs): measured_costs(cfg_dict, b) if fs == 1 else sharded_costs(cfg_dict, b, fs)
