@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import assert_same_state, reference_microbatch_sgd, sgd_config
+from support.helpers import assert_same_state, reference_microbatch_sgd, sgd_config
 from rayconv.config import Config
 from rayconv.driver.job import fit
 from rayconv.parallel.batchnorm import DeferredBatchNorm, defer_batchnorm

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_same_state, reference_sgd
+from support.helpers import assert_same_state, reference_sgd
 from rayconv.config import Config
 from rayconv.data.order import make_order
 from rayconv.data.registry import make_source
 from rayconv.data.source import Sharding
 from rayconv.driver.job import fit
 from rayconv.run import main
-from shard_folder import make_prepared
+from support.shard_folder import make_prepared
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from helpers import assert_same_state
+from support.helpers import assert_same_state
 from rayconv.outputs.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, write_checkpoint
 from rayconv.config import Config
 from rayconv.driver.job import fit

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_same_state, reference_sgd
+from support.helpers import assert_same_state, reference_sgd
 from rayconv.config import Config
 from rayconv.driver.job import fit
 

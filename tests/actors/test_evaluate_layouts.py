@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from helpers import sgd_config
+from support.helpers import sgd_config
 from rayconv.driver.job import fit
 
 STEPS = 40

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_same_state, reference_sgd
+from support.helpers import assert_same_state, reference_sgd
 from rayconv.config import Config
 from rayconv.data.fashion_mnist import FILES
 from rayconv.driver.job import fit

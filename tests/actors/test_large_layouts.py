@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import local_ray
 
-from helpers import assert_same_state, reference_sgd
+from support.helpers import assert_same_state, reference_sgd
 from rayconv.config import Config
 from rayconv.driver.job import fit
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_same_state, reference_mix_sgd, reference_sgd, sgd_config
+from support.helpers import assert_same_state, reference_mix_sgd, reference_sgd, sgd_config
 from rayconv.driver.job import fit
 from rayconv.recipe.mix import draw_mix
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from helpers import assert_same_state, reference_sgd, sgd_config
+from support.helpers import assert_same_state, reference_sgd, sgd_config
 from rayconv.config import Config
 from rayconv.driver.job import fit
 

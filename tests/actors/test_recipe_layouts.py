@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import assert_same_state, reference_recipe_sgd, sgd_config
+from support.helpers import assert_same_state, reference_recipe_sgd, sgd_config
 from rayconv.actor.cuda_graph import sgd_step
 from rayconv.config import Config
 from rayconv.driver.job import fit

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from helpers import assert_same_state, reference_sgd
+from support.helpers import assert_same_state, reference_sgd
 from rayconv import prepare as prep
 from rayconv.config import Config
 from rayconv.data.shard_writer import prepare

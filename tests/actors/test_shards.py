@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import assert_same_state, reference_sgd
+from support.helpers import assert_same_state, reference_sgd
 from rayconv import prepare as prep
 from rayconv.config import Config
 from rayconv.data.imagefolder import ImageFolderSource

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_same_state, reference_sgd
-from image_folder import write_folder
+from support.helpers import assert_same_state, reference_sgd
+from support.image_folder import write_folder
 from rayconv.config import Config
 from rayconv.data.registry import make_source
 from rayconv.data.shard_writer import prepare

@@ -1,4 +1,4 @@
-"""A user's own ResNet-like ConvNet (tests/fixtures/blocks.py, not installed, given as
+"""A user's own ResNet-like ConvNet (tests/support/fixtures/blocks.py, not installed, given as
 ``--model path/to/blocks.py:blocknet``) cut into pipeline stages at its traced block boundaries
 (rayconv.models.traced) trains as single-device SGD does: pp=2 under 1F1B with 4 micro-batches, and
 dp2 x pp2; a model fx cannot trace trains data parallel and is refused for --pp. Filter split: a
@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_same_state, reference_microbatch_sgd, reference_sgd, sgd_config
+from support.helpers import assert_same_state, reference_microbatch_sgd, reference_sgd, sgd_config
 from rayconv.driver.job import fit
 from rayconv.errors import PlanError
 from rayconv.data.registry import make_source
 from rayconv.models import run_model, to_layers
 
-FIXTURE = Path(__file__).parents[1] / "fixtures" / "blocks.py"
+FIXTURE = Path(__file__).parents[1] / "support" / "fixtures" / "blocks.py"
 MODEL = f"{FIXTURE}:blocknet"
 STEPS = 2
 

@@ -1,4 +1,4 @@
-"""A user's own ResNet-like ConvNet (tests/fixtures/resnetish.py: skip connections, batch norm; not
+"""A user's own ResNet-like ConvNet (tests/support/fixtures/resnetish.py: skip connections, batch norm; not
 installed) given as ``--model models/resnetish.py:ResNetish`` trains under dp=2 as single-device SGD
 does (float64, to 1e-10), its model.pt loads into ResNetish, and ``--evaluate-only --init`` of that
 model.pt reports the run's test accuracy.
@@ -20,14 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_same_state, reference_microbatch_sgd, sgd_config
+from support.helpers import assert_same_state, reference_microbatch_sgd, sgd_config
 from rayconv.driver.job import fit
 from rayconv.models.user import resolve
 from rayconv.planner.measure import Measurements
 from rayconv.planner.search import plan_config
 from rayconv.run import main
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "resnetish.py"
+FIXTURE = Path(__file__).resolve().parents[1] / "support" / "fixtures" / "resnetish.py"
 MODEL = "models/resnetish.py:ResNetish"
 STEPS = 3
 

@@ -10,7 +10,7 @@ import torch
 from conftest import local_ray
 from PIL import Image
 
-from helpers import assert_same_state
+from support.helpers import assert_same_state
 from rayconv.config import Config
 from rayconv.driver.job import fit
 from rayconv.data.shard_writer import prepare

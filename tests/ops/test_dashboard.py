@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from helpers import wait_until
+from support.helpers import wait_until
 from rayconv.config import Config
 from rayconv.driver.job import fit
 

@@ -16,7 +16,7 @@ import pytest
 import ray
 import torch
 
-from helpers import assert_same_state, reference_microbatch_sgd, sgd_config
+from support.helpers import assert_same_state, reference_microbatch_sgd, sgd_config
 from rayconv.config import Config
 from rayconv.driver.job import fit
 from rayconv.mesh import Mesh
@@ -51,11 +51,12 @@ def test_ranks_by_node_and_fs_groups_inside_a_node(two_nodes, tmp_path):
 
 
 def test_users_model_from_a_file_trains_dp2_across_the_nodes(two_nodes, tmp_path, monkeypatch):
-    """ResNetish (tests/fixtures/resnetish.py) copied to a folder no worker runs in, given by a relative
+    """ResNetish (tests/support/fixtures/resnetish.py) copied to a folder no worker runs in, given by a relative
     path: each of the two actors (2 CPUs each, one per node) imports it from py_modules. Batch norm
     normalises each replica's share: the reference is reference_microbatch_sgd, to 1e-10."""
     (tmp_path / "mine").mkdir()
-    shutil.copy(Path(__file__).resolve().parents[1] / "fixtures" / "resnetish.py", tmp_path / "mine" / "resnetish.py")
+    shutil.copy(Path(__file__).resolve().parents[1] / "support" / "fixtures" / "resnetish.py",
+                tmp_path / "mine" / "resnetish.py")
     monkeypatch.chdir(tmp_path)
     monkeypatch.delitem(sys.modules, "resnetish", raising=False)  # (this copy is imported as resnetish)
     try:

@@ -17,7 +17,7 @@ import pytest
 import ray
 import torch
 
-from helpers import wait_until
+from support.helpers import wait_until
 from rayconv.outputs.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from ray.util.placement_group import placement_group, remove_placement_group
 

@@ -19,7 +19,7 @@ from rayconv.config import Config
 from rayconv.data.registry import make_source
 from rayconv.driver.job import fit
 from rayconv.errors import DataError
-from shard_folder import make_prepared
+from support.shard_folder import make_prepared
 
 pytestmark = pytest.mark.own_cluster  # (conftest runs such modules last)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from image_folder import write_folder
+from support.image_folder import write_folder
 from rayconv.config import Config
 from rayconv.data import small
 from rayconv.data.decode import MEAN, STD

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import reference_recipe_sgd, sgd_config
+from support.helpers import reference_recipe_sgd, sgd_config
 from rayconv.config import Config
 from rayconv.errors import ConfigError
 from rayconv.recipe.lars import adapted_params, lars_param_groups, scale_, sq_norms

@@ -1,4 +1,4 @@
-"""The traced flat view (rayconv.models.traced) of a user's own ConvNets (tests/fixtures/blocks.py):
+"""The traced flat view (rayconv.models.traced) of a user's own ConvNets (tests/support/fixtures/blocks.py):
 cuts where exactly one tensor is live, the pieces compute the model, state_dict keys are the user's."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from rayconv.models.traced import NotCuttable, cut_problem, traced_layers
 from rayconv.outputs.export import assemble, export_model
 from rayconv.parallel.layout_plan import make_plan
 
-_SPEC = importlib.util.spec_from_file_location("blocks_fixture", Path(__file__).parents[1] / "fixtures" / "blocks.py")
+_SPEC = importlib.util.spec_from_file_location("blocks_fixture",
+                                               Path(__file__).parents[1] / "support" / "fixtures" / "blocks.py")
 blocks = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(blocks)
 

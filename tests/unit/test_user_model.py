@@ -23,7 +23,7 @@ from rayconv.models.user import (NAME_ENV, PICKLE_ENV, actor_runtime_env, model_
                                  resolve, shipped_path)
 from rayconv.run import main
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "resnetish.py"
+FIXTURE = Path(__file__).resolve().parents[1] / "support" / "fixtures" / "resnetish.py"
 SPEC = f"{FIXTURE}:ResNetish"
 
 
@@ -196,7 +196,7 @@ def test_a_package_is_shipped_as_its_folder(tmp_path, monkeypatch):
 
 def test_run_folder_and_label_of_a_spec():
     assert model_label(SPEC) == "ResNetish" and model_label("resnet18") == "resnet18"
-    cfg = Config(model="tests/fixtures/resnetish.py:ResNetish").validate()
+    cfg = Config(model="tests/support/fixtures/resnetish.py:ResNetish").validate()
     assert new_run_dir(cfg).parent == Path("runs") and new_run_dir(cfg).name.endswith("-ResNetish-digits")
 
 

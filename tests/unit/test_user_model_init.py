@@ -16,7 +16,7 @@ from rayconv.flags import resumed_settings
 from rayconv.models import build_model, run_model
 from rayconv.models.weights import head_keys, load_init, read_state
 
-SPEC = f"{Path(__file__).resolve().parents[1] / 'fixtures' / 'resnetish.py'}:ResNetish"
+SPEC = f"{Path(__file__).resolve().parents[1] / 'support' / 'fixtures' / 'resnetish.py'}:ResNetish"
 
 
 def saved(tmp_path, state, name="w.pt") -> str:
