@@ -40,6 +40,18 @@ def test_config_fields_round_trip():
         Layout.from_config(Config())  # dp left to the cluster
 
 
+def test_layout_fields_are_declared_once():
+    """Layout's fields are Config's layout flags (``LayoutFields``), in their order: none of its own."""
+    from dataclasses import fields
+
+    from rayconv.config import Config, LayoutFields
+
+    names = [f.name for f in fields(LayoutFields)]
+    assert [f.name for f in fields(Layout)] == names
+    flags = {f.name: f for f in fields(Config)}
+    assert all(flags[n].metadata["help"] for n in names)
+
+
 @pytest.mark.parametrize("name, match", [
     ("tp2", "unknown layout"), ("pp2c4", "unknown layout"), ("dp2m4", "unknown layout"),
     ("fs2c0", "zero count"), ("dp0", "zero count"), ("pp2-zigzag", "unknown schedule"),
