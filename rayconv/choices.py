@@ -33,3 +33,4 @@ DATA_ON_DEVICE_HELP = ("--data imagefolder and shards: on: decode both splits on
 # Fashion-MNIST 28x28; synthetic, image folders and shards are cropped to 224 (ImageNet's).
 DATA_IMAGE_SIZE = {"digits": 8, "fashion-mnist": 28, "synthetic": 224, "imagefolder": 224, "shards": 224}
 PAD_CROP_MAX_SIZE = 64  # --augment auto: pad-crop + flip up to this side in pixels, resized crops above
+CUDNN_BENCHMARK_MIN_STEPS = 10_000  # --cudnn-benchmark auto: on for runs at least this long

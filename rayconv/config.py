@@ -37,7 +37,8 @@ from rayconv.choices import (  # noqa: F401 (the fields' choices, also read from
     MODELS_HELP, DATA_CHOICES, DECODE_CHOICES, DEVICE_CHOICES, SCHEDULE_CHOICES, PLAN_CHOICES,
     PRECISION_CHOICES, LR_SCHEDULE_CHOICES, COMPILE_CHOICES, BALANCE_CHOICES, LAYOUT_CHOICES,
     OPT_CHOICES, WARMUP_CHOICES, LR_SCALING_CHOICES, AUGMENT_CHOICES, AUTO_AUGMENT_CHOICES,
-    SHUFFLE_CHOICES, DATA_ON_DEVICE_CHOICES, DATA_ON_DEVICE_HELP, DATA_IMAGE_SIZE, PAD_CROP_MAX_SIZE, LARS_ETA)
+    SHUFFLE_CHOICES, DATA_ON_DEVICE_CHOICES, DATA_ON_DEVICE_HELP, DATA_IMAGE_SIZE, PAD_CROP_MAX_SIZE, LARS_ETA,
+    CUDNN_BENCHMARK_MIN_STEPS)
 from rayconv.config_checks import batch_split_problem, check  # noqa: F401 (batch_split_problem re-exported)
 from rayconv.errors import ConfigError  # noqa: F401 (re-exported: callers catch it from here)
 
@@ -71,8 +72,8 @@ class DataSettings:
                                                                    "or a prepared shard folder"})
     decode: str = field(default="auto", metadata={
         "help": "where --data shards decodes JPEGs: gpu (batched nvJPEG, crop and flip on the actor's GPU), "
-                "cpu (--loader-workers processes, libjpeg-turbo), auto: cpu (measured faster on an H200 with "
-                "14 workers: nvJPEG and the crops take GPU time from the model)",
+                "cpu (--loader-workers processes, libjpeg-turbo), auto: cpu (nvJPEG and the crops take GPU "
+                "time from the model; measured: benchmarks/RESULTS.md, Real image files)",
         "choices": DECODE_CHOICES})
     image_size: Optional[int] = field(default=None, metadata={
         "help": "side in pixels of the training images (synthetic data, the crops of imagefolder and shards "
@@ -95,7 +96,7 @@ class DataSettings:
     synthetic_samples: int = field(default=4096, metadata={"help": "train samples of synthetic data"})
     shuffle: str = field(default="exact", metadata={"choices": SHUFFLE_CHOICES, "help": "train order: exact "
         "(all samples permuted per epoch) or block (--data shards: shards permuted, then the samples of each "
-        "window of --shuffle-window shards; README: Shuffle order)"})
+        "window of --shuffle-window shards; docs/data.md: Shuffle order)"})
     shuffle_window: int = field(default=8, metadata={"help": "--shuffle block: shards per window, >= 1"})
     stage_dir: Optional[str] = field(default=None, metadata={"help": "--data shards: first copy the shards to "
         "this folder on each node's local disk (sha256-checked, skipped when there) and read them there"})
@@ -218,7 +219,7 @@ class ExecutionSettings:
                 "or auto: on with GPUs; refused on CPU", "choices": COMPILE_CHOICES})
     cudnn_benchmark: str = field(default="auto", metadata={
         "help": "let cuDNN time its algorithms for each new convolution shape (torch.backends.cudnn.benchmark): "
-                "on, off, or auto: on for runs of at least 10,000 steps, where its faster steps repay the seconds "
+                f"on, off, or auto: on for runs of at least {CUDNN_BENCHMARK_MIN_STEPS:,} steps, where its faster steps repay the seconds "
                 "of timing at the first step, the last partial batch and the first evaluation", "choices": COMPILE_CHOICES})
     bucket_mb: float = field(default=25.0, metadata={"help": "gradient all-reduce bucket size in MB (2**20 bytes); "
                                                           "compiled segments end at bucket boundaries"})

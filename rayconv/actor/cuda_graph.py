@@ -1,7 +1,7 @@
 """The whole training step as one CUDA graph: forward, backward, the exchanges and all-reduces, the update.
 
-AlexNet's step on an H200 is shorter than the time the CPU needs to launch its kernels one by one
-(measured: rayconv's AlexNet layouts on two GPUs left the GPUs idle three quarters of the step), so
+A short step (AlexNet's on a fast GPU) takes less time than the CPU needs to launch its kernels one
+by one, which leaves the GPUs idle for much of the step (benchmarks/RESULTS.md, RQ4); instead
 each actor records its step once and replays it: one launch per step instead of hundreds. This is
 PyTorch's "whole-network capture" (torch.cuda.graphs, CUDA semantics notes); NCCL collectives and
 point-to-point operations are captured as kernels too (NCCL >= 2.9, "Using NCCL with CUDA Graphs").

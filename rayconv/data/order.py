@@ -10,7 +10,7 @@ reads one window of shards at a time (``window`` shards in the page cache per no
 samples of a window are contiguous in the order, so a global batch (consecutive samples of the order)
 no larger than a window holds samples of at most two windows. The related designs: MosaicML streaming's ``py1e`` shuffle
 (shards permuted, samples shuffled within overlapping blocks of shards) and FFCV's
-``OrderOption.QUASI_RANDOM`` (samples permuted within pages held in memory); README, Shuffle order,
+``OrderOption.QUASI_RANDOM`` (samples permuted within pages held in memory); docs/data.md, Shuffle order,
 says what the order gives up in randomness and how to choose ``window``.
 
 Both orders depend on (seed, epoch) and the data only, never on the layout or the loader processes,

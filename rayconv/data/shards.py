@@ -43,9 +43,9 @@ class ShardSource(Source):
 
     ``decode``: ``gpu`` (batched nvJPEG on the actor's GPU, then crop, flip and normalise there, on a
     side CUDA stream, one batch ahead), ``cpu`` (``workers`` DataLoader processes decode with
-    libjpeg-turbo, crop and flip; the actor normalises on its device) or ``auto`` (cpu: on an H200 with
-    14 workers, ResNet-50 at batch 256 trained at 0.98x its synthetic-data rate with cpu, 0.58x with gpu,
-    whose decode and crops take GPU time from the model; benchmarks/RESULTS.md). Raises DataError for
+    libjpeg-turbo, crop and flip; the actor normalises on its device) or ``auto`` (cpu: on a GPU, gpu's decode
+    and crops take GPU time from the model, and ResNet-50 trains closer to its synthetic-data rate with
+    cpu; benchmarks/RESULTS.md, Real image files). Raises DataError for
     a folder whose manifest does not match its files.
 
     Overlap on GPUs: when batch k is taken, batch k + 1 is decoded and cropped on a side stream; the

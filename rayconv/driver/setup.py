@@ -30,7 +30,7 @@ from rayconv.data.registry import make_source
 from rayconv.data.source import Sharding, Source
 from rayconv.driver.lr import check_schedule, total_steps
 
-CUDNN_BENCHMARK_MIN_STEPS = 10_000  # --cudnn-benchmark auto: on for runs at least this long
+from rayconv.choices import CUDNN_BENCHMARK_MIN_STEPS  # --cudnn-benchmark auto: on for runs at least this long
 from rayconv.errors import CheckpointError, ConfigError
 from rayconv.mesh import Mesh
 from rayconv.models import build_model, check_trainable, model_names, run_model

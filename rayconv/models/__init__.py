@@ -25,7 +25,7 @@ __all__ = ["ConvNet", "build_model", "check_trainable", "to_layers", "model_name
 
 
 def _torchvision():
-    """torchvision, imported on first use: importing it imports torch._dynamo (about 4 s of CPU), which
+    """torchvision, imported on first use: importing it imports torch._dynamo (seconds of CPU), which
     every actor of a run of rayconv's own models on its own data would pay at start for nothing."""
     import torchvision
 

@@ -128,8 +128,8 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[tuple[int,
     receive activation m+1"). Posted one by one on the pair's single NCCL stream, each send can only
     finish once the peer's receive runs, and that receive is queued behind the peer's own send: it
     works only while NCCL buffers the message. (Megatron-LM's ``p2p_communication`` pairs them the
-    same way. On 2 x H200 the unpaired pattern failed at 64 MB, ``tests/gpu/nccl_crossing.py``, and
-    ResNet-50's 2-stage pipeline at global batch 512 did not finish its benchmark in 3 minutes.)
+    same way. Unpaired, the pattern hangs once a message outgrows NCCL's buffers, which
+    ``tests/gpu/nccl_crossing.py`` shows on two GPUs.)
     Operations to the same peer match the peer's in the order posted. Returns the received tensors
     (in the order of ``recvs``) and the work handles of the sends, which keep the sent tensors alive
     until waited.

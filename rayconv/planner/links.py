@@ -8,8 +8,8 @@ rayconv.plan --machine``) assumes them from ``LINK_TABLE``, whose sources are:
 * NVLink 4 on H100/H200: 18 links, 900 GB/s bidirectional per GPU, about 450 GB/s each way (NVIDIA
   H200 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/h200/ ; HGX H200 8-GPU
   boards connect all GPUs through NVSwitch at that rate, https://www.nvidia.com/en-us/data-center/hgx/ ).
-  NCCL reaches part of it; the table assumes 290 GB/s for collectives and point-to-point (about what a
-  torch.distributed all-reduce reached between two H200 actors, benchmarks/RESULTS.md).
+  NCCL reaches part of it; the table assumes 290 GB/s for collectives and point-to-point (checked against
+  a measured all-reduce between two actors: benchmarks/RESULTS.md, "The link table's NVLink figure").
 * Between hosts: InfiniBand NDR, 400 Gb/s = 50 GB/s each way per ConnectX-7 adapter, one adapter per
   GPU as in DGX/HGX H200 systems (NVIDIA ConnectX-7 datasheet,
   https://www.nvidia.com/en-us/networking/ethernet-adapters/ ; DGX H200 user guide); assumed 40 GB/s
