@@ -238,12 +238,12 @@ class Config:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> "Config":
-        """Check what can be checked without a cluster or data; return self (validated, and frozen as
-        every Config is). Raises ConfigError naming the flag and what to change."""
-        _check_names(self)
-        _check_numbers(self)
-        _check_recipe(self)
-        _check_combinations(self)
+        """Check what can be checked without a cluster or data, once (a Config is frozen: a later call
+        returns at once); return self. Raises ConfigError naming the flag and what to change."""
+        if not self.__dict__.get("_validated"):  # (dataclasses.replace makes a new, unchecked Config)
+            for check in (_check_names, _check_numbers, _check_recipe, _check_combinations):
+                check(self)
+            object.__setattr__(self, "_validated", True)
         return self
 
     @property
