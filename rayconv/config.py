@@ -283,9 +283,11 @@ class Config(OperationsSettings, OutputSettings, ClusterSettings, ExecutionSetti
     dataclass takes the fields of its last base first, so the flags keep this file's order."""
 
     def validate(self) -> "Config":
-        """Check what can be checked without a cluster or data; return self (validated, and frozen as
-        every Config is). Raises ConfigError naming the flag and what to change."""
-        check(self)
+        """Check what can be checked without a cluster or data, once (a Config is frozen: a later call
+        returns at once); return self. Raises ConfigError naming the flag and what to change."""
+        if not self.__dict__.get("_validated"):  # (dataclasses.replace makes a new, unchecked Config)
+            check(self)
+            object.__setattr__(self, "_validated", True)
         return self
 
     @property

@@ -1,150 +1,212 @@
-"""Building an actor's part: device choice, process groups, data source, the part of the model
-(``parallel.parallelize``: cut, filter split or per-layer plan, batch-norm mode, data-parallel sync),
-dtype, optimizer and the rest of the recipe (``recipe.py``), compile, CUDA graph, the stage runner and
-its program. ``BuildMixin.setup`` is the
-actor's ``setup`` call; ``rayconv/actor/worker.py``'s ``Worker`` inherits it and declares the state
-it sets.
+"""An actor's state, built once by its ``setup`` call (``build_actor``): device choice, process groups,
+data source and batches, the part of the model (``parallel.parallelize``: cut, filter split or per-layer
+plan, batch-norm mode, data-parallel sync), dtype, optimizer and the rest of the recipe (``recipe.py``),
+compile, CUDA graph, the stage runner and its program. ``ActorState`` is that one object; the step
+(``step.py``), the state calls (``state.py``) and the metrics (``report.py``) read it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import ray
 import torch
+from torch import nn
 
 from rayconv.actor.batches import Batches
 from rayconv.actor.cuda_graph import StepGraph
 from rayconv.actor.recipe import StepRecipe, build_optimizer
 from rayconv.cluster.connect import visible_index
-from rayconv.data.order import make_order
+from rayconv.config import Config
 from rayconv.data.registry import make_source
-from rayconv.data.source import Sharding
+from rayconv.data.source import Sharding, Source
 from rayconv.errors import ConfigError
-from rayconv.mesh import split_sizes
+from rayconv.mesh import Coord, Mesh, split_sizes
 from rayconv.models import run_model, to_layers
 from rayconv.parallel import comm
+from rayconv.parallel.data_parallel import GradientSync
 from rayconv.parallel.layout_plan import LayoutPlan
-from rayconv.parallel.parallelize import parallelize
+from rayconv.parallel.parallelize import ParallelPart, parallelize
 from rayconv.parallel.part import compile_part
-from rayconv.parallel.pipeline.p2p import exchange_plan
+from rayconv.parallel.pipeline.p2p import Post, exchange_plan
 from rayconv.parallel.pipeline.runner import Chunk, StageRunner
+from rayconv.parallel.pipeline.schedules import Action
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.float32, "fp16": torch.float32, "fp64": torch.float64}
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --precision -> autocast dtype (parameters float32)
 
 
-class BuildMixin:
-    """``setup`` and the device choice of ``Worker`` (which declares the state set here)."""
+@dataclass
+class ActorState:
+    """Everything one actor holds, set once by ``build_actor`` except the per-step fields at the end.
 
-    def _pick_device(self) -> torch.device:
-        if self.cfg.device != "cuda":
-            return torch.device("cpu")
-        ids = ray.get_gpu_ids()
-        if not ids:
-            raise RuntimeError("actor has no GPU assigned by Ray")
-        if self.cfg.all_gpus_visible:
-            # Actors see every GPU of the node (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1): pick ours by index.
-            index = visible_index(ids[0])
-        else:
-            index = 0  # Ray narrowed CUDA_VISIBLE_DEVICES to our GPU
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
+    * ``cfg``, ``run_name``, ``role``; ``rank``, ``plan`` (the ``LayoutPlan``), ``mesh``, ``coord``
+      (this actor's (dp, pp, fs)), ``device``, ``groups`` (its process groups);
+    * ``source`` (the data), ``batches`` (which micro-batches it reads, ``batches.py``);
+    * ``parallel`` (``parallelize``'s result: the part, its layer names, split, replicated modules,
+      gradient sync, deferred batch norms), ``part`` and ``sync`` (``parallel.part``, ``parallel.sync``),
+      ``per_layer`` (under Krizhevsky 2014's per-layer plan);
+    * ``dtype`` (parameters), ``autocast`` (bf16, fp16 or None), ``input_dtype`` (images), ``optimizer``
+      (``--opt`` over ``recipe.optim``'s groups), ``recipe`` (``recipe.StepRecipe``: loss scale,
+      clipping, moving average);
+    * ``compiled``, ``cuda_graphs``, ``step_graph`` (the captured step or None), ``lr_t`` (device
+      learning rates for a captured update, by parameter dtype);
+    * ``runner`` (the stage's ``StageRunner``), ``program`` and ``exchange_plan`` (its actions and
+      their sends and receives), ``reports`` (whether this actor's loss is the one the driver reads);
+    * per step (``step.py``): ``pending`` (the metrics of the step in flight), ``last_start``,
+      ``last_return`` (perf_counter seconds of the last call's start and return), ``comm_bytes``
+      (bytes handed to torch.distributed by the last eager step).
+    """
 
-    def setup(self, rank: int, master: str, plan: LayoutPlan) -> dict[str, Any]:
-        """Join the process groups, build this actor's part of the model and its optimizer.
+    cfg: Config
+    run_name: str
+    role: str
+    rank: int
+    plan: LayoutPlan
+    mesh: Mesh
+    coord: Coord
+    device: torch.device
+    groups: comm.Groups
+    source: Source
+    batches: Batches
+    parallel: ParallelPart
+    part: nn.Sequential
+    sync: GradientSync
+    per_layer: bool
+    dtype: torch.dtype
+    autocast: Optional[torch.dtype]
+    input_dtype: torch.dtype
+    optimizer: torch.optim.Optimizer
+    recipe: StepRecipe
+    compiled: bool
+    cuda_graphs: bool
+    step_graph: Optional[StepGraph]
+    lr_t: dict[torch.dtype, torch.Tensor]
+    runner: StageRunner
+    program: tuple[Action, ...]
+    exchange_plan: list[tuple[Post, ...]]
+    reports: bool
+    pending: Optional[dict[str, Any]] = None
+    last_start: Optional[float] = None
+    last_return: Optional[float] = None
+    comm_bytes: int = 0
 
-        Returns parameters held (count) and the device. Raises what data and model loading raise.
-        """
-        cfg, mesh = self.cfg, plan.mesh
-        self.rank, self.plan, self.mesh, self.coord = rank, plan, mesh, mesh.coord(rank)
-        self.device = self._pick_device()
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self.groups = comm.init_process_groups(mesh, rank, master, backend, cfg.collective_timeout_s)
-        self.source = make_source(cfg)
-        self._set_precision()
-        self._build_part()
-        self.optimizer = build_optimizer(cfg, self.part)
-        self._choose_step_mode()
-        stage = self.coord.pp
-        self.runner = self._stage_runner()
-        self.program = plan.schedule.programs[stage]
-        self.exchange_plan = exchange_plan(plan.schedule, stage)
-        self.is_first, self.is_last = stage == 0, stage == mesh.pp - 1
-        sharding = Sharding(self.source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed,
-                            make_order(cfg, self.source))
-        self.batches = Batches(self.source, sharding, mesh, self.coord, self.device, self.input_dtype,
-                               self.parallel.sharded.batch_gather, mix=(cfg.mixup_alpha, cfg.cutmix_alpha))
-        self.recipe = StepRecipe(cfg, self.parallel, self.optimizer, self.groups, self.coord, self.per_layer,
-                                 self.device, sharding.steps_per_epoch)
-        self.reports = self.is_last and self.coord.fs == 0 and not (self.per_layer and self.coord.dp != 0)
-        return {"rank": rank, "role": self.role, "device": str(self.device), "compiled": self.compiled,
+    def report(self) -> dict[str, Any]:
+        """What ``setup`` returns: rank, role, device, compiled, CUDA graphs, parameters held (count)."""
+        return {"rank": self.rank, "role": self.role, "device": str(self.device), "compiled": self.compiled,
                 "cuda_graphs": self.cuda_graphs, "parameters": sum(p.numel() for p in self.part.parameters())}
 
-    def _set_precision(self) -> None:
-        """Parameter dtype, autocast dtype and the images' dtype from ``--precision``: bf16 and fp16
-        keep float32 parameters and autocast the forward pass (fp16 with dynamic loss scaling,
-        ``recipe.py``; CPU autocast runs float16 convolutions and matrix products too)."""
-        self.dtype = DTYPES[self.cfg.precision]
-        self.autocast = AUTOCAST.get(self.cfg.precision)
-        # Images enter the first layer in the autocast dtype on GPUs (its convolution would cast them).
-        cuda_autocast = self.autocast is not None and self.device.type == "cuda"
-        self.input_dtype = self.autocast if cuda_autocast else self.dtype
 
-    def _build_part(self) -> None:
-        """This actor's part: every actor builds the same full model from the seed, then keeps its part
-        (``parallelize``)."""
-        layers = to_layers(run_model(self.cfg, self.source, self.dtype))  # (--init loaded in the run's dtype)
-        assert tuple(n for n, _ in layers) == self.plan.layer_names, "layout plan was made for another model"
-        self.per_layer = self.plan.per_layer_plan == "krizhevsky2014"
-        self.parallel = parallelize(self.plan, layers, self.coord, self.groups, self.device, self.dtype,
-                                    self.cfg.sync_batchnorm, self.cfg.bucket_mb)
-        self.part, self.sync = self.parallel.part, self.parallel.sync
+def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, plan: LayoutPlan,
+                sharding: Sharding) -> ActorState:
+    """Join the process groups, build this actor's part of the model, its optimizer and the rest of
+    its state, in that order. ``sharding``: the train sharding the driver made (``driver.setup``).
+    Raises what data and model loading raise."""
+    mesh = plan.mesh
+    coord = mesh.coord(rank)
+    device = _pick_device(cfg)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    groups = comm.init_process_groups(mesh, rank, master, backend, cfg.collective_timeout_s)
+    source = make_source(cfg)
+    dtype, autocast, input_dtype = _precision(cfg, device)
+    # This actor's part: every actor builds the same full model from the seed, then keeps its part.
+    layers = to_layers(run_model(cfg, source, dtype))  # (--init loaded in the run's dtype)
+    assert tuple(n for n, _ in layers) == plan.layer_names, "layout plan was made for another model"
+    per_layer = plan.per_layer_plan == "krizhevsky2014"
+    parallel = parallelize(plan, layers, coord, groups, device, dtype, cfg.sync_batchnorm, cfg.bucket_mb)
+    part, sync = parallel.part, parallel.sync
+    optimizer = build_optimizer(cfg, part)
+    compiled, cuda_graphs, step_graph, lr_t = _step_mode(cfg, device, mesh, part)
+    stage = coord.pp
+    runner = _stage_runner(plan, mesh, coord, groups, part, sync, parallel, compiled, device, dtype, autocast)
+    is_last = stage == mesh.pp - 1
+    batches = Batches(source, sharding, mesh, coord, device, input_dtype, parallel.sharded.batch_gather,
+                      mix=(cfg.mixup_alpha, cfg.cutmix_alpha))
+    recipe = StepRecipe(cfg, parallel, optimizer, groups, coord, per_layer, device, sharding.steps_per_epoch)
+    return ActorState(
+        cfg=cfg, run_name=run_name, role=role, rank=rank, plan=plan, mesh=mesh, coord=coord, device=device,
+        groups=groups, source=source, batches=batches, parallel=parallel, part=part, sync=sync,
+        per_layer=per_layer, dtype=dtype, autocast=autocast, input_dtype=input_dtype, optimizer=optimizer,
+        recipe=recipe, compiled=compiled, cuda_graphs=cuda_graphs, step_graph=step_graph, lr_t=lr_t,
+        runner=runner, program=plan.schedule.programs[stage], exchange_plan=exchange_plan(plan.schedule, stage),
+        reports=is_last and coord.fs == 0 and not (per_layer and coord.dp != 0))
 
-    def _choose_step_mode(self) -> None:
-        """Compiled or eager, whole-step CUDA graph or not, and the device learning rates a graph reads."""
-        cfg, device = self.cfg, self.device
-        if device.type == "cuda":  # (auto resolved by the driver's setup from the run's length)
-            torch.backends.cudnn.benchmark = cfg.cudnn_benchmark == "on"
-        # auto: compile on GPUs (not fp64). Without whole-step CUDA graphs, compiled data parallelism runs
-        # slower than eager (each segment's launch overhead), so with --cuda-graphs off auto compiles
-        # one-GPU runs only.
-        graphs_on = device.type == "cuda" and cfg.cuda_graphs in ("on", "auto") and _graphable(cfg)
-        self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda"
-                                                  and cfg.precision != "fp64" and (graphs_on or self.mesh.world_size == 1))
-        # The whole step captured as one CUDA graph and replayed (auto: on every GPU layout), so the CPU
-        # launches one graph a step instead of every kernel (actor/cuda_graph.py).
-        self.cuda_graphs = graphs_on
-        full_batch = tuple(split_sizes(cfg.global_batch_size, self.mesh.dp))  # per-replica sizes
-        self.step_graph = StepGraph(device, full_batch) if self.cuda_graphs else None
-        # The learning rate on the device, per parameter dtype (float32 below float64: what torch's fused
-        # SGD reads), for the captured update; set before each step.
-        self.lr_t = {p.dtype: torch.tensor(cfg.lr, device=device,
-                                           dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
-                     for p in self.part.parameters()} if self.cuda_graphs else {}
 
-    def _stage_runner(self) -> StageRunner:
-        """The stage's model chunks (one, or V under interleaved 1F1B: virtual stages stage, stage + P, ...),
-        each compiled apart, and the runner of its program; chunk c's neighbours hold virtual stages
-        v - 1 and v + 1. (One chunk is the whole part, exchange layers of a filter split included.)"""
-        plan, mesh, stage, fs_index = self.plan, self.mesh, self.coord.pp, self.coord.fs
-        pp_ranks = self.groups.ranks["pp"]
-        # Compiled segments end at the gradient bucket size, so all-reduce overlaps the backward pass.
-        limit = self.sync.bucket_bytes if self.sync.group is not None else None
-        virtual, last_v = plan.virtual_stages(stage), mesh.pp * plan.schedule.num_chunks - 1
-        widths = [len(self.part)] if len(virtual) == 1 else [plan.stages[v][1] - plan.stages[v][0] for v in virtual]
-        chunks, offset = [], 0
-        for v, n in zip(virtual, widths):
-            seq = self.part[offset:offset + n]
-            offset += n
-            chunks.append(Chunk(compile_part(seq, limit) if self.compiled else seq,
-                                prev=pp_ranks[(v - 1) % mesh.pp] if v > 0 else None,
-                                next=pp_ranks[(v + 1) % mesh.pp] if v < last_v else None,
-                                in_shape=_local(plan.stage_in_shape(v), self.parallel.in_sizes, fs_index),
-                                out_shape=_local(plan.stage_out_shape(v), self.parallel.sharded.out_sizes, fs_index)))
-        wire = self.autocast or self.dtype  # activations and their gradients: bf16/fp16 under autocast
-        return StageRunner(chunks, self.groups.axis["pp"], wire_dtype=wire, device=self.device,
-                           autocast=self.autocast)
+def _pick_device(cfg: Config) -> torch.device:
+    if cfg.device != "cuda":
+        return torch.device("cpu")
+    ids = ray.get_gpu_ids()
+    if not ids:
+        raise RuntimeError("actor has no GPU assigned by Ray")
+    if cfg.all_gpus_visible:
+        # Actors see every GPU of the node (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1): pick ours by index.
+        index = visible_index(ids[0])
+    else:
+        index = 0  # Ray narrowed CUDA_VISIBLE_DEVICES to our GPU
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _precision(cfg: Config, device: torch.device) -> tuple[torch.dtype, Optional[torch.dtype], torch.dtype]:
+    """(parameter dtype, autocast dtype, the images' dtype) from ``--precision``: bf16 and fp16 keep
+    float32 parameters and autocast the forward pass (fp16 with dynamic loss scaling, ``recipe.py``;
+    CPU autocast runs float16 convolutions and matrix products too)."""
+    dtype = DTYPES[cfg.precision]
+    autocast = AUTOCAST.get(cfg.precision)
+    # Images enter the first layer in the autocast dtype on GPUs (its convolution would cast them).
+    cuda_autocast = autocast is not None and device.type == "cuda"
+    return dtype, autocast, autocast if cuda_autocast else dtype
+
+
+def _step_mode(cfg: Config, device: torch.device, mesh: Mesh, part: nn.Module
+               ) -> tuple[bool, bool, Optional[StepGraph], dict[torch.dtype, torch.Tensor]]:
+    """(compiled, whole-step CUDA graphs, the ``StepGraph`` or None, the device learning rates a
+    graph reads)."""
+    if device.type == "cuda":  # (auto resolved by the driver's setup from the run's length)
+        torch.backends.cudnn.benchmark = cfg.cudnn_benchmark == "on"
+    # auto: compile on GPUs (not fp64). Without whole-step CUDA graphs, compiled data parallelism runs
+    # slower than eager (each segment's launch overhead), so with --cuda-graphs off auto compiles
+    # one-GPU runs only.
+    graphs_on = device.type == "cuda" and cfg.cuda_graphs in ("on", "auto") and _graphable(cfg)
+    compiled = cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda"
+                                       and cfg.precision != "fp64" and (graphs_on or mesh.world_size == 1))
+    # The whole step captured as one CUDA graph and replayed (auto: on every GPU layout), so the CPU
+    # launches one graph a step instead of every kernel (actor/cuda_graph.py).
+    cuda_graphs = graphs_on
+    full_batch = tuple(split_sizes(cfg.global_batch_size, mesh.dp))  # per-replica sizes
+    step_graph = StepGraph(device, full_batch) if cuda_graphs else None
+    # The learning rate on the device, per parameter dtype (float32 below float64: what torch's fused
+    # SGD reads), for the captured update; set before each step.
+    lr_t = {p.dtype: torch.tensor(cfg.lr, device=device,
+                                  dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
+            for p in part.parameters()} if cuda_graphs else {}
+    return compiled, cuda_graphs, step_graph, lr_t
+
+
+def _stage_runner(plan: LayoutPlan, mesh: Mesh, coord: Coord, groups: comm.Groups, part: nn.Sequential,
+                  sync: GradientSync, parallel: ParallelPart, compiled: bool, device: torch.device,
+                  dtype: torch.dtype, autocast: Optional[torch.dtype]) -> StageRunner:
+    """The stage's model chunks (one, or V under interleaved 1F1B: virtual stages stage, stage + P, ...),
+    each compiled apart, and the runner of its program; chunk c's neighbours hold virtual stages
+    v - 1 and v + 1. (One chunk is the whole part, exchange layers of a filter split included.)"""
+    stage, fs_index = coord.pp, coord.fs
+    pp_ranks = groups.ranks["pp"]
+    # Compiled segments end at the gradient bucket size, so all-reduce overlaps the backward pass.
+    limit = sync.bucket_bytes if sync.group is not None else None
+    virtual, last_v = plan.virtual_stages(stage), mesh.pp * plan.schedule.num_chunks - 1
+    widths = [len(part)] if len(virtual) == 1 else [plan.stages[v][1] - plan.stages[v][0] for v in virtual]
+    chunks, offset = [], 0
+    for v, n in zip(virtual, widths):
+        seq = part[offset:offset + n]
+        offset += n
+        chunks.append(Chunk(compile_part(seq, limit) if compiled else seq,
+                            prev=pp_ranks[(v - 1) % mesh.pp] if v > 0 else None,
+                            next=pp_ranks[(v + 1) % mesh.pp] if v < last_v else None,
+                            in_shape=_local(plan.stage_in_shape(v), parallel.in_sizes, fs_index),
+                            out_shape=_local(plan.stage_out_shape(v), parallel.sharded.out_sizes, fs_index)))
+    wire = autocast or dtype  # activations and their gradients: bf16/fp16 under autocast
+    return StageRunner(chunks, groups.axis["pp"], wire_dtype=wire, device=device, autocast=autocast)
 
 
 def _graphable(cfg) -> bool:

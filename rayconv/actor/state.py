@@ -1,7 +1,8 @@
 """State in and out of an actor: its parameters and buffers (``state``, ``load_state``), the
 dimensions filter split cuts (``split_dims``), and its checkpoint shard (``checkpoint_shard``,
-``load_shard``: model, optimizer, loss-scale, moving-average and RNG states). ``StateMixin`` is inherited by
-``rayconv/actor/worker.py``'s ``Worker``.
+``load_shard``: model, optimizer, loss-scale, moving-average and RNG states); ``weights`` swaps the
+moving average in (``state``, and ``evaluate`` in ``worker.py``). Each reads the actor's
+``build.ActorState``.
 """
 
 from __future__ import annotations
@@ -14,113 +15,118 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from rayconv.actor.build import ActorState
 
-class StateMixin:
-    """The state calls of ``Worker``: ``state``, ``split_dims``, ``checkpoint_shard``, ``load_shard``,
-    ``load_state``; ``weights`` swaps the moving average in (``state``, ``evaluate``)."""
 
-    def state(self, ema: bool = False) -> dict[str, torch.Tensor]:
-        """This actor's parameters and buffers on CPU, keyed by the whole model's state_dict names;
-        ``ema``: those of its moving average (--model-ema; RuntimeError without it)."""
-        with self.weights(ema):
-            return self._state()
+def state(a: ActorState, ema: bool = False) -> dict[str, torch.Tensor]:
+    """This actor's parameters and buffers on CPU, keyed by the whole model's state_dict names;
+    ``ema``: those of its moving average (--model-ema; RuntimeError without it)."""
+    with weights(a, ema):
+        return _state(a)
 
-    def _state(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, sub in zip(self.parallel.names, self.part):
-            if name is None:
-                continue  # an exchange, no state
-            for k, v in sub.state_dict().items():
-                out[f"{name}.{k}" if name else k] = v.detach().to("cpu", copy=True)
-        return out
 
-    @contextmanager
-    def weights(self, ema: bool) -> Iterator[None]:
-        """The part holds the moving average's tensors inside the block when ``ema`` (copied in place,
-        so compiled and captured code keeps its tensors), its own outside. Raises RuntimeError for
-        ``ema`` without --model-ema."""
-        if not ema:
-            yield
-            return
-        if self.recipe.ema is None:
-            raise RuntimeError("no moving average of the weights: the run was started without --model-ema")
-        own = {k: v.detach().clone() for k, v in self.part.state_dict().items()}
-        self.recipe.ema.copy_to(self.part)
-        try:
-            yield
-        finally:
-            self.part.load_state_dict(own)
+def _state(a: ActorState) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, sub in zip(a.parallel.names, a.part):
+        if name is None:
+            continue  # an exchange, no state
+        for k, v in sub.state_dict().items():
+            out[f"{name}.{k}" if name else k] = v.detach().to("cpu", copy=True)
+    return out
 
-    def split_dims(self) -> dict[str, int]:
-        """state_dict keys that filter split cuts, and the dimension (empty without filter split)."""
-        return dict(self.parallel.sharded.split_dims)
 
-    def checkpoint_shard(self) -> bytes:
-        """This actor's shard as ``torch.save`` bytes: model state (keys as in ``state()``), optimizer
-        state_dict, the fp16 loss scale's state (``loss_scale``, None without fp16), the moving
-        average's (``ema``, None without --model-ema) and RNG states, all tensors and plain types (loads
-        with ``weights_only=True``)."""
-        np_state = np.random.get_state()
-        rng = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
-               "numpy_pos": int(np_state[2]), "numpy_has_gauss": int(np_state[3]),
-               "numpy_cached_gaussian": float(np_state[4]), "python": _plain(random.getstate())}
-        if self.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        payload = {"rank": self.rank, "role": self.role, "coord": list(self.coord), "model": self.state(),
-                   "optimizer": _to_cpu(self.optimizer.state_dict()), "rng": rng,
-                   "loss_scale": None if self.recipe.scaler is None else self.recipe.scaler.state_dict(),
-                   "ema": None if self.recipe.ema is None else _to_cpu(self.recipe.ema.state_dict())}
-        buf = io.BytesIO()
-        torch.save(payload, buf)
-        return buf.getvalue()
+@contextmanager
+def weights(a: ActorState, ema: bool) -> Iterator[None]:
+    """The part holds the moving average's tensors inside the block when ``ema`` (copied in place,
+    so compiled and captured code keeps its tensors), its own outside. Raises RuntimeError for
+    ``ema`` without --model-ema."""
+    if not ema:
+        yield
+        return
+    if a.recipe.ema is None:
+        raise RuntimeError("no moving average of the weights: the run was started without --model-ema")
+    own = {k: v.detach().clone() for k, v in a.part.state_dict().items()}
+    a.recipe.ema.copy_to(a.part)
+    try:
+        yield
+    finally:
+        a.part.load_state_dict(own)
 
-    def load_shard(self, blob: bytes, next_step: int) -> None:
-        """Load a shard written by ``checkpoint_shard`` (this rank's, or replica 0's after a --dp change);
-        the next ``train_step`` is ``next_step``. Raises RuntimeError if it does not fit this part (or
-        lacks the loss scale or moving average this run keeps)."""
-        payload = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-        self.load_state(payload["model"])
-        self.optimizer.load_state_dict(payload["optimizer"])
-        self._load_recipe(payload)
-        rng = payload["rng"]
-        torch.set_rng_state(rng["torch"])
-        np.random.set_state(("MT19937", rng["numpy_keys"].numpy().astype(np.uint32), rng["numpy_pos"],
-                             rng["numpy_has_gauss"], rng["numpy_cached_gaussian"]))
-        py = rng["python"]
-        random.setstate((py[0], tuple(py[1]), py[2]))
-        if "cuda" in rng and self.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], self.device)
-        self.batches.first_step = next_step
-        if self.step_graph is not None:
-            self.step_graph.reset()  # the optimizer's momentum buffers are new tensors: capture again
 
-    def _load_recipe(self, payload: dict[str, Any]) -> None:
-        """The loss scale and the moving average from a shard (those this run keeps)."""
-        for name, held in (("loss_scale", self.recipe.scaler), ("ema", self.recipe.ema)):
-            if held is None:
-                continue
-            if payload.get(name) is None:
-                raise RuntimeError(f"the checkpoint shard holds no {name} state, which this run keeps "
-                                   "(--precision fp16 / --model-ema must match the checkpointed run)")
-            held.load_state_dict(payload[name])
+def split_dims(a: ActorState) -> dict[str, int]:
+    """state_dict keys that filter split cuts, and the dimension (empty without filter split)."""
+    return dict(a.parallel.sharded.split_dims)
 
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Inverse of ``state()``: copy parameters and buffers into this part (strict: every key of the
-        part present, none left over). Raises RuntimeError naming the keys that do not match."""
-        used = set()
-        for name, sub in zip(self.parallel.names, self.part):
-            if name is None:
-                continue
-            mine = {}
-            for k in sub.state_dict():
-                full = f"{name}.{k}" if name else k
-                if full in state:
-                    mine[k] = state[full]
-                    used.add(full)
-            sub.load_state_dict(mine, strict=True)
-        extra = sorted(set(state) - used)
-        if extra:
-            raise RuntimeError(f"checkpoint shard holds keys this part does not have: {extra[:5]}")
+
+def checkpoint_shard(a: ActorState) -> bytes:
+    """This actor's shard as ``torch.save`` bytes: model state (keys as in ``state()``), optimizer
+    state_dict, the fp16 loss scale's state (``loss_scale``, None without fp16), the moving
+    average's (``ema``, None without --model-ema) and RNG states, all tensors and plain types (loads
+    with ``weights_only=True``)."""
+    np_state = np.random.get_state()
+    rng = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+           "numpy_pos": int(np_state[2]), "numpy_has_gauss": int(np_state[3]),
+           "numpy_cached_gaussian": float(np_state[4]), "python": _plain(random.getstate())}
+    if a.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(a.device)
+    payload = {"rank": a.rank, "role": a.role, "coord": list(a.coord), "model": state(a),
+               "optimizer": _to_cpu(a.optimizer.state_dict()), "rng": rng,
+               "loss_scale": None if a.recipe.scaler is None else a.recipe.scaler.state_dict(),
+               "ema": None if a.recipe.ema is None else _to_cpu(a.recipe.ema.state_dict())}
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    return buf.getvalue()
+
+
+def load_shard(a: ActorState, blob: bytes, next_step: int) -> None:
+    """Load a shard written by ``checkpoint_shard`` (this rank's, or replica 0's after a --dp change);
+    the next ``train_step`` is ``next_step``. Raises RuntimeError if it does not fit this part (or
+    lacks the loss scale or moving average this run keeps)."""
+    payload = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    load_state(a, payload["model"])
+    a.optimizer.load_state_dict(payload["optimizer"])
+    _load_recipe(a, payload)
+    rng = payload["rng"]
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(("MT19937", rng["numpy_keys"].numpy().astype(np.uint32), rng["numpy_pos"],
+                         rng["numpy_has_gauss"], rng["numpy_cached_gaussian"]))
+    py = rng["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    if "cuda" in rng and a.device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], a.device)
+    a.batches.first_step = next_step
+    if a.step_graph is not None:
+        a.step_graph.reset()  # the optimizer's momentum buffers are new tensors: capture again
+
+
+def _load_recipe(a: ActorState, payload: dict[str, Any]) -> None:
+    """The loss scale and the moving average from a shard (those this run keeps)."""
+    for name, held in (("loss_scale", a.recipe.scaler), ("ema", a.recipe.ema)):
+        if held is None:
+            continue
+        if payload.get(name) is None:
+            raise RuntimeError(f"the checkpoint shard holds no {name} state, which this run keeps "
+                               "(--precision fp16 / --model-ema must match the checkpointed run)")
+        held.load_state_dict(payload[name])
+
+
+def load_state(a: ActorState, state: dict[str, torch.Tensor]) -> None:
+    """Inverse of ``state()``: copy parameters and buffers into this part (strict: every key of the
+    part present, none left over). Raises RuntimeError naming the keys that do not match."""
+    used = set()
+    for name, sub in zip(a.parallel.names, a.part):
+        if name is None:
+            continue
+        mine = {}
+        for k in sub.state_dict():
+            full = f"{name}.{k}" if name else k
+            if full in state:
+                mine[k] = state[full]
+                used.add(full)
+        sub.load_state_dict(mine, strict=True)
+    extra = sorted(set(state) - used)
+    if extra:
+        raise RuntimeError(f"checkpoint shard holds keys this part does not have: {extra[:5]}")
 
 
 def _to_cpu(obj: Any) -> Any:

@@ -69,9 +69,9 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
     otherwise the actors are stopped. Raises ClusterError (out of memory, an actor's error) or its
     subclass CallTimeout (a call past its limit), the message prefixed with the phase it happened in
     (e.g. ``warm-up step 0``)."""
-    cfg, mesh, _, plan = prepare(cfg)  # cfg resolved against the cluster (device, dp)
+    cfg, mesh, _, plan, sharding = prepare(cfg)  # cfg resolved against the cluster (device, dp)
     limit = call_timeout_s if call_timeout_s is not None else default_call_timeout_s(cfg)
-    gang, setups = launch(cfg, mesh, plan, f"bench-{os.getpid()}-{time.monotonic_ns() % 10**9}")
+    gang, setups = launch(cfg, mesh, plan, sharding, f"bench-{os.getpid()}-{time.monotonic_ns() % 10**9}")
     calls = _Calls(gang, cfg.lr, limit)
     try:
         got: dict[str, Any] = _warm_up(calls, warmup, compiles=bool(setups[0].get("compiled")))

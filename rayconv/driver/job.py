@@ -21,6 +21,7 @@ from typing import Any, Optional
 from rayconv.actor.worker import Worker
 from rayconv.cluster.group import Gang, start_workers
 from rayconv.config import Config
+from rayconv.data.source import Sharding
 from rayconv.driver.finish import finish, finish_evaluation, writing_into
 from rayconv.driver.loop import Run, train
 from rayconv.driver.progress import log_header
@@ -62,7 +63,7 @@ def start_actors(run: Run, ckpt: Optional[Checkpoint]) -> Gang:
     s = run.setup
     gang = start_workers(Worker, s.cfg, s.mesh, s.run_name, timeout_s=s.cfg.max_wait)
     try:
-        run.setups = set_up(gang, s.mesh, s.plan, run.call_timeout_s)
+        run.setups = set_up(gang, s.mesh, s.plan, s.sharding, run.call_timeout_s)
         run.continue_from(ckpt)
         if ckpt is not None:
             gang.call_each("load_shard", [(shard_for(ckpt, s.mesh, r), ckpt.step) for r in range(s.mesh.world_size)],
@@ -73,20 +74,22 @@ def start_actors(run: Run, ckpt: Optional[Checkpoint]) -> Gang:
     return gang
 
 
-def set_up(gang: Gang, mesh: Mesh, plan: LayoutPlan, timeout_s: float) -> list[dict[str, Any]]:
+def set_up(gang: Gang, mesh: Mesh, plan: LayoutPlan, sharding: Sharding, timeout_s: float) -> list[dict[str, Any]]:
     """Each actor's ``setup``: process groups (rank 0's address the rendezvous), its part of the model
-    cut from the routing plan, the optimizer. Returns their reports in rank order."""
+    cut from the routing plan, the optimizer, the train sharding it reads by. Returns their reports in
+    rank order."""
     master = gang.call("free_address", ranks=[0], timeout_s=timeout_s)[0]
-    return gang.call_each("setup", [(r, master, plan) for r in range(mesh.world_size)], timeout_s=timeout_s)
+    return gang.call_each("setup", [(r, master, plan, sharding) for r in range(mesh.world_size)], timeout_s=timeout_s)
 
 
-def launch(cfg: Config, mesh: Mesh, plan: LayoutPlan, run_name: str,
+def launch(cfg: Config, mesh: Mesh, plan: LayoutPlan, sharding: Sharding, run_name: str,
            timeout_s: float = 120.0) -> tuple[Gang, list[dict[str, Any]]]:
-    """Start the actors of ``cfg`` (resolved, as ``setup.prepare`` returns it) and set them up, for a
-    caller with its own step loop (the bench). Returns (gang, setup reports). Raises ClusterError."""
+    """Start the actors of ``cfg`` (resolved, with mesh, plan and sharding as ``setup.prepare`` returns
+    them) and set them up, for a caller with its own step loop (the bench). Returns (gang, setup
+    reports). Raises ClusterError."""
     gang = start_workers(Worker, cfg, mesh, run_name, timeout_s=timeout_s)
     try:
-        return gang, set_up(gang, mesh, plan, call_timeout_s(cfg))
+        return gang, set_up(gang, mesh, plan, sharding, call_timeout_s(cfg))
     except BaseException:
         gang.kill()
         raise

@@ -72,11 +72,19 @@ class Run:
         seconds = sum(s for _, s in steady)
         return sum(n for n, _ in steady) / seconds if seconds > 0 else None
 
+    def evaluation_due(self, done: int) -> bool:
+        """Whether an evaluation follows once ``done`` steps are done: every ``eval_every``, and the last."""
+        return done % self.setup.eval_every == 0 or done == self.setup.total_steps
+
+    def checkpoint_due(self, done: int) -> bool:
+        """Whether a checkpoint follows once ``done`` steps are done: every --checkpoint-every, and the last."""
+        every = self.cfg.checkpoint_every
+        return bool(every) and (done % every == 0 or done == self.setup.total_steps)
+
     def boundary(self, step: int) -> bool:
         """After this step the driver needs the actors quiet (evaluation, checkpoint, test hook)."""
-        done, every = step + 1, self.cfg.checkpoint_every
-        return (done % self.setup.eval_every == 0 or done == self.setup.total_steps or self.on_step is not None
-                or bool(every and done % every == 0))
+        done = step + 1
+        return self.evaluation_due(done) or self.checkpoint_due(done) or self.on_step is not None
 
 
 @dataclass
@@ -150,9 +158,9 @@ def _between_steps(run: Run, gang: Gang, att: _Attempt, step: int) -> None:
     checkpoint, the metrics so far and the test hook that are due."""
     cfg, s, done = run.cfg, run.setup, step + 1
     _record(run, att, gang.call("flush", timeout_s=run.call_timeout_s))
-    if done % s.eval_every == 0 or done == s.total_steps:
+    if run.evaluation_due(done):
         _evaluation(run, gang, att, step)
-    if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == s.total_steps):
+    if run.checkpoint_due(done):
         checkpoint(run, gang, done)
     if done % s.eval_every == 0 or cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
         run.metrics.write(s.out / "metrics.parquet")  # the progress so far, readable mid-run

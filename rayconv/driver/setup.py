@@ -80,8 +80,7 @@ def setup_run(cfg: Config, log=print) -> Setup:
     if cfg.layout == "auto":
         cfg, predicted = choose_layout(cfg, log)
     data_dir = cfg.data_dir
-    cfg, mesh, source, plan = prepare(cfg, log, resume)
-    sharding = Sharding(source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed, make_order(cfg, source))
+    cfg, mesh, source, plan, sharding = prepare(cfg, log, resume)
     steps = total_steps(cfg, sharding.steps_per_epoch)
     cfg = with_cudnn_benchmark(cfg, steps)
     return Setup(cfg=cfg, mesh=mesh, plan=plan, source=source, sharding=sharding, total_steps=steps,
@@ -99,7 +98,8 @@ def with_cudnn_benchmark(cfg: Config, steps: int) -> Config:
     return dataclasses.replace(cfg, cudnn_benchmark="on" if steps >= CUDNN_BENCHMARK_MIN_STEPS else "off")
 
 
-def prepare(cfg: Config, log=print, resume: Optional[Checkpoint] = None) -> tuple[Config, Mesh, Source, LayoutPlan]:
+def prepare(cfg: Config, log=print, resume: Optional[Checkpoint] = None) -> tuple[Config, Mesh, Source, LayoutPlan,
+                                                                                Sharding]:
     """Check everything that needs no cluster, then connect to Ray, resolve the layout against the
     cluster and build the routing plan.
 
@@ -107,9 +107,10 @@ def prepare(cfg: Config, log=print, resume: Optional[Checkpoint] = None) -> tupl
     against the model (with --dp as given, 1 when the cluster decides it) and ``resume``'s checkpoint
     against the run. With --stage-dir, the shards are then copied to the nodes (``cluster.stage``).
     Returns (the settings with device, ``dp``, a balanced pipeline cut and a staged ``data_dir``
-    resolved; mesh; source; plan). Raises ConfigError / DataError / PlanError / CheckpointError / ClusterError
+    resolved; mesh; source; plan; the train sharding over the mesh's replicas, which the actors read
+    by). Raises ConfigError / DataError / PlanError / CheckpointError / ClusterError
     before any actor starts."""
-    source, reference, checked = check_before_ray(cfg, resume)
+    source, sharding, reference, checked = check_before_ray(cfg, resume)
     dp_given = cfg.dp is not None
     # (with --dp left to the cluster, at least one replica: --fs 3 alone on 2 cores still runs)
     wanted = (cfg.dp or 1) * cfg.pp * cfg.fs * cfg.num_cpus_per_actor
@@ -119,12 +120,13 @@ def prepare(cfg: Config, log=print, resume: Optional[Checkpoint] = None) -> tupl
     if not dp_given:
         memory_check(cfg)  # (with --dp from the cluster: before any actor starts)
     cfg, plan = routing_plan(cfg, mesh, checked, reference, source, log)
-    return cfg, mesh, source, plan
+    # (the order made once, before Ray; only the replica count is the cluster's)
+    return cfg, mesh, source, plan, dataclasses.replace(sharding, dp=mesh.dp)
 
 
-def check_before_ray(cfg: Config, resume: Optional[Checkpoint]) -> tuple[Source, Any, LayoutPlan]:
-    """The checks that need no cluster; returns (source, the whole model as one device runs it, the
-    routing plan for ``dp`` as given or 1). Raises ConfigError / DataError / PlanError / CheckpointError."""
+def check_before_ray(cfg: Config, resume: Optional[Checkpoint]) -> tuple[Source, Sharding, Any, LayoutPlan]:
+    """The checks that need no cluster; returns (source, its train sharding over ``dp`` as given or 1,
+    the whole model as one device runs it, the routing plan for that ``dp``). Raises ConfigError / DataError / PlanError / CheckpointError."""
     if is_user_model(cfg.model):
         resolve(cfg.model)  # the module and function found: raises ConfigError before the data is read
     elif cfg.model not in model_names():
@@ -142,7 +144,7 @@ def check_before_ray(cfg: Config, resume: Optional[Checkpoint]) -> tuple[Source,
     plan = make_plan(cfg, Mesh(cfg.dp or 1, cfg.pp, cfg.fs), reference, source.sample_shape)
     if resume is not None:  # (a resumed run's --dp comes from its checkpoint)
         check_resumable(resume, cfg, plan.mesh, plan.stages, source.num_classes, tuple(source.sample_shape))
-    return source, reference, plan
+    return source, sharding, reference, plan
 
 
 def resolve_layout(cfg: Config, log=print) -> tuple[Config, Mesh]:
@@ -170,7 +172,9 @@ def resolve_layout(cfg: Config, log=print) -> tuple[Config, Mesh]:
         waited = f" after waiting {cfg.max_wait:.0f} s" if can_grow else ""
         raise ConfigError(f"layout {mesh.describe()} needs {mesh.world_size} {unit} but the cluster has "
                           f"{devices}{waited}: lower --dp/--pp/--fs, or add nodes")
-    return dataclasses.replace(cfg, device=kind, dp=dp).validate(), mesh
+    if (kind, dp) != (cfg.device, cfg.dp):  # (validated again: the batch split over dp, GPU-only features)
+        cfg = dataclasses.replace(cfg, device=kind, dp=dp).validate()
+    return cfg, mesh
 
 
 def routing_plan(cfg: Config, mesh: Mesh, checked: LayoutPlan, reference, source: Source,

@@ -23,7 +23,7 @@ from rayconv.parallel.filter_split.per_layer_plan import krizhevsky2014
 from rayconv.parallel.filter_split.split import ShardedPart, shard_layers, whole_part
 from rayconv.parallel.pipeline.schedules import Schedule, make_schedule
 from rayconv.parallel.pipeline.stages import balance, parse_stages
-from rayconv.parallel.pipeline.validate import validate
+from rayconv.parallel.pipeline.checks import validate
 from rayconv.errors import PlanError
 
 

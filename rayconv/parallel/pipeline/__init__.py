@@ -6,10 +6,11 @@ Where each piece lives:
   interleaved 1F1B, ``forward_only``), ``make_schedule``, ``peak_in_flight``;
 * ``simulate`` -- when actions run: ``timeline`` (unit or measured times), the unit-time
   ``simulate`` grid, ``bubble_fraction``, ``format_grid``;
-* ``p2p`` -- the batches of sends and receives a stage posts (``exchange_plan``, ``Post``) and
-  ``check_exchanges``, which replays them;
-* ``nccl_model`` -- the replay model of NCCL's point-to-point rules those checks run on;
-* ``validate`` -- ``validate``, which runs both checks;
+* ``p2p`` -- the batches of sends and receives a stage posts (``exchange_plan``, ``Post``);
+* ``nccl_model`` -- the replay model of NCCL's point-to-point rules (``p2p`` splits batches by it,
+  ``checks`` replays them on it);
+* ``checks`` -- the checks a schedule passes before any actor runs it: ``check_exchanges`` (the
+  batches replayed) and ``validate``, which runs it and ``simulate``'s;
 * ``stages`` -- the layer list cut into stages (``balance``, ``parse_stages``);
 * ``runner`` -- ``StageRunner``, which runs one stage's program in an actor (``Chunk``, ``StepResult``).
 
@@ -20,12 +21,12 @@ is imported by its own path.
 """
 
 from rayconv.errors import ScheduleError
-from rayconv.parallel.pipeline.p2p import Post, check_exchanges, exchange_plan
+from rayconv.parallel.pipeline.checks import check_exchanges, validate
+from rayconv.parallel.pipeline.p2p import Post, exchange_plan
 from rayconv.parallel.pipeline.schedules import (SCHEDULE_NAMES, Action, Schedule, forward_only, gpipe,
                                                  interleaved_1f1b, make_schedule, one_f_one_b, peak_in_flight)
 from rayconv.parallel.pipeline.simulate import bubble_fraction, format_grid, simulate, timeline
 from rayconv.parallel.pipeline.stages import balance, parse_stages
-from rayconv.parallel.pipeline.validate import validate
 
 __all__ = [
     "Action", "Schedule", "ScheduleError", "SCHEDULE_NAMES", "gpipe", "one_f_one_b", "interleaved_1f1b",

@@ -13,7 +13,7 @@ forever on a peer that must use that activation before it can send the gradient.
 Here: what each action receives and sends (``_messages``), a stage's batches and computes in host
 order (``_events``), the k-th-send-meets-k-th-receive pairing (``_counterparts``) and the replay
 itself (``_replay``). ``p2p.py`` builds the batches the pipeline posts with this model and
-``check_exchanges`` there replays them, raising on a deadlock or on a receive that would match
+``checks.check_exchanges`` replays them, raising on a deadlock or on a receive that would match
 another micro-batch's message.
 """
 

@@ -1,7 +1,7 @@
-"""What each pipeline stage sends and receives, batch by batch, and the check that it completes under NCCL.
+"""What each pipeline stage sends and receives, batch by batch.
 
 ``exchange_plan`` gives the batches of point-to-point operations ``StageRunner.run`` posts around each
-action of a stage's program; ``check_exchanges`` replays them under the rules of ``nccl_model.py``.
+action of a stage's program; ``checks.check_exchanges`` replays them under the rules of ``nccl_model.py``.
 
 Rounds: without model chunks each action's output goes out with the next action's input, so 1F1B's
 crossing messages share a batch. Interleaved 1F1B exchanges as Megatron-LM's
@@ -16,10 +16,10 @@ import functools
 from dataclasses import dataclass
 
 from rayconv.parallel.pipeline.nccl_model import _counterparts, _events, _messages, _replay
-from rayconv.parallel.pipeline.schedules import BACKWARD, FORWARD, Schedule, _check_programs, _interleaved_chunk, _interleaved_warmup
+from rayconv.parallel.pipeline.schedules import BACKWARD, FORWARD, Schedule, _interleaved_chunk, _interleaved_warmup
 from rayconv.errors import ScheduleError
 
-__all__ = ["Post", "exchange_plan", "check_exchanges"]
+__all__ = ["Post", "exchange_plan"]
 
 
 @dataclass(frozen=True)
@@ -262,38 +262,3 @@ class _InterleavedRounds:
             nbc = self.chunk(k + 1, False)
             if k < self.total - 1 and not (self.last and nbc == self.V - 1):
                 self.recvs[i + 1] += self.take(BACKWARD, nbc)
-
-
-def check_exchanges(schedule: Schedule, paired: bool = True) -> None:
-    """Replay the point-to-point batches a step posts under NCCL's rules (``nccl_model.py``).
-
-    With ``paired`` the batches are ``exchange_plan``'s, what ``StageRunner.run`` posts. With
-    ``paired=False``, the unpaired pattern: each receive and each send is a batch of its own, the
-    send posted right after its action computes (1F1B deadlocks that way; the paired plan does not).
-
-    The model, per stage: compute runs the program's actions in order; an action computes once the
-    batch holding its receive has completed (waiting on a batch waits on all of it). A batch starts
-    once everything computed before it was posted has run and the stage's previous batch has
-    completed (one communication stream). The k-th message from stage a to stage b is the k-th
-    receive b posts from a. A batch goes through as one unit (an NCCL group: its connections to new
-    peers are set up, on the host, before any of its operations start, and its send and receive with
-    one peer run fused): it is *armed* once it has started and the batch of every operation's
-    counterpart has started too, and an operation and its counterpart match once both their batches
-    are armed. A batch completes when all its operations have matched. Nothing is buffered.
-
-    Raises:
-        ScheduleError: if the programs are malformed (see ``validate``); if the k-th message
-            between two stages is not the one the receiver expects (it would receive another
-            micro-batch's data); or if the batches deadlock (the message names what each stuck
-            stage waits for).
-    """
-    _check_programs(schedule)
-    events = _events(schedule, _plans(schedule) if paired else None)
-    stuck = _replay(events, _counterparts(schedule, events))
-    if stuck:
-        def waits(s: int, j: int) -> str:
-            return ", ".join(f"{op[0]} {op[1][0]}{op[1][1]} {'to' if op[0] == 'send' else 'from'} stage "
-                             f"{op[1][3] if op[0] == 'send' else op[1][2]}" for op in events[s][j][1] if not op[2])
-        raise ScheduleError(f"schedule {schedule.name!r} deadlocks when sends are not buffered "
-                            f"({'paired' if paired else 'unpaired'} exchanges): "
-                            + "; ".join(f"stage {s} waits on [{waits(s, j)}]" for s, j in stuck))

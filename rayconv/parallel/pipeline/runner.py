@@ -8,7 +8,7 @@ schedule's exchange plan (``p2p.exchange_plan``): a send is posted together with
 receive as one NCCL group (``comm.exchange``), so crossing sends of 1F1B cannot deadlock; interleaved
 1F1B (several model chunks per stage) exchanges as Megatron-LM does; and neighbours' groups mirror each
 other (a group NCCL cannot complete until its peer posts the mirror image is split).
-``p2p.check_exchanges`` replays these batches under NCCL's rules, unbuffered, for every schedule
+``checks.check_exchanges`` replays these batches under NCCL's rules, unbuffered, for every schedule
 ``layout_plan.make_plan`` accepts. Gradients accumulate over micro-batches; the last virtual stage's
 output goes to the caller's ``loss`` (``actor/loss.py``), whose value it back-propagates. Batch norm
 normalises each micro-batch by its own statistics; its running statistics advance once per step

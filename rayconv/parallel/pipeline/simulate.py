@@ -14,7 +14,7 @@ which GPipe's bubble is ``(P - 1) / (M + P - 1)`` (Huang et al. 2019, arXiv:1811
 and 1F1B's the same (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
 Clusters Using Megatron-LM", section 2.2.1). With measured per-stage times it predicts a step
 (``benchmarks/stage_times.py``). Whether the exchanges complete when sends do not buffer is
-``exchange.check_exchanges``'s question.
+``checks.check_exchanges``'s question.
 
 Legend for ``format_grid``: ``F3`` = forward of micro-batch 3, ``B3`` = backward of micro-batch 3,
 ``F3c1`` = on model chunk 1, ``.`` = stage idle for that tick.
