@@ -138,9 +138,12 @@ def _import(spec: ModelSpec) -> types.ModuleType:
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's module raised while importing
-        relative = " (a file given by its path is imported as a top-level module: import the modules beside " \
-            "it by name, `from layers import ...`)" if spec.path and isinstance(e, ImportError) and \
-            "no known parent package" in str(e) else ""
+        relative = ""
+        if spec.path and isinstance(e, ImportError) and "no known parent package" in str(e):
+            folder = Path(spec.path).resolve().parent
+            relative = f" (its folder is a package: give --model {folder.name}.{spec.module}:{spec.function} from " \
+                "the folder above it)" if (folder / "__init__.py").is_file() else " (a file given by its path " \
+                "is imported as a top-level module: import the modules beside it by name, `from layers import ...`)"
         raise ConfigError(f"--model {spec.text}: importing {spec.path or spec.module} raised "
                           f"{type(e).__name__}: {_first_line(e)}{relative}") from None
 

@@ -161,6 +161,15 @@ def test_an_import_that_fails_gets_the_advice_of_its_cause(tmp_path, monkeypatch
         sys.modules.pop("helper_xyz", None)
 
 
+def test_a_relative_import_in_a_package_names_the_package_spec(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "pkg_xyz").mkdir()
+    (tmp_path / "pkg_xyz" / "__init__.py").write_text("")
+    (tmp_path / "pkg_xyz" / "net.py").write_text("from . import other\ndef build(num_classes): pass\n")
+    with pytest.raises(ConfigError, match=r"its folder is a package: give --model pkg_xyz\.net:build from the folder"):
+        resolve(f"{tmp_path / 'pkg_xyz' / 'net.py'}:build")
+
+
 def test_a_file_shadowing_another_module_is_refused(tmp_path):
     (tmp_path / "tabnanny.py").write_text("def build(num_classes): pass\n")
     with pytest.raises(ConfigError, match="shadow the standard module 'tabnanny'"):
