@@ -80,7 +80,7 @@ class DataSettings:
                 "data, a resize of digits and fashion-mnist); default: the data's own, digits 8, "
                 "fashion-mnist 28, synthetic/imagefolder/shards 224 (each model refuses sizes it cannot take)"})
     channels: Optional[int] = field(default=None, metadata={
-        "help": "image channels the model takes, 1 or 3 (grey images repeated to 3); default: the data's"})
+        "help": "image channels the model takes, 1 or 3 (grey repeated to 3); default: the model's (a user's: its first convolution's)"})
     augment: str = field(default="auto", metadata={
         "help": "training augmentation: pad-crop (pad by size/8, random crop, horizontal flip), resized-crop "
                 "(RandomResizedCrop + flip, Szegedy et al. 2015), none; auto: pad-crop + flip up to 64 pixels, "

@@ -22,20 +22,28 @@ from rayconv.data.imagefolder import ImageFolderSource
 from rayconv.data.shards import ShardSource, is_prepared
 from rayconv.data.small import maybe_hold
 from rayconv.data.source import Source
+from rayconv.models.channels import user_model_channels
 from rayconv.models.user import is_user_model, takes_in_channels
 from rayconv.data.synthetic import SyntheticSource
 
 GREY_MODELS = ("convnet", "convnet_bn", "convnet2col")  # rayconv.models' models that take any channel count
 
 
-def model_channels(cfg: Config, data_channels: int) -> int:
-    """The channels the model gets: ``--channels``, else the data's own for rayconv's small ConvNets and
-    a user's FUNCTION that takes ``in_channels``, else 3 for grey data (a model made for RGB:
-    torchvision's, alexnet2012, a user's that is not told its channels), else the data's own."""
+def model_channels(cfg: Config, src: Source) -> int:
+    """The channels the model gets: ``--channels``, else the data's own for colour data, rayconv's small
+    ConvNets and a user's FUNCTION that takes ``in_channels``; for grey data given to a user's FUNCTION
+    not told its channels, the count its model takes (``user_model_channels``: 1 or 3); else 3 for grey
+    data (a model made for RGB: torchvision's, alexnet2012)."""
+    own = src.sample_shape[0]
     if cfg.channels is not None:
         return cfg.channels
-    keeps = cfg.model in GREY_MODELS or (is_user_model(cfg.model) and takes_in_channels(cfg.model))
-    return 3 if data_channels == 1 and not keeps else data_channels
+    if own != 1 or cfg.model in GREY_MODELS:
+        return own
+    if is_user_model(cfg.model):
+        if takes_in_channels(cfg.model):
+            return own
+        return user_model_channels(cfg.model, src.num_classes, tuple(src.sample_shape[1:]))
+    return 3
 
 
 def loader_workers(cfg: Config) -> int:
@@ -72,5 +80,5 @@ def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
     if cfg.num_classes is not None and cfg.num_classes != src.num_classes:
         raise ConfigError(f"--num-classes {cfg.num_classes} but --data {cfg.data} has {src.num_classes} classes: "
                           "drop --num-classes (it follows the data)")
-    src.set_channels(model_channels(cfg, src.sample_shape[0]))
+    src.set_channels(model_channels(cfg, src))
     return src

@@ -137,7 +137,8 @@ def check_before_ray(cfg: Config, resume: Optional[Checkpoint]) -> tuple[Source,
     sharding = Sharding(source.train_size, cfg.global_batch_size, cfg.dp or 1, cfg.seed, make_order(cfg, source))
     check_schedule(cfg, sharding.steps_per_epoch)
     reference = run_model(cfg, source)  # (with --init: its keys and shapes checked, its weights loaded)
-    classes = check_trainable(cfg.model, reference, tuple(source.sample_shape))[1]
+    classes = check_trainable(cfg.model, reference, tuple(source.sample_shape),
+                              source.expanded_from or source.sample_shape[0])[1]
     if classes != source.num_classes:
         raise ConfigError(f"--model {cfg.model} gives {classes} class scores, the data has {source.num_classes} "
                           "classes: build the model with the num_classes it is called with")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from rayconv.config import ConfigError
+from rayconv.models.channels import channel_mismatch, dry_forward
 from rayconv.models.convnet import ConvNet
 from rayconv.models.traced import NotCuttable, traced_layers
 from rayconv.models.user import SPEC_FORM, build_user_model, is_user_model
@@ -104,14 +105,17 @@ BUILD_ARGS = {"googlenet": {"aux_logits": False, "init_weights": True},
               "inception_v3": {"aux_logits": False, "init_weights": True}}
 
 
-def check_trainable(name: str, model: nn.Module, sample_shape: tuple[int, ...]) -> tuple[int, ...]:
+def check_trainable(name: str, model: nn.Module, sample_shape: tuple[int, ...],
+                    data_channels: Optional[int] = None) -> tuple[int, ...]:
     """Refuse, before any actor starts, a model whose training forward does not map a batch of
     ``sample_shape`` images (C, H, W) to one tensor of class scores (batch, classes): one that returns
     a tuple or dict, or cannot take images of that size (vision transformers are made for one size).
 
     The forward runs in training mode on the meta device (shapes only: no memory, no compute, the
     model's own tensors untouched), falling back to a CPU forward for an operation meta tensors lack
-    or a value the forward reads (data-dependent control flow).
+    or a value the forward reads (data-dependent control flow). A forward that fails where the model's
+    first convolution takes another channel count than ``sample_shape``'s is refused as that mismatch
+    (``channels.channel_mismatch``; ``data_channels``: the data's own count, before grey is repeated).
     Returns the output's shape, (2, classes). Raises ConfigError naming --model and what to change."""
     lazy = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.modules.lazy.LazyModuleMixin)})
     if lazy:
@@ -119,30 +123,22 @@ def check_trainable(name: str, model: nn.Module, sample_shape: tuple[int, ...]) 
                           "makes: give their sizes (nn.Linear(in_features, ...)), or call the model once on a "
                           "batch of the run's image size inside the function before returning it")
 
-    def forward(shape: tuple[int, ...], device: str):
-        state = {n: t.detach().to("meta") if device == "meta" else t.detach().clone()
-                 for n, t in [*model.named_parameters(), *model.named_buffers()]}
-        was_training = model.training
-        model.train()
-        try:
-            with torch.random.fork_rng(devices=[]), torch.no_grad():
-                return torch.func.functional_call(model, state, (torch.zeros((2, *shape), device=device),))
-        finally:
-            model.train(was_training)
-
     def attempt(shape: tuple[int, ...]):
         try:
-            return forward(shape, "meta")
+            return dry_forward(model, shape, "meta")
         except NotImplementedError:
-            return forward(shape, "cpu")
+            return dry_forward(model, shape, "cpu")
         except RuntimeError as e:  # (a forward that reads a value, ``if x.mean() > 0``, needs real data)
             if "meta" not in str(e):
                 raise
-            return forward(shape, "cpu")
+            return dry_forward(model, shape, "cpu")
 
     try:
         out = attempt(tuple(sample_shape))
     except (RuntimeError, AssertionError, ValueError, IndexError) as e:
+        mismatch = channel_mismatch(name, model, tuple(sample_shape), data_channels)
+        if mismatch:
+            raise ConfigError(mismatch) from None
         what = (str(e).strip().splitlines() or [type(e).__name__])[0]
         size = "x".join(str(d) for d in sample_shape[1:])
         fix = "pick another --image-size or --model"

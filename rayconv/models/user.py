@@ -4,12 +4,13 @@ given to ``rayconv.fit(model=...)``.
 FUNCTION (a function or a class, a dotted attribute path inside the module) is called as
 ``FUNCTION(num_classes=K)``, with ``in_channels`` and ``image_size`` added where its signature names
 them, and must return an ``nn.Module``. A file given by its path is imported as the module named by its
-stem (``resnetish.py`` -> ``resnetish``), alone: its own imports must be installed, or the file must be
-part of a package given as ``MODULE:FUNCTION``.
+stem (``resnetish.py`` -> ``resnetish``), its folder first on ``sys.path`` as for a script (``from layers
+import block`` imports ``layers.py`` beside it); other imports must be installed.
 
 The actors need not have the user's code installed: ``actor_runtime_env`` names, for Ray's runtime
 environment, the user's modules to ship (``py_modules``: a package's folder or a single ``.py`` file,
-uploaded once and put on every actor's ``sys.path``, on every node) and, for a callable that cannot
+uploaded once and put on every actor's ``sys.path``, on every node; for a file given by its path, the
+modules imported from its folder too: a node need not share the driver's file system) and, for a callable that cannot
 be imported by name (a lambda, a local function, one of ``__main__``), its cloudpickle in an
 environment variable. Every process then builds the model from the same string (``resolve``).
 Errors a user can fix raise ConfigError in one line naming ``--model``.
@@ -119,6 +120,9 @@ def _import(spec: ModelSpec) -> types.ModuleType:
         if spec.module in sys.stdlib_module_names:
             raise ConfigError(f"--model {spec.text}: {spec.path} would shadow the standard module "
                               f"{spec.module!r}: rename the file")
+        folder = str(path.parent)
+        if folder not in sys.path:  # (as Python runs a script: the modules beside the file import by name)
+            sys.path.insert(0, folder)
         loader = importlib.util.spec_from_file_location(spec.module, path)
         module = importlib.util.module_from_spec(loader)
         sys.modules[spec.module] = module
@@ -129,14 +133,33 @@ def _import(spec: ModelSpec) -> types.ModuleType:
             raise
         return module
     except ModuleNotFoundError as e:
-        alone = " (a file given by its path is shipped alone: make its folder a package and give " \
-                "--model PACKAGE.MODULE:FUNCTION)" if spec.path else ""
-        raise ConfigError(f"--model {spec.text}: importing {spec.path or spec.module} failed: {e}{alone}") from None
+        raise ConfigError(f"--model {spec.text}: importing {spec.path or spec.module} failed: {e}"
+                          f"{_missing_advice(spec, e.name or '')}") from None
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's module raised while importing
+        relative = ""
+        if spec.path and isinstance(e, ImportError) and "no known parent package" in str(e):
+            folder = Path(spec.path).resolve().parent
+            relative = f" (its folder is a package: give --model {folder.name}.{spec.module}:{spec.function} from " \
+                "the folder above it)" if (folder / "__init__.py").is_file() else " (a file given by its path " \
+                "is imported as a top-level module: import the modules beside it by name, `from layers import ...`)"
         raise ConfigError(f"--model {spec.text}: importing {spec.path or spec.module} raised "
-                          f"{type(e).__name__}: {_first_line(e)}") from None
+                          f"{type(e).__name__}: {_first_line(e)}{relative}") from None
+
+
+def _missing_advice(spec: ModelSpec, missing: str) -> str:
+    """What to do about ``missing``, the module a ModuleNotFoundError names while importing ``spec``'s
+    module: the spec's own module not found (check the name), a module beside the file (check that
+    import), else a package to install."""
+    top = missing.split(".")[0]
+    if spec.path is None and top == spec.module.split(".")[0]:
+        return f" (is {top} installed, or its folder on PYTHONPATH? a file: give path/to/file.py:FUNCTION)"
+    folder = Path(spec.path).resolve().parent if spec.path and Path(spec.path).is_file() else None
+    if folder is not None and ((folder / f"{top}.py").is_file() or (folder / top).is_dir()):
+        return f" ({top} is beside {spec.path}: check that import)"
+    return (f" (install the package that provides {top}, e.g. `pip install {top}`, into the Python environment "
+            "rayconv runs in, on every node)")
 
 
 def build_user_model(name: str, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
@@ -253,13 +276,28 @@ def actor_runtime_env(name: str, env_vars: Optional[dict[str, str]] = None) -> O
             env["env_vars"].update({NAME_ENV: name, PICKLE_ENV: base64.b64encode(blob).decode()})
         else:
             spec = parse_spec(name)
-            modules = {spec.module}
+            resolve(name)  # (imported here first: the modules it imports from its folder are then known)
+            modules = {spec.module} | (beside(Path(spec.path).resolve().parent) if spec.path else set())
         ship = sorted({p for p in map(shipped_path, modules) if p is not None})
         if ship:
             env["py_modules"] = ship
     if not env["env_vars"]:
         del env["env_vars"]
     return env or None
+
+
+def beside(folder: Path) -> set[str]:
+    """The top-level modules imported in this process from ``folder`` (a ``.py`` file or a package there)."""
+    found = set()
+    for name, mod in list(sys.modules.items()):
+        if "." in name or mod is None:
+            continue
+        paths = list(getattr(mod, "__path__", None) or [])  # (a package: its folders; a module: its file)
+        where = [Path(p).parent for p in paths] if paths else \
+            [Path(mod.__file__).parent] if getattr(mod, "__file__", None) else []
+        if any(p.resolve() == folder for p in where):
+            found.add(name)
+    return found
 
 
 def shipped_path(module: str) -> Optional[str]:

@@ -18,7 +18,9 @@ from typing import Optional, Sequence
 
 from rayconv.cluster.connect import available_devices, connect
 from rayconv.config import Config, ConfigError
+from rayconv.data.registry import make_source
 from rayconv.layout import Layout
+from rayconv.models.user import is_user_model
 from rayconv.planner import costmodel
 from rayconv.planner.costmodel import Prediction
 from rayconv.planner.links import MACHINES, Links
@@ -164,9 +166,12 @@ def search(meas: Measurements, world: int, links: Links, max_memory_gib: Optiona
 
 def plan_config(cfg: Config) -> Config:
     """The settings the planner measures with: the run's, the data defaulting to what the model takes
-    (digits for convnet, synthetic ImageNet-shaped images otherwise). The class count follows the
-    data as in the run (an image or shard folder's own classes); synthetic images default to 1000."""
-    data = cfg.data if cfg.data != "digits" or cfg.model.startswith("convnet") else "synthetic"
+    (digits for convnet and for a user's model given them as 1 channel, which synthetic images' 3 do not
+    fit; synthetic ImageNet-shaped images otherwise). The class count follows the data as in the run
+    (an image or shard folder's own classes); synthetic images default to 1000."""
+    keep = cfg.data != "digits" or cfg.model.startswith("convnet") or \
+        (is_user_model(cfg.model) and make_source(cfg).sample_shape[0] == 1)
+    data = cfg.data if keep else "synthetic"
     return Config(**{**cfg.to_dict(), "data": data, "num_classes": (cfg.num_classes or 1000) if data == "synthetic"
                      else cfg.num_classes})
 

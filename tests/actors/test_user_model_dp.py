@@ -1,10 +1,11 @@
 """A user's own ResNet-like ConvNet (tests/support/fixtures/resnetish.py: skip connections, batch norm; not
-installed) given as ``--model models/resnetish.py:ResNetish`` trains under dp=2 as single-device SGD
-does (float64, to 1e-10), its model.pt loads into ResNetish, and ``--evaluate-only --init`` of that
-model.pt reports the run's test accuracy.
+installed) for grey images, built by ``models/greynet.py:build`` (which imports ResNetish from the
+module beside it and names no ``in_channels``: the digits reach it as the 1 channel its first
+convolution takes), trains under dp=2 as single-device SGD does (float64, to 1e-10), its model.pt
+loads into ResNetish, and ``--evaluate-only --init`` of that model.pt reports the run's test accuracy.
 
-The file is copied into a folder the driver then runs in, named by a relative path that the actors
-(which run in the folder the test's Ray cluster started from) do not see: they import it from Ray's
+The files are copied into a folder the driver then runs in, named by a relative path that the actors
+(which run in the folder the test's Ray cluster started from) do not see: they import both from Ray's
 ``py_modules``. Batch norm under
 dp=2 normalises each replica's share by its own statistics, so the reference is
 ``helpers.reference_microbatch_sgd`` (running statistics from replica 0, as in DDP). The measuring
@@ -28,23 +29,29 @@ from rayconv.planner.search import plan_config
 from rayconv.run import main
 
 FIXTURE = Path(__file__).resolve().parents[1] / "support" / "fixtures" / "resnetish.py"
-MODEL = "models/resnetish.py:ResNetish"
+MODEL = "models/greynet.py:build"
+GREYNET = ("from resnetish import ResNetish\n\n\n"  # (the module beside the file, imported by name)
+           "def build(num_classes=10, **kwargs):\n"
+           "    return ResNetish(num_classes=num_classes, in_channels=1)\n")
 STEPS = 3
 
 
 @pytest.fixture(autouse=True)
-def forget_the_copy():
-    """The copy imported here is the user's module ``resnetish`` of this test's folder only: later tests
-    import the fixture itself under that name, which the loader refuses as a shadowing module."""
+def forget_the_copy(monkeypatch):
+    """The copies imported here are the user's modules ``greynet`` and ``resnetish`` of this test's
+    folder only (which the import puts on sys.path): later tests import the fixture itself under that
+    name, which the loader refuses as a shadowing module."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
     yield
-    sys.modules.pop("resnetish", None)
+    sys.modules.pop("greynet", None), sys.modules.pop("resnetish", None)
 
 
 def users_folder(tmp_path, monkeypatch) -> None:
-    """Copy the model into ``tmp_path/models`` and run the driver there (the actors cannot see it)."""
+    """Write the model into ``tmp_path/models`` and run the driver there (the actors cannot see it)."""
     assert not Path(MODEL.split(":")[0]).exists()  # (where the actors run)
     (tmp_path / "models").mkdir()
     shutil.copy(FIXTURE, tmp_path / "models" / "resnetish.py")
+    (tmp_path / "models" / "greynet.py").write_text(GREYNET)
     monkeypatch.chdir(tmp_path)
 
 
@@ -71,8 +78,8 @@ def test_users_model_dp2_equals_single_device_sgd_and_evaluates_from_init(ray_cl
     want, test_loss = reference_microbatch_sgd(cfg, STEPS)  # (built by the same function: build_model(MODEL))
     assert_same_state(got, want, atol=1e-10)
     assert abs(summary["test_loss"] - test_loss) < 1e-10
-    assert summary["input_shape"] == [1, 8, 8]  # the digits' own channel: the function takes in_channels
-    model = resolve(MODEL)(num_classes=10, in_channels=1)  # the user's own class, parameter names unchanged
+    assert summary["input_shape"] == [1, 8, 8]  # the digits' own channel: the one its first convolution takes
+    model = resolve(MODEL)(num_classes=10)  # the user's own class, parameter names unchanged
     model.load_state_dict(got, strict=True)
 
     capsys.readouterr()

@@ -122,11 +122,52 @@ def test_a_function_that_raises_is_refused_naming_its_call(tmp_path):
 
 def test_a_module_that_fails_to_import_is_refused(tmp_path):
     (tmp_path / "needs_sibling.py").write_text("import sibling_blocks_xyz\ndef build(num_classes): pass\n")
-    with pytest.raises(ConfigError, match="sibling_blocks_xyz.*shipped alone"):
+    with pytest.raises(ConfigError, match="sibling_blocks_xyz.*install the package that provides sibling_blocks_xyz"):
         resolve(f"{tmp_path / 'needs_sibling.py'}:build")
     (tmp_path / "broken.py").write_text("raise RuntimeError('boom')\n")
     with pytest.raises(ConfigError, match="raised RuntimeError: boom"):
         resolve(f"{tmp_path / 'broken.py'}:build")
+
+
+def test_a_helper_module_beside_the_file_is_imported_and_shipped(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "layers_xyz.py").write_text("from torch import nn\ndef block(c): return nn.Conv2d(1, c, 3)\n")
+    (tmp_path / "net_xyz.py").write_text("from layers_xyz import block\n"
+                                         "def build(num_classes): return block(num_classes)\n")
+    try:
+        assert resolve(f"{tmp_path / 'net_xyz.py'}:build")(num_classes=2).out_channels == 2
+        env = actor_runtime_env(f"{tmp_path / 'net_xyz.py'}:build")
+        assert env == {"py_modules": [str(tmp_path / "layers_xyz.py"), str(tmp_path / "net_xyz.py")]}
+    finally:
+        sys.modules.pop("net_xyz", None), sys.modules.pop("layers_xyz", None)
+
+
+@pytest.mark.parametrize("source, words", [
+    ("import timm_not_installed_pkg\n", r"No module named 'timm_not_installed_pkg' \(install the package that "
+                                        r"provides timm_not_installed_pkg, e\.g\. `pip install timm_not_installed_pkg`"),
+    ("import helper_xyz.sub\n", r"'helper_xyz' is not a package \(helper_xyz is beside .*check that import\)"),
+    ("from .helper_xyz import x\n", r"no known parent package \(a file given by its path is imported as a top-level "
+                                    r"module: import the modules beside it by name"),
+])
+def test_an_import_that_fails_gets_the_advice_of_its_cause(tmp_path, monkeypatch, source, words):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "helper_xyz.py").write_text("x = 1\n")
+    (tmp_path / "imports_xyz.py").write_text(source + "def build(num_classes): pass\n")
+    try:
+        with pytest.raises(ConfigError, match=words) as e:
+            resolve(f"{tmp_path / 'imports_xyz.py'}:build")
+        assert "PACKAGE.MODULE" not in str(e.value)
+    finally:
+        sys.modules.pop("helper_xyz", None)
+
+
+def test_a_relative_import_in_a_package_names_the_package_spec(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "pkg_xyz").mkdir()
+    (tmp_path / "pkg_xyz" / "__init__.py").write_text("")
+    (tmp_path / "pkg_xyz" / "net.py").write_text("from . import other\ndef build(num_classes): pass\n")
+    with pytest.raises(ConfigError, match=r"its folder is a package: give --model pkg_xyz\.net:build from the folder"):
+        resolve(f"{tmp_path / 'pkg_xyz' / 'net.py'}:build")
 
 
 def test_a_file_shadowing_another_module_is_refused(tmp_path):
@@ -177,7 +218,9 @@ def test_refused_before_ray(case, tmp_path, capsys, silent_address):
 
 def test_the_actors_get_the_users_file_in_py_modules():
     env = actor_runtime_env(SPEC, {"X": "1"})
-    assert env == {"env_vars": {"X": "1"}, "py_modules": [str(FIXTURE)]}
+    # (with any other module imported here from the file's folder: tests/fixtures/blocks.py by an earlier test)
+    assert env["env_vars"] == {"X": "1"} and str(FIXTURE) in env["py_modules"]
+    assert all(Path(p).parent == FIXTURE.parent for p in env["py_modules"]) and set(env) == {"env_vars", "py_modules"}
     assert actor_runtime_env("convnet") is None and actor_runtime_env("resnet18", {"X": "1"}) == {"env_vars": {"X": "1"}}
     # installed packages, the standard library and rayconv itself are not shipped
     assert actor_runtime_env("torchvision.models:resnet18") is None
