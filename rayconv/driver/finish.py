@@ -9,7 +9,7 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from rayconv.cluster.group import Gang
 from rayconv.driver.loop import Run, evaluate
@@ -32,9 +32,21 @@ def finish(run: Run, gang: Gang) -> dict[str, Any]:
     run.metrics.write(out / "metrics.parquet")
     summary = summarize(run, memory)
     write_json(out / "summary.json", summary)
-    run.log(f"done: train loss {summary['final_train_loss']:.4f}, test accuracy {summary['test_accuracy']:.4f}, "
-            f"{summary['images_per_s']:.0f} images/s, {summary['wall_time_s']:.1f} s -> {out}")
+    run.log(done_line(summary, out))
     return summary
+
+
+def done_line(summary: dict[str, Any], out: Path) -> str:
+    """The line a finished run ends with: final train loss, test accuracy, images/s ("n/a" where the
+    run has none: no step timed, no evaluation), wall time, the output folder."""
+    return (f"done: train loss {_fmt(summary['final_train_loss'], '.4f')}, test accuracy "
+            f"{_fmt(summary['test_accuracy'], '.4f')}, {_fmt(summary['images_per_s'], '.0f')} images/s, "
+            f"{summary['wall_time_s']:.1f} s -> {out}")
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    """``value`` formatted by ``spec``, or "n/a" (no step timed, no evaluation)."""
+    return "n/a" if value is None else format(value, spec)
 
 
 def finish_evaluation(run: Run, gang: Gang) -> dict[str, Any]:
@@ -48,9 +60,8 @@ def finish_evaluation(run: Run, gang: Gang) -> dict[str, Any]:
     run.metrics.write(out / "metrics.parquet")
     summary = summarize(run, gang.call("memory", timeout_s=run.call_timeout_s))
     write_json(out / "summary.json", summary)
-    top5 = summary["test_top5_accuracy"]
     run.log(f"evaluated --init {cfg.init}: test top-1 {summary['test_accuracy']:.4f}, top-5 "
-            f"{'n/a' if top5 is None else f'{top5:.4f}'}, test loss {summary['test_loss']:.4f} -> {out}")
+            f"{_fmt(summary['test_top5_accuracy'], '.4f')}, test loss {summary['test_loss']:.4f} -> {out}")
     return summary
 
 

@@ -133,6 +133,8 @@ def check_before_ray(cfg: Config, resume: Optional[Checkpoint]) -> tuple[Source,
     source = make_source(cfg)
     sharding = Sharding(source.train_size, cfg.global_batch_size, cfg.dp or 1, cfg.seed, make_order(cfg, source))
     check_schedule(cfg, sharding.steps_per_epoch)
+    if resume is not None:
+        check_steps_left(resume, total_steps(cfg, sharding.steps_per_epoch))
     reference = run_model(cfg, source)  # (with --init: its keys and shapes checked, its weights loaded)
     classes = check_trainable(cfg.model, reference, tuple(source.sample_shape))[1]
     if classes != source.num_classes:
@@ -226,6 +228,17 @@ def check_output_folder(out: Path, resume: Optional[Checkpoint]) -> None:
         raise FileExistsError(f"--out {out} is a file: choose a folder (nothing was overwritten)")
     elif out.exists() and any(out.iterdir()):
         raise FileExistsError(f"--out {out} already holds files: choose a new folder (nothing was overwritten)")
+
+
+def check_steps_left(resume: Checkpoint, steps: int) -> None:
+    """Refuse to resume a checkpoint that has no step left to train: at or past the run's ``steps``
+    (``--steps``, else ``--epochs`` x steps per epoch). Raises CheckpointError."""
+    if resume.step == steps:
+        raise CheckpointError(f"--resume {resume.run_dir} is already at its last step ({resume.step} of {steps}): "
+                              "raise --steps (or --epochs) to continue it (nothing was written)")
+    if resume.step > steps:
+        raise CheckpointError(f"--resume {resume.path} is at step {resume.step}, past this run's last ({steps}): "
+                              f"give --steps above {resume.step} (or more --epochs) to continue it")
 
 
 def new_run_name(out: Path) -> str:
