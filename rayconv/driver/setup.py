@@ -13,6 +13,7 @@ is one frozen ``Setup`` that the loop, the checkpoints and the summary read.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import secrets
 import time
@@ -73,7 +74,8 @@ def setup_run(cfg: Config, log=print) -> Setup:
     cfg.validate()  # (a Config made in Python: refused here, before Ray starts)
     resume = load_checkpoint(cfg.resume) if cfg.resume else None
     cfg = with_output_folder(cfg, resume)
-    out = Path(cfg.out)
+    check_job_output(cfg.out)
+    out = Path(cfg.out).absolute()  # (the header, the summary and the messages name it in full)
     check_output_folder(out, resume)
     predicted = None
     if cfg.layout == "auto":
@@ -239,6 +241,31 @@ def check_steps_left(resume: Checkpoint, steps: int) -> None:
     if resume.step > steps:
         raise CheckpointError(f"--resume {resume.path} is at step {resume.step}, past this run's last ({steps}): "
                               f"give --steps above {resume.step} (or more --epochs) to continue it")
+
+
+def ray_job() -> Optional[str]:
+    """The Ray job this process is the driver of (``ray job submit``): its submission id, or the working
+    folder when that is inside Ray's runtime-env files (``.../session_*/runtime_resources/...``, where
+    ``--working-dir`` is unpacked) only: ""; None when it is not run as a Ray job."""
+    try:  # the job supervisor gives its driver the job's config (runtime env, metadata) in this variable
+        meta = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}").get("metadata") or {}
+    except (ValueError, AttributeError):
+        meta = {}
+    if meta.get("job_submission_id"):
+        return str(meta["job_submission_id"])
+    return "" if "runtime_resources" in Path.cwd().parts else None
+
+
+def check_job_output(out: str) -> None:
+    """Refuse a relative output folder under a Ray job: the job's working folder is Ray's own copy of
+    ``--working-dir`` (or the job supervisor's folder), which nobody looks into and Ray deletes; an
+    absolute ``--out`` is where the user says. Raises ConfigError."""
+    job = ray_job()
+    if job is not None and not Path(out).is_absolute():
+        where = f"Ray job {job}" if job else "a Ray job"
+        raise ConfigError(f"the output folder {out} is relative: under {where} it would be made in the job's "
+                          f"working folder {Path.cwd()} (with --working-dir, Ray's temporary copy of it): give an "
+                          "absolute --out, e.g. --out /shared/runs/NAME")
 
 
 def new_run_name(out: Path) -> str:

@@ -215,6 +215,9 @@ def test_ray_job_submit(dashboard, tmp_path):
     assert "succeeded" in proc.stdout + proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["layout"]["dp"] == 2
+    # The header names the job and the output folder in full (a relative --out is refused under a job:
+    # tests/unit/test_run_folder.py).
+    assert "; Ray job raysubmit_" in proc.stdout and f"3 steps -> {out};" in proc.stdout, proc.stdout[-3000:]
     # It ran on this cluster: its placement group is in this cluster's table.
     assert any(pg["name"] == f"rayconv/{summary['run_name']}" for pg in ray.util.placement_group_table().values())
 

@@ -1,9 +1,11 @@
 """A run's folder and header, without Ray: a finished run's --resume refused before Ray starts (and
-continued once --steps is raised), and the end line of a run with no timed step."""
+continued once --steps is raised), a relative --out refused under a Ray job, the header's absolute
+output folder and its --evaluate-only wording, and the end line of a run with no timed step."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,10 +14,16 @@ import ray
 
 from rayconv.config import Config
 from rayconv.driver.finish import done_line
-from rayconv.driver.setup import check_before_ray, check_steps_left
-from rayconv.errors import CheckpointError
+from rayconv.driver.progress import run_line
+from rayconv.driver.setup import check_before_ray, check_job_output, check_steps_left, ray_job
+from rayconv.errors import CheckpointError, ConfigError
+from rayconv.mesh import Mesh
 from rayconv.outputs.checkpoint import load_checkpoint, write_checkpoint
 from rayconv.run import main
+
+JOB_ENV = json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_0123.zip"},
+                      "metadata": {"job_submission_id": "raysubmit_abc123", "job_name": "raysubmit_abc123"}})
+
 
 def tree(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
@@ -71,6 +79,54 @@ def test_raised_steps_pass_the_checks_before_ray(tmp_path):
     with pytest.raises(CheckpointError, match="already at its last step"):
         check_before_ray(cfg, ckpt)
     check_before_ray(dataclasses.replace(cfg, steps=12), ckpt)
+
+
+def test_relative_out_is_refused_under_a_ray_job(tmp_path, capsys, silent_address, monkeypatch):
+    address, contacts = silent_address
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", JOB_ENV)
+    assert ray_job() == "raysubmit_abc123"
+    for argv in (["--out", "runs/r1"], []):  # a relative --out, and the default runs/NAME
+        assert main(["--address", address, "--steps", "1", *argv]) == 2
+        line = one_error_line(capsys)
+        assert "raysubmit_abc123" in line and "give an absolute --out, e.g. --out /shared/runs/NAME" in line, line
+        assert str(tmp_path) in line
+    assert not contacts and not (tmp_path / "runs").exists()
+    check_job_output(str(tmp_path / "r1"))  # an absolute --out is taken
+
+
+def test_ray_job_is_told_by_its_environment_or_working_folder(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert ray_job() is None
+    check_job_output("runs/r1")  # not a Ray job: a relative --out is the user's own folder
+    unpacked = tmp_path / "session_x" / "runtime_resources" / "working_dir_files" / "_ray_pkg_0123"
+    unpacked.mkdir(parents=True)
+    monkeypatch.chdir(unpacked)
+    assert ray_job() == ""
+    with pytest.raises(ConfigError, match="under a Ray job it would be made in the job's working folder"):
+        check_job_output("runs/r1")
+
+
+def header_setup(**kw) -> SimpleNamespace:
+    cfg = Config(device="cpu", **kw)
+    return SimpleNamespace(cfg=cfg, mesh=Mesh(2, 1, 1), total_steps=230, out=Path("runs/r1"), run_name="r1-abc123",
+                           source=SimpleNamespace(train_size=1438, test_size=359, num_classes=10))
+
+
+def test_header_names_the_output_folder_in_full(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    line = run_line(header_setup())
+    assert f"230 steps -> {tmp_path / 'runs' / 'r1'}; Ray run name r1-abc123" in line, line
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", JOB_ENV)
+    assert "; Ray job raysubmit_abc123, Ray run name r1-abc123" in run_line(header_setup())
+
+
+def test_evaluate_only_header_trains_no_steps():
+    line = run_line(header_setup(init="runs/r0/model.pt", evaluate_only=True))
+    assert "evaluating --init runs/r0/model.pt only (no training steps)" in line, line
+    assert "230" not in line
 
 
 def test_end_line_of_a_run_without_timed_steps():
