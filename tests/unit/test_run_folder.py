@@ -1,25 +1,33 @@
 """A run's folder and header, without Ray: a finished run's --resume refused before Ray starts (and
 continued once --steps is raised), a relative --out refused under a Ray job, the header's absolute
-output folder and its --evaluate-only wording, and the end line of a run with no timed step."""
+output folder and its --evaluate-only wording, what a stopped run leaves (interrupted: its metrics and
+a summary saying so; nothing of value: no folder), and the end line of a run with no timed step."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pyarrow.parquet as pq
 import pytest
 import ray
 
 from rayconv.config import Config
-from rayconv.driver.finish import done_line
+from rayconv.driver.finish import done_line, recording_stop, writing_into
+from rayconv.driver.loop import Run
 from rayconv.driver.progress import run_line
-from rayconv.driver.setup import check_before_ray, check_job_output, check_steps_left, ray_job
+from rayconv.driver.setup import Setup, check_before_ray, check_job_output, check_steps_left, ray_job
 from rayconv.errors import CheckpointError, ConfigError
+from rayconv.data.source import Sharding
 from rayconv.mesh import Mesh
 from rayconv.outputs.checkpoint import load_checkpoint, write_checkpoint
 from rayconv.run import main
+from rayconv.signals import sigterm_as_interrupt, stopped_by
 
 JOB_ENV = json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_0123.zip"},
                       "metadata": {"job_submission_id": "raysubmit_abc123", "job_name": "raysubmit_abc123"}})
@@ -132,3 +140,74 @@ def test_evaluate_only_header_trains_no_steps():
 def test_end_line_of_a_run_without_timed_steps():
     summary = {"final_train_loss": None, "test_accuracy": 0.5, "images_per_s": None, "wall_time_s": 1.0}
     assert done_line(summary, Path("/r")) == "done: train loss n/a, test accuracy 0.5000, n/a images/s, 1.0 s -> /r"
+
+
+@pytest.fixture(scope="module")
+def setup_of(tmp_path_factory):
+    """A real Setup of the digits run (data, model, routing plan; no cluster), for a given folder."""
+    cfg = Config(steps=100, dp=2, device="cpu", progress=False, global_batch_size=64, loader_workers=0)
+    source, _, plan = check_before_ray(cfg, None)
+    sharding = Sharding(source.train_size, cfg.global_batch_size, 2, cfg.seed)
+
+    def make(out: Path) -> Setup:
+        return Setup(cfg=dataclasses.replace(cfg, out=str(out)), mesh=plan.mesh, plan=plan, source=source,
+                     sharding=sharding, total_steps=100, eval_every=23, out=out, run_name="r-1", resume=None,
+                     predicted=None, t_start=time.perf_counter())
+    return make
+
+
+def stop_after(setup: Setup, steps: int, error, on_disk: bool = False) -> list[str]:
+    """Run fit's bookkeeping of ``steps`` steps in ``setup.out`` and stop it with ``error`` (an
+    exception, or a signal number sent to this process), inside what fit runs its steps in (SIGTERM
+    taken as Ctrl-C, the folder, the stop's record); ``on_disk``: metrics.parquet written before."""
+    lines: list[str] = []
+    run = Run(setup, log=lines.append)
+    with pytest.raises(KeyboardInterrupt if isinstance(error, int) else type(error)):
+        with sigterm_as_interrupt(), writing_into(setup.out, lines.append), recording_stop(run):
+            setup.saved_config().to_json(setup.out / "config.json")
+            for k in range(steps):
+                run.metrics.add(kind="train", step=k, epoch=0, loss=2.0 - k / 100, step_ms=10.0)
+                run.wall[k] = (64, 0.01)
+            if on_disk:
+                run.metrics.write(setup.out / "metrics.parquet")
+            if isinstance(error, int):
+                os.kill(os.getpid(), error)
+                time.sleep(5)  # (the handler raises as soon as the signal arrives)
+            raise error
+    return lines
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupted_run_keeps_its_metrics_and_says_so(setup_of, tmp_path, error):
+    """Ctrl-C or SIGTERM after 17 steps, without --checkpoint-every and before the first metrics write:
+    the folder stays, with config.json, the 17 steps' metrics and a summary saying it was interrupted."""
+    out, handler = tmp_path / "r", signal.getsignal(signal.SIGTERM)
+    lines = stop_after(setup_of(out), 17, error)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.parquet", "summary.json"], lines
+    assert [r["step"] for r in pq.read_table(out / "metrics.parquet").to_pylist()] == list(range(17))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["steps_done"] == 17 and summary["steps"] == 100
+    assert summary["signal"] == stopped_by() == ("SIGTERM" if error == signal.SIGTERM else "SIGINT")
+    assert summary["final_train_loss"] == pytest.approx(1.84) and "error" not in summary
+    assert not any("removed" in line for line in lines), lines
+    assert signal.getsignal(signal.SIGTERM) == handler  # the handler before it is back
+
+
+def test_stopped_run_with_nothing_to_show_leaves_no_folder(setup_of, tmp_path):
+    """Interrupted before its first step (config.json only), or failed before any result was written:
+    the folder goes, so that the same command (the same --out) can run again."""
+    out = tmp_path / "r"
+    lines = stop_after(setup_of(out), 0, KeyboardInterrupt())
+    assert not out.exists() and "removed" in lines[-1]
+    stop_after(setup_of(out), 5, RuntimeError("collective timed out"))
+    assert not out.exists()
+
+
+def test_failed_run_keeps_the_results_it_wrote(setup_of, tmp_path):
+    """A failure after metrics.parquet was written (an evaluation): kept, brought up to the last step,
+    and the summary says the run failed and why."""
+    out = tmp_path / "r"
+    stop_after(setup_of(out), 30, FloatingPointError("loss is nan at step 29: lower --lr (now 0.1)"), on_disk=True)
+    assert len(pq.read_table(out / "metrics.parquet").to_pylist()) == 30
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps_done"] == 30 and summary["error"].startswith("loss is nan")
