@@ -2,19 +2,23 @@
 
 With no arguments it trains the small ConvNet on the embedded digits data, data parallel over every
 device of the Ray cluster (a local one is started when none is running). Errors a user can fix are
-printed as one line naming what to change, with exit status 2; a failed actor gives exit status 1.
+printed as one line naming what to change, with exit status 2; a failed actor gives exit status 1;
+Ctrl-C exit status 130 and SIGTERM 143, the actors stopped and what the run wrote kept.
 Settings come, lowest first, from the ``--resume`` checkpoint, the ``--config`` file, the flags.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
+from pathlib import Path
 from typing import Optional
 
 from rayconv.config import Config
 from rayconv.errors import ClusterError, ConfigError, DataError, PlanError
 from rayconv.flags import from_mapping, read_settings, resumed_settings
 from rayconv.outputs.checkpoint import latest_checkpoint, saved_config
+from rayconv.signals import stopped_by
 
 
 def parse_command_line(argv: Optional[list[str]] = None) -> Config:
@@ -44,20 +48,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"rayconv: error: {e}", file=sys.stderr)
         _resume_hint(cfg)
         return 1
-    except KeyboardInterrupt:
-        print("rayconv: interrupted: actors stopped", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM during the run (rayconv.signals)
+        by = stopped_by()
+        print(f"rayconv: interrupted{' by SIGTERM' if by == 'SIGTERM' else ''}: actors stopped", file=sys.stderr)
         _resume_hint(cfg)
-        return 130
+        return 128 + getattr(signal, by)
 
 
 def _resume_hint(cfg: Optional[Config]) -> None:
-    """After a failure: where the last checkpoint is, and how to continue from it."""
+    """After a failure or interruption: where the last checkpoint is, and how to continue from it; or,
+    when the run's folder stayed without one, that --checkpoint-every makes the next run resumable."""
     if cfg is None or not cfg.out:
         return
     ckpt = latest_checkpoint(cfg.out)
     if ckpt is not None:
         print(f"rayconv: last checkpoint {ckpt}: continue with `python -m rayconv.run --resume {cfg.out}`",
               file=sys.stderr)
+    elif (Path(cfg.out) / "metrics.parquet").is_file():
+        print(f"rayconv: {Path(cfg.out).absolute()} keeps the steps' metrics but no checkpoint to resume from: "
+              "give --checkpoint-every N (steps) to make a run resumable", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """The end of a run: ``model.pt`` (and ``model_ema.pt`` with ``--model-ema``), ``metrics.parquet`` and
 ``summary.json`` in the output folder (``finish_evaluation``: of an --evaluate-only run, the last two);
-and what a failed run leaves there (its checkpoints and config.json, or nothing).
+and what a stopped run leaves there (``record_stop``, ``writing_into``): its checkpoints, config.json,
+and the metrics of its steps with a summary whose ``status`` says how it ended; or nothing, when it
+stopped before it had anything to show.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from rayconv.cluster.group import Gang
 from rayconv.driver.loop import Run, evaluate
@@ -18,6 +20,7 @@ from rayconv.models import run_model
 from rayconv.outputs.checkpoint import list_checkpoints, remove_partial
 from rayconv.outputs.export import assemble, export_model
 from rayconv.planner.search import compare
+from rayconv.signals import stopped_by
 
 
 def finish(run: Run, gang: Gang) -> dict[str, Any]:
@@ -32,9 +35,21 @@ def finish(run: Run, gang: Gang) -> dict[str, Any]:
     run.metrics.write(out / "metrics.parquet")
     summary = summarize(run, memory)
     write_json(out / "summary.json", summary)
-    run.log(f"done: train loss {summary['final_train_loss']:.4f}, test accuracy {summary['test_accuracy']:.4f}, "
-            f"{summary['images_per_s']:.0f} images/s, {summary['wall_time_s']:.1f} s -> {out}")
+    run.log(done_line(summary, out))
     return summary
+
+
+def done_line(summary: dict[str, Any], out: Path) -> str:
+    """The line a finished run ends with: final train loss, test accuracy, images/s ("n/a" where the
+    run has none: no step timed, no evaluation), wall time, the output folder."""
+    return (f"done: train loss {_fmt(summary['final_train_loss'], '.4f')}, test accuracy "
+            f"{_fmt(summary['test_accuracy'], '.4f')}, {_fmt(summary['images_per_s'], '.0f')} images/s, "
+            f"{summary['wall_time_s']:.1f} s -> {out}")
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    """``value`` formatted by ``spec``, or "n/a" (no step timed, no evaluation)."""
+    return "n/a" if value is None else format(value, spec)
 
 
 def finish_evaluation(run: Run, gang: Gang) -> dict[str, Any]:
@@ -48,9 +63,8 @@ def finish_evaluation(run: Run, gang: Gang) -> dict[str, Any]:
     run.metrics.write(out / "metrics.parquet")
     summary = summarize(run, gang.call("memory", timeout_s=run.call_timeout_s))
     write_json(out / "summary.json", summary)
-    top5 = summary["test_top5_accuracy"]
     run.log(f"evaluated --init {cfg.init}: test top-1 {summary['test_accuracy']:.4f}, top-5 "
-            f"{'n/a' if top5 is None else f'{top5:.4f}'}, test loss {summary['test_loss']:.4f} -> {out}")
+            f"{_fmt(summary['test_top5_accuracy'], '.4f')}, test loss {summary['test_loss']:.4f} -> {out}")
     return summary
 
 
@@ -69,8 +83,9 @@ def export(run: Run, gang: Gang, path: Path, ema: bool = False) -> None:
     export_model(path, assemble(states, split_dims), run_model(cfg, run.setup.source))
 
 
-def summarize(run: Run, memory: list[dict[str, Any]]) -> dict[str, Any]:
-    """summary.json: the layout, the final loss and test figures (``ema_test_accuracy`` of the moving
+def summarize(run: Run, memory: list[dict[str, Any]], status: str = "finished") -> dict[str, Any]:
+    """summary.json: ``status`` (finished, interrupted or failed) and ``steps_done`` (the steps trained,
+    of ``steps``), the layout, the final loss and test figures (``ema_test_accuracy`` of the moving
     average, null without --model-ema), images/s, input stall, times, the time to --target-accuracy
     (``driver.target``), the weights it started from (``init``; ``evaluate_only``), and per actor its setup report and peak memory (``memory``: one per rank)."""
     cfg, s, mesh = run.cfg, run.setup, run.setup.mesh
@@ -79,6 +94,8 @@ def summarize(run: Run, memory: list[dict[str, Any]]) -> dict[str, Any]:
     own_ms = sum(x["step_ms"] or 0.0 for x in train_rows)
     ev = run.last_eval
     summary = {
+        "status": status,
+        "steps_done": train_rows[-1]["step"] + 1 if train_rows else (s.resume.step if s.resume else 0),
         "model": cfg.model, "data": cfg.data, "device": cfg.device,
         "input_shape": list(s.source.sample_shape),   # (C, S, S) the model was built for and trained on
         "data_dir": s.data_dir, "stage_dir": cfg.stage_dir,   # the folder given; its --stage-dir copy, read
@@ -103,23 +120,60 @@ def summarize(run: Run, memory: list[dict[str, Any]]) -> dict[str, Any]:
         "resumed_from": str(s.resume.path) if s.resume is not None else None, "failures_recovered": run.failures,
         "actors": [{**setup, **m} for setup, m in zip(run.setups, memory)],
     }
-    if s.predicted is not None:
+    if s.predicted is not None and status == "finished":
         summary["planner"] = compare(s.predicted, summary)
     return summary
+
+
+def record_stop(run: Run, e: BaseException) -> None:
+    """A run stopped by ``e`` before its end: its ``metrics.parquet`` (every step so far) and a
+    ``summary.json`` whose ``status`` is ``interrupted`` (KeyboardInterrupt: Ctrl-C, or SIGTERM under
+    ``signals.sigterm_as_interrupt``; ``signal`` says which) or ``failed`` (with ``error``), once this
+    process trained a step; a failure only into a folder that already holds results (metrics.parquet
+    or a checkpoint), which ``writing_into`` keeps. What it cannot write is said, not raised: ``e``
+    is what the caller reports."""
+    out, interrupted = run.setup.out, isinstance(e, KeyboardInterrupt)
+    if not run.wall or not (interrupted or (out / "metrics.parquet").exists() or list_checkpoints(out)):
+        return
+    try:
+        run.metrics.write(out / "metrics.parquet")
+        summary = summarize(run, [], status="interrupted" if interrupted else "failed")
+        if interrupted:
+            summary["signal"] = stopped_by()
+        else:
+            summary["error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+        write_json(out / "summary.json", summary)
+    except Exception as err:  # (a full disk: the run's own error is the one to report)
+        run.log(f"rayconv: could not record the stopped run in {out}: {err}")
+
+
+@contextmanager
+def recording_stop(run: Run, only: type = BaseException) -> Iterator[None]:
+    """For the body: an exception of type ``only`` that stops the run is recorded (``record_stop``,
+    once per run however many of these it passes through), then raised on."""
+    try:
+        yield
+    except only as e:
+        if not run.stop_recorded:
+            run.stop_recorded = True
+            record_stop(run, e)
+        raise
 
 
 @contextmanager
 def writing_into(out: Path, log=print) -> Iterator[Path]:
     """Make the output folder ``out`` for the body. If the body raises, nothing half-written stays
-    behind, but checkpoints are never deleted: a folder holding one keeps it (and config.json) so that
-    the run can be resumed; otherwise the folder is removed (if made here) or emptied."""
+    behind, but results are never deleted: a folder holding a checkpoint (to resume from) or
+    metrics.parquet (the steps' record) keeps everything; otherwise (config.json at most: the
+    settings, which the same command gives again) the folder is removed (if made here) or emptied,
+    so that the same ``--out`` can be given again."""
     made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
         yield out
     except BaseException:
         remove_partial(out)
-        if list_checkpoints(out):
+        if list_checkpoints(out) or (out / "metrics.parquet").exists():
             pass
         elif made:
             shutil.rmtree(out, ignore_errors=True)

@@ -22,7 +22,7 @@ from rayconv.actor.worker import Worker
 from rayconv.cluster.group import Gang, start_workers
 from rayconv.config import Config
 from rayconv.data.source import Sharding
-from rayconv.driver.finish import finish, finish_evaluation, writing_into
+from rayconv.driver.finish import finish, finish_evaluation, recording_stop, writing_into
 from rayconv.driver.loop import Run, train
 from rayconv.driver.progress import log_header
 from rayconv.driver.setup import call_timeout_s, setup_run
@@ -30,6 +30,7 @@ from rayconv.errors import CallTimeout, ClusterError
 from rayconv.mesh import Mesh
 from rayconv.outputs.checkpoint import Checkpoint, latest_checkpoint, load_checkpoint, shard_for
 from rayconv.parallel.layout_plan import LayoutPlan
+from rayconv.signals import sigterm_as_interrupt
 
 
 def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
@@ -37,18 +38,23 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
     output folder (and checkpoints/ every ``cfg.checkpoint_every`` steps); return the summary.
     ``on_step(gang, step)``, if given, is called after each step (tests use it to inspect every actor).
     Raises ConfigError / DataError / PlanError / CheckpointError before anything is written,
-    ClusterError if an actor fails more than ``cfg.max_failures`` times. On failure the output folder
-    is removed if this run made it and it holds no checkpoint; checkpoints are never deleted.
+    ClusterError if an actor fails more than ``cfg.max_failures`` times. A run stopped by Ctrl-C or
+    SIGTERM after a step keeps its folder: config.json, metrics.parquet of the steps done, summary.json
+    with ``status`` interrupted (``finish.record_stop``). On a failure the folder is removed if this run
+    made it and it holds no result yet (a checkpoint or metrics.parquet); results are never deleted.
     """
     setup = setup_run(cfg, log)                   # nothing written yet; the settings resolved
-    with writing_into(setup.out, log):            # on failure only checkpoints (and config.json) stay
+    run = Run(setup, log, on_step)
+    # SIGTERM stops the run as Ctrl-C does; a stop leaves the steps' metrics and a summary saying how
+    # the run ended; on failure only results stay (checkpoints, metrics), not a bare config.json.
+    with sigterm_as_interrupt(), writing_into(setup.out, log), recording_stop(run):
         setup.saved_config().to_json(setup.out / "config.json")
         log_header(setup, log)
-        run = Run(setup, log, on_step)
         ckpt = setup.resume
         while True:
             try:
-                with start_actors(run, ckpt) as gang:
+                # (Ctrl-C is recorded before the actors are stopped: that can wait on a cluster going down too)
+                with start_actors(run, ckpt) as gang, recording_stop(run, KeyboardInterrupt):
                     if setup.cfg.evaluate_only:
                         return finish_evaluation(run, gang)
                     train(run, gang, start=ckpt.step if ckpt is not None else 0)

@@ -46,6 +46,7 @@ class Run:
         self.target = Target(setup.cfg.target_accuracy)  # the first evaluation reaching --target-accuracy
         self.failures = 0     # actor failures recovered from
         self.trained = False  # every step done: what fails after it (the export) is not retried
+        self.stop_recorded = False  # a stop's metrics and summary written (``finish.recording_stop``)
         # step -> (images, driver wall-clock seconds from the previous result to this one, evaluation and
         # checkpoint time left out), over every attempt of this process: the summary's images/s.
         self.wall: dict[int, tuple[int, float]] = {}

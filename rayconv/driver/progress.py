@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import sys
 from collections import deque
+from pathlib import Path
 from typing import Optional
 
 from tqdm import tqdm
 
 from rayconv.config import Config, batch_split_problem
 from rayconv.driver.lr import peak_lr, warmup_steps
-from rayconv.driver.setup import Setup
+from rayconv.driver.setup import Setup, ray_job
 from rayconv.mesh import Mesh
 from rayconv.parallel.layout_plan import LayoutPlan
 from rayconv.parallel.pipeline.simulate import bubble_fraction, format_grid
@@ -28,12 +29,8 @@ RATE_WINDOW = 20  # steps: the progress line's images/s is over the wall-clock o
 
 def log_header(setup: Setup, log=print) -> None:
     """The lines a run starts with (see the module docstring)."""
-    cfg, mesh, source, out = setup.cfg, setup.mesh, setup.source, setup.out
-    log(f"rayconv: {cfg.model} on {cfg.data} ({source.train_size} train / {source.test_size} test images, "
-        f"{source.num_classes} classes), layout {mesh.describe()}"
-        f"{' plan ' + cfg.plan if cfg.plan != 'none' else ''} on {cfg.device}, "
-        f"global batch {cfg.global_batch_size}, {setup.total_steps} step{'s' if setup.total_steps != 1 else ''} "
-        f"-> {out}; Ray run name {setup.run_name}")
+    cfg, mesh = setup.cfg, setup.mesh
+    log(run_line(setup))
     log(images_line(setup))
     log(recipe_line(setup))
     if setup.resume is not None:
@@ -47,6 +44,19 @@ def log_header(setup: Setup, log=print) -> None:
         note = overlap_note(cfg, mesh, setup.plan)
         if note:
             log(note)
+
+
+def run_line(setup: Setup) -> str:
+    """The header's first line: model, data, layout, device, batch, the steps (or, with --evaluate-only,
+    the weights evaluated), the output folder in full, the run's name on the cluster (and the Ray job's)."""
+    cfg, mesh, source, n = setup.cfg, setup.mesh, setup.source, setup.total_steps
+    work = f"evaluating --init {cfg.init} only (no training steps)" if cfg.evaluate_only else \
+        f"global batch {cfg.global_batch_size}, {n} step{'s' if n != 1 else ''}"
+    job = ray_job()
+    return (f"rayconv: {cfg.model} on {cfg.data} ({source.train_size} train / {source.test_size} test images, "
+            f"{source.num_classes} classes), layout {mesh.describe()}"
+            f"{' plan ' + cfg.plan if cfg.plan != 'none' else ''} on {cfg.device}, {work} -> "
+            f"{Path(setup.out).absolute()}; {f'Ray job {job}, ' if job else ''}Ray run name {setup.run_name}")
 
 
 def images_line(setup: Setup) -> str:

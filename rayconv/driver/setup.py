@@ -13,6 +13,7 @@ is one frozen ``Setup`` that the loop, the checkpoints and the summary read.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import secrets
 import time
@@ -74,7 +75,8 @@ def setup_run(cfg: Config, log=print) -> Setup:
     cfg.validate()  # (a Config made in Python: refused here, before Ray starts)
     resume = load_checkpoint(cfg.resume) if cfg.resume else None
     cfg = with_output_folder(cfg, resume)
-    out = Path(cfg.out)
+    check_job_output(cfg.out)
+    out = Path(cfg.out).absolute()  # (the header, the summary and the messages name it in full)
     check_output_folder(out, resume)
     predicted = None
     if cfg.layout == "auto":
@@ -136,6 +138,8 @@ def check_before_ray(cfg: Config, resume: Optional[Checkpoint]) -> tuple[Source,
     source = make_source(cfg)
     sharding = Sharding(source.train_size, cfg.global_batch_size, cfg.dp or 1, cfg.seed, make_order(cfg, source))
     check_schedule(cfg, sharding.steps_per_epoch)
+    if resume is not None:
+        check_steps_left(resume, total_steps(cfg, sharding.steps_per_epoch))
     reference = run_model(cfg, source)  # (with --init: its keys and shapes checked, its weights loaded)
     classes = check_trainable(cfg.model, reference, tuple(source.sample_shape),
                               source.expanded_from or source.sample_shape[0])[1]
@@ -232,6 +236,42 @@ def check_output_folder(out: Path, resume: Optional[Checkpoint]) -> None:
         raise FileExistsError(f"--out {out} is a file: choose a folder (nothing was overwritten)")
     elif out.exists() and any(out.iterdir()):
         raise FileExistsError(f"--out {out} already holds files: choose a new folder (nothing was overwritten)")
+
+
+def check_steps_left(resume: Checkpoint, steps: int) -> None:
+    """Refuse to resume a checkpoint that has no step left to train: at or past the run's ``steps``
+    (``--steps``, else ``--epochs`` x steps per epoch). Raises CheckpointError."""
+    if resume.step == steps:
+        raise CheckpointError(f"--resume {resume.run_dir} is already at its last step ({resume.step} of {steps}): "
+                              "raise --steps (or --epochs) to continue it (nothing was written)")
+    if resume.step > steps:
+        raise CheckpointError(f"--resume {resume.path} is at step {resume.step}, past this run's last ({steps}): "
+                              f"give --steps above {resume.step} (or more --epochs) to continue it")
+
+
+def ray_job() -> Optional[str]:
+    """The Ray job this process is the driver of (``ray job submit``): its submission id, or the working
+    folder when that is inside Ray's runtime-env files (``.../session_*/runtime_resources/...``, where
+    ``--working-dir`` is unpacked) only: ""; None when it is not run as a Ray job."""
+    try:  # the job supervisor gives its driver the job's config (runtime env, metadata) in this variable
+        meta = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}").get("metadata") or {}
+    except (ValueError, AttributeError):
+        meta = {}
+    if meta.get("job_submission_id"):
+        return str(meta["job_submission_id"])
+    return "" if "runtime_resources" in Path.cwd().parts else None
+
+
+def check_job_output(out: str) -> None:
+    """Refuse a relative output folder under a Ray job: the job's working folder is Ray's own copy of
+    ``--working-dir`` (or the job supervisor's folder), which nobody looks into and Ray deletes; an
+    absolute ``--out`` is where the user says. Raises ConfigError."""
+    job = ray_job()
+    if job is not None and not Path(out).is_absolute():
+        where = f"Ray job {job}" if job else "a Ray job"
+        raise ConfigError(f"the output folder {out} is relative: under {where} it would be made in the job's "
+                          f"working folder {Path.cwd()} (with --working-dir, Ray's temporary copy of it): give an "
+                          "absolute --out, e.g. --out /shared/runs/NAME")
 
 
 def new_run_name(out: Path) -> str:

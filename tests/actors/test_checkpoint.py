@@ -138,6 +138,14 @@ def run_failing(argv, capsys) -> str:
     return lines[0]
 
 
+def test_resume_a_finished_run_is_refused(straight, capsys):
+    """Every step done: refused in one line before Ray starts, the run's files as they were."""
+    before = tree(straight)
+    line = run_failing(["--resume", str(straight), "--dp", "4"], capsys)
+    assert f"already at its last step ({STEPS} of {STEPS})" in line and "raise --steps" in line, line
+    assert tree(straight) == before
+
+
 def test_resume_into_another_layout_is_refused(stopped, tmp_path, capsys):
     before = tree(stopped)
     line = run_failing(["--resume", str(stopped), "--dp", "1", "--fs", "2", "--out", str(tmp_path / "x")], capsys)

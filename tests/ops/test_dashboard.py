@@ -215,13 +215,17 @@ def test_ray_job_submit(dashboard, tmp_path):
     assert "succeeded" in proc.stdout + proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["layout"]["dp"] == 2
+    # The header names the job and the output folder in full (a relative --out is refused under a job:
+    # tests/unit/test_run_folder.py).
+    assert "; Ray job raysubmit_" in proc.stdout and f"3 steps -> {out};" in proc.stdout, proc.stdout[-3000:]
     # It ran on this cluster: its placement group is in this cluster's table.
     assert any(pg["name"] == f"rayconv/{summary['run_name']}" for pg in ray.util.placement_group_table().values())
 
 
 def test_two_runs_with_the_same_folder_name_at_once(dashboard, tmp_path):
     """``--out /tmp/one/run`` and ``--out /tmp/two/run`` on one cluster at once: each run has its own
-    name on the cluster (placement group, actors, gauges), said on the console and in summary.json."""
+    name on the cluster (placement group, actors, gauges), said on the console and in summary.json.
+    The first, stopped by SIGTERM, keeps its folder (metrics, summary: interrupted)."""
     one = tmp_path / "one" / "run"
     first = subprocess.Popen(
         [sys.executable, "-m", "rayconv.run", "--address", dashboard["address"], "--steps", "100000", "--dp", "1",
@@ -236,12 +240,19 @@ def test_two_runs_with_the_same_folder_name_at_once(dashboard, tmp_path):
                      progress=False, metrics=False, out=str(tmp_path / "two" / "run"), loader_workers=0).validate()
         second = fit(cfg, log=lines.append)["run_name"]
         assert first.poll() is None, "the first run did not overlap the second"
-        first.send_signal(signal.SIGINT)
+        # SIGTERM (as `ray job stop` or a scheduler sends it) once the first run wrote its metrics (an
+        # evaluation: 45 steps), without --checkpoint-every: its folder stays, saying it was interrupted.
+        wait_until(first, lambda: (one / "metrics.parquet").exists(), "the first run's first evaluation")
+        first.send_signal(signal.SIGTERM)
         out, err = first.communicate(timeout=60)
     finally:
         if first.poll() is None:
             first.kill()
-    assert first.returncode == 130, err
+    assert first.returncode == 143, err
+    assert "interrupted by SIGTERM" in err and "--checkpoint-every N" in err and "removed" not in err, err
+    summary = json.loads((one / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["steps_done"] >= 45, summary
+    assert (one / "config.json").is_file() and not (one / "checkpoints").exists()
     name = out.split("Ray run name ")[1].split()[0]
     assert name != second and name.startswith("run-") and second.startswith("run-"), (name, second)
     assert f"Ray run name {second}" in lines[0]

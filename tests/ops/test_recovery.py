@@ -2,7 +2,8 @@
 (same result as an uninterrupted run); without --max-failures it ends the job naming the actor; a
 stuck collective fails after --collective-timeout-s, naming that flag; a start-up past --max-wait
 (resources or actors starting) names that one; a Ray error at start is one line; Ctrl-C stops actors
-and the placement group and leaves the last checkpoint loadable."""
+and the placement group, leaves the last checkpoint loadable and the run's metrics and summary
+(interrupted) in its folder."""
 
 from __future__ import annotations
 
@@ -94,6 +95,14 @@ def test_ctrl_c_stops_cleanly(ray_cluster, tmp_path):
     ckpt = load_checkpoint(out)
     import io
     assert torch.load(io.BytesIO(ckpt.shard(0)), weights_only=True)["model"]
+    # What the run wrote stays: its settings, every step's metrics, a summary saying it was interrupted.
+    import json
+    import pyarrow.parquet as pq
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and ckpt.step <= summary["steps_done"] < 100000, summary
+    steps = [r["step"] for r in pq.read_table(out / "metrics.parquet").to_pylist() if r["kind"] == "train"]
+    assert steps == list(range(summary["steps_done"]))
+    assert (out / "config.json").is_file() and not (out / "model.pt").exists()
     # The resources are free: a new run of the same size starts and finishes (the recovery test's
     # uninterrupted run).
     straight_run(tmp_path)
