@@ -33,9 +33,11 @@ def flag(name: str) -> str:
 
 class OneLineParser(argparse.ArgumentParser):
     """An argparse parser whose errors are one line (not the whole usage block) and exit 2, starting
-    ``<error_name>: error:`` as the command's own checks' errors do (default: the program's name)."""
+    ``<error_name>: error:`` as the command's own checks' errors do (default: the program's name).
+    Flags are taken only whole (``allow_abbrev=False``): ``--step 20`` is refused, not read as ``--steps``."""
 
     def __init__(self, *args: Any, error_name: Optional[str] = None, **kw: Any):
+        kw.setdefault("allow_abbrev", False)
         super().__init__(*args, **kw)
         self.error_name = error_name or self.prog
 

@@ -188,3 +188,19 @@ def test_cudnn_benchmark_auto_follows_the_runs_length():
     assert with_cudnn_benchmark(given, 10).cudnn_benchmark == "on"
     with pytest.raises(SystemExit):
         parse_args(["--cudnn-benchmark", "yes"])
+
+
+@pytest.mark.parametrize("command, argv", [
+    ("rayconv.run", ["--step", "20"]), ("rayconv.plan", ["--global-batch", "64"]),
+    ("rayconv.prepare", ["--conv", "x"]), ("rayconv.bench", ["--curve-epoch", "1"]),
+    ("rayconv.bench.anchor", ["--batc", "8"]), ("rayconv.bench.accuracy_anchor", ["--epoch", "1"])])
+def test_every_command_refuses_an_abbreviated_flag(command, argv, capsys):
+    """argparse's prefix matching is off in every command: ``--step 20`` is not taken as ``--steps``."""
+    import importlib
+
+    module = importlib.import_module(command if command != "rayconv.bench" else "rayconv.bench.__main__")
+    parse = {"rayconv.run": parse_args, "rayconv.prepare": lambda a: module._parser().parse_args(a),
+             "rayconv.plan": lambda a: module.parse_args(a), "rayconv.bench": lambda a: module.parse_args(a)}.get(command, lambda a: module.main(a))
+    with pytest.raises(SystemExit) as e:
+        parse(argv)
+    assert e.value.code == 2 and "unrecognized arguments: " + argv[0] in capsys.readouterr().err
