@@ -118,3 +118,17 @@ def test_a_file_that_does_not_decode_is_named(tmp_path, workers):
     with pytest.raises(DataError) as e:
         held.images("train", np.arange(2), CPU)
     assert "\n" not in str(e.value) and str(bad) in str(e.value)
+
+
+def test_an_empty_class_folder_is_named(tmp_path):
+    """A class folder without image files: the message names it and the suffixes, in one clean line."""
+    from rayconv.data.imagefolder import CheckedImageFolder
+
+    root = write_folder(tmp_path / "f")
+    (root / "val" / "c").mkdir()
+    (root / "train" / "c").mkdir()
+    (root / "train" / "c" / "0.png").write_bytes((root / "train" / "a" / "0.png").read_bytes())
+    with pytest.raises(DataError) as e:
+        CheckedImageFolder(root / "val", None)
+    msg = str(e.value)
+    assert f"class folder c has no image files (.jpg" in msg and ". :" not in msg and "\n" not in msg, msg
