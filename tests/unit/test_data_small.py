@@ -132,3 +132,12 @@ def test_an_empty_class_folder_is_named(tmp_path):
         CheckedImageFolder(root / "val", None)
     msg = str(e.value)
     assert f"class folder c has no image files (.jpg" in msg and ". :" not in msg and "\n" not in msg, msg
+
+
+def test_prepare_counts_what_it_encoded_and_names_what_it_skipped(tmp_path):
+    """One corrupt file of 15: "14 images encoded", the corrupt one named (not "15 images encoded")."""
+    root = write_folder(tmp_path / "src")
+    (root / "train" / "a" / "bad.png").write_bytes(b"not a png")
+    lines: list[str] = []
+    prepare(str(root), str(tmp_path / "shards"), size=40, shard_size=4, log=lines.append, processes=1)
+    assert "14 images encoded (1 not: train/a/bad.png did not decode) in " in lines[-1], lines
