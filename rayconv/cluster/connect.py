@@ -1,7 +1,7 @@
 """Connecting to a Ray cluster and asking it what it has; the small Ray helpers the rest of cluster/ shares.
 
 ``connect`` finds or starts the cluster (``probe`` refuses, in one line, an address where no Ray
-answers); ``available_devices`` counts the slots an actor can take (GPUs, or CPUs); ``visible_index``
+answers; ``cluster_origin`` says which it did); ``available_devices`` counts the slots an actor can take (GPUs, or CPUs); ``visible_index``
 maps the GPU id Ray assigned to torch's device index; ``exception_summary`` and ``first_line`` turn
 Ray's multi-line errors into the one line a user reads.
 """
@@ -44,6 +44,20 @@ def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] 
         where = address or os.environ.get("RAY_ADDRESS") or "a local cluster"
         raise ClusterError(f"cannot connect to Ray at {where} ({e}): check --address / RAY_ADDRESS, "
                            "or run `ray start --head` first") from None
+
+
+def cluster_origin() -> str:
+    """How this process reached the connected cluster, for the console: ``attached to the cluster at
+    HOST:PORT`` (``--address``, RAY_ADDRESS, or one started by ``ray start``), or ``started a local
+    cluster at HOST:PORT`` (it ends with this process). Told by whether this process runs the head."""
+    node = getattr(ray._private.worker, "_global_node", None)   # (set by ray.init; None under Ray Client)
+    try:
+        address = ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001 - Ray Client has no GCS client in the driver
+        address = os.environ.get("RAY_ADDRESS") or "a Ray Client server"
+    if getattr(node, "head", False):
+        return f"started a local cluster at {address} (it stops when this process ends)"
+    return f"attached to the cluster at {address}"
 
 
 def probe(address: Optional[str], timeout_s: float = 5.0) -> None:
