@@ -1,7 +1,8 @@
 """Connecting to a Ray cluster and asking it what it has; the small Ray helpers the rest of cluster/ shares.
 
 ``connect`` finds or starts the cluster (``probe`` refuses, in one line, an address where no Ray
-answers; ``cluster_origin`` says which it did); ``available_devices`` counts the slots an actor can take (GPUs, or CPUs); ``visible_index``
+answers; ``cluster_origin`` says which it did); ``available_devices`` counts the slots an actor can take (GPUs, or CPUs); ``node_memory_share`` the
+memory CPU actors share on a node; ``visible_index``
 maps the GPU id Ray assigned to torch's device index; ``exception_summary`` and ``first_line`` turn
 Ray's multi-line errors into the one line a user reads.
 """
@@ -98,6 +99,20 @@ def available_devices(device: str) -> tuple[str, int]:
         raise ConfigError("--device cuda but the Ray cluster has no GPUs: use --device cpu (or auto)")
     kind = "cuda" if device == "cuda" or (device == "auto" and gpus > 0) else "cpu"
     return kind, gpus if kind == "cuda" else int(res.get("CPU", 0))
+
+
+def node_memory_share(nodes: list[dict[str, Any]], world: int, cpus_per_actor: int) -> tuple[int, int]:
+    """(memory bytes, actors) of the node of ``nodes`` (``ray.nodes()``) that ``world`` CPU actors of
+    ``cpus_per_actor`` CPUs each leave the least memory per actor, counting on each alive node as many
+    actors as its CPUs take (up to ``world``: the placement group packs them). A node's memory is Ray's
+    ``memory`` resource (what its tasks and actors may use)."""
+    shares = []
+    for node in nodes:
+        res = node.get("Resources", {}) if node.get("Alive") else {}
+        actors = min(world, int(res.get("CPU", 0)) // max(1, cpus_per_actor))
+        if actors >= 1 and res.get("memory"):
+            shares.append((int(res["memory"]), actors))
+    return min(shares, key=lambda s: s[0] / s[1]) if shares else (0, world)
 
 
 def visible_index(gpu_id: Any, visible: Optional[str] = None) -> int:
