@@ -67,8 +67,8 @@ class Config:
     data: str = field(default="digits", metadata={"help": "digits (embedded real scans), fashion-mnist (apt-get install dataset-fashion-mnist, or its idx files in --data-dir), synthetic, imagefolder, "
                                                           "shards (a folder from python -m rayconv.prepare)",
                                                   "choices": DATA_CHOICES})
-    data_dir: Optional[str] = field(default=None, metadata={"help": "ImageNet-layout folder with train/ and val/, a prepared "
-                                    "shard folder or Fashion-MNIST's idx files; without --data, --data follows what it holds"})
+    data_dir: Optional[str] = field(default=None, metadata={"help": "ImageNet-layout folder (train/, val/), a "
+                                    "prepared shard folder or Fashion-MNIST's idx files (without --data: what it holds)"})
     decode: str = field(default="auto", metadata={
         "help": "where --data shards decodes JPEGs: gpu (batched nvJPEG, crop and flip on the actor's GPU), "
                 "cpu (--loader-workers processes, libjpeg-turbo), auto: cpu (measured faster on an H200 with "

@@ -94,7 +94,8 @@ def _plan(a) -> int:
                  global_batch_size=a.global_batch_size, precision=a.precision or ("bf16" if kind == "cuda" else "fp32"),
                  device=kind, address=a.address).validate()
     use_cluster = a.address is not None
-    meas = Measurements(search.plan_config(cfg), kind, use_cluster=use_cluster and kind == "cuda")
+    meas = Measurements(search.plan_config(cfg), kind, use_cluster=use_cluster and kind == "cuda",
+                        log=lambda line: print(line, file=sys.stderr, flush=True))   # progress: beside the tables
     meas.load(remeasure=a.remeasure)
     t0 = time.perf_counter()
     where = "on the cluster" if use_cluster else "here"
@@ -114,6 +115,8 @@ def _plan(a) -> int:
           f"{meas.path})")
     if meas.reused:
         print(meas.reused)
+    print("(images/s are predicted by a cost model from the layer times and links above, not measured; a run with "
+          "--layout auto prints its prediction beside the images/s it measured)")
     if a.json:
         _write_json(Path(a.json), rankings)
     return 0 if rankings[0].fits else 1

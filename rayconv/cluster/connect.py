@@ -1,8 +1,8 @@
 """Connecting to a Ray cluster and asking it what it has; the small Ray helpers the rest of cluster/ shares.
 
 ``connect`` finds or starts the cluster (``probe`` refuses, in one line, an address where no Ray
-answers; ``cluster_origin`` says which it did); ``available_devices`` counts the slots an actor can take (GPUs, or CPUs); ``node_memory_share`` the
-memory CPU actors share on a node; ``visible_index``
+answers; ``cluster_origin`` says which it did); ``available_devices`` counts the slots an actor can
+take (GPUs, or CPUs); ``node_memory_share`` the memory CPU actors share on a node; ``visible_index``
 maps the GPU id Ray assigned to torch's device index; ``exception_summary`` and ``first_line`` turn
 Ray's multi-line errors into the one line a user reads.
 """

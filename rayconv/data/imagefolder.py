@@ -32,8 +32,9 @@ class CheckedImageFolder(Dataset):
             self.inner = visible_image_folder(str(root), transform)
         except FileNotFoundError:  # a class folder without image files (or no class folder)
             empty = empty_class_folders(Path(root))
-            what = (f"class folder{'s' * (len(empty) > 1)} {', '.join(empty[:5])} {'hold' if len(empty) > 1 else 'has'} "
-                    f"no image files ({', '.join(IMAGE_SUFFIXES)})" if empty else "no class folders with image files")
+            names = f"class folder{'s' * (len(empty) > 1)} {', '.join(empty[:5])}"
+            what = (f"{names} {'hold' if len(empty) > 1 else 'has'} no image files ({', '.join(IMAGE_SUFFIXES)})"
+                    if empty else "no class folders with image files")
             raise DataError(f"data folder {root}: {what}: put images in every class folder or remove the empty "
                             "ones") from None
         self.targets = torch.tensor(self.inner.targets, dtype=torch.long)

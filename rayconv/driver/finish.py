@@ -34,6 +34,11 @@ def finish(run: Run, gang: Gang) -> dict[str, Any]:
     write_json(out / "summary.json", summary)
     run.log(f"done: train loss {summary['final_train_loss']:.4f}, test accuracy {summary['test_accuracy']:.4f}, "
             f"{summary['images_per_s']:.0f} images/s, {summary['wall_time_s']:.1f} s -> {out}")
+    planner = summary.get("planner") or {}
+    predicted, measured = planner.get("predicted_images_per_s"), planner.get("measured_images_per_s")
+    if predicted and measured:   # the planner's error
+        run.log(f"--layout auto: predicted {predicted:.0f} images/s, measured {measured:.0f} "
+                f"({measured / predicted:.2f}x the prediction; summary.json's planner)")
     return summary
 
 

@@ -200,7 +200,8 @@ def test_every_command_refuses_an_abbreviated_flag(command, argv, capsys):
 
     module = importlib.import_module(command if command != "rayconv.bench" else "rayconv.bench.__main__")
     parse = {"rayconv.run": parse_args, "rayconv.prepare": lambda a: module._parser().parse_args(a),
-             "rayconv.plan": lambda a: module.parse_args(a), "rayconv.bench": lambda a: module.parse_args(a)}.get(command, lambda a: module.main(a))
+             "rayconv.plan": lambda a: module.parse_args(a), "rayconv.bench": lambda a: module.parse_args(a)
+             }.get(command, lambda a: module.main(a))
     with pytest.raises(SystemExit) as e:
         parse(argv)
     assert e.value.code == 2 and "unrecognized arguments: " + argv[0] in capsys.readouterr().err
