@@ -68,8 +68,8 @@ class DataSettings:
     data: str = field(default="digits", metadata={"help": "digits (embedded real scans), fashion-mnist (apt-get install dataset-fashion-mnist, or its idx files in --data-dir), synthetic, imagefolder, "
                                                           "shards (a folder from python -m rayconv.prepare)",
                                                   "choices": DATA_CHOICES})
-    data_dir: Optional[str] = field(default=None, metadata={"help": "ImageNet-layout folder with train/ and val/, "
-                                                                   "or a prepared shard folder"})
+    data_dir: Optional[str] = field(default=None, metadata={"help": "ImageNet-layout folder (train/, val/), a "
+                                    "prepared shard folder or Fashion-MNIST's idx files (without --data: what it holds)"})
     decode: str = field(default="auto", metadata={
         "help": "where --data shards decodes JPEGs: gpu (batched nvJPEG, crop and flip on the actor's GPU), "
                 "cpu (--loader-workers processes, libjpeg-turbo), auto: cpu (nvJPEG and the crops take GPU "

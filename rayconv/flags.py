@@ -5,8 +5,8 @@ with each field's help text and choices; ``read_settings`` puts the flags over a
 file; ``from_mapping`` checks each value's type against its field (JSON gives any type) and builds the
 Config; ``parse_args`` validates it. ``resumed_settings`` picks what a ``--resume`` run takes over from
 its checkpoint. Errors a user can cause raise ConfigError naming the flag; argparse's own errors are
-one line and exit 2 (``OneLineParser``). Imports only ``config`` and ``errors``, so the command lines
-stay free of torch and Ray until their arguments are known to be good.
+one line and exit 2 (``OneLineParser``). Imports only ``config``, ``data_dir`` and ``errors``, so the
+command lines stay free of torch and Ray until their arguments are known to be good.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rayconv.config import Config
+from rayconv.data_dir import with_data_kind
 from rayconv.errors import ConfigError
 
 # Settings a resumed run does not take over from its checkpoint: where it runs and writes.
@@ -33,9 +34,11 @@ def flag(name: str) -> str:
 
 class OneLineParser(argparse.ArgumentParser):
     """An argparse parser whose errors are one line (not the whole usage block) and exit 2, starting
-    ``<error_name>: error:`` as the command's own checks' errors do (default: the program's name)."""
+    ``<error_name>: error:`` as the command's own checks' errors do (default: the program's name).
+    Flags are taken only whole (``allow_abbrev=False``): ``--step 20`` is refused, not read as ``--steps``."""
 
     def __init__(self, *args: Any, error_name: Optional[str] = None, **kw: Any):
+        kw.setdefault("allow_abbrev", False)
         super().__init__(*args, **kw)
         self.error_name = error_name or self.prog
 
@@ -74,11 +77,13 @@ def _parse_type(t: Any):
 
 
 def from_mapping(values: dict[str, Any]) -> Config:
-    """Config from a dict; unknown keys raise ConfigError naming them, as do values of the wrong type."""
+    """Config from a dict; unknown keys raise ConfigError naming them, as do values of the wrong type.
+    Without ``data``, a ``data_dir`` gives it (``rayconv.data_dir.with_data_kind``)."""
     known = {f.name: f for f in fields(Config)}
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}: known are {', '.join(sorted(known))}")
+    values = with_data_kind(values)   # --data-dir alone: the data kind the folder holds
     if isinstance(values.get("compile"), bool):  # configs written before --compile took auto/on/off
         values = {**values, "compile": "on" if values["compile"] else "off"}
     for key, v in values.items():  # JSON gives any type: check each against the field's

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from rayconv.config import DATA_CHOICES, PRECISION_CHOICES, Config
+from rayconv.data_dir import with_data_kind
 from rayconv.errors import ConfigError, DataError
 from rayconv.files import atomic_write
 from rayconv.flags import OneLineParser
@@ -45,7 +46,7 @@ def parse_args(argv: Optional[list[str]] = None):
                    help="the data to plan for, as rayconv.run's --data (its image shape and classes; default: "
                         "digits (1x8x8) for convnet, synthetic ImageNet-shaped otherwise)")
     p.add_argument("--data-dir", default=None, help="the folder of --data imagefolder, shards or fashion-mnist, "
-                                                   "as rayconv.run's --data-dir")
+                                                   "as rayconv.run's --data-dir (without --data: what it holds)")
     p.add_argument("--image-size", type=int, default=None,
                    help="training image side in pixels, as rayconv.run's (default: the data's own; synthetic 224)")
     p.add_argument("--remeasure", action="store_true",
@@ -87,12 +88,14 @@ def _plan(a) -> int:
 
     kind, slots = _devices(a)
     world = a.gpus or slots
-    data = a.data or ("digits" if a.model.startswith("convnet") else "synthetic")
+    given = with_data_kind({"data_dir": a.data_dir, **({"data": a.data} if a.data else {})})  # --data-dir alone
+    data = given.get("data") or ("digits" if a.model.startswith("convnet") else "synthetic")
     cfg = Config(model=a.model, data=data, data_dir=a.data_dir, image_size=a.image_size,
                  global_batch_size=a.global_batch_size, precision=a.precision or ("bf16" if kind == "cuda" else "fp32"),
                  device=kind, address=a.address).validate()
     use_cluster = a.address is not None
-    meas = Measurements(search.plan_config(cfg), kind, use_cluster=use_cluster and kind == "cuda")
+    meas = Measurements(search.plan_config(cfg), kind, use_cluster=use_cluster and kind == "cuda",
+                        log=lambda line: print(line, file=sys.stderr, flush=True))   # progress: beside the tables
     meas.load(remeasure=a.remeasure)
     t0 = time.perf_counter()
     where = "on the cluster" if use_cluster else "here"
@@ -112,6 +115,8 @@ def _plan(a) -> int:
           f"{meas.path})")
     if meas.reused:
         print(meas.reused)
+    print("(images/s are predicted by a cost model from the layer times and links above, not measured; a run with "
+          "--layout auto prints its prediction beside the images/s it measured)")
     if a.json:
         _write_json(Path(a.json), rankings)
     return 0 if rankings[0].fits else 1

@@ -28,6 +28,7 @@ def _on_ray(args: dict[str, tuple], address: Optional[str]) -> Iterator[tuple[st
     from rayconv.cluster import connect as cluster  # (imports Ray, as above)
 
     cluster.connect(address)
+    print(f"prepare: Ray: {cluster.cluster_origin()}")
     task = ray.remote(num_cpus=1)(write_shard)
     refs = {task.remote(*a): name for name, a in args.items()}
     pending = list(refs)

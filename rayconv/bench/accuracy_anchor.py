@@ -158,7 +158,8 @@ def train(a, data, compiled: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rayconv.bench.accuracy_anchor", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rayconv.bench.accuracy_anchor", description=__doc__.split("\n")[0],
+                                allow_abbrev=False)
     p.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist", help="folder of the four idx files")
     p.add_argument("--model", default="resnet18", help="torchvision classification model")
     p.add_argument("--image-size", type=int, default=64, help="side in pixels the 28-pixel images are resized to")

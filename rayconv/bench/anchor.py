@@ -69,7 +69,8 @@ def pick_fastest(results: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rayconv.bench.anchor", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rayconv.bench.anchor", description=__doc__.split("\n")[0],
+                                allow_abbrev=False)
     p.add_argument("--model", default="resnet50")
     p.add_argument("--batch", type=int, default=256, help="images per device per step")
     p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")

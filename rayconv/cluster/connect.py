@@ -1,7 +1,8 @@
 """Connecting to a Ray cluster and asking it what it has; the small Ray helpers the rest of cluster/ shares.
 
 ``connect`` finds or starts the cluster (``probe`` refuses, in one line, an address where no Ray
-answers); ``available_devices`` counts the slots an actor can take (GPUs, or CPUs); ``visible_index``
+answers; ``cluster_origin`` says which it did); ``available_devices`` counts the slots an actor can
+take (GPUs, or CPUs); ``node_memory_share`` the memory CPU actors share on a node; ``visible_index``
 maps the GPU id Ray assigned to torch's device index; ``exception_summary`` and ``first_line`` turn
 Ray's multi-line errors into the one line a user reads.
 """
@@ -46,6 +47,20 @@ def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] 
                            "or run `ray start --head` first") from None
 
 
+def cluster_origin() -> str:
+    """How this process reached the connected cluster, for the console: ``attached to the cluster at
+    HOST:PORT`` (``--address``, RAY_ADDRESS, or one started by ``ray start``), or ``started a local
+    cluster at HOST:PORT`` (it ends with this process). Told by whether this process runs the head."""
+    node = getattr(ray._private.worker, "_global_node", None)   # (set by ray.init; None under Ray Client)
+    try:
+        address = ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001 - Ray Client has no GCS client in the driver
+        address = os.environ.get("RAY_ADDRESS") or "a Ray Client server"
+    if getattr(node, "head", False):
+        return f"started a local cluster at {address} (it stops when this process ends)"
+    return f"attached to the cluster at {address}"
+
+
 def probe(address: Optional[str], timeout_s: float = 5.0) -> None:
     """Fail fast, in one line, on a ``host:port`` cluster address where no Ray GCS answers: nobody
     listening (Ray itself retries for minutes), or something other than Ray (Ray's GCS client then
@@ -84,6 +99,20 @@ def available_devices(device: str) -> tuple[str, int]:
         raise ConfigError("--device cuda but the Ray cluster has no GPUs: use --device cpu (or auto)")
     kind = "cuda" if device == "cuda" or (device == "auto" and gpus > 0) else "cpu"
     return kind, gpus if kind == "cuda" else int(res.get("CPU", 0))
+
+
+def node_memory_share(nodes: list[dict[str, Any]], world: int, cpus_per_actor: int) -> tuple[int, int]:
+    """(memory bytes, actors) of the node of ``nodes`` (``ray.nodes()``) that ``world`` CPU actors of
+    ``cpus_per_actor`` CPUs each leave the least memory per actor, counting on each alive node as many
+    actors as its CPUs take (up to ``world``: the placement group packs them). A node's memory is Ray's
+    ``memory`` resource (what its tasks and actors may use)."""
+    shares = []
+    for node in nodes:
+        res = node.get("Resources", {}) if node.get("Alive") else {}
+        actors = min(world, int(res.get("CPU", 0)) // max(1, cpus_per_actor))
+        if actors >= 1 and res.get("memory"):
+            shares.append((int(res["memory"]), actors))
+    return min(shares, key=lambda s: s[0] / s[1]) if shares else (0, world)
 
 
 def visible_index(gpu_id: Any, visible: Optional[str] = None) -> int:

@@ -32,6 +32,13 @@ def _on_device(fn, gpu: bool, *args) -> Any:
     return fn(*args)
 
 
+def gpu_free_bytes() -> int:
+    """Free memory in bytes of this task's GPU (``run_on_device(gpu_free_bytes, (), gpu=True)``)."""
+    import torch
+
+    return int(torch.cuda.mem_get_info()[0])
+
+
 def run_on_device(fn, args: Sequence[Any], gpu: bool, timeout_s: float = 300.0, model: Optional[str] = None) -> Any:
     """``fn(*args)`` as a Ray task on one GPU (``gpu``) or one CPU of the cluster; its result.
     With all GPUs of the node visible, the task uses the one Ray assigned. ``model`` (a ``--model``

@@ -78,6 +78,12 @@ def _walk(folder: Path, root: Path) -> tuple[list[str], list[dict[str, str]]]:
     return images, skipped
 
 
+def empty_class_folders(split_dir: Path) -> list[str]:
+    """The class folders of ``split_dir`` (sorted names) that hold no image file at any depth."""
+    return [c.name for c in sorted(split_dir.iterdir()) if c.is_dir() and not hidden(c.name)
+            and not _walk(c, split_dir)[0]]
+
+
 def warn_skipped(split_dir: Path, log=None) -> int:
     """For ``--data imagefolder``: one warning line naming the count and the first few entries of
     ``split_dir``'s class folders that torchvision's ImageFolder leaves out (files without an image

@@ -17,7 +17,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from rayconv.data import auto_augment as aa
-from rayconv.data.folders import check_image_folder, visible_image_folder, warn_skipped
+from rayconv.data.folders import (IMAGE_SUFFIXES, check_image_folder, empty_class_folders, visible_image_folder,
+                                  warn_skipped)
 from rayconv.data.on_device import pad_for
 from rayconv.data.source import Source, stable_seed
 from rayconv.errors import DataError
@@ -29,9 +30,13 @@ class CheckedImageFolder(Dataset):
     def __init__(self, root: Path, transform):
         try:
             self.inner = visible_image_folder(str(root), transform)
-        except FileNotFoundError as e:  # a class folder without image files
-            raise DataError(f"data folder {root}: {e}: put images in every class folder or remove the empty ones") \
-                from None
+        except FileNotFoundError:  # a class folder without image files (or no class folder)
+            empty = empty_class_folders(Path(root))
+            names = f"class folder{'s' * (len(empty) > 1)} {', '.join(empty[:5])}"
+            what = (f"{names} {'hold' if len(empty) > 1 else 'has'} no image files ({', '.join(IMAGE_SUFFIXES)})"
+                    if empty else "no class folders with image files")
+            raise DataError(f"data folder {root}: {what}: put images in every class folder or remove the empty "
+                            "ones") from None
         self.targets = torch.tensor(self.inner.targets, dtype=torch.long)
 
     def __len__(self) -> int:

@@ -249,14 +249,18 @@ def _fan_out(args: dict[str, tuple], run: FanOut) -> dict[str, dict[str, Any]]:
 
 
 def _rate_line(results: dict[str, dict[str, Any]], inputs: dict[str, int], wall_s: float) -> str:
-    """Images encoded, and images/s per core: over the summed time of the shard calls that wrote (each
-    call runs on one core), so that it does not depend on how many cores the fan-out had."""
+    """Images encoded (the files that were, not those given: a file that does not decode is named as
+    skipped), and images/s per core: over the summed time of the shard calls that wrote (each call runs
+    on one core), so that it does not depend on how many cores the fan-out had."""
     written = [n for n, r in results.items() if not r["resumed"]]
-    images, core_s = sum(inputs[n] for n in written), sum(results[n]["seconds"] for n in written)
-    if not images:
+    if not sum(inputs[n] for n in written):
         return "nothing to encode"
-    return (f"{images} images encoded in {wall_s:.1f} s: {images / max(core_s, 1e-9):.0f} images/s per core "
-            f"({core_s:.1f} core-seconds), {images / max(wall_s, 1e-9):.0f} images/s in all")
+    images, core_s = sum(results[n]["rows"] for n in written), sum(results[n]["seconds"] for n in written)
+    bad = [x["path"] for n in written for x in results[n]["skipped"]]
+    not_encoded = (f" ({len(bad)} not: {', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''} did not decode)"
+                   if bad else "")
+    return (f"{images} images encoded{not_encoded} in {wall_s:.1f} s: {images / max(core_s, 1e-9):.0f} images/s "
+            f"per core ({core_s:.1f} core-seconds), {images / max(wall_s, 1e-9):.0f} images/s in all")
 
 
 def write_manifest(dest: Path, manifest: dict[str, Any]) -> None:

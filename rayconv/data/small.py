@@ -12,9 +12,13 @@ them: batches are augmented there by batched tensor operations from per-epoch ta
 
 Rule (``held_on_device``): ``on`` holds the data (refused with ``--augment resized-crop``, whose crop
 needs each image's own size); ``off`` keeps the loader; ``auto`` holds it when the augmentation is
-pad-crop or none and both splits as uint8 take at most ``SMALL_DATA_BYTES``. The decode runs on the
-first ``images`` call of a process (an actor, or a single-device reference), not where the source is
-only built to check the run (the driver).
+pad-crop or none and both splits as uint8 take at most ``hold_limit``: ``SMALL_DATA_BYTES``, and
+1/``HOLD_SHARE`` of the memory each actor's copy shares (each CPU actor holds its own copy in its
+node's memory, so that memory is divided among the actors on the node; on GPUs the device's free
+memory). Before Ray starts only ``SMALL_DATA_BYTES`` is known; the driver then resolves ``auto`` to
+on or off against the cluster (``decide_auto``, in ``driver/setup.py``), so every actor does the
+same. The decode runs on the first ``images`` call of a process (an actor, or a single-device
+reference), not where the source is only built to check the run (the driver).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from rayconv.choices import DATA_ON_DEVICE_CHOICES
+from rayconv.choices import DATA_ON_DEVICE_CHOICES, HOLD_SHARE, SMALL_DATA_BYTES  # noqa: F401 (read here)
 from rayconv.config import Config
 from rayconv.data import decode as dec
 from rayconv.data.folders import SPLITS
@@ -36,7 +40,6 @@ from rayconv.data.shards import ShardSource
 from rayconv.data.source import Source
 from rayconv.errors import ConfigError, DataError
 
-SMALL_DATA_BYTES = 1 << 30   # both splits as uint8 (N x 3 x S x S bytes) at most this: auto holds them
 CHUNK = 256                  # images decoded per task of the decode processes
 CPU = torch.device("cpu")
 
@@ -53,8 +56,29 @@ def held_on_device(cfg: Config, images: int) -> bool:
                           "each image's own size: use --augment pad-crop or none, or --data-on-device auto or off")
     if mode != "auto":
         return mode == "on"
-    size = cfg.data_image_size
-    return augment in ("pad-crop", "none") and images * 3 * size * size <= SMALL_DATA_BYTES
+    return augment in ("pad-crop", "none") and held_bytes(cfg, images) <= SMALL_DATA_BYTES
+
+
+def held_bytes(cfg: Config, images: int) -> int:
+    """Bytes of ``images`` held as uint8 (N x 3 x S x S) at ``cfg.data_image_size``."""
+    return images * 3 * cfg.data_image_size ** 2
+
+
+def hold_limit(memory_bytes: int, actors: int) -> int:
+    """Bytes ``--data-on-device auto`` holds per actor: ``SMALL_DATA_BYTES``, and at most 1/``HOLD_SHARE``
+    of ``memory_bytes`` divided among the ``actors`` holding a copy in it (a node's memory and its
+    CPU actors; a GPU's free memory and its one actor)."""
+    return min(SMALL_DATA_BYTES, memory_bytes // (HOLD_SHARE * max(1, actors)))
+
+
+def decide_auto(data_bytes: int, memory_bytes: int, actors: int, memory: str) -> tuple[bool, str]:
+    """(hold, why) for ``data_bytes`` of decoded images per actor under ``hold_limit(memory_bytes,
+    actors)``; ``memory`` names it ("the node's memory", "GPU 0's free memory"): the console's reason."""
+    limit = hold_limit(memory_bytes, actors)
+    held = data_bytes <= limit
+    return held, (f"{data_bytes / 2**20:.1f} MB of decoded images per actor {'<=' if held else '>'} "
+                  f"{limit / 2**20:.1f} MB, the smaller of {SMALL_DATA_BYTES / 2**30:g} GiB and 1/{HOLD_SHARE} of "
+                  f"{memory} ({memory_bytes / 2**30:.1f} GiB) / {actors} actor{'s' * (actors != 1)} holding a copy")
 
 
 def maybe_hold(cfg: Config, loader: Source, workers: int) -> Source:

@@ -36,6 +36,11 @@ def finish(run: Run, gang: Gang) -> dict[str, Any]:
     summary = summarize(run, memory)
     write_json(out / "summary.json", summary)
     run.log(done_line(summary, out))
+    planner = summary.get("planner") or {}
+    predicted, measured = planner.get("predicted_images_per_s"), planner.get("measured_images_per_s")
+    if predicted and measured:   # the planner's error
+        run.log(f"--layout auto: predicted {predicted:.0f} images/s, measured {measured:.0f} "
+                f"({measured / predicted:.2f}x the prediction; summary.json's planner)")
     return summary
 
 

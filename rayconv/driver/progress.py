@@ -1,6 +1,7 @@
 """What a run prints: the header, then a progress bar on a terminal or plain lines in a log file.
 
-The header names the model, data, layout, device, batch, steps and output folder; the images (channels
+The header names the model, data, layout, device, batch, steps and output folder; how Ray was reached
+(attached to a running cluster, or a local one started); the images (channels
 and side as the source gives them, the augmentation) and the recipe (optimizer, learning rate and its
 warm-up, the other recipe settings that are on); for a pipeline, its stages and schedule grid, with a
 note when too few micro-batches leave the stages taking turns.
@@ -17,6 +18,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
+from rayconv.cluster.connect import cluster_origin
 from rayconv.config import Config, batch_split_problem
 from rayconv.driver.lr import peak_lr, warmup_steps
 from rayconv.driver.setup import Setup, ray_job
@@ -31,6 +33,7 @@ def log_header(setup: Setup, log=print) -> None:
     """The lines a run starts with (see the module docstring)."""
     cfg, mesh = setup.cfg, setup.mesh
     log(run_line(setup))
+    log(f"rayconv: Ray: {cluster_origin()}")
     log(images_line(setup))
     log(recipe_line(setup))
     if setup.resume is not None:

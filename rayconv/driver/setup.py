@@ -22,12 +22,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
-from rayconv.cluster.connect import available_devices, connect
+import ray
+
+from rayconv.choices import SMALL_DATA_BYTES
+from rayconv.cluster.connect import available_devices, connect, node_memory_share
 from rayconv.cluster.stage import stage_run
-from rayconv.cluster.tasks import run_on_device
+from rayconv.cluster.tasks import gpu_free_bytes, run_on_device
 from rayconv.config import Config
 from rayconv.data.order import make_order
 from rayconv.data.registry import make_source
+from rayconv.data.small import HeldSource, decide_auto, held_bytes
 from rayconv.data.source import Sharding, Source
 from rayconv.driver.lr import check_schedule, total_steps
 
@@ -118,6 +122,7 @@ def prepare(cfg: Config, log=print, resume: Optional[Checkpoint] = None) -> tupl
     wanted = (cfg.dp or 1) * cfg.pp * cfg.fs * cfg.num_cpus_per_actor
     connect(cfg.address, min_cpus=wanted if cfg.device != "cuda" else None)
     cfg, mesh = resolve_layout(cfg, log)
+    cfg, source = with_data_on_device(cfg, mesh, source, log)
     cfg = stage_run(cfg, log)  # --stage-dir: the shards copied to each node; the actors read the copies
     if not dp_given:
         memory_check(cfg)  # (with --dp from the cluster: before any actor starts)
@@ -180,6 +185,31 @@ def resolve_layout(cfg: Config, log=print) -> tuple[Config, Mesh]:
     if (kind, dp) != (cfg.device, cfg.dp):  # (validated again: the batch split over dp, GPU-only features)
         cfg = dataclasses.replace(cfg, device=kind, dp=dp).validate()
     return cfg, mesh
+
+
+def with_data_on_device(cfg: Config, mesh: Mesh, source: Source, log=print) -> tuple[Config, Source]:
+    """``cfg`` with ``--data-on-device auto`` resolved to on or off against the cluster (``data.small``'s
+    rule: the memory each actor's copy shares, the node's among its CPU actors or a GPU's free memory),
+    and the source to match; one console line says which and why. Other data and modes: unchanged."""
+    if cfg.data not in ("imagefolder", "shards") or cfg.data_on_device != "auto":
+        return cfg, source
+    data_bytes = held_bytes(cfg, source.train_size + source.test_size)
+    if not isinstance(source, HeldSource):   # the augmentation, or the size alone, rules it out
+        why = (f"--augment {cfg.augmentation} needs each image's own size" if cfg.augmentation not in
+               ("pad-crop", "none") else f"{data_bytes / 2**20:.1f} MB of decoded images > "
+               f"{SMALL_DATA_BYTES / 2**30:g} GiB")
+        held = False
+    else:
+        if cfg.device == "cuda":
+            memory, actors, what = run_on_device(gpu_free_bytes, (), gpu=True), 1, "a GPU's free memory"
+        else:
+            memory, actors = node_memory_share(ray.nodes(), mesh.world_size, cfg.num_cpus_per_actor)
+            what = "the node's memory"
+        held, why = decide_auto(data_bytes, memory, actors, what)
+    chosen = "both splits held on the device" if held else "the loader decodes each batch"
+    log(f"rayconv: --data-on-device auto: {chosen} ({why})")
+    cfg = dataclasses.replace(cfg, data_on_device="on" if held else "off").validate()
+    return cfg, source if held or not isinstance(source, HeldSource) else make_source(cfg)
 
 
 def routing_plan(cfg: Config, mesh: Mesh, checked: LayoutPlan, reference, source: Source,

@@ -19,6 +19,9 @@ from torch import nn
 
 from rayconv.errors import ConfigError
 
+INIT_TAKES = ("--init takes a run's model.pt or run folder, a torchvision weights file, or a file written by "
+              "torch.save(model.state_dict(), PATH) (not a whole pickled model, not an image)")
+
 
 def init_file(path: str) -> Path:
     """The weights file of ``--init path`` (``model.pt`` inside a run folder). Raises ConfigError."""
@@ -36,16 +39,16 @@ def read_state(path: str) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the user's to replace
-        what = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"--init {path}: cannot be read as a state_dict ({what})") from None
+        # (torch's own message advises weights_only=False, which would run the file's code: not ours to give)
+        raise ConfigError(f"--init {path}: cannot be read as a state_dict or checkpoint ({type(e).__name__} from "
+                          f"torch.load(weights_only=True)): {INIT_TAKES}") from None
     if isinstance(obj, dict):
         for key in ("model", "state_dict"):
             if isinstance(obj.get(key), dict):
                 obj = obj[key]
                 break
     if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ConfigError(f"--init {path}: holds no state_dict (a dict of tensors, as model.pt or torchvision's "
-                          "weight files)")
+        raise ConfigError(f"--init {path}: holds no state_dict (a dict of tensors): {INIT_TAKES}")
     if all(k.startswith("module.") for k in obj):
         obj = {k[len("module."):]: v for k, v in obj.items()}
     return obj

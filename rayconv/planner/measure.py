@@ -253,8 +253,9 @@ def cache_dir() -> Path:
 class Measurements:
     """Profile, layer times and links of one (model, data shape, device, precision), cached on disk."""
 
-    def __init__(self, cfg: Config, device: str, use_cluster: bool):
+    def __init__(self, cfg: Config, device: str, use_cluster: bool, log: Optional[Callable[[str], None]] = None):
         self.cfg, self.device, self.use_cluster = cfg, device, use_cluster
+        self.log = log or (lambda _: None)   # the progress of the layer times' measuring, a line each
         self.cfg_dict = {**cfg.to_dict(), "device": device}
         self.state: dict[str, Any] = {"times": {}, "links": None, "device": None, "profile": None}
         self.path: Optional[Path] = None
@@ -313,8 +314,20 @@ class Measurements:
         """Measure the (batch, fs) pairs not cached yet; return (batch, fs) -> per-layer ms."""
         missing = [(b, fs) for b, fs in pairs if times_key(b, fs) not in self.state["times"]]
         if missing:
-            self.state["times"].update(self._run(times_at, (self.cfg_dict, missing))["times"])
-            self.measured.append("layer times at batch " + ", ".join(times_key(b, fs) for b, fs in missing))
+            keys = [times_key(b, fs) for b, fs in missing]
+            self.log(f"planner: measuring forward + backward time per layer on {self.state['device'] or self.device} "
+                     f"at {len(missing)} batch size{'s' * (len(missing) > 1)} (/fsK: a filter split's shard): "
+                     f"{', '.join(keys)}{' (one task on the cluster)' if self.use_cluster else ''}")
+            t0 = time.perf_counter()
+            if self.use_cluster:   # (one task: each would start a worker and build the model anew)
+                self.state["times"].update(self._run(times_at, (self.cfg_dict, missing))["times"])
+            else:
+                for k, pair in enumerate(missing, 1):
+                    t = time.perf_counter()
+                    self.state["times"].update(self._run(times_at, (self.cfg_dict, [pair]))["times"])
+                    self.log(f"planner: [{k}/{len(missing)}] batch {keys[k - 1]}: {time.perf_counter() - t:.1f} s")
+            self.log(f"planner: layer times measured in {time.perf_counter() - t0:.1f} s")
+            self.measured.append("layer times at batch " + ", ".join(keys))
         table = self.state["times"]
         return lambda b, fs=1: table[times_key(b, fs)]
 

@@ -209,7 +209,7 @@ def choose_layout(cfg: Config, log=print) -> tuple[Config, dict]:
     connect(cfg.address, min_cpus=None)
     kind, slots = available_devices(cfg.device)
     world = slots if kind == "cuda" else max(1, slots // cfg.num_cpus_per_actor)
-    meas = Measurements(plan_config(cfg), kind, use_cluster=kind == "cuda")
+    meas = Measurements(plan_config(cfg), kind, use_cluster=kind == "cuda", log=log)
     meas.load()
     t0 = time.perf_counter()
     ranking = search(meas, world, meas.links(world), cfg.max_memory_gib,

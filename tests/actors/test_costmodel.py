@@ -125,6 +125,8 @@ def test_plan_command_on_cpu_ranks_layouts_and_caches(tmp_path):
            "--json", str(tmp_path / "plan.json")]
     first = subprocess.run([*cmd, "--machine", "h200x4"], capture_output=True, text=True, env=env, timeout=300)
     assert first.returncode == 0, first.stderr
+    assert "planner: [1/" in first.stderr and "planner: layer times measured in" in first.stderr   # progress
+    assert "predicted by a cost model" in first.stdout
     predicted = first.stdout.split("\n\n")[1]
     assert predicted.startswith("PREDICTION for 4 x H200, one host (4 GPUs;") and "links assumed, not measured" in predicted
     assert "link table: NVLink 4" in predicted and "choice: " in predicted
@@ -172,6 +174,11 @@ def test_layout_auto_runs_the_top_layout_and_records_the_prediction(ray2, tmp_pa
     planner = summary["planner"]
     assert planner["predicted_images_per_s"] > 0 and planner["measured_images_per_s"] == summary["images_per_s"]
     assert planner["predicted_peak_gib"] > 0 and planner["measured_peak_gib"] is None  # (CPU: not measured)
+    # The planner's progress (a line per batch size measured) and its error (predicted beside measured) show.
+    assert any(ln.startswith("planner: [1/") for ln in logs) and any(ln.startswith("planner: layer times measured in")
+                                                                     for ln in logs)
+    ratio = planner["measured_images_per_s"] / planner["predicted_images_per_s"]
+    assert f"measured {planner['measured_images_per_s']:.0f} ({ratio:.2f}x the prediction" in logs[-1], logs[-1]
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["layout"] == "manual" and saved["dp"] == lay["dp"] and saved["pp"] == lay["pp"]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["planner"] == planner

@@ -41,7 +41,8 @@ def image_root(tmp_path_factory) -> Path:
 
 def test_imagefolder_end_to_end(ray_cluster, image_root, tmp_path):
     out = tmp_path / "run"
-    rc = main(["--data", "imagefolder", "--data-dir", str(image_root), "--image-size", "32", "--model", "convnet",
+    # (no --data: the folder's train/ and val/ make it imagefolder, and config.json records that)
+    rc = main(["--data-dir", str(image_root), "--image-size", "32", "--model", "convnet",
                "--dp", "2", "--steps", "3", "--global-batch-size", "8", "--loader-workers", "0", "--data-on-device", "off",
                "--device", "cpu", "--no-progress", "--out", str(out)])
     assert rc == 0

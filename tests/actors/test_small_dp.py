@@ -31,7 +31,11 @@ def test_dp2_on_held_data_matches_single_device_sgd(ray_cluster, tmp_path, data,
                  **augmentation, steps=STEPS, lr=0.05, momentum=0.9, weight_decay=5e-4, precision="fp64",
                  device="cpu", loader_workers=0, progress=False, out=str(tmp_path / "run")).validate()
     assert isinstance(make_source(cfg), HeldSource)
-    fit(cfg, log=lambda *_: None)
+    lines: list[str] = []
+    fit(cfg, log=lines.append)
+    # --data-on-device auto, resolved against the cluster: two CPU actors on one node share its memory.
+    assert any(x.startswith("rayconv: --data-on-device auto: both splits held on the device (") and
+               "of the node's memory" in x and "/ 2 actors holding a copy)" in x for x in lines), lines[:6]
     got = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     assert_same_state(got, reference_sgd(cfg, STEPS), atol=1e-10)
     torch.manual_seed(cfg.seed)

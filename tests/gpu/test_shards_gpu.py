@@ -76,3 +76,15 @@ def test_training_on_shards_with_cuda_graphs_equals_eager(gpu_cluster, shards, t
         fit(cfg, log=print)
         runs[graphs] = torch.load(tmp_path / graphs / "model.pt", weights_only=True)
     assert_same_state(runs["on"], runs["off"], atol=1e-10)
+
+
+def test_data_on_device_auto_counts_a_gpus_free_memory(gpu_cluster, shards, tmp_path):
+    """--data-on-device auto on a GPU: the bound is a share of the GPU's free memory (measured in a task
+    on one of the cluster's GPUs); the console says which was chosen and why, and the actors hold it."""
+    lines: list[str] = []
+    cfg = Config(model="convnet", data="shards", data_dir=str(shards), image_size=32, dp=1, global_batch_size=16,
+                 steps=2, device="cuda", progress=False, out=str(tmp_path / "run")).validate()
+    fit(cfg, log=lines.append)
+    said = [x for x in lines if x.startswith("rayconv: --data-on-device auto: both splits held on the device (")]
+    assert said and "of a GPU's free memory" in said[0] and "/ 1 actor holding a copy)" in said[0], lines[:6]
+    assert any("data held on the device (--data-on-device)" in x for x in lines), lines[:6]

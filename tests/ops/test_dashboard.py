@@ -254,6 +254,10 @@ def test_two_runs_with_the_same_folder_name_at_once(dashboard, tmp_path):
     assert summary["status"] == "interrupted" and summary["steps_done"] >= 45, summary
     assert (one / "config.json").is_file() and not (one / "checkpoints").exists()
     name = out.split("Ray run name ")[1].split()[0]
+    port = dashboard["address"].rsplit(":", 1)[1]   # (the GCS gives the node's IP for the host)
+    for printed in (out.splitlines(), lines):   # (a run of its own command line, and this process's fit)
+        assert any(x.startswith("rayconv: Ray: attached to the cluster at ") and x.endswith(f":{port}")
+                   for x in printed), printed[:5]
     assert name != second and name.startswith("run-") and second.startswith("run-"), (name, second)
     assert f"Ray run name {second}" in lines[0]
     pgs = {pg["name"] for pg in ray.util.placement_group_table().values()}

@@ -118,3 +118,51 @@ def test_a_file_that_does_not_decode_is_named(tmp_path, workers):
     with pytest.raises(DataError) as e:
         held.images("train", np.arange(2), CPU)
     assert "\n" not in str(e.value) and str(bad) in str(e.value)
+
+
+def test_an_empty_class_folder_is_named(tmp_path):
+    """A class folder without image files: the message names it and the suffixes, in one clean line."""
+    from rayconv.data.imagefolder import CheckedImageFolder
+
+    root = write_folder(tmp_path / "f")
+    (root / "val" / "c").mkdir()
+    (root / "train" / "c").mkdir()
+    (root / "train" / "c" / "0.png").write_bytes((root / "train" / "a" / "0.png").read_bytes())
+    with pytest.raises(DataError) as e:
+        CheckedImageFolder(root / "val", None)
+    msg = str(e.value)
+    assert f"class folder c has no image files (.jpg" in msg and ". :" not in msg and "\n" not in msg, msg
+
+
+def test_prepare_counts_what_it_encoded_and_names_what_it_skipped(tmp_path):
+    """One corrupt file of 15: "14 images encoded", the corrupt one named (not "15 images encoded")."""
+    root = write_folder(tmp_path / "src")
+    (root / "train" / "a" / "bad.png").write_bytes(b"not a png")
+    lines: list[str] = []
+    prepare(str(root), str(tmp_path / "shards"), size=40, shard_size=4, log=lines.append, processes=1)
+    assert "14 images encoded (1 not: train/a/bad.png did not decode) in " in lines[-1], lines
+
+
+def test_auto_divides_the_memory_among_the_actors_holding_a_copy():
+    """--data-on-device auto's bound is per node, not per actor: 1/HOLD_SHARE of a node's memory
+    divided among its CPU actors (each holds its own copy), at most SMALL_DATA_BYTES; the help text
+    states the bound from the constants."""
+    from rayconv.choices import DATA_ON_DEVICE_HELP
+    from rayconv.cluster.connect import node_memory_share
+
+    gib, mb = 2**30, 2**20
+    assert small.hold_limit(64 * gib, 1) == small.SMALL_DATA_BYTES == gib           # the cap
+    assert small.hold_limit(16 * gib, 16) == 16 * gib // (small.HOLD_SHARE * 16)    # 16 actors share the node
+    held, why = small.decide_auto(98 * mb, 16 * gib, 16, "the node's memory")
+    assert held and "98.0 MB of decoded images per actor <= 256.0 MB" in why and "/ 16 actors" in why
+    held, why = small.decide_auto(300 * mb, 16 * gib, 16, "the node's memory")
+    assert not held and "300.0 MB of decoded images per actor > 256.0 MB" in why
+    assert small.decide_auto(300 * mb, 16 * gib, 2, "the node's memory")[0]          # 2 actors: 1 GiB each
+    # The node that leaves each copy least (its CPUs taken by as many of the actors as fit); a dead one not counted.
+    nodes = [{"Alive": True, "Resources": {"CPU": 16.0, "memory": 32.0 * gib}},
+             {"Alive": True, "Resources": {"CPU": 2.0, "memory": 16.0 * gib}},
+             {"Alive": False, "Resources": {"CPU": 64.0, "memory": 1.0 * gib}}]
+    assert node_memory_share(nodes, 16, 1) == (32 * gib, 16)    # 2 GiB a copy there, 8 GiB on the small node
+    assert node_memory_share(nodes, 16, 2) == (32 * gib, 8)     # 2 CPUs an actor: 8 of them there
+    assert node_memory_share(nodes, 2, 1) == (16 * gib, 2)      # 2 actors: 16 GiB a copy there, 8 GiB here
+    assert f"{small.SMALL_DATA_BYTES / gib:g} GiB and 1/{small.HOLD_SHARE} of the memory" in DATA_ON_DEVICE_HELP

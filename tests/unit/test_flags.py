@@ -188,3 +188,53 @@ def test_cudnn_benchmark_auto_follows_the_runs_length():
     assert with_cudnn_benchmark(given, 10).cudnn_benchmark == "on"
     with pytest.raises(SystemExit):
         parse_args(["--cudnn-benchmark", "yes"])
+
+
+@pytest.mark.parametrize("command, argv", [
+    ("rayconv.run", ["--step", "20"]), ("rayconv.plan", ["--global-batch", "64"]),
+    ("rayconv.prepare", ["--conv", "x"]), ("rayconv.bench", ["--curve-epoch", "1"]),
+    ("rayconv.bench.anchor", ["--batc", "8"]), ("rayconv.bench.accuracy_anchor", ["--epoch", "1"])])
+def test_every_command_refuses_an_abbreviated_flag(command, argv, capsys):
+    """argparse's prefix matching is off in every command: ``--step 20`` is not taken as ``--steps``."""
+    import importlib
+
+    module = importlib.import_module(command if command != "rayconv.bench" else "rayconv.bench.__main__")
+    parse = {"rayconv.run": parse_args, "rayconv.prepare": lambda a: module._parser().parse_args(a),
+             "rayconv.plan": lambda a: module.parse_args(a), "rayconv.bench": lambda a: module.parse_args(a)
+             }.get(command, lambda a: module.main(a))
+    with pytest.raises(SystemExit) as e:
+        parse(argv)
+    assert e.value.code == 2 and "unrecognized arguments: " + argv[0] in capsys.readouterr().err
+
+
+def test_data_dir_alone_gives_the_data_kind_it_holds(tmp_path):
+    """--data-dir without --data: the folder's kind (not the digits beside an unused folder), in the
+    Config that config.json and the summary record; a folder of none of them, or --data digits beside a
+    folder, refused in one line naming --data."""
+    from rayconv import plan
+
+    images, shards, fmnist, other = (tmp_path / n for n in ("images", "shards", "fmnist", "other"))
+    for d in (images / "train", images / "val", shards, fmnist, other):
+        d.mkdir(parents=True)
+    (shards / "manifest.json").write_text("{}")
+    (fmnist / "train-images-idx3-ubyte.gz").write_bytes(b"")
+    for folder, kind in ((images, "imagefolder"), (shards, "shards"), (fmnist, "fashion-mnist")):
+        assert parse_args(["--data-dir", str(folder)]).data == kind
+        assert parse_args(["--data", "imagefolder", "--data-dir", str(shards)]).data == "imagefolder"  # as given
+    for argv, words in ((["--data-dir", str(other)], "give --data for what it holds"),
+                        (["--data-dir", str(tmp_path / "none")], "no such folder"),
+                        (["--data", "digits", "--data-dir", str(images)], "not --data digits: drop --data-dir")):
+        with pytest.raises(ConfigError, match=words) as e:
+            parse_args(argv)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="not --data synthetic"):
+        plan._plan(plan.parse_args(["--data", "synthetic", "--data-dir", str(images)]))
+
+
+def test_the_data_folder_names_are_the_readers():
+    """rayconv.data_dir writes the readers' file names out (importing them imports torch)."""
+    from rayconv import data_dir
+    from rayconv.data import fashion_mnist, shard_files
+
+    assert data_dir.MANIFEST == shard_files.MANIFEST
+    assert data_dir.FASHION_MNIST_TRAIN == fashion_mnist.FILES["train"][0]

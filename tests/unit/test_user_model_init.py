@@ -77,12 +77,16 @@ def test_skip_head_keeps_the_classifier_as_built(tmp_path):
 @pytest.mark.parametrize("content, words", [
     (b"not a torch file", "cannot be read as a state_dict"),
     ([1, 2, 3], "holds no state_dict"),
+    (torch.nn.Linear(2, 2), "cannot be read as a state_dict"),   # a whole pickled model: torch's unpickler refuses it
 ])
 def test_unreadable_files_are_refused(tmp_path, content, words):
     p = tmp_path / "w.pt"
     p.write_bytes(content) if isinstance(content, bytes) else torch.save(content, p)
     with pytest.raises(ConfigError, match=words):
         read_state(str(p))
+    with pytest.raises(ConfigError, match="--init takes a run's model.pt") as e:
+        read_state(str(p))
+    assert "weights_only` set to `False`" not in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="no such file"):
         read_state(str(tmp_path / "none.pt"))
 

@@ -1,0 +1,51 @@
+"""``--data-dir DIR`` without ``--data``: the data kind the folder holds.
+
+A folder written by ``python -m rayconv.prepare`` (its ``manifest.json``) is ``shards``; one with
+``train/`` and ``val/`` folders is ``imagefolder``; one with Fashion-MNIST's train images idx file
+(plain or gzipped) is ``fashion-mnist``. Anything else is refused in one line naming the --data to give.
+Plain Python (the file names are written out, ``tests/unit/test_flags.py`` checks them against the
+readers'), so that the command lines stay free of torch until their arguments are known to be good.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rayconv.errors import ConfigError
+
+MANIFEST = "manifest.json"                           # rayconv.data.shard_files.MANIFEST
+FASHION_MNIST_TRAIN = "train-images-idx3-ubyte"      # rayconv.data.fashion_mnist.FILES["train"][0]
+FOLDER_KINDS = ("imagefolder", "shards", "fashion-mnist")   # the --data kinds that read --data-dir
+
+
+def data_of_folder(data_dir: str) -> str:
+    """The ``--data`` kind of ``data_dir``: shards, imagefolder or fashion-mnist (module docstring).
+    Raises ConfigError for a folder that does not exist or holds none of them."""
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise ConfigError(f"--data-dir {data_dir}: no such folder (give an image folder with train/ and val/, a "
+                          "folder written by python -m rayconv.prepare, or one holding the Fashion-MNIST idx files)")
+    if (root / MANIFEST).is_file():
+        return "shards"
+    if (root / "train").is_dir() and (root / "val").is_dir():
+        return "imagefolder"
+    if any((root / name).is_file() for name in (FASHION_MNIST_TRAIN, FASHION_MNIST_TRAIN + ".gz")):
+        return "fashion-mnist"
+    raise ConfigError(f"--data-dir {data_dir} holds neither train/ and val/ folders (--data imagefolder), a "
+                      f"{MANIFEST} of python -m rayconv.prepare (--data shards) nor the Fashion-MNIST idx files "
+                      "(--data fashion-mnist): give --data for what it holds, or fix the folder")
+
+
+def with_data_kind(values: dict) -> dict:
+    """Settings ``values`` (flag names without dashes) with ``data`` taken from ``data_dir`` when only
+    the folder is given. Raises ConfigError (``data_of_folder``), and for a ``data_dir`` beside a
+    ``data`` that reads no folder (digits, synthetic: the folder would be ignored)."""
+    data_dir = values.get("data_dir")
+    if not data_dir:
+        return values
+    if "data" not in values:
+        return {**values, "data": data_of_folder(data_dir)}
+    if values["data"] not in FOLDER_KINDS:
+        raise ConfigError(f"--data-dir {data_dir} is read by --data {', '.join(FOLDER_KINDS)}, not --data "
+                          f"{values['data']}: drop --data-dir, or --data (then the folder's kind is used)")
+    return values
