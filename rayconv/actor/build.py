@@ -72,7 +72,7 @@ class BuildMixin:
         self.exchange_plan = exchange_plan(plan.schedule, stage)
         self.is_first, self.is_last = stage == 0, stage == mesh.pp - 1
         sharding = Sharding(self.source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed,
-                            make_order(cfg, self.source))
+                            make_order(cfg, self.source), val_split=cfg.val_split)
         self.batches = Batches(self.source, sharding, mesh, self.coord, self.device, self.input_dtype,
                                self.parallel.sharded.batch_gather, mix=(cfg.mixup_alpha, cfg.cutmix_alpha))
         self.recipe = StepRecipe(cfg, self.parallel, self.optimizer, self.groups, self.coord, self.per_layer,

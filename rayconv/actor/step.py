@@ -247,20 +247,20 @@ class StepMixin:
         self.last_return = None  # the driver waits on purpose after a flush: not counted as idle
         return out
 
-    def evaluate(self, ema: bool = False) -> dict[str, Any]:
+    def evaluate(self, ema: bool = False, split: str = "test") -> dict[str, Any]:
         """Loss sum (unsmoothed cross entropy) and correct counts over this replica's share of the
-        held-out set (each sample once); ``ema``: of the moving average's weights (--model-ema; the
+        held-out set (each sample once; ``split`` "val": --val-split's images); ``ema``: of the moving average's weights (--model-ema; the
         model's own are restored after, ``state.py``'s ``weights``). Raises RuntimeError for ``ema`` without --model-ema."""
         with self.weights(ema):
-            return self._evaluate()
+            return self._evaluate(split)
 
-    def _evaluate(self) -> dict[str, Any]:
-        replica_idx = self.batches.test_indices()
+    def _evaluate(self, split: str = "test") -> dict[str, Any]:
+        replica_idx = self.batches.test_indices(split)
         chunk = max(1, self.cfg.global_batch_size // self.mesh.dp)
         # The same number of chunks on every replica (replica 0's shard is the largest): the per-layer
         # plan's batch gather is a collective over all of them.
         n_chunks = max(1, -(-len(replica_idx[0]) // chunk))
-        mb = self.batches.evaluate(replica_idx, n_chunks)
+        mb = self.batches.evaluate(replica_idx, n_chunks, split)
         self.part.eval()
         sched = forward_only(self.mesh.pp, n_chunks, self.plan.schedule.num_chunks)
         count = sum(len(r) for r in replica_idx) if self.per_layer else sum(mb.sizes)

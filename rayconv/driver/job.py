@@ -21,7 +21,7 @@ from typing import Any, Optional
 from rayconv.actor.worker import Worker
 from rayconv.cluster.group import Gang, start_workers
 from rayconv.config import Config
-from rayconv.driver.finish import finish, finish_evaluation, writing_into
+from rayconv.driver.finish import export, finish, finish_evaluation, writing_into
 from rayconv.driver.loop import Run, train
 from rayconv.driver.progress import log_header
 from rayconv.driver.setup import call_timeout_s, setup_run
@@ -44,6 +44,7 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
         setup.saved_config().to_json(setup.out / "config.json")
         log_header(setup, log)
         run = Run(setup, log, on_step)
+        run.export = lambda gang, path: export(run, gang, path)   # (--keep-best's best/model.pt)
         ckpt = setup.resume
         while True:
             try:

@@ -81,7 +81,8 @@ def setup_run(cfg: Config, log=print) -> Setup:
         cfg, predicted = choose_layout(cfg, log)
     data_dir = cfg.data_dir
     cfg, mesh, source, plan = prepare(cfg, log, resume)
-    sharding = Sharding(source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed, make_order(cfg, source))
+    sharding = Sharding(source.train_size, cfg.global_batch_size, mesh.dp, cfg.seed, make_order(cfg, source),
+                        val_split=cfg.val_split)
     steps = total_steps(cfg, sharding.steps_per_epoch)
     cfg = with_cudnn_benchmark(cfg, steps)
     return Setup(cfg=cfg, mesh=mesh, plan=plan, source=source, sharding=sharding, total_steps=steps,
@@ -132,7 +133,9 @@ def check_before_ray(cfg: Config, resume: Optional[Checkpoint]) -> tuple[Source,
     if cfg.dp is not None:
         memory_check(cfg)  # --max-memory-gib: refused before Ray starts
     source = make_source(cfg)
-    sharding = Sharding(source.train_size, cfg.global_batch_size, cfg.dp or 1, cfg.seed, make_order(cfg, source))
+    sharding = Sharding(source.train_size, cfg.global_batch_size, cfg.dp or 1, cfg.seed, make_order(cfg, source),
+                        val_split=cfg.val_split)
+    sharding.val_indices()  # (raises ConfigError for a --val-split that holds out no image)
     check_schedule(cfg, sharding.steps_per_epoch)
     reference = run_model(cfg, source)  # (with --init: its keys and shapes checked, its weights loaded)
     classes = check_trainable(cfg.model, reference, tuple(source.sample_shape))[1]
