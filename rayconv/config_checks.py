@@ -146,6 +146,8 @@ def _check_recipe(cfg: Any) -> None:
               f"--{name.replace('_', '-')} applies to a run with a validation split: add --val-split F, or drop it")
     _need(cfg.tensorboard in ("on", "off"), f"unknown --tensorboard {cfg.tensorboard!r}: choose on or off")
     _need(cfg.log_images >= 0, f"--log-images must be >= 0 (got {cfg.log_images}; 0: none)")
+    _need(cfg.log_images == 0 or cfg.tensorboard == "on",
+          "--log-images puts its grid in the TensorBoard event files: drop --tensorboard off, or --log-images")
 
 
 def _check_combinations(cfg: Any) -> None:

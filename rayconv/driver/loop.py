@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -61,7 +62,8 @@ class Run:
         self.events = EventFiles(setup.out, setup.resume.step if setup.resume is not None else 0,
                                  enabled=setup.cfg.tensorboard == "on", log=log)
         self.metrics.on_write = self.events.add_rows
-        self.images_logged = not setup.cfg.log_images
+        weakref.finalize(self, self.events.close)   # (each write is flushed; the writer closed with the run)
+        self.images_logged = not setup.cfg.log_images   # (--log-images: once, before the first step)
 
     def continue_from(self, ckpt: Optional[Checkpoint]) -> None:
         """Start an attempt's records: empty, or the metrics rows and last evaluation of ``ckpt``."""

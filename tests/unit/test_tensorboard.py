@@ -80,3 +80,21 @@ def test_without_the_package_the_run_goes_on_after_one_note(tmp_path, monkeypatc
     off = EventFiles(tmp_path / "off", enabled=False, log=notes.append)
     off.add_rows(rows([0]))
     assert len(notes) == 1 and not (tmp_path / "off").exists()
+
+
+def test_the_image_grid_is_of_augmented_training_images_and_skips_data_held_on_the_device(tmp_path):
+    import numpy as np
+
+    from rayconv.data.on_device import OnDeviceSource
+    from rayconv.data.small import HeldSource
+    from rayconv.outputs.tensorboard import first_images
+
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 255, (12, 1, 10, 10), dtype=np.uint8), rng.integers(0, 10, 12)
+    src = OnDeviceSource((x, y), (x, y), 10, seed=0, augment="pad-crop")
+    batch = np.array([5, 1, 8, 0])
+    got = first_images(src, batch, 3)
+    assert torch.equal(got, src.images("train", batch[:3], torch.device("cpu"), 0))   # as the step sees them
+    assert not torch.equal(got, src.images("test", batch[:3], torch.device("cpu")))
+    held = HeldSource.__new__(HeldSource)   # (its first read would decode the whole data set here)
+    assert first_images(held, batch, 3) is None

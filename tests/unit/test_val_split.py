@@ -75,7 +75,8 @@ def test_a_split_that_holds_out_nothing_and_bad_flags_are_refused():
                        (dict(val_split=-0.1), "--val-split must be a fraction in"),
                        (dict(eval_test=True), "--eval-test applies to a run with a validation split"),
                        (dict(keep_best=True), "--keep-best applies to a run with a validation split"),
-                       (dict(tensorboard="yes"), "--tensorboard"), (dict(log_images=-1), "--log-images")]:
+                       (dict(tensorboard="yes"), "--tensorboard"), (dict(log_images=-1), "--log-images"),
+                       (dict(log_images=4, tensorboard="off"), "--log-images puts its grid")]:
         with pytest.raises(ConfigError, match=match):
             Config(**bad).validate()
     Config(val_split=0.1, eval_test=True, keep_best=True).validate()
@@ -143,3 +144,17 @@ def test_best_folder_is_swapped_in_whole_and_read_back(tmp_path):
     assert load_best(tmp_path) == Best(9, 0.7) and (tmp_path / "best" / "model.pt").read_bytes() == b"step 9"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
     assert Best(9, 0.7).summary() == {"best_step": 9, "best_val_accuracy": 0.7}
+
+
+def test_a_resume_with_another_split_is_refused(tmp_path):
+    from rayconv.errors import CheckpointError
+    from rayconv.outputs.checkpoint import Checkpoint, check_resumable
+
+    manifest = {"model": "convnet", "num_classes": 10, "sample_shape": [1, 8, 8], "config": {"val_split": 0.1},
+                "layout": {"dp": 1, "pp": 1, "fs": 1, "plan": "none", "stages": [["a"]]}}
+    ckpt = Checkpoint(tmp_path / "checkpoints" / "step-4", manifest, {})
+    mesh = type("M", (), {"dp": 1, "pp": 1, "fs": 1})()
+    check_resumable(ckpt, Config(val_split=0.1), mesh, [["a"]], 10, (1, 8, 8))
+    with pytest.raises(CheckpointError, match="trained with --val-split 0.1, this run asks for --val-split 0: "
+                                              "resume with --val-split 0.1"):
+        check_resumable(ckpt, Config(), mesh, [["a"]], 10, (1, 8, 8))
