@@ -246,8 +246,24 @@ class OutputSettings:
 
     out: Optional[str] = field(default=None, metadata={"help": "output folder (default: a new folder under runs/)"})
     eval_every: Optional[int] = field(default=None, metadata={"help": "steps between test evaluations (default: each epoch)"})
+    val_split: float = field(default=0.0, metadata={
+        "help": "hold out this fraction of the train images, in [0, 1), drawn from --seed (the same images in "
+                "every layout and on resume), never trained on and evaluated unaugmented as val_*; "
+                "--target-accuracy and --keep-best then read the validation accuracy, and the test split is "
+                "evaluated at the end only (or with --eval-test) (default: 0, none)"})
+    eval_test: bool = field(default=False, metadata={
+        "help": "with --val-split: evaluate the test split at every evaluation too, not only at the end"})
+    keep_best: bool = field(default=False, metadata={
+        "help": "with --val-split: write <out>/best/model.pt (atomically) at each evaluation that improves the "
+                "validation accuracy; summary.json's best_step and best_val_accuracy say which"})
+    tensorboard: str = field(default="on", metadata={
+        "help": "TensorBoard event files in <out>/tensorboard/ (needs the tensorboard package; without it a run "
+                "goes on without them)", "choices": ("on", "off")})
+    log_images: int = field(default=0, metadata={
+        "help": "with --tensorboard on: a grid of this many augmented training images of the first batch, once "
+                "(default: 0, none)"})
     target_accuracy: Optional[float] = field(default=None, metadata={
-        "help": "record the first evaluation whose test top-1 accuracy reaches this, in (0, 1]: summary.json's "
+        "help": "record the first evaluation whose top-1 accuracy (validation with --val-split, else test) reaches this, in (0, 1]: summary.json's "
                 "time_to_target_s (wall-clock from the start) and time_to_target_train_s (the steps' time); "
                 "training goes on (default: none)"})
     log_every: int = field(default=10, metadata={"help": "steps between progress lines"})

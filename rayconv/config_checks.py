@@ -140,6 +140,14 @@ def _check_recipe(cfg: Any) -> None:
     _need(cfg.channels in (None, 1, 3), f"--channels must be 1 or 3 (got {cfg.channels}; leave it out for the data's)")
     _need(cfg.target_accuracy is None or 0 < cfg.target_accuracy <= 1,
           f"--target-accuracy must be in (0, 1] (got {cfg.target_accuracy})")
+    _need(0 <= cfg.val_split < 1, f"--val-split must be a fraction in [0, 1) (got {cfg.val_split}; 0: none)")
+    for name in ("eval_test", "keep_best"):
+        _need(cfg.val_split > 0 or not getattr(cfg, name),
+              f"--{name.replace('_', '-')} applies to a run with a validation split: add --val-split F, or drop it")
+    _need(cfg.tensorboard in ("on", "off"), f"unknown --tensorboard {cfg.tensorboard!r}: choose on or off")
+    _need(cfg.log_images >= 0, f"--log-images must be >= 0 (got {cfg.log_images}; 0: none)")
+    _need(cfg.log_images == 0 or cfg.tensorboard == "on",
+          "--log-images puts its grid in the TensorBoard event files: drop --tensorboard off, or --log-images")
 
 
 def _check_combinations(cfg: Any) -> None:

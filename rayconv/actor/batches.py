@@ -33,7 +33,7 @@ import torch
 
 from rayconv.actor.cuda_graph import StepGraph
 from rayconv.actor.steptime import StepClock
-from rayconv.data.source import Sharding, Source, test_shard, to_device
+from rayconv.data.source import Sharding, Source, test_shard, to_device, val_shard
 from rayconv.mesh import Coord, Mesh, split_slices
 from rayconv.parallel.filter_split.exchanges import BatchGather
 from rayconv.recipe.mix import MixDraw, draw_mix, mix_images, mix_targets, partner_positions
@@ -115,8 +115,11 @@ class Batches:
         own = self.sharding.replica_batch(epoch, step_in_epoch, self.coord.dp)[0]
         return own if mix is None else np.concatenate([own, mix.partners(self.coord.dp)])
 
-    def test_indices(self) -> list[np.ndarray]:
-        """Every replica's share of the held-out set (each sample once)."""
+    def test_indices(self, split: str = "test") -> list[np.ndarray]:
+        """Every replica's share of the held-out set (each sample once): the test split, or for
+        ``split`` "val" the validation images of the train split (``Sharding.val_indices``)."""
+        if split == "val":
+            return [val_shard(self.sharding.val_indices(), self.mesh.dp, r) for r in range(self.mesh.dp)]
         return [test_shard(self.source.test_size, self.mesh.dp, r) for r in range(self.mesh.dp)]
 
     def announce(self, split: str, epoch: int, batches: list[np.ndarray]) -> None:
@@ -148,16 +151,16 @@ class Batches:
         labels, before_forward = self._labels("train", replica_idx, n_mb, graph, mix)
         return MicroBatches([s.stop - s.start for s in slices], inputs, labels, before_forward)
 
-    def evaluate(self, replica_idx: list[np.ndarray], n_chunks: int) -> MicroBatches:
-        """The held-out shard in ``n_chunks`` chunks, read chunk by chunk (it can be far larger than a
-        batch), announced first."""
+    def evaluate(self, replica_idx: list[np.ndarray], n_chunks: int, split: str = "test") -> MicroBatches:
+        """The held-out shard of ``split`` ("test", or "val") in ``n_chunks`` chunks, read chunk by
+        chunk (it can be far larger than a batch), announced first."""
         idx = replica_idx[self.coord.dp]
         slices = split_slices(len(idx), n_chunks)
-        self.announce("test", 0, [idx[sl] for sl in slices])
+        self.announce(split, 0, [idx[sl] for sl in slices])
         inputs = lambda m: None  # noqa: E731
         if self.is_first:
-            inputs = lambda m: self._images("test", idx[slices[m]], 0)  # noqa: E731
-        labels, before_forward = self._labels("test", replica_idx, n_chunks, None)
+            inputs = lambda m: self._images(split, idx[slices[m]], 0)  # noqa: E731
+        labels, before_forward = self._labels(split, replica_idx, n_chunks, None)
         return MicroBatches([s.stop - s.start for s in slices], inputs, labels, before_forward)
 
     def _images(self, split: str, idx: np.ndarray, epoch: int) -> torch.Tensor:

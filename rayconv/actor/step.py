@@ -197,15 +197,16 @@ def flush(a: ActorState) -> Optional[dict[str, Any]]:
     return out
 
 
-def evaluate(a: ActorState) -> dict[str, Any]:
+def evaluate(a: ActorState, split: str = "test") -> dict[str, Any]:
     """Loss sum (unsmoothed cross entropy) and correct counts over this replica's share of the
-    held-out set (each sample once), with the weights the part holds now."""
-    replica_idx = a.batches.test_indices()
+    held-out set of ``split`` ("test", or "val": --val-split's images of the train split; each sample
+    once), with the weights the part holds now."""
+    replica_idx = a.batches.test_indices(split)
     chunk = max(1, a.cfg.global_batch_size // a.mesh.dp)
     # The same number of chunks on every replica (replica 0's shard is the largest): the per-layer
     # plan's batch gather is a collective over all of them.
     n_chunks = max(1, -(-len(replica_idx[0]) // chunk))
-    mb = a.batches.evaluate(replica_idx, n_chunks)
+    mb = a.batches.evaluate(replica_idx, n_chunks, split)
     a.part.eval()
     sched = forward_only(a.mesh.pp, n_chunks, a.plan.schedule.num_chunks)
     count = sum(len(r) for r in replica_idx) if a.per_layer else sum(mb.sizes)

@@ -110,13 +110,13 @@ class Worker:
         """``steps`` steps under torch.profiler, then as many under cProfile (``report.trace``)."""
         return report.trace(self.a, self.train_steps, self.flush, first_step, steps, lr)
 
-    def evaluate(self, ema: bool = False) -> dict[str, Any]:
+    def evaluate(self, ema: bool = False, split: str = "test") -> dict[str, Any]:
         """Loss sum (unsmoothed cross entropy) and correct counts over this replica's share of the
-        held-out set (each sample once); ``ema``: of the moving average's weights (--model-ema; the
+        held-out set (each sample once; ``split`` "val": --val-split's images); ``ema``: of the moving average's weights (--model-ema; the
         model's own are restored after, ``state.weights``). Raises RuntimeError for ``ema`` without
         --model-ema."""
         with state.weights(self.a, ema):
-            return train.evaluate(self.a)
+            return train.evaluate(self.a, split)
 
     def inject_overflow(self, step: int) -> None:
         """Test hook: at ``step`` (under --precision fp16), make this actor's first gradient inf after

@@ -9,6 +9,7 @@ center crop."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Optional
 
@@ -138,3 +139,10 @@ class ImageFolderSource(Source):
 
     def labels(self, split, idx):
         return self.sets[split].targets[torch.as_tensor(idx, dtype=torch.long)]
+
+    def add_val_split(self) -> None:
+        """"val": the train folder's listing with the test split's transform (resize + center crop)."""
+        val = copy.copy(self.sets["train"])
+        val.inner = copy.copy(val.inner)
+        val.inner.transform = self.sets["test"].inner.transform
+        self.sets["val"] = val

@@ -105,6 +105,9 @@ class OnDeviceSource(Source):
                       "std": torch.tensor(self.std, dtype=torch.float32, device=device)}
             size = self.sample_shape[1]
             for split, x in self.host.items():
+                if split == "val":   # (the train split's images, not a second copy)
+                    stored[split] = stored["train"]
+                    continue
                 x = x.to(device)
                 stored[split] = resize(x, size) if x.shape[2:] != (size, size) else x
             self._stored[device] = stored
@@ -165,6 +168,9 @@ class OnDeviceSource(Source):
 
     def labels(self, split, idx):
         return self.targets[split][torch.as_tensor(np.asarray(idx), dtype=torch.long)]
+
+    def add_val_split(self) -> None:
+        self.host["val"], self.targets["val"] = self.host["train"], self.targets["train"]   # (not augmented)
 
 
 def _words(augment: str, pad: int, flip: bool, random_erase: float, auto_augment: Optional[str]) -> str:

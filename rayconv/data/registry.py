@@ -81,4 +81,6 @@ def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
         raise ConfigError(f"--num-classes {cfg.num_classes} but --data {cfg.data} has {src.num_classes} classes: "
                           "drop --num-classes (it follows the data)")
     src.set_channels(model_channels(cfg, src))
+    if cfg.val_split > 0:
+        src.add_val_split()   # split "val": --val-split's images, read unaugmented
     return src

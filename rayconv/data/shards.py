@@ -242,6 +242,11 @@ class ShardSource(Source):
     def labels(self, split, idx):
         return self.targets[split][torch.as_tensor(idx, dtype=torch.long)]
 
+    def add_val_split(self) -> None:
+        """"val": the train shards, center-cropped and not augmented (``params``, ``images``)."""
+        for table in (self.entries, self.targets, self.hw, self.shards, self.starts):
+            table["val"] = table["train"]
+
 
 class _Samples(Dataset):
     """One sample per item ``(index, epoch)``: decoded on the CPU, cropped and flipped, uint8 (3, S, S)."""

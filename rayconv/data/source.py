@@ -5,6 +5,8 @@ Sharding: the train set is ordered once per epoch from (seed, epoch) (``data.ord
 of all samples, or ``--shuffle block``'s windows of shards); global step ``s`` of the epoch
 takes the next ``global_batch_size`` samples (the last batch of an epoch may be smaller); replica ``r``
 takes its contiguous slice of that batch, slices as even as possible (sizes differ by at most 1).
+With ``--val-split F`` the validation images (``floor(F x train_size)`` of the train split, drawn from
+the seed alone: ``val_indices``) are left out of every epoch's order, so an epoch is the rest.
 Every actor computes the same indices alone, so data never passes through the driver. Gradients are
 weighted by sample count (loss summed over samples and divided by the global count), so uneven
 slices stay exact.
@@ -34,8 +36,10 @@ def stable_seed(*parts: object) -> int:
 class Sharding:
     """Which train samples each replica reads at each step.
 
-    ``train_size`` samples, ``global_batch_size`` per step, ``dp`` replicas; ``steps_per_epoch`` counts
-    the last partial batch. ``order``: the epoch order (``data.order.make_order``); None: ExactOrder.
+    ``train_size`` samples in the source's train split, ``global_batch_size`` per step, ``dp`` replicas;
+    ``steps_per_epoch`` counts the last partial batch. ``order``: the epoch order
+    (``data.order.make_order``); None: ExactOrder. ``val_split``: the fraction of the train split held
+    out for validation (``val_indices``), never in a training batch.
     """
 
     train_size: int
@@ -43,18 +47,48 @@ class Sharding:
     dp: int
     seed: int
     order: Optional[BlockOrder] = None
+    val_split: float = 0.0
 
     @property
     def steps_per_epoch(self) -> int:
-        return -(-self.train_size // self.global_batch_size)
+        return -(-self.train_samples // self.global_batch_size)
+
+    @property
+    def train_samples(self) -> int:
+        """Samples an epoch trains on: the train split less the validation images."""
+        return self.train_size - len(self.val_indices())
+
+    def val_indices(self) -> np.ndarray:
+        """The validation images' indices in the train split, sorted, int64: ``floor(val_split x
+        train_size)`` of them, from numpy's PCG64 seeded by [seed, 0x7A1] alone (the same in every
+        layout and on resume). Raises ConfigError when a nonzero ``val_split`` holds out no image."""
+        cached = self.__dict__.get("_val")
+        if cached is None:
+            n = int(self.val_split * self.train_size)
+            if self.val_split > 0 and n == 0:
+                raise ConfigError(f"--val-split {self.val_split:g} holds out no image of the {self.train_size} "
+                                  f"train images: raise it to >= {1 / self.train_size:.2g} or drop it")
+            perm = np.random.default_rng([self.seed, 0x7A1]).permutation(self.train_size) if n else np.zeros(0)
+            cached = np.sort(perm[:n]).astype(np.int64)
+            object.__setattr__(self, "_val", cached)
+        return cached
 
     def epoch_permutation(self, epoch: int) -> np.ndarray:
-        """The epoch's sample order (computed once per epoch: ImageNet's is 1.28 M long)."""
+        """The epoch's sample order (computed once per epoch: ImageNet's is 1.28 M long): indices into
+        the train split, the validation images left out."""
         cached = self.__dict__.get("_perm")
         if cached is None or cached[0] != epoch:
-            order = self.order or ExactOrder(self.train_size, self.seed)
-            assert order.size == self.train_size, "the order was made for another train set"
-            cached = (epoch, order.epoch_order(epoch))
+            held = self.val_indices()
+            if self.order is not None:
+                assert self.order.size == self.train_size, "the order was made for another train set"
+                perm = self.order.epoch_order(epoch)
+                if len(held):   # (a window's samples stay contiguous)
+                    perm = perm[~np.isin(perm, held, assume_unique=True)]
+            else:
+                perm = ExactOrder(self.train_size - len(held), self.seed).epoch_order(epoch)
+                if len(held):
+                    perm = np.delete(np.arange(self.train_size), held)[perm]
+            cached = (epoch, perm)
             object.__setattr__(self, "_perm", cached)
         return cached[1]
 
@@ -67,6 +101,11 @@ class Sharding:
         """(this replica's sample indices, number of samples in the global batch)."""
         batch = self.global_batch(epoch, step_in_epoch)
         return batch[split_slices(len(batch), self.dp)[replica]], len(batch)
+
+
+def val_shard(val: np.ndarray, dp: int, replica: int) -> np.ndarray:
+    """The validation indices (``Sharding.val_indices``) evaluated by ``replica``: each once over all."""
+    return val[split_slices(len(val), dp)[replica]]
 
 
 def test_shard(test_size: int, dp: int, replica: int) -> np.ndarray:
@@ -130,6 +169,12 @@ class Source:
     def prefetch(self, split: str, epoch: int, batches: list[np.ndarray]) -> None:
         """Announce the batches ``images`` will be asked for next (sources that decode files start now)."""
 
+    def add_val_split(self) -> None:
+        """Make split ``"val"`` name the train split's samples, read as the test split's are (no
+        augmentation; the evaluation crop): ``--val-split``'s images (``Sharding.val_indices``) are
+        evaluated through it."""
+        raise NotImplementedError
+
 
 class TensorSource(Source):
     """A data set held in host memory as float tensors (digits), indexed per batch and copied to the device."""
@@ -148,6 +193,9 @@ class TensorSource(Source):
 
     def labels(self, split, idx):
         return self.sets[split].tensors[1][torch.as_tensor(idx, dtype=torch.long)]
+
+    def add_val_split(self) -> None:
+        self.sets["val"] = self.sets["train"]   # (held tensors are not augmented)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

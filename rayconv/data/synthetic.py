@@ -35,6 +35,9 @@ class SyntheticSource(Source):
         return torch.empty((len(idx), *self.sample_shape), device=dev, memory_format=fmt,
                            dtype=dtype or torch.float32).normal_(generator=g)
 
+    def add_val_split(self) -> None:
+        """Nothing to hold: "val" images are made as any others, its labels are the train split's."""
+
     def labels(self, split, idx):
-        offset = 0 if split == "train" else 7
+        offset = 0 if split in ("train", "val") else 7
         return torch.as_tensor((np.asarray(idx, dtype=np.int64) * 7919 + offset) % self.num_classes)

@@ -116,6 +116,8 @@ def summarize(run: Run, memory: list[dict[str, Any]], status: str = "finished") 
         "test_accuracy": ev.get("test_accuracy"), "test_error": ev.get("test_error"),
         "test_loss": ev.get("test_loss"), "test_top5_accuracy": ev.get("test_top5_accuracy"),
         "ema_test_accuracy": ev.get("ema_test_accuracy"),
+        "val_split": cfg.val_split, "val_accuracy": ev.get("val_accuracy"), "val_loss": ev.get("val_loss"),
+        "val_top5_accuracy": ev.get("val_top5_accuracy"), **run.best.summary(),
         "images_per_s": run.images_per_s(),
         # The steps' waits for input not overlapped with compute, summed, and their share of the steps' time.
         "input_stall_s": stall_ms / 1e3, "input_stall_fraction": stall_ms / own_ms if own_ms > 0 else None,

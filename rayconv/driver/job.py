@@ -22,7 +22,7 @@ from rayconv.actor.worker import Worker
 from rayconv.cluster.group import Gang, start_workers
 from rayconv.config import Config
 from rayconv.data.source import Sharding
-from rayconv.driver.finish import finish, finish_evaluation, recording_stop, writing_into
+from rayconv.driver.finish import export, finish, finish_evaluation, recording_stop, writing_into
 from rayconv.driver.loop import Run, train
 from rayconv.driver.progress import log_header
 from rayconv.driver.setup import call_timeout_s, setup_run
@@ -50,6 +50,7 @@ def fit(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
     with sigterm_as_interrupt(), writing_into(setup.out, log), recording_stop(run):
         setup.saved_config().to_json(setup.out / "config.json")
         log_header(setup, log)
+        run.export = lambda gang, path: export(run, gang, path)   # (--keep-best's best/model.pt)
         ckpt = setup.resume
         while True:
             try:

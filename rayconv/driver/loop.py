@@ -8,28 +8,35 @@ loop lets the actors go quiet (``flush``). Synchronous SGD unchanged (Yadan et a
 equals one single-device step on the global batch, whatever the layout. Each step's learning rate
 comes from ``driver.lr``; with ``--model-ema`` each evaluation is followed by one of the moving
 average (``evaluate(ema=True)`` on the actors); with ``--target-accuracy`` the first evaluation that
-reaches it is timed (``driver.target``).
+reaches it is timed (``driver.target``). With ``--val-split`` each evaluation is of the validation
+images (``val_*``), the test split's only at the last step (or every time with ``--eval-test``); the
+target and ``--keep-best`` (``driver.best``) read the validation accuracy. TensorBoard's event files
+(``outputs.tensorboard``) follow each write of metrics.parquet.
 """
 
 from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from rayconv.cluster.group import Gang, Pending
+from rayconv.driver.best import Best, load_best, write_best
 from rayconv.driver.progress import Progress
 from rayconv.driver.lr import learning_rate, peak_lr, warmup_steps
 from rayconv.driver.setup import Setup, call_timeout_s
 from rayconv.driver.target import Target, train_seconds
 from rayconv.outputs.checkpoint import Checkpoint, write_checkpoint
 from rayconv.outputs.metrics import MetricsLog, actor_gauges, read_rows, reduce_step
+from rayconv.outputs.tensorboard import EventFiles, first_images
 
 
-EVAL_KEYS = ("test_loss", "test_accuracy", "test_error", "test_top5_accuracy", "ema_test_accuracy")
+EVAL_KEYS = ("test_loss", "test_accuracy", "test_error", "test_top5_accuracy", "ema_test_accuracy",
+             "val_loss", "val_accuracy", "val_top5_accuracy")
 
 
 class Run:
@@ -50,10 +57,19 @@ class Run:
         # step -> (images, driver wall-clock seconds from the previous result to this one, evaluation and
         # checkpoint time left out), over every attempt of this process: the summary's images/s.
         self.wall: dict[int, tuple[int, float]] = {}
+        self.best = load_best(setup.out) if setup.cfg.keep_best else Best()   # --keep-best's
+        # (job.py sets it: writes the actors' weights as one model.pt, ``finish.export``)
+        self.export: Optional[Callable[[Gang, Path], None]] = None
+        self.events = EventFiles(setup.out, setup.resume.step if setup.resume is not None else 0,
+                                 enabled=setup.cfg.tensorboard == "on", log=log)
+        self.metrics.on_write = self.events.add_rows
+        weakref.finalize(self, self.events.close)   # (each write is flushed; the writer closed with the run)
+        self.images_logged = not setup.cfg.log_images   # (--log-images: once, before the first step)
 
     def continue_from(self, ckpt: Optional[Checkpoint]) -> None:
         """Start an attempt's records: empty, or the metrics rows and last evaluation of ``ckpt``."""
         self.metrics = MetricsLog()
+        self.metrics.on_write = self.events.add_rows
         self.last_eval = {}
         if ckpt is None or "metrics.parquet" not in ckpt.files:
             return
@@ -103,6 +119,8 @@ def train(run: Run, gang: Gang, start: int) -> None:
     """Steps ``start`` .. total_steps - 1, with evaluations and checkpoints (see the module docstring).
     Raises ClusterError (an actor failed or a call timed out) or FloatingPointError (a loss not finite)."""
     total = run.setup.total_steps
+    if not run.images_logged:
+        log_images(run)
     att = _Attempt(start, Progress(run.cfg, total, start, run.log))
     att.t_last = att.t_train
     try:
@@ -172,30 +190,76 @@ def _between_steps(run: Run, gang: Gang, att: _Attempt, step: int) -> None:
 
 def _evaluation(run: Run, gang: Gang, att: _Attempt, step: int) -> None:
     """The evaluation after ``step`` (and of the moving average with --model-ema): its metrics row,
-    the progress line, and the time to --target-accuracy if this is the first to reach it."""
-    s = run.setup
-    run.last_eval = evaluate(gang, run.call_timeout_s)
-    if run.cfg.model_ema:
-        run.last_eval["ema_test_accuracy"] = evaluate(gang, run.call_timeout_s, ema=True)["test_accuracy"]
-    if run.target.update(step, run.last_eval["test_accuracy"], time.perf_counter() - s.t_start,
-                         train_seconds(run.wall, step)):
-        run.log(f"rayconv: test accuracy {run.last_eval['test_accuracy']:.4f} reached --target-accuracy "
+    the progress line, and the time to --target-accuracy if this is the first to reach it. With
+    --val-split the validation images, and the test split where ``evaluates_test``."""
+    s, cfg = run.setup, run.cfg
+    ev: dict[str, Optional[float]] = {}
+    if cfg.val_split > 0:
+        ev.update(evaluate(gang, run.call_timeout_s, split="val"))
+    if evaluates_test(cfg, step, s.total_steps):
+        ev.update(evaluate(gang, run.call_timeout_s))
+        if cfg.model_ema:
+            ev["ema_test_accuracy"] = evaluate(gang, run.call_timeout_s, ema=True)["test_accuracy"]
+    run.last_eval = ev
+    metric = selection_metric(cfg)
+    if run.target.update(step, ev.get(metric), time.perf_counter() - s.t_start, train_seconds(run.wall, step)):
+        run.log(f"rayconv: {metric.replace('_', ' ')} {ev[metric]:.4f} reached --target-accuracy "
                 f"{run.target.accuracy:g} after step {step}: {run.target.wall_s:.1f} s from the start, "
                 f"{run.target.train_s:.1f} s of training")
+    if cfg.keep_best and run.export is not None and run.best.improves(ev.get("val_accuracy")):
+        export = run.export
+        write_best(s.out, step, float(ev["val_accuracy"]), lambda path: export(gang, path))
+        run.best = Best(step, ev["val_accuracy"])
     run.metrics.add(kind="eval", step=step, epoch=step // s.sharding.steps_per_epoch,
                     time_s=run.train_s + time.perf_counter() - att.t_train, **run.last_eval)
     att.progress.evaluation(step, run.metrics.last("train", "loss"), run.last_eval)
 
 
-def evaluate(gang: Gang, timeout_s: Optional[float] = None, ema: bool = False) -> dict[str, Optional[float]]:
+def evaluates_test(cfg: Any, step: int, total_steps: int) -> bool:
+    """Whether the evaluation after ``step`` includes the test split: always without --val-split; with
+    it at the last step, or at every evaluation with --eval-test."""
+    return cfg.val_split == 0 or cfg.eval_test or step + 1 == total_steps
+
+
+def selection_metric(cfg: Any) -> str:
+    """The accuracy --target-accuracy reads: ``val_accuracy`` with --val-split, else ``test_accuracy``."""
+    return "val_accuracy" if cfg.val_split > 0 else "test_accuracy"
+
+
+def evaluate(gang: Gang, timeout_s: Optional[float] = None, ema: bool = False,
+             split: str = "test") -> dict[str, Optional[float]]:
     """Test loss, error, top-1 and top-5 accuracy over every held-out sample once (summed over
-    replicas); top-5 is None below 5 classes. ``ema``: of the actors' moving average of the weights."""
-    res = [r for r in gang.call("evaluate", *((True,) if ema else ()), timeout_s=timeout_s) if r["reports"]]
+    replicas); top-5 is None below 5 classes. ``ema``: of the actors' moving average of the weights.
+    ``split`` "val": --val-split's images, as ``val_loss``, ``val_accuracy``, ``val_top5_accuracy``."""
+    res = [r for r in gang.call("evaluate", ema, split, timeout_s=timeout_s) if r["reports"]]
+    return eval_figures(res, split)
+
+
+def eval_figures(res: list[dict[str, Any]], split: str = "test") -> dict[str, Optional[float]]:
+    """The figures of the reporting actors' ``evaluate`` results ``res`` (loss_sum, correct, correct5,
+    samples each), keyed ``<split>_loss``, ``<split>_accuracy``, ``<split>_top5_accuracy`` (and
+    ``test_error`` for the test split)."""
     n = sum(r["samples"] for r in res)
     correct = sum(r["correct"] for r in res)
     top5 = None if any(r.get("correct5") is None for r in res) else sum(r["correct5"] for r in res) / max(1, n)
-    return {"test_loss": sum(r["loss_sum"] for r in res) / max(1, n),
-            "test_accuracy": correct / max(1, n), "test_error": 1.0 - correct / max(1, n), "test_top5_accuracy": top5}
+    out = {f"{split}_loss": sum(r["loss_sum"] for r in res) / max(1, n), f"{split}_accuracy": correct / max(1, n),
+           f"{split}_top5_accuracy": top5}
+    if split == "test":
+        out["test_error"] = 1.0 - correct / max(1, n)
+    return out
+
+
+def log_images(run: Run) -> None:
+    """--log-images N: a grid of the first N augmented images of the first training batch in the
+    event files, once (skipped, with a note, where reading them here is not cheap)."""
+    run.images_logged = True
+    s = run.setup
+    x = first_images(s.source, s.sharding.global_batch(0, 0), run.cfg.log_images)
+    if x is None:
+        run.log("rayconv: --log-images skipped: the data is held on the device, and reading it in the driver "
+                "would decode all of it here")
+        return
+    run.events.add_image_grid(x)
 
 
 def checkpoint(run: Run, gang: Gang, step: int) -> Path:

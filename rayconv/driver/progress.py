@@ -56,7 +56,9 @@ def run_line(setup: Setup) -> str:
     work = f"evaluating --init {cfg.init} only (no training steps)" if cfg.evaluate_only else \
         f"global batch {cfg.global_batch_size}, {n} step{'s' if n != 1 else ''}"
     job = ray_job()
-    return (f"rayconv: {cfg.model} on {cfg.data} ({source.train_size} train / {source.test_size} test images, "
+    held = len(setup.sharding.val_indices())
+    train = f"{setup.sharding.train_samples} train + {held} validation" if held else f"{source.train_size} train"
+    return (f"rayconv: {cfg.model} on {cfg.data} ({train} / {source.test_size} test images, "
             f"{source.num_classes} classes), layout {mesh.describe()}"
             f"{' plan ' + cfg.plan if cfg.plan != 'none' else ''} on {cfg.device}, {work} -> "
             f"{Path(setup.out).absolute()}; {f'Ray job {job}, ' if job else ''}Ray run name {setup.run_name}")
@@ -138,24 +140,38 @@ class Progress:
 
     def step(self, k: int, epoch: int, loss: float, lr: float, ips: float, last_eval: dict) -> None:
         """Step ``k``'s result: the bar moves, or a plain line every --log-every steps and at the last."""
-        acc = last_eval.get("test_accuracy") if last_eval else None
+        name, acc = _last_accuracy(last_eval)
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{ips:.0f}",
-                             **({"test_acc": f"{acc:.4f}"} if last_eval else {}))
+                             **({name: f"{acc:.4f}"} if acc is not None else {}))
         if not self.use_bar and (k % self.cfg.log_every == 0 or k + 1 == self.total_steps):
             self.log(f"step {k:5d} epoch {epoch:3d} loss {loss:.4f} lr {lr:.4g} {ips:8.0f} images/s"
-                     + (f" test_acc {acc:.4f}" if last_eval else ""))
+                     + (f" {name} {acc:.4f}" if acc is not None else ""))
 
     def evaluation(self, step: int, train_loss: float, ev: dict) -> None:
-        """An evaluation after ``step``: on the bar, or a plain line with test loss and accuracies (also
-        the moving average's, with --model-ema)."""
-        self.bar.set_postfix(loss=f"{train_loss:.4f}", test_acc=f"{ev['test_accuracy']:.4f}")
+        """An evaluation after ``step``: on the bar, or a plain line with the validation and test loss and
+        accuracies evaluated (also the moving average's, with --model-ema)."""
+        name, acc = _last_accuracy(ev)
+        self.bar.set_postfix(loss=f"{train_loss:.4f}", **({name: f"{acc:.4f}"} if acc is not None else {}))
         if not self.use_bar:
-            top5 = ev.get("test_top5_accuracy")
-            self.log(f"step {step:5d} test_loss {ev['test_loss']:.4f} test_accuracy {ev['test_accuracy']:.4f}"
-                     + (f" test_top5_accuracy {top5:.4f}" if top5 is not None else "")
-                     + (f" ema_test_accuracy {ev['ema_test_accuracy']:.4f}" if ev.get("ema_test_accuracy") is not None
-                        else ""))
+            self.log(f"step {step:5d} " + eval_line(ev))
 
     def close(self) -> None:
         self.bar.close()
+
+
+EVAL_LINE = ("val_loss", "val_accuracy", "val_top5_accuracy", "test_loss", "test_accuracy", "test_top5_accuracy",
+             "ema_test_accuracy")
+
+
+def eval_line(ev: dict) -> str:
+    """The console's evaluation figures: ``name value`` for each of ``EVAL_LINE`` that ``ev`` holds."""
+    return " ".join(f"{k} {ev[k]:.4f}" for k in EVAL_LINE if ev.get(k) is not None)
+
+
+def _last_accuracy(ev: Optional[dict]) -> tuple[str, Optional[float]]:
+    """(short name, value) of the evaluation's validation accuracy, else its test accuracy."""
+    for key, name in (("val_accuracy", "val_acc"), ("test_accuracy", "test_acc")):
+        if ev and ev.get(key) is not None:
+            return name, ev[key]
+    return "test_acc", None

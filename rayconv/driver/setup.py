@@ -141,7 +141,9 @@ def check_before_ray(cfg: Config, resume: Optional[Checkpoint]) -> tuple[Source,
     if cfg.dp is not None:
         memory_check(cfg)  # --max-memory-gib: refused before Ray starts
     source = make_source(cfg)
-    sharding = Sharding(source.train_size, cfg.global_batch_size, cfg.dp or 1, cfg.seed, make_order(cfg, source))
+    sharding = Sharding(source.train_size, cfg.global_batch_size, cfg.dp or 1, cfg.seed, make_order(cfg, source),
+                        val_split=cfg.val_split)
+    sharding.val_indices()  # (raises ConfigError for a --val-split that holds out no image)
     check_schedule(cfg, sharding.steps_per_epoch)
     if resume is not None:
         check_steps_left(resume, total_steps(cfg, sharding.steps_per_epoch))

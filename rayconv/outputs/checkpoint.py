@@ -171,7 +171,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 
 def check_resumable(ckpt: Checkpoint, cfg: Any, mesh: Any, stages: list, num_classes: int,
                     sample_shape: tuple[int, ...]) -> None:
-    """Refuse a checkpoint of another model or data shape, or of a layout this run cannot load:
+    """Refuse a checkpoint of another model or data shape or validation split, or of a layout this run cannot load:
     the same layout, or (pure data parallelism, every replica holding the whole model) another --dp."""
     m = ckpt.manifest
     if m["model"] != cfg.model:
@@ -181,6 +181,10 @@ def check_resumable(ckpt: Checkpoint, cfg: Any, mesh: Any, stages: list, num_cla
         raise CheckpointError(f"checkpoint {ckpt.path} was trained on {m['num_classes']} classes of "
                               f"{tuple(m['sample_shape'])} images, this run's data has {num_classes} classes of "
                               f"{tuple(sample_shape)}: resume with the same --data/--image-size/--num-classes")
+    val_split = m.get("config", {}).get("val_split", 0.0)
+    if val_split != cfg.val_split:   # (another split would train on images held out so far, or the reverse)
+        raise CheckpointError(f"checkpoint {ckpt.path} trained with --val-split {val_split:g}, this run asks for "
+                              f"--val-split {cfg.val_split:g}: resume with --val-split {val_split:g}")
     saved = m["layout"]
     want = {"dp": mesh.dp, "pp": mesh.pp, "fs": mesh.fs, "plan": cfg.plan}
     have = {k: saved[k] for k in want}

@@ -7,7 +7,9 @@ One row per step (``kind="train"``): step, epoch, loss (mean over the global bat
 largest over the actors that read input) and input_stall_fraction (input_stall_ms / step_ms). One row
 per evaluation (``kind="eval"``): test_loss, test_error, test_accuracy and test_top5_accuracy (null
 below 5 classes) over every held-out sample once, and with ``--model-ema`` ema_test_accuracy (the
-moving average's top-1). ``loss_scale``: the fp16 dynamic loss scale the step ran with (null otherwise).
+moving average's top-1); with ``--val-split`` val_loss, val_accuracy and val_top5_accuracy over the
+validation images (the test columns then null except at the last evaluation, or with ``--eval-test``).
+``loss_scale``: the fp16 dynamic loss scale the step ran with (null otherwise).
 ``time_s`` is seconds since training began (for test error against wall-clock time).
 ``metrics.parquet`` is written atomically (temporary file, then rename): a crash never leaves half a file.
 """
@@ -15,7 +17,7 @@ moving average's top-1). ``loss_scale``: the fp16 dynamic loss scale the step ra
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -28,6 +30,7 @@ SCHEMA = pa.schema([
     ("time_s", pa.float64()), ("test_loss", pa.float64()), ("test_error", pa.float64()),
     ("test_accuracy", pa.float64()), ("input_stall_ms", pa.float64()), ("input_stall_fraction", pa.float64()),
     ("test_top5_accuracy", pa.float64()), ("ema_test_accuracy", pa.float64()), ("loss_scale", pa.float64()),
+    ("val_loss", pa.float64()), ("val_accuracy", pa.float64()), ("val_top5_accuracy", pa.float64()),
 ])
 
 
@@ -48,10 +51,12 @@ def reduce_step(results: Iterable[dict[str, Any]]) -> dict[str, Any]:
 
 
 class MetricsLog:
-    """Rows of the run, kept in memory and flushed to ``metrics.parquet``."""
+    """Rows of the run, kept in memory and flushed to ``metrics.parquet``; ``on_write(rows)``, if set,
+    is called after each ``write`` (the TensorBoard event files, ``outputs.tensorboard``)."""
 
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
+        self.on_write: Optional[Callable[[list[dict[str, Any]]], None]] = None
 
     def add(self, **row: Any) -> None:
         self.rows.append({name: row.get(name) for name in SCHEMA.names})
@@ -61,6 +66,8 @@ class MetricsLog:
 
     def write(self, path: Path) -> None:
         atomic_write(path, lambda tmp: pq.write_table(self.table(), tmp))
+        if self.on_write is not None:
+            self.on_write(self.rows)
 
     def to_bytes(self) -> bytes:
         """The rows as a Parquet file's bytes (stored in checkpoints)."""

@@ -46,7 +46,8 @@ def test_imagefolder_end_to_end(ray_cluster, image_root, tmp_path):
                "--dp", "2", "--steps", "3", "--global-batch-size", "8", "--loader-workers", "0", "--data-on-device", "off",
                "--device", "cpu", "--no-progress", "--out", str(out)])
     assert rc == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.parquet", "model.pt", "summary.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.parquet", "model.pt", "summary.json",
+                                                     "tensorboard"]
 
     config = json.loads((out / "config.json").read_text())
     assert config["data"] == "imagefolder" and config["data_dir"] == str(image_root) and config["dp"] == 2

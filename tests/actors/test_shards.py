@@ -216,6 +216,19 @@ def test_a_shard_that_disappears_or_changes_while_open_is_named(shards, tmp_path
                                ShardSource(str(shards), 32, seed=0, workers=0).images("train", np.arange(8), cpu))
 
 
+def test_the_val_split_reads_train_shards_center_cropped(shards):
+    """--val-split's "val" split: the train shards' samples as --augment none reads them, whatever the
+    training augmentation (and auto-augment, random erasing: training's only)."""
+    idx, cpu = np.array([9, 2, 14]), torch.device("cpu")
+    src = ShardSource(str(shards), 32, seed=0, workers=0, augment="resized-crop", random_erase=0.5,
+                      auto_augment="ta_wide")
+    src.add_val_split()
+    plain = ShardSource(str(shards), 32, seed=0, workers=0, augment="none").images("train", idx, cpu, epoch=1)
+    assert torch.equal(src.images("val", idx, cpu), plain)
+    assert not torch.equal(src.images("train", idx, cpu, epoch=1), plain)
+    assert torch.equal(src.labels("val", idx), src.labels("train", idx))
+
+
 def test_crop_and_flip_depend_only_on_seed_epoch_index(shards):
     idx = np.array([15, 0, 7, 3, 11])
     cpu = torch.device("cpu")

@@ -52,9 +52,12 @@ _PRINTED: dict[str, str] = {}
 
 def test_main_writes_the_run_files(ray_cluster, tmp_path, capsys):
     out = tmp_path / "run"
-    rc = main(["--steps", "5", "--out", str(out), "--no-progress", "--device", "cpu", "--dp", "2"])
+    rc = main(["--steps", "5", "--out", str(out), "--no-progress", "--device", "cpu", "--dp", "2",
+               "--val-split", "0.1", "--keep-best", "--target-accuracy", "0.01"])
     assert rc == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.parquet", "model.pt", "summary.json"]
+    printed = capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["best", "config.json", "metrics.parquet", "model.pt",
+                                                     "summary.json", "tensorboard"]
     # It ran on the test cluster (and the placement group table keeps removed groups, which the
     # subprocess test relies on).
     run_name = json.loads((out / "summary.json").read_text())["run_name"]
@@ -82,8 +85,27 @@ def test_main_writes_the_run_files(ray_cluster, tmp_path, capsys):
     assert len(evals) >= 1 and evals[-1]["step"] == 4
     assert 0.0 <= evals[-1]["test_error"] <= 1.0
 
+    # --val-split 0.1: 143 of the 1438 train digits, evaluated each once; the test split at the last step.
+    val = evals[-1]["val_accuracy"]
+    assert abs(val * 143 - round(val * 143)) < 1e-9 and evals[-1]["val_loss"] > 0
+    assert "train + 143 validation / 359 test images" in printed
+    assert f"step     4 val_loss {evals[-1]['val_loss']:.4f} val_accuracy {val:.4f}" in printed
+    assert f"rayconv: val accuracy {val:.4f} reached --target-accuracy 0.01 after step 4" in printed
+
     # summary.json
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["val_split"] == 0.1 and summary["val_accuracy"] == val and summary["target_step"] == 4
+    assert summary["best_step"] == 4 and summary["best_val_accuracy"] == val   # --keep-best: best/model.pt
+    assert json.loads((out / "best" / "best.json").read_text()) == {"step": 4, "val_accuracy": val}
+    # TensorBoard's event files, read by its own reader: the rows of metrics.parquet.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == \
+        [(r["step"], pytest.approx(r["loss"])) for r in train]
+    assert [(e.step, e.value) for e in events.Scalars("val/accuracy")] == [(4, pytest.approx(val))]
+    assert [e.step for e in events.Scalars("test/accuracy")] == [4]
     assert summary["final_train_loss"] == pytest.approx(train[-1]["loss"])
     assert summary["test_accuracy"] == pytest.approx(1.0 - evals[-1]["test_error"])
     assert summary["images_per_s"] > 0 and summary["wall_time_s"] > 0
@@ -92,6 +114,8 @@ def test_main_writes_the_run_files(ray_cluster, tmp_path, capsys):
 
     # model.pt: a plain state_dict that the model class alone loads, strictly.
     state = torch.load(out / "model.pt", weights_only=True)
+    best = torch.load(out / "best" / "model.pt", weights_only=True)   # (the one evaluation: the last step's)
+    assert best.keys() == state.keys() and all(torch.equal(best[k], state[k]) for k in state)
     from rayconv.models import ConvNet
 
     model = ConvNet(1, 10)

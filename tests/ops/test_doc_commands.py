@@ -181,6 +181,9 @@ KINDS = [
      check_script),
     ("pytest", lambda a: a[:3] == ["python", "-m", "pytest"] or a[:1] == ["pytest"], check_pytest),
     ("ray job submit", lambda a: a[:3] == ["ray", "job", "submit"], check_job_submit),
+    ("TensorBoard's own viewer; the event files are read back by tests/unit/test_tensorboard.py",
+     lambda a: a[:2] == ["tensorboard", "--logdir"],
+     lambda a: has_function("tests/unit/test_tensorboard.py", "test_rows_become_scalars_once_and_a_resume_purges_from_its_step")),
     ("needs a cloud or a running run", lambda a: a[:2] in (["ray", "up"], ["ray", "down"], ["ray", "dashboard"],
      ["ray", "rsync-down"], ["ray", "list"]) or a[:1] == ["curl"], check_cloud),
 ]

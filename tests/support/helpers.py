@@ -49,7 +49,8 @@ def reference_sgd(cfg: Config, steps: int, mix_batch=None) -> dict[str, torch.Te
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1]).double()
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    sharding = Sharding(source.train_size, cfg.global_batch_size, dp=1, seed=cfg.seed, order=make_order(cfg, source))
+    sharding = Sharding(source.train_size, cfg.global_batch_size, dp=1, seed=cfg.seed, order=make_order(cfg, source),
+                        val_split=cfg.val_split)
     for step in range(steps):
         epoch, s = divmod(step, sharding.steps_per_epoch)
         idx = sharding.global_batch(epoch, s)

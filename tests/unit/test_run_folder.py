@@ -119,7 +119,8 @@ def test_ray_job_is_told_by_its_environment_or_working_folder(tmp_path, monkeypa
 def header_setup(**kw) -> SimpleNamespace:
     cfg = Config(device="cpu", **kw)
     return SimpleNamespace(cfg=cfg, mesh=Mesh(2, 1, 1), total_steps=230, out=Path("runs/r1"), run_name="r1-abc123",
-                           source=SimpleNamespace(train_size=1438, test_size=359, num_classes=10))
+                           source=SimpleNamespace(train_size=1438, test_size=359, num_classes=10),
+                           sharding=Sharding(1438, cfg.global_batch_size, 2, cfg.seed))
 
 
 def test_header_names_the_output_folder_in_full(tmp_path, monkeypatch):
@@ -183,7 +184,7 @@ def test_interrupted_run_keeps_its_metrics_and_says_so(setup_of, tmp_path, error
     the folder stays, with config.json, the 17 steps' metrics and a summary saying it was interrupted."""
     out, handler = tmp_path / "r", signal.getsignal(signal.SIGTERM)
     lines = stop_after(setup_of(out), 17, error)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.parquet", "summary.json"], lines
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.parquet", "summary.json", "tensorboard"], lines
     assert [r["step"] for r in pq.read_table(out / "metrics.parquet").to_pylist()] == list(range(17))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["steps_done"] == 17 and summary["steps"] == 100
