@@ -16,7 +16,7 @@ pad-crop or none and both splits as uint8 take at most ``hold_limit``: ``SMALL_D
 1/``HOLD_SHARE`` of the memory each actor's copy shares (each CPU actor holds its own copy in its
 node's memory, so that memory is divided among the actors on the node; on GPUs the device's free
 memory). Before Ray starts only ``SMALL_DATA_BYTES`` is known; the driver then resolves ``auto`` to
-on or off against the cluster (``decide_auto``, in ``driver/setup.py``), so every actor does the
+on or off against the cluster (``decide_auto``, in ``driver/resolve.py``), so every actor does the
 same. The decode runs on the first ``images`` call of a process (an actor, or a single-device
 reference), not where the source is only built to check the run (the driver).
 """

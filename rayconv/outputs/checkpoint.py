@@ -1,7 +1,7 @@
 """Checkpoints of a run: write one atomically, find the one ``--resume`` means, read and verify it.
 
 ``<out>/checkpoints/step-<k>/`` holds one file per actor (``rank-<r>.pt``: its parameters and buffers
-keyed as in ``Worker.state()``, its optimizer state_dict and RNG states), ``metrics.parquet`` (the rows
+keyed as in ``Actor.state()``, its optimizer state_dict and RNG states), ``metrics.parquet`` (the rows
 so far) and ``manifest.json`` (step, layout, config, data and lr-schedule position, model, files with
 sizes and sha256). It is written into ``step-<k>.tmp/`` and renamed only when every file is written and
 fsynced: a crash mid-write leaves the previous checkpoint as it was. Everything loads with
@@ -105,7 +105,7 @@ class Checkpoint:
     def layout(self) -> dict[str, Any]:
         return self.manifest["layout"]
 
-    def shard(self, rank: int) -> bytes:
+    def rank_file(self, rank: int) -> bytes:
         return self.files[f"rank-{rank}.pt"]
 
 
@@ -203,10 +203,10 @@ def check_resumable(ckpt: Checkpoint, cfg: Any, mesh: Any, stages: list, num_cla
                           f"--plan {have['plan']} (only --dp may change, and only for pure data parallelism)")
 
 
-def shard_for(ckpt: Checkpoint, mesh: Any, rank: int) -> bytes:
+def rank_file_for(ckpt: Checkpoint, mesh: Any, rank: int) -> bytes:
     """The saved shard that ``rank`` of ``mesh`` loads: its own in the same layout, else (another --dp
     under pure data parallelism) replica 0's."""
     saved = ckpt.layout
     if (saved["dp"], saved["pp"], saved["fs"]) == (mesh.dp, mesh.pp, mesh.fs):
-        return ckpt.shard(rank)
-    return ckpt.shard(0)
+        return ckpt.rank_file(rank)
+    return ckpt.rank_file(0)

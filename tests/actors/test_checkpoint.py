@@ -16,7 +16,7 @@ import torch
 from support.helpers import assert_same_state
 from rayconv.outputs.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, write_checkpoint
 from rayconv.config import Config
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 from rayconv.run import main
 
 STEPS = 8  # 2k with k = 4; checkpoints every 2 steps
@@ -55,7 +55,7 @@ def tree(folder: Path) -> dict[str, bytes]:
 def straight(ray_cluster, tmp_path_factory) -> Path:
     """2k steps without interruption."""
     out = tmp_path_factory.mktemp("ck") / "straight"
-    fit(ck_config(out), log=lambda *_: None)
+    train_run(ck_config(out), log=lambda *_: None)
     return out
 
 
@@ -64,12 +64,12 @@ def stopped(ray_cluster, tmp_path_factory) -> Path:
     """The same run, stopped by an error after k steps (and its checkpoint at step k)."""
     out = tmp_path_factory.mktemp("ck") / "stopped"
 
-    def crash(gang, step):
+    def crash(actor_group, step):
         if step == STEPS // 2 - 1:
             raise Stop()
 
     with pytest.raises(Stop):
-        fit(ck_config(out), log=lambda *_: None, on_step=crash)
+        train_run(ck_config(out), log=lambda *_: None, on_step=crash)
     return out
 
 
@@ -234,7 +234,7 @@ def test_interleaved_pipeline_resume_equals_straight_run(ray_cluster, tmp_path):
     ``test_resume_equals_straight_run``)."""
     kw = dict(dp=1, pp=2, virtual_stages=2, num_microbatches=2)
     straight_out, stopped_out = tmp_path / "straight", tmp_path / "stopped"
-    fit(ck_config(straight_out, **kw), log=lambda *_: None)
+    train_run(ck_config(straight_out, **kw), log=lambda *_: None)
     shutil.copytree(straight_out, stopped_out)
     shutil.rmtree(stopped_out / "checkpoints" / f"step-{STEPS}")
     for name in ("model.pt", "summary.json"):

@@ -14,7 +14,7 @@ from rayconv.config import Config
 from rayconv.data.registry import make_source
 from rayconv.data.shard_writer import prepare
 from rayconv.data.small import HeldSource
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 from rayconv.models import build_model
 
 STEPS = 2
@@ -32,7 +32,7 @@ def test_dp2_on_held_data_matches_single_device_sgd(ray_cluster, tmp_path, data,
                  device="cpu", loader_workers=0, progress=False, out=str(tmp_path / "run")).validate()
     assert isinstance(make_source(cfg), HeldSource)
     lines: list[str] = []
-    fit(cfg, log=lines.append)
+    train_run(cfg, log=lines.append)
     # --data-on-device auto, resolved against the cluster: two CPU actors on one node share its memory.
     assert any(x.startswith("rayconv: --data-on-device auto: both splits held on the device (") and
                "of the node's memory" in x and "/ 2 actors holding a copy)" in x for x in lines), lines[:6]

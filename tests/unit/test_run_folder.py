@@ -21,7 +21,7 @@ from rayconv.config import Config
 from rayconv.driver.finish import done_line, recording_stop, writing_into
 from rayconv.driver.loop import Run
 from rayconv.driver.progress import run_line
-from rayconv.driver.setup import Setup, check_before_ray, check_job_output, check_steps_left, ray_job
+from rayconv.driver.resolve import ResolvedRun, check_before_ray, check_job_output, check_steps_left, ray_job
 from rayconv.errors import CheckpointError, ConfigError
 from rayconv.data.source import Sharding
 from rayconv.mesh import Mesh
@@ -41,9 +41,9 @@ def finished_run(folder: Path, steps: int = 8) -> Path:
     """A run folder whose last checkpoint is at its last step (``steps`` of ``steps``): the manifest
     of the digits run at dp=2 (its shards stand-ins: nothing here loads them)."""
     cfg = Config(steps=steps, dp=2, device="cpu", progress=False, out=str(folder))
-    source, _, _, plan = check_before_ray(cfg, None)
+    source, _, _, routing = check_before_ray(cfg, None)
     manifest = {"model": cfg.model, "num_classes": source.num_classes, "sample_shape": list(source.sample_shape),
-                "layout": {"dp": 2, "pp": 1, "fs": 1, "plan": "none", "stages": [list(s) for s in plan.stages]},
+                "layout": {"dp": 2, "pp": 1, "fs": 1, "plan": "none", "stages": [list(s) for s in routing.stages]},
                 "config": cfg.to_dict()}
     write_checkpoint(folder, steps, [b"shard0", b"shard1"], manifest)
     (folder / "summary.json").write_text('{"steps": 8, "images_per_s": 1000.0}\n')
@@ -145,19 +145,19 @@ def test_end_line_of_a_run_without_timed_steps():
 
 @pytest.fixture(scope="module")
 def setup_of(tmp_path_factory):
-    """A real Setup of the digits run (data, model, routing plan; no cluster), for a given folder."""
+    """A real Setup of the digits run (data, model, routing; no cluster), for a given folder."""
     cfg = Config(steps=100, dp=2, device="cpu", progress=False, global_batch_size=64, loader_workers=0)
-    source, _, _, plan = check_before_ray(cfg, None)
+    source, _, _, routing = check_before_ray(cfg, None)
     sharding = Sharding(source.train_size, cfg.global_batch_size, 2, cfg.seed)
 
-    def make(out: Path) -> Setup:
-        return Setup(cfg=dataclasses.replace(cfg, out=str(out)), mesh=plan.mesh, plan=plan, source=source,
+    def make(out: Path) -> ResolvedRun:
+        return ResolvedRun(cfg=dataclasses.replace(cfg, out=str(out)), mesh=routing.mesh, routing=routing, source=source,
                      sharding=sharding, total_steps=100, eval_every=23, out=out, run_name="r-1", resume=None,
                      predicted=None, t_start=time.perf_counter())
     return make
 
 
-def stop_after(setup: Setup, steps: int, error, on_disk: bool = False) -> list[str]:
+def stop_after(setup: ResolvedRun, steps: int, error, on_disk: bool = False) -> list[str]:
     """Run fit's bookkeeping of ``steps`` steps in ``setup.out`` and stop it with ``error`` (an
     exception, or a signal number sent to this process), inside what fit runs its steps in (SIGTERM
     taken as Ctrl-C, the folder, the stop's record); ``on_disk``: metrics.parquet written before."""
