@@ -17,7 +17,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,6 +27,7 @@ from rayconv.files import _fsync_dir, _write_synced, sha256
 FORMAT = 1
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
+_OTHER_LAYOUT: set[Path] = set()  # checkpoint folders check_resumable found saved under another layout
 
 
 def list_checkpoints(out: Path) -> list[Path]:
@@ -91,6 +92,7 @@ class Checkpoint:
     path: Path
     manifest: dict[str, Any]
     files: dict[str, bytes]
+    _whole: Optional[bytes] = field(default=None, repr=False)
 
     @property
     def step(self) -> int:
@@ -107,6 +109,14 @@ class Checkpoint:
 
     def shard(self, rank: int) -> bytes:
         return self.files[f"rank-{rank}.pt"]
+
+    def whole(self) -> bytes:
+        """The rank files joined into the whole model's state (``reshard.join``) as ``torch.save``
+        bytes, made once. Raises CheckpointError if they cannot be joined."""
+        if self._whole is None:
+            from rayconv.outputs.reshard import whole_blob  # (torch: loaded once a run is set up)
+            self._whole = whole_blob(self.files, self.layout)
+        return self._whole
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -169,10 +179,22 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(ckpt, manifest, files)
 
 
+def whole_state(path: str | Path) -> dict[str, Any]:
+    """The whole state of a checkpoint (a ``step-<k>`` folder, or a run folder's newest), every file
+    verified: ``["model"]`` is the model's state_dict (``load_state_dict`` of the model's builder),
+    ``["optimizer"]["state"]`` each parameter's optimizer state by its name, ``["ema"]`` the moving
+    average or None (``reshard.join``). Needs no Ray. Raises CheckpointError."""
+    import io
+    import torch
+    return torch.load(io.BytesIO(load_checkpoint(path).whole()), map_location="cpu", weights_only=True)
+
+
 def check_resumable(ckpt: Checkpoint, cfg: Any, mesh: Any, stages: list, num_classes: int,
                     sample_shape: tuple[int, ...]) -> None:
-    """Refuse a checkpoint of another model or data shape, or of a layout this run cannot load:
-    the same layout, or (pure data parallelism, every replica holding the whole model) another --dp."""
+    """Refuse a checkpoint of another model or data shape. Any layout loads it: under the one it was
+    saved with each actor loads its own rank file; under another (dp, pp cut or schedule, fs, --plan)
+    the rank files are joined here (``reshard.join``, refused with one line if they cannot be), so
+    that each actor cuts its part from the whole state (``shard_for``)."""
     m = ckpt.manifest
     if m["model"] != cfg.model:
         raise CheckpointError(f"checkpoint {ckpt.path} is of model {m['model']!r} but this run asks for "
@@ -181,28 +203,26 @@ def check_resumable(ckpt: Checkpoint, cfg: Any, mesh: Any, stages: list, num_cla
         raise CheckpointError(f"checkpoint {ckpt.path} was trained on {m['num_classes']} classes of "
                               f"{tuple(m['sample_shape'])} images, this run's data has {num_classes} classes of "
                               f"{tuple(sample_shape)}: resume with the same --data/--image-size/--num-classes")
-    saved = m["layout"]
-    want = {"dp": mesh.dp, "pp": mesh.pp, "fs": mesh.fs, "plan": cfg.plan}
-    have = {k: saved[k] for k in want}
-    if have == want:
-        if [list(s) for s in stages] != [list(s) for s in saved["stages"]]:
-            raise CheckpointError(f"checkpoint {ckpt.path} cut the model into stages {saved['stages']}, this run "
-                                  f"into {[list(s) for s in stages]}: resume with the same --stages")
-        return
-    pure_dp = saved["pp"] == saved["fs"] == 1 and saved["plan"] == "none" and \
-        mesh.pp == mesh.fs == 1 and cfg.plan == "none"
-    if pure_dp:
-        return  # every replica holds the whole model: each new replica loads replica 0's shard
-    fmt = lambda d: f"dp={d['dp']} pp={d['pp']} fs={d['fs']} plan={d['plan']}"  # noqa: E731
-    raise CheckpointError(f"checkpoint {ckpt.path} was saved with layout {fmt(have)} but this run asks for "
-                          f"{fmt(want)}: resume with --dp {have['dp']} --pp {have['pp']} --fs {have['fs']} "
-                          f"--plan {have['plan']} (only --dp may change, and only for pure data parallelism)")
+    if same_layout(ckpt.layout, mesh, cfg.plan, stages):
+        _OTHER_LAYOUT.discard(ckpt.path.resolve())
+    else:
+        ckpt.whole()
+        _OTHER_LAYOUT.add(ckpt.path.resolve())  # (a recovery that reloads this folder cuts it again)
+
+
+def same_layout(saved: dict[str, Any], mesh: Any, plan: str, stages: list) -> bool:
+    """Whether a run of ``mesh``, ``plan`` and pipeline ``stages`` (its chunks under interleaved 1F1B)
+    cuts the model into the parts a checkpoint of layout ``saved`` holds, rank for rank."""
+    return ((saved["dp"], saved["pp"], saved["fs"], saved["plan"]) == (mesh.dp, mesh.pp, mesh.fs, plan)
+            and [list(s) for s in stages] == [list(s) for s in saved["stages"]])
 
 
 def shard_for(ckpt: Checkpoint, mesh: Any, rank: int) -> bytes:
-    """The saved shard that ``rank`` of ``mesh`` loads: its own in the same layout, else (another --dp
-    under pure data parallelism) replica 0's."""
+    """What ``rank`` of ``mesh`` loads (``Worker.load_shard``): its own rank file when the checkpoint
+    was saved under this run's layout, else (``check_resumable`` found another) the checkpoint's
+    whole state, from which each actor cuts its part."""
     saved = ckpt.layout
-    if (saved["dp"], saved["pp"], saved["fs"]) == (mesh.dp, mesh.pp, mesh.fs):
+    if ckpt._whole is None and ckpt.path.resolve() not in _OTHER_LAYOUT and \
+            (saved["dp"], saved["pp"], saved["fs"]) == (mesh.dp, mesh.pp, mesh.fs):
         return ckpt.shard(rank)
-    return ckpt.shard(0)
+    return ckpt.whole()
