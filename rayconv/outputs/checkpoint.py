@@ -1,14 +1,17 @@
 """Checkpoints of a run: write one atomically, find the one ``--resume`` means, read and verify it.
 
 ``<out>/checkpoints/step-<k>/`` holds one file per actor (``rank-<r>.pt``: its parameters and buffers
-keyed as in ``Worker.state()``, its optimizer state_dict and RNG states), ``metrics.parquet`` (the rows
+keyed as in ``Worker.state()``, its optimizer state_dict with its parameters' names, the keys filter
+split sliced, RNG states; ``actor/state.py``), ``metrics.parquet`` (the rows
 so far) and ``manifest.json`` (step, layout, config, data and lr-schedule position, model, files with
 sizes and sha256). It is written into ``step-<k>.tmp/`` and renamed only when every file is written and
 fsynced: a crash mid-write leaves the previous checkpoint as it was. Everything loads with
 ``weights_only=True`` (by the actors; this module handles the files as bytes and imports no torch, so
 that ``python -m rayconv.run --resume`` reads a checkpoint's settings before torch is loaded).
 
-Assembling the actors' parts into one ``model.pt`` is ``export.py``'s.
+Assembling the actors' parts into one ``model.pt`` is ``export.py``'s; joining a checkpoint's rank
+files into the whole state that another layout's actors cut their parts from is ``reshard.py``'s
+(``whole_state`` reads it without Ray).
 """
 
 from __future__ import annotations

@@ -25,7 +25,6 @@ without Ray; ``torch.load(..., weights_only=True)`` reads the bytes ``whole_blob
 from __future__ import annotations
 
 import io
-from pathlib import Path
 from typing import Any, Optional
 
 import torch

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from support.helpers import assert_same_state, reference_sgd
-from rayconv.outputs.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, write_checkpoint
+from rayconv.outputs.checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint, whole_state,
+                                        write_checkpoint)
 from rayconv.config import Config
 from rayconv.driver.job import fit
 from rayconv.run import main
@@ -156,6 +157,18 @@ def test_dp2_pp2_checkpoint_resumes_under_any_layout(dp2_pp2, argv, layout, tmp_
     assert tuple(summary["layout"][k] for k in ("dp", "pp", "fs")) == layout
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--dp", "1", "--pp", "13"], ["--pp"]),          # more stages than the model's 12 layers
+    (["--dp", "1", "--fs", "33"], ["conv1's 32 output channels", "at most 32"]),
+])
+def test_resume_into_a_layout_that_cannot_hold_the_model_is_one_line(dp2_pp2, argv, words, tmp_path, capsys):
+    ckpt = dp2_pp2[0] / "checkpoints" / "step-2"
+    before = tree(ckpt)
+    line = run_failing(["--resume", str(ckpt), *argv, "--out", str(tmp_path / "x")], capsys)
+    assert all(w in line for w in words), line
+    assert not (tmp_path / "x").exists() and tree(ckpt) == before
+
+
 @pytest.fixture(scope="module")
 def dp2_pp2(ray_cluster, tmp_path_factory) -> tuple[Path, dict]:
     """A dp2 x pp2 run of 4 steps (checkpoints at 2 and 4), and single-device SGD's parameters after 4."""
@@ -164,6 +177,8 @@ def dp2_pp2(ray_cluster, tmp_path_factory) -> tuple[Path, dict]:
     fit(cfg, log=lambda *_: None)
     want = reference_sgd(cfg, 4)
     assert_same_state(torch.load(out / "model.pt", weights_only=True), want, atol=1e-10)
+    # the checkpoint read without Ray: the rank files joined into the model's state_dict
+    assert_same_state(whole_state(out / "checkpoints" / "step-4")["model"], want, atol=1e-10)
     return out, want
 
 

@@ -6,6 +6,7 @@ parameter; each parameter's momentum and moving average follow it."""
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,8 +139,7 @@ def test_shard_for_sends_the_whole_state_under_another_layout():
     model, layers = model_layers()
     payloads, layout = saved("dp2xpp2", model, layers)
     files = {f"rank-{r}.pt": _bytes(p) for r, p in enumerate(payloads)}
-    ckpt = Checkpoint(path=__import__("pathlib").Path("/nonexistent/step-2"), manifest={"layout": layout},
-                      files=files)
+    ckpt = Checkpoint(path=Path("/nonexistent/step-2"), manifest={"layout": layout}, files=files)
     assert shard_for(ckpt, Mesh(2, 2, 1), 3) == files["rank-3.pt"]
     whole = torch.load(io.BytesIO(shard_for(ckpt, Mesh(1, 1, 2), 1)), weights_only=True)
     assert whole["whole"] and set(whole["model"]) == set(model.state_dict())
