@@ -17,7 +17,7 @@ from rayconv.config import Config
 from rayconv.mesh import Mesh
 from rayconv.models import build_model, to_layers
 from rayconv.parallel.pipeline.stages import balance
-from rayconv.parallel.layout_plan import make_plan
+from rayconv.parallel.routing import make_routing
 from rayconv.planner.layer_timing import layer_times
 
 
@@ -37,20 +37,20 @@ def main() -> None:
     model = build_model(a.model, 1000, 3, a.image_size)
     cfg = Config(model=a.model, data="synthetic", num_classes=1000, image_size=a.image_size, pp=a.stages, dp=1,
                  global_batch_size=64, balance="flops")
-    plan = make_plan(cfg, Mesh(dp=1, pp=a.stages, fs=1), model, shape)
+    routing = make_routing(cfg, Mesh(dp=1, pp=a.stages, fs=1), model, shape)
     layers = to_layers(model)
-    total_f = sum(plan.flops)
+    total_f = sum(routing.flops)
     for b in [int(v) for v in a.batch.split(",")]:
         times = layer_times(layers, shape, b, dev, torch.bfloat16 if dev.type == "cuda" else None)
         for i, ((name, _), t) in enumerate(zip(layers, times)):
-            print(f"LAYER b={b} {i} {name} {t:.3f} ms flops_share {plan.flops[i] / total_f:.3f}")
+            print(f"LAYER b={b} {i} {name} {t:.3f} ms flops_share {routing.flops[i] / total_f:.3f}")
 
         def worst(cut) -> float:
             return max(sum(times[s:e]) for s, e in cut)
 
         by_time = balance(times, a.stages)
         print(f"CUT b={b} by measured time {by_time}: largest stage {worst(by_time):.2f} ms of {sum(times):.2f}")
-        print(f"CUT b={b} by FLOPs {list(plan.stages)}: largest stage {worst(plan.stages):.2f} ms")
+        print(f"CUT b={b} by FLOPs {list(routing.stages)}: largest stage {worst(routing.stages):.2f} ms")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ command runs, for benchmarks/shards_scale.sh:
 
     python benchmarks/rss_watch.py OUT.json -- python -m rayconv.bench ...
 
-runs the command, samples every 0.5 s each process whose command line Ray titled ``ray::Worker...`` or
+runs the command, samples every 0.5 s each process whose command line Ray titled ``ray::Actor...`` or
 ``ray::rayconv...`` (the actors; their forked loader workers carry the same title), and writes
 ``{"actors": {pid: peak MiB}, "max_mib": ...}`` (the peak of each process sampled, RssAnon from
 /proc/PID/status, as ``rayconv/actor/rss.py`` reads it). Exits with the command's status.
@@ -30,7 +30,7 @@ def _actors() -> list[tuple[int, str]]:
             title = (d / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
         except OSError:
             continue
-        if title.startswith(("ray::Worker", "ray::rayconv")):
+        if title.startswith(("ray::Actor", "ray::rayconv")):
             found.append((int(d.name), title))
     return found
 

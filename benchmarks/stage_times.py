@@ -180,7 +180,7 @@ def main() -> None:
     a = parse_flags()
     torch.backends.cudnn.benchmark = True
     torch.manual_seed(0)
-    mb = a.batch // a.microbatches
+    mb = a.batch // a.num_microbatches_or_1
     if a.bound:
         print_bound(a)
         return
@@ -193,7 +193,7 @@ def main() -> None:
     eager_cut, n_layers = print_eager_cut(a.model, mb)
     cuts = [int(c) for c in a.cuts.split(",") if c] or [eager_cut + d for d in (0, -1, 1, -2, 2)
                                                            if 0 < eager_cut + d < n_layers]
-    sched = make_schedule("1f1b", 2, a.microbatches)
+    sched = make_schedule("1f1b", 2, a.num_microbatches_or_1)
     for k in cuts:
         f_ms, b_ms, layers = time_cut(a.model, k, mb, a.reps)
         pred = max(finish for row in timeline(sched, f_ms, b_ms, a.link_ms) for _, finish in row)

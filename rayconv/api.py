@@ -6,7 +6,7 @@
 
 Settings have the flags' names (``global_batch_size`` is ``--global-batch-size``) and are checked as
 the command line checks them, all before Ray starts: a bad one raises ConfigError (DataError,
-PlanError, CheckpointError) at once. ``model`` may also be a callable (a function or class returning an
+LayoutError, CheckpointError) at once. ``model`` may also be a callable (a function or class returning an
 ``nn.Module``): one importable by its module and name runs as ``module:qualname``; any other (a lambda,
 a local function) is pickled to the actors with Ray's serializer, and refused in one line when it
 cannot be. This module imports neither torch nor Ray until ``fit`` is called.
@@ -26,7 +26,7 @@ def fit(config: Optional[Config] = None, /, *, log=print, **settings: Any) -> di
     """Train as ``config`` (a Config, or None for the defaults) with ``settings`` over it, as
     ``python -m rayconv.run`` with those flags would, and return the run's summary (summary.json's
     content). ``log`` receives the progress lines. With ``resume=``, the checkpoint's settings come
-    first, as on the command line. Raises ConfigError / DataError / PlanError / CheckpointError /
+    first, as on the command line. Raises ConfigError / DataError / LayoutError / CheckpointError /
     FileExistsError before Ray starts, ClusterError when the actors fail."""
     if config is not None and not isinstance(config, Config):
         raise ConfigError(f"rayconv.fit(config): a rayconv.Config or None, not {type(config).__name__} "
@@ -41,6 +41,6 @@ def fit(config: Optional[Config] = None, /, *, log=print, **settings: Any) -> di
         values["model"] = model_name(values["model"])
     cfg = from_mapping(values).validate()
     # The driver imports torch and Ray (seconds): only once the settings are known to be good.
-    from rayconv.driver.job import fit as run
+    from rayconv.driver.job import train_run
 
-    return run(cfg, log=log)
+    return train_run(cfg, log=log)

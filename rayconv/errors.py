@@ -24,10 +24,10 @@ class ClusterError(RuntimeError):
 
 
 class CallTimeout(ClusterError):
-    """A call to the actors did not return within its limit (``Gang.collect``); the actors were stopped."""
+    """A call to the actors did not return within its limit (``ActorGroup.collect``); the actors were stopped."""
 
 
-class PlanError(ValueError):
+class LayoutError(ValueError):
     """A layout cannot be applied to this model (too many stages, bad cut points, ...)."""
 
 

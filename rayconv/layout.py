@@ -40,7 +40,7 @@ class Layout(LayoutFields):
     the fields of ``LayoutFields``, in its order, so ``to_config_fields`` feeds a Config.
 
     Two defaults differ from Config's: a layout names its replicas (``dp`` 1, where Config's None means
-    all devices), and ``num_microbatches`` None means not fixed (``microbatches`` reads it as 1)."""
+    all devices), and ``num_microbatches`` None means not fixed (``num_microbatches_or_1`` reads it as 1)."""
 
     dp: int = 1
     num_microbatches: Optional[int] = None
@@ -50,7 +50,7 @@ class Layout(LayoutFields):
         return self.dp * self.pp * self.fs
 
     @property
-    def microbatches(self) -> int:
+    def num_microbatches_or_1(self) -> int:
         """Micro-batches per replica per step (1 when not fixed)."""
         return self.num_microbatches or 1
 
@@ -103,7 +103,7 @@ class Layout(LayoutFields):
 
     def to_config_fields(self) -> dict[str, Any]:
         """The Config fields of this layout (micro-batches unset give Config's default, 1)."""
-        return {**dataclasses.asdict(self), "num_microbatches": self.microbatches}
+        return {**dataclasses.asdict(self), "num_microbatches": self.num_microbatches_or_1}
 
 
 def _parse_part(name: str, part: str) -> tuple[str, dict[str, Any]]:

@@ -8,9 +8,7 @@
     python -m rayconv.plan --model resnet18 --data shards --data-dir shards --global-batch-size 256
 
 The command line of the planner, nothing else: the cost model is ``rayconv.planner.costmodel``, the
-measurements ``rayconv.planner.measure``, the search ``rayconv.planner.search``. Not to be confused
-with ``rayconv/parallel/layout_plan.py`` (the routing plan of one layout) or ``--plan krizhevsky2014``
-(the per-layer plan). Exit status 2 for bad input, one line; 1 when no layout fits.
+measurements ``rayconv.planner.measure``, the search ``rayconv.planner.search``. Exit status 2 for bad input, one line; 1 when no layout fits.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import sys
 from typing import Optional
 
 from rayconv.config import Config
-from rayconv.errors import ClusterError, ConfigError, DataError, PlanError
+from rayconv.errors import ClusterError, ConfigError, DataError, LayoutError
 from rayconv.flags import from_mapping, read_settings, resumed_settings
 from rayconv.outputs.checkpoint import latest_checkpoint, saved_config
 
@@ -31,13 +31,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         cfg = parse_command_line(argv)
         # The driver imports torch and Ray (seconds): only once the arguments are known to be good.
-        from rayconv.driver.job import fit
-        from rayconv.driver.setup import with_output_folder
+        from rayconv.driver.job import train_run
+        from rayconv.driver.resolve import with_output_folder
 
         cfg = with_output_folder(cfg)  # named before the run starts, so that a failure's hint can name it
-        fit(cfg)
+        train_run(cfg)
         return 0
-    except (ConfigError, DataError, PlanError, FileExistsError) as e:
+    except (ConfigError, DataError, LayoutError, FileExistsError) as e:
         print(f"rayconv: error: {e}", file=sys.stderr)
         return 2
     except (ClusterError, FloatingPointError) as e:

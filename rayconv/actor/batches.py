@@ -13,7 +13,7 @@ global batch from (seed, step). The first stage reads, with its own samples and 
 to other replicas); a source's augmentation of a sample depends on (seed, epoch, index) alone, so a
 partner is seen exactly as its own replica sees it. The images are mixed before the step; the stage
 that computes the loss mixes the one-hot labels the same way into soft targets (N, K). Every layout
-(replicas, micro-batches, filter-split shards, which all read the same images) thus trains on the
+(replicas, micro-batches, filter-split slices, which all read the same images) thus trains on the
 same mixed global batch.
 
 The prefetch protocol (``Source.prefetch``): the first stage announces, before reading them, the

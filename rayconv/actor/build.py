@@ -1,6 +1,6 @@
-"""An actor's state, built once by its ``setup`` call (``build_actor``): device choice, process groups,
+"""An actor's state, built once by its ``build`` call (``build_actor``): device choice, process groups,
 data source and batches, the part of the model (``parallel.parallelize``: cut, filter split or per-layer
-plan, batch-norm mode, data-parallel sync), dtype, optimizer and the rest of the recipe (``recipe.py``),
+plan, batch-norm mode, data-parallel sync), dtype, optimizer and the rest of the recipe (``recipe_step.py``),
 compile, CUDA graph, the stage runner and its program. ``ActorState`` is that one object; the step
 (``step.py``), the state calls (``state.py``) and the metrics (``report.py``) read it.
 """
@@ -16,7 +16,7 @@ from torch import nn
 
 from rayconv.actor.batches import Batches
 from rayconv.actor.cuda_graph import StepGraph
-from rayconv.actor.recipe import StepRecipe, build_optimizer
+from rayconv.actor.recipe_step import RecipeStep, build_optimizer
 from rayconv.cluster.connect import visible_index
 from rayconv.config import Config
 from rayconv.data.registry import make_source
@@ -26,10 +26,10 @@ from rayconv.mesh import Coord, Mesh, split_sizes
 from rayconv.models import run_model, to_layers
 from rayconv.parallel import comm
 from rayconv.parallel.data_parallel import GradientSync
-from rayconv.parallel.layout_plan import LayoutPlan
+from rayconv.parallel.routing import Routing
 from rayconv.parallel.parallelize import ParallelPart, parallelize
 from rayconv.parallel.part import compile_part
-from rayconv.parallel.pipeline.p2p import Post, exchange_plan
+from rayconv.parallel.pipeline.p2p import Post, p2p_posts
 from rayconv.parallel.pipeline.runner import Chunk, StageRunner
 from rayconv.parallel.pipeline.schedules import Action
 
@@ -41,18 +41,18 @@ AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --precision -> aut
 class ActorState:
     """Everything one actor holds, set once by ``build_actor`` except the per-step fields at the end.
 
-    * ``cfg``, ``run_name``, ``role``; ``rank``, ``plan`` (the ``LayoutPlan``), ``mesh``, ``coord``
+    * ``cfg``, ``run_name``, ``role``; ``rank``, ``routing`` (the ``Routing``), ``mesh``, ``coord``
       (this actor's (dp, pp, fs)), ``device``, ``groups`` (its process groups);
     * ``source`` (the data), ``batches`` (which micro-batches it reads, ``batches.py``);
     * ``parallel`` (``parallelize``'s result: the part, its layer names, split, replicated modules,
       gradient sync, deferred batch norms), ``part`` and ``sync`` (``parallel.part``, ``parallel.sync``),
       ``per_layer`` (under Krizhevsky 2014's per-layer plan);
     * ``dtype`` (parameters), ``autocast`` (bf16, fp16 or None), ``input_dtype`` (images), ``optimizer``
-      (``--opt`` over ``recipe.optim``'s groups), ``recipe`` (``recipe.StepRecipe``: loss scale,
+      (``--opt`` over ``recipe.optim``'s groups), ``recipe`` (``recipe_step.RecipeStep``: loss scale,
       clipping, moving average);
     * ``compiled``, ``cuda_graphs``, ``step_graph`` (the captured step or None), ``lr_t`` (device
       learning rates for a captured update, by parameter dtype);
-    * ``runner`` (the stage's ``StageRunner``), ``program`` and ``exchange_plan`` (its actions and
+    * ``runner`` (the stage's ``StageRunner``), ``program`` and ``p2p_posts`` (its actions and
       their sends and receives), ``reports`` (whether this actor's loss is the one the driver reads);
     * per step (``step.py``): ``pending`` (the metrics of the step in flight), ``last_start``,
       ``last_return`` (perf_counter seconds of the last call's start and return), ``comm_bytes``
@@ -63,7 +63,7 @@ class ActorState:
     run_name: str
     role: str
     rank: int
-    plan: LayoutPlan
+    routing: Routing
     mesh: Mesh
     coord: Coord
     device: torch.device
@@ -78,14 +78,14 @@ class ActorState:
     autocast: Optional[torch.dtype]
     input_dtype: torch.dtype
     optimizer: torch.optim.Optimizer
-    recipe: StepRecipe
+    recipe: RecipeStep
     compiled: bool
     cuda_graphs: bool
     step_graph: Optional[StepGraph]
     lr_t: dict[torch.dtype, torch.Tensor]
     runner: StageRunner
     program: tuple[Action, ...]
-    exchange_plan: list[tuple[Post, ...]]
+    p2p_posts: list[tuple[Post, ...]]
     reports: bool
     pending: Optional[dict[str, Any]] = None
     last_start: Optional[float] = None
@@ -93,17 +93,17 @@ class ActorState:
     comm_bytes: int = 0
 
     def report(self) -> dict[str, Any]:
-        """What ``setup`` returns: rank, role, device, compiled, CUDA graphs, parameters held (count)."""
+        """What ``build`` returns: rank, role, device, compiled, CUDA graphs, parameters held (count)."""
         return {"rank": self.rank, "role": self.role, "device": str(self.device), "compiled": self.compiled,
                 "cuda_graphs": self.cuda_graphs, "parameters": sum(p.numel() for p in self.part.parameters())}
 
 
-def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, plan: LayoutPlan,
+def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, routing: Routing,
                 sharding: Sharding) -> ActorState:
     """Join the process groups, build this actor's part of the model, its optimizer and the rest of
-    its state, in that order. ``sharding``: the train sharding the driver made (``driver.setup``).
+    its state, in that order. ``sharding``: the train sharding the driver made (``driver.resolve``).
     Raises what data and model loading raise."""
-    mesh = plan.mesh
+    mesh = routing.mesh
     coord = mesh.coord(rank)
     device = _pick_device(cfg)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -112,24 +112,24 @@ def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, p
     dtype, autocast, input_dtype = _precision(cfg, device)
     # This actor's part: every actor builds the same full model from the seed, then keeps its part.
     layers = to_layers(run_model(cfg, source, dtype))  # (--init loaded in the run's dtype)
-    assert tuple(n for n, _ in layers) == plan.layer_names, "layout plan was made for another model"
-    per_layer = plan.per_layer_plan == "krizhevsky2014"
-    parallel = parallelize(plan, layers, coord, groups, device, dtype, cfg.sync_batchnorm, cfg.bucket_mb)
+    assert tuple(n for n, _ in layers) == routing.layer_names, "routing was made for another model"
+    per_layer = routing.per_layer_plan == "krizhevsky2014"
+    parallel = parallelize(routing, layers, coord, groups, device, dtype, cfg.sync_batchnorm, cfg.bucket_mb)
     part, sync = parallel.part, parallel.sync
     optimizer = build_optimizer(cfg, part)
     compiled, cuda_graphs, step_graph, lr_t = _step_mode(cfg, device, mesh, part)
     stage = coord.pp
-    runner = _stage_runner(plan, mesh, coord, groups, part, sync, parallel, compiled, device, dtype, autocast)
+    runner = _stage_runner(routing, mesh, coord, groups, part, sync, parallel, compiled, device, dtype, autocast)
     is_last = stage == mesh.pp - 1
     batches = Batches(source, sharding, mesh, coord, device, input_dtype, parallel.sharded.batch_gather,
                       mix=(cfg.mixup_alpha, cfg.cutmix_alpha))
-    recipe = StepRecipe(cfg, parallel, optimizer, groups, coord, per_layer, device, sharding.steps_per_epoch)
+    recipe = RecipeStep(cfg, parallel, optimizer, groups, coord, per_layer, device, sharding.steps_per_epoch)
     return ActorState(
-        cfg=cfg, run_name=run_name, role=role, rank=rank, plan=plan, mesh=mesh, coord=coord, device=device,
+        cfg=cfg, run_name=run_name, role=role, rank=rank, routing=routing, mesh=mesh, coord=coord, device=device,
         groups=groups, source=source, batches=batches, parallel=parallel, part=part, sync=sync,
         per_layer=per_layer, dtype=dtype, autocast=autocast, input_dtype=input_dtype, optimizer=optimizer,
         recipe=recipe, compiled=compiled, cuda_graphs=cuda_graphs, step_graph=step_graph, lr_t=lr_t,
-        runner=runner, program=plan.schedule.programs[stage], exchange_plan=exchange_plan(plan.schedule, stage),
+        runner=runner, program=routing.schedule.programs[stage], p2p_posts=p2p_posts(routing.schedule, stage),
         reports=is_last and coord.fs == 0 and not (per_layer and coord.dp != 0))
 
 
@@ -184,7 +184,7 @@ def _step_mode(cfg: Config, device: torch.device, mesh: Mesh, part: nn.Module
     return compiled, cuda_graphs, step_graph, lr_t
 
 
-def _stage_runner(plan: LayoutPlan, mesh: Mesh, coord: Coord, groups: comm.Groups, part: nn.Sequential,
+def _stage_runner(routing: Routing, mesh: Mesh, coord: Coord, groups: comm.Groups, part: nn.Sequential,
                   sync: GradientSync, parallel: ParallelPart, compiled: bool, device: torch.device,
                   dtype: torch.dtype, autocast: Optional[torch.dtype]) -> StageRunner:
     """The stage's model chunks (one, or V under interleaved 1F1B: virtual stages stage, stage + P, ...),
@@ -194,8 +194,8 @@ def _stage_runner(plan: LayoutPlan, mesh: Mesh, coord: Coord, groups: comm.Group
     pp_ranks = groups.ranks["pp"]
     # Compiled segments end at the gradient bucket size, so all-reduce overlaps the backward pass.
     limit = sync.bucket_bytes if sync.group is not None else None
-    virtual, last_v = plan.virtual_stages(stage), mesh.pp * plan.schedule.num_chunks - 1
-    widths = [len(part)] if len(virtual) == 1 else [plan.stages[v][1] - plan.stages[v][0] for v in virtual]
+    virtual, last_v = routing.virtual_stages(stage), mesh.pp * routing.schedule.num_chunks - 1
+    widths = [len(part)] if len(virtual) == 1 else [routing.stages[v][1] - routing.stages[v][0] for v in virtual]
     chunks, offset = [], 0
     for v, n in zip(virtual, widths):
         seq = part[offset:offset + n]
@@ -203,8 +203,8 @@ def _stage_runner(plan: LayoutPlan, mesh: Mesh, coord: Coord, groups: comm.Group
         chunks.append(Chunk(compile_part(seq, limit) if compiled else seq,
                             prev=pp_ranks[(v - 1) % mesh.pp] if v > 0 else None,
                             next=pp_ranks[(v + 1) % mesh.pp] if v < last_v else None,
-                            in_shape=_local(plan.stage_in_shape(v), parallel.in_sizes, fs_index),
-                            out_shape=_local(plan.stage_out_shape(v), parallel.sharded.out_sizes, fs_index)))
+                            in_shape=_local(routing.stage_in_shape(v), parallel.in_sizes, fs_index),
+                            out_shape=_local(routing.stage_out_shape(v), parallel.sharded.out_sizes, fs_index)))
     wire = autocast or dtype  # activations and their gradients: bf16/fp16 under autocast
     return StageRunner(chunks, groups.axis["pp"], wire_dtype=wire, device=device, autocast=autocast)
 

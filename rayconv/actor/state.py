@@ -1,6 +1,6 @@
 """State in and out of an actor: its parameters and buffers (``state``, ``load_state``), the
-dimensions filter split cuts (``split_dims``), and its checkpoint shard (``checkpoint_shard``,
-``load_shard``: model, optimizer, loss-scale, moving-average and RNG states); ``weights`` swaps the
+dimensions filter split cuts (``split_dims``), and its rank file (``rank_file``,
+``load_rank_file``: model, optimizer, loss-scale, moving-average and RNG states); ``weights`` swaps the
 moving average in (``state``, and ``evaluate`` in ``worker.py``). Each reads the actor's
 ``build.ActorState``.
 """
@@ -59,7 +59,7 @@ def split_dims(a: ActorState) -> dict[str, int]:
     return dict(a.parallel.sharded.split_dims)
 
 
-def checkpoint_shard(a: ActorState) -> bytes:
+def rank_file(a: ActorState) -> bytes:
     """This actor's shard as ``torch.save`` bytes: model state (keys as in ``state()``), optimizer
     state_dict, the fp16 loss scale's state (``loss_scale``, None without fp16), the moving
     average's (``ema``, None without --model-ema) and RNG states, all tensors and plain types (loads
@@ -87,8 +87,8 @@ def optimizer_names(a: ActorState) -> list[list[str]]:
     return optimizer_param_names(a.parallel.names, a.part, a.optimizer)
 
 
-def load_shard(a: ActorState, blob: bytes, next_step: int) -> None:
-    """Load a shard written by ``checkpoint_shard`` (this rank's, under the layout it was saved with), or
+def load_rank_file(a: ActorState, blob: bytes, next_step: int) -> None:
+    """Load a shard written by ``rank_file`` (this rank's, under the layout it was saved with), or
     a checkpoint's whole state (``outputs.reshard.join``, under another layout: this part cut from it);
     the next ``train_step`` is ``next_step``. Raises RuntimeError if it does not fit this part (or
     lacks the loss scale or moving average this run keeps)."""
@@ -123,7 +123,7 @@ def _load_recipe(a: ActorState, payload: dict[str, Any]) -> None:
         if held is None:
             continue
         if payload.get(name) is None:
-            raise RuntimeError(f"the checkpoint shard holds no {name} state, which this run keeps "
+            raise RuntimeError(f"the rank file holds no {name} state, which this run keeps "
                                "(--precision fp16 / --model-ema must match the checkpointed run)")
         held.load_state_dict(payload[name])
 
@@ -144,7 +144,7 @@ def load_state(a: ActorState, state: dict[str, torch.Tensor]) -> None:
         sub.load_state_dict(mine, strict=True)
     extra = sorted(set(state) - used)
     if extra:
-        raise RuntimeError(f"checkpoint shard holds keys this part does not have: {extra[:5]}")
+        raise RuntimeError(f"rank file holds keys this part does not have: {extra[:5]}")
 
 
 def _to_cpu(obj: Any) -> Any:

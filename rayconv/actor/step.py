@@ -26,8 +26,8 @@ from rayconv.parallel import comm
 from rayconv.parallel.batchnorm import commit_batchnorm
 from rayconv.parallel.comm import sync_device
 from rayconv.parallel.data_parallel import broadcast_modules
-from rayconv.parallel.filter_split.layers import ShardedDropout
-from rayconv.parallel.pipeline.p2p import exchange_plan
+from rayconv.parallel.filter_split.layers import SlicedDropout
+from rayconv.parallel.pipeline.p2p import p2p_posts
 from rayconv.parallel.pipeline.runner import StepResult
 from rayconv.parallel.pipeline.schedules import forward_only
 
@@ -58,7 +58,7 @@ def train_step(a: ActorState, step: int, lr: float, profile: bool, t0: float) ->
     graph = a.step_graph
     # A profiled step runs eagerly, also where steps replay a CUDA graph, so that its waits can be timed.
     graphed = graph is not None and not profile and graph.will_replay(key)
-    mb = a.batches.train(epoch, replica_idx, a.plan.schedule.num_microbatches, clock, graph if graphed else None)
+    mb = a.batches.train(epoch, replica_idx, a.routing.schedule.num_microbatches, clock, graph if graphed else None)
     # 2. Dropout seeds and the learning rate.
     generators = seed(a, step)
     a.part.train()
@@ -117,7 +117,7 @@ def sgd(a: ActorState, step: int, mb: MicroBatches, global_count: int, profile: 
     synchronised around the all-reduce to time it (``allreduce["s"]``)."""
     comm.reset_volume()
     loss = StepLoss(mb.labels, global_count, label_smoothing=a.cfg.label_smoothing, scale=a.recipe.loss_scale)
-    res = a.runner.run(a.program, a.exchange_plan, mb.inputs, loss, mb.sizes, a.sync.arm,
+    res = a.runner.run(a.program, a.p2p_posts, mb.inputs, loss, mb.sizes, a.sync.arm,
                        before_forward=mb.before_forward)
     if profile:
         sync_device(a.device)
@@ -154,7 +154,7 @@ def seed(a: ActorState, step: int) -> list[torch.Generator]:
     split_key = "fc" if a.per_layer else a.coord.dp
     generators = []
     for name, mod in a.part.named_modules():
-        if isinstance(mod, ShardedDropout):
+        if isinstance(mod, SlicedDropout):
             mod.reseed(stable_seed(a.cfg.seed, step, split_key, a.coord.pp, name), a.device)
             generators.append(mod.generator)
     return generators
@@ -207,10 +207,10 @@ def evaluate(a: ActorState) -> dict[str, Any]:
     n_chunks = max(1, -(-len(replica_idx[0]) // chunk))
     mb = a.batches.evaluate(replica_idx, n_chunks)
     a.part.eval()
-    sched = forward_only(a.mesh.pp, n_chunks, a.plan.schedule.num_chunks)
+    sched = forward_only(a.mesh.pp, n_chunks, a.routing.schedule.num_chunks)
     count = sum(len(r) for r in replica_idx) if a.per_layer else sum(mb.sizes)
     loss = StepLoss(mb.labels, max(1, count), top5=True)
-    a.runner.run(sched.programs[a.coord.pp], exchange_plan(sched, a.coord.pp), mb.inputs, loss,
+    a.runner.run(sched.programs[a.coord.pp], p2p_posts(sched, a.coord.pp), mb.inputs, loss,
                  mb.sizes, lambda: None, train=False, before_forward=mb.before_forward)
     return {"reports": a.reports, "loss_sum": float(loss.loss_sum), "correct": int(loss.correct),
             "correct5": None if loss.correct5 is None else int(loss.correct5), "samples": count}

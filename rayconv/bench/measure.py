@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from rayconv.config import Config
 from rayconv.driver.job import launch
-from rayconv.driver.setup import call_timeout_s as default_call_timeout_s, prepare
+from rayconv.driver.resolve import call_timeout_s as default_call_timeout_s, resolve_on_cluster
 from rayconv.errors import CallTimeout, ClusterError
 from rayconv.files import atomic_write
 from rayconv.layout import Layout
@@ -48,14 +48,14 @@ class _Calls:
     """The calls to one layout's actors, each within ``limit`` seconds; ``phase`` names the last one
     (for the error message of a call that fails)."""
 
-    gang: Any
+    actor_group: Any
     lr: float
     limit: float
     phase: str = "warm-up step 0"
 
     def call(self, phase: str, method: str, *args: Any) -> Any:
         self.phase = phase
-        return self.gang.call(method, *args, timeout_s=self.limit)
+        return self.actor_group.call(method, *args, timeout_s=self.limit)
 
 
 def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_steps: int = 0,
@@ -65,16 +65,16 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
     ``trace_to``. Returns one bench row's measured columns (``bench.table.BENCH_SCHEMA``).
 
     Every call to the actors (one step, or the in-actor loop of ``steps`` steps) must return within
-    ``call_timeout_s`` seconds (default ``driver.setup.call_timeout_s(cfg)``, as ``rayconv.run``);
+    ``call_timeout_s`` seconds (default ``driver.resolve.call_timeout_s(cfg)``, as ``rayconv.run``);
     otherwise the actors are stopped. Raises ClusterError (out of memory, an actor's error) or its
     subclass CallTimeout (a call past its limit), the message prefixed with the phase it happened in
     (e.g. ``warm-up step 0``)."""
-    cfg, mesh, _, plan, sharding = prepare(cfg)  # cfg resolved against the cluster (device, dp)
+    cfg, mesh, _, routing, sharding = resolve_on_cluster(cfg)  # cfg resolved against the cluster (device, dp)
     limit = call_timeout_s if call_timeout_s is not None else default_call_timeout_s(cfg)
-    gang, setups = launch(cfg, mesh, plan, sharding, f"bench-{os.getpid()}-{time.monotonic_ns() % 10**9}")
-    calls = _Calls(gang, cfg.lr, limit)
+    actor_group, reports = launch(cfg, mesh, routing, sharding, f"bench-{os.getpid()}-{time.monotonic_ns() % 10**9}")
+    calls = _Calls(actor_group, cfg.lr, limit)
     try:
-        got: dict[str, Any] = _warm_up(calls, warmup, compiles=bool(setups[0].get("compiled")))
+        got: dict[str, Any] = _warm_up(calls, warmup, compiles=bool(reports[0].get("compiled")))
         got.update(_timed(calls, warmup, steps))
         first_prof = warmup + 2 * steps
         got["prof"] = _profiled(calls, first_prof, profile_steps)
@@ -84,8 +84,8 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
     except ClusterError as e:
         raise ClusterError(f"{calls.phase}: {e}", recoverable=e.recoverable) from e
     finally:
-        gang.kill()
-    return _row(cfg, mesh, plan, setups, steps, got)
+        actor_group.kill()
+    return _row(cfg, mesh, routing, reports, steps, got)
 
 
 def _warm_up(calls: _Calls, warmup: int, compiles: bool) -> dict[str, Any]:
@@ -105,14 +105,14 @@ def _warm_up(calls: _Calls, warmup: int, compiles: bool) -> dict[str, Any]:
 def _timed(calls: _Calls, warmup: int, steps: int) -> dict[str, Any]:
     """The timed steps as the driver's loop runs them (the next step queued before waiting for the
     current one), the same steps looped inside the actors, and the peak memory of the timed steps."""
-    gang, lr, end = calls.gang, calls.lr, warmup + steps
+    actor_group, lr, end = calls.actor_group, calls.lr, warmup + steps
     t0 = time.perf_counter()
     results = []
-    in_flight = gang.submit("train_step", warmup, lr)
+    in_flight = actor_group.submit("train_step", warmup, lr)
     for s in range(warmup, end):
         calls.phase = f"timed step {s}"
-        current, in_flight = in_flight, (gang.submit("train_step", s + 1, lr) if s + 1 < end else None)
-        results.append(gang.collect(current, timeout_s=calls.limit))
+        current, in_flight = in_flight, (actor_group.submit("train_step", s + 1, lr) if s + 1 < end else None)
+        results.append(actor_group.collect(current, timeout_s=calls.limit))
     results.append(calls.call(f"timed step {end - 1}", "flush"))
     elapsed = time.perf_counter() - t0
     # The same steps with no driver call between them (each actor loops by itself; one call).
@@ -148,7 +148,7 @@ def _mean(vals: list[float]) -> Optional[float]:
     return sum(vals) / len(vals) if vals else None
 
 
-def _row(cfg: Config, mesh, plan, setups: list[dict], steps: int, got: dict[str, Any]) -> dict[str, Any]:
+def _row(cfg: Config, mesh, routing, reports: list[dict], steps: int, got: dict[str, Any]) -> dict[str, Any]:
     """The measured columns of a bench row from what ``measure`` gathered."""
     results, prof, elapsed = got["results"], got["prof"], got["elapsed"]
     complete = [rs for rs in results if rs and all(r is not None for r in rs)]
@@ -170,11 +170,11 @@ def _row(cfg: Config, mesh, plan, setups: list[dict], steps: int, got: dict[str,
     stall = _mean(stalls)
     return {
         "images_per_s": cfg.global_batch_size * steps / elapsed, "step_ms": step_ms, "warmup_s": got["warmup_s"],
-        "first_step_s": got["first_step_s"], "compiled": bool(setups[0].get("compiled")),
-        "cuda_graphs": bool(setups[0].get("cuda_graphs")),
+        "first_step_s": got["first_step_s"], "compiled": bool(reports[0].get("compiled")),
+        "cuda_graphs": bool(reports[0].get("cuda_graphs")),
         "peak_gib_max": max(peaks) if all(p is not None for p in peaks) else None,
         "peak_gib_per_actor": json.dumps([None if p is None else round(p, 3) for p in peaks]),
-        "params_per_actor": json.dumps([s["parameters"] for s in setups]),
+        "params_per_actor": json.dumps([s["parameters"] for s in reports]),
         "compute_ms": prof_mean("compute_ms"), "recv_wait_ms": prof_mean("wait_ms"),
         "allreduce_wait_ms": prof_mean("allreduce_ms"), "exchange_exposed_ms": prof_mean("exchange_ms"),
         "driver_idle_ms": _mean(idle), "input_stall_ms": stall,
@@ -183,7 +183,7 @@ def _row(cfg: Config, mesh, plan, setups: list[dict], steps: int, got: dict[str,
         "comm_mb_per_step_total": sum(sent) / 2**20 if known else None,
         "in_actor_step_ms": got["in_actor_s"] / steps * 1e3, "driver_overhead": 1 - got["in_actor_s"] / elapsed,
         "device_busy": got["device_busy"],
-        "bubble_fraction": bubble_fraction(plan.schedule) if mesh.pp > 1 else 0.0,
+        "bubble_fraction": bubble_fraction(routing.schedule) if mesh.pp > 1 else 0.0,
         "num_microbatches": cfg.num_microbatches, "schedule": cfg.schedule if mesh.pp > 1 else None,
         "virtual_stages": cfg.virtual_stages, "exchange_chunks": cfg.exchange_chunks if mesh.fs > 1 else None,
         "world_size": mesh.world_size,

@@ -24,7 +24,7 @@ from rayconv.bench.anchor import run_anchor
 from rayconv.bench.measure import base_config, measure
 from rayconv.bench.table import write_table
 from rayconv.config import Config
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 from rayconv.errors import ClusterError
 from rayconv.files import atomic_write
 from rayconv.layout import Layout
@@ -168,7 +168,7 @@ def training_curve(args) -> list[dict[str, Any]]:
                         **({} if gb is None else {"global_batch_size": gb}),
                         **Layout.parse(name).to_config_fields()}).validate()
         shutil.rmtree(cfg.out, ignore_errors=True)
-        summary = fit(cfg, log=lambda *_: None)
+        summary = train_run(cfg, log=lambda *_: None)
         if args.target_accuracy is not None:
             bench_rows.append(target_row(name, cfg, summary))
             write_table(bench_rows, out)

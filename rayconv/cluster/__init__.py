@@ -5,12 +5,12 @@ so ``rayconv.cluster.connect.connect`` is the function).
 
 The driver, the planner and the bench reach Ray only through here. Elsewhere Ray is asked only what a
 process learns of itself or hands to Ray directly: an actor's node, IP and GPU ids
-(``actor/worker.py``, ``actor/build.py``), Ray's metric gauges (``outputs/metrics.py``), and
+(``actor/actor.py``, ``actor/build.py``), Ray's metric gauges (``outputs/metrics.py``), and
 ``prepare.py``'s shard-writing tasks."""
 
 from rayconv.cluster.connect import available_devices, exception_summary, probe, visible_index
-from rayconv.cluster.group import Gang, Pending, reserve, start_actors, start_workers
+from rayconv.cluster.group import ActorGroup, Pending, reserve, create_actors, start_group
 from rayconv.cluster.tasks import run_on_device, run_on_devices
 
-__all__ = ["available_devices", "exception_summary", "probe", "visible_index", "Gang", "Pending",
-           "reserve", "start_actors", "start_workers", "run_on_device", "run_on_devices"]
+__all__ = ["available_devices", "exception_summary", "probe", "visible_index", "ActorGroup", "Pending",
+           "reserve", "create_actors", "start_group", "run_on_device", "run_on_devices"]

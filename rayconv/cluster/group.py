@@ -4,7 +4,7 @@ Bootstrap follows Ray Train's: one placement-group bundle per actor (PACK, so th
 share a node), actors ordered by (node, bundle) so that ranks of one node are contiguous and the
 filter-split groups (innermost mesh axis) stay inside a node; rank 0 picks the rendezvous address and
 every actor joins the torch.distributed process group at once. The actor class is the caller's
-(``rayconv.actor.worker.Worker`` for a training run): this module only places and calls it. A user's
+(``rayconv.actor.actor.Actor`` for a training run): this module only places and calls it. A user's
 model (``--model MODULE:FUNCTION``) reaches the actors through Ray's runtime environment
 (``models.user.actor_runtime_env``: its modules in ``py_modules``, uploaded by ``with_uploads``), on
 every node.
@@ -59,7 +59,7 @@ class Pending:
 
 
 @dataclass
-class Gang:
+class ActorGroup:
     """The started actors of one run, index = rank. As a context manager it kills them on exit."""
 
     actors: list[Any]
@@ -129,7 +129,7 @@ class Gang:
                                    recoverable=lost or _is_collective_failure(err)) from None
         return ray.get(refs)
 
-    def __enter__(self) -> "Gang":
+    def __enter__(self) -> "ActorGroup":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -148,8 +148,8 @@ class Gang:
             pass
 
 
-def start_workers(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, timeout_s: float = 120.0) -> Gang:
-    """Reserve one bundle per actor, start the actors (``actor_cls``, see ``start_actors``), named
+def start_group(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, timeout_s: float = 120.0) -> ActorGroup:
+    """Reserve one bundle per actor, start the actors (``actor_cls``, see ``create_actors``), named
     ``rayconv/<run>/<role>`` in rank order.
 
     ``timeout_s`` (``--max-wait``) bounds the whole start-up: reserving the bundles (waiting for free
@@ -157,7 +157,7 @@ def start_workers(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, timeo
     which of the two ran out and that --max-wait raises it, or naming a Ray error at start (one line)."""
     deadline = time.monotonic() + timeout_s
     pg = reserve(cfg, mesh, run_name, timeout_s)
-    return start_actors(actor_cls, cfg, mesh, run_name, pg, max(0.0, deadline - time.monotonic()), limit_s=timeout_s)
+    return create_actors(actor_cls, cfg, mesh, run_name, pg, max(0.0, deadline - time.monotonic()), limit_s=timeout_s)
 
 
 def _bundle(cfg: Config) -> dict[str, int]:
@@ -176,7 +176,7 @@ def reserve(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float) -> Any:
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except BaseException as e:
-        Gang([], [], pg, []).kill()  # removes the placement group
+        ActorGroup([], [], pg, []).kill()  # removes the placement group
         if isinstance(e, ray.exceptions.GetTimeoutError):
             raise ClusterError(f"could not reserve {mesh.world_size} x {bundle} within {timeout_s:g} s (--max-wait): "
                                "the cluster is busy or too small; free resources, lower the layout or raise "
@@ -187,8 +187,8 @@ def reserve(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float) -> Any:
     return pg
 
 
-def start_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: Any, timeout_s: float,
-                 limit_s: Optional[float] = None) -> Gang:
+def create_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: Any, timeout_s: float,
+                 limit_s: Optional[float] = None) -> ActorGroup:
     """Start one ``actor_cls`` actor per bundle of ``pg`` and wait up to ``timeout_s`` seconds for them
     to run (part of the start-up limit ``limit_s``, named in the error). ``actor_cls(cfg.to_dict(),
     run_name, role)`` makes an actor; it must have ``whereami()``. Raises ClusterError; on failure the
@@ -218,17 +218,17 @@ def start_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: An
             roles.append(role)
     except BaseException as e:
         # Nothing stays reserved when the start fails (a busy cluster, a name in use, Ctrl-C).
-        Gang(actors, roles, pg, []).kill()
+        ActorGroup(actors, roles, pg, []).kill()
         if isinstance(e, ray.exceptions.RayError):
             raise ClusterError(f"Ray could not start the actors of run {run_name}: {first_line(e)}") from None
         raise
-    gang = Gang(actors, roles, pg, [])
+    actor_group = ActorGroup(actors, roles, pg, [])
     try:
-        gang.info = gang.call("whereami", timeout_s=max(0.0, deadline - time.monotonic()))
+        actor_group.info = actor_group.call("whereami", timeout_s=max(0.0, deadline - time.monotonic()))
     except CallTimeout:
         raise ClusterError(f"the {mesh.world_size} actors did not start within {limit_s or timeout_s:g} s (--max-wait; "
                            "their processes start and import torch, slowly on a loaded machine): raise --max-wait") from None
-    return gang
+    return actor_group
 
 
 def with_uploads(env: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:

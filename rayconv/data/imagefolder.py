@@ -105,9 +105,9 @@ class ImageFolderSource(Source):
         """Start decoding ``batches`` (this actor's, in the order it will ask for them) in
         ``workers`` background processes; ``images`` then takes them in turn."""
         ds = self.sets[split]
-        plan = [[(int(i), stable_seed(self.seed, split, epoch, int(i))) for i in b] for b in batches if len(b)]
+        sampler = [[(int(i), stable_seed(self.seed, split, epoch, int(i))) for i in b] for b in batches if len(b)]
         # (Its own generator: creating the iterator must not draw from the global torch RNG.)
-        loader = DataLoader(ds, batch_sampler=plan, num_workers=self.workers, generator=torch.Generator(),
+        loader = DataLoader(ds, batch_sampler=sampler, num_workers=self.workers, generator=torch.Generator(),
                             prefetch_factor=2 if self.workers else None, pin_memory=torch.cuda.is_available())
         self._pending[split] = (epoch, [np.asarray(b) for b in batches if len(b)], iter(loader))
 

@@ -216,9 +216,9 @@ class ShardSource(Source):
 
     def _take_cpu(self, split: str, pending: dict) -> torch.Tensor:
         if pending["loader"] is None:   # forked workers share the shards' mappings
-            plan = _Plan(list(pending["queue"]), pending["epoch"])
+            sampler = _BatchSampler(list(pending["queue"]), pending["epoch"])
             workers = self.workers
-            loader = DataLoader(_Samples(self, split), batch_sampler=plan, num_workers=workers,
+            loader = DataLoader(_Samples(self, split), batch_sampler=sampler, num_workers=workers,
                                 generator=torch.Generator(), prefetch_factor=2 if workers else None,
                                 multiprocessing_context="fork" if workers else None,
                                 pin_memory=torch.cuda.is_available())
@@ -257,7 +257,7 @@ class _Samples(Dataset):
         return self.source.uint8_batch(self.split, np.array([i]), epoch, torch.device("cpu"))[0]
 
 
-class _Plan:
+class _BatchSampler:
     """The loader's batch sampler: each announced batch as items ``(index, epoch)``, made as it is asked
     for (the batches stay index arrays, 8 bytes a sample, not a list of tuples for the whole epoch)."""
 

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from rayconv.cluster.group import Gang
+from rayconv.cluster.group import ActorGroup
 from rayconv.driver.loop import Run, evaluate
 from rayconv.files import write_json
 from rayconv.models import run_model
@@ -20,15 +20,15 @@ from rayconv.outputs.export import assemble, export_model
 from rayconv.planner.search import compare
 
 
-def finish(run: Run, gang: Gang) -> dict[str, Any]:
+def finish(run: Run, actor_group: ActorGroup) -> dict[str, Any]:
     """Write model.pt (a plain state_dict of the whole model; model_ema.pt, the moving average's, with
     --model-ema), metrics.parquet and summary.json into the output folder; return the summary. Raises
     ClusterError when an actor fails meanwhile."""
-    out = run.setup.out
-    export(run, gang, out / "model.pt")
+    out = run.resolved.out
+    export(run, actor_group, out / "model.pt")
     if run.cfg.model_ema:
-        export(run, gang, out / "model_ema.pt", ema=True)
-    memory = gang.call("memory", timeout_s=run.call_timeout_s)
+        export(run, actor_group, out / "model_ema.pt", ema=True)
+    memory = actor_group.call("memory", timeout_s=run.call_timeout_s)
     run.metrics.write(out / "metrics.parquet")
     summary = summarize(run, memory)
     write_json(out / "summary.json", summary)
@@ -37,16 +37,16 @@ def finish(run: Run, gang: Gang) -> dict[str, Any]:
     return summary
 
 
-def finish_evaluation(run: Run, gang: Gang) -> dict[str, Any]:
+def finish_evaluation(run: Run, actor_group: ActorGroup) -> dict[str, Any]:
     """--evaluate-only: the actors evaluate --init's weights once (test loss, top-1, top-5); write
     metrics.parquet (one ``eval`` row at step 0) and summary.json (``steps`` 0); return the summary.
     Raises ClusterError when an actor fails."""
-    out, cfg = run.setup.out, run.cfg
+    out, cfg = run.resolved.out, run.cfg
     t0 = time.perf_counter()
-    run.last_eval = evaluate(gang, run.call_timeout_s)
+    run.last_eval = evaluate(actor_group, run.call_timeout_s)
     run.metrics.add(kind="eval", step=0, epoch=0, time_s=time.perf_counter() - t0, **run.last_eval)
     run.metrics.write(out / "metrics.parquet")
-    summary = summarize(run, gang.call("memory", timeout_s=run.call_timeout_s))
+    summary = summarize(run, actor_group.call("memory", timeout_s=run.call_timeout_s))
     write_json(out / "summary.json", summary)
     top5 = summary["test_top5_accuracy"]
     run.log(f"evaluated --init {cfg.init}: test top-1 {summary['test_accuracy']:.4f}, top-5 "
@@ -54,26 +54,26 @@ def finish_evaluation(run: Run, gang: Gang) -> dict[str, Any]:
     return summary
 
 
-def export(run: Run, gang: Gang, path: Path, ema: bool = False) -> None:
+def export(run: Run, actor_group: ActorGroup, path: Path, ema: bool = False) -> None:
     """``path`` <- the actors' parts (``ema``: of their moving averages) assembled into one state_dict,
     loaded into a fresh model to check it, written atomically."""
-    cfg, mesh = run.cfg, run.setup.mesh
+    cfg, mesh = run.cfg, run.resolved.mesh
     # Replica 0's actors hold the whole model between them.
     # (Under the per-layer plan every actor holds a slice of the FC layers.)
     holders = list(range(mesh.world_size)) if cfg.plan != "none" else \
         [mesh.rank((0, p, f)) for p in range(mesh.pp) for f in range(mesh.fs)]
-    states = gang.call("state", *((True,) if ema else ()), ranks=holders, timeout_s=run.call_timeout_s)
+    states = actor_group.call("state", *((True,) if ema else ()), ranks=holders, timeout_s=run.call_timeout_s)
     split_dims: dict[str, int] = {}
-    for d in gang.call("split_dims", ranks=holders, timeout_s=run.call_timeout_s):
+    for d in actor_group.call("split_dims", ranks=holders, timeout_s=run.call_timeout_s):
         split_dims.update(d)
-    export_model(path, assemble(states, split_dims), run_model(cfg, run.setup.source))
+    export_model(path, assemble(states, split_dims), run_model(cfg, run.resolved.source))
 
 
 def summarize(run: Run, memory: list[dict[str, Any]]) -> dict[str, Any]:
     """summary.json: the layout, the final loss and test figures (``ema_test_accuracy`` of the moving
     average, null without --model-ema), images/s, input stall, times, the time to --target-accuracy
     (``driver.target``), the weights it started from (``init``; ``evaluate_only``), and per actor its setup report and peak memory (``memory``: one per rank)."""
-    cfg, s, mesh = run.cfg, run.setup, run.setup.mesh
+    cfg, s, mesh = run.cfg, run.resolved, run.resolved.mesh
     train_rows = [row for row in run.metrics.rows if row["kind"] == "train"]
     stall_ms = sum(x.get("input_stall_ms") or 0.0 for x in train_rows)
     own_ms = sum(x["step_ms"] or 0.0 for x in train_rows)
@@ -86,7 +86,7 @@ def summarize(run: Run, memory: list[dict[str, Any]]) -> dict[str, Any]:
                    "plan": cfg.plan, "schedule": cfg.schedule if mesh.pp > 1 else None,
                    "num_microbatches": cfg.num_microbatches, "virtual_stages": cfg.virtual_stages,
                    "exchange_chunks": cfg.exchange_chunks if mesh.fs > 1 else None,
-                   "stages": [list(st) for st in s.plan.stages]},
+                   "stages": [list(st) for st in s.routing.stages]},
         "global_batch_size": cfg.global_batch_size, "steps": 0 if cfg.evaluate_only else s.total_steps,
         "epochs": 0.0 if cfg.evaluate_only else s.total_steps / s.sharding.steps_per_epoch,
         "init": cfg.init, "evaluate_only": cfg.evaluate_only,
@@ -101,7 +101,7 @@ def summarize(run: Run, memory: list[dict[str, Any]]) -> dict[str, Any]:
         **run.target.summary(run.wall),
         "run_name": s.run_name,
         "resumed_from": str(s.resume.path) if s.resume is not None else None, "failures_recovered": run.failures,
-        "actors": [{**setup, **m} for setup, m in zip(run.setups, memory)],
+        "actors": [{**report, **m} for report, m in zip(run.actor_reports, memory)],
     }
     if s.predicted is not None:
         summary["planner"] = compare(s.predicted, summary)

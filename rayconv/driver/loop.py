@@ -20,10 +20,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
-from rayconv.cluster.group import Gang, Pending
+from rayconv.cluster.group import ActorGroup, Pending
 from rayconv.driver.progress import Progress
 from rayconv.driver.lr import learning_rate, peak_lr, warmup_steps
-from rayconv.driver.setup import Setup, call_timeout_s
+from rayconv.driver.resolve import ResolvedRun, call_timeout_s
 from rayconv.driver.target import Target, train_seconds
 from rayconv.outputs.checkpoint import Checkpoint, write_checkpoint
 from rayconv.outputs.metrics import MetricsLog, actor_gauges, read_rows, reduce_step
@@ -34,16 +34,16 @@ EVAL_KEYS = ("test_loss", "test_accuracy", "test_error", "test_top5_accuracy", "
 
 class Run:
     """One run across its attempts (a recovery starts new actors and continues): the setup, and what the
-    attempts gathered (metrics rows, the last evaluation, the actors' setup reports, training time)."""
+    attempts gathered (metrics rows, the last evaluation, the actors' build reports, training time)."""
 
-    def __init__(self, setup: Setup, log=print, on_step=None):
-        self.setup, self.cfg, self.log, self.on_step = setup, setup.cfg, log, on_step
-        self.call_timeout_s = call_timeout_s(setup.cfg)
+    def __init__(self, resolved: ResolvedRun, log=print, on_step=None):
+        self.resolved, self.cfg, self.log, self.on_step = resolved, resolved.cfg, log, on_step
+        self.call_timeout_s = call_timeout_s(resolved.cfg)
         self.metrics = MetricsLog()
         self.last_eval: dict[str, Optional[float]] = {}
-        self.setups: list[dict[str, Any]] = []  # what each actor's ``setup`` reported
+        self.actor_reports: list[dict[str, Any]] = []  # what each actor's ``build`` reported
         self.train_s = 0.0
-        self.target = Target(setup.cfg.target_accuracy)  # the first evaluation reaching --target-accuracy
+        self.target = Target(resolved.cfg.target_accuracy)  # the first evaluation reaching --target-accuracy
         self.failures = 0     # actor failures recovered from
         self.trained = False  # every step done: what fails after it (the export) is not retried
         # step -> (images, driver wall-clock seconds from the previous result to this one, evaluation and
@@ -74,12 +74,12 @@ class Run:
 
     def evaluation_due(self, done: int) -> bool:
         """Whether an evaluation follows once ``done`` steps are done: every ``eval_every``, and the last."""
-        return done % self.setup.eval_every == 0 or done == self.setup.total_steps
+        return done % self.resolved.eval_every == 0 or done == self.resolved.total_steps
 
     def checkpoint_due(self, done: int) -> bool:
         """Whether a checkpoint follows once ``done`` steps are done: every --checkpoint-every, and the last."""
         every = self.cfg.checkpoint_every
-        return bool(every) and (done % every == 0 or done == self.setup.total_steps)
+        return bool(every) and (done % every == 0 or done == self.resolved.total_steps)
 
     def boundary(self, step: int) -> bool:
         """After this step the driver needs the actors quiet (evaluation, checkpoint, test hook)."""
@@ -98,32 +98,32 @@ class _Attempt:
     lrs: dict[int, float] = field(default_factory=dict)  # submitted steps' learning rates
 
 
-def train(run: Run, gang: Gang, start: int) -> None:
+def train(run: Run, actor_group: ActorGroup, start: int) -> None:
     """Steps ``start`` .. total_steps - 1, with evaluations and checkpoints (see the module docstring).
     Raises ClusterError (an actor failed or a call timed out) or FloatingPointError (a loss not finite)."""
-    total = run.setup.total_steps
+    total = run.resolved.total_steps
     att = _Attempt(start, Progress(run.cfg, total, start, run.log))
     att.t_last = att.t_train
     try:
         in_flight: Optional[Pending] = None
         for step in range(start, total):
             if in_flight is None:
-                in_flight = _submit(run, gang, att, step)
+                in_flight = _submit(run, actor_group, att, step)
             current, in_flight = in_flight, None
             if not run.boundary(step):  # queue the next step before waiting for this one
-                in_flight = _submit(run, gang, att, step + 1)
-            _record(run, att, gang.collect(current, timeout_s=run.call_timeout_s))
+                in_flight = _submit(run, actor_group, att, step + 1)
+            _record(run, att, actor_group.collect(current, timeout_s=run.call_timeout_s))
             if run.boundary(step):
-                _between_steps(run, gang, att, step)
+                _between_steps(run, actor_group, att, step)
         run.trained = True
     finally:
         att.progress.close()
         run.train_s += time.perf_counter() - att.t_train
 
 
-def _submit(run: Run, gang: Gang, att: _Attempt, step: int) -> Pending:
-    att.lrs[step] = learning_rate(run.cfg, step, run.setup.total_steps, run.setup.sharding.steps_per_epoch)
-    return gang.submit("train_step", step, att.lrs[step])
+def _submit(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) -> Pending:
+    att.lrs[step] = learning_rate(run.cfg, step, run.resolved.total_steps, run.resolved.sharding.steps_per_epoch)
+    return actor_group.submit("train_step", step, att.lrs[step])
 
 
 def _record(run: Run, att: _Attempt, results: list) -> None:
@@ -147,35 +147,35 @@ def _record(run: Run, att: _Attempt, results: list) -> None:
                     input_stall_fraction=None if stall is None else stall / max(1e-9, step_ms),
                     time_s=run.train_s + now - att.t_train, loss_scale=r["loss_scale"])
     if run.cfg.metrics:
-        actor_gauges(run.setup.run_name, "driver", images_per_s=ips, step_ms=step_ms, loss=r["loss"], step=k)
+        actor_gauges(run.resolved.run_name, "driver", images_per_s=ips, step_ms=step_ms, loss=r["loss"], step=k)
     if not math.isfinite(r["loss"]):
         raise FloatingPointError(f"loss is {r['loss']} at step {k}: lower --lr (now {run.cfg.lr})")
     att.progress.step(k, epoch, r["loss"], run.metrics.rows[-1]["lr"], ips, run.last_eval)
 
 
-def _between_steps(run: Run, gang: Gang, att: _Attempt, step: int) -> None:
+def _between_steps(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) -> None:
     """After ``step``, with nothing in flight: the actors' last metrics, then the evaluation, the
     checkpoint, the metrics so far and the test hook that are due."""
-    cfg, s, done = run.cfg, run.setup, step + 1
-    _record(run, att, gang.call("flush", timeout_s=run.call_timeout_s))
+    cfg, s, done = run.cfg, run.resolved, step + 1
+    _record(run, att, actor_group.call("flush", timeout_s=run.call_timeout_s))
     if run.evaluation_due(done):
-        _evaluation(run, gang, att, step)
+        _evaluation(run, actor_group, att, step)
     if run.checkpoint_due(done):
-        checkpoint(run, gang, done)
+        checkpoint(run, actor_group, done)
     if done % s.eval_every == 0 or cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
         run.metrics.write(s.out / "metrics.parquet")  # the progress so far, readable mid-run
     if run.on_step is not None:
-        run.on_step(gang, step)
+        run.on_step(actor_group, step)
     att.t_last = time.perf_counter()  # evaluation and checkpoint time is not a step's
 
 
-def _evaluation(run: Run, gang: Gang, att: _Attempt, step: int) -> None:
+def _evaluation(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) -> None:
     """The evaluation after ``step`` (and of the moving average with --model-ema): its metrics row,
     the progress line, and the time to --target-accuracy if this is the first to reach it."""
-    s = run.setup
-    run.last_eval = evaluate(gang, run.call_timeout_s)
+    s = run.resolved
+    run.last_eval = evaluate(actor_group, run.call_timeout_s)
     if run.cfg.model_ema:
-        run.last_eval["ema_test_accuracy"] = evaluate(gang, run.call_timeout_s, ema=True)["test_accuracy"]
+        run.last_eval["ema_test_accuracy"] = evaluate(actor_group, run.call_timeout_s, ema=True)["test_accuracy"]
     if run.target.update(step, run.last_eval["test_accuracy"], time.perf_counter() - s.t_start,
                          train_seconds(run.wall, step)):
         run.log(f"rayconv: test accuracy {run.last_eval['test_accuracy']:.4f} reached --target-accuracy "
@@ -186,10 +186,10 @@ def _evaluation(run: Run, gang: Gang, att: _Attempt, step: int) -> None:
     att.progress.evaluation(step, run.metrics.last("train", "loss"), run.last_eval)
 
 
-def evaluate(gang: Gang, timeout_s: Optional[float] = None, ema: bool = False) -> dict[str, Optional[float]]:
+def evaluate(actor_group: ActorGroup, timeout_s: Optional[float] = None, ema: bool = False) -> dict[str, Optional[float]]:
     """Test loss, error, top-1 and top-5 accuracy over every held-out sample once (summed over
     replicas); top-5 is None below 5 classes. ``ema``: of the actors' moving average of the weights."""
-    res = [r for r in gang.call("evaluate", *((True,) if ema else ()), timeout_s=timeout_s) if r["reports"]]
+    res = [r for r in actor_group.call("evaluate", *((True,) if ema else ()), timeout_s=timeout_s) if r["reports"]]
     n = sum(r["samples"] for r in res)
     correct = sum(r["correct"] for r in res)
     top5 = None if any(r.get("correct5") is None for r in res) else sum(r["correct5"] for r in res) / max(1, n)
@@ -197,10 +197,10 @@ def evaluate(gang: Gang, timeout_s: Optional[float] = None, ema: bool = False) -
             "test_accuracy": correct / max(1, n), "test_error": 1.0 - correct / max(1, n), "test_top5_accuracy": top5}
 
 
-def checkpoint(run: Run, gang: Gang, step: int) -> Path:
+def checkpoint(run: Run, actor_group: ActorGroup, step: int) -> Path:
     """Write checkpoints/step-<step>/ (``step`` steps done) atomically; prune to --keep-checkpoints."""
-    shards = gang.call("checkpoint_shard", timeout_s=run.call_timeout_s)
-    path = write_checkpoint(run.setup.out, step, shards, _manifest(run, step),
+    shards = actor_group.call("rank_file", timeout_s=run.call_timeout_s)
+    path = write_checkpoint(run.resolved.out, step, shards, _manifest(run, step),
                             extra={"metrics.parquet": run.metrics.to_bytes()}, keep=run.cfg.keep_checkpoints)
     if not run.cfg.progress:
         run.log(f"checkpoint {path}")
@@ -210,13 +210,13 @@ def checkpoint(run: Run, gang: Gang, step: int) -> Path:
 def _manifest(run: Run, step: int) -> dict[str, Any]:
     """What a checkpoint records besides the actors' shards: model, layout, data and lr-schedule
     position, the settings (``--resume`` takes them over)."""
-    cfg, s, mesh = run.cfg, run.setup, run.setup.mesh
+    cfg, s, mesh = run.cfg, run.resolved, run.resolved.mesh
     epoch, step_in_epoch = divmod(step, s.sharding.steps_per_epoch)
     return {
         "model": cfg.model, "num_classes": s.source.num_classes,
         "sample_shape": list(s.source.sample_shape), "precision": cfg.precision,
         "layout": {"dp": mesh.dp, "pp": mesh.pp, "fs": mesh.fs, "plan": cfg.plan,
-                   "world_size": mesh.world_size, "stages": [list(st) for st in s.plan.stages],
+                   "world_size": mesh.world_size, "stages": [list(st) for st in s.routing.stages],
                    "roles": [mesh.role(r) for r in range(mesh.world_size)]},
         "data": {"data": cfg.data, "next_step": step, "epoch": epoch, "step_in_epoch": step_in_epoch,
                  "steps_per_epoch": s.sharding.steps_per_epoch, "seed": cfg.seed,

@@ -18,43 +18,43 @@ from tqdm import tqdm
 
 from rayconv.config import Config, batch_split_problem
 from rayconv.driver.lr import peak_lr, warmup_steps
-from rayconv.driver.setup import Setup
+from rayconv.driver.resolve import ResolvedRun
 from rayconv.mesh import Mesh
-from rayconv.parallel.layout_plan import LayoutPlan
+from rayconv.parallel.routing import Routing
 from rayconv.parallel.pipeline.simulate import bubble_fraction, format_grid
 
 RATE_WINDOW = 20  # steps: the progress line's images/s is over the wall-clock of the last 20
 
 
-def log_header(setup: Setup, log=print) -> None:
+def log_header(resolved: ResolvedRun, log=print) -> None:
     """The lines a run starts with (see the module docstring)."""
-    cfg, mesh, source, out = setup.cfg, setup.mesh, setup.source, setup.out
+    cfg, mesh, source, out = resolved.cfg, resolved.mesh, resolved.source, resolved.out
     log(f"rayconv: {cfg.model} on {cfg.data} ({source.train_size} train / {source.test_size} test images, "
         f"{source.num_classes} classes), layout {mesh.describe()}"
         f"{' plan ' + cfg.plan if cfg.plan != 'none' else ''} on {cfg.device}, "
-        f"global batch {cfg.global_batch_size}, {setup.total_steps} step{'s' if setup.total_steps != 1 else ''} "
-        f"-> {out}; Ray run name {setup.run_name}")
-    log(images_line(setup))
-    log(recipe_line(setup))
-    if setup.resume is not None:
-        log(f"rayconv: resuming from {setup.resume.path} (step {setup.resume.step} of {setup.total_steps})")
+        f"global batch {cfg.global_batch_size}, {resolved.total_steps} step{'s' if resolved.total_steps != 1 else ''} "
+        f"-> {out}; Ray run name {resolved.run_name}")
+    log(images_line(resolved))
+    log(recipe_line(resolved))
+    if resolved.resume is not None:
+        log(f"rayconv: resuming from {resolved.resume.path} (step {resolved.resume.step} of {resolved.total_steps})")
     if mesh.pp > 1:
         chunks = (f", interleaved: {cfg.virtual_stages} model chunks per stage (stage s holds chunks s, s + "
                   f"{mesh.pp}, ...)" if cfg.virtual_stages > 1 else "")
         micro = f"{cfg.num_microbatches} micro-batch{'es' if cfg.num_microbatches > 1 else ''}"
-        log(f"pipeline stages {list(setup.plan.stages)}, schedule {cfg.schedule}{chunks}, {micro}:\n"
-            f"{format_grid(setup.plan.schedule)}")
-        note = overlap_note(cfg, mesh, setup.plan)
+        log(f"pipeline stages {list(resolved.routing.stages)}, schedule {cfg.schedule}{chunks}, {micro}:\n"
+            f"{format_grid(resolved.routing.schedule)}")
+        note = overlap_note(cfg, mesh, resolved.routing)
         if note:
             log(note)
 
 
-def images_line(setup: Setup) -> str:
+def images_line(resolved: ResolvedRun) -> str:
     """The images the model sees: channels x side x side (the source's), and the augmentation (the
     source's own name for it where it tells one, else the --augment setting and what auto resolves to)."""
-    cfg, shape = setup.cfg, tuple(setup.source.sample_shape)
+    cfg, shape = resolved.cfg, tuple(resolved.source.sample_shape)
     channels = cfg.channels or shape[0]
-    told = getattr(setup.source, "augmentation", None)  # (a source that names what it does)
+    told = getattr(resolved.source, "augmentation", None)  # (a source that names what it does)
     augment = f"augmentation {told}" if told else \
         f"--augment {cfg.augment}" + (f" ({cfg.augmentation})" if cfg.augment == "auto" else "")
     erase = f", random erasing p={cfg.random_erase:g}" if cfg.random_erase and not told else ""
@@ -63,10 +63,10 @@ def images_line(setup: Setup) -> str:
             f"{augment}{erase}, precision {cfg.precision}")
 
 
-def recipe_line(setup: Setup) -> str:
+def recipe_line(resolved: ResolvedRun) -> str:
     """The optimizer, the learning rate (peak, schedule, warm-up in steps) and the recipe settings on."""
-    cfg = setup.cfg
-    warm = warmup_steps(cfg, setup.sharding.steps_per_epoch)
+    cfg = resolved.cfg
+    warm = warmup_steps(cfg, resolved.sharding.steps_per_epoch)
     scaled = f" (--lr {cfg.lr:g} per 256 images)" if cfg.lr_scaling == "linear" else ""
     lars = f" (trust coefficient {cfg.lars_trust_coefficient:g})" if cfg.opt == "lars" else ""
     parts = [f"optimizer {cfg.opt}{lars}, lr {peak_lr(cfg):.4g}{scaled} {cfg.lr_schedule}"
@@ -86,7 +86,7 @@ def recipe_line(setup: Setup) -> str:
     return "rayconv: " + ", ".join(parts)
 
 
-def overlap_note(cfg: Config, mesh: Mesh, plan: LayoutPlan) -> Optional[str]:
+def overlap_note(cfg: Config, mesh: Mesh, routing: Routing) -> Optional[str]:
     """The note a pipeline with fewer micro-batches than stages gets: its bubble, and a
     ``--num-microbatches`` that divides the batch and lets the stages overlap (None when there are
     enough micro-batches, or none that divides the batch)."""
@@ -98,7 +98,7 @@ def overlap_note(cfg: Config, mesh: Mesh, plan: LayoutPlan) -> Optional[str]:
         return None
     micro = f"{cfg.num_microbatches} micro-batch{'es' if cfg.num_microbatches > 1 else ''}"
     return (f"note: with {micro} for {mesh.pp} stages the stages mostly take turns (bubble "
-            f"{bubble_fraction(plan.schedule):.0%} of the step); --num-microbatches {better[0]} lets them overlap")
+            f"{bubble_fraction(routing.schedule):.0%} of the step); --num-microbatches {better[0]} lets them overlap")
 
 
 class Progress:

@@ -1,7 +1,7 @@
 """Checkpoints of a run: write one atomically, find the one ``--resume`` means, read and verify it.
 
 ``<out>/checkpoints/step-<k>/`` holds one file per actor (``rank-<r>.pt``: its parameters and buffers
-keyed as in ``Worker.state()``, its optimizer state_dict with its parameters' names, the keys filter
+keyed as in ``Actor.state()``, its optimizer state_dict with its parameters' names, the keys filter
 split sliced, RNG states; ``actor/state.py``), ``metrics.parquet`` (the rows
 so far) and ``manifest.json`` (step, layout, config, data and lr-schedule position, model, files with
 sizes and sha256). It is written into ``step-<k>.tmp/`` and renamed only when every file is written and
@@ -110,7 +110,7 @@ class Checkpoint:
     def layout(self) -> dict[str, Any]:
         return self.manifest["layout"]
 
-    def shard(self, rank: int) -> bytes:
+    def rank_file(self, rank: int) -> bytes:
         return self.files[f"rank-{rank}.pt"]
 
     def whole(self) -> bytes:
@@ -197,7 +197,7 @@ def check_resumable(ckpt: Checkpoint, cfg: Any, mesh: Any, stages: list, num_cla
     """Refuse a checkpoint of another model or data shape. Any layout loads it: under the one it was
     saved with each actor loads its own rank file; under another (dp, pp cut or schedule, fs, --plan)
     the rank files are joined here (``reshard.join``, refused with one line if they cannot be), so
-    that each actor cuts its part from the whole state (``shard_for``)."""
+    that each actor cuts its part from the whole state (``rank_file_for``)."""
     m = ckpt.manifest
     if m["model"] != cfg.model:
         raise CheckpointError(f"checkpoint {ckpt.path} is of model {m['model']!r} but this run asks for "
@@ -220,12 +220,12 @@ def same_layout(saved: dict[str, Any], mesh: Any, plan: str, stages: list) -> bo
             and [list(s) for s in stages] == [list(s) for s in saved["stages"]])
 
 
-def shard_for(ckpt: Checkpoint, mesh: Any, rank: int) -> bytes:
-    """What ``rank`` of ``mesh`` loads (``Worker.load_shard``): its own rank file when the checkpoint
+def rank_file_for(ckpt: Checkpoint, mesh: Any, rank: int) -> bytes:
+    """What ``rank`` of ``mesh`` loads (``Actor.load_rank_file``): its own rank file when the checkpoint
     was saved under this run's layout, else (``check_resumable`` found another) the checkpoint's
     whole state, from which each actor cuts its part."""
     saved = ckpt.layout
     if ckpt._whole is None and ckpt.path.resolve() not in _OTHER_LAYOUT and \
             (saved["dp"], saved["pp"], saved["fs"]) == (mesh.dp, mesh.pp, mesh.fs):
-        return ckpt.shard(rank)
+        return ckpt.rank_file(rank)
     return ckpt.whole()

@@ -1,7 +1,7 @@
 """A checkpoint's rank files joined into the whole model's state, and any actor's part cut from it: what
 lets ``--resume`` continue a checkpoint under another layout (dp, pp cut and schedule, fs, ``--plan``).
 
-Each rank file (``actor/state.py``'s ``checkpoint_shard``) keys its parameters and buffers by the whole
+Each rank file (``actor/state.py``'s ``rank_file``) keys its parameters and buffers by the whole
 model's ``state_dict`` names, and says which of them the filter split sliced (``split_dims``), the
 names of its optimizer's parameters (``optimizer_names``, group by group) and of its part's layers
 (``part_names``, for the moving average's keys). ``join`` turns the rank files into one "whole" state,
@@ -150,7 +150,7 @@ def cut_part(whole: dict[str, Any], names: list[Optional[str]], part: nn.Sequent
              optimizer: torch.optim.Optimizer, split_dims: dict[str, int], index: int, n: int) -> dict[str, Any]:
     """One part's rank-file payload cut from the whole state: its parameters and buffers, its
     parameters' optimizer state (sliced as the parameter is; ``optimizer``'s own group layout with the
-    saved groups' settings), its moving average (keyed as ``ShardEMA`` keys it), the loss scale and
+    saved groups' settings), its moving average (keyed as ``PartEMA`` keys it), the loss scale and
     RNG states as they are. ``index``, ``n``: ``split_position``'s. Raises RuntimeError for a tensor
     that is missing or does not fit."""
     keys = {(f"{name}.{k}" if name else k): (f"{pos}.{k}", v.shape)

@@ -6,7 +6,7 @@ functions in one commented order):
 
 1. cut: the layers of the actor's pipeline stage (its chunks under interleaved 1F1B), and
 2. split: those layers filter-split over ``fs``, or laid out by Krizhevsky 2014's per-layer plan
-   (``filter_split``). 1 and 2 are one call, ``layout_plan.build_part``: a stage's input shard sizes
+   (``filter_split``). 1 and 2 are one call, ``routing.build_part``: a stage's input shard sizes
    come from the splits of the stages before it;
 3. batch-norm mode: statistics over the global batch (``--sync-batchnorm``: ``nn.SyncBatchNorm``
    over the dp group), or running statistics that advance once per step under micro-batches
@@ -30,8 +30,8 @@ from rayconv.mesh import Coord
 from rayconv.parallel.batchnorm import DeferredBatchNorm, defer_batchnorm
 from rayconv.parallel.comm import Groups
 from rayconv.parallel.data_parallel import GradientSync, broadcast_modules
-from rayconv.parallel.filter_split.split import ShardedPart
-from rayconv.parallel.layout_plan import LayoutPlan, build_part
+from rayconv.parallel.filter_split.split import SlicedPart
+from rayconv.parallel.routing import Routing, build_part
 
 
 @dataclass
@@ -47,7 +47,7 @@ class ParallelPart:
 
     part: nn.Sequential
     names: list[Optional[str]]
-    sharded: ShardedPart
+    sharded: SlicedPart
     in_sizes: Optional[list[int]]
     replicated: list[nn.Module]
     sync: GradientSync
@@ -55,16 +55,16 @@ class ParallelPart:
     has_buffers: bool
 
 
-def parallelize(plan: LayoutPlan, layers: list[tuple[str, nn.Module]], coord: Coord, groups: Groups,
+def parallelize(routing: Routing, layers: list[tuple[str, nn.Module]], coord: Coord, groups: Groups,
                 device: torch.device, dtype: torch.dtype, sync_batchnorm: bool, bucket_mb: float) -> ParallelPart:
     """This actor's part of the model whose flat layers are ``layers`` (``models.to_layers``), at mesh
     coordinate ``coord``, in the order of the module docstring. Collective over the dp group (the
-    broadcast). Raises PlanError for a layer that cannot be split."""
+    broadcast). Raises LayoutError for a layer that cannot be split."""
     # 1-2. Cut and split.
-    sharded, in_sizes = build_part(plan, layers, coord.pp, coord.fs, groups.axis["fs"], coord.dp, groups.axis["dp"])
+    sharded, in_sizes = build_part(routing, layers, coord.pp, coord.fs, groups.axis["fs"], coord.dp, groups.axis["dp"])
     replicated_at = [any(m is s for s in sharded.synced) for m in sharded.modules]
     # 3. Batch-norm mode.
-    part = nn.Sequential(*batchnorm_mode(sharded.modules, sync_batchnorm, plan.schedule.num_microbatches,
+    part = nn.Sequential(*batchnorm_mode(sharded.modules, sync_batchnorm, routing.schedule.num_microbatches,
                                          groups.axis["dp"]))
     # 4. Placement.
     part.to(device=device, dtype=dtype)

@@ -16,9 +16,9 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from rayconv.parallel.filter_split.layers import COMM_MODULES, ShardedDropout
+from rayconv.parallel.filter_split.layers import COMM_MODULES, SlicedDropout
 
-EAGER = (*COMM_MODULES, ShardedDropout)
+EAGER = (*COMM_MODULES, SlicedDropout)
 
 
 def segments(modules: Sequence[nn.Module], max_bytes: Optional[int]) -> list[tuple[bool, list[nn.Module]]]:

@@ -1,7 +1,7 @@
 """A cost model of one synchronous SGD step for every layout rayconv runs: predicted step time and its
 split (compute, exchange, all-reduce, bubble), with peak memory per actor (``planner.memory``).
 
-Not to be confused with ``rayconv/parallel/layout_plan.py``: that module builds the *routing plan*
+``rayconv/parallel/routing.py`` builds the *routing*
 of one given layout (layers, stages, schedule, the per-layer plan ``--plan krizhevsky2014``) which
 the actors run. This module *predicts* what a layout costs, so that ``planner.search`` (the
 ``python -m rayconv.plan`` command and ``--layout auto``) can rank layouts before any actor starts.
@@ -151,7 +151,7 @@ def _chunk_times(layout: Layout, prof: Profile, t: Sequence[float], links: Links
 
 def _predict_mesh(layout: Layout, prof: Profile, times: LayerTimes, links: Links, B: int, prec: Precision,
                   bucket_mb: float) -> Prediction:
-    dp, pp, fs, M, V = layout.dp, layout.pp, layout.fs, layout.microbatches, layout.virtual_stages
+    dp, pp, fs, M, V = layout.dp, layout.pp, layout.fs, layout.num_microbatches_or_1, layout.virtual_stages
     if B % dp or (B // dp) % M:
         raise ValueError(f"global batch {B} does not split over dp {dp} x {M} micro-batches")
     mb = B // dp // M

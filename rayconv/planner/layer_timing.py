@@ -2,7 +2,7 @@
 and what the planner's cost model (``planner.measure``) reads.
 
 ``layer_times`` times a model's flat layers (``models.to_layers``) on one device; ``measured_costs``
-does so for a run's model and settings, as a Ray task on the run's device (``driver.setup``).
+does so for a run's model and settings, as a Ray task on the run's device (``driver.resolve``).
 """
 
 from __future__ import annotations

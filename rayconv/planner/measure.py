@@ -1,13 +1,12 @@
 """The planner's measurements: what ``planner.costmodel`` needs, measured on the device and cached.
 
 Part of the planner (``python -m rayconv.plan``, ``--layout auto``): ``planner.costmodel`` is the
-model of a step, ``planner.search`` the search. Not to be confused with
-``rayconv/parallel/layout_plan.py``, the routing plan of one layout that the actors run.
+model of a step, ``planner.search`` the search.
 
 What is measured, on the device the run will use:
 
 * the model's profile (per-layer output sizes, parameters, FLOPs, where a filter split gathers),
-  from one CPU forward of one sample (``parallel.layout_plan.layer_profile``, ``filter_split.shard_layers``);
+  from one CPU forward of one sample (``parallel.routing.layer_profile``, ``filter_split.slice_layers``);
 * each layer's forward + backward time at every batch size the candidate layouts need
   (``planner.layer_timing.layer_times``, what ``--balance time`` measures), on one GPU of the cluster
   (``cluster.tasks.run_on_device``) or on this process's CPU;
@@ -45,14 +44,14 @@ from rayconv.cluster.connect import available_devices, connect
 from rayconv.cluster.tasks import run_on_device, run_on_devices
 from rayconv.config import Config
 from rayconv.data.registry import make_source
-from rayconv.errors import PlanError
+from rayconv.errors import LayoutError
 from rayconv.files import atomic_write
 from rayconv.models import run_model, to_layers
 from rayconv.models.user import model_label
 from rayconv.parallel.filter_split.exchanges import Gather, Scatter
-from rayconv.parallel.filter_split.layers import ShardedDropout
-from rayconv.parallel.filter_split.split import shard_layers
-from rayconv.parallel.layout_plan import layer_profile
+from rayconv.parallel.filter_split.layers import SlicedDropout
+from rayconv.parallel.filter_split.split import slice_layers
+from rayconv.parallel.routing import layer_profile
 from rayconv.planner.layer_timing import layer_times, measured_costs
 from rayconv.planner.links import LINK_TABLE, Links, LinkSpeed
 from rayconv.planner.profile import Profile
@@ -70,14 +69,14 @@ def profile_of(cfg_dict: dict) -> dict:
     gathers: list[int] = []
     max_fs = 1
     try:
-        part = shard_layers(layers, tuple(source.sample_shape), list(shapes), None, 0, 2, None, is_last=True)
+        part = slice_layers(layers, tuple(source.sample_shape), list(shapes), None, 0, 2, None, is_last=True)
         for j, m in enumerate(part.modules):
             if isinstance(m, Gather) and j + 1 < len(part.names) and part.names[j + 1] is not None:
                 gathers.append(names.index(part.names[j + 1]))
         widths = [m.out_channels if isinstance(m, nn.Conv2d) else m.out_features for _, m in layers
                   if isinstance(m, (nn.Conv2d, nn.Linear))]
         max_fs = min(widths)
-    except PlanError:
+    except LayoutError:
         pass
     return {"model": cfg.model, "in_elems": math.prod(source.sample_shape),
             "out_elems": [math.prod(s) for s in shapes], "params": params, "first_fc": first_fc,
@@ -157,7 +156,7 @@ class LocalScatter(nn.Module):
 
 def sharded_costs(cfg_dict: dict, batch: int, fs: int) -> list[float]:
     """Forward + backward ms of actor 0's shard of each layer under a filter split over ``fs``
-    (``filter_split.shard_layers``), at ``batch`` images, on this process's device, one per layer of
+    (``filter_split.slice_layers``), at ``batch`` images, on this process's device, one per layer of
     ``models.to_layers``. The split's collectives are timed apart (``planner.links.Links``): here each
     gather is a local copy to the gathered shape and each scatter a local slice, so that the layers
     after them see the shapes they see in the run; their copy time counts to the layer after them."""
@@ -168,7 +167,7 @@ def sharded_costs(cfg_dict: dict, batch: int, fs: int) -> list[float]:
     source = make_source(cfg)
     layers = to_layers(run_model(cfg, source))
     shapes, _, _ = layer_profile(layers, tuple(source.sample_shape))
-    part = shard_layers(layers, tuple(source.sample_shape), list(shapes), None, 0, fs, None, is_last=True)
+    part = slice_layers(layers, tuple(source.sample_shape), list(shapes), None, 0, fs, None, is_last=True)
     names = [n for n, _ in layers]
     seq, owner = [], []
     for m, name in zip(part.modules, part.names):
@@ -176,7 +175,7 @@ def sharded_costs(cfg_dict: dict, batch: int, fs: int) -> list[float]:
             m = LocalGather(m.dim, m.sizes)
         elif isinstance(m, Scatter):
             m = LocalScatter(m.dim, m.sizes[0])
-        elif isinstance(m, ShardedDropout):
+        elif isinstance(m, SlicedDropout):
             m.reseed(0, device)
         seq.append((name or "", m))
         owner.append(None if name is None else names.index(name))

@@ -46,7 +46,7 @@ def peak_gib(layout: Layout, prof: Profile, global_batch: int, precision: Union[
              chunks: Optional[Sequence[tuple[int, int]]] = None) -> float:
     """Predicted peak memory (GiB) of the fullest actor of ``layout`` (see the module's model).
     ``chunks``: the pipeline's [start, end) layer ranges per virtual stage; default the cut by
-    forward FLOPs (plus parameters), as ``parallel.layout_plan.make_plan`` cuts without measured
+    forward FLOPs (plus parameters), as ``parallel.routing.make_routing`` cuts without measured
     times. ``precision``: "fp32", "bf16", "fp64" or a ``Precision``."""
     prec = Precision.of(precision)
     if layout.plan != "none":
@@ -54,8 +54,8 @@ def peak_gib(layout: Layout, prof: Profile, global_batch: int, precision: Union[
     pp, V = layout.pp, layout.virtual_stages
     if chunks is None:
         chunks = chunks_of([f + p for f, p in zip(prof.flops or [0.0] * prof.num_layers, prof.params)], pp * V)
-    mb = global_batch // layout.dp // layout.microbatches
-    in_flight = pipeline.peak_in_flight(pipeline.make_schedule(layout.schedule, pp, layout.microbatches, V))
+    mb = global_batch // layout.dp // layout.num_microbatches_or_1
+    in_flight = pipeline.peak_in_flight(pipeline.make_schedule(layout.schedule, pp, layout.num_microbatches_or_1, V))
     worst = 0.0
     for s in range(pp):
         layers = stage_layers(chunks, pp, s)

@@ -22,7 +22,7 @@ class Profile:
     sample; ``first_fc``: index of the first Linear layer (None without one); ``gathers``: layers
     before which a filter split all-gathers its input (the output of the layer before them);
     ``max_fs``: the largest filter split the model allows (1: none, e.g. ResNets); ``flops[i]``: forward
-    FLOPs of layer i per sample (``parallel.layout_plan.layer_profile``); ``saved_elems[i]``: elements
+    FLOPs of layer i per sample (``parallel.routing.layer_profile``); ``saved_elems[i]``: elements
     layer i saves for its backward pass per sample (``planner.measure.saved_elems``)."""
 
     model: str
@@ -54,7 +54,7 @@ class Profile:
 def chunks_of(costs: Sequence[float], num_chunks: int) -> list[tuple[int, int]]:
     """The [start, end) layer ranges of ``num_chunks`` virtual stages minimising the largest sum of
     ``costs`` (one range when 1): the pipeline's own cut (``parallel.pipeline.stages.balance``), so that
-    the model cuts where the run cuts. Raises PlanError for more chunks than layers."""
+    the model cuts where the run cuts. Raises LayoutError for more chunks than layers."""
     return balance(costs, num_chunks) if num_chunks > 1 else [(0, len(costs))]
 
 

@@ -1,9 +1,7 @@
 """Choosing the layout: rank every layout by the cost model's prediction, pick the fastest that fits.
 
 This is the searching half of the planner; ``planner.costmodel`` is the model of a step, and
-``python -m rayconv.plan`` the command. Not to be confused with ``rayconv/parallel/layout_plan.py``,
-the routing plan (layers, stages, schedule, the per-layer plan ``--plan krizhevsky2014``) of one
-layout that the actors run.
+``python -m rayconv.plan`` the command.
 
 The measurements (cached) are ``planner.measure``'s; the link table and the machines predicted for
 (``--machine``) are ``planner.links``', with their sources.
@@ -70,7 +68,7 @@ def batch_sizes(layouts: Sequence[Layout], global_batch: int) -> list[tuple[int,
         if lay.plan != "none":
             sizes |= {(global_batch, lay.dp), (global_batch // lay.dp, 1)}
         else:
-            mb = global_batch // lay.dp // lay.microbatches
+            mb = global_batch // lay.dp // lay.num_microbatches_or_1
             sizes |= {(mb, lay.fs), (mb, 1)}
     return sorted(s for s in sizes if s[0] >= 1)
 

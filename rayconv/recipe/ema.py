@@ -35,7 +35,7 @@ def torchvision_ema_decay(model_ema_decay: float, global_batch_size: int, model_
     return 1.0 - min(1.0, alpha)
 
 
-class ShardEMA:
+class PartEMA:
     """The moving average of ``module``'s ``state_dict`` tensors (parameters and persistent buffers).
 
     ``tensors``: state_dict key -> the average (same device, dtype and shape as the module's tensor).

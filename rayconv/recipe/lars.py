@@ -11,7 +11,7 @@ in torch's SGD. Norm layers' parameters and biases are left out of the adaptatio
 momentum SGD with their own decay, as You et al.'s and MLPerf's implementations do.
 
 On a mesh: a pipeline stage holds whole layers, so its ratios need nothing from other stages; a tensor
-split over filter-split shards (or over the data-parallel group under Krizhevsky 2014's per-layer plan)
+split over filter-split slices (or over the data-parallel group under Krizhevsky 2014's per-layer plan)
 has its two squared norms summed over that group before the ratio (the caller's all-reduce between
 ``sq_norms`` and ``scale_``), so every shard scales its slice by the whole tensor's ratio. No host
 synchronisation (it can run inside a captured CUDA graph).

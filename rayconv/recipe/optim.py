@@ -84,7 +84,7 @@ def make_optimizer(groups: list[dict[str, Any]], opt: str, lr: float, momentum: 
     ``sgd``: ``torch.optim.SGD(momentum, weight_decay)`` (coupled L2 decay, heavy-ball momentum);
     ``sgd_nesterov``: the same with Nesterov momentum (Sutskever et al. 2013) and ``momentum > 0``;
     ``lars``: ``torch.optim.SGD(momentum)`` over ``recipe.lars.lars_param_groups`` (the trust ratio
-    scales the gradients before it, ``actor.recipe``);
+    scales the gradients before it, ``actor.recipe_step``);
     ``adamw``: ``torch.optim.AdamW(weight_decay)`` (decoupled decay, Loshchilov & Hutter 2019), its
     betas and eps torch's defaults. ``weight_decay`` applies to groups without their own. Every update
     is elementwise per parameter, so a shard's optimizer moves its slice of a parameter exactly as the

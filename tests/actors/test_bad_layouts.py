@@ -31,7 +31,7 @@ def test_bad_layout_refused_before_actors(ray_cluster, tmp_path, capsys, name):
     assert rc == 2, err
     assert len(err) == 1 and err[0].startswith("rayconv: error:") and must_name in err[0], err
     assert not out.exists()
-    # Refused by the driver's plan, not by an actor that started and failed ("actor ... failed in setup").
+    # Refused by the driver's plan, not by an actor that started and failed ("actor ... failed in build").
     assert "failed in" not in err[0] and "(rank" not in err[0], err
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from support.helpers import assert_same_state, reference_microbatch_sgd, sgd_config
 from rayconv.config import Config
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 from rayconv.parallel.batchnorm import DeferredBatchNorm, defer_batchnorm
 from rayconv.run import main
 
@@ -43,7 +43,7 @@ def test_running_statistics_advance_once_per_step(ray_cluster, tmp_path, name):
     """Weights, running statistics and num_batches_tracked equal the micro-batch reference; the
     evaluation (eval mode) uses those running statistics."""
     cfg = bn_config(tmp_path, name, **LAYOUTS[name])
-    summary = fit(cfg, log=lambda *_: None)
+    summary = train_run(cfg, log=lambda *_: None)
     got = torch.load(tmp_path / name / "model.pt", weights_only=True)
     want, test_loss = reference_microbatch_sgd(cfg, STEPS)
     assert [int(got[k]) for k in got if k.endswith("num_batches_tracked")] == [STEPS] * 3
@@ -60,11 +60,11 @@ def test_resume_with_micro_batches_is_exact(ray_cluster, tmp_path):
     class Stop(Exception):
         pass
 
-    def crash(gang, step):
+    def crash(actor_group, step):
         raise Stop()
 
     with pytest.raises(Stop):
-        fit(bn_config(tmp_path, "stopped", **kw), log=lambda *_: None, on_step=crash)
+        train_run(bn_config(tmp_path, "stopped", **kw), log=lambda *_: None, on_step=crash)
     assert main(["--resume", str(stopped)]) == 0
     got = torch.load(stopped / "model.pt", weights_only=True)
     assert [int(got[k]) for k in got if k.endswith("num_batches_tracked")] == [2] * 3

@@ -15,7 +15,7 @@ from rayconv.config import Config
 from rayconv.data.order import make_order
 from rayconv.data.registry import make_source
 from rayconv.data.source import Sharding
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 from rayconv.run import main
 from support.shard_folder import make_prepared
 
@@ -52,7 +52,7 @@ def test_the_block_order_is_the_one_trained_on(prepared, tmp_path):
 def test_every_layout_equals_single_device_sgd_in_block_order(ray_cluster, prepared, tmp_path, layout):
     extra = dict(checkpoint_every=2, keep_checkpoints=0) if layout.get("dp") == 2 else {}
     cfg = block_config(prepared, tmp_path / "a", **layout, **extra)
-    fit(cfg, log=lambda *_: None)
+    train_run(cfg, log=lambda *_: None)
     got = torch.load(tmp_path / "a" / "model.pt", weights_only=True)
     assert_same_state(got, reference_sgd(cfg, 5), atol=1e-10)
     if extra:  # resumed mid-epoch (step 2 of 3) on another loader worker count: bit-identical

@@ -18,7 +18,7 @@ from support.helpers import assert_same_state, reference_sgd
 from rayconv.outputs.checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint, whole_state,
                                         write_checkpoint)
 from rayconv.config import Config
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 from rayconv.run import main
 
 STEPS = 8  # 2k with k = 4; checkpoints every 2 steps
@@ -57,7 +57,7 @@ def tree(folder: Path) -> dict[str, bytes]:
 def straight(ray_cluster, tmp_path_factory) -> Path:
     """2k steps without interruption."""
     out = tmp_path_factory.mktemp("ck") / "straight"
-    fit(ck_config(out), log=lambda *_: None)
+    train_run(ck_config(out), log=lambda *_: None)
     return out
 
 
@@ -66,12 +66,12 @@ def stopped(ray_cluster, tmp_path_factory) -> Path:
     """The same run, stopped by an error after k steps (and its checkpoint at step k)."""
     out = tmp_path_factory.mktemp("ck") / "stopped"
 
-    def crash(gang, step):
+    def crash(actor_group, step):
         if step == STEPS // 2 - 1:
             raise Stop()
 
     with pytest.raises(Stop):
-        fit(ck_config(out), log=lambda *_: None, on_step=crash)
+        train_run(ck_config(out), log=lambda *_: None, on_step=crash)
     return out
 
 
@@ -174,7 +174,7 @@ def dp2_pp2(ray_cluster, tmp_path_factory) -> tuple[Path, dict]:
     """A dp2 x pp2 run of 4 steps (checkpoints at 2 and 4), and single-device SGD's parameters after 4."""
     out = tmp_path_factory.mktemp("ck") / "dp2pp2"
     cfg = ck_config(out, pp=2, num_microbatches=2, steps=4, eval_every=100)
-    fit(cfg, log=lambda *_: None)
+    train_run(cfg, log=lambda *_: None)
     want = reference_sgd(cfg, 4)
     assert_same_state(torch.load(out / "model.pt", weights_only=True), want, atol=1e-10)
     # the checkpoint read without Ray: the rank files joined into the model's state_dict
@@ -263,7 +263,7 @@ def test_interleaved_pipeline_resume_equals_straight_run(ray_cluster, tmp_path):
     ``test_resume_equals_straight_run``)."""
     kw = dict(dp=1, pp=2, virtual_stages=2, num_microbatches=2)
     straight_out, stopped_out = tmp_path / "straight", tmp_path / "stopped"
-    fit(ck_config(straight_out, **kw), log=lambda *_: None)
+    train_run(ck_config(straight_out, **kw), log=lambda *_: None)
     shutil.copytree(straight_out, stopped_out)
     shutil.rmtree(stopped_out / "checkpoints" / f"step-{STEPS}")
     for name in ("model.pt", "summary.json"):

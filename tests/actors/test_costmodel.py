@@ -156,13 +156,13 @@ def ray2():
 
 def test_layout_auto_runs_the_top_layout_and_records_the_prediction(ray2, tmp_path, monkeypatch):
     from rayconv.config import Config
-    from rayconv.driver.job import fit
+    from rayconv.driver.job import train_run
 
     monkeypatch.setenv("RAYCONV_CACHE_DIR", str(tmp_path / "cache"))
     logs: list[str] = []
     cfg = Config(model="convnet", device="cpu", layout="auto", global_batch_size=16, steps=4, progress=False,
                  metrics=False, out=str(tmp_path / "run"))
-    summary = fit(cfg, log=logs.append)
+    summary = train_run(cfg, log=logs.append)
     chosen = next(ln for ln in "\n".join(logs).splitlines() if ln.startswith("choice: "))
     name = summary["planner"]["predicted"]["layout"]
     assert chosen.startswith(f"choice: {name}: predicted")
@@ -200,11 +200,11 @@ def test_layout_names_are_the_bench_names():
 
 def test_layout_auto_refuses_when_no_layout_fits(ray2, tmp_path, monkeypatch):
     from rayconv.config import Config, ConfigError
-    from rayconv.driver.job import fit
+    from rayconv.driver.job import train_run
 
     monkeypatch.setenv("RAYCONV_CACHE_DIR", str(tmp_path / "cache"))
     cfg = Config(model="convnet", device="cpu", layout="auto", global_batch_size=16, steps=2, progress=False,
                  metrics=False, max_memory_gib=1e-6, out=str(tmp_path / "run"))
     with pytest.raises(ConfigError, match=r"none fits in 1e-06 GiB per device; the smallest needs [\d.e-]+ GiB"):
-        fit(cfg, log=lambda *_: None)
+        train_run(cfg, log=lambda *_: None)
     assert not (tmp_path / "run").exists()

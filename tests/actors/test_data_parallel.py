@@ -7,7 +7,7 @@ import torch
 
 from support.helpers import assert_same_state, reference_sgd
 from rayconv.config import Config
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 
 # 1438 train digits, global batch 102: 14 full steps + a last partial batch of 10 per epoch.
 # dp=4 splits 102 as 26,26,25,25 and the last batch as 3,3,2,2: uneven shards are weighted exactly.
@@ -27,14 +27,14 @@ def test_dp_matches_single_device_sgd(ray_cluster, tmp_path, dp):
     cfg = dp_config(tmp_path, dp)
     replica_states = []
 
-    def check_replicas(gang, step):
+    def check_replicas(actor_group, step):
         # After every step, all replicas hold identical parameters and buffers.
-        states = gang.call("state")
+        states = actor_group.call("state")
         for s in states[1:]:
             assert_same_state(s, states[0], atol=0.0)
         replica_states.append(step)
 
-    summary = fit(cfg, log=lambda *_: None, on_step=check_replicas)
+    summary = train_run(cfg, log=lambda *_: None, on_step=check_replicas)
     assert replica_states == list(range(STEPS))
     assert summary["layout"]["dp"] == dp
     got = torch.load(tmp_path / f"run-dp{dp}" / "model.pt", weights_only=True)
@@ -58,7 +58,7 @@ def test_compiled_segments_with_small_buckets_match_single_device_sgd(ray_cluste
     steps = 3
     cfg = dp_config(tmp_path, 2, compile="on", bucket_mb=0.02, steps=steps, eval_every=steps,
                     out=str(tmp_path / "compiled"))
-    summary = fit(cfg, log=lambda *_: None)
+    summary = train_run(cfg, log=lambda *_: None)
     assert all(a["compiled"] for a in summary["actors"])
     got = torch.load(tmp_path / "compiled" / "model.pt", weights_only=True)
     assert_same_state(got, reference_sgd(cfg, steps), atol=1e-10)

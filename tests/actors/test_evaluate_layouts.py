@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from support.helpers import sgd_config
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 
 STEPS = 40
 LAYOUTS = {
@@ -26,7 +26,7 @@ LAYOUTS = {
 def trained(ray_cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("evaluate-layouts")
     cfg = sgd_config(tmp, "r", steps=STEPS, eval_every=STEPS, lr=0.2, loader_workers=0)
-    return cfg, fit(cfg, log=lambda *_: None)
+    return cfg, train_run(cfg, log=lambda *_: None)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -34,7 +34,7 @@ def test_evaluate_only_reports_the_runs_accuracy(trained, tmp_path, name):
     cfg, summary = trained
     ev_cfg = dataclasses.replace(cfg, init=f"{cfg.out}/model.pt", evaluate_only=True, out=str(tmp_path / name),
                                  **LAYOUTS[name]).validate()
-    ev = fit(ev_cfg, log=lambda *_: None)
+    ev = train_run(ev_cfg, log=lambda *_: None)
     assert ev["steps"] == 0 and ev["evaluate_only"] and ev["layout"]["world_size"] > 1
     assert ev["test_accuracy"] == summary["test_accuracy"]
     assert ev["test_top5_accuracy"] == summary["test_top5_accuracy"]

@@ -13,7 +13,7 @@ import torch
 from support.helpers import assert_same_state, reference_sgd
 from rayconv.config import Config
 from rayconv.data.fashion_mnist import FILES
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 from rayconv.models import ConvNet
 
 STEPS = 2
@@ -36,7 +36,7 @@ def test_dp2_on_fashion_mnist_matches_single_device_sgd(ray_cluster, tmp_path, a
                  **augmentation,
                  steps=STEPS, lr=0.05, momentum=0.9, weight_decay=5e-4, precision="fp64", device="cpu",
                  progress=False, out=str(tmp_path / "run")).validate()
-    fit(cfg, log=lambda *_: None)
+    train_run(cfg, log=lambda *_: None)
     got = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     assert_same_state(got, reference_sgd(cfg, STEPS), atol=1e-10)
     torch.manual_seed(cfg.seed)

@@ -2,9 +2,9 @@
 in one actor (replica 0's stage 1, after the gradient all-reduce, so no other actor sees an inf of its
 own) skips the step on every actor of the mesh and halves the scale on every actor, and the run goes
 on; the scale
-and the moving average travel in the checkpoint shards, so a resumed run equals the straight one.
+and the moving average travel in the rank files, so a resumed run equals the straight one.
 
-The overflow is forced: ``Worker.inject_overflow(step)`` makes stage 1's first gradient inf at
+The overflow is forced: ``Actor.inject_overflow(step)`` makes stage 1's first gradient inf at
 ``INJECT`` (the other actors' gradients stay finite: only the mesh-wide MAX of the flag can make them
 skip).
 """
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from rayconv.config import Config
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 from rayconv.mesh import Mesh
 from rayconv.run import main
 
@@ -44,18 +44,18 @@ class Recorder:
         self.states: dict[int, list[dict[str, torch.Tensor]]] = {}
         self.scales: dict[int, list[dict]] = {}
 
-    def __call__(self, gang, step: int) -> None:
+    def __call__(self, actor_group, step: int) -> None:
         if step == 0:
-            gang.call("inject_overflow", INJECT, ranks=[STAGE1])
-        self.states[step] = gang.call("state")
-        self.scales[step] = gang.call("loss_scale_state")
+            actor_group.call("inject_overflow", INJECT, ranks=[STAGE1])
+        self.states[step] = actor_group.call("state")
+        self.scales[step] = actor_group.call("loss_scale_state")
 
 
 @pytest.fixture(scope="module")
 def straight(ray_cluster, tmp_path_factory) -> tuple[Path, Recorder]:
     out = tmp_path_factory.mktemp("fp16") / "straight"
     rec = Recorder()
-    fit(fp16_config(out), log=lambda *_: None, on_step=rec)
+    train_run(fp16_config(out), log=lambda *_: None, on_step=rec)
     return out, rec
 
 

@@ -10,7 +10,7 @@ from conftest import local_ray
 
 from support.helpers import assert_same_state, reference_sgd
 from rayconv.config import Config
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 
 pytestmark = pytest.mark.own_cluster  # (conftest runs such modules last)
 
@@ -33,7 +33,7 @@ def test_large_layout_matches_single_device(ray_cluster8, tmp_path, name):
               progress=False, metrics=False, out=str(tmp_path / name))
     kw.update(LAYOUTS[name])
     cfg = Config(**kw).validate()
-    summary = fit(cfg, log=lambda *_: None)
+    summary = train_run(cfg, log=lambda *_: None)
     assert summary["layout"]["world_size"] == (4 if name == "plan4" else 8)
     got = torch.load(tmp_path / name / "model.pt", weights_only=True)
     assert_same_state(got, reference_sgd(cfg, 3), atol=1e-10)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from support.helpers import assert_same_state, reference_mix_sgd, reference_sgd, sgd_config
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 from rayconv.recipe.mix import draw_mix
 
 STEPS = 3
@@ -25,7 +25,7 @@ def test_the_steps_draw_both_kinds():
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_mixed_layout_matches_single_device_sgd(ray_cluster, tmp_path, name):
     cfg = sgd_config(tmp_path, name, steps=STEPS, eval_every=STEPS, **MIX, **LAYOUTS[name])
-    fit(cfg, log=lambda *_: None)
+    train_run(cfg, log=lambda *_: None)
     got = torch.load(tmp_path / name / "model.pt", weights_only=True)
     want = reference_mix_sgd(cfg, STEPS)
     assert_same_state(got, want, atol=1e-10)

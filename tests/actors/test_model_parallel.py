@@ -9,7 +9,7 @@ import torch
 
 from support.helpers import assert_same_state, reference_sgd, sgd_config
 from rayconv.config import Config
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 
 STEPS = 4  # global batch 96 of the 1438 digits: 4 full steps
 
@@ -20,7 +20,7 @@ STEPS = 4  # global batch 96 of the 1438 digits: 4 full steps
 # with as many micro-batches as stages dp2-pp2-interleaved-v2's.)
 LAYOUTS = {
     "fs3-uneven": dict(fs=3),                      # 32/64/10 channels over 3 actors: 11,11,10 ...
-    "fs2-batchnorm": dict(fs=2, model="convnet_bn"),  # batch norm over a channel shard is exact
+    "fs2-batchnorm": dict(fs=2, model="convnet_bn"),  # batch norm over a channel slice is exact
     "fs2-two-column": dict(fs=2, model="convnet2col"),  # grouped conv2 needs no exchange
     # each gather in 5 overlapped batch pieces (32 per replica: 7,7,6,6,6), channels uneven over 3 actors
     "fs3-overlapped-exchanges": dict(fs=3, exchange_chunks=5),
@@ -66,7 +66,7 @@ CUTS = (1, 4, 8, 11)
 def test_two_stage_cuts_match_single_device_sgd(ray_cluster, tmp_path, cut):
     """A two-stage pipeline cut at ``cut`` (1f1b, 2 micro-batches) trains as single-device SGD does."""
     cfg = layout_config(tmp_path, f"cut{cut}", pp=2, num_microbatches=2, stages=str(cut))
-    summary = fit(cfg, log=lambda *_: None)
+    summary = train_run(cfg, log=lambda *_: None)
     assert [list(x) for x in summary["layout"]["stages"]] == [[0, cut], [cut, 12]]
     got = torch.load(tmp_path / f"cut{cut}" / "model.pt", weights_only=True)
     assert_same_state(got, reference_sgd(cfg, STEPS), atol=1e-10)
@@ -75,7 +75,7 @@ def test_two_stage_cuts_match_single_device_sgd(ray_cluster, tmp_path, cut):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_device_sgd(ray_cluster, tmp_path, name):
     cfg = layout_config(tmp_path, name, **LAYOUTS[name])
-    summary = fit(cfg, log=lambda *_: None)
+    summary = train_run(cfg, log=lambda *_: None)
     assert summary["layout"]["world_size"] == cfg.dp * cfg.pp * cfg.fs
     if "stages" in LAYOUTS[name]:  # a cut given (CUTS): the stages are exactly those it makes
         cut = int(LAYOUTS[name]["stages"])

@@ -82,7 +82,7 @@ def test_overlapped_gather_equals_one_gather_and_runs_ahead():
         # Pieces of 3, 2, 2 samples. Forward: piece 0 is waited for once piece 1 is launched too, and
         # so on. Backward, last piece first: piece 2's reduce-scatter is waited for once piece 1's is
         # launched too, and so on.
-        pad = max(SIZES) * 36 * 8   # bytes one sample's (padded) channel shard sends
+        pad = max(SIZES) * 36 * 8   # bytes one sample's (padded) channel slice sends
         grad = sum(SIZES) * 36 * 8  # bytes of one sample's partial input gradient
         assert r["waits"]["forward"] == [5 * pad, 7 * pad, 7 * pad], r["waits"]
         assert r["waits"]["backward"] == [4 * grad, 7 * grad, 7 * grad], r["waits"]

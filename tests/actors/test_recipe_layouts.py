@@ -17,7 +17,7 @@ import torch
 from support.helpers import assert_same_state, reference_recipe_sgd, sgd_config
 from rayconv.actor.cuda_graph import sgd_step
 from rayconv.config import Config
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 from rayconv.recipe.optim import make_optimizer, param_groups
 
 STEPS = 7  # global batch 480 of the 1438 digits: 3 steps an epoch (the last 478), the warm-up the first
@@ -74,7 +74,7 @@ def _without_counts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_recipe_layout_matches_single_device(ray_cluster, tmp_path, name):
     cfg = recipe_config(tmp_path, name, **LAYOUTS[name])
-    summary = fit(cfg, log=lambda *_: None)
+    summary = train_run(cfg, log=lambda *_: None)
     want, want_ema = cached_reference(cfg, STEPS)
     assert_same_state(torch.load(tmp_path / name / "model.pt", weights_only=True), want, atol=1e-10)
     got_ema = torch.load(tmp_path / name / "model_ema.pt", weights_only=True)
@@ -91,7 +91,7 @@ LARS = dict(opt="lars", lr=1.0, lars_trust_coefficient=0.02)
 @pytest.mark.parametrize("name", ["fs2", "plan-krizhevsky2014-dp2"])
 def test_lars_layout_matches_single_device(ray_cluster, tmp_path, name):
     cfg = recipe_config(tmp_path, name, **LARS, **LAYOUTS[name])
-    fit(cfg, log=lambda *_: None)
+    train_run(cfg, log=lambda *_: None)
     want, _ = reference_recipe_sgd(cfg, STEPS)
     assert_same_state(torch.load(tmp_path / name / "model.pt", weights_only=True), want, atol=1e-10)
 

@@ -22,7 +22,7 @@ from rayconv import prepare as prep
 from rayconv.config import Config
 from rayconv.data.shard_writer import prepare
 from rayconv.data.shards import ShardSource
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 from rayconv.errors import ClusterError, DataError
 from rayconv.files import sha256_file
 from rayconv.run import main
@@ -116,7 +116,7 @@ def test_format_1_is_refused_with_the_command_and_converted(ray_cluster, straigh
     torch.testing.assert_close(ShardSource(str(old), 32, seed=0, workers=0).images("train", np.arange(16), cpu, 1),
                                ShardSource(str(straight), 32, seed=0, workers=0).images("train", np.arange(16), cpu, 1))
     cfg = config(old, tmp_path / "run", steps=2, eval_every=2)
-    assert fit(cfg, log=lambda *_: None)["steps"] == 2
+    assert train_run(cfg, log=lambda *_: None)["steps"] == 2
 
 
 def test_a_shard_removed_mid_run_stops_it_and_resume_continues(ray_cluster, straight, tmp_path):
@@ -126,13 +126,13 @@ def test_a_shard_removed_mid_run_stops_it_and_resume_continues(ray_cluster, stra
         (data / p.name).write_bytes(p.read_bytes())
     shard, away = data / "train-00001.arrow", tmp_path / "away.arrow"
 
-    def remove_after_checkpoint(gang, step):
+    def remove_after_checkpoint(actor_group, step):
         if step == 1:   # step-2 checkpointed: the shard goes
             shard.rename(away)
 
     cfg = config(data, tmp_path / "a", checkpoint_every=2, keep_checkpoints=0)
     with pytest.raises(ClusterError, match=rf"step [234]: {shard} disappeared during the run") as e:
-        fit(cfg, log=lambda *_: None, on_step=remove_after_checkpoint)
+        train_run(cfg, log=lambda *_: None, on_step=remove_after_checkpoint)
     assert "\n" not in str(e.value)
     assert (tmp_path / "a" / "checkpoints" / "step-2").is_dir()
     away.rename(shard)

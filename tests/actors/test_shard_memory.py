@@ -15,7 +15,7 @@ from PIL import Image
 
 from rayconv.config import Config
 from rayconv.data.shard_writer import prepare
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 
 N, CLASSES, SIDE = 300, 10, 192   # noise JPEGs of 192 x 192: about 33 KB each prepared, 10N about 95 MB
 
@@ -45,7 +45,7 @@ def _peaks(data: Path, out: Path) -> list[dict]:
     cfg = Config(model="convnet", data="shards", data_dir=str(data), image_size=32, dp=2, global_batch_size=32,
                  steps=6, eval_every=6, precision="fp32", device="cpu", progress=False, loader_workers=1,
                  decode="cpu", data_on_device="off", out=str(out)).validate()
-    return fit(cfg, log=lambda *_: None)["actors"]
+    return train_run(cfg, log=lambda *_: None)["actors"]
 
 
 def test_private_memory_stays_flat_when_the_data_grows_tenfold(ray_cluster, folders, tmp_path):

@@ -22,7 +22,7 @@ from rayconv.data.folders import scan
 from rayconv.data.registry import make_source
 from rayconv.errors import DataError
 from rayconv.data.decode import crop_params
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 from rayconv.run import main
 from rayconv.data.shard_writer import shard_listing
 from rayconv.data.shards import ShardSource
@@ -249,7 +249,7 @@ def shard_config(data_dir: Path, out: Path, **kw) -> Config:
 
 def test_dp2_on_shards_equals_single_device_sgd_and_resumes_exactly(ray_cluster, shards, tmp_path):
     cfg = shard_config(shards, tmp_path / "a", checkpoint_every=2, keep_checkpoints=0)
-    fit(cfg, log=lambda *_: None)
+    train_run(cfg, log=lambda *_: None)
     got = torch.load(tmp_path / "a" / "model.pt", weights_only=True)
     assert_same_state(got, reference_sgd(cfg, 5), atol=1e-10)
     # Resumed mid-epoch (step 2 of 3) on another loader worker count: bit-identical.

@@ -14,7 +14,7 @@ from rayconv.config import Config
 from rayconv.data.registry import make_source
 from rayconv.data.shard_writer import prepare
 from rayconv.data.small import HeldSource
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 from rayconv.models import build_model
 
 STEPS = 2
@@ -31,7 +31,7 @@ def test_dp2_on_held_data_matches_single_device_sgd(ray_cluster, tmp_path, data,
                  **augmentation, steps=STEPS, lr=0.05, momentum=0.9, weight_decay=5e-4, precision="fp64",
                  device="cpu", loader_workers=0, progress=False, out=str(tmp_path / "run")).validate()
     assert isinstance(make_source(cfg), HeldSource)
-    fit(cfg, log=lambda *_: None)
+    train_run(cfg, log=lambda *_: None)
     got = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     assert_same_state(got, reference_sgd(cfg, STEPS), atol=1e-10)
     torch.manual_seed(cfg.seed)

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rayconv.config import Config
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 
 
 def test_rows_time_their_own_step_across_evaluation_and_checkpoint_boundaries(ray_cluster, tmp_path):
@@ -22,7 +22,7 @@ def test_rows_time_their_own_step_across_evaluation_and_checkpoint_boundaries(ra
     cfg = Config(model="resnet18", data="synthetic", image_size=32, synthetic_samples=128, global_batch_size=16,
                  dp=1, steps=7, eval_every=2, checkpoint_every=3, log_every=1, device="cpu", progress=False,
                  out=str(out)).validate()
-    summary = fit(cfg, log=lines.append)
+    summary = train_run(cfg, log=lines.append)
     rows = pq.read_table(out / "metrics.parquet").to_pylist()
     train = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(7))

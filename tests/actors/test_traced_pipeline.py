@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from support.helpers import assert_same_state, reference_microbatch_sgd, reference_sgd, sgd_config
-from rayconv.driver.job import fit
-from rayconv.errors import PlanError
+from rayconv.driver.job import train_run
+from rayconv.errors import LayoutError
 from rayconv.data.registry import make_source
 from rayconv.models import run_model, to_layers
 
@@ -32,7 +32,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_user_model_pipeline_matches_single_device_sgd(ray_cluster, tmp_path, name):
     cfg = sgd_config(tmp_path, name, model=MODEL, steps=STEPS, eval_every=STEPS, **LAYOUTS[name])
-    summary = fit(cfg, log=lambda *_: None)
+    summary = train_run(cfg, log=lambda *_: None)
     layers = to_layers(run_model(cfg, make_source(cfg)))
     assert len(layers) > 2  # the traced view (a one-layer model is refused for --pp)
     (a, cut), (cut2, end) = [tuple(s) for s in summary["layout"]["stages"]]
@@ -50,23 +50,23 @@ def test_untraceable_model_trains_data_parallel_and_is_refused_for_pp(ray_cluste
     """``branchy`` branches on the data: dp=2 equals single-device SGD; --pp 2 is refused in one line
     naming torch.fx's reason, before any actor starts."""
     cfg = sgd_config(tmp_path, "dp2", model=f"{FIXTURE}:branchy", dp=2, steps=STEPS, eval_every=STEPS)
-    fit(cfg, log=lambda *_: None)
+    train_run(cfg, log=lambda *_: None)
     got = torch.load(tmp_path / "dp2" / "model.pt", weights_only=True)
     assert_same_state(got, reference_sgd(cfg, STEPS), atol=1e-10)
     cfg = sgd_config(tmp_path, "pp2", model=f"{FIXTURE}:branchy", pp=2, num_microbatches=2, steps=STEPS)
-    with pytest.raises(PlanError) as e:
-        fit(cfg, log=lambda *_: None)
+    with pytest.raises(LayoutError) as e:
+        train_run(cfg, log=lambda *_: None)
     msg = str(e.value)
     assert "\n" not in msg and "cannot be cut into pipeline stages (torch.fx cannot trace its forward" in msg
 
 
 def test_user_model_filter_split_or_refused(ray_cluster, tmp_path):
     cfg = sgd_config(tmp_path, "fs2", model=f"{FIXTURE}:plainnet", fs=2, steps=STEPS, eval_every=STEPS)
-    fit(cfg, log=lambda *_: None)
+    train_run(cfg, log=lambda *_: None)
     got = torch.load(tmp_path / "fs2" / "model.pt", weights_only=True)
     assert_same_state(got, reference_sgd(cfg, STEPS), atol=1e-10)
     run_model(cfg, make_source(cfg)).double().load_state_dict(got, strict=True)   # the user's class
     cfg = sgd_config(tmp_path, "fs2-blocks", model=MODEL, fs=2, steps=STEPS)
-    with pytest.raises(PlanError) as e:
-        fit(cfg, log=lambda *_: None)
+    with pytest.raises(LayoutError) as e:
+        train_run(cfg, log=lambda *_: None)
     assert "\n" not in str(e.value) and "filter split cannot divide layer" in str(e.value) and "--fs 1" in str(e.value)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from support.helpers import assert_same_state, reference_microbatch_sgd, sgd_config
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 from rayconv.models.user import resolve
 from rayconv.planner.measure import Measurements
 from rayconv.planner.search import plan_config
@@ -62,7 +62,7 @@ def test_measuring_tasks_get_the_users_module(ray_cluster, tmp_path, monkeypatch
     logged: list[str] = []
     cfg = sgd_config(tmp_path, "bt", model=MODEL, pp=2, balance="time", num_microbatches=2, steps=1,
                      eval_every=1, loader_workers=0)
-    summary = fit(cfg, log=lambda *a: logged.append(" ".join(map(str, a))))
+    summary = train_run(cfg, log=lambda *a: logged.append(" ".join(map(str, a))))
     assert summary["layout"]["pp"] == 2 and any("balanced by measured" in line for line in logged)
     meas = Measurements(plan_config(cfg), "cpu", use_cluster=True)
     meas.load()
@@ -72,7 +72,7 @@ def test_measuring_tasks_get_the_users_module(ray_cluster, tmp_path, monkeypatch
 def test_users_model_dp2_equals_single_device_sgd_and_evaluates_from_init(ray_cluster, tmp_path, monkeypatch, capsys):
     users_folder(tmp_path, monkeypatch)
     cfg = sgd_config(tmp_path, "r", model=MODEL, dp=2, steps=STEPS, eval_every=STEPS, loader_workers=0)
-    summary = fit(cfg, log=lambda *_: None)
+    summary = train_run(cfg, log=lambda *_: None)
     assert summary["model"] == MODEL and summary["layout"]["dp"] == 2
     got = torch.load(tmp_path / "r" / "model.pt", weights_only=True)
     want, test_loss = reference_microbatch_sgd(cfg, STEPS)  # (built by the same function: build_model(MODEL))

@@ -9,7 +9,7 @@ from conftest import local_ray
 
 from support.helpers import assert_same_state, reference_microbatch_sgd, reference_sgd
 from rayconv.config import Config
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")]
 # (on a machine of one GPU, the tests of one GPU still run)
@@ -57,7 +57,7 @@ def test_gpu_layout_matches_single_device(gpu_cluster, tmp_path, name):
               device="cuda", progress=False, out=str(tmp_path / name), balance="flops")
     kw.update(LAYOUTS[name])
     cfg = Config(**kw).validate()
-    summary = fit(cfg, log=print)
+    summary = train_run(cfg, log=print)
     assert all(a["device"].startswith("cuda") for a in summary["actors"])
     got = torch.load(tmp_path / name / "model.pt", weights_only=True)
     assert_same_state(got, reference_sgd(cfg, 5), atol=1e-8)
@@ -70,7 +70,7 @@ def test_cuda_graph_defers_batchnorm_statistics(gpu_cluster, tmp_path, layout):
     from the whole batch (tests/actors/test_batchnorm.py says what the reference claims)."""
     cfg = Config(model="convnet_bn", data="digits", dp=1, global_batch_size=96, steps=5, precision="fp64",
                  device="cuda", progress=False, out=str(tmp_path / "bn"), balance="flops", **layout).validate()
-    summary = fit(cfg, log=print)
+    summary = train_run(cfg, log=print)
     assert all(a["cuda_graphs"] for a in summary["actors"])
     got = torch.load(tmp_path / "bn" / "model.pt", weights_only=True)
     assert [int(got[k]) for k in got if k.endswith("num_batches_tracked")] == [5] * 3
@@ -87,7 +87,7 @@ def test_cuda_graph_replays_dropout_and_learning_rate_as_eager(gpu_cluster, tmp_
     states = {}
     for graphs in ("off", "on"):
         cfg = Config(**kw, cuda_graphs=graphs, out=str(tmp_path / graphs)).validate()
-        fit(cfg, log=print)
+        train_run(cfg, log=print)
         states[graphs] = torch.load(tmp_path / graphs / "model.pt", weights_only=True)
     assert_same_state(states["on"], states["off"], atol=1e-10)
 
@@ -100,7 +100,7 @@ def test_alexnet_bf16_short_training(gpu_cluster, tmp_path, layout):
               steps=6, precision="bf16", device="cuda", dp=1, progress=False, out=str(tmp_path / "alex"), lr=0.01)
     kw.update(layout)
     cfg = Config(**kw)
-    summary = fit(cfg.validate(), log=print)
+    summary = train_run(cfg.validate(), log=print)
     assert summary["final_train_loss"] > 0 and summary["steps"] == 6
     print("ALEXNET", layout, f"{summary['images_per_s']:.0f} images/s",
           [round(a["peak_gib"], 2) for a in summary["actors"]], "GiB peak")

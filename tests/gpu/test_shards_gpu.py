@@ -12,7 +12,7 @@ from PIL import Image
 
 from support.helpers import assert_same_state
 from rayconv.config import Config
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 from rayconv.data.shard_writer import prepare
 from rayconv.data.shards import ShardSource
 
@@ -73,6 +73,6 @@ def test_training_on_shards_with_cuda_graphs_equals_eager(gpu_cluster, shards, t
         cfg = Config(model="convnet", data="shards", data_dir=str(shards), image_size=32, dp=1, global_batch_size=16,
                      steps=6, precision="fp64", device="cuda", decode="gpu", cuda_graphs=graphs, compile="off",
                      data_on_device="off", progress=False, out=str(tmp_path / graphs)).validate()
-        fit(cfg, log=print)
+        train_run(cfg, log=print)
         runs[graphs] = torch.load(tmp_path / graphs / "model.pt", weights_only=True)
     assert_same_state(runs["on"], runs["off"], atol=1e-10)

@@ -128,12 +128,12 @@ def test_a_pipeline_with_fewer_micro_batches_than_stages_says_how_to_overlap(ray
     from rayconv.driver.progress import overlap_note
     from rayconv.mesh import Mesh
     from rayconv.models import ConvNet
-    from rayconv.parallel.layout_plan import make_plan
+    from rayconv.parallel.routing import make_routing
 
     for pp, m in ((2, 4), (2, 2), (1, 1)):
         cfg = Config(pp=pp, dp=1, num_microbatches=m, device="cpu").validate()
         mesh = Mesh(dp=1, pp=pp)
-        assert overlap_note(cfg, mesh, make_plan(cfg, mesh, ConvNet(1, 10), (1, 8, 8))) is None
+        assert overlap_note(cfg, mesh, make_routing(cfg, mesh, ConvNet(1, 10), (1, 8, 8))) is None
 
 
 @pytest.mark.parametrize("model, size", [("googlenet", 64), ("inception_v3", 80)])

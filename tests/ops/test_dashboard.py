@@ -26,7 +26,7 @@ import ray
 
 from support.helpers import wait_until
 from rayconv.config import Config
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 
 pytestmark = pytest.mark.own_cluster  # (conftest runs such modules last)
 
@@ -158,7 +158,7 @@ def test_actors_and_gauges_in_the_dashboard(dashboard, tmp_path):
     out = tmp_path / "dash"
     seen: dict[str, object] = {}
 
-    def look(gang, step):
+    def look(actor_group, step):
         if step == 1:
             record_page(dashboard["url"])
         if step != 2:
@@ -178,7 +178,7 @@ def test_actors_and_gauges_in_the_dashboard(dashboard, tmp_path):
 
     cfg = Config(model="convnet", data="digits", dp=2, global_batch_size=64, steps=4, device="cpu",
                  progress=False, out=str(out), loader_workers=0).validate()
-    run = _PAGE["run"] = fit(cfg, log=lambda *_: None, on_step=look)["run_name"]
+    run = _PAGE["run"] = train_run(cfg, log=lambda *_: None, on_step=look)["run_name"]
     assert seen["run"] == run and run.startswith(f"{out.name}-")
     assert seen["actors"] == {f"rayconv/{run}/dp0": "ALIVE", f"rayconv/{run}/dp1": "ALIVE"}, seen["actors"]
     assert WANT <= seen["gauges"], seen["lines"]
@@ -234,7 +234,7 @@ def test_two_runs_with_the_same_folder_name_at_once(dashboard, tmp_path):
         lines: list[str] = []
         cfg = Config(model="convnet", data="digits", dp=1, global_batch_size=32, steps=2, device="cpu",
                      progress=False, metrics=False, out=str(tmp_path / "two" / "run"), loader_workers=0).validate()
-        second = fit(cfg, log=lines.append)["run_name"]
+        second = train_run(cfg, log=lines.append)["run_name"]
         assert first.poll() is None, "the first run did not overlap the second"
         first.send_signal(signal.SIGINT)
         out, err = first.communicate(timeout=60)
@@ -255,7 +255,7 @@ def test_actors_on_the_dashboard_page(dashboard, tmp_path):
     if "run" not in _PAGE:
         cfg = Config(model="convnet", data="digits", dp=2, global_batch_size=64, steps=3, device="cpu",
                      progress=False, metrics=False, out=str(tmp_path / "page"), loader_workers=0).validate()
-        _PAGE["run"] = fit(cfg, log=lambda *_: None, on_step=lambda gang, step: step == 1 and record_page(
+        _PAGE["run"] = train_run(cfg, log=lambda *_: None, on_step=lambda actor_group, step: step == 1 and record_page(
             dashboard["url"]))["run_name"]
     assert "error" not in _PAGE, _PAGE["error"]
     run, dom = _PAGE["run"], _PAGE["dom"]

@@ -3,7 +3,7 @@ resources): a dp=2 x fs=2 job places ranks by node, so each filter-split group s
 a user's ResNet-like model in a file that is not installed trains dp=2 with one actor per node (its
 module shipped to both nodes in Ray's py_modules) as single-device SGD does.
 
-The two-node cluster is conftest's ``two_nodes`` (shared with tests/ops/test_stage.py's two-node test; no
+The two-node cluster is conftest's ``two_nodes`` (shared with tests/ops/test_local_copy.py's two-node test; no
 ``ray_cluster`` fixture)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from support.helpers import assert_same_state, reference_microbatch_sgd, sgd_config
 from rayconv.config import Config
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 from rayconv.mesh import Mesh
 
 pytestmark = pytest.mark.own_cluster  # (conftest runs such modules last)
@@ -29,13 +29,13 @@ def test_ranks_by_node_and_fs_groups_inside_a_node(two_nodes, tmp_path):
     assert len(nodes) == 2 and sum(r["CPU"] for r in nodes.values()) == 4
     seen = {}
 
-    def look(gang, step):
-        seen["info"] = list(gang.info)
-        seen["roles"] = list(gang.roles)
+    def look(actor_group, step):
+        seen["info"] = list(actor_group.info)
+        seen["roles"] = list(actor_group.roles)
 
     cfg = Config(model="convnet", data="digits", dp=2, fs=2, global_batch_size=64, steps=2, device="cpu",
                  progress=False, out=str(tmp_path / "two-nodes"), loader_workers=0).validate()
-    summary = fit(cfg, log=lambda *_: None, on_step=look)
+    summary = train_run(cfg, log=lambda *_: None, on_step=look)
     assert summary["layout"]["world_size"] == 4
     node_of = [i["node_id"] for i in seen["info"]]
     assert len(set(node_of)) == 2, "the job should span both nodes (2 CPUs each, 4 actors)"
@@ -69,7 +69,7 @@ def _train_the_copy(tmp_path) -> None:
     seen = {}
     cfg = sgd_config(tmp_path, "users", model="mine/resnetish.py:ResNetish", dp=2, steps=2, eval_every=2,
                      num_cpus_per_actor=2, loader_workers=0)
-    summary = fit(cfg, log=lambda *_: None, on_step=lambda gang, step: seen.update(info=list(gang.info)))
+    summary = train_run(cfg, log=lambda *_: None, on_step=lambda actor_group, step: seen.update(info=list(actor_group.info)))
     assert len({i["node_id"] for i in seen["info"]}) == 2, "one actor per node"
     want, test_loss = reference_microbatch_sgd(cfg, 2)
     assert_same_state(torch.load(tmp_path / "users" / "model.pt", weights_only=True), want, atol=1e-10)

@@ -21,11 +21,11 @@ from support.helpers import wait_until
 from rayconv.outputs.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from rayconv.actor.worker import Worker
+from rayconv.actor.actor import Actor
 from rayconv.cluster import group as cluster
 from rayconv.errors import ClusterError
 from rayconv.config import Config
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 from rayconv.mesh import Mesh
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,10 +44,10 @@ def kill_once(at_step: int, rank: int, sig=signal.SIGKILL):
     """on_step hook: send ``sig`` to actor ``rank``'s process after step ``at_step`` (first time only)."""
     done = []
 
-    def hook(gang, step):
+    def hook(actor_group, step):
         if step == at_step and not done:
-            done.append(gang.info[rank]["pid"])
-            os.kill(gang.info[rank]["pid"], sig)
+            done.append(actor_group.info[rank]["pid"])
+            os.kill(actor_group.info[rank]["pid"], sig)
     hook.killed = done
     return hook
 
@@ -60,7 +60,7 @@ def straight_run(tmp_path: Path) -> Path:
     all its steps; its folder is kept for the module (one run serves test_ctrl_c_stops_cleanly and the
     recovery test, which runs it itself when run alone)."""
     out = tmp_path / "straight"
-    assert fit(cfg_for(out), log=lambda *_: None)["steps"] == STEPS
+    assert train_run(cfg_for(out), log=lambda *_: None)["steps"] == STEPS
     _STRAIGHT["out"] = out
     return out
 
@@ -105,7 +105,7 @@ def test_killed_actor_is_recovered_from_the_last_checkpoint(ray_cluster, tmp_pat
     out = tmp_path / "recovered"
     lines: list[str] = []
     hook = kill_once(at_step=4, rank=1)  # after 5 steps: the last checkpoint is step-4
-    summary = fit(cfg_for(out, max_failures=1, max_wait=60), log=lines.append, on_step=hook)
+    summary = train_run(cfg_for(out, max_failures=1, max_wait=60), log=lines.append, on_step=hook)
     assert hook.killed, "the actor was never killed"
     assert summary["failures_recovered"] == 1
     text = "\n".join(lines)
@@ -121,7 +121,7 @@ def test_killed_actor_without_recovery_ends_the_job(ray_cluster, tmp_path):
     out = tmp_path / "dies"
     t0 = time.monotonic()
     with pytest.raises(ClusterError) as e:
-        fit(cfg_for(out, collective_timeout_s=30), log=lambda *_: None, on_step=kill_once(at_step=2, rank=1))
+        train_run(cfg_for(out, collective_timeout_s=30), log=lambda *_: None, on_step=kill_once(at_step=2, rank=1))
     assert time.monotonic() - t0 < 60
     assert "dp1 (rank 1)" in str(e.value) and "lost" in str(e.value) and "train_step" in str(e.value)
     # The folder stays, with its checkpoints (never deleted), and the newest one loads.
@@ -136,7 +136,7 @@ def test_stuck_collective_fails_after_the_collective_timeout(ray_cluster, tmp_pa
     hook = kill_once(at_step=1, rank=1, sig=signal.SIGSTOP)
     t0 = time.monotonic()
     with pytest.raises(ClusterError) as e:
-        fit(cfg_for(out, collective_timeout_s=5, checkpoint_every=0), log=lambda *_: None, on_step=hook)
+        train_run(cfg_for(out, collective_timeout_s=5, checkpoint_every=0), log=lambda *_: None, on_step=hook)
     elapsed = time.monotonic() - t0
     try:
         os.kill(hook.killed[0], signal.SIGCONT)
@@ -154,7 +154,7 @@ def test_start_without_resources_names_max_wait(ray_cluster, tmp_path):
     ray.get(held.ready(), timeout=60)
     try:
         with pytest.raises(ClusterError) as e:
-            fit(cfg_for(tmp_path / "busy", max_wait=1), log=lambda *_: None)
+            train_run(cfg_for(tmp_path / "busy", max_wait=1), log=lambda *_: None)
     finally:
         remove_placement_group(held)
     msg = str(e.value)
@@ -168,7 +168,7 @@ def test_slow_actor_start_names_max_wait(ray_cluster, tmp_path):
     cfg, mesh = cfg_for(tmp_path / "slow"), Mesh(2, 1, 1)
     pg = cluster.reserve(cfg, mesh, "slow-start", timeout_s=60)  # resources are there: only the start is slow
     with pytest.raises(ClusterError) as e:
-        cluster.start_actors(Worker, cfg, mesh, "slow-start", pg, timeout_s=0.3, limit_s=20)
+        cluster.create_actors(Actor, cfg, mesh, "slow-start", pg, timeout_s=0.3, limit_s=20)
     msg = str(e.value)
     assert msg.startswith("the 2 actors did not start within 20 s (--max-wait;") and "raise --max-wait" in msg, msg
     assert "stuck" not in msg
@@ -180,7 +180,7 @@ def test_ray_error_at_start_is_one_line(ray_cluster, tmp_path):
     taken = placement_group([{"CPU": 1}], name="rayconv/taken-run")
     try:
         with pytest.raises(ClusterError) as e:
-            cluster.start_workers(Worker, cfg_for(tmp_path / "x"), Mesh(1, 1, 1), "taken-run", timeout_s=30)
+            cluster.start_group(Actor, cfg_for(tmp_path / "x"), Mesh(1, 1, 1), "taken-run", timeout_s=30)
     finally:
         remove_placement_group(taken)
     msg = str(e.value)

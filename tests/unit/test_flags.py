@@ -178,7 +178,7 @@ def test_cuda_graphs_setting_is_checked():
 
 
 def test_cudnn_benchmark_auto_follows_the_runs_length():
-    from rayconv.driver.setup import CUDNN_BENCHMARK_MIN_STEPS, with_cudnn_benchmark
+    from rayconv.driver.resolve import CUDNN_BENCHMARK_MIN_STEPS, with_cudnn_benchmark
 
     cfg = Config().validate()
     assert cfg.cudnn_benchmark == "auto"

@@ -23,7 +23,7 @@ def test_fields():
                                                        virtual_stages=2)
     assert Layout.parse("plan4") == Layout(dp=4, plan="krizhevsky2014") and Layout.parse("plan4").world_size == 4
     assert Layout.parse("fs2c4").exchange_chunks == 4
-    assert Layout.parse("pp2").num_microbatches is None and Layout.parse("pp2").microbatches == 1
+    assert Layout.parse("pp2").num_microbatches is None and Layout.parse("pp2").num_microbatches_or_1 == 1
     assert Layout.parse("pp2m4-1f1b").name == "pp2m4"  # the default schedule is not named
     assert Layout.parse("dp2xpp2xfs2").mesh().shape == (2, 2, 2)
 
@@ -35,7 +35,7 @@ def test_config_fields_round_trip():
         lay = Layout.parse(name)
         cfg = Config(**lay.to_config_fields())
         back = Layout.from_config(cfg)
-        assert back == Layout(**{**lay.__dict__, "num_microbatches": lay.microbatches})
+        assert back == Layout(**{**lay.__dict__, "num_microbatches": lay.num_microbatches_or_1})
     with pytest.raises(ValueError, match="resolved"):
         Layout.from_config(Config())  # dp left to the cluster
 

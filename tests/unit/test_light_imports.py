@@ -24,7 +24,7 @@ def test_image_suffixes_are_torchvisions():
 def test_a_run_of_rayconvs_own_model_does_not_import_torchvision():
     """An actor of a convnet run on the digits imports the worker, builds its part and reads data
     without torchvision (whose import pulls in torch._dynamo) or scikit-learn: seconds per actor."""
-    code = ("import sys; from rayconv.actor import worker; from rayconv.driver import job; from rayconv.data import registry as data; from rayconv import models; "
+    code = ("import sys; from rayconv.actor import actor; from rayconv.driver import job; from rayconv.data import registry as data; from rayconv import models; "
             "from rayconv.config import Config; cfg = Config(model='convnet').validate(); "
             "src = data.make_source(cfg); models.to_layers(models.run_model(cfg, src)); "
             "print('torchvision' in sys.modules, 'sklearn' in sys.modules)")

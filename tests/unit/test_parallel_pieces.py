@@ -8,19 +8,19 @@ from torch import nn
 
 from rayconv.parallel.data_parallel import GradientSync
 from rayconv.parallel.filter_split.exchanges import Gather
-from rayconv.parallel.filter_split.layers import ShardedDropout
+from rayconv.parallel.filter_split.layers import SlicedDropout
 from rayconv.parallel.part import segments
 
 
 def test_sharded_dropout_shards_make_up_one_full_mask():
     x = torch.ones(4, 6, 3, 3)
     cpu = torch.device("cpu")
-    whole = ShardedDropout(0.5, [6], 0)
+    whole = SlicedDropout(0.5, [6], 0)
     whole.reseed(123, cpu)
     want = whole(x)
     parts = []
     for index in (0, 1):
-        d = ShardedDropout(0.5, [3, 3], index)
+        d = SlicedDropout(0.5, [3, 3], index)
         d.reseed(123, cpu)
         parts.append(d(x[:, 3 * index:3 * index + 3]))
     assert torch.equal(torch.cat(parts, dim=1), want)

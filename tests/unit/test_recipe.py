@@ -127,7 +127,7 @@ def test_param_groups_of_pipeline_shards_equal_the_whole_models(wrap: str) -> No
 
 
 def _column(conv: nn.Conv2d, bn: nn.BatchNorm2d, fc: nn.Linear, rows: slice) -> nn.Sequential:
-    """A filter-split shard: the output channels ``rows`` of conv and bn, fc's input columns as they are."""
+    """A filter-split slice: the output channels ``rows`` of conv and bn, fc's input columns as they are."""
     n = rows.stop - rows.start
     c, b = nn.Conv2d(conv.in_channels, n, 3), nn.BatchNorm2d(n)
     for new, old in ((c, conv), (b, bn)):

@@ -19,7 +19,7 @@ from rayconv.bench.table import BENCH_SCHEMA, bench_table
 from rayconv.config import DATA_IMAGE_SIZE, Config, ConfigError
 from rayconv.driver.progress import images_line, recipe_line
 from rayconv.driver.lr import check_schedule, learning_rate, total_steps, warmup_steps
-from rayconv.driver.setup import setup_run
+from rayconv.driver.resolve import resolve_run
 from rayconv.driver.target import Target, first_steps_s, train_seconds
 from rayconv.flags import from_mapping, parse_args
 from rayconv.outputs.metrics import SCHEMA, MetricsLog, reduce_step
@@ -156,7 +156,7 @@ def test_fit_from_python_validates_before_ray_starts(bad):
     if ray.is_initialized():  # (an earlier module's shared cluster: this test needs none connected)
         ray.shutdown()
     with pytest.raises(ConfigError):
-        setup_run(Config(**bad), log=lambda *_: None)
+        resolve_run(Config(**bad), log=lambda *_: None)
     assert not ray.is_initialized()
 
 
@@ -206,12 +206,12 @@ def test_bench_target_rows_fit_its_schema_and_need_curve():
 def test_header_names_images_augmentation_and_recipe():
     cfg = Config(data="fashion-mnist", channels=3, lr=0.1, lr_scaling="linear", global_batch_size=512,
                  lr_warmup_epochs=2, label_smoothing=0.1, norm_weight_decay=0.0, model_ema=True)
-    setup = SimpleNamespace(cfg=cfg, source=SimpleNamespace(sample_shape=(1, 28, 28)),
+    resolved = SimpleNamespace(cfg=cfg, source=SimpleNamespace(sample_shape=(1, 28, 28)),
                             sharding=SimpleNamespace(steps_per_epoch=117))
-    line = images_line(setup)
+    line = images_line(resolved)
     assert "3 x 28 x 28" in line and "1 channel" in line and "--augment auto (pad-crop)" in line
     told = SimpleNamespace(cfg=cfg, source=SimpleNamespace(sample_shape=(1, 28, 28), augmentation="pad-crop-flip"))
     assert "augmentation pad-crop-flip" in images_line(told)
-    recipe = recipe_line(setup)
+    recipe = recipe_line(resolved)
     assert "lr 0.2" in recipe and "234 warm-up steps" in recipe and "label smoothing 0.1" in recipe
     assert "norms 0" in recipe and "EMA every 32 steps" in recipe

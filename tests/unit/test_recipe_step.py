@@ -11,7 +11,7 @@ from torch import nn
 
 from rayconv.errors import ConfigError
 from rayconv.recipe.clip import clip_, clip_coefficient, local_sq_norm
-from rayconv.recipe.ema import ShardEMA, torchvision_ema_decay
+from rayconv.recipe.ema import PartEMA, torchvision_ema_decay
 from rayconv.recipe.loss_scale import DynamicLossScale, local_overflow, unscale_
 
 f64 = torch.float64
@@ -40,7 +40,7 @@ def test_ema_is_torchvisions_exponential_moving_average() -> None:
     # torchvision's ExponentialMovingAverage (references/classification/utils.py)
     ref = torch.optim.swa_utils.AveragedModel(model, avg_fn=lambda e, p, n: decay * e + (1 - decay) * p,
                                               use_buffers=True)
-    ema = ShardEMA(model, decay, every)
+    ema = PartEMA(model, decay, every)
     for i in range(11):
         _train_a_little(model, i)
         if i % every == 0:  # train.py's loop
@@ -65,7 +65,7 @@ def test_ema_of_a_shard_is_the_shard_of_the_ema() -> None:
             s.weight.data.copy_(whole.weight.data[3 * k:3 * k + 3])
             s.bias.data.copy_(whole.bias.data[3 * k:3 * k + 3])
     split()
-    emas = [ShardEMA(m, 0.99) for m in [whole] + shards]
+    emas = [PartEMA(m, 0.99) for m in [whole] + shards]
     for step in range(6):
         with torch.no_grad():
             whole.weight.mul_(1.1).add_(0.3)
@@ -81,7 +81,7 @@ def test_ema_of_a_shard_is_the_shard_of_the_ema() -> None:
 def test_ema_state_dict_resumes_the_same_average() -> None:
     torch.manual_seed(5)
     model = nn.Linear(3, 2).to(f64)
-    straight, first = ShardEMA(model, 0.8), ShardEMA(model, 0.8)
+    straight, first = PartEMA(model, 0.8), PartEMA(model, 0.8)
     for step in range(8):
         with torch.no_grad():
             model.weight.add_(1.0)
@@ -89,7 +89,7 @@ def test_ema_state_dict_resumes_the_same_average() -> None:
         if step < 4:
             first.update(model, step)
         if step == 3:
-            resumed = ShardEMA(model, 0.5, every=3)
+            resumed = PartEMA(model, 0.5, every=3)
             resumed.load_state_dict(copy.deepcopy(first.state_dict()))
         if step >= 4:
             resumed.update(model, step)

@@ -111,7 +111,7 @@ FIXED_SIZE = {"inception_v3", "maxvit_t", "vit_b_32"}
 
 def test_every_torchvision_model_trains_or_is_refused():
     """All of torchvision.models.list_models(): each kind's training forward (on the meta device, the
-    way ``driver.setup.prepare`` checks it) gives class scores at 64x64, or the model is refused in one line;
+    way ``driver.resolve.resolve_on_cluster`` checks it) gives class scores at 64x64, or the model is refused in one line;
     and rayconv views it as a layer list. A kind of model not seen here fails the test."""
     kinds: dict[str, list[str]] = {}
     for name in torchvision.models.list_models(module=torchvision.models):

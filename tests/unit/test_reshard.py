@@ -1,5 +1,5 @@
 """Checkpoint re-cutting (rayconv.outputs.reshard), without Ray: a model's parts as the actors of one layout
-hold them (``layout_plan.build_part``, the function that cuts an actor's part at setup), joined into the
+hold them (``routing.build_part``, the function that cuts an actor's part at setup), joined into the
 whole state and cut for another layout, equal the parts that layout cuts directly, parameter for
 parameter; each parameter's momentum and moving average follow it."""
 
@@ -12,15 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from rayconv.actor.recipe import build_optimizer
+from rayconv.actor.recipe_step import build_optimizer
 from rayconv.config import Config
 from rayconv.errors import CheckpointError
 from rayconv.mesh import Mesh
 from rayconv.models import build_model, to_layers
-from rayconv.outputs.checkpoint import Checkpoint, shard_for
+from rayconv.outputs.checkpoint import Checkpoint, rank_file_for
 from rayconv.outputs.reshard import cut_part, join, optimizer_param_names, split_position, whole_blob
-from rayconv.parallel.layout_plan import build_part, make_plan
-from rayconv.recipe.ema import ShardEMA
+from rayconv.parallel.routing import build_part, make_routing
+from rayconv.recipe.ema import PartEMA
 
 LAYOUTS = {  # name -> (dp, pp, fs, Config extras)
     "dp2xpp2": (2, 2, 1, {"num_microbatches": 2}),
@@ -52,7 +52,7 @@ def parts(name: str, model, layers):
     cfg = Config(model="convnet_bn", data="digits", dp=dp, pp=pp, fs=fs, global_batch_size=8,
                  **extra).validate()
     mesh = Mesh(dp, pp, fs)
-    plan = make_plan(cfg, mesh, model, (1, 8, 8))
+    plan = make_routing(cfg, mesh, model, (1, 8, 8))
     out = []
     for r in range(mesh.world_size):
         c = mesh.coord(r)
@@ -68,12 +68,12 @@ def named(sharded, part) -> dict[str, torch.Tensor]:
 
 
 def saved(name: str, model, layers) -> tuple[list[dict], dict]:
-    """The rank-file payloads (as ``actor.state.checkpoint_shard`` writes them) and manifest layout."""
+    """The rank-file payloads (as ``actor.state.rank_file`` writes them) and manifest layout."""
     payloads = []
     for c, cfg, plan, sharded, part, opt in parts(name, model, layers):
         for p in part.parameters():
             opt.state[p]["momentum_buffer"] = momentum_of(p)
-        ema = ShardEMA(part, 0.9)
+        ema = PartEMA(part, 0.9)
         for v in ema.tensors.values():
             v.mul_(3)
         payloads.append({"coord": list(c), "model": named(sharded, part), "split_dims": dict(sharded.split_dims),
@@ -112,7 +112,7 @@ def test_recut_equals_direct_cut(source, target):
         assert len(opt.state) == len(params) > 0 or not params
         for p in params:
             torch.testing.assert_close(opt.state[p]["momentum_buffer"], momentum_of(p), rtol=0, atol=0)
-        ema = ShardEMA(part, 0.9)
+        ema = PartEMA(part, 0.9)
         ema.load_state_dict(got["ema"])
         for k, v in part.state_dict().items():
             torch.testing.assert_close(ema.tensors[k], 3 * v, rtol=0, atol=0)
@@ -140,6 +140,6 @@ def test_shard_for_sends_the_whole_state_under_another_layout():
     payloads, layout = saved("dp2xpp2", model, layers)
     files = {f"rank-{r}.pt": _bytes(p) for r, p in enumerate(payloads)}
     ckpt = Checkpoint(path=Path("/nonexistent/step-2"), manifest={"layout": layout}, files=files)
-    assert shard_for(ckpt, Mesh(2, 2, 1), 3) == files["rank-3.pt"]
-    whole = torch.load(io.BytesIO(shard_for(ckpt, Mesh(1, 1, 2), 1)), weights_only=True)
+    assert rank_file_for(ckpt, Mesh(2, 2, 1), 3) == files["rank-3.pt"]
+    whole = torch.load(io.BytesIO(rank_file_for(ckpt, Mesh(1, 1, 2), 1)), weights_only=True)
     assert whole["whole"] and set(whole["model"]) == set(model.state_dict())

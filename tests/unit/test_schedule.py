@@ -6,9 +6,9 @@ from fractions import Fraction
 
 import pytest
 
-from rayconv.parallel.pipeline import SCHEDULE_NAMES, Action, Post, Schedule, ScheduleError, bubble_fraction, check_exchanges, exchange_plan, format_grid, forward_only, interleaved_1f1b, gpipe, make_schedule, one_f_one_b, peak_in_flight, timeline, validate
+from rayconv.parallel.pipeline import SCHEDULE_NAMES, Action, Post, Schedule, ScheduleError, bubble_fraction, check_exchanges, p2p_posts, format_grid, forward_only, interleaved_1f1b, gpipe, make_schedule, one_f_one_b, peak_in_flight, timeline, validate
 from rayconv.parallel.pipeline.simulate import simulate
-from rayconv.parallel.pipeline.p2p import _round_plan  # the exchange model itself
+from rayconv.parallel.pipeline.p2p import _round_posts  # the exchange model itself
 from rayconv.parallel.pipeline.nccl_model import _counterparts, _events, _messages, _replay
 
 SIZES = [(1, 1), (1, 4), (2, 1), (2, 2), (2, 4), (2, 8), (3, 2), (4, 4), (4, 8), (4, 2)]
@@ -237,7 +237,7 @@ def test_unpaired_gpipe_and_single_microbatch_1f1b_do_not_cross(P, M):
 def _batches_with(sched, stage, peer):
     """The messages of each batch ``stage`` posts that go to or come from ``peer``, in posting order."""
     out = []
-    for posts in exchange_plan(sched, stage):
+    for posts in p2p_posts(sched, stage):
         for post in posts:
             msgs = [_messages(sched, stage, sched.programs[stage][j])[1] for j in post.sends] + \
                    [_messages(sched, stage, sched.programs[stage][j])[0] for j in post.recvs]
@@ -260,7 +260,7 @@ def test_neighbours_batches_mirror_each_other(sched):
         for b in range(sched.num_stages):
             if a != b:
                 assert _batches_with(sched, a, b) == _batches_with(sched, b, a), (a, b)
-        assert all(p.sends or p.recvs for posts in exchange_plan(sched, a) for p in posts)  # no empty batch
+        assert all(p.sends or p.recvs for posts in p2p_posts(sched, a) for p in posts)  # no empty batch
 
 
 def test_gpipe_posts_its_last_activation_apart_from_its_first_gradient():
@@ -268,11 +268,11 @@ def test_gpipe_posts_its_last_activation_apart_from_its_first_gradient():
     activation (F3) before it can send B0's gradient, so as one NCCL group it can never complete (NCCL
     runs a group as one unit); the plan posts them as two batches."""
     sched = gpipe(2, 4)
-    round_events = _events(sched, tuple(tuple((p,) for p in _round_plan(sched, s)) for s in range(2)))
+    round_events = _events(sched, tuple(tuple((p,) for p in _round_posts(sched, s)) for s in range(2)))
     stuck = _replay(round_events, _counterparts(sched, round_events))
     assert [s for s, _ in stuck] == [0, 1]
     assert [op[1][:2] for op in round_events[0][stuck[0][1]][1]] == [("act", 3), ("grad", 0)]
-    plan = exchange_plan(sched, 0)
+    plan = p2p_posts(sched, 0)
     assert plan[4] == (Post((3,), ()), Post((), (4,)))  # before B0: send F3's output, then receive B0's gradient
     check_exchanges(sched)
 
@@ -281,7 +281,7 @@ def test_the_exchange_model_runs_a_batch_as_one_unit():
     """A batch's send goes through only once the peer has posted the counterpart of every operation
     in it: the same exchange, replayed with each operation as a unit of its own, completes."""
     sched = one_f_one_b(2, 1)
-    round_events = _events(sched, tuple(tuple((p,) for p in _round_plan(sched, s)) for s in range(2)))
+    round_events = _events(sched, tuple(tuple((p,) for p in _round_posts(sched, s)) for s in range(2)))
     assert _replay(round_events, _counterparts(sched, round_events))  # stage 0: [send act0, recv grad0]
     per_op = _events(sched, None)
     assert _replay(per_op, _counterparts(sched, per_op)) == []
@@ -329,7 +329,7 @@ def test_interleaved_exchanges_crossing_messages_in_one_batch():
     """Stage 0 of P=2, V=2: after each steady-state pair one batch sends both outputs and receives what
     Megatron-LM's round receives, each into the next action of its chunk that needs it."""
     sched = interleaved_1f1b(2, 4, 2)
-    plan = exchange_plan(sched, 0)
+    plan = p2p_posts(sched, 0)
     prog = sched.programs[0]
     assert all(len(posts) <= 1 for posts in plan)  # Megatron's rounds already mirror: none is split
     names = [[str(prog[j]) for posts in plan[i:i + 1] for p in posts for j in (p.sends + p.recvs)]

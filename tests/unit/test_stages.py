@@ -1,5 +1,5 @@
 """Pipeline stage cuts (rayconv.parallel.pipeline.stages): balance is optimal (against brute force),
-parse_stages reads --stages and refuses bad ones; make_plan refuses more chunks than layers."""
+parse_stages reads --stages and refuses bad ones; make_routing refuses more chunks than layers."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from rayconv.config import Config
-from rayconv.errors import PlanError
+from rayconv.errors import LayoutError
 from rayconv.mesh import Mesh
 from rayconv.models import build_model
-from rayconv.parallel.layout_plan import make_plan
+from rayconv.parallel.routing import make_routing
 from rayconv.parallel.pipeline.stages import balance, parse_stages
 
 
@@ -65,7 +65,7 @@ def test_balance_is_optimal_on_random_cases():
 
 
 def test_balance_more_stages_than_layers():
-    with pytest.raises(PlanError, match="--pp"):
+    with pytest.raises(LayoutError, match="--pp"):
         balance([1.0, 2.0], 3)
 
 
@@ -86,12 +86,12 @@ def test_parse_stages():
     ("a,b", 12, 3, "--stages"),    # not integers
 ])
 def test_parse_stages_errors(spec, layers, stages, match):
-    with pytest.raises(PlanError, match=match):
+    with pytest.raises(LayoutError, match=match):
         parse_stages(spec, layers, stages)
 
 
 def test_more_chunks_than_layers_is_a_plan_error():
     cfg = Config(model="convnet", data="digits", pp=2, dp=1, virtual_stages=7, num_microbatches=2,
                  global_batch_size=8).validate()
-    with pytest.raises(PlanError, match="into 14 chunks but it has 12 cuttable layers: lower --virtual-stages"):
-        make_plan(cfg, Mesh(dp=1, pp=2, fs=1), build_model("convnet", 10, 1, 8), (1, 8, 8))
+    with pytest.raises(LayoutError, match="into 14 chunks but it has 12 cuttable layers: lower --virtual-stages"):
+        make_routing(cfg, Mesh(dp=1, pp=2, fs=1), build_model("convnet", 10, 1, 8), (1, 8, 8))

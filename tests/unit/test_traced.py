@@ -11,13 +11,13 @@ import torch
 from torch import fx, nn
 
 from rayconv.config import Config
-from rayconv.errors import PlanError
+from rayconv.errors import LayoutError
 from rayconv.mesh import Mesh
 from rayconv.models import build_model, run_layers, to_layers
 from rayconv.models import traced
 from rayconv.models.traced import NotCuttable, cut_problem, traced_layers
 from rayconv.outputs.export import assemble, export_model
-from rayconv.parallel.layout_plan import make_plan
+from rayconv.parallel.routing import make_routing
 
 _SPEC = importlib.util.spec_from_file_location("blocks_fixture",
                                                Path(__file__).parents[1] / "support" / "fixtures" / "blocks.py")
@@ -115,8 +115,8 @@ def test_untraceable_model_trains_data_parallel_and_is_refused_for_pp():
     with pytest.raises(NotCuttable, match="torch.fx cannot trace its forward"):
         traced_layers(model)
     cfg = Config(model="convnet", data="digits", pp=2, dp=1, num_microbatches=2, global_batch_size=8).validate()
-    with pytest.raises(PlanError) as e:
-        make_plan(cfg, Mesh(dp=1, pp=2, fs=1), model, (1, 8, 8))
+    with pytest.raises(LayoutError) as e:
+        make_routing(cfg, Mesh(dp=1, pp=2, fs=1), model, (1, 8, 8))
     msg = str(e.value)
     assert "\n" not in msg and "cannot be cut into pipeline stages (torch.fx cannot trace its forward" in msg
     assert "use --pp 1" in msg and len(msg) < 300

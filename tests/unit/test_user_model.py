@@ -17,7 +17,7 @@ from torch import nn
 
 import rayconv
 from rayconv.config import Config, ConfigError
-from rayconv.driver.setup import new_run_dir
+from rayconv.driver.resolve import new_run_dir
 from rayconv.models import build_model
 from rayconv.models.user import (NAME_ENV, PICKLE_ENV, actor_runtime_env, model_label, model_name, parse_spec,
                                  resolve, shipped_path)

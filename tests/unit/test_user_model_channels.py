@@ -12,7 +12,7 @@ from torch import nn
 import rayconv
 from rayconv.config import Config, ConfigError
 from rayconv.data.registry import make_source
-from rayconv.driver.setup import check_before_ray
+from rayconv.driver.resolve import check_before_ray
 from rayconv.models.channels import first_convolution
 
 GREY = """

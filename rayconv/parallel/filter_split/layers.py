@@ -1,6 +1,6 @@
 """Filter-split layers: what an actor runs in place of a model's layer under filter split.
 
-``ShardedDropout`` draws the full activation's mask and keeps its slice, so the shards together drop
+``SlicedDropout`` draws the full activation's mask and keeps its slice, so the shards together drop
 what one device would; ``GatheredConv2d`` and ``GatheredLinear`` are this actor's filters of a dense
 layer that gathers its own channel-sharded input, overlapped with its compute
 (``exchanges.overlapped_gather``). ``COMM_MODULES`` lists every module that communicates (kept
@@ -19,7 +19,7 @@ from torch import nn
 from rayconv.parallel.filter_split.exchanges import BatchGather, ExchangeSpec, Gather, Scatter, overlapped_gather
 
 
-class ShardedDropout(nn.Module):
+class SlicedDropout(nn.Module):
     """Dropout on a channel (or unit) shard: the mask is drawn for the whole activation, from a
     generator that every actor of the split seeds alike each step (``reseed``), and each actor keeps
     its slice, so the shards together drop exactly what one device would draw for the full tensor
@@ -40,7 +40,7 @@ class ShardedDropout(nn.Module):
         if not self.training or self.p == 0:
             return x
         if self.generator is None:
-            raise RuntimeError("ShardedDropout.reseed must be called before training")
+            raise RuntimeError("SlicedDropout.reseed must be called before training")
         full = list(x.shape)
         full[1] = sum(self.sizes)
         keep = torch.rand(full, generator=self.generator, device=x.device) >= self.p

@@ -9,7 +9,7 @@ own overlapped gather: ``layers.GatheredConv2d``). A grouped convolution whose g
 shards needs no exchange: that is Krizhevsky's two-column pattern, where only some layers connect across
 columns (give the single-device model ``groups=2`` in those layers). The last layer's output is
 gathered for the loss, which every actor then computes identically (backward: keep one's slice).
-Batch norm over a channel shard is exact: its statistics are per channel.
+Batch norm over a channel slice is exact: its statistics are per channel.
 
 Legend: N batch, C channels, H, W height, width; ``sizes`` the per-actor extents of dim 1.
 """
@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rayconv.errors import PlanError
+from rayconv.errors import LayoutError
 from rayconv.mesh import split_sizes
 from rayconv.parallel.filter_split.exchanges import BatchGather, ExchangeSpec, Gather, Scatter
-from rayconv.parallel.filter_split.layers import GatheredConv2d, GatheredLinear, ShardedDropout
+from rayconv.parallel.filter_split.layers import GatheredConv2d, GatheredLinear, SlicedDropout
 
 
 ELEMENTWISE = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.Hardswish, nn.ELU,
@@ -37,7 +37,7 @@ PER_CHANNEL = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxP
 
 
 @dataclass
-class ShardedPart:
+class SlicedPart:
     """One actor's runnable part: ``modules`` in order, ``names[i]`` the model layer name of
     ``modules[i]`` (None for exchanges), ``split_dims`` state_dict keys cut by the split (key -> dim),
     ``synced`` the modules whose parameters are all-reduced (and whose parameters and buffers are
@@ -64,7 +64,7 @@ def _slice_param(p: Optional[torch.Tensor], start: int, size: int) -> Optional[n
 
 
 def _shard_module(name: str, m: nn.Module, sizes_out: list[int], index: int, in_local: int,
-                  part: ShardedPart, exchange: Optional[ExchangeSpec] = None) -> nn.Module:
+                  part: SlicedPart, exchange: Optional[ExchangeSpec] = None) -> nn.Module:
     """This actor's slice of conv/linear/bn ``m`` (output dimension), registering split keys; with
     ``exchange``, the layer gathers its own input, overlapped (``GatheredConv2d``, ``GatheredLinear``)."""
     start, size = sum(sizes_out[:index]), sizes_out[index]
@@ -92,19 +92,19 @@ def _shard_module(name: str, m: nn.Module, sizes_out: list[int], index: int, in_
     return new.to(dtype=next(m.parameters()).dtype) if any(True for _ in m.parameters()) else new
 
 
-def shard_layers(layers: list[tuple[str, nn.Module]], in_shape: tuple[int, ...], out_shapes: list[tuple[int, ...]],
+def slice_layers(layers: list[tuple[str, nn.Module]], in_shape: tuple[int, ...], out_shapes: list[tuple[int, ...]],
                  in_sizes: Optional[list[int]], index: int, size: int, group: Optional[dist.ProcessGroup],
-                 is_last: bool, exchange_chunks: int = 1) -> ShardedPart:
+                 is_last: bool, exchange_chunks: int = 1) -> SlicedPart:
     """Filter-split ``layers`` over ``size`` actors; this is actor ``index``'s part.
 
     ``exchange_chunks`` > 1: each gather in front of a dense layer is done in that many batch pieces,
     overlapped with the layer (``overlapped_gather``); 1: one blocking ``Gather`` module.
 
     ``in_shape`` / ``out_shapes``: per-sample shapes of the part's input and each layer's output
-    (from the layout plan). ``in_sizes``: shard sizes of the input along dim 1, None if replicated.
-    Raises PlanError for a layer that cannot be split (with what to change).
+    (from the routing). ``in_sizes``: shard sizes of the input along dim 1, None if replicated.
+    Raises LayoutError for a layer that cannot be split (with what to change).
     """
-    part = ShardedPart()
+    part = SlicedPart()
     sizes = in_sizes
     shape = in_shape
     for (name, m), out_shape in zip(layers, out_shapes):
@@ -118,7 +118,7 @@ def shard_layers(layers: list[tuple[str, nn.Module]], in_shape: tuple[int, ...],
                 sizes = [s * spatial for s in sizes]
             part.add(name, m)
         else:
-            raise PlanError(f"filter split cannot divide layer {name or '<model>'} ({type(m).__name__}): "
+            raise LayoutError(f"filter split cannot divide layer {name or '<model>'} ({type(m).__name__}): "
                             "it supports Conv2d, Linear, BatchNorm, pooling, activations, dropout and flatten "
                             "(AlexNet, VGG, convnet); use --fs 1 for this model")
         shape = out_shape
@@ -131,14 +131,14 @@ def shard_layers(layers: list[tuple[str, nn.Module]], in_shape: tuple[int, ...],
 
 
 def _split_dense(name: str, m: nn.Module, sizes: Optional[list[int]], index: int, size: int,
-                 group: Optional[dist.ProcessGroup], exchange_chunks: int, part: ShardedPart) -> list[int]:
+                 group: Optional[dist.ProcessGroup], exchange_chunks: int, part: SlicedPart) -> list[int]:
     """Add this actor's filters of conv or linear layer ``m`` to ``part``, after the exchange its input
     needs (a ``Scatter`` of a replicated input into a column-local grouped conv, a ``Gather`` of a
     sharded input into a dense layer, or none); ``sizes`` are the input's shard sizes (None when
-    replicated). Returns the output's shard sizes. Raises PlanError for a layer that cannot be split."""
+    replicated). Returns the output's shard sizes. Raises LayoutError for a layer that cannot be split."""
     cout = m.out_channels if isinstance(m, nn.Conv2d) else m.out_features
     if cout < size:
-        raise PlanError(f"splitting over {size} actors (--fs, or --dp under --plan) exceeds layer {name}'s "
+        raise LayoutError(f"splitting over {size} actors (--fs, or --dp under --plan) exceeds layer {name}'s "
                         f"{cout} output channels: use at most {cout}")
     sizes_out = split_sizes(cout, size)
     groups = getattr(m, "groups", 1)
@@ -150,12 +150,12 @@ def _split_dense(name: str, m: nn.Module, sizes: Optional[list[int]], index: int
         if sizes is None:
             part.add(None, Scatter(1, want, index, group))
         elif sizes != want:
-            raise PlanError(f"layer {name} (groups={groups}) does not line up with the channel shards "
+            raise LayoutError(f"layer {name} (groups={groups}) does not line up with the channel slices "
                             f"{sizes}: use an --fs that divides its groups")
         in_local = want[index]
     else:
         if groups > 1:
-            raise PlanError(f"layer {name} has groups={groups}, which --fs {size} does not divide: "
+            raise LayoutError(f"layer {name} has groups={groups}, which --fs {size} does not divide: "
                             f"choose --fs dividing {groups}")
         if sizes is not None and exchange_chunks > 1:
             exchange = ExchangeSpec(1, sizes, index, group, exchange_chunks)
@@ -166,21 +166,21 @@ def _split_dense(name: str, m: nn.Module, sizes: Optional[list[int]], index: int
     return sizes_out
 
 
-def _on_shard(name: str, m: nn.Module, sizes: Optional[list[int]], index: int, part: ShardedPart) -> nn.Module:
-    """A per-channel or elementwise layer as it runs on a channel shard (``sizes``; None: replicated):
-    batch norm sliced, dropout sharded, others as they are. Raises PlanError for batch norm on a
+def _on_shard(name: str, m: nn.Module, sizes: Optional[list[int]], index: int, part: SlicedPart) -> nn.Module:
+    """A per-channel or elementwise layer as it runs on a channel slice (``sizes``; None: replicated):
+    batch norm sliced, dropout sharded, others as they are. Raises LayoutError for batch norm on a
     replicated activation."""
     if isinstance(m, (nn.BatchNorm2d, nn.BatchNorm1d)) and sizes is not None:
         return _shard_module(name, m, sizes, index, 0, part)
     if isinstance(m, (nn.BatchNorm2d, nn.BatchNorm1d)):
-        raise PlanError(f"batch norm {name} on a replicated activation cannot be split")
+        raise LayoutError(f"batch norm {name} on a replicated activation cannot be split")
     if isinstance(m, nn.Dropout) and sizes is not None:
-        return ShardedDropout(m.p, sizes, index)
+        return SlicedDropout(m.p, sizes, index)
     return m
 
 
-def whole_part(layers: list[tuple[str, nn.Module]]) -> ShardedPart:
+def whole_part(layers: list[tuple[str, nn.Module]]) -> SlicedPart:
     """No split: the layers as they are, every parameter synced over data parallel."""
     mods = [m for _, m in layers]
-    return ShardedPart(modules=mods, names=[n for n, _ in layers],
+    return SlicedPart(modules=mods, names=[n for n, _ in layers],
                        synced=list(mods))

@@ -6,7 +6,7 @@ Where each piece lives:
   interleaved 1F1B, ``forward_only``), ``make_schedule``, ``peak_in_flight``;
 * ``simulate`` -- when actions run: ``timeline`` (unit or measured times), the unit-time
   ``simulate`` grid, ``bubble_fraction``, ``format_grid``;
-* ``p2p`` -- the batches of sends and receives a stage posts (``exchange_plan``, ``Post``);
+* ``p2p`` -- the batches of sends and receives a stage posts (``p2p_posts``, ``Post``);
 * ``nccl_model`` -- the replay model of NCCL's point-to-point rules (``p2p`` splits batches by it,
   ``checks`` replays them on it);
 * ``checks`` -- the checks a schedule passes before any actor runs it: ``check_exchanges`` (the
@@ -22,7 +22,7 @@ is imported by its own path.
 
 from rayconv.errors import ScheduleError
 from rayconv.parallel.pipeline.checks import check_exchanges, validate
-from rayconv.parallel.pipeline.p2p import Post, exchange_plan
+from rayconv.parallel.pipeline.p2p import Post, p2p_posts
 from rayconv.parallel.pipeline.schedules import (SCHEDULE_NAMES, Action, Schedule, forward_only, gpipe,
                                                  interleaved_1f1b, make_schedule, one_f_one_b, peak_in_flight)
 from rayconv.parallel.pipeline.simulate import bubble_fraction, format_grid, simulate, timeline
@@ -30,6 +30,6 @@ from rayconv.parallel.pipeline.stages import balance, parse_stages
 
 __all__ = [
     "Action", "Schedule", "ScheduleError", "SCHEDULE_NAMES", "gpipe", "one_f_one_b", "interleaved_1f1b",
-    "forward_only", "make_schedule", "validate", "simulate", "timeline", "Post", "exchange_plan",
+    "forward_only", "make_schedule", "validate", "simulate", "timeline", "Post", "p2p_posts",
     "check_exchanges", "bubble_fraction", "peak_in_flight", "format_grid", "balance", "parse_stages",
 ]

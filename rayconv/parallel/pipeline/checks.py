@@ -1,12 +1,12 @@
 """The checks a pipeline schedule passes before any actor runs it: ``validate`` (both of the models of
 ``simulate`` and ``nccl_model`` that it must satisfy) and ``check_exchanges`` (the batches of
-``p2p.exchange_plan`` replayed under NCCL's point-to-point rules, ``nccl_model.py``)."""
+``p2p.p2p_posts`` replayed under NCCL's point-to-point rules, ``nccl_model.py``)."""
 
 from __future__ import annotations
 
 from rayconv.errors import ScheduleError
 from rayconv.parallel.pipeline.nccl_model import _counterparts, _events, _replay
-from rayconv.parallel.pipeline.p2p import _plans
+from rayconv.parallel.pipeline.p2p import _stage_posts
 from rayconv.parallel.pipeline.schedules import Schedule, _check_programs
 from rayconv.parallel.pipeline.simulate import simulate
 
@@ -31,7 +31,7 @@ def validate(schedule: Schedule) -> None:
 def check_exchanges(schedule: Schedule, paired: bool = True) -> None:
     """Replay the point-to-point batches a step posts under NCCL's rules (``nccl_model.py``).
 
-    With ``paired`` the batches are ``exchange_plan``'s, what ``StageRunner.run`` posts. With
+    With ``paired`` the batches are ``p2p_posts``'s, what ``StageRunner.run`` posts. With
     ``paired=False``, the unpaired pattern: each receive and each send is a batch of its own, the
     send posted right after its action computes (1F1B deadlocks that way; the paired plan does not).
 
@@ -52,7 +52,7 @@ def check_exchanges(schedule: Schedule, paired: bool = True) -> None:
             stage waits for).
     """
     _check_programs(schedule)
-    events = _events(schedule, _plans(schedule) if paired else None)
+    events = _events(schedule, _stage_posts(schedule) if paired else None)
     stuck = _replay(events, _counterparts(schedule, events))
     if stuck:
         def waits(s: int, j: int) -> str:

@@ -1,6 +1,6 @@
 """What each pipeline stage sends and receives, batch by batch.
 
-``exchange_plan`` gives the batches of point-to-point operations ``StageRunner.run`` posts around each
+``p2p_posts`` gives the batches of point-to-point operations ``StageRunner.run`` posts around each
 action of a stage's program; ``checks.check_exchanges`` replays them under the rules of ``nccl_model.py``.
 
 Rounds: without model chunks each action's output goes out with the next action's input, so 1F1B's
@@ -19,7 +19,7 @@ from rayconv.parallel.pipeline.nccl_model import _counterparts, _events, _messag
 from rayconv.parallel.pipeline.schedules import BACKWARD, FORWARD, Schedule, _interleaved_chunk, _interleaved_warmup
 from rayconv.errors import ScheduleError
 
-__all__ = ["Post", "exchange_plan"]
+__all__ = ["Post", "p2p_posts"]
 
 
 @dataclass(frozen=True)
@@ -32,9 +32,9 @@ class Post:
     recvs: tuple[int, ...]
 
 
-def exchange_plan(schedule: Schedule, stage: int) -> list[tuple[Post, ...]]:
-    """The batches ``StageRunner.run`` posts on ``stage``: ``plan[i]`` (zero or more batches, none
-    empty, posted in order) just before action ``i`` computes, and ``plan[len(program)]`` after the last (the sends
+def p2p_posts(schedule: Schedule, stage: int) -> list[tuple[Post, ...]]:
+    """The batches ``StageRunner.run`` posts on ``stage``: ``posts[i]`` (zero or more batches, none
+    empty, posted in order) just before action ``i`` computes, and ``posts[len(program)]`` after the last (the sends
     left over).
 
     Rounds: without model chunks (and for ``forward_only``), each action's output is sent with the
@@ -50,41 +50,41 @@ def exchange_plan(schedule: Schedule, stage: int) -> list[tuple[Post, ...]]:
     the last activation, receive the first gradient", whose peer must use that activation before it
     can send the gradient) is split, the operations its peer's batch matches first.
     """
-    return [tuple(posts) for posts in _plans(schedule)[stage]]
+    return [tuple(posts) for posts in _stage_posts(schedule)[stage]]
 
 
 @functools.lru_cache(maxsize=32)
-def _plans(schedule: Schedule) -> tuple[tuple[tuple[Post, ...], ...], ...]:
-    """Every stage's ``exchange_plan``: its ``_round_plan``, batches split until neighbours' batches
+def _stage_posts(schedule: Schedule) -> tuple[tuple[tuple[Post, ...], ...], ...]:
+    """Every stage's ``p2p_posts``: its ``_round_posts``, batches split until neighbours' batches
     mirror; then, while ``check_exchanges``'s model still deadlocks, each stuck batch that talks to
     several stages split into one batch per stage (sends first) and mirrored again. What cannot be
     mended so (messages in another order, a deadlock of single-peer batches) is left for
     ``check_exchanges`` to name."""
-    plans = _Plans(schedule)
-    plans.mirror()
+    by_stage = _StagePosts(schedule)
+    by_stage.mirror()
     while True:
-        events = _events(schedule, plans.frozen())
+        events = _events(schedule, by_stage.frozen())
         try:
             stuck = _replay(events, _counterparts(schedule, events))
         except ScheduleError:
             break
-        if not plans.split_by_peer(events, stuck):
+        if not by_stage.split_by_peer(events, stuck):
             break
-        plans.mirror()
-    return plans.frozen()
+        by_stage.mirror()
+    return by_stage.frozen()
 
 
 _Op = tuple[str, int, tuple]  # ("send" or "recv", index of the action in the stage's program, message)
 
 
-class _Plans:
-    """The stages' batches while ``_plans`` splits them: ``plans[s][i]`` is the list of batches stage ``s``
-    posts before action ``i``, starting from ``_round_plan`` (an empty round is no batch)."""
+class _StagePosts:
+    """The stages' batches while ``_stage_posts`` splits them: ``plans[s][i]`` is the list of batches stage ``s``
+    posts before action ``i``, starting from ``_round_posts`` (an empty round is no batch)."""
 
     def __init__(self, schedule: Schedule):
         P = schedule.num_stages
         self.msgs = [[_messages(schedule, s, a) for a in prog] for s, prog in enumerate(schedule.programs)]
-        self.plans = [[[p] if p.sends or p.recvs else [] for p in _round_plan(schedule, s)] for s in range(P)]
+        self.by_stage = [[[p] if p.sends or p.recvs else [] for p in _round_posts(schedule, s)] for s in range(P)]
         # Every pair of stages (lower first) that exchanges a message.
         self.pairs = sorted({tuple(sorted((s, self.peer(s, m))))
                              for s in range(P) for r, t in self.msgs[s] for m in (r, t) if m})
@@ -107,15 +107,15 @@ class _Plans:
     def projection(self, s: int, q: int) -> list[tuple[int, int, frozenset]]:
         """Stage ``s``'s batches that talk to ``q``, in posting order: (action index, batch index, the
         messages with ``q``)."""
-        return [(i, b, x) for i, posts in enumerate(self.plans[s]) for b, post in enumerate(posts)
+        return [(i, b, x) for i, posts in enumerate(self.by_stage[s]) for b, post in enumerate(posts)
                 if (x := frozenset(m for _, _, m in self.ops(s, post) if self.peer(s, m) == q))]
 
     def split(self, s: int, i: int, b: int, q: int, first: frozenset) -> None:
         """Batch b before action i of stage s in two: its operations with q in ``first`` (and those
         with other stages), then its other operations with q."""
-        o = self.ops(s, self.plans[s][i][b])
+        o = self.ops(s, self.by_stage[s][i][b])
         head = [op for op in o if self.peer(s, op[2]) != q or op[2] in first]
-        self.plans[s][i][b:b + 1] = [self.make(head), self.make([op for op in o if op not in head])]
+        self.by_stage[s][i][b:b + 1] = [self.make(head), self.make([op for op in o if op not in head])]
 
     def mirror(self) -> None:
         """Split batches until, for every pair of stages, the k-th batch of each that talks to the other
@@ -145,21 +145,21 @@ class _Plans:
         mended = False
         for s, j in stuck:
             _, _, i, b = events[s][j]
-            o = self.ops(s, self.plans[s][i][b])
+            o = self.ops(s, self.by_stage[s][i][b])
             peers = sorted({self.peer(s, m) for _, _, m in o},
                            key=lambda q: min(0 if kind == "send" else 1 for kind, _, m in o if self.peer(s, m) == q))
             if len(peers) > 1:
-                self.plans[s][i][b:b + 1] = [self.make([op for op in o if self.peer(s, op[2]) == q]) for q in peers]
+                self.by_stage[s][i][b:b + 1] = [self.make([op for op in o if self.peer(s, op[2]) == q]) for q in peers]
                 mended = True
         return mended
 
     def frozen(self) -> tuple[tuple[tuple[Post, ...], ...], ...]:
-        """The plans as nested tuples (what ``_events`` reads and ``_plans`` returns)."""
-        return tuple(tuple(tuple(posts) for posts in plan) for plan in self.plans)
+        """The batches as nested tuples (what ``_events`` reads and ``_stage_posts`` returns)."""
+        return tuple(tuple(tuple(posts) for posts in stage) for stage in self.by_stage)
 
 
-def _round_plan(schedule: Schedule, stage: int) -> list[Post]:
-    """The rounds of ``exchange_plan`` before mirroring: one batch (maybe empty) per action and one after."""
+def _round_posts(schedule: Schedule, stage: int) -> list[Post]:
+    """The rounds of ``p2p_posts`` before mirroring: one batch (maybe empty) per action and one after."""
     prog = schedule.programs[stage]
     msgs = [_messages(schedule, stage, a) for a in prog]
     if schedule.num_chunks == 1 or not schedule.training:

@@ -4,12 +4,12 @@ A stage runs its program (``schedules``: GPipe, 1F1B or interleaved 1F1B): F(m) 
 activation of micro-batch m from the previous stage (or reads it from the data), runs the stage, and
 sends the output on (non-blocking); B(m) receives the output gradient from the next stage (or starts
 from the loss), runs backward and sends the input gradient back. What is sent and received when is the
-schedule's exchange plan (``p2p.exchange_plan``): a send is posted together with the next action's
+schedule's p2p posts (``p2p.p2p_posts``): a send is posted together with the next action's
 receive as one NCCL group (``comm.exchange``), so crossing sends of 1F1B cannot deadlock; interleaved
 1F1B (several model chunks per stage) exchanges as Megatron-LM does; and neighbours' groups mirror each
 other (a group NCCL cannot complete until its peer posts the mirror image is split).
 ``checks.check_exchanges`` replays these batches under NCCL's rules, unbuffered, for every schedule
-``layout_plan.make_plan`` accepts. Gradients accumulate over micro-batches; the last virtual stage's
+``routing.make_routing`` accepts. Gradients accumulate over micro-batches; the last virtual stage's
 output goes to the caller's ``loss`` (``actor/loss.py``), whose value it back-propagates. Batch norm
 normalises each micro-batch by its own statistics; its running statistics advance once per step
 (``parallel/batchnorm.py``).
@@ -81,7 +81,7 @@ class StageRunner:
 
     def _post(self, post: Post, program: Sequence[Action], mb_sizes: list[int], outbox: dict, inbox: dict,
               res: StepResult) -> None:
-        """Post one batch of the step's exchange plan (``p2p.exchange_plan``): the outputs of the
+        """Post one batch of the step's p2p posts (``p2p.p2p_posts``): the outputs of the
         actions in ``post.sends`` (from ``outbox``) and the inputs of those in ``post.recvs`` (into
         ``inbox``), as one batch (``comm.exchange``), waiting for the receives. The sends' handles go
         to ``res.sends``."""
@@ -107,12 +107,12 @@ class StageRunner:
         with torch.autocast(self.device.type, dtype=self.autocast):
             return module(x)
 
-    def run(self, program: Sequence[Action], plan: Sequence[Sequence[Post]], inputs: Callable[[int], torch.Tensor],
+    def run(self, program: Sequence[Action], posts: Sequence[Sequence[Post]], inputs: Callable[[int], torch.Tensor],
             loss: Callable[[int, torch.Tensor], torch.Tensor], mb_sizes: list[int],
             before_last_backward: Callable[[], None], train: bool = True,
             before_forward: Optional[Callable[[int], None]] = None) -> StepResult:
         """Run ``program`` (all F and B actions of this stage; only F when ``train`` is False), posting
-        the batches of ``plan[i]`` (``p2p.exchange_plan`` of the program), in order, before action
+        the batches of ``posts[i]`` (``p2p.p2p_posts`` of the program), in order, before action
         ``i`` and those of the last entry after the program.
 
         ``inputs(m)`` gives micro-batch m's images (first virtual stage); ``loss(m, logits_NK)`` the
@@ -131,7 +131,7 @@ class StageRunner:
             # graph captures the step: nothing has run yet, and querying a captured send is an error.)
             if not capturing:
                 res.sends = [w for w in res.sends if not w.is_completed()]
-            for post in plan[i]:
+            for post in posts[i]:
                 self._post(post, program, mb_sizes, outbox, inbox, res)
             if a.kind == "F":
                 if before_forward is not None:
@@ -141,9 +141,9 @@ class StageRunner:
                 if i == last_b:
                     before_last_backward()
                 self._run_backward(i, a, outbox, inbox, saved)
-        for post in plan[len(program)]:
+        for post in posts[len(program)]:
             self._post(post, program, mb_sizes, outbox, inbox, res)
-        assert not outbox and not inbox, "exchange plan left messages unsent or unused"
+        assert not outbox and not inbox, "p2p posts left messages unsent or unused"
         for w in res.sends:
             w.wait()
         res.sends.clear()

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from rayconv.errors import PlanError
+from rayconv.errors import LayoutError
 
 
 def balance(costs: Sequence[float], num_stages: int) -> list[tuple[int, int]]:
     """Cut ``costs`` (one per layer) into ``num_stages`` contiguous non-empty runs minimising the
     largest run's sum (linear partition by dynamic programming, O(L^2 * P)). Returns [start, end) pairs.
-    Raises PlanError if there are fewer layers than stages."""
+    Raises LayoutError if there are fewer layers than stages."""
     n = len(costs)
     if num_stages > n:
-        raise PlanError(f"--pp {num_stages} needs at least {num_stages} cuttable layers but the model has {n}: "
+        raise LayoutError(f"--pp {num_stages} needs at least {num_stages} cuttable layers but the model has {n}: "
                         f"lower --pp to at most {n}")
     prefix = [0.0]
     for c in costs:
@@ -44,15 +44,15 @@ def balance(costs: Sequence[float], num_stages: int) -> list[tuple[int, int]]:
 
 def parse_stages(spec: str, num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     """``--stages '5,9'``: the first layer index of stages 1.. (so 3 stages: [0,5), [5,9), [9,L)).
-    Raises PlanError naming what to change."""
+    Raises LayoutError naming what to change."""
     try:
         cuts = [int(s) for s in spec.replace(" ", "").split(",") if s]
     except ValueError:
-        raise PlanError(f"--stages {spec!r}: give comma-separated layer indices, e.g. '5,9'") from None
+        raise LayoutError(f"--stages {spec!r}: give comma-separated layer indices, e.g. '5,9'") from None
     if len(cuts) != num_stages - 1:
-        raise PlanError(f"--stages {spec!r} gives {len(cuts) + 1} stages but --pp (times --virtual-stages) is "
+        raise LayoutError(f"--stages {spec!r} gives {len(cuts) + 1} stages but --pp (times --virtual-stages) is "
                         f"{num_stages}: give {num_stages - 1} cut point(s)")
     edges = [0, *cuts, num_layers]
     if any(b <= a for a, b in zip(edges, edges[1:])):
-        raise PlanError(f"--stages {spec!r}: cut points must increase strictly within 1..{num_layers - 1}")
+        raise LayoutError(f"--stages {spec!r}: cut points must increase strictly within 1..{num_layers - 1}")
     return list(zip(edges, edges[1:]))

@@ -1,13 +1,13 @@
-"""A run's setup, done once before any actor starts: checks, data, model, layout, routing plan, output folder.
+"""A run's setup, done once before any actor starts: checks, data, model, layout, routing, output folder.
 
 Everything that needs no cluster is checked first (the settings themselves, also for a ``Config`` made
 in Python; the model name, ``--max-memory-gib``, the data, the model's training output, the
 learning-rate warm-up against the run's length, the layout against the model, a ``--resume``
 checkpoint against the run), so
 that a user's mistake costs no Ray start. Then Ray is connected, the device and ``dp`` are resolved
-against the cluster, and the routing plan (``parallel.layout_plan.make_plan``) is built for the
+against the cluster, and the routing (``parallel.routing.make_routing``) is built for the
 resolved mesh. Each resolution makes a new, validated ``Config`` (``dataclasses.replace``); the result
-is one frozen ``Setup`` that the loop, the checkpoints and the summary read.
+is one frozen ``ResolvedRun`` that the loop, the checkpoints and the summary read.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rayconv.cluster.connect import available_devices, connect
-from rayconv.cluster.stage import stage_run
+from rayconv.cluster.local_copy import copy_to_nodes
 from rayconv.cluster.tasks import run_on_device
 from rayconv.config import Config
 from rayconv.data.order import make_order
@@ -36,19 +36,19 @@ from rayconv.mesh import Mesh
 from rayconv.models import build_model, check_trainable, model_names, run_model
 from rayconv.models.user import is_user_model, model_label, resolve
 from rayconv.outputs.checkpoint import Checkpoint, check_resumable, find_checkpoint, list_checkpoints, load_checkpoint
-from rayconv.parallel.layout_plan import LayoutPlan, make_plan
+from rayconv.parallel.routing import Routing, make_routing
 from rayconv.planner.layer_timing import measured_costs
 from rayconv.planner.search import choose_layout, memory_check
 
 
 @dataclass(frozen=True)
-class Setup:
+class ResolvedRun:
     """What one run is, resolved once: the settings (device, ``dp``, pipeline cut and output folder
-    filled in), the mesh, the routing plan every actor cuts its part from, the data, the step counts."""
+    filled in), the mesh, the routing every actor cuts its part from, the data, the step counts."""
 
     cfg: Config
     mesh: Mesh
-    plan: LayoutPlan
+    routing: Routing
     source: Source
     sharding: Sharding
     total_steps: int
@@ -66,9 +66,9 @@ class Setup:
         return dataclasses.replace(self.cfg, data_dir=self.data_dir)
 
 
-def setup_run(cfg: Config, log=print) -> Setup:
+def resolve_run(cfg: Config, log=print) -> ResolvedRun:
     """Check and resolve everything a run needs before its actors start (see the module docstring).
-    Nothing is written. Raises ConfigError / DataError / PlanError / CheckpointError / FileExistsError
+    Nothing is written. Raises ConfigError / DataError / LayoutError / CheckpointError / FileExistsError
     before Ray starts, ClusterError when the cluster cannot be reached."""
     t_start = time.perf_counter()
     cfg.validate()  # (a Config made in Python: refused here, before Ray starts)
@@ -80,10 +80,10 @@ def setup_run(cfg: Config, log=print) -> Setup:
     if cfg.layout == "auto":
         cfg, predicted = choose_layout(cfg, log)
     data_dir = cfg.data_dir
-    cfg, mesh, source, plan, sharding = prepare(cfg, log, resume)
+    cfg, mesh, source, routing, sharding = resolve_on_cluster(cfg, log, resume)
     steps = total_steps(cfg, sharding.steps_per_epoch)
     cfg = with_cudnn_benchmark(cfg, steps)
-    return Setup(cfg=cfg, mesh=mesh, plan=plan, source=source, sharding=sharding, total_steps=steps,
+    return ResolvedRun(cfg=cfg, mesh=mesh, routing=routing, source=source, sharding=sharding, total_steps=steps,
                  eval_every=cfg.eval_every or sharding.steps_per_epoch, out=out, run_name=new_run_name(out),
                  resume=resume, predicted=predicted, t_start=t_start, data_dir=data_dir)
 
@@ -98,17 +98,17 @@ def with_cudnn_benchmark(cfg: Config, steps: int) -> Config:
     return dataclasses.replace(cfg, cudnn_benchmark="on" if steps >= CUDNN_BENCHMARK_MIN_STEPS else "off")
 
 
-def prepare(cfg: Config, log=print, resume: Optional[Checkpoint] = None) -> tuple[Config, Mesh, Source, LayoutPlan,
+def resolve_on_cluster(cfg: Config, log=print, resume: Optional[Checkpoint] = None) -> tuple[Config, Mesh, Source, Routing,
                                                                                 Sharding]:
     """Check everything that needs no cluster, then connect to Ray, resolve the layout against the
-    cluster and build the routing plan.
+    cluster and build the routing.
 
     Before Ray starts: the data (folders), the model (name, image shape, training output), the layout
     against the model (with --dp as given, 1 when the cluster decides it) and ``resume``'s checkpoint
-    against the run. With --stage-dir, the shards are then copied to the nodes (``cluster.stage``).
+    against the run. With --stage-dir, the shards are then copied to the nodes (``cluster.local_copy``).
     Returns (the settings with device, ``dp``, a balanced pipeline cut and a staged ``data_dir``
-    resolved; mesh; source; plan; the train sharding over the mesh's replicas, which the actors read
-    by). Raises ConfigError / DataError / PlanError / CheckpointError / ClusterError
+    resolved; mesh; source; routing; the train sharding over the mesh's replicas, which the actors read
+    by). Raises ConfigError / DataError / LayoutError / CheckpointError / ClusterError
     before any actor starts."""
     source, sharding, reference, checked = check_before_ray(cfg, resume)
     dp_given = cfg.dp is not None
@@ -116,17 +116,17 @@ def prepare(cfg: Config, log=print, resume: Optional[Checkpoint] = None) -> tupl
     wanted = (cfg.dp or 1) * cfg.pp * cfg.fs * cfg.num_cpus_per_actor
     connect(cfg.address, min_cpus=wanted if cfg.device != "cuda" else None)
     cfg, mesh = resolve_layout(cfg, log)
-    cfg = stage_run(cfg, log)  # --stage-dir: the shards copied to each node; the actors read the copies
+    cfg = copy_to_nodes(cfg, log)  # --stage-dir: the shards copied to each node; the actors read the copies
     if not dp_given:
         memory_check(cfg)  # (with --dp from the cluster: before any actor starts)
-    cfg, plan = routing_plan(cfg, mesh, checked, reference, source, log)
+    cfg, routing = resolve_routing(cfg, mesh, checked, reference, source, log)
     # (the order made once, before Ray; only the replica count is the cluster's)
-    return cfg, mesh, source, plan, dataclasses.replace(sharding, dp=mesh.dp)
+    return cfg, mesh, source, routing, dataclasses.replace(sharding, dp=mesh.dp)
 
 
-def check_before_ray(cfg: Config, resume: Optional[Checkpoint]) -> tuple[Source, Sharding, Any, LayoutPlan]:
+def check_before_ray(cfg: Config, resume: Optional[Checkpoint]) -> tuple[Source, Sharding, Any, Routing]:
     """The checks that need no cluster; returns (source, its train sharding over ``dp`` as given or 1,
-    the whole model as one device runs it, the routing plan for that ``dp``). Raises ConfigError / DataError / PlanError / CheckpointError."""
+    the whole model as one device runs it, the routing for that ``dp``). Raises ConfigError / DataError / LayoutError / CheckpointError."""
     if is_user_model(cfg.model):
         resolve(cfg.model)  # the module and function found: raises ConfigError before the data is read
     elif cfg.model not in model_names():
@@ -142,10 +142,10 @@ def check_before_ray(cfg: Config, resume: Optional[Checkpoint]) -> tuple[Source,
     if classes != source.num_classes:
         raise ConfigError(f"--model {cfg.model} gives {classes} class scores, the data has {source.num_classes} "
                           "classes: build the model with the num_classes it is called with")
-    plan = make_plan(cfg, Mesh(cfg.dp or 1, cfg.pp, cfg.fs), reference, source.sample_shape)
+    routing = make_routing(cfg, Mesh(cfg.dp or 1, cfg.pp, cfg.fs), reference, source.sample_shape)
     if resume is not None:  # (a resumed run's --dp comes from its checkpoint)
-        check_resumable(resume, cfg, plan.mesh, plan.stages, source.num_classes, tuple(source.sample_shape))
-    return source, sharding, reference, plan
+        check_resumable(resume, cfg, routing.mesh, routing.stages, source.num_classes, tuple(source.sample_shape))
+    return source, sharding, reference, routing
 
 
 def resolve_layout(cfg: Config, log=print) -> tuple[Config, Mesh]:
@@ -178,9 +178,9 @@ def resolve_layout(cfg: Config, log=print) -> tuple[Config, Mesh]:
     return cfg, mesh
 
 
-def routing_plan(cfg: Config, mesh: Mesh, checked: LayoutPlan, reference, source: Source,
-                 log=print) -> tuple[Config, LayoutPlan]:
-    """The run's routing plan for the resolved ``mesh``: ``checked`` (the plan the settings were checked
+def resolve_routing(cfg: Config, mesh: Mesh, checked: Routing, reference, source: Source,
+                 log=print) -> tuple[Config, Routing]:
+    """The run's routing for the resolved ``mesh``: ``checked`` (the routing the settings were checked
     with before Ray) when the mesh is the same and the stages need no measuring, else built once more.
 
     With ``--balance time`` (or auto on GPUs) and no ``--stages``, the pipeline stages are balanced by
@@ -188,14 +188,14 @@ def routing_plan(cfg: Config, mesh: Mesh, checked: LayoutPlan, reference, source
     into the returned settings, so that a resumed run keeps it."""
     by_time = cfg.balance == "time" or (cfg.balance == "auto" and cfg.device == "cuda")
     if mesh.pp == 1 or cfg.stages or not by_time:
-        return cfg, checked if mesh == checked.mesh else make_plan(cfg, mesh, reference, source.sample_shape)
+        return cfg, checked if mesh == checked.mesh else make_routing(cfg, mesh, reference, source.sample_shape)
     micro_batch = max(1, cfg.global_batch_size // mesh.dp // cfg.num_microbatches)
     costs = run_on_device(measured_costs, (cfg.to_dict(), micro_batch), gpu=cfg.device == "cuda",
                           model=cfg.model)
-    plan = make_plan(cfg, mesh, reference, source.sample_shape, costs=costs)
+    routing = make_routing(cfg, mesh, reference, source.sample_shape, costs=costs)
     log(f"pipeline stages balanced by measured forward+backward time per layer (ms, micro-batch "
-        f"{micro_batch}): " + ", ".join(f"{sum(costs[a:b]):.2f}" for a, b in plan.stages))
-    return dataclasses.replace(cfg, stages=",".join(str(a) for a, _ in plan.stages[1:])), plan
+        f"{micro_batch}): " + ", ".join(f"{sum(costs[a:b]):.2f}" for a, b in routing.stages))
+    return dataclasses.replace(cfg, stages=",".join(str(a) for a, _ in routing.stages[1:])), routing
 
 
 # ---------------------------------------------------------------------- the output folder

@@ -1,9 +1,9 @@
 """``--stage-dir DIR``: a prepared shard folder copied to the local disk of each node before training.
 
-``stage_run`` (the driver, once Ray is connected and the device kind known) starts one Ray task per
+``copy_to_nodes`` (the driver, once Ray is connected and the device kind known) starts one Ray task per
 alive node that can host an actor of the run (a GPU for ``cuda``, ``--num-cpus-per-actor`` CPUs
-otherwise; the placement group is reserved later, so every such node is staged), pinned to it by a
-hard ``NodeAffinitySchedulingStrategy``. Each task (``stage_folder``) reads the folder at
+otherwise; the placement group is reserved later, so every such node gets a copy), pinned to it by a
+hard ``NodeAffinitySchedulingStrategy``. Each task (``copy_folder``) reads the folder at
 ``--data-dir`` (a path that node sees) and brings DIR to an exact copy of its listed files:
 
 - a shard already in DIR with the manifest's byte size and sha256 is skipped; any other is copied
@@ -11,14 +11,14 @@ hard ``NodeAffinitySchedulingStrategy``. Each task (``stage_folder``) reads the 
   renamed over its name (a rename in one folder is atomic), so a shard under its own name in DIR is
   always complete;
 - DIR's manifest is removed before any shard is copied and written (atomically) after all of them,
-  so a DIR whose staging stopped part-way (full disk, a crash) has no manifest and is refused by the
+  so a DIR whose copy stopped part-way (full disk, a crash) has no manifest and is refused by the
   reader rather than taken as complete;
 - shard files in DIR that the manifest does not list (``train-NNNNN`` / ``val-NNNNN`` of an earlier
   preparation) are removed, as the reader refuses unlisted shards.
 
 Before copying, the bytes to copy are checked against ``shutil.disk_usage(DIR).free``; an OSError
 while copying removes the temporary file. Both raise DataError naming the file and DIR. The run then
-reads DIR: the driver's settings take ``data_dir = DIR`` (the folder given is kept in Setup.data_dir
+reads DIR: the driver's settings take ``data_dir = DIR`` (the folder given is kept in ResolvedRun.data_dir
 for summary.json).
 """
 
@@ -46,8 +46,8 @@ SHARD_NAME = re.compile(r"^(train|val)-\d+\.(parquet|arrow)$")  # what prepare n
 BLOCK = 1 << 22  # bytes read and written at a time
 
 
-def stage_run(cfg: Config, log=print) -> Config:
-    """With ``cfg.stage_dir``: stage ``cfg.data_dir`` on every node that can host an actor (see the
+def copy_to_nodes(cfg: Config, log=print) -> Config:
+    """With ``cfg.stage_dir``: copy ``cfg.data_dir`` on every node that can host an actor (see the
     module docstring) and return ``cfg`` reading the copies (``data_dir = stage_dir``); without it,
     ``cfg`` itself. Raises DataError (a node's copy failed: the message names the file and DIR) or
     ClusterError (no node can host an actor, or Ray failed)."""
@@ -56,7 +56,7 @@ def stage_run(cfg: Config, log=print) -> Config:
     nodes = actor_nodes(cfg)
     if not nodes:
         raise ClusterError(f"--stage-dir {cfg.stage_dir}: no alive node of the cluster can host an actor")
-    task = ray.remote(stage_folder)
+    task = ray.remote(copy_folder)
     refs = [task.options(num_cpus=0, max_retries=0,
                          scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
                          ).remote(cfg.data_dir, cfg.stage_dir) for node in nodes]
@@ -68,7 +68,7 @@ def stage_run(cfg: Config, log=print) -> Config:
             cause = cause.cause
         if isinstance(cause, DataError):
             raise DataError(str(cause)) from None
-        raise ClusterError(f"--stage-dir {cfg.stage_dir}: staging failed: {exception_summary(e)}") from None
+        raise ClusterError(f"--stage-dir {cfg.stage_dir}: copying failed: {exception_summary(e)}") from None
     copied = sum(len(r["copied"]) for r in reports)
     gib = sum(r["copied_bytes"] for r in reports) / 2**30
     log(f"--stage-dir {cfg.stage_dir}: {len(reports)} node(s); {copied} file(s) copied ({gib:.2f} GiB), "
@@ -82,17 +82,17 @@ def actor_nodes(cfg: Config) -> list[str]:
     return [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(need[0], 0) >= need[1]]
 
 
-def stage_folder(src: str, dest: str) -> dict[str, Any]:
+def copy_folder(src: str, dest: str) -> dict[str, Any]:
     """Make ``dest`` on this node an exact copy of the prepared folder ``src`` (module docstring).
     Returns {"node": this node's IP, "copied": [file names], "skipped": [file names], "copied_bytes"}.
     Raises DataError naming the file and ``dest``."""
     root, out = Path(src), Path(dest)
     manifest_bytes, entries = _read_manifest(root)
     if out.exists() and out.resolve() == root.resolve():  # (a resumed run: its data_dir is DIR already)
-        bad = [e["file"] for e in entries if not is_staged(out / e["file"], e)]
+        bad = [e["file"] for e in entries if not is_copied(out / e["file"], e)]
         if bad:
             raise DataError(f"--stage-dir {out} is --data-dir itself and {bad[0]} there does not match {MANIFEST}: "
-                            "give --data-dir the prepared folder it was staged from")
+                            "give --data-dir the prepared folder it was copied from")
         return {"node": _node(), "copied": [], "skipped": sorted(e["file"] for e in entries), "copied_bytes": 0}
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -103,7 +103,7 @@ def stage_folder(src: str, dest: str) -> dict[str, Any]:
                 p.unlink()
     except OSError as e:
         raise DataError(f"--stage-dir {out}: cannot prepare the folder ({e.strerror or e})") from None
-    todo = [e for e in entries if not is_staged(out / e["file"], e)]
+    todo = [e for e in entries if not is_copied(out / e["file"], e)]
     manifest_current = (out / MANIFEST).is_file() and (out / MANIFEST).read_bytes() == manifest_bytes
     if todo or not manifest_current:
         (out / MANIFEST).unlink(missing_ok=True)  # DIR is incomplete until the manifest is written back
@@ -135,7 +135,7 @@ def _read_manifest(root: Path) -> tuple[bytes, list[dict[str, Any]]]:
     return data, entries
 
 
-def is_staged(path: Path, entry: dict[str, Any]) -> bool:
+def is_copied(path: Path, entry: dict[str, Any]) -> bool:
     """Whether ``path`` is complete: the entry's byte size and sha256."""
     try:
         return path.stat().st_size == int(entry["bytes"]) and sha256_file(path) == entry["sha256"]

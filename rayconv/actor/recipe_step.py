@@ -15,9 +15,9 @@ collectives that make every layout take the same step as one device:
   Krizhevsky 2014's per-layer plan), parameters that several of them hold counted once
   (``recipe.clip``), then every actor scales by the same coefficient;
 * ``--opt lars``: after clipping, each layer's gradient is scaled by its trust ratio (``recipe.lars``),
-  the squared norms of a tensor split over filter-split shards (the dp group under the per-layer plan)
+  the squared norms of a tensor split over filter-split slices (the dp group under the per-layer plan)
   summed over them first, so each slice takes the whole tensor's ratio;
-* ``--model-ema``: ``recipe.ema.ShardEMA`` over this actor's part, updated after the step as
+* ``--model-ema``: ``recipe.ema.PartEMA`` over this actor's part, updated after the step as
   torchvision's train.py updates its ``ExponentialMovingAverage``: at batch ``i`` of an epoch with
   ``i % model_ema_steps == 0``, the count reset after each update during the warm-up epochs, the
   decay adjusted by ``torchvision_ema_decay`` for the run's epochs.
@@ -35,7 +35,7 @@ from rayconv.mesh import Coord
 from rayconv.parallel import comm
 from rayconv.parallel.parallelize import ParallelPart
 from rayconv.recipe.clip import clip_, clip_coefficient, local_sq_norm
-from rayconv.recipe.ema import ShardEMA, torchvision_ema_decay
+from rayconv.recipe.ema import PartEMA, torchvision_ema_decay
 from rayconv.recipe.lars import adapted_params, lars_param_groups, scale_, sq_norms
 from rayconv.recipe.loss_scale import DynamicLossScale, unscale_
 from rayconv.recipe.optim import make_optimizer, param_groups
@@ -66,12 +66,12 @@ def ema_decay(cfg: Config, steps_per_epoch: int) -> float:
                                  run_epochs(cfg, steps_per_epoch))
 
 
-class StepRecipe:
+class RecipeStep:
     """One actor's loss scale, clipping and moving average (each None or off when its flag is).
 
-    ``scaler``: the ``DynamicLossScale`` under fp16; ``ema``: the ``ShardEMA`` under --model-ema;
+    ``scaler``: the ``DynamicLossScale`` under fp16; ``ema``: the ``PartEMA`` under --model-ema;
     ``skipped``: whether the last step was skipped for an overflow; ``overflow_at``: a test hook, the
-    step at which this actor's gradients are made to overflow (``Worker.inject_overflow``)."""
+    step at which this actor's gradients are made to overflow (``Actor.inject_overflow``)."""
 
     def __init__(self, cfg: Config, parallel: ParallelPart, optimizer: torch.optim.Optimizer, groups: comm.Groups,
                  coord: Coord, per_layer: bool, device: torch.device, steps_per_epoch: int):
@@ -97,7 +97,7 @@ class StepRecipe:
         self.lars = ([p for p, _ in pairs], [wd for _, wd in pairs], sum(id(p) in split_ids for p, _ in pairs))
         self.lars_group = groups.axis["dp"] if per_layer else groups.axis["fs"]
         self.lars_decays = torch.tensor(self.lars[1], dtype=torch.float64, device=device)
-        self.ema = ShardEMA(parallel.part, ema_decay(cfg, steps_per_epoch), cfg.model_ema_steps) \
+        self.ema = PartEMA(parallel.part, ema_decay(cfg, steps_per_epoch), cfg.model_ema_steps) \
             if cfg.model_ema else None
 
     @property
@@ -111,7 +111,7 @@ class StepRecipe:
         Collective: over the world group under fp16, over the norm groups with clipping."""
         self.skipped = False
         if self.scaler is not None:
-            if self.overflow_at == step and self.params:  # (test hook; see Worker.inject_overflow)
+            if self.overflow_at == step and self.params:  # (test hook; see Actor.inject_overflow)
                 self.params[0].grad.view(-1)[0] = float("inf")
             found = unscale_(self.params, self.scaler.scale, self.device)
             comm.all_reduce_max(found, self.groups.world)

@@ -1,23 +1,23 @@
-"""The Ray actor: one per device, holding one part of the model (a replica, a stage, a filter shard).
+"""The Ray actor: one per device, holding one part of the model (a replica, a stage, a filter-split slice).
 
 The driver has the actor group (``rayconv/cluster/group.py``) create the actors, send each its rank,
-the layout plan and the train sharding once (``setup``), then make one ``train_step`` call per actor
+the routing and the train sharding once (``build``), then make one ``train_step`` call per actor
 per step. Inside the step, the actor reads its own data shard, runs its stage program, exchanges
 activations and gradients with its neighbours and all-reduces gradients with its data-parallel group,
 all through torch.distributed (``parallel/comm.py``): no tensor of the training path passes through
 the driver or the Ray object store.
 
-``Worker`` is the actor's entry points; each reads or changes the one ``ActorState`` that ``setup``
+``Actor`` is the actor's entry points; each reads or changes the one ``ActorState`` that ``build``
 builds. The rest, one concept a file under ``rayconv/actor/``:
 
     build.py    ``ActorState`` and ``build_actor``: device, process groups, the part of the model,
                 optimizer, compile, CUDA graph, the stage runner and its program
     step.py     ``train_step`` (the step in the order it runs), ``sgd`` (its captured part), ``flush``,
                 ``evaluate``
-    recipe.py   the optimizer's groups, fp16 loss scaling, gradient clipping, the moving average
+    recipe_step.py   the optimizer's groups, fp16 loss scaling, gradient clipping, the moving average
     batches.py  which micro-batches this actor reads, and what it announces to the loader
     loss.py     the loss of the last stage, micro-batch by micro-batch
-    state.py    parameters and checkpoint shards in and out; the moving average's weights swapped in
+    state.py    parameters and rank files in and out; the moving average's weights swapped in
     report.py   metrics: ``materialise``, the per-actor gauges in Ray's metrics, ``memory``, ``trace``
     cuda_graph.py  the whole step as one CUDA graph (``StepGraph``) and its SGD update
 """
@@ -39,14 +39,14 @@ from rayconv.config import Config
 from rayconv.data.source import Sharding
 from rayconv.errors import DataError
 from rayconv.parallel import comm
-from rayconv.parallel.layout_plan import LayoutPlan
+from rayconv.parallel.routing import Routing
 
-__all__ = ["Worker"]
+__all__ = ["Actor"]
 
 
-class Worker:
+class Actor:
     """One actor of the mesh, created as a Ray actor by the actor group (``rayconv/cluster/group.py``).
-    ``a`` is its ``build.ActorState`` (None until ``setup``)."""
+    ``a`` is its ``build.ActorState`` (None until ``build``)."""
 
     def __init__(self, cfg: dict[str, Any], run_name: str, role: str):
         self.cfg = Config(**cfg)
@@ -71,11 +71,11 @@ class Worker:
             port = s.getsockname()[1]
         return f"{ray.util.get_node_ip_address()}:{port}"
 
-    def setup(self, rank: int, master: str, plan: LayoutPlan, sharding: Sharding) -> dict[str, Any]:
+    def build(self, rank: int, master: str, routing: Routing, sharding: Sharding) -> dict[str, Any]:
         """Join the process groups, build this actor's part of the model, its optimizer and the rest of
         its state (``build.build_actor``). Returns parameters held (count) and the device. Raises what
         data and model loading raise."""
-        self.a = build_actor(self.cfg, self.run_name, self.role, rank, master, plan, sharding)
+        self.a = build_actor(self.cfg, self.run_name, self.role, rank, master, routing, sharding)
         return self.a.report()
 
     # ------------------------------------------------------------------ steps
@@ -120,7 +120,7 @@ class Worker:
 
     def inject_overflow(self, step: int) -> None:
         """Test hook: at ``step`` (under --precision fp16), make this actor's first gradient inf after
-        the backward pass, as an overflow would (``recipe.StepRecipe.before_update``)."""
+        the backward pass, as an overflow would (``recipe_step.RecipeStep.before_update``)."""
         self.a.recipe.overflow_at = step
 
     def loss_scale_state(self) -> Optional[dict[str, Any]]:
@@ -142,13 +142,13 @@ class Worker:
         """``state.split_dims``: state_dict keys that filter split cuts, and the dimension."""
         return state.split_dims(self.a)
 
-    def checkpoint_shard(self) -> bytes:
-        """``state.checkpoint_shard``: this actor's checkpoint shard as ``torch.save`` bytes."""
-        return state.checkpoint_shard(self.a)
+    def rank_file(self) -> bytes:
+        """``state.rank_file``: this actor's rank file as ``torch.save`` bytes."""
+        return state.rank_file(self.a)
 
-    def load_shard(self, blob: bytes, next_step: int) -> None:
-        """``state.load_shard``: load a shard written by ``checkpoint_shard``; ``next_step`` comes next."""
-        state.load_shard(self.a, blob, next_step)
+    def load_rank_file(self, blob: bytes, next_step: int) -> None:
+        """``state.load_rank_file``: load a shard written by ``rank_file``; ``next_step`` comes next."""
+        state.load_rank_file(self.a, blob, next_step)
 
     # ------------------------------------------------------------------ metrics, end
     def memory(self) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""``--stage-dir``: a prepared shard folder copied to each node's disk (rayconv/cluster/stage.py), on the
+"""``--stage-dir``: a prepared shard folder copied to each node's disk (rayconv/cluster/local_copy.py), on the
 local cluster and on two Ray nodes: copies checked by sha256, skipped when already there, a corrupted
 copy copied again, a full disk (a real file-size limit in a subprocess) leaving nothing taken as
 complete, and a run that trains from the copies."""
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from rayconv.cluster.stage import is_staged, stage_folder, stage_run
+from rayconv.cluster.local_copy import is_copied, copy_folder, copy_to_nodes
 from rayconv.config import Config
 from rayconv.data.registry import make_source
-from rayconv.driver.job import fit
+from rayconv.driver.job import train_run
 from rayconv.errors import DataError
 from support.shard_folder import make_prepared
 
@@ -43,10 +43,10 @@ def same_files(a: Path, b: Path) -> bool:
 def test_copied_checked_then_skipped_and_a_bad_copy_copied_again(prepared, tmp_path):
     dest = tmp_path / "local"
     entries = listed(prepared)
-    first = stage_folder(str(prepared), str(dest))
+    first = copy_folder(str(prepared), str(dest))
     assert first["copied"] == sorted(e["file"] for e in entries) and first["skipped"] == []
     assert same_files(prepared, dest)
-    again = stage_folder(str(prepared), str(dest))
+    again = copy_folder(str(prepared), str(dest))
     assert again["copied"] == [] and len(again["skipped"]) == len(entries)
     # One copy changed in place (same size), one truncated, a shard of an older preparation and a
     # crash's temporary file left in DIR: the two are copied again, the others removed.
@@ -57,14 +57,14 @@ def test_copied_checked_then_skipped_and_a_bad_copy_copied_again(prepared, tmp_p
     short.write_bytes(short.read_bytes()[:10])
     (dest / "train-00999.arrow").write_bytes(b"old")
     (dest / f".{entries[0]['file']}.abc123").write_bytes(b"partial")
-    third = stage_folder(str(prepared), str(dest))
+    third = copy_folder(str(prepared), str(dest))
     assert third["copied"] == sorted([bad.name, short.name])
     assert same_files(prepared, dest)
     # DIR given as --data-dir too (a resumed run's settings): checked, nothing touched.
-    assert stage_folder(str(dest), str(dest))["copied"] == []
+    assert copy_folder(str(dest), str(dest))["copied"] == []
     bad.write_bytes(bytes(data))
     with pytest.raises(DataError, match=f"is --data-dir itself and {bad.name}"):
-        stage_folder(str(dest), str(dest))
+        copy_folder(str(dest), str(dest))
     assert (dest / "manifest.json").is_file()
 
 
@@ -76,12 +76,12 @@ def test_a_full_disk_leaves_no_file_taken_as_complete(prepared, tmp_path):
     entries = listed(prepared)
     limit = min(e["bytes"] for e in entries if e["bytes"] > 0) // 2
     code = ("import resource, signal, sys\n"
-            "from rayconv.cluster.stage import stage_folder\n"
+            "from rayconv.cluster.local_copy import copy_folder\n"
             "from rayconv.errors import DataError\n"
             "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
             f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n"
             "try:\n"
-            f"    stage_folder({str(prepared)!r}, {str(dest)!r})\n"
+            f"    copy_folder({str(prepared)!r}, {str(dest)!r})\n"
             "except DataError as e:\n"
             "    print(e, file=sys.stderr); sys.exit(3)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
@@ -92,11 +92,11 @@ def test_a_full_disk_leaves_no_file_taken_as_complete(prepared, tmp_path):
     assert not (dest / "manifest.json").exists()
     by_name = {e["file"]: e for e in entries}
     for p in dest.iterdir():   # no temporary file left, nothing incomplete under a shard's name
-        assert p.name in by_name and is_staged(p, by_name[p.name]), p.name
+        assert p.name in by_name and is_copied(p, by_name[p.name]), p.name
     cfg = Config(data="shards", data_dir=str(dest), image_size=32, device="cpu", loader_workers=0).validate()
     with pytest.raises(DataError, match="manifest.json"):
         make_source(cfg)
-    assert len(stage_folder(str(prepared), str(dest))["copied"]) == len(entries)
+    assert len(copy_folder(str(prepared), str(dest))["copied"]) == len(entries)
     assert same_files(prepared, dest)
 
 
@@ -104,7 +104,7 @@ def test_too_little_space_is_refused_before_copying(prepared, tmp_path, monkeypa
     dest = tmp_path / "small"
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**6, 10**6 - 100, 100))
     with pytest.raises(DataError, match=r"--stage-dir .*small: 0\.\d MiB to copy but 0\.0 MiB free"):
-        stage_folder(str(prepared), str(dest))
+        copy_folder(str(prepared), str(dest))
     assert list(dest.iterdir()) == []
 
 
@@ -116,14 +116,14 @@ def test_a_run_trains_from_the_staged_copy(ray_cluster, prepared, tmp_path):
     dest, moved = tmp_path / "local", tmp_path / "moved"
     logged: list[str] = []
 
-    def move_away(gang, step):
+    def move_away(actor_group, step):
         if step == 0:
             src.rename(moved)
 
     cfg = Config(model="convnet", data="shards", data_dir=str(src), stage_dir=str(dest), image_size=32, dp=2,
                  global_batch_size=6, steps=4, eval_every=4, device="cpu", progress=False, loader_workers=1,
                  decode="cpu", data_on_device="off", out=str(tmp_path / "run")).validate()
-    summary = fit(cfg, log=lambda *a: logged.append(" ".join(map(str, a))), on_step=move_away)
+    summary = train_run(cfg, log=lambda *a: logged.append(" ".join(map(str, a))), on_step=move_away)
     assert summary["data_dir"] == str(src) and summary["stage_dir"] == str(dest)
     saved = json.loads((tmp_path / "run" / "config.json").read_text())  # a resume stages again from src
     assert saved["data_dir"] == str(src) and saved["stage_dir"] == str(dest)
@@ -131,10 +131,10 @@ def test_a_run_trains_from_the_staged_copy(ray_cluster, prepared, tmp_path):
     assert any("--stage-dir" in line and "1 node(s)" in line and "copied" in line for line in logged), logged
 
 
-def test_every_node_of_two_is_staged(prepared, two_nodes, tmp_path):
+def test_every_node_of_two_gets_a_copy(prepared, two_nodes, tmp_path):
     """Two Ray nodes (conftest's ``two_nodes``, shared with tests/ops/test_multinode.py): one task per node."""
     logged: list[str] = []
     cfg = Config(data="shards", data_dir=str(prepared), stage_dir=str(tmp_path / "d"), device="cpu").validate()
-    staged = stage_run(cfg, log=logged.append)
+    staged = copy_to_nodes(cfg, log=logged.append)
     assert staged.data_dir == str(tmp_path / "d") and "2 node(s)" in logged[0], logged
     assert same_files(prepared, tmp_path / "d")

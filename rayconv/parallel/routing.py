@@ -1,9 +1,9 @@
-"""The layout plan: what the driver computes once and sends to every actor.
+"""the routing: what the driver computes once and sends to every actor.
 
-``make_plan`` views the model as its flat layer list (``models.to_layers``), measures each layer's
+``make_routing`` views the model as its flat layer list (``models.to_layers``), measures each layer's
 forward FLOPs and output shape with one CPU forward of a single sample, cuts the pipeline stages,
 builds and validates the schedule, and checks the layout against the model. Everything here raises
-``PlanError`` (a ValueError) with what to change, before any actor starts.
+``LayoutError`` (a ValueError) with what to change, before any actor starts.
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ from rayconv.mesh import Mesh
 from rayconv.models import to_layers
 from rayconv.models.traced import cut_problem
 from rayconv.parallel.filter_split.per_layer_plan import krizhevsky2014
-from rayconv.parallel.filter_split.split import ShardedPart, shard_layers, whole_part
+from rayconv.parallel.filter_split.split import SlicedPart, slice_layers, whole_part
 from rayconv.parallel.pipeline.schedules import Schedule, make_schedule
 from rayconv.parallel.pipeline.stages import balance, parse_stages
 from rayconv.parallel.pipeline.checks import validate
-from rayconv.errors import PlanError
+from rayconv.errors import LayoutError
 
 
 @dataclass(frozen=True)
-class LayoutPlan:
+class Routing:
     """Layout of one run, identical on every actor.
 
     ``layer_names``: qualified names of the flat layers; ``out_shapes[i]``: per-sample output shape
@@ -81,7 +81,7 @@ def layer_profile(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, 
                 with counter:
                     x = m(x)
             except RuntimeError as e:
-                raise PlanError(f"the model cannot take {tuple(sample_shape)} images ({str(e).splitlines()[0]}): "
+                raise LayoutError(f"the model cannot take {tuple(sample_shape)} images ({str(e).splitlines()[0]}): "
                                 "raise --image-size or pick a model for small images (convnet)") from None
             m.train(was_training)
             shapes.append(tuple(x.shape[1:]))
@@ -90,50 +90,50 @@ def layer_profile(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, 
     return shapes, flops, params
 
 
-def build_part(plan: LayoutPlan, layers, stage: int, fs_index: int, fs_group, dp_index: int,
-               dp_group) -> tuple[ShardedPart, Optional[list[int]]]:
-    """This actor's runnable part (a ``filter_split.ShardedPart``) and the shard sizes of its input
+def build_part(routing: Routing, layers, stage: int, fs_index: int, fs_group, dp_index: int,
+               dp_group) -> tuple[SlicedPart, Optional[list[int]]]:
+    """This actor's runnable part (a ``filter_split.SlicedPart``) and the shard sizes of its input
     (None when replicated): the stage's layers, filter-split over fs, or the per-layer plan.
-    Stages before ``stage`` are sharded too (cheap slicing) to learn those sizes. Raises PlanError for
+    Stages before ``stage`` are sharded too (cheap slicing) to learn those sizes. Raises LayoutError for
     a layer that cannot be split; the driver calls it once with actor 0's coordinates to check."""
-    if plan.per_layer_plan == "krizhevsky2014":
-        return krizhevsky2014(layers, plan.in_shape, list(plan.out_shapes), dp_index, plan.mesh.dp, dp_group), None
-    if plan.schedule.num_chunks > 1:
+    if routing.per_layer_plan == "krizhevsky2014":
+        return krizhevsky2014(layers, routing.in_shape, list(routing.out_shapes), dp_index, routing.mesh.dp, dp_group), None
+    if routing.schedule.num_chunks > 1:
         # Interleaved 1F1B: the stage's chunks, one after the other (no filter split: the settings refuse it).
-        return whole_part([layer for v in plan.virtual_stages(stage)
-                           for layer in layers[plan.stages[v][0]:plan.stages[v][1]]]), None
+        return whole_part([layer for v in routing.virtual_stages(stage)
+                           for layer in layers[routing.stages[v][0]:routing.stages[v][1]]]), None
     in_sizes = None
-    for p, (start, end) in enumerate(plan.stages):
-        if plan.mesh.fs == 1:
+    for p, (start, end) in enumerate(routing.stages):
+        if routing.mesh.fs == 1:
             part = whole_part(layers[start:end])
         else:
-            part = shard_layers(layers[start:end], plan.stage_in_shape(p), list(plan.out_shapes[start:end]),
-                                in_sizes, fs_index, plan.mesh.fs, fs_group, is_last=p == plan.mesh.pp - 1,
-                                exchange_chunks=plan.exchange_chunks)
+            part = slice_layers(layers[start:end], routing.stage_in_shape(p), list(routing.out_shapes[start:end]),
+                                in_sizes, fs_index, routing.mesh.fs, fs_group, is_last=p == routing.mesh.pp - 1,
+                                exchange_chunks=routing.exchange_chunks)
         if p == stage:
             return part, in_sizes
         in_sizes = part.out_sizes
     raise AssertionError(f"stage {stage} out of range")
 
 
-def make_plan(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[int, ...],
-              costs: Optional[list[float]] = None) -> LayoutPlan:
-    """The layout plan of ``model`` (built with the run's settings) for ``mesh``; pipeline stages balance ``costs``
-    (one per layer, e.g. measured times) when given, else forward FLOPs. Raises PlanError."""
+def make_routing(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[int, ...],
+              costs: Optional[list[float]] = None) -> Routing:
+    """the routing of ``model`` (built with the run's settings) for ``mesh``; pipeline stages balance ``costs``
+    (one per layer, e.g. measured times) when given, else forward FLOPs. Raises LayoutError."""
     layers = to_layers(model)
     shapes, flops, params = layer_profile(layers, sample_shape)
     if mesh.pp > 1 and len(layers) == 1:
-        raise PlanError(f"--model {cfg.model} cannot be cut into pipeline stages ({cut_problem(model)}): "
+        raise LayoutError(f"--model {cfg.model} cannot be cut into pipeline stages ({cut_problem(model)}): "
                         "use --pp 1 (it trains data parallel)")
     chunks = mesh.pp * cfg.virtual_stages  # contiguous runs of layers; stage s holds s, s + P, ...
     if cfg.virtual_stages > 1 and chunks > len(layers):
-        raise PlanError(f"--pp {mesh.pp} with --virtual-stages {cfg.virtual_stages} cuts the model into {chunks} "
+        raise LayoutError(f"--pp {mesh.pp} with --virtual-stages {cfg.virtual_stages} cuts the model into {chunks} "
                         f"chunks but it has {len(layers)} cuttable layers: lower --virtual-stages")
     if cfg.stages:
         stages = parse_stages(cfg.stages, len(layers), chunks)
     elif costs is not None:
         if len(costs) != len(layers):
-            raise PlanError(f"{len(costs)} layer costs for {len(layers)} layers")
+            raise LayoutError(f"{len(costs)} layer costs for {len(layers)} layers")
         stages = balance(costs, chunks)
     else:
         # Balance by forward FLOPs, parameters as a tie-breaker for layers without compute.
@@ -141,14 +141,14 @@ def make_plan(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[int
     # (checked once --dp is known: before the cluster decides it, the split is not yet known)
     problem = batch_split_problem(cfg.global_batch_size, mesh.dp, cfg.num_microbatches) if cfg.dp else None
     if problem:
-        raise PlanError(problem)
+        raise LayoutError(problem)
     try:
         schedule = make_schedule(cfg.schedule, mesh.pp, cfg.num_microbatches, cfg.virtual_stages)
     except ValueError as e:
-        raise PlanError(str(e)) from None
+        raise LayoutError(str(e)) from None
     validate(schedule)
-    plan = LayoutPlan(mesh=mesh, layer_names=tuple(n for n, _ in layers), in_shape=tuple(sample_shape),
+    routing = Routing(mesh=mesh, layer_names=tuple(n for n, _ in layers), in_shape=tuple(sample_shape),
                 out_shapes=tuple(shapes), flops=tuple(flops), params=tuple(params), stages=tuple(stages),
                 schedule=schedule, per_layer_plan=cfg.plan, exchange_chunks=cfg.exchange_chunks)
-    build_part(plan, layers, mesh.pp - 1, 0, None, 0, None)  # refuse unsplittable layers before any actor
-    return plan
+    build_part(routing, layers, mesh.pp - 1, 0, None, 0, None)  # refuse unsplittable layers before any actor
+    return routing
