@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from rayconv.actor.build import ActorState
+from rayconv.outputs.reshard import cut_part, optimizer_param_names, split_position
 
 
 def state(a: ActorState, ema: bool = False) -> dict[str, torch.Tensor]:
@@ -72,17 +73,28 @@ def rank_file(a: ActorState) -> bytes:
     payload = {"rank": a.rank, "role": a.role, "coord": list(a.coord), "model": state(a),
                "optimizer": _to_cpu(a.optimizer.state_dict()), "rng": rng,
                "loss_scale": None if a.recipe.scaler is None else a.recipe.scaler.state_dict(),
-               "ema": None if a.recipe.ema is None else _to_cpu(a.recipe.ema.state_dict())}
+               "ema": None if a.recipe.ema is None else _to_cpu(a.recipe.ema.state_dict()),
+               # what outputs/reshard.py joins the rank files by, under another layout
+               "split_dims": split_dims(a), "optimizer_names": optimizer_names(a),
+               "part_names": list(a.parallel.names)}
     buf = io.BytesIO()
     torch.save(payload, buf)
     return buf.getvalue()
 
 
+def optimizer_names(a: ActorState) -> list[list[str]]:
+    """The whole model's name of each parameter of the optimizer, group by group."""
+    return optimizer_param_names(a.parallel.names, a.part, a.optimizer)
+
+
 def load_rank_file(a: ActorState, blob: bytes, next_step: int) -> None:
-    """Load a shard written by ``rank_file`` (this rank's, or replica 0's after a --dp change);
+    """Load a shard written by ``rank_file`` (this rank's, under the layout it was saved with), or
+    a checkpoint's whole state (``outputs.reshard.join``, under another layout: this part cut from it);
     the next ``train_step`` is ``next_step``. Raises RuntimeError if it does not fit this part (or
     lacks the loss scale or moving average this run keeps)."""
     payload = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    if payload.get("whole"):
+        payload = _cut_whole(a, payload)
     load_state(a, payload["model"])
     a.optimizer.load_state_dict(payload["optimizer"])
     _load_recipe(a, payload)
@@ -97,6 +109,12 @@ def load_rank_file(a: ActorState, blob: bytes, next_step: int) -> None:
     a.batches.first_step = next_step
     if a.step_graph is not None:
         a.step_graph.reset()  # the optimizer's momentum buffers are new tensors: capture again
+
+
+def _cut_whole(a: ActorState, whole: dict[str, Any]) -> dict[str, Any]:
+    """This part's shard cut from a checkpoint's whole state (``reshard.cut_part``)."""
+    index, n = split_position(a.coord, a.mesh.dp, a.mesh.fs, a.plan.per_layer_plan)
+    return cut_part(whole, a.parallel.names, a.part, a.optimizer, split_dims(a), index, n)
 
 
 def _load_recipe(a: ActorState, payload: dict[str, Any]) -> None:

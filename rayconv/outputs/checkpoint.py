@@ -1,14 +1,17 @@
 """Checkpoints of a run: write one atomically, find the one ``--resume`` means, read and verify it.
 
 ``<out>/checkpoints/step-<k>/`` holds one file per actor (``rank-<r>.pt``: its parameters and buffers
-keyed as in ``Actor.state()``, its optimizer state_dict and RNG states), ``metrics.parquet`` (the rows
+keyed as in ``Actor.state()``, its optimizer state_dict with its parameters' names, the keys filter
+split sliced, RNG states; ``actor/state.py``), ``metrics.parquet`` (the rows
 so far) and ``manifest.json`` (step, layout, config, data and lr-schedule position, model, files with
 sizes and sha256). It is written into ``step-<k>.tmp/`` and renamed only when every file is written and
 fsynced: a crash mid-write leaves the previous checkpoint as it was. Everything loads with
 ``weights_only=True`` (by the actors; this module handles the files as bytes and imports no torch, so
 that ``python -m rayconv.run --resume`` reads a checkpoint's settings before torch is loaded).
 
-Assembling the actors' parts into one ``model.pt`` is ``export.py``'s.
+Assembling the actors' parts into one ``model.pt`` is ``export.py``'s; joining a checkpoint's rank
+files into the whole state that another layout's actors cut their parts from is ``reshard.py``'s
+(``whole_state`` reads it without Ray).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,6 +30,7 @@ from rayconv.files import _fsync_dir, _write_synced, sha256
 FORMAT = 1
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
+_OTHER_LAYOUT: set[Path] = set()  # checkpoint folders check_resumable found saved under another layout
 
 
 def list_checkpoints(out: Path) -> list[Path]:
@@ -91,6 +95,7 @@ class Checkpoint:
     path: Path
     manifest: dict[str, Any]
     files: dict[str, bytes]
+    _whole: Optional[bytes] = field(default=None, repr=False)
 
     @property
     def step(self) -> int:
@@ -107,6 +112,14 @@ class Checkpoint:
 
     def rank_file(self, rank: int) -> bytes:
         return self.files[f"rank-{rank}.pt"]
+
+    def whole(self) -> bytes:
+        """The rank files joined into the whole model's state (``reshard.join``) as ``torch.save``
+        bytes, made once. Raises CheckpointError if they cannot be joined."""
+        if self._whole is None:
+            from rayconv.outputs.reshard import whole_blob  # (torch: loaded once a run is set up)
+            self._whole = whole_blob(self.files, self.layout)
+        return self._whole
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -169,10 +182,22 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(ckpt, manifest, files)
 
 
+def whole_state(path: str | Path) -> dict[str, Any]:
+    """The whole state of a checkpoint (a ``step-<k>`` folder, or a run folder's newest), every file
+    verified: ``["model"]`` is the model's state_dict (``load_state_dict`` of the model's builder),
+    ``["optimizer"]["state"]`` each parameter's optimizer state by its name, ``["ema"]`` the moving
+    average or None (``reshard.join``). Needs no Ray. Raises CheckpointError."""
+    import io
+    import torch
+    return torch.load(io.BytesIO(load_checkpoint(path).whole()), map_location="cpu", weights_only=True)
+
+
 def check_resumable(ckpt: Checkpoint, cfg: Any, mesh: Any, stages: list, num_classes: int,
                     sample_shape: tuple[int, ...]) -> None:
-    """Refuse a checkpoint of another model or data shape or validation split, or of a layout this run cannot load:
-    the same layout, or (pure data parallelism, every replica holding the whole model) another --dp."""
+    """Refuse a checkpoint of another model or data shape. Any layout loads it: under the one it was
+    saved with each actor loads its own rank file; under another (dp, pp cut or schedule, fs, --plan)
+    the rank files are joined here (``reshard.join``, refused with one line if they cannot be), so
+    that each actor cuts its part from the whole state (``rank_file_for``)."""
     m = ckpt.manifest
     if m["model"] != cfg.model:
         raise CheckpointError(f"checkpoint {ckpt.path} is of model {m['model']!r} but this run asks for "
@@ -185,28 +210,26 @@ def check_resumable(ckpt: Checkpoint, cfg: Any, mesh: Any, stages: list, num_cla
     if val_split != cfg.val_split:   # (another split would train on images held out so far, or the reverse)
         raise CheckpointError(f"checkpoint {ckpt.path} trained with --val-split {val_split:g}, this run asks for "
                               f"--val-split {cfg.val_split:g}: resume with --val-split {val_split:g}")
-    saved = m["layout"]
-    want = {"dp": mesh.dp, "pp": mesh.pp, "fs": mesh.fs, "plan": cfg.plan}
-    have = {k: saved[k] for k in want}
-    if have == want:
-        if [list(s) for s in stages] != [list(s) for s in saved["stages"]]:
-            raise CheckpointError(f"checkpoint {ckpt.path} cut the model into stages {saved['stages']}, this run "
-                                  f"into {[list(s) for s in stages]}: resume with the same --stages")
-        return
-    pure_dp = saved["pp"] == saved["fs"] == 1 and saved["plan"] == "none" and \
-        mesh.pp == mesh.fs == 1 and cfg.plan == "none"
-    if pure_dp:
-        return  # every replica holds the whole model: each new replica loads replica 0's shard
-    fmt = lambda d: f"dp={d['dp']} pp={d['pp']} fs={d['fs']} plan={d['plan']}"  # noqa: E731
-    raise CheckpointError(f"checkpoint {ckpt.path} was saved with layout {fmt(have)} but this run asks for "
-                          f"{fmt(want)}: resume with --dp {have['dp']} --pp {have['pp']} --fs {have['fs']} "
-                          f"--plan {have['plan']} (only --dp may change, and only for pure data parallelism)")
+    if same_layout(ckpt.layout, mesh, cfg.plan, stages):
+        _OTHER_LAYOUT.discard(ckpt.path.resolve())
+    else:
+        ckpt.whole()
+        _OTHER_LAYOUT.add(ckpt.path.resolve())  # (a recovery that reloads this folder cuts it again)
+
+
+def same_layout(saved: dict[str, Any], mesh: Any, plan: str, stages: list) -> bool:
+    """Whether a run of ``mesh``, ``plan`` and pipeline ``stages`` (its chunks under interleaved 1F1B)
+    cuts the model into the parts a checkpoint of layout ``saved`` holds, rank for rank."""
+    return ((saved["dp"], saved["pp"], saved["fs"], saved["plan"]) == (mesh.dp, mesh.pp, mesh.fs, plan)
+            and [list(s) for s in stages] == [list(s) for s in saved["stages"]])
 
 
 def rank_file_for(ckpt: Checkpoint, mesh: Any, rank: int) -> bytes:
-    """The saved shard that ``rank`` of ``mesh`` loads: its own in the same layout, else (another --dp
-    under pure data parallelism) replica 0's."""
+    """What ``rank`` of ``mesh`` loads (``Actor.load_rank_file``): its own rank file when the checkpoint
+    was saved under this run's layout, else (``check_resumable`` found another) the checkpoint's
+    whole state, from which each actor cuts its part."""
     saved = ckpt.layout
-    if (saved["dp"], saved["pp"], saved["fs"]) == (mesh.dp, mesh.pp, mesh.fs):
+    if ckpt._whole is None and ckpt.path.resolve() not in _OTHER_LAYOUT and \
+            (saved["dp"], saved["pp"], saved["fs"]) == (mesh.dp, mesh.pp, mesh.fs):
         return ckpt.rank_file(rank)
-    return ckpt.rank_file(0)
+    return ckpt.whole()

@@ -1,6 +1,7 @@
 """Checkpoints and resume on a real local Ray cluster: k steps + resume + k steps equals 2k steps
 straight, parameter for parameter and momentum for momentum (float64, dp=2); a --dp change under pure
-data parallelism; and every bad resume is one clear error that leaves the files as they were."""
+data parallelism; a dp2 x pp2 checkpoint continued under other layouts; and every bad resume is one
+clear error that leaves the files as they were."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from support.helpers import assert_same_state
-from rayconv.outputs.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, write_checkpoint
+from support.helpers import assert_same_state, reference_sgd
+from rayconv.outputs.checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint, whole_state,
+                                        write_checkpoint)
 from rayconv.config import Config
 from rayconv.driver.job import train_run
 from rayconv.run import main
@@ -146,11 +148,46 @@ def test_resume_a_finished_run_is_refused(straight, capsys):
     assert tree(straight) == before
 
 
-def test_resume_into_another_layout_is_refused(stopped, tmp_path, capsys):
-    before = tree(stopped)
-    line = run_failing(["--resume", str(stopped), "--dp", "1", "--fs", "2", "--out", str(tmp_path / "x")], capsys)
-    assert "dp=2 pp=1 fs=1" in line and "dp=1 pp=1 fs=2" in line and "--dp 2" in line
-    assert not (tmp_path / "x").exists() and tree(stopped) == before
+@pytest.mark.parametrize("argv, layout", [
+    (["--dp", "1", "--pp", "1", "--fs", "2"], (1, 1, 2)),                         # filter split
+    (["--dp", "1", "--pp", "1"], (1, 1, 1)),                                      # one actor
+], ids=["fs2", "dp1"])  # (interleaved 1F1B and --plan krizhevsky2014 cuts: tests/unit/test_reshard.py)
+def test_dp2_pp2_checkpoint_resumes_under_any_layout(dp2_pp2, argv, layout, tmp_path):
+    """One checkpoint of a dp2 x pp2 run (step 2 of 4) continues under another layout: its rank files
+    joined, each new actor's part cut from the whole state, momentum with its parameter; the 2 steps
+    left end at the uninterrupted run's parameters = single-device SGD's."""
+    straight_out, want = dp2_pp2
+    out = tmp_path / "resumed"
+    assert main(["--resume", str(straight_out / "checkpoints" / "step-2"), *argv, "--out", str(out)]) == 0
+    assert_same_state(torch.load(out / "model.pt", weights_only=True), want, atol=1e-10)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from"].endswith("step-2")
+    assert tuple(summary["layout"][k] for k in ("dp", "pp", "fs")) == layout
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--dp", "1", "--pp", "13"], ["--pp"]),          # more stages than the model's 12 layers
+    (["--dp", "1", "--fs", "33"], ["conv1's 32 output channels", "at most 32"]),
+])
+def test_resume_into_a_layout_that_cannot_hold_the_model_is_one_line(dp2_pp2, argv, words, tmp_path, capsys):
+    ckpt = dp2_pp2[0] / "checkpoints" / "step-2"
+    before = tree(ckpt)
+    line = run_failing(["--resume", str(ckpt), *argv, "--out", str(tmp_path / "x")], capsys)
+    assert all(w in line for w in words), line
+    assert not (tmp_path / "x").exists() and tree(ckpt) == before
+
+
+@pytest.fixture(scope="module")
+def dp2_pp2(ray_cluster, tmp_path_factory) -> tuple[Path, dict]:
+    """A dp2 x pp2 run of 4 steps (checkpoints at 2 and 4), and single-device SGD's parameters after 4."""
+    out = tmp_path_factory.mktemp("ck") / "dp2pp2"
+    cfg = ck_config(out, pp=2, num_microbatches=2, steps=4, eval_every=100)
+    train_run(cfg, log=lambda *_: None)
+    want = reference_sgd(cfg, 4)
+    assert_same_state(torch.load(out / "model.pt", weights_only=True), want, atol=1e-10)
+    # the checkpoint read without Ray: the rank files joined into the model's state_dict
+    assert_same_state(whole_state(out / "checkpoints" / "step-4")["model"], want, atol=1e-10)
+    return out, want
 
 
 def test_resume_another_model_is_refused(stopped, tmp_path, capsys):

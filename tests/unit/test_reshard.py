@@ -1,0 +1,145 @@
+"""Checkpoint re-cutting (rayconv.outputs.reshard), without Ray: a model's parts as the actors of one layout
+hold them (``routing.build_part``, the function that cuts an actor's part at setup), joined into the
+whole state and cut for another layout, equal the parts that layout cuts directly, parameter for
+parameter; each parameter's momentum and moving average follow it."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from rayconv.actor.recipe_step import build_optimizer
+from rayconv.config import Config
+from rayconv.errors import CheckpointError
+from rayconv.mesh import Mesh
+from rayconv.models import build_model, to_layers
+from rayconv.outputs.checkpoint import Checkpoint, rank_file_for
+from rayconv.outputs.reshard import cut_part, join, optimizer_param_names, split_position, whole_blob
+from rayconv.parallel.routing import build_part, make_routing
+from rayconv.recipe.ema import PartEMA
+
+LAYOUTS = {  # name -> (dp, pp, fs, Config extras)
+    "dp2xpp2": (2, 2, 1, {"num_microbatches": 2}),
+    "pp2xfs2": (1, 2, 2, {"num_microbatches": 2}),
+    "fs2": (1, 1, 2, {}),
+    "fs3": (1, 1, 3, {}),  # uneven slices (32 and 64 filters over 3)
+    "dp1": (1, 1, 1, {}),
+    "pp2_interleaved": (1, 2, 1, {"virtual_stages": 2, "num_microbatches": 2}),
+    "krizhevsky2014": (2, 1, 1, {"plan": "krizhevsky2014"}),
+}
+
+
+def momentum_of(p: torch.Tensor) -> torch.Tensor:
+    """A momentum buffer that is a function of its parameter's values, so a misplaced one shows."""
+    return 2 * p.detach() + 1
+
+
+def model_layers() -> list:
+    torch.manual_seed(0)
+    model = build_model("convnet_bn", 10, 1, 8)
+    for k, t in model.state_dict().items():  # batch-norm statistics too, so that each slice differs
+        t.copy_(torch.full_like(t, 7) if k.endswith("num_batches_tracked") else torch.randn_like(t))
+    return model, to_layers(model)
+
+
+def parts(name: str, model, layers):
+    """Each rank's (coord, config, sharded part, module, optimizer) under layout ``name``."""
+    dp, pp, fs, extra = LAYOUTS[name]
+    cfg = Config(model="convnet_bn", data="digits", dp=dp, pp=pp, fs=fs, global_batch_size=8,
+                 **extra).validate()
+    mesh = Mesh(dp, pp, fs)
+    plan = make_routing(cfg, mesh, model, (1, 8, 8))
+    out = []
+    for r in range(mesh.world_size):
+        c = mesh.coord(r)
+        sharded, _ = build_part(plan, layers, c.pp, c.fs, None, c.dp, None)
+        part = nn.Sequential(*sharded.modules)
+        out.append((c, cfg, plan, sharded, part, build_optimizer(cfg, part)))
+    return out
+
+
+def named(sharded, part) -> dict[str, torch.Tensor]:
+    return {(f"{n}.{k}" if n else k): v.detach().clone() for n, sub in zip(sharded.names, part) if n is not None
+            for k, v in sub.state_dict().items()}
+
+
+def saved(name: str, model, layers) -> tuple[list[dict], dict]:
+    """The rank-file payloads (as ``actor.state.rank_file`` writes them) and manifest layout."""
+    payloads = []
+    for c, cfg, plan, sharded, part, opt in parts(name, model, layers):
+        for p in part.parameters():
+            opt.state[p]["momentum_buffer"] = momentum_of(p)
+        ema = PartEMA(part, 0.9)
+        for v in ema.tensors.values():
+            v.mul_(3)
+        payloads.append({"coord": list(c), "model": named(sharded, part), "split_dims": dict(sharded.split_dims),
+                         "optimizer": opt.state_dict(), "part_names": list(sharded.names),
+                         "optimizer_names": optimizer_param_names(sharded.names, part, opt),
+                         "ema": ema.state_dict(), "loss_scale": {"scale": 1024.0}, "rng": {}})
+    dp, pp, fs, _ = LAYOUTS[name]
+    layout = {"dp": dp, "pp": pp, "fs": fs, "plan": cfg.plan, "world_size": dp * pp * fs,
+              "stages": [list(s) for s in plan.stages]}
+    return [torch.load(io.BytesIO(_bytes(p)), weights_only=True) for p in payloads], layout
+
+
+def _bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("source, target", [
+    ("dp2xpp2", "fs2"), ("dp2xpp2", "dp1"), ("dp2xpp2", "pp2_interleaved"), ("dp2xpp2", "krizhevsky2014"),
+    ("pp2xfs2", "fs3"), ("krizhevsky2014", "pp2xfs2"), ("fs3", "dp2xpp2"),
+])
+def test_recut_equals_direct_cut(source, target):
+    model, layers = model_layers()
+    payloads, layout = saved(source, model, layers)
+    whole = join(payloads, layout)
+    torch.testing.assert_close(whole["model"], model.state_dict(), rtol=0, atol=0)
+    assert whole["loss_scale"] == {"scale": 1024.0}
+    for c, cfg, plan, sharded, part, opt in parts(target, model, layers):
+        index, n = split_position(c, plan.mesh.dp, plan.mesh.fs, plan.per_layer_plan)
+        got = cut_part(whole, sharded.names, part, opt, dict(sharded.split_dims), index, n)
+        want = named(sharded, part)
+        torch.testing.assert_close(got["model"], want, rtol=0, atol=0)
+        opt.load_state_dict(got["optimizer"])  # fits this part's optimizer
+        params = [p for g in opt.param_groups for p in g["params"]]
+        assert len(opt.state) == len(params) > 0 or not params
+        for p in params:
+            torch.testing.assert_close(opt.state[p]["momentum_buffer"], momentum_of(p), rtol=0, atol=0)
+        ema = PartEMA(part, 0.9)
+        ema.load_state_dict(got["ema"])
+        for k, v in part.state_dict().items():
+            torch.testing.assert_close(ema.tensors[k], 3 * v, rtol=0, atol=0)
+
+
+def test_slices_that_do_not_cover_the_split_are_refused():
+    model, layers = model_layers()
+    payloads, layout = saved("fs2", model, layers)
+    del payloads[1]["model"]["conv1.weight"]
+    with pytest.raises(CheckpointError, match="conv1.weight cover split indices \\[0\\] only"):
+        join(payloads, layout)
+
+
+def test_rank_files_without_names_are_one_line_naming_their_layout():
+    model, layers = model_layers()
+    payloads, layout = saved("dp2xpp2", model, layers)
+    files = {f"rank-{r}.pt": _bytes({k: v for k, v in p.items() if k != "optimizer_names"})
+             for r, p in enumerate(payloads)}
+    with pytest.raises(CheckpointError, match="resume with --dp 2 --pp 2 --fs 1 --plan none"):
+        whole_blob(files, layout)
+
+
+def test_shard_for_sends_the_whole_state_under_another_layout():
+    model, layers = model_layers()
+    payloads, layout = saved("dp2xpp2", model, layers)
+    files = {f"rank-{r}.pt": _bytes(p) for r, p in enumerate(payloads)}
+    ckpt = Checkpoint(path=Path("/nonexistent/step-2"), manifest={"layout": layout}, files=files)
+    assert rank_file_for(ckpt, Mesh(2, 2, 1), 3) == files["rank-3.pt"]
+    whole = torch.load(io.BytesIO(rank_file_for(ckpt, Mesh(1, 1, 2), 1)), weights_only=True)
+    assert whole["whole"] and set(whole["model"]) == set(model.state_dict())
