@@ -78,8 +78,12 @@ class BuildMixin:
         self.recipe = StepRecipe(cfg, self.parallel, self.optimizer, self.groups, self.coord, self.per_layer,
                                  self.device, sharding.steps_per_epoch)
         self.reports = self.is_last and self.coord.fs == 0 and not (self.per_layer and self.coord.dp != 0)
+        # Data held on the device (--data-on-device) is decoded here, by the first stage (which reads
+        # images), so that the decode is not inside the first timed step.
+        hold = getattr(self.source, "hold", None)
         return {"rank": rank, "role": self.role, "device": str(self.device), "compiled": self.compiled,
-                "cuda_graphs": self.cuda_graphs, "parameters": sum(p.numel() for p in self.part.parameters())}
+                "cuda_graphs": self.cuda_graphs, "parameters": sum(p.numel() for p in self.part.parameters()),
+                "data_decode": hold(self.device) if hold is not None and self.is_first else None}
 
     def _set_precision(self) -> None:
         """Parameter dtype, autocast dtype and the images' dtype from ``--precision``: bf16 and fp16

@@ -9,7 +9,7 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from rayconv.cluster.group import Gang
 from rayconv.driver.loop import Run, evaluate
@@ -69,6 +69,16 @@ def export(run: Run, gang: Gang, path: Path, ema: bool = False) -> None:
     export_model(path, assemble(states, split_dims), run_model(cfg, run.setup.source))
 
 
+def startup(setups: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """summary.json's ``startup`` from the actors' setup reports: the one-time decode of data held on
+    the device (the slowest actor's ``decode_s``, its images and workers), None when nothing was held."""
+    held = [r["data_decode"] for r in setups if r.get("data_decode")]
+    if not held:
+        return None
+    slowest = max(held, key=lambda d: d["decode_s"])
+    return {"decode_s": slowest["decode_s"], "decoded_images": slowest["images"], "decode_workers": slowest["workers"]}
+
+
 def summarize(run: Run, memory: list[dict[str, Any]]) -> dict[str, Any]:
     """summary.json: the layout, the final loss and test figures (``ema_test_accuracy`` of the moving
     average, null without --model-ema), images/s, input stall, times, the time to --target-accuracy
@@ -98,6 +108,7 @@ def summarize(run: Run, memory: list[dict[str, Any]]) -> dict[str, Any]:
         # The steps' waits for input not overlapped with compute, summed, and their share of the steps' time.
         "input_stall_s": stall_ms / 1e3, "input_stall_fraction": stall_ms / own_ms if own_ms > 0 else None,
         "train_time_s": run.train_s, "wall_time_s": time.perf_counter() - s.t_start,
+        "startup": startup(run.setups),   # the one-time decode of data held on the device (None: none held)
         **run.target.summary(run.wall),
         "run_name": s.run_name,
         "resumed_from": str(s.resume.path) if s.resume is not None else None, "failures_recovered": run.failures,

@@ -21,7 +21,7 @@ from typing import Any, Optional
 from rayconv.actor.worker import Worker
 from rayconv.cluster.group import Gang, start_workers
 from rayconv.config import Config
-from rayconv.driver.finish import finish, finish_evaluation, writing_into
+from rayconv.driver.finish import finish, finish_evaluation, startup, writing_into
 from rayconv.driver.loop import Run, train
 from rayconv.driver.progress import log_header
 from rayconv.driver.setup import call_timeout_s, setup_run
@@ -63,6 +63,10 @@ def start_actors(run: Run, ckpt: Optional[Checkpoint]) -> Gang:
     gang = start_workers(Worker, s.cfg, s.mesh, s.run_name, timeout_s=s.cfg.max_wait)
     try:
         run.setups = set_up(gang, s.mesh, s.plan, run.call_timeout_s)
+        decode = startup(run.setups)
+        if decode is not None:
+            run.log(f"rayconv: decoded {decode['decoded_images']} images in {decode['decode_s']:.1f} s on "
+                    f"{decode['decode_workers']} workers (data held on the device; before the first step)")
         run.continue_from(ckpt)
         if ckpt is not None:
             gang.call_each("load_shard", [(shard_for(ckpt, s.mesh, r), ckpt.step) for r in range(s.mesh.world_size)],
