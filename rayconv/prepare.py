@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional
 
 from rayconv.flags import OneLineParser
 from rayconv.data.shard_convert import convert, convert_encoding
-from rayconv.data.shard_writer import ENCODINGS, RAW_MAX_SIZE, SHARD_ORDERS, prepare, write_shard
+from rayconv.data.shard_writer import ENCODINGS, RAW_MAX_SIZE, SHARD_ORDERS, prepare, resolve_encoding, write_shard
 from rayconv.errors import ClusterError, DataError
 
 
@@ -46,6 +46,15 @@ def _on_ray(args: dict[str, tuple], address: Optional[str]) -> Iterator[tuple[st
                             f"{cause}): fix that and run the same command again (complete shards are kept)") from None
 
 
+RAW_SHARD_MIB = 64   # --shard-size's default for raw pixels: images of that many MiB a shard
+
+
+def default_shard_size(encoding: str, size: int) -> int:
+    """--shard-size left out: 1000 JPEGs; raw pixels: ``RAW_SHARD_MIB`` MiB of size x size x 3 images (at
+    least 1000), since a batch's gather costs one step per shard it touches, not per image."""
+    return max(1000, (RAW_SHARD_MIB << 20) // (size * size * 3)) if encoding == "raw" else 1000
+
+
 def _parser() -> OneLineParser:
     p = OneLineParser(prog="python -m rayconv.prepare", error_name="rayconv.prepare",
                       description="Re-encode an ImageNet-layout folder (train/<class>/*, val/<class>/*) into "
@@ -61,7 +70,9 @@ def _parser() -> OneLineParser:
                         f"no decode when read) or auto (raw up to --size {RAW_MAX_SIZE}, jpeg above)")
     p.add_argument("--size", type=int, default=256, help="shorter side in pixels (default 256; never enlarged)")
     p.add_argument("--quality", type=int, default=90, help="JPEG quality 1-100 (default 90)")
-    p.add_argument("--shard-size", type=int, default=1000, help="images per shard (default 1000)")
+    p.add_argument("--shard-size", type=int, default=None,
+                   help=f"images per shard (default: 1000 JPEGs; raw pixels: as many as make {RAW_SHARD_MIB} MiB, at "
+                        "least 1000, so that a random batch touches few shards)")
     p.add_argument("--shard-order", choices=SHARD_ORDERS, default="shuffled",
                    help="order of the train files in the shards: shuffled (default; a permutation seeded by --seed, "
                         "so that each shard mixes the classes) or sorted (the listing's order, one class after "
@@ -81,6 +92,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("rayconv.prepare: error: --convert SHARDS alone rewrites the Parquet format; re-encoding takes "
               "--convert SHARDS --encoding raw|jpeg --out NEW", file=sys.stderr)
         return 2
+    if a.shard_size is None:
+        a.shard_size = default_shard_size(resolve_encoding(a.encoding or "jpeg", a.size), a.size)
     for flag, v, lo, hi in (("--size", a.size, 32, 1 << 16), ("--quality", a.quality, 1, 100),
                             ("--shard-size", a.shard_size, 1, 1 << 24)):
         if not lo <= v <= hi:

@@ -94,41 +94,57 @@ class RawShardSource(Source):
         shard = np.searchsorted(starts, idx, side="right") - 1
         return shard, np.asarray(idx, dtype=np.int64) - starts[shard]
 
+    def _groups(self, split: str, idx: np.ndarray):
+        """(shard, positions in ``idx``, rows in that shard) of each shard that samples ``idx`` touch,
+        grouped by one stable argsort (no per-sample Python)."""
+        shard, row = self._locate(split, idx)
+        order = np.argsort(shard, kind="stable")
+        sorted_shards = shard[order]
+        firsts = np.flatnonzero(np.r_[True, sorted_shards[1:] != sorted_shards[:-1]])
+        for a, b in zip(firsts.tolist(), np.r_[firsts[1:], len(order)].tolist()):
+            yield int(sorted_shards[a]), order[a:b], row[order[a:b]]
+
     def uint8(self, split: str, idx: np.ndarray, pin: bool = False) -> torch.Tensor:
         """The stored pixels of samples ``idx``: uint8 (len(idx), P, P, 3), in pinned memory with
         ``pin``. The shards they touch are checked first (DataError naming one that changed)."""
         idx = np.asarray(idx, dtype=np.int64)
-        shard, row = self._locate(split, idx)
         p = self.stored
         out = torch.empty((len(idx), p, p, 3), dtype=torch.uint8, pin_memory=pin)
         flat = out.numpy().reshape(len(idx), p * p * 3)
-        for s in np.unique(shard):
+        for s, positions, rows in self._groups(split, idx):
             sh = self.shards[split][s]
             sh.check()
-            mine = shard == s
-            flat[mine] = sh.pixels(row[mine])
+            flat[positions] = sh.pixels(rows)
         return out
 
     def read_ahead(self, split: str, idx: np.ndarray) -> None:
-        """Ask the kernel to read the pixel bytes of samples ``idx`` from disk now."""
-        shard, row = self._locate(split, idx)
-        for s in np.unique(shard):
-            self.shards[split][s].will_need(row[shard == s])
+        """Ask the kernel to read the pixel bytes of samples ``idx`` from disk now (``madvise(WILLNEED)``
+        on the shards' mappings: returns at once, the reads go on in the background)."""
+        for s, _, rows in self._groups(split, np.asarray(idx, dtype=np.int64)):
+            self.shards[split][s].will_need_mapped(rows)
 
-    def _gather(self, split: str, idx: np.ndarray, pin: bool) -> torch.Tensor:
-        self.read_ahead(split, idx)
+    def _gather(self, split: str, idx: np.ndarray, pin: bool, later: Optional[np.ndarray]) -> torch.Tensor:
+        """Batch ``idx`` gathered, after asking the disk for the batch ``later`` (READ_AHEAD batches on)."""
+        if later is not None:
+            self.read_ahead(split, later)
         return self.uint8(split, idx, pin)
 
     def prefetch(self, split: str, epoch: int, batches: list[np.ndarray]) -> None:
         """Announce the next batches of ``split``: the first ``READ_AHEAD`` are gathered on the reader
-        thread now, one more as each is taken."""
+        thread now, one more as each is taken; each gather first asks the disk for the batch
+        ``READ_AHEAD`` further on (the first ones' pages are asked for here)."""
         if self._reader is None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="rayconv-raw-read")
-        pin = torch.cuda.is_available()
-        queue: deque = deque((np.asarray(b), None) for b in batches if len(b))
-        for k, (b, _) in enumerate(list(queue)[:READ_AHEAD]):
-            queue[k] = (b, self._reader.submit(self._gather, split, b, pin))
+        queue: deque = deque([np.asarray(b), None] for b in batches if len(b))
+        for b, _ in list(queue)[:READ_AHEAD]:
+            self.read_ahead(split, b)
         self._pending[split] = queue
+        for k in range(min(READ_AHEAD, len(queue))):
+            self._submit(split, queue, k)
+
+    def _submit(self, split: str, queue: deque, k: int) -> None:
+        later = queue[k + READ_AHEAD][0] if k + READ_AHEAD < len(queue) else None
+        queue[k][1] = self._reader.submit(self._gather, split, queue[k][0], torch.cuda.is_available(), later)
 
     def _take(self, split: str, idx: np.ndarray, device: torch.device) -> torch.Tensor:
         """This batch's pixels (read ahead when it was announced), the next announced one started."""
@@ -138,8 +154,7 @@ class RawShardSource(Source):
             return self.uint8(split, idx, device.type == "cuda")
         _, ahead = queue.popleft()
         if len(queue) >= READ_AHEAD and queue[READ_AHEAD - 1][1] is None:
-            b = queue[READ_AHEAD - 1][0]
-            queue[READ_AHEAD - 1] = (b, self._reader.submit(self._gather, split, b, torch.cuda.is_available()))
+            self._submit(split, queue, READ_AHEAD - 1)
         if not queue:
             self._pending.pop(split, None)
         return ahead.result() if ahead is not None else self.uint8(split, idx, device.type == "cuda")

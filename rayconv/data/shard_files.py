@@ -227,6 +227,20 @@ class OpenShard:
         finally:
             os.close(fd)
 
+    def will_need_mapped(self, rows: np.ndarray) -> None:
+        """As ``will_need``, through the mapping (``madvise(MADV_WILLNEED)``: no file opened), page-aligned."""
+        advise = getattr(self.mmap, "madvise", None)
+        flag = getattr(mmap, "MADV_WILLNEED", None)
+        if advise is None or flag is None:
+            return
+        page, size = mmap.PAGESIZE, len(self.mmap)
+        for off, n in self.ranges(rows):
+            start = off - off % page
+            try:
+                advise(flag, start, min(off + n, size) - start)
+            except (OSError, ValueError):
+                return   # (a changed file: ``check`` names it before the bytes are read)
+
     def check(self) -> None:
         """Raise DataError naming the file if it disappeared, or its inode, size or mtime changed since open."""
         try:
