@@ -76,8 +76,12 @@ def _rows(folder: Path, split: str = "train") -> list[dict]:
     return [r for p in sorted(folder.glob(f"{split}-*.arrow")) for r in pa.ipc.open_file(str(p)).read_all().to_pylist()]
 
 
-def test_auto_is_raw_up_to_64_px_and_the_manifest_says_so(folders):
+def test_auto_is_raw_up_to_64_px_and_the_manifest_says_so(folders, capsys):
     assert [resolve_encoding("auto", s) for s in (32, 64, 65)] == ["raw", "raw", "jpeg"]
+    assert [prep.default_shard_size(e, s) for e, s in (("raw", 32), ("raw", 64), ("raw", 256), ("jpeg", 32))] \
+        == [21845, 5461, 1000, 1000]                                     # 64 MiB raw shards, at least 1000 images
+    assert prep.main(["--convert", str(folders["jpeg"]), "--encoding", "raw"]) == 2     # re-encoding needs --out
+    assert "--out NEW" in capsys.readouterr().err
     m = json.loads((folders["raw"] / "manifest.json").read_text())
     assert (m["format"], m["encoding"], m["image_shape"]) == ("rayconv-shards/3", "raw", [SIZE, SIZE, 3])
     assert json.loads((folders["jpeg"] / "manifest.json").read_text())["format"] == "rayconv-shards/2"
