@@ -4,7 +4,7 @@
 
 writes ``DIR/train/<class>/<class>_<i>.JPEG`` and ``DIR/val/<class>/...`` (the layout of
 ``--data imagefolder``): RGB, ``--width`` x ``--height`` (default 500 x 375, ImageNet's most common
-size), JPEG quality 90. The content is procedural: smooth colour fields at several scales, a few
+size), JPEG quality 90 (``--format png``: lossless PNGs). The content is procedural: smooth colour fields at several scales, a few
 shapes and edges, and fine texture and sensor-like noise, so that a file is about as large as an
 ImageNet photo of that size (about 65 KB at the defaults) and decodes about as slowly. Each image depends only on
 (``--seed``, split, class, index): the same command writes the same bytes. Written in parallel over
@@ -70,7 +70,9 @@ def make_image(seed: int, split: str, cls: int, index: int, width: int, height: 
     # A few hard-edged shapes (objects, edges), each drawn in its bounding box only.
     for _ in range(rng.integers(2, 6)):
         cy, cx = rng.uniform(0, height), rng.uniform(0, width)
-        ry, rx = rng.uniform(20, height / 2), rng.uniform(20, width / 2)
+        # (radii from 20 pixels; from a quarter of the side on images under 40 pixels)
+        ry = rng.uniform(20 if height >= 40 else height / 4, height / 2)
+        rx = rng.uniform(20 if width >= 40 else width / 4, width / 2)
         colour = (rng.uniform(0, 255, 3) * 0.6).astype(np.int16)
         y0, y1 = max(0, int(cy - ry)), min(height, int(cy + ry) + 1)
         x0, x1 = max(0, int(cx - rx)), min(width, int(cx + rx) + 1)
@@ -87,14 +89,16 @@ def make_image(seed: int, split: str, cls: int, index: int, width: int, height: 
 
 
 def _write_class(job: tuple) -> int:
-    root, split, cls, count, seed, width, height, quality = job
+    root, split, cls, count, seed, width, height, quality, *fmt = job
+    fmt = fmt[0] if fmt else "jpeg"
     folder = Path(root) / split / f"n{cls:08d}"
     folder.mkdir(parents=True, exist_ok=True)
     size = 0
     for i in range(count):
-        path = folder / f"n{cls:08d}_{i}.JPEG"
+        path = folder / f"n{cls:08d}_{i}.{'png' if fmt == 'png' else 'JPEG'}"
         tmp = path.with_name("." + path.name)
-        make_image(seed, split, cls, i, width, height).save(tmp, "JPEG", quality=quality)
+        img = make_image(seed, split, cls, i, width, height)
+        img.save(tmp, "PNG") if fmt == "png" else img.save(tmp, "JPEG", quality=quality)
         os.replace(tmp, path)  # never a half-written image
         size += path.stat().st_size
     return size
@@ -109,6 +113,8 @@ def main(argv=None) -> int:
     p.add_argument("--width", type=int, default=500, help="pixels (default %(default)s)")
     p.add_argument("--height", type=int, default=375, help="pixels (default %(default)s)")
     p.add_argument("--quality", type=int, default=90, help="JPEG quality (default %(default)s)")
+    p.add_argument("--format", choices=("jpeg", "png"), default="jpeg",
+                   help="jpeg (default) or png (lossless, .png files)")
     p.add_argument("--seed", type=int, default=0, help="the same seed writes the same files (default %(default)s)")
     p.add_argument("--processes", type=int, default=os.cpu_count() or 1,
                    help="parallel writers (default: the CPU count, %(default)s)")
@@ -120,7 +126,7 @@ def main(argv=None) -> int:
         p.error("--train-per-class and --val-per-class must be at least 1 (every class folder needs an image)")
     if not 1 <= a.quality <= 100:
         p.error("--quality must be within 1..100")
-    jobs = [(a.out, split, c, n, a.seed, a.width, a.height, a.quality)
+    jobs = [(a.out, split, c, n, a.seed, a.width, a.height, a.quality, a.format)
             for split, n in (("train", a.train_per_class), ("val", a.val_per_class)) for c in range(a.classes)]
     t0 = time.perf_counter()
     with ProcessPoolExecutor(a.processes) as pool:

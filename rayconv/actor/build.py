@@ -91,11 +91,14 @@ class ActorState:
     last_start: Optional[float] = None
     last_return: Optional[float] = None
     comm_bytes: int = 0
+    data_decode: Optional[dict[str, Any]] = None  # the one-time decode of data held on the device
 
     def report(self) -> dict[str, Any]:
-        """What ``build`` returns: rank, role, device, compiled, CUDA graphs, parameters held (count)."""
+        """What ``build`` returns: rank, role, device, compiled, CUDA graphs, parameters held (count),
+        the one-time decode of data held on the device (seconds, images, workers; None: none held)."""
         return {"rank": self.rank, "role": self.role, "device": str(self.device), "compiled": self.compiled,
-                "cuda_graphs": self.cuda_graphs, "parameters": sum(p.numel() for p in self.part.parameters())}
+                "cuda_graphs": self.cuda_graphs, "parameters": sum(p.numel() for p in self.part.parameters()),
+                "data_decode": self.data_decode}
 
 
 def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, routing: Routing,
@@ -124,13 +127,17 @@ def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, r
     batches = Batches(source, sharding, mesh, coord, device, input_dtype, parallel.sharded.batch_gather,
                       mix=(cfg.mixup_alpha, cfg.cutmix_alpha))
     recipe = RecipeStep(cfg, parallel, optimizer, groups, coord, per_layer, device, sharding.steps_per_epoch)
+    # Data held on the device (--data-on-device) is decoded here, by the first stage (which reads
+    # images), so that the decode is not inside the first timed step.
+    hold = getattr(source, "hold", None)
+    data_decode = hold(device) if hold is not None and stage == 0 else None
     return ActorState(
         cfg=cfg, run_name=run_name, role=role, rank=rank, routing=routing, mesh=mesh, coord=coord, device=device,
         groups=groups, source=source, batches=batches, parallel=parallel, part=part, sync=sync,
         per_layer=per_layer, dtype=dtype, autocast=autocast, input_dtype=input_dtype, optimizer=optimizer,
         recipe=recipe, compiled=compiled, cuda_graphs=cuda_graphs, step_graph=step_graph, lr_t=lr_t,
         runner=runner, program=routing.schedule.programs[stage], p2p_posts=p2p_posts(routing.schedule, stage),
-        reports=is_last and coord.fs == 0 and not (per_layer and coord.dp != 0))
+        reports=is_last and coord.fs == 0 and not (per_layer and coord.dp != 0), data_decode=data_decode)
 
 
 def _pick_device(cfg: Config) -> torch.device:

@@ -47,10 +47,16 @@ class CheckedImageFolder(Dataset):
         """``item`` = (sample index, augmentation seed): the random crop and flip of a sample depend only
         on its seed, not on which loader process decodes it or what else is in its batch."""
         i, seed = item
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.load(i)
+
+    def load(self, i: int):
+        """Sample ``i`` (image, label) through the transform, drawing from the global RNG as it is (for
+        deterministic transforms: no seeding, whose ``torch.manual_seed`` also seeds every GPU and costs
+        more than a small image's decode). Raises DataError naming a file that does not decode."""
         try:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                return self.inner[i]
+            return self.inner[i]
         except Exception as e:  # PIL.UnidentifiedImageError, OSError for truncated files, ...
             path = self.inner.samples[i][0]
             raise DataError(f"cannot decode image {path} ({type(e).__name__}: {e}): "

@@ -3,7 +3,7 @@
 Names: ``digits`` (``rayconv/data/digits.py``; 8x8, not augmented, whatever ``--image-size`` and
 ``--augment`` say), ``fashion-mnist`` (``fashion_mnist.py``; resized on the device to ``--image-size``),
 ``synthetic`` (``synthetic.py``), ``imagefolder`` (``imagefolder.py``; a folder prepared by ``python -m
-rayconv.prepare`` is read as shards) and ``shards`` (``shards.py``). ``--augment`` (resolved by
+rayconv.prepare`` is read as shards) and ``shards`` (``shards.py``; raw-pixel shards ``raw_shards.py``). ``--augment`` (resolved by
 ``Config.augmentation``), ``--auto-augment`` and ``--random-erase`` reach fashion-mnist, imagefolder and shards;
 ``--channels`` (``model_channels``) every source. Small image folders and shard folders are held on the
 device (``--data-on-device``, ``rayconv/data/small.py``)."""
@@ -19,6 +19,8 @@ from rayconv.config import Config, ConfigError
 from rayconv.data.digits import load_digits
 from rayconv.data.fashion_mnist import load_fashion_mnist
 from rayconv.data.imagefolder import ImageFolderSource
+from rayconv.data.raw_shards import RawShardSource
+from rayconv.data.shard_files import folder_encoding
 from rayconv.data.shards import ShardSource, is_prepared
 from rayconv.data.small import maybe_hold
 from rayconv.data.source import Source
@@ -57,6 +59,18 @@ def loader_workers(cfg: Config) -> int:
     return max(2, cores // max(1, torch.cuda.device_count()) - 2)
 
 
+def decode_workers(cfg: Config) -> int:
+    """Processes of the one-time decode of data held on the device (``small.py``): ``--loader-workers``,
+    or by default on GPUs this node's CPU cores per GPU (nothing else runs while it decodes: all the
+    node's cores among its actors), at least 2; on CPUs 2 (the actors use the cores)."""
+    if cfg.loader_workers is not None:
+        return cfg.loader_workers
+    if cfg.device == "cpu" or not torch.cuda.is_available():
+        return 2
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(2, cores // max(1, torch.cuda.device_count()))
+
+
 def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
     """The data source named by ``cfg.data``, giving the model ``model_channels``. Raises DataError /
     ConfigError."""
@@ -68,13 +82,16 @@ def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
     elif cfg.data == "synthetic":
         src = SyntheticSource(cfg.data_image_size, cfg.num_classes or 1000, cfg.synthetic_samples, cfg.seed)
     elif cfg.data in ("imagefolder", "shards"):
-        if cfg.data == "shards" or is_prepared(cfg.data_dir):  # a prepared folder is read as shards
+        if (cfg.data == "shards" or is_prepared(cfg.data_dir)) and folder_encoding(cfg.data_dir) == "raw":
+            src = RawShardSource(cfg.data_dir or "", cfg.data_image_size, cfg.seed, augment=augment,
+                                 random_erase=erase, auto_augment=cfg.auto_augment)   # raw pixels: no decode
+        elif cfg.data == "shards" or is_prepared(cfg.data_dir):  # a prepared folder is read as shards
             src = ShardSource(cfg.data_dir or "", cfg.data_image_size, cfg.seed, loader_workers(cfg), cfg.decode,
                               augment=augment, random_erase=erase, auto_augment=cfg.auto_augment)
         else:
             src = ImageFolderSource(cfg.data_dir or "", cfg.data_image_size, cfg.seed, loader_workers(cfg),
                                     augment=augment, random_erase=erase, auto_augment=cfg.auto_augment)
-        src = maybe_hold(cfg, src, loader_workers(cfg))   # --data-on-device: small data held on the device
+        src = maybe_hold(cfg, src, decode_workers(cfg))   # --data-on-device: small data held on the device
     else:
         raise ConfigError(f"unknown --data {cfg.data!r}")
     if cfg.num_classes is not None and cfg.num_classes != src.num_classes:

@@ -20,6 +20,15 @@ when it copies shards to a node. During a run ``OpenShard.check`` compares the f
 mtime) with those at open before its bytes are read, so a shard that disappears, shrinks or changes
 stops the run with DataError naming it (reading a memory-mapped file that shrank would raise SIGBUS).
 
+Format ``rayconv-shards/3`` (``python -m rayconv.prepare --encoding raw``): the same files and columns, with
+``pixels`` (fixed-size binary of ``size * size * 3`` bytes: the image as uint8 H x W x RGB, row-major,
+``size`` x ``size``: shorter side resized to ``size``, then the center ``size`` x ``size`` crop) in place
+of ``jpeg``; ``height`` = ``width`` = ``size``. Its manifest says ``"encoding": "raw"`` and
+``"image_shape": [size, size, 3]``. A reader takes a batch's rows straight from the mapping (numpy
+fancy indexing of a (rows, size, size, 3) view): nothing is decoded. Folders of format 2 hold JPEGs
+(their manifest's ``encoding`` is ``jpeg`` or absent); prepare keeps writing format 2 for JPEGs, so
+that older readers still read them.
+
 Format ``rayconv-shards/1`` (Parquet shards) is refused with the command that converts it in place:
 ``python -m rayconv.prepare --convert DIR``.
 """
@@ -38,7 +47,9 @@ from rayconv.data.folders import SPLITS
 from rayconv.errors import DataError
 
 MANIFEST = "manifest.json"
-FORMAT = "rayconv-shards/2"
+FORMAT = "rayconv-shards/2"           # JPEG shards
+FORMAT_RAW = "rayconv-shards/3"       # raw-pixel shards (``encoding`` raw): older readers refuse them by format
+FORMATS = (FORMAT, FORMAT_RAW)
 FORMAT_PARQUET = "rayconv-shards/1"   # the older format: Parquet shards, converted by --convert
 SUFFIX = ".arrow"
 
@@ -64,7 +75,8 @@ def read_manifest(root: Path) -> dict[str, Any]:
         if manifest.get("format") == FORMAT_PARQUET:
             raise DataError(f"{root} holds shards of the older format {FORMAT_PARQUET} (Parquet): "
                             f"{convert_hint(root)}")
-        assert manifest.get("format") == FORMAT, f"format {manifest.get('format')!r}, not {FORMAT!r}"
+        assert manifest.get("format") in FORMATS, f"format {manifest.get('format')!r}, not one of {FORMATS}"
+        assert encoding(manifest) in ("jpeg", "raw"), f"encoding {manifest.get('encoding')!r}"
         listed = {e["file"]: e for split in SPLITS.values() for e in manifest["splits"][split]["shards"]}
     except (ValueError, AssertionError, KeyError, TypeError, AttributeError) as e:
         raise DataError(f"{path} is not a rayconv shard manifest ({e}): prepare the folder again") from None
@@ -82,6 +94,20 @@ def read_manifest(root: Path) -> dict[str, Any]:
     return manifest
 
 
+def encoding(manifest: dict[str, Any]) -> str:
+    """A manifest's image encoding: ``jpeg`` or ``raw`` (format 2 without the key: ``jpeg``)."""
+    return manifest.get("encoding", "jpeg")
+
+
+def folder_encoding(root: Optional[str]) -> str:
+    """The encoding a prepared folder's manifest names (``jpeg`` when it has none or does not read:
+    the JPEG reader then names what is wrong)."""
+    try:
+        return encoding(json.loads((Path(root or "") / MANIFEST).read_text()))
+    except (OSError, ValueError, AttributeError):
+        return "jpeg"
+
+
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
@@ -92,8 +118,9 @@ class OpenShard:
     IPC footer and record batches read from the mapping zero-copy (``pa.ipc.open_file``).
 
     ``columns(names)``: numpy copies of small columns (labels, sizes). ``pieces``: per record batch
-    (first row, JPEG bytes uint8 view, offsets int32 view), views into the mapping, zero-copy.
-    ``ranges(rows)``: the (file offset, length) of those rows' JPEG bytes, for read-ahead. Raises
+    (first row, JPEG bytes uint8 view, offsets int32 view; raw shards: (rows, size * size * 3) uint8
+    view, None), views into the mapping, zero-copy; ``raw``: whether it holds raw pixels.
+    ``ranges(rows)``: the (file offset, length) of those rows' bytes, for read-ahead. Raises
     DataError naming the file when its Arrow footer does not read or its rows differ from ``rows``."""
 
     def __init__(self, path: Path, rows: int):
@@ -117,14 +144,25 @@ class OpenShard:
         if self.rows != rows:
             raise DataError(f"{path} holds {self.rows} rows, {MANIFEST} says {rows}: run `python -m "
                             f"rayconv.prepare` again with --out {path.parent} (it rewrites bad shards)")
-        self.pieces: list[tuple[int, np.ndarray, np.ndarray]] = []
+        # Per record batch: (first row, bytes, offsets). JPEG: the column's bytes (uint8) and its int32
+        # offsets; raw: a (rows, size * size * 3) uint8 view of the fixed-size column, offsets None.
+        self.pieces: list[tuple[int, np.ndarray, Optional[np.ndarray]]] = []
         self.base, first = base, 0
+        self.raw = bool(self.batches) and "pixels" in self.batches[0].schema.names
         for b in self.batches:
-            col = b.column("jpeg")
-            _, offsets, data = col.buffers()
-            off = np.frombuffer(offsets, dtype=np.int32)[col.offset:col.offset + len(col) + 1]
-            raw = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
-            self.pieces.append((first, raw, off))
+            if self.raw:
+                col = b.column("pixels")
+                width = col.type.byte_width
+                data = col.buffers()[1]
+                flat = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
+                self.pieces.append((first, flat[col.offset * width:(col.offset + len(col)) * width]
+                                    .reshape(len(col), width), None))
+            else:
+                col = b.column("jpeg")
+                _, offsets, data = col.buffers()
+                off = np.frombuffer(offsets, dtype=np.int32)[col.offset:col.offset + len(col) + 1]
+                raw = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
+                self.pieces.append((first, raw, off))
             first += b.num_rows
         self.starts = np.asarray([p[0] for p in self.pieces] + [first])
 
@@ -133,29 +171,49 @@ class OpenShard:
         return {n: np.concatenate(v) if v else np.zeros(0, np.int32) for n, v in out.items()}
 
     def jpeg(self, row: int) -> np.ndarray:
-        """Row ``row``'s JPEG bytes: a uint8 view into the mapping."""
+        """Row ``row``'s JPEG bytes (raw shards: its pixel bytes): a uint8 view into the mapping."""
         k = int(np.searchsorted(self.starts, row, side="right")) - 1
-        first, raw, off = self.pieces[k]
+        first, data, off = self.pieces[k]
         r = row - first
-        return raw[off[r]:off[r + 1]]
+        return data[r] if off is None else data[off[r]:off[r + 1]]
+
+    def pixels(self, rows: np.ndarray) -> np.ndarray:
+        """Raw shards: the pixel bytes of ``rows`` (int array), uint8 (len(rows), size * size * 3), gathered
+        from the mapping by numpy fancy indexing (one copy, no per-row Python)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if len(self.pieces) == 1:
+            return self.pieces[0][1][rows]
+        k = np.searchsorted(self.starts, rows, side="right") - 1
+        out = np.empty((len(rows), self.pieces[0][1].shape[1]), np.uint8)
+        for j in np.unique(k):
+            out[k == j] = self.pieces[j][1][rows[k == j] - self.pieces[j][0]]
+        return out
 
     def ranges(self, rows: np.ndarray) -> list[tuple[int, int]]:
-        """The (file offset, length) of the JPEG bytes of ``rows``, sorted, adjacent ranges merged."""
-        spans = []
-        for row in np.sort(rows):
-            view = self.jpeg(int(row))
-            if len(view):
-                spans.append((view.ctypes.data - self.base, len(view)))
+        """The (file offset, length) of the bytes of ``rows``, sorted, ranges closer than 4 KiB merged."""
+        rows = np.sort(np.asarray(rows, dtype=np.int64))
+        if self.raw:
+            k = np.searchsorted(self.starts, rows, side="right") - 1
+            width = self.pieces[0][1].shape[1]
+            firsts = np.asarray([p[0] for p in self.pieces], np.int64)
+            addr = np.asarray([p[1].ctypes.data - self.base for p in self.pieces], np.int64)
+            starts = addr[k] + (rows - firsts[k]) * width
+            ends = starts + width
+        else:
+            views = [self.jpeg(int(row)) for row in rows]
+            views = [v for v in views if len(v)]
+            starts = np.asarray([v.ctypes.data - self.base for v in views], np.int64)
+            ends = starts + np.asarray([len(v) for v in views], np.int64)
         merged: list[tuple[int, int]] = []
-        for off, n in spans:
+        for off, end in zip(starts.tolist(), ends.tolist()):
             if merged and off <= merged[-1][0] + merged[-1][1] + 4096:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], off + n - merged[-1][0]))
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end - merged[-1][0]))
             else:
-                merged.append((off, n))
+                merged.append((off, end - off))
         return merged
 
     def will_need(self, rows: np.ndarray) -> None:
-        """Ask the kernel to read the pages of ``rows``' JPEG bytes now (``POSIX_FADV_WILLNEED``: returns at
+        """Ask the kernel to read the pages of ``rows``' bytes now (``POSIX_FADV_WILLNEED``: returns at
         once, the reads go on in the background), so that decoding them later does not wait on the disk."""
         if not hasattr(os, "posix_fadvise"):
             return
@@ -168,6 +226,20 @@ class OpenShard:
                 os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
         finally:
             os.close(fd)
+
+    def will_need_mapped(self, rows: np.ndarray) -> None:
+        """As ``will_need``, through the mapping (``madvise(MADV_WILLNEED)``: no file opened), page-aligned."""
+        advise = getattr(self.mmap, "madvise", None)
+        flag = getattr(mmap, "MADV_WILLNEED", None)
+        if advise is None or flag is None:
+            return
+        page, size = mmap.PAGESIZE, len(self.mmap)
+        for off, n in self.ranges(rows):
+            start = off - off % page
+            try:
+                advise(flag, start, min(off + n, size) - start)
+            except (OSError, ValueError):
+                return   # (a changed file: ``check`` names it before the bytes are read)
 
     def check(self) -> None:
         """Raise DataError naming the file if it disappeared, or its inode, size or mtime changed since open."""

@@ -1,5 +1,7 @@
-"""An ImageNet-layout folder -> Arrow IPC shards of JPEGs re-encoded at training size (what
-``python -m rayconv.prepare`` runs), so that training decodes small baseline JPEGs from a few large files.
+"""An ImageNet-layout folder -> Arrow IPC shards of JPEGs re-encoded at training size, or of raw
+pixels (``encoding="raw"``: uint8 size x size x 3, ``encode_raw``; ``resolve_encoding`` says when
+``auto`` picks which), what ``python -m rayconv.prepare`` runs, so that training decodes small baseline
+JPEGs, or reads pixels without decoding, from a few large files.
 
 The shorter side of each image is resized to ``size`` (smaller images are kept at their size, never
 enlarged), as FFCV and fast ImageNet recipes store ImageNet, and re-encoded at ``quality``. Every
@@ -39,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from rayconv.data.folders import SPLITS, scan
-from rayconv.data.shard_files import FORMAT, MANIFEST, SUFFIX
+from rayconv.data.shard_files import FORMAT, FORMAT_RAW, MANIFEST, SUFFIX
 from rayconv.errors import DataError
 from rayconv.files import sha256_file
 
@@ -70,6 +72,52 @@ def encode(path: Path, size: int, quality: int) -> tuple[bytes, int, int]:
     return buf.getvalue(), th, tw
 
 
+def encode_raw(path: Path, size: int) -> bytes:
+    """One image file -> its ``size`` x ``size`` RGB pixels as uint8 bytes (H x W x 3, row-major): the
+    shorter side resized to ``size`` as ``encode`` does (bicubic; smaller images are enlarged, so that
+    every row has one shape), then the center ``size`` x ``size`` crop (``raw_pixels``). Raises OSError
+    / ValueError (Pillow's) for a file that cannot be read or decoded."""
+    from PIL import Image
+
+    with Image.open(path) as img:
+        w, h = img.size
+        scale = size / min(w, h)
+        if img.format == "JPEG" and scale < 1:
+            img.draft("RGB", (max(size, round(w * scale)), max(size, round(h * scale))))
+        img.load()
+        return raw_pixels(img.convert("RGB"), size)
+
+
+def raw_pixels(rgb, size: int) -> bytes:
+    """A PIL RGB image -> ``size`` x ``size`` x 3 uint8 bytes: shorter side resized to ``size``
+    (bicubic, up or down; the longer side rounded as ``encode`` rounds it), then the center crop (top
+    and left offsets rounded down)."""
+    from PIL import Image
+
+    w, h = rgb.size
+    scale = size / min(w, h)
+    tw, th = max(size, round(w * scale)), max(size, round(h * scale))
+    if rgb.size != (tw, th):
+        rgb = rgb.resize((tw, th), Image.Resampling.BICUBIC, reducing_gap=None)
+    left, top = (tw - size) // 2, (th - size) // 2
+    return rgb.crop((left, top, left + size, top + size)).tobytes()
+
+
+ENCODINGS = ("auto", "raw", "jpeg")
+RAW_MAX_SIZE = 64   # --encoding auto: raw pixels up to this --size, JPEG above
+
+
+def resolve_encoding(encoding: str, size: int) -> str:
+    """``--encoding``: ``raw`` or ``jpeg`` as given; ``auto`` is raw when ``size`` <= ``RAW_MAX_SIZE``.
+    The rule's reason: raw pixels need no decode, and at 64 px an image is 12 KB, a few times its JPEG,
+    so reading it costs less than decoding a JPEG (whose decode takes more CPU per image than reading
+    its raw bytes from the page cache); raw bytes grow as size squared (147 KiB an image at 224 px),
+    where disk and page cache, not decode, would set the rate. Raises ValueError for another ``encoding``."""
+    if encoding not in ENCODINGS:
+        raise ValueError(f"encoding {encoding!r} is not one of {ENCODINGS}")
+    return ("raw" if size <= RAW_MAX_SIZE else "jpeg") if encoding == "auto" else encoding
+
+
 SHARD_ORDERS = ("shuffled", "sorted")
 
 
@@ -89,8 +137,8 @@ def shard_listing(listing: list[tuple[str, int]], order: str, seed: int) -> list
 
 def _with_defaults(settings: dict[str, Any]) -> dict[str, Any]:
     """Recorded settings with the keys folders written before ``shard_order`` existed lack: those were
-    written in sorted order (so ``--shard-order sorted`` resumes them)."""
-    return {"shard_order": "sorted", "seed": None, **settings}
+    written in sorted order (so ``--shard-order sorted`` resumes them), and before ``encoding``: JPEGs."""
+    return {"shard_order": "sorted", "seed": None, "encoding": "jpeg", **settings}
 
 
 def _meta(settings: dict[str, Any], inputs: list[tuple[int, str, int]]) -> dict[str, Any]:
@@ -130,11 +178,16 @@ def write_shard(root: str, out: str, name: str, inputs: list[tuple[int, str, int
     resumed = _complete(final, meta, expect_sha256)
     if resumed is not None:
         return {**resumed, "seconds": time.perf_counter() - t0}
-    rows: dict[str, list] = {"index": [], "label": [], "height": [], "width": [], "jpeg": [], "path": []}
+    raw, size = settings.get("encoding") == "raw", settings["size"]
+    column = "pixels" if raw else "jpeg"
+    rows: dict[str, list] = {"index": [], "label": [], "height": [], "width": [], column: [], "path": []}
     skipped, counts = [], {}
     for index, rel, label in inputs:
         try:
-            data, h, w = encode(Path(root) / rel, settings["size"], settings["quality"])
+            if raw:
+                data, h, w = encode_raw(Path(root) / rel, size), size, size
+            else:
+                data, h, w = encode(Path(root) / rel, size, settings["quality"])
         except Exception as e:  # noqa: BLE001 - Pillow raises OSError, ValueError, SyntaxError, DecompressionBombError...
             skipped.append({"path": rel, "reason": f"cannot read or decode ({type(e).__name__}: {e})"})
             continue
@@ -142,18 +195,22 @@ def write_shard(root: str, out: str, name: str, inputs: list[tuple[int, str, int
             rows[k].append(v)
         counts[str(label)] = counts.get(str(label), 0) + 1
     done = {**meta, "rows": len(rows["index"]), "skipped": skipped, "counts": counts}
-    table = pa.table(rows, schema=shard_schema()).replace_schema_metadata({SHARD_META: json.dumps(done)})
+    table = pa.table(rows, schema=shard_schema(size if raw else None)).replace_schema_metadata({SHARD_META: json.dumps(done)})
     write_atomic(table, final)
     return {**_entry(final, done["rows"], sha256_file(final)), "skipped": skipped, "counts": counts, "resumed": False,
             "seconds": time.perf_counter() - t0}
 
 
-def shard_schema():
-    """The columns of a shard (``rayconv/data/shard_files.py`` says what each holds)."""
+def shard_schema(raw_size: Optional[int] = None):
+    """The columns of a shard (``rayconv/data/shard_files.py`` says what each holds): of JPEGs, or with
+    ``raw_size`` S of raw pixels, a fixed-size binary column of S * S * 3 bytes (one data buffer with
+    no offsets, so that a (rows, S, S, 3) numpy view of it is zero-copy; a FixedSizeList<uint8> would
+    add a child array to every read for the same bytes)."""
     import pyarrow as pa
 
+    image = ("jpeg", pa.binary()) if raw_size is None else ("pixels", pa.binary(raw_size * raw_size * 3))
     return pa.schema([("index", pa.int64()), ("label", pa.int32()), ("height", pa.int32()),
-                      ("width", pa.int32()), ("jpeg", pa.binary()), ("path", pa.string())])
+                      ("width", pa.int32()), image, ("path", pa.string())])
 
 
 def write_atomic(table, final: Path) -> None:
@@ -290,20 +347,22 @@ def _jobs(files: dict[str, list[tuple[str, int]]], shard_size: int, shard_order:
 
 def prepare(src: str, out: str, size: int = 256, quality: int = 90, shard_size: int = 1000, log=print,
             processes: Optional[int] = None, fan_out: Optional[FanOut] = None, shard_order: str = "shuffled",
-            seed: int = 0) -> dict[str, Any]:
+            seed: int = 0, encoding: str = "jpeg") -> dict[str, Any]:
     """Prepare ``src`` into ``out``; returns the manifest. The shards are written by ``fan_out`` (the
     command line passes Ray tasks), else by ``processes`` local processes (default: this machine's CPU
     count); the train files in ``shard_order`` (``shard_listing``; ``seed`` is recorded as None for
-    sorted, which uses none). The last log line names the images encoded and images/s per core. Raises
+    sorted, which uses none) and ``encoding`` (``resolve_encoding``: raw pixels, format 3, or JPEGs at
+    ``quality``, format 2). The last log line names the images encoded and images/s per core. Raises
     DataError for bad input (nothing is written then) or an ``out`` prepared with other settings;
-    ValueError for an unknown ``shard_order``; OSError (a full disk) with no half-written shard or
+    ValueError for an unknown ``shard_order`` or ``encoding``; OSError (a full disk) with no half-written shard or
     manifest left."""
     t0 = time.perf_counter()
     root, dest = Path(src).resolve(), Path(out)
     if shard_order not in SHARD_ORDERS:
         raise ValueError(f"shard order {shard_order!r} is not one of {SHARD_ORDERS}")
-    settings = {"size": size, "quality": quality, "shard_size": shard_size, "shard_order": shard_order,
-                "seed": seed if shard_order == "shuffled" else None}
+    encoding = resolve_encoding(encoding, size)
+    settings = {"size": size, "quality": quality if encoding == "jpeg" else None, "shard_size": shard_size,
+                "shard_order": shard_order, "seed": seed if shard_order == "shuffled" else None, "encoding": encoding}
     classes, files, skipped = scan(root)
     old = _previous_shards(dest, settings)
     dest.mkdir(parents=True, exist_ok=True)
@@ -321,10 +380,14 @@ def prepare(src: str, out: str, size: int = 256, quality: int = 90, shard_size: 
             stale.unlink()   # a shard of files no longer in the source folder, or of the older format
     splits = {split: _split_summary(split, [results[n] for s, n, _ in jobs if s == split], classes,
                                     skipped[split], len(files[split]), dest, log) for split in SPLITS.values()}
-    manifest = {"format": FORMAT, "source": str(root), "settings": settings, "classes": classes, "splits": splits}
+    manifest = {"format": FORMAT_RAW if encoding == "raw" else FORMAT, "encoding": encoding, "source": str(root),
+                "settings": settings, "classes": classes, "splits": splits}
+    if encoding == "raw":
+        manifest["image_shape"] = [size, size, 3]
     write_manifest(dest, manifest)
     resumed = sum(1 for r in results.values() if r["resumed"])
-    log(f"prepare: {splits['train']['images']} train and {splits['val']['images']} val images in {len(jobs)} "
+    log(f"prepare: {splits['train']['images']} train and {splits['val']['images']} val images "
+        f"({'raw pixels, ' + str(size) + 'x' + str(size) if encoding == 'raw' else 'JPEG'}) in {len(jobs)} "
         f"shards ({resumed} already complete) -> {dest}")
     log("prepare: " + _rate_line(results, {n: len(i) for _, n, i in jobs}, time.perf_counter() - t0))
     return manifest

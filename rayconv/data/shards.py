@@ -29,7 +29,7 @@ from rayconv.data import decode as dec
 from rayconv.data.augment import erase, erase_params
 from rayconv.data.folders import SPLITS
 from rayconv.data.on_device import pad_for
-from rayconv.data.shard_files import FORMAT, MANIFEST, OpenShard, is_prepared, read_manifest
+from rayconv.data.shard_files import FORMAT, MANIFEST, OpenShard, encoding, is_prepared, read_manifest
 from rayconv.data.source import Source, stable_seed
 from rayconv.errors import DataError
 
@@ -59,6 +59,9 @@ class ShardSource(Source):
         self.root = Path(root)
         self.auto_augment = aa.make_transform(auto_augment) if auto_augment else None   # (the policy's transform)
         self.manifest = read_manifest(self.root)
+        if encoding(self.manifest) != "jpeg":
+            raise DataError(f"{self.root} holds raw pixels, not JPEGs: read it with raw_shards.RawShardSource "
+                            "(make_source picks it)")
         self.classes = list(self.manifest["classes"])
         self.num_classes = len(self.classes)
         self.sample_shape = (3, image_size, image_size)

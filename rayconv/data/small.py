@@ -5,8 +5,8 @@ images (28-64 pixels) that decode, not the model, sets the step time. When the d
 device, every image of both splits is decoded once, to exactly the image the loader path gives before
 its augmentation (its evaluation crop: for an image folder torchvision's ``Resize(S * 8 // 7)`` +
 ``CenterCrop(S)`` of the PIL image, ``imagefolder.center_transforms``; for shards libjpeg-turbo's decode
-then ``decode.center``), as uint8 (N, 3, S, S), by the loader's worker count of processes (a DataLoader
-over chunks of ``CHUNK`` images). The images go to each actor's device as ``OnDeviceSource`` holds
+then ``decode.center``; for raw-pixel shards the stored pixels through ``decode.center``), as uint8
+(N, 3, S, S), by ``registry.decode_workers`` processes (a DataLoader over chunks of ``CHUNK`` images). The images go to each actor's device as ``OnDeviceSource`` holds
 them: batches are augmented there by batched tensor operations from per-epoch tables drawn from
 (seed, epoch, index), normalised by ImageNet's mean and std as the loader path is.
 
@@ -17,14 +17,18 @@ pad-crop or none and both splits as uint8 take at most ``hold_limit``: ``SMALL_D
 node's memory, so that memory is divided among the actors on the node; on GPUs the device's free
 memory). Before Ray starts only ``SMALL_DATA_BYTES`` is known; the driver then resolves ``auto`` to
 on or off against the cluster (``decide_auto``, in ``driver/resolve.py``), so every actor does the
-same. The decode runs on the first ``images`` call of a process (an actor, or a single-device
-reference), not where the source is only built to check the run (the driver).
+same. The decode runs in the
+actor's build (``HeldSource.hold``, before the first step, reported apart: the console line "decoded N
+images in S s on W workers" and summary.json's ``startup``), or on the first ``images`` call of a
+process that did not call ``hold`` (a single-device reference); not where the source is only built to
+check the run (the driver).
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -36,6 +40,7 @@ from rayconv.data import decode as dec
 from rayconv.data.folders import SPLITS
 from rayconv.data.imagefolder import CheckedImageFolder, center_transforms
 from rayconv.data.on_device import OnDeviceSource
+from rayconv.data.raw_shards import RawCenters, RawShardSource
 from rayconv.data.shards import ShardSource
 from rayconv.data.source import Source
 from rayconv.errors import ConfigError, DataError
@@ -86,8 +91,8 @@ def maybe_hold(cfg: Config, loader: Source, workers: int) -> Source:
     a ``HeldSource`` of the same images. Raises ConfigError as ``held_on_device``."""
     if not held_on_device(cfg, loader.train_size + loader.test_size):
         return loader
-    center = _ShardCenters(loader) if isinstance(loader, ShardSource) \
-        else _FolderCenters(Path(cfg.data_dir or ""), cfg.data_image_size)
+    center = RawCenters(loader) if isinstance(loader, RawShardSource) else _ShardCenters(loader) \
+        if isinstance(loader, ShardSource) else _FolderCenters(Path(cfg.data_dir or ""), cfg.data_image_size)
     return HeldSource(loader, center, workers, cfg)
 
 
@@ -119,6 +124,17 @@ class HeldSource(OnDeviceSource):
                 decode_into(buffer, self.center, split, self.workers)
             self.decoded = True
         return super()._on(device)
+
+    def hold(self, device: torch.device) -> dict[str, Any]:
+        """Decode both splits and copy them to ``device`` now (the actor's setup calls it, so that the
+        decode is not inside the first timed step); returns {"images", "workers", "decode_s"} (seconds
+        of the decode, the device copy included)."""
+        t0 = time.perf_counter()
+        self._on(torch.device(device))
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+        return {"images": self.train_size + self.test_size, "workers": self.workers,
+                "decode_s": time.perf_counter() - t0}
 
 
 def decode_into(buffer: np.ndarray, center: Callable, split: str, workers: int) -> None:
@@ -191,4 +207,4 @@ class _FolderCenters:
 
     def __call__(self, split: str, idx: np.ndarray) -> torch.Tensor:
         self.open(split)
-        return torch.stack([self.sets[split][(int(i), 0)][0].as_subclass(torch.Tensor) for i in idx])
+        return torch.stack([self.sets[split].load(int(i))[0].as_subclass(torch.Tensor) for i in idx])

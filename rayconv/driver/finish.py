@@ -88,6 +88,16 @@ def export(run: Run, actor_group: ActorGroup, path: Path, ema: bool = False) -> 
     export_model(path, assemble(states, split_dims), run_model(cfg, run.resolved.source))
 
 
+def startup(setups: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """summary.json's ``startup`` from the actors' build reports: the one-time decode of data held on
+    the device (the slowest actor's ``decode_s``, its images and workers), None when nothing was held."""
+    held = [r["data_decode"] for r in setups if r.get("data_decode")]
+    if not held:
+        return None
+    slowest = max(held, key=lambda d: d["decode_s"])
+    return {"decode_s": slowest["decode_s"], "decoded_images": slowest["images"], "decode_workers": slowest["workers"]}
+
+
 def summarize(run: Run, memory: list[dict[str, Any]], status: str = "finished") -> dict[str, Any]:
     """summary.json: ``status`` (finished, interrupted or failed) and ``steps_done`` (the steps trained,
     of ``steps``), the layout, the final loss and test figures (``ema_test_accuracy`` of the moving
@@ -122,6 +132,7 @@ def summarize(run: Run, memory: list[dict[str, Any]], status: str = "finished") 
         # The steps' waits for input not overlapped with compute, summed, and their share of the steps' time.
         "input_stall_s": stall_ms / 1e3, "input_stall_fraction": stall_ms / own_ms if own_ms > 0 else None,
         "train_time_s": run.train_s, "wall_time_s": time.perf_counter() - s.t_start,
+        "startup": startup(run.actor_reports),   # the one-time decode of data held on the device (None: none held)
         **run.target.summary(run.wall),
         "run_name": s.run_name,
         "resumed_from": str(s.resume.path) if s.resume is not None else None, "failures_recovered": run.failures,

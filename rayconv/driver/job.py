@@ -22,7 +22,7 @@ from rayconv.actor.actor import Actor
 from rayconv.cluster.group import ActorGroup, start_group
 from rayconv.config import Config
 from rayconv.data.source import Sharding
-from rayconv.driver.finish import export, finish, finish_evaluation, recording_stop, writing_into
+from rayconv.driver.finish import export, finish, finish_evaluation, recording_stop, startup, writing_into
 from rayconv.driver.loop import Run, train
 from rayconv.driver.progress import log_header
 from rayconv.driver.resolve import call_timeout_s, resolve_run
@@ -71,6 +71,10 @@ def start_actors(run: Run, ckpt: Optional[Checkpoint]) -> ActorGroup:
     actor_group = start_group(Actor, s.cfg, s.mesh, s.run_name, timeout_s=s.cfg.max_wait)
     try:
         run.actor_reports = build_actors(actor_group, s.mesh, s.routing, s.sharding, run.call_timeout_s)
+        decode = startup(run.actor_reports)
+        if decode is not None:
+            run.log(f"rayconv: decoded {decode['decoded_images']} images in {decode['decode_s']:.1f} s on "
+                    f"{decode['decode_workers']} workers (data held on the device; before the first step)")
         run.continue_from(ckpt)
         if ckpt is not None:
             actor_group.call_each("load_rank_file", [(rank_file_for(ckpt, s.mesh, r), ckpt.step) for r in range(s.mesh.world_size)],

@@ -129,8 +129,8 @@ def test_one_class_folder_without_images(ray_cluster, tmp_path, capsys):
 
 @pytest.mark.parametrize("workers, out_exists, on_device", [(0, False, "auto"), (2, True, "off"), (2, False, "on")])
 def test_corrupt_image_names_the_file(ray_cluster, tmp_path, capsys, workers, out_exists, on_device):
-    """Only an actor decoding the file finds it: training starts, then stops with the file's path (the
-    loader's batch decode, or the first decode of data held on the device)."""
+    """Only an actor decoding the file finds it: the run stops with the file's path (the loader's batch
+    decode in train_step, or the one-time decode of data held on the device in the actors' setup)."""
     root = image_tree(tmp_path / "data", train=4)
     bad = root / "train" / "b" / "broken.jpg"
     bad.write_bytes(b"\xff\xd8\xff\xe0 this is not a JPEG")
@@ -142,7 +142,8 @@ def test_corrupt_image_names_the_file(ray_cluster, tmp_path, capsys, workers, ou
                         "--no-progress", "--data", "imagefolder", "--data-dir", str(root), "--image-size", "32",
                         "--loader-workers", str(workers), "--data-on-device", on_device, "--out", str(out)],
                        capsys, code=None)
-    assert str(bad) in line and "train_step" in line and "remove or replace" in line
+    where = "train_step" if on_device == "off" else "in setup"
+    assert str(bad) in line and where in line and "remove or replace" in line
     if out_exists:
         assert out.is_dir() and list(out.iterdir()) == []
     else:

@@ -79,7 +79,7 @@ def shards(ray_cluster, folder, tmp_path_factory) -> Path:
 def test_prepare_writes_a_checked_manifest(shards, folder):
     m = json.loads((shards / "manifest.json").read_text())
     assert m["classes"] == list(CLASSES) and m["settings"] == {"size": SIZE, "quality": 90, "shard_size": 4,
-                                                              "shard_order": "shuffled", "seed": 0}
+                                                              "shard_order": "shuffled", "seed": 0, "encoding": "jpeg"}
     train = m["splits"]["train"]
     assert train["per_class"] == {"cat": 10, "dog": 6} and train["images"] == 16
     assert m["splits"]["val"]["per_class"] == {"cat": 2, "dog": 2}

@@ -63,7 +63,8 @@ def test_shuffled_shards_mix_classes_and_the_same_command_writes_the_same_bytes(
     assert [r["path"] for r in rows(tmp_path / "x", "val")[0]] == sorted(f"val/{c}/{i:02d}.jpg" for c in CLASSES
                                                                        for i in range(2))
     m = json.loads((tmp_path / "x" / "manifest.json").read_text())
-    assert m["settings"] == {"size": 32, "quality": 90, "shard_size": 8, "shard_order": "shuffled", "seed": 0}
+    assert m["settings"] == {"size": 32, "quality": 90, "shard_size": 8, "shard_order": "shuffled", "seed": 0,
+                             "encoding": "jpeg"}
     run(src, tmp_path / "y")
     assert files(tmp_path / "y") == files(tmp_path / "x")
     run(src, tmp_path / "z", "--seed", "1")

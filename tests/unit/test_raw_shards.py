@@ -1,0 +1,179 @@
+"""Raw-pixel shards (``python -m rayconv.prepare --encoding raw``), without Ray (the shard calls run in
+one local process): the stored pixels are the source's where lossless (PNG), and JPEG shards' decode
+of the same resize within JPEG's error; a flipped byte is caught by the sha256 checks; block and exact
+orders give the same samples as JPEG shards of the same folder; streamed batches equal held ones;
+``--convert --encoding`` re-encodes; a JPEG folder whose manifest has no ``encoding`` reads as before."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from PIL import Image
+
+from rayconv import prepare as prep
+from rayconv.cluster.local_copy import is_copied
+from rayconv.config import Config
+from rayconv.data.order import make_order
+from rayconv.data.raw_shards import RawShardSource
+from rayconv.data.registry import make_source
+from rayconv.data.shard_convert import convert_encoding
+from rayconv.data.shard_writer import on_processes, resolve_encoding
+from rayconv.data.shards import ShardSource
+from rayconv.data.small import HeldSource
+from rayconv.data.source import Sharding
+
+CPU = torch.device("cpu")
+SIZE = 32
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    """3 classes x 6 train and 2 val PNGs: 32 x 32 (stored as they are), and one 40 x 52 a class (resized
+    and cropped)."""
+    root = tmp_path_factory.mktemp("src")
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 6), ("val", 2)):
+        for c in "abc":
+            (root / split / c).mkdir(parents=True)
+            for i in range(n):
+                shape = (40, 52, 3) if i == 0 else (SIZE, SIZE, 3)
+                # smooth images (JPEG's error on noise would be large): a gradient plus a little noise
+                yy, xx = np.mgrid[:shape[0], :shape[1]]
+                px = yy[..., None] * 2 + xx[..., None] * (1 + "abc".index(c) % 2) + 30 * np.arange(3) + 4 * i
+                px = (px + rng.integers(0, 4, shape)).astype(np.uint8)
+                Image.fromarray(px).save(root / split / c / f"{i}.png")
+    return root
+
+
+@pytest.fixture(autouse=True)
+def no_ray(monkeypatch):
+    monkeypatch.setattr(prep, "_on_ray", lambda args, address: on_processes(args, 1))
+
+
+def _prepare(src: Path, out: Path, *flags: str) -> Path:
+    assert prep.main([str(src), "--out", str(out), "--size", str(SIZE), "--shard-size", "5", *flags]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def folders(src, tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("prepared")
+    mp = pytest.MonkeyPatch()
+    mp.setattr(prep, "_on_ray", lambda args, address: on_processes(args, 1))
+    try:
+        return {"raw": _prepare(src, base / "raw", "--encoding", "auto"), "jpeg": _prepare(src, base / "jpeg")}
+    finally:
+        mp.undo()
+
+
+def _rows(folder: Path, split: str = "train") -> list[dict]:
+    return [r for p in sorted(folder.glob(f"{split}-*.arrow")) for r in pa.ipc.open_file(str(p)).read_all().to_pylist()]
+
+
+def test_auto_is_raw_up_to_64_px_and_the_manifest_says_so(folders, capsys):
+    assert [resolve_encoding("auto", s) for s in (32, 64, 65)] == ["raw", "raw", "jpeg"]
+    assert [prep.default_shard_size(e, s) for e, s in (("raw", 32), ("raw", 64), ("raw", 256), ("jpeg", 32))] \
+        == [21845, 5461, 1000, 1000]                                     # 64 MiB raw shards, at least 1000 images
+    assert prep.main(["--convert", str(folders["jpeg"]), "--encoding", "raw"]) == 2     # re-encoding needs --out
+    assert "--out NEW" in capsys.readouterr().err
+    m = json.loads((folders["raw"] / "manifest.json").read_text())
+    assert (m["format"], m["encoding"], m["image_shape"]) == ("rayconv-shards/3", "raw", [SIZE, SIZE, 3])
+    assert json.loads((folders["jpeg"] / "manifest.json").read_text())["format"] == "rayconv-shards/2"
+
+
+def test_raw_pixels_are_the_source_and_jpeg_shards_decode_the_same_resize(src, folders):
+    from torchvision.io import decode_jpeg
+
+    jpeg = {r["path"]: r for r in _rows(folders["jpeg"]) + _rows(folders["jpeg"], "val")}
+    rows = _rows(folders["raw"]) + _rows(folders["raw"], "val")
+    assert len(rows) == 24 and {r["path"] for r in rows} == set(jpeg)
+    for r in rows:
+        raw = np.frombuffer(r["pixels"], np.uint8).reshape(SIZE, SIZE, 3)
+        source = np.asarray(Image.open(src / r["path"]).convert("RGB"))
+        if source.shape[:2] == (SIZE, SIZE):
+            assert np.array_equal(raw, source), r["path"]                          # lossless: the PNG's pixels
+        # JPEG shards: the same resize (shorter side to SIZE), JPEG-coded; the same center crop of it
+        dec = decode_jpeg(torch.frombuffer(bytearray(jpeg[r["path"]]["jpeg"]), dtype=torch.uint8))
+        dec = dec.permute(1, 2, 0).numpy()
+        top, left = (dec.shape[0] - SIZE) // 2, (dec.shape[1] - SIZE) // 2
+        diff = np.abs(dec[top:top + SIZE, left:left + SIZE].astype(int) - raw.astype(int))
+        assert diff.mean() < 3 and diff.max() < 48, (r["path"], diff.mean(), diff.max())
+
+
+def test_a_flipped_byte_is_caught_by_the_sha256_checks(src, folders, tmp_path, capsys):
+    out = tmp_path / "raw"
+    shutil.copytree(folders["raw"], out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    entry = manifest["splits"]["train"]["shards"][0]
+    path = out / entry["file"]
+    good = path.read_bytes()
+    assert is_copied(path, entry)
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0x01                              # a pixel byte, same size: only sha256 tells
+    path.write_bytes(bytes(bad))
+    assert not is_copied(path, entry)                       # --stage-dir copies it again
+    _prepare(src, out, "--encoding", "raw")                 # a re-run rewrites it, keeps the others
+    now = path.read_bytes()
+    assert now == good and "(5 already complete)" in capsys.readouterr().out
+
+
+def test_block_and_exact_orders_give_the_same_samples_as_jpeg_shards(folders):
+    sources = {e: make_source(Config(data="shards", data_dir=str(f), image_size=SIZE, device="cpu",
+                                     data_on_device="off", shuffle="block", shuffle_window=2).validate())
+               for e, f in folders.items()}
+    assert isinstance(sources["raw"], RawShardSource) and isinstance(sources["jpeg"], ShardSource)
+    paths = {e: [r["path"] for r in _rows(f)] for e, f in folders.items()}
+    assert paths["raw"] == paths["jpeg"]
+    for shuffle in ("block", "exact"):
+        cfg = Config(data="shards", data_dir="x", shuffle=shuffle, shuffle_window=2, seed=3).validate()
+        orders = {e: Sharding(s.train_size, 8, 1, 3, make_order(cfg, s)).epoch_permutation(1)
+                  for e, s in sources.items()}
+        assert np.array_equal(orders["raw"], orders["jpeg"])
+        assert torch.equal(sources["raw"].labels("train", orders["raw"]), sources["jpeg"].labels("train", orders["jpeg"]))
+
+
+def test_streamed_batches_equal_held_ones_and_the_gather_is_read_ahead(folders):
+    def cfg(on: str) -> Config:
+        return Config(data="shards", data_dir=str(folders["raw"]), image_size=SIZE, device="cpu", augment="pad-crop",
+                      random_erase=0.5, loader_workers=0, data_on_device=on).validate()
+
+    streamed, held = make_source(cfg("off")), make_source(cfg("on"))
+    assert isinstance(streamed, RawShardSource) and isinstance(held, HeldSource)
+    assert held.hold(CPU)["images"] == 24
+    batches = [np.array([3, 0, 17, 9]), np.array([11, 2, 5])]
+    streamed.prefetch("train", 1, batches)
+    assert all(f is not None for _, f in streamed._pending["train"])       # gathered ahead on the reader thread
+    for b in batches:
+        torch.testing.assert_close(streamed.images("train", b, CPU, epoch=1), held.images("train", b, CPU, epoch=1),
+                                   rtol=0, atol=0)
+    test = np.arange(6)
+    torch.testing.assert_close(streamed.images("test", test, CPU), held.images("test", test, CPU), rtol=0, atol=0)
+
+
+def test_convert_between_encodings(folders, tmp_path):
+    raw = convert_encoding(str(folders["jpeg"]), str(tmp_path / "raw"), "raw", processes=1, log=lambda *_: None)
+    assert raw["encoding"] == "raw" and raw["settings"]["converted_from"] == "jpeg"
+    got = RawShardSource(str(tmp_path / "raw"), SIZE, 0).uint8("train", np.arange(18)).int()
+    want = RawShardSource(str(folders["raw"]), SIZE, 0).uint8("train", np.arange(18)).int()
+    assert (got - want).abs().float().mean() < 3                            # the JPEGs' pixels, decoded
+    back = convert_encoding(str(tmp_path / "raw"), str(tmp_path / "jpeg"), "jpeg", processes=1, log=lambda *_: None)
+    assert back["format"] == "rayconv-shards/2" and "image_shape" not in back
+    assert ShardSource(str(tmp_path / "jpeg"), SIZE, 0, 0).train_size == 18
+    assert prep.main(["--convert", str(folders["raw"]), "--encoding", "raw", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_a_jpeg_manifest_without_encoding_reads_as_jpeg(folders, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(folders["jpeg"], old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["encoding"], manifest["settings"]["encoding"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    src = make_source(Config(data="shards", data_dir=str(old), image_size=SIZE, device="cpu", loader_workers=0,
+                             data_on_device="off").validate())
+    assert isinstance(src, ShardSource) and src.images("test", np.arange(2), CPU).shape == (2, 3, SIZE, SIZE)
