@@ -247,7 +247,7 @@ def test_checkpoint_write_is_atomic(tmp_path):
     assert not (tmp_path / "checkpoints" / "step-4").exists()
     assert latest_checkpoint(tmp_path).name == "step-2"
     ckpt = load_checkpoint(tmp_path)
-    assert ckpt.step == 2 and torch.load(io.BytesIO(ckpt.shard(0)), weights_only=True)["w"].sum() == 3
+    assert ckpt.step == 2 and torch.load(io.BytesIO(ckpt.rank_file(0)), weights_only=True)["w"].sum() == 3
 
 
 @pytest.mark.parametrize("argv, words", [

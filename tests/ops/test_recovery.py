@@ -94,7 +94,7 @@ def test_ctrl_c_stops_cleanly(ray_cluster, tmp_path):
     assert not list((out / "checkpoints").glob("*.tmp"))
     ckpt = load_checkpoint(out)
     import io
-    assert torch.load(io.BytesIO(ckpt.shard(0)), weights_only=True)["model"]
+    assert torch.load(io.BytesIO(ckpt.rank_file(0)), weights_only=True)["model"]
     # What the run wrote stays: its settings, every step's metrics, a summary saying it was interrupted.
     import json
     import pyarrow.parquet as pq

@@ -135,7 +135,7 @@ def test_rank_files_without_names_are_one_line_naming_their_layout():
         whole_blob(files, layout)
 
 
-def test_shard_for_sends_the_whole_state_under_another_layout():
+def test_rank_file_for_sends_the_whole_state_under_another_layout():
     model, layers = model_layers()
     payloads, layout = saved("dp2xpp2", model, layers)
     files = {f"rank-{r}.pt": _bytes(p) for r, p in enumerate(payloads)}

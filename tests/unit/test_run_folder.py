@@ -145,7 +145,7 @@ def test_end_line_of_a_run_without_timed_steps():
 
 @pytest.fixture(scope="module")
 def setup_of(tmp_path_factory):
-    """A real Setup of the digits run (data, model, routing; no cluster), for a given folder."""
+    """A real ResolvedRun of the digits run (data, model, routing; no cluster), for a given folder."""
     cfg = Config(steps=100, dp=2, device="cpu", progress=False, global_batch_size=64, loader_workers=0)
     source, _, _, routing = check_before_ray(cfg, None)
     sharding = Sharding(source.train_size, cfg.global_batch_size, 2, cfg.seed)
