@@ -22,10 +22,12 @@ from rayconv.flags import from_mapping, resumed_settings
 from rayconv.outputs.checkpoint import saved_config
 
 
-def fit(config: Optional[Config] = None, /, *, log=print, **settings: Any) -> dict[str, Any]:
+def fit(config: Optional[Config] = None, /, *, log=print, on_eval=None, **settings: Any) -> dict[str, Any]:
     """Train as ``config`` (a Config, or None for the defaults) with ``settings`` over it, as
     ``python -m rayconv.run`` with those flags would, and return the run's summary (summary.json's
-    content). ``log`` receives the progress lines. With ``resume=``, the checkpoint's settings come
+    content). ``log`` receives the progress lines; ``on_eval(row, total_steps)``, if given, each
+    evaluation's metrics row (raising ``rayconv.errors.RunStopped`` in it stops the run, its folder kept
+    with status interrupted: how ``rayconv.tune`` stops a trial early). With ``resume=``, the checkpoint's settings come
     first, as on the command line. Raises ConfigError / DataError / LayoutError / CheckpointError /
     FileExistsError before Ray starts, ClusterError when the actors fail."""
     if config is not None and not isinstance(config, Config):
@@ -43,4 +45,4 @@ def fit(config: Optional[Config] = None, /, *, log=print, **settings: Any) -> di
     # The driver imports torch and Ray (seconds): only once the settings are known to be good.
     from rayconv.driver.job import train_run
 
-    return train_run(cfg, log=log)
+    return train_run(cfg, log=log, on_eval=on_eval)

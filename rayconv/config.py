@@ -233,6 +233,10 @@ class ClusterSettings:
     address: Optional[str] = field(default=None, metadata={"help": "Ray cluster address (default: RAY_ADDRESS, "
                                                                    "a running cluster, else a new local one)"})
     num_cpus_per_actor: int = field(default=1, metadata={"help": "CPUs reserved per actor (threads on CPU)"})
+    gpus_per_actor: float = field(default=1.0, metadata={
+        "help": "share of a GPU reserved per actor, in (0, 1] (e.g. 0.25: four actors per GPU), so that small "
+                "runs or a search's trials share GPUs; below 1 the model's predicted peak memory must fit in "
+                "that share of the GPU's memory (default 1)"})
     all_gpus_visible: bool = field(default=True, metadata={
         "help": "actors see every GPU of their node and pick theirs by index, as torchrun does (with Ray's "
                 "one GPU per actor, NCCL is reported to slow or hang on NVSwitch hosts, Ray issue 61073); "

@@ -116,6 +116,10 @@ def _check_numbers(cfg: Any) -> None:
     _need(cfg.keep_checkpoints >= 0, f"--keep-checkpoints must be >= 0 (got {cfg.keep_checkpoints}; 0 keeps all)")
     _need(cfg.max_failures >= 0, f"--max-failures must be >= 0 (got {cfg.max_failures})")
     _need(cfg.max_wait > 0, f"--max-wait must be > 0 seconds (got {cfg.max_wait})")
+    _need(0 < cfg.gpus_per_actor <= 1, f"--gpus-per-actor must be a share of one GPU in (0, 1], e.g. 0.25 "
+                                        f"(got {cfg.gpus_per_actor})")
+    _need(cfg.gpus_per_actor == 1 or cfg.device != "cpu",
+          "--gpus-per-actor shares GPUs: drop it with --device cpu (CPU actors take --num-cpus-per-actor)")
     _need(cfg.max_memory_gib is None or cfg.max_memory_gib > 0,
           f"--max-memory-gib must be > 0 GiB (got {cfg.max_memory_gib})")
 

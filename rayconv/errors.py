@@ -27,6 +27,12 @@ class CallTimeout(ClusterError):
     """A call to the actors did not return within its limit (``ActorGroup.collect``); the actors were stopped."""
 
 
+class RunStopped(KeyboardInterrupt):
+    """The run's caller stopped it (a search's scheduler ending a trial early): handled as Ctrl-C is, the
+    actors stopped and what the run wrote kept, its summary's ``status`` interrupted with ``stopped_by``
+    this message."""
+
+
 class LayoutError(ValueError):
     """A layout cannot be applied to this model (too many stages, bad cut points, ...)."""
 

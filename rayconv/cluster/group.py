@@ -3,7 +3,9 @@
 Bootstrap follows Ray Train's: one placement-group bundle per actor (PACK, so that neighbouring ranks
 share a node), actors ordered by (node, bundle) so that ranks of one node are contiguous and the
 filter-split groups (innermost mesh axis) stay inside a node; rank 0 picks the rendezvous address and
-every actor joins the torch.distributed process group at once. The actor class is the caller's
+every actor joins the torch.distributed process group at once. Run inside a placement group (a Ray
+Tune trial's, whose resources are the run's bundles: ``rayconv.tune``), the actors take that group's
+last bundles and leave the group to its owner. The actor class is the caller's
 (``rayconv.actor.actor.Actor`` for a training run): this module only places and calls it. A user's
 model (``--model MODULE:FUNCTION``) reaches the actors through Ray's runtime environment
 (``models.user.actor_runtime_env``: its modules in ``py_modules``, uploaded by ``with_uploads``), on
@@ -20,7 +22,8 @@ from typing import Any, Optional, Sequence
 
 import ray
 from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
-from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.placement_group import (get_current_placement_group, placement_group, placement_group_table,
+                                      remove_placement_group)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayconv.cluster.connect import ALL_GPUS_VISIBLE_ENV, NAMESPACE, exception_summary, first_line
@@ -66,6 +69,8 @@ class ActorGroup:
     roles: list[str]
     pg: Any
     info: list[dict[str, Any]]
+    first_bundle: int = 0   # the actors' bundles are pg's first_bundle .. first_bundle + len(actors) - 1
+    owns_pg: bool = True    # False: a placement group given to the run (a Tune trial's), not removed here
 
     def call(self, method: str, *args, ranks: Optional[Sequence[int]] = None, timeout_s: Optional[float] = None):
         """Call ``method(*args)`` on the actors (all, or ``ranks``); results in rank order (see ``call_each``)."""
@@ -142,6 +147,8 @@ class ActorGroup:
                 ray.kill(a)
             except Exception:  # noqa: BLE001 - already dead
                 pass
+        if not self.owns_pg:
+            return
         try:
             remove_placement_group(self.pg)
         except Exception:  # noqa: BLE001 - already removed
@@ -156,18 +163,40 @@ def start_group(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, timeout
     resources) and the actors' processes starting and importing torch. Raises ClusterError saying
     which of the two ran out and that --max-wait raises it, or naming a Ray error at start (one line)."""
     deadline = time.monotonic() + timeout_s
+    given = given_group(cfg, mesh)
+    if given is not None:   # a Tune trial's group: its bundles are this run's
+        return create_actors(actor_cls, cfg, mesh, run_name, given[0], timeout_s, first_bundle=given[1])
     pg = reserve(cfg, mesh, run_name, timeout_s)
     return create_actors(actor_cls, cfg, mesh, run_name, pg, max(0.0, deadline - time.monotonic()), limit_s=timeout_s)
 
 
-def _bundle(cfg: Config) -> dict[str, int]:
-    return {"CPU": 1, "GPU": 1} if cfg.device == "cuda" else {"CPU": cfg.num_cpus_per_actor}
+def actor_bundle(cfg: Config) -> dict[str, float]:
+    """What one actor of ``cfg`` (device resolved) reserves: on GPUs 1 CPU and ``--gpus-per-actor`` of a
+    GPU, on CPU ``--num-cpus-per-actor`` CPUs."""
+    return {"CPU": 1, "GPU": cfg.gpus_per_actor} if cfg.device == "cuda" else {"CPU": cfg.num_cpus_per_actor}
+
+
+def given_group(cfg: Config, mesh: Mesh) -> Optional[tuple[Any, int]]:
+    """(placement group, index of the first of its last ``mesh.world_size`` bundles) when this process
+    runs inside a placement group (``get_current_placement_group``: a Ray Tune trial's), else None. Raises
+    ClusterError when that group's last bundles cannot each hold one actor of ``cfg``."""
+    pg = get_current_placement_group()
+    if pg is None:
+        return None
+    bundles = [dict(b) for b in pg.bundle_specs]
+    need, first = actor_bundle(cfg), len(bundles) - mesh.world_size
+    mine = bundles[max(0, first):]
+    if first < 0 or any(b.get(k, 0) + 1e-9 < v for b in mine for k, v in need.items()):
+        raise ClusterError(f"this run is inside a placement group of bundles {bundles}, which does not end in "
+                           f"{mesh.world_size} x {need} (layout {mesh.describe()}): give the group one such bundle "
+                           "per actor (rayconv.tune does), or start the run outside it")
+    return pg, first
 
 
 def reserve(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float) -> Any:
     """The run's placement group ``rayconv/<run>``, one bundle per actor (PACK), ready within ``timeout_s``
     seconds. Raises ClusterError (nothing stays reserved)."""
-    bundle = _bundle(cfg)
+    bundle = actor_bundle(cfg)
     try:
         pg = placement_group([dict(bundle) for _ in range(mesh.world_size)], strategy="PACK",
                              name=f"rayconv/{run_name}")
@@ -188,12 +217,14 @@ def reserve(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float) -> Any:
 
 
 def create_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: Any, timeout_s: float,
-                 limit_s: Optional[float] = None) -> ActorGroup:
-    """Start one ``actor_cls`` actor per bundle of ``pg`` and wait up to ``timeout_s`` seconds for them
+                 limit_s: Optional[float] = None, first_bundle: Optional[int] = None) -> ActorGroup:
+    """Start one ``actor_cls`` actor per bundle of ``pg`` (from ``first_bundle`` on, when given: a group
+    this run does not own, left to its owner) and wait up to ``timeout_s`` seconds for them
     to run (part of the start-up limit ``limit_s``, named in the error). ``actor_cls(cfg.to_dict(),
     run_name, role)`` makes an actor; it must have ``whereami()``. Raises ClusterError; on failure the
     actors and ``pg`` are removed."""
-    gpu, bundle = cfg.device == "cuda", _bundle(cfg)
+    gpu, bundle = cfg.device == "cuda", actor_bundle(cfg)
+    owns, first_bundle = first_bundle is None, first_bundle or 0
     deadline = time.monotonic() + timeout_s
     actors: list[Any] = []
     roles: list[str] = []
@@ -201,9 +232,10 @@ def create_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: A
         # Rank order: by node (in order of first appearance), then bundle index.
         nodes = placement_group_table(pg)["bundles_to_node_id"]
         node_order: dict[str, int] = {}
-        for b in range(mesh.world_size):
+        mine = range(first_bundle, first_bundle + mesh.world_size)
+        for b in mine:
             node_order.setdefault(nodes[b], len(node_order))
-        bundles = sorted(range(mesh.world_size), key=lambda b: (node_order[nodes[b]], b))
+        bundles = sorted(mine, key=lambda b: (node_order[nodes[b]], b))
         env = with_uploads(actor_runtime_env(cfg.model, ALL_GPUS_VISIBLE_ENV if (gpu and cfg.all_gpus_visible) else {}))
         remote = ray.remote(actor_cls)
         _wait_names_free([f"rayconv/{run_name}/{mesh.role(r)}" for r in range(mesh.world_size)],
@@ -212,17 +244,17 @@ def create_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: A
             role = mesh.role(rank)
             actors.append(remote.options(
                 name=f"rayconv/{run_name}/{role}", namespace=NAMESPACE, num_cpus=bundle["CPU"],
-                num_gpus=1 if gpu else 0, max_restarts=0, runtime_env=env,
+                num_gpus=bundle["GPU"] if gpu else 0, max_restarts=0, runtime_env=env,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
             ).remote(cfg.to_dict(), run_name, role))
             roles.append(role)
     except BaseException as e:
         # Nothing stays reserved when the start fails (a busy cluster, a name in use, Ctrl-C).
-        ActorGroup(actors, roles, pg, []).kill()
+        ActorGroup(actors, roles, pg, [], first_bundle, owns).kill()
         if isinstance(e, ray.exceptions.RayError):
             raise ClusterError(f"Ray could not start the actors of run {run_name}: {first_line(e)}") from None
         raise
-    actor_group = ActorGroup(actors, roles, pg, [])
+    actor_group = ActorGroup(actors, roles, pg, [], first_bundle, owns)
     try:
         actor_group.info = actor_group.call("whereami", timeout_s=max(0.0, deadline - time.monotonic()))
     except CallTimeout:

@@ -39,8 +39,18 @@ def gpu_free_bytes() -> int:
     return int(torch.cuda.mem_get_info()[0])
 
 
-def run_on_device(fn, args: Sequence[Any], gpu: bool, timeout_s: float = 300.0, model: Optional[str] = None) -> Any:
-    """``fn(*args)`` as a Ray task on one GPU (``gpu``) or one CPU of the cluster; its result.
+def gpu_total_bytes() -> int:
+    """Total memory in bytes of this task's GPU."""
+    import torch
+
+    return int(torch.cuda.mem_get_info()[1])
+
+
+def run_on_device(fn, args: Sequence[Any], gpu: bool, timeout_s: float = 300.0, model: Optional[str] = None,
+                  num_gpus: float = 1.0) -> Any:
+    """``fn(*args)`` as a Ray task on one GPU (``gpu``; ``num_gpus`` of it reserved, the run's
+    --gpus-per-actor, so that the task fits a bundle of a Tune trial's group) or one CPU of the cluster;
+    its result.
     With all GPUs of the node visible, the task uses the one Ray assigned. ``model`` (a ``--model``
     name) gives the task the runtime environment a run's actors get for it: a user's modules shipped
     in ``py_modules``, a pickled callable. Raises ClusterError naming the task's error, the timeout,
@@ -48,7 +58,7 @@ def run_on_device(fn, args: Sequence[Any], gpu: bool, timeout_s: float = 300.0, 
     env = actor_runtime_env(model or "", ALL_GPUS_VISIBLE_ENV if gpu else {})
     # max_calls=1: the worker process exits afterwards, releasing its CUDA context and cached memory.
     ref = ray.remote(max_calls=1)(_on_device).options(
-        num_gpus=1 if gpu else 0, num_cpus=1, max_retries=0,
+        num_gpus=num_gpus if gpu else 0, num_cpus=1, max_retries=0,
         runtime_env=with_uploads(env)).remote(fn, gpu, *args)
     try:
         return ray.get(ref, timeout=timeout_s)

@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional
 
 from rayconv.cluster.group import ActorGroup
 from rayconv.driver.loop import Run, evaluate
+from rayconv.errors import RunStopped
 from rayconv.files import write_json
 from rayconv.models import run_model
 from rayconv.outputs.checkpoint import list_checkpoints, remove_partial
@@ -146,7 +147,7 @@ def summarize(run: Run, memory: list[dict[str, Any]], status: str = "finished") 
 def record_stop(run: Run, e: BaseException) -> None:
     """A run stopped by ``e`` before its end: its ``metrics.parquet`` (every step so far) and a
     ``summary.json`` whose ``status`` is ``interrupted`` (KeyboardInterrupt: Ctrl-C, or SIGTERM under
-    ``signals.sigterm_as_interrupt``; ``signal`` says which) or ``failed`` (with ``error``), once this
+    ``signals.sigterm_as_interrupt``; ``signal`` says which; a caller's ``RunStopped``: ``stopped_by``) or ``failed`` (with ``error``), once this
     process trained a step; a failure only into a folder that already holds results (metrics.parquet
     or a checkpoint), which ``writing_into`` keeps. What it cannot write is said, not raised: ``e``
     is what the caller reports."""
@@ -156,7 +157,9 @@ def record_stop(run: Run, e: BaseException) -> None:
     try:
         run.metrics.write(out / "metrics.parquet")
         summary = summarize(run, [], status="interrupted" if interrupted else "failed")
-        if interrupted:
+        if isinstance(e, RunStopped):
+            summary["stopped_by"] = str(e)
+        elif interrupted:
             summary["signal"] = stopped_by()
         else:
             summary["error"] = str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -33,10 +33,12 @@ from rayconv.parallel.routing import Routing
 from rayconv.signals import sigterm_as_interrupt
 
 
-def train_run(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
+def train_run(cfg: Config, log=print, on_step=None, on_eval=None) -> dict[str, Any]:
     """Train as ``cfg`` says; write config.json, metrics.parquet, summary.json and model.pt into the
     output folder (and checkpoints/ every ``cfg.checkpoint_every`` steps); return the summary.
-    ``on_step(actor_group, step)``, if given, is called after each step (tests use it to inspect every actor).
+    ``on_step(actor_group, step)``, if given, is called after each step (tests use it to inspect every actor);
+    ``on_eval(row, total_steps)`` after each evaluation, with its metrics row (``step``, ``test_accuracy``,
+    ... and the last ``train_loss``): raising ``errors.RunStopped`` there stops the run as Ctrl-C does.
     Raises ConfigError / DataError / LayoutError / CheckpointError before anything is written,
     ClusterError if an actor fails more than ``cfg.max_failures`` times. A run stopped by Ctrl-C or
     SIGTERM after a step keeps its folder: config.json, metrics.parquet of the steps done, summary.json
@@ -44,7 +46,7 @@ def train_run(cfg: Config, log=print, on_step=None) -> dict[str, Any]:
     made it and it holds no result yet (a checkpoint or metrics.parquet); results are never deleted.
     """
     resolved = resolve_run(cfg, log)                   # nothing written yet; the settings resolved
-    run = Run(resolved, log, on_step)
+    run = Run(resolved, log, on_step, on_eval)
     # SIGTERM stops the run as Ctrl-C does; a stop leaves the steps' metrics and a summary saying how
     # the run ended; on failure only results stay (checkpoints, metrics), not a bare config.json.
     with sigterm_as_interrupt(), writing_into(resolved.out, log), recording_stop(run):

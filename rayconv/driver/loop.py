@@ -43,8 +43,9 @@ class Run:
     """One run across its attempts (a recovery starts new actors and continues): the setup, and what the
     attempts gathered (metrics rows, the last evaluation, the actors' build reports, training time)."""
 
-    def __init__(self, resolved: ResolvedRun, log=print, on_step=None):
+    def __init__(self, resolved: ResolvedRun, log=print, on_step=None, on_eval=None):
         self.resolved, self.cfg, self.log, self.on_step = resolved, resolved.cfg, log, on_step
+        self.on_eval = on_eval  # on_eval(row, total_steps) after each evaluation (job.train_run)
         self.call_timeout_s = call_timeout_s(resolved.cfg)
         self.metrics = MetricsLog()
         self.last_eval: dict[str, Optional[float]] = {}
@@ -213,6 +214,8 @@ def _evaluation(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) -> 
     run.metrics.add(kind="eval", step=step, epoch=step // s.sharding.steps_per_epoch,
                     time_s=run.train_s + time.perf_counter() - att.t_train, **run.last_eval)
     att.progress.evaluation(step, run.metrics.last("train", "loss"), run.last_eval)
+    if run.on_eval is not None:
+        run.on_eval({**run.metrics.rows[-1], "train_loss": run.metrics.last("train", "loss")}, s.total_steps)
 
 
 def evaluates_test(cfg: Any, step: int, total_steps: int) -> bool:

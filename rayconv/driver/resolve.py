@@ -27,7 +27,7 @@ import ray
 from rayconv.choices import SMALL_DATA_BYTES
 from rayconv.cluster.connect import available_devices, connect, node_memory_share
 from rayconv.cluster.local_copy import copy_to_nodes
-from rayconv.cluster.tasks import gpu_free_bytes, run_on_device
+from rayconv.cluster.tasks import gpu_free_bytes, gpu_total_bytes, run_on_device
 from rayconv.config import Config
 from rayconv.data.order import make_order
 from rayconv.data.registry import make_source
@@ -43,7 +43,8 @@ from rayconv.models.user import is_user_model, model_label, resolve
 from rayconv.outputs.checkpoint import Checkpoint, check_resumable, find_checkpoint, list_checkpoints, load_checkpoint
 from rayconv.parallel.routing import Routing, make_routing
 from rayconv.planner.layer_timing import measured_costs
-from rayconv.planner.search import choose_layout, memory_check
+from rayconv.planner.memory import GIB, gpu_share_problem
+from rayconv.planner.search import choose_layout, memory_check, predicted_peak_gib
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,7 @@ def resolve_on_cluster(cfg: Config, log=print, resume: Optional[Checkpoint] = No
     wanted = (cfg.dp or 1) * cfg.pp * cfg.fs * cfg.num_cpus_per_actor
     connect(cfg.address, min_cpus=wanted if cfg.device != "cuda" else None)
     cfg, mesh = resolve_layout(cfg, log)
+    check_gpu_share(cfg)
     cfg, source = with_data_on_device(cfg, mesh, source, log)
     cfg = copy_to_nodes(cfg, log)  # --stage-dir: the shards copied to each node; the actors read the copies
     if not dp_given:
@@ -167,19 +169,23 @@ def resolve_layout(cfg: Config, log=print) -> tuple[Config, Mesh]:
     a layout larger than the cluster waits up to --max-wait seconds for the devices, saying so; a
     local cluster cannot grow, so there the error is immediate."""
     kind, slots = available_devices(cfg.device)
-    per_actor = 1 if kind == "cuda" else cfg.num_cpus_per_actor
-    unit = "GPUs" if kind == "cuda" else f"CPU slots ({per_actor} CPU each)"
-    dp = cfg.dp if cfg.dp is not None else max(1, slots // per_actor // (cfg.pp * cfg.fs))
+    if kind != "cuda" and cfg.gpus_per_actor != 1:
+        raise ConfigError(f"--gpus-per-actor {cfg.gpus_per_actor:g} shares GPUs but the Ray cluster has none: drop "
+                          "it (CPU actors take --num-cpus-per-actor)")
+    per_actor = cfg.gpus_per_actor if kind == "cuda" else cfg.num_cpus_per_actor
+    unit = ("GPUs" if per_actor == 1 else f"GPU shares ({per_actor:g} GPU each)") if kind == "cuda" else \
+        f"CPU slots ({per_actor} CPU each)"
+    dp = cfg.dp if cfg.dp is not None else max(1, _actors(slots, per_actor) // (cfg.pp * cfg.fs))
     mesh = Mesh(dp, cfg.pp, cfg.fs)
     can_grow = bool(cfg.address or os.environ.get("RAY_ADDRESS"))
     deadline = time.monotonic() + cfg.max_wait
-    if mesh.world_size > slots // per_actor and can_grow:
+    if mesh.world_size > _actors(slots, per_actor) and can_grow:
         log(f"rayconv: layout {mesh.describe()} needs {mesh.world_size} {unit}, the cluster has "
-            f"{slots // per_actor}: waiting up to {cfg.max_wait:.0f} s (--max-wait) for more")
-    while mesh.world_size > slots // per_actor and can_grow and time.monotonic() < deadline:
+            f"{_actors(slots, per_actor)}: waiting up to {cfg.max_wait:.0f} s (--max-wait) for more")
+    while mesh.world_size > _actors(slots, per_actor) and can_grow and time.monotonic() < deadline:
         time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
         slots = available_devices(cfg.device)[1]
-    devices = slots // per_actor
+    devices = _actors(slots, per_actor)
     if mesh.world_size > devices:
         waited = f" after waiting {cfg.max_wait:.0f} s" if can_grow else ""
         raise ConfigError(f"layout {mesh.describe()} needs {mesh.world_size} {unit} but the cluster has "
@@ -187,6 +193,24 @@ def resolve_layout(cfg: Config, log=print) -> tuple[Config, Mesh]:
     if (kind, dp) != (cfg.device, cfg.dp):  # (validated again: the batch split over dp, GPU-only features)
         cfg = dataclasses.replace(cfg, device=kind, dp=dp).validate()
     return cfg, mesh
+
+
+def _actors(slots: int, per_actor: float) -> int:
+    """Actors of ``per_actor`` GPUs (a share) or CPUs each that ``slots`` of them hold."""
+    return int(slots / per_actor + 1e-9)
+
+
+def check_gpu_share(cfg: Config) -> None:
+    """With ``--gpus-per-actor`` below 1 on GPUs: refuse, before any actor starts, a layout whose predicted
+    peak memory per actor (``planner.memory``) exceeds that share of the GPU's total memory (measured by
+    a task on one GPU of the cluster), as actors packed onto one GPU would run out of memory mid-run.
+    Raises ConfigError."""
+    if cfg.device != "cuda" or cfg.gpus_per_actor >= 1:
+        return
+    total = run_on_device(gpu_total_bytes, (), gpu=True, num_gpus=cfg.gpus_per_actor) / GIB
+    problem = gpu_share_problem(predicted_peak_gib(cfg), cfg.gpus_per_actor, total)
+    if problem:
+        raise ConfigError(problem)
 
 
 def with_data_on_device(cfg: Config, mesh: Mesh, source: Source, log=print) -> tuple[Config, Source]:
@@ -203,7 +227,8 @@ def with_data_on_device(cfg: Config, mesh: Mesh, source: Source, log=print) -> t
         held = False
     else:
         if cfg.device == "cuda":
-            memory, actors, what = run_on_device(gpu_free_bytes, (), gpu=True), 1, "a GPU's free memory"
+            memory, actors, what = run_on_device(gpu_free_bytes, (), gpu=True, num_gpus=cfg.gpus_per_actor), \
+                1, "a GPU's free memory"
         else:
             memory, actors = node_memory_share(ray.nodes(), mesh.world_size, cfg.num_cpus_per_actor)
             what = "the node's memory"
@@ -227,7 +252,7 @@ def resolve_routing(cfg: Config, mesh: Mesh, checked: Routing, reference, source
         return cfg, checked if mesh == checked.mesh else make_routing(cfg, mesh, reference, source.sample_shape)
     micro_batch = max(1, cfg.global_batch_size // mesh.dp // cfg.num_microbatches)
     costs = run_on_device(measured_costs, (cfg.to_dict(), micro_batch), gpu=cfg.device == "cuda",
-                          model=cfg.model)
+                          model=cfg.model, num_gpus=cfg.gpus_per_actor)
     routing = make_routing(cfg, mesh, reference, source.sample_shape, costs=costs)
     log(f"pipeline stages balanced by measured forward+backward time per layer (ms, micro-batch "
         f"{micro_batch}): " + ", ".join(f"{sum(costs[a:b]):.2f}" for a, b in routing.stages))

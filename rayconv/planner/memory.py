@@ -74,4 +74,16 @@ def _plan_peak_bytes(N: int, prof: Profile, global_batch: int, prec: Precision) 
             + acts * prec.act_bytes)
 
 
-__all__ = ["GIB", "Precision", "static_bytes", "peak_gib"]
+def gpu_share_problem(need_gib: float, share: float, gpu_gib: float) -> Optional[str]:
+    """What is wrong with an actor whose predicted peak is ``need_gib`` GiB taking ``share`` (``--gpus-per-actor``)
+    of a GPU of ``gpu_gib`` GiB, the share's memory being ``share x gpu_gib`` (None when it fits): actors
+    packed onto one GPU each need their own memory, which Ray's fractional GPUs do not reserve."""
+    if need_gib <= share * gpu_gib:
+        return None
+    return (f"--gpus-per-actor {share:g} gives each actor {share * gpu_gib:.3g} GiB of its {gpu_gib:.3g} GiB GPU, "
+            f"but the layout's predicted peak is {need_gib:.3g} GiB per actor (parameters, gradients, momentum, "
+            f"activations): raise --gpus-per-actor to at least {min(1.0, need_gib / gpu_gib):.2g}, lower "
+            "--global-batch-size, or spread the model (--pp/--fs)")
+
+
+__all__ = ["GIB", "Precision", "static_bytes", "peak_gib", "gpu_share_problem"]

@@ -181,20 +181,25 @@ def memory_check(cfg: Config) -> None:
     pipeline cut is the one given (``--stages``) or the FLOPs cut; runs on CPU, before Ray starts."""
     if cfg.max_memory_gib is None or cfg.dp is None:
         return
+    need = predicted_peak_gib(cfg)
+    if need > cfg.max_memory_gib:
+        raise ConfigError(f"layout {Layout.from_config(cfg).name} needs {need:.3g} GiB per device (predicted: "
+                          f"parameters, gradients, momentum, activations of the micro-batches in flight) but "
+                          f"--max-memory-gib is {cfg.max_memory_gib:g}: raise it, use more devices (--dp/--pp/--fs), "
+                          f"or lower --global-batch-size (python -m rayconv.plan lists the layouts that fit)")
+
+
+def predicted_peak_gib(cfg: Config) -> float:
+    """The cost model's peak memory (GiB) of the fullest actor of ``cfg``'s layout (``cfg.dp`` set), with
+    the pipeline cut given (``--stages``) or the FLOPs cut; the model is profiled on CPU."""
     meas = Measurements(plan_config(cfg), "cpu", use_cluster=False)
     meas.state["profile"] = profile_of(meas.cfg_dict)
     prof = meas.profile()
-    lay = Layout.from_config(cfg)
     chunks = None
     if cfg.stages and cfg.plan == "none":
         edges = [0, *[int(c) for c in cfg.stages.split(",") if c.strip()], prof.num_layers]
         chunks = list(zip(edges, edges[1:]))
-    need = peak_gib(lay, prof, cfg.global_batch_size, cfg.precision, chunks)
-    if need > cfg.max_memory_gib:
-        raise ConfigError(f"layout {lay.name} needs {need:.3g} GiB per device (predicted: parameters, gradients, "
-                          f"momentum, activations of the micro-batches in flight) but --max-memory-gib is "
-                          f"{cfg.max_memory_gib:g}: raise it, use more devices (--dp/--pp/--fs), or lower "
-                          f"--global-batch-size (python -m rayconv.plan lists the layouts that fit)")
+    return peak_gib(Layout.from_config(cfg), prof, cfg.global_batch_size, cfg.precision, chunks)
 
 
 def choose_layout(cfg: Config, log=print) -> tuple[Config, dict]:
@@ -236,5 +241,5 @@ def compare(prediction: dict, summary: dict) -> dict:
             "predicted_peak_gib": prediction["peak_gib"], "measured_peak_gib": measured_peak}
 
 
-__all__ = ["candidates", "batch_sizes", "rank", "explain", "fmt_table", "Ranking", "search", "memory_check",
+__all__ = ["candidates", "batch_sizes", "rank", "explain", "fmt_table", "Ranking", "search", "memory_check", "predicted_peak_gib",
            "choose_layout", "compare", "plan_config", "MACHINES"]

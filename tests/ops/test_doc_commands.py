@@ -7,7 +7,7 @@ How each command is checked (``KINDS``; a command of no kind fails ``test_every_
   once its GCS and Ray client server listen), ``python -m rayconv.run --help``, ``python -c ...``;
 * parsed by the command's own argument parser (training and measuring runs, too long to run here):
   ``rayconv.run`` and ``rayconv`` (``rayconv.flags.parse_args``: every flag and ``Config.validate``),
-  ``rayconv.plan``, ``rayconv.prepare``, ``rayconv.bench`` (its parser and its checks before Ray starts);
+  ``rayconv.plan``, ``rayconv.prepare``, ``rayconv.bench``, ``rayconv.tune`` (its parser and its checks before Ray starts);
 * run by another test, named here and checked to exist: the main job (``tests/ops/test_cli.py``), the
   test command (``.ci/run``), ``ray job submit`` (``tests/ops/test_dashboard.py``, whose inner
   ``rayconv.run`` is parsed here too);
@@ -93,6 +93,17 @@ def parse_bench(argv: list[str]) -> None:
     check(parse_args(argv))
 
 
+def parse_tune(argv: list[str]) -> None:
+    """rayconv.tune's own parser, then its checks before Ray starts: the space against the run's
+    flags, every listable sample with the base settings (a resume reads its folder: parsed only)."""
+    from rayconv.flags import read_settings
+    from rayconv.tune.__main__ import parser
+    from rayconv.tune.space import check_space, read_space
+    args, rest = parser().parse_known_args(argv)
+    if not args.resume:
+        check_space(read_space(args.space), read_settings(rest))
+
+
 def check_install(argv: list[str]) -> None:
     ci = ci_commands()
     if argv[:3] == ["python3", "-m", "venv"]:
@@ -175,6 +186,7 @@ KINDS = [
     ("parsed", lambda a: a[:3] == ["python", "-m", "rayconv.plan"], lambda a: parse_plan(a[3:])),
     ("parsed", lambda a: a[:3] == ["python", "-m", "rayconv.prepare"], lambda a: parse_prepare(a[3:])),
     ("parsed", lambda a: a[:3] == ["python", "-m", "rayconv.bench"], lambda a: parse_bench(a[3:])),
+    ("parsed", lambda a: a[:3] == ["python", "-m", "rayconv.tune"], lambda a: parse_tune(a[3:])),
     ("install", lambda a: a[:3] == ["python3", "-m", "venv"] or a[:1] in (["."], ["pip"])
      or a[:3] == ["sudo", "apt-get", "install"], check_install),
     ("script", lambda a: a[:1] in (["python"], ["bash"]) and a[1:2] and a[1].startswith(("benchmarks/", "docs/")),

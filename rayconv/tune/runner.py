@@ -1,0 +1,176 @@
+"""The search itself, over Ray Tune: checks, the Tuner (or its restore), the results table.
+
+Each trial is ``trial.Trial`` with ``trial.trial_resources`` (its placement group: the layout's actor
+bundles); ``--max-concurrent`` bounds the trials running at once, and Tune starts a trial only when
+its whole group fits. The search folder holds ``search.json`` (what ``--resume`` needs), ``tune/``
+(Tune's experiment state), ``trial-<k>/`` (each a normal run folder), ``logs/trial-<k>.log`` (each
+run's console lines) and ``results.csv`` / ``results.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from rayconv.errors import ConfigError
+from rayconv.files import write_json
+from rayconv.tune import results as table
+from rayconv.tune.space import NOT_SEARCHED, check_metric, check_space, default_metric
+
+SCHEDULERS = ("asha", "fifo")
+MAX_T = 10**6  # ASHA's last rung: beyond any run's evaluations, so that trials end by their own length
+
+
+@dataclass
+class SearchResult:
+    """What a search found: its folder, the metric, one row per trial, the best row (or None)."""
+
+    search_dir: Path
+    metric: str
+    rows: list[dict[str, Any]]
+    best: Optional[dict[str, Any]]
+
+    @property
+    def best_folder(self) -> Optional[str]:
+        return self.best["folder"] if self.best else None
+
+
+def check_options(base: dict[str, Any], space: dict[str, Any], num_samples: int, scheduler: str,
+                  max_concurrent: Optional[int], metric: Optional[str], mode: Optional[str]) -> tuple[str, str]:
+    """The search's own options checked; returns (metric, mode). Raises ConfigError."""
+    for key in NOT_SEARCHED:
+        if key in ("out", "address"):
+            continue
+        if base.get(key) not in (None, False, "manual"):
+            raise ConfigError(f"--{key.replace('_', '-')} is not for a search's trials: each trial is a new run "
+                              "(resume a search with --resume SEARCH_DIR; give the layout with --dp/--pp/--fs)")
+    if num_samples < 1:
+        raise ConfigError(f"--num-samples must be >= 1 (got {num_samples})")
+    if max_concurrent is not None and max_concurrent < 1:
+        raise ConfigError(f"--max-concurrent must be >= 1 (got {max_concurrent})")
+    if scheduler not in SCHEDULERS:
+        raise ConfigError(f"--scheduler {scheduler}: choose asha (early stop at evaluations) or fifo (none)")
+    metric = metric or default_metric(base, space)
+    mode = mode or ("min" if metric.endswith(("loss", "error")) else "max")
+    check_metric(metric, mode, base, space)
+    return metric, mode
+
+
+def new_search_dir() -> Path:
+    return Path("runs") / f"search-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_samples: int = 1,
+           scheduler: str = "asha", max_concurrent: Optional[int] = None, metric: Optional[str] = None,
+           mode: Optional[str] = None, grace_period: int = 1, reduction_factor: int = 2,
+           resume: Optional[str] = None, callbacks: Sequence[Any] = (), log=print) -> SearchResult:
+    """See ``rayconv.tune.search``."""
+    if resume:
+        search_dir = Path(resume)
+        saved = search_dir / "search.json"
+        if not saved.is_file():
+            raise ConfigError(f"--resume {resume}: no search.json there (not a search folder of rayconv.tune)")
+        spec = json.loads(saved.read_text())
+        space, base = spec["space"], spec["base"]
+        num_samples, scheduler, max_concurrent = spec["num_samples"], spec["scheduler"], spec["max_concurrent"]
+        metric, mode = spec["metric"], spec["mode"]
+        grace_period, reduction_factor = spec["grace_period"], spec["reduction_factor"]
+    base = dict(base or {})
+    metric, mode = check_options(base, space, num_samples, scheduler, max_concurrent, metric, mode)
+    checked = check_space(space, {k: v for k, v in base.items() if k != "out"})
+    if not resume:
+        search_dir = Path(base.pop("out", None) or new_search_dir())
+        if search_dir.exists() and (not search_dir.is_dir() or any(search_dir.iterdir())):
+            raise FileExistsError(f"--out {search_dir} already holds files: choose a new folder, or continue "
+                                  f"that search with --resume {search_dir}")
+    base.pop("out", None)
+    # Ray and Tune only once the settings are known to be good.
+    import ray
+    from ray import tune
+
+    from rayconv.cluster.connect import connect
+    from rayconv.tune.trial import Trial, resolved_base, trial_resources, trial_settings
+
+    connect(base.get("address"))
+    base_r = resolved_base(base)
+    _check_fits(base_r, checked, trial_settings, ray.cluster_resources())
+    search_dir = search_dir.absolute()
+    search_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        write_json(search_dir / "search.json", {
+            "space": space, "base": base, "num_samples": num_samples, "scheduler": scheduler,
+            "max_concurrent": max_concurrent, "metric": metric, "mode": mode, "grace_period": grace_period,
+            "reduction_factor": reduction_factor})
+    trainable = tune.with_resources(tune.with_parameters(Trial, base=base_r, search_dir=str(search_dir)),
+                                    trial_resources(base_r))
+    if resume:
+        tuner = tune.Tuner.restore(str(search_dir / "tune"), trainable=trainable, resume_unfinished=True,
+                                   resume_errored=False, restart_errored=False)
+        log(f"rayconv.tune: resuming {search_dir}")
+    else:
+        sched = tune.schedulers.ASHAScheduler(time_attr="training_iteration", max_t=MAX_T, grace_period=grace_period,
+                                              reduction_factor=reduction_factor) if scheduler == "asha" else None
+        tuner = tune.Tuner(
+            trainable, param_space=to_tune(checked),
+            tune_config=tune.TuneConfig(metric=metric, mode=mode, num_samples=num_samples, scheduler=sched,
+                                        max_concurrent_trials=max_concurrent, reuse_actors=False),
+            run_config=tune.RunConfig(storage_path=str(search_dir), name="tune", verbose=0,
+                                      callbacks=list(callbacks), failure_config=tune.FailureConfig(max_failures=0)))
+        log(f"rayconv.tune: {_grid_size(checked) * num_samples} trial(s), {scheduler}, metric {metric} ({mode}) "
+            f"-> {search_dir}")
+    grid = tuner.fit()
+    rows = table.collect(grid, search_dir, list(checked), metric)
+    best = table.best([r for r in rows if r["status"] in ("finished",) or r["status"].startswith("stopped")],
+                      metric, mode)
+    table.write(search_dir, rows, best, metric)
+    log(table.table(rows))
+    if best:
+        test = f", test_accuracy {table._cell(best['test_accuracy'])}" if metric != "test_accuracy" else ""
+        log(f"best: {best['trial']} ({metric} {best[metric]:.4f}{test}) -> {best['folder']}")
+    unfinished = [r for r in rows if r["status"] in ("not run", "interrupted")]
+    if unfinished:
+        log(f"rayconv.tune: {len(unfinished)} trial(s) not done: continue with "
+            f"`python -m rayconv.tune --resume {search_dir}`")
+    return SearchResult(search_dir, metric, rows, best)
+
+
+def _grid_size(checked: dict[str, tuple[str, list]]) -> int:
+    """Trials per sample: the grids' values crossed."""
+    n = 1
+    for kind, values in checked.values():
+        n *= len(values) if kind == "grid" else 1
+    return n
+
+
+def to_tune(checked: dict[str, tuple[str, list]]) -> dict[str, Any]:
+    """The checked space as Tune's ``param_space``."""
+    from ray import tune
+
+    make = {"grid": tune.grid_search, "choice": tune.choice, "uniform": lambda v: tune.uniform(*v),
+            "loguniform": lambda v: tune.loguniform(*v), "randint": lambda v: tune.randint(*v)}
+    return {name: make[kind](values) for name, (kind, values) in checked.items()}
+
+
+def _check_fits(base: dict[str, Any], checked: dict[str, tuple[str, list]], settings, cluster: dict[str, float]) -> None:
+    """Refuse a trial whose placement group the whole cluster could not hold (Tune would wait for it
+    for ever): the base layout and each listed value of the layout's dimensions. Raises ConfigError."""
+    from rayconv.tune.trial import trial_bundles
+
+    layout_dims = ("dp", "pp", "fs", "num_cpus_per_actor", "gpus_per_actor", "plan")
+    samples = [{}] + [{n: v} for n, (kind, values) in checked.items() if n in layout_dims and kind in ("grid", "choice")
+                      for v in values]
+    for sample in samples:
+        cfg = settings(base, sample)
+        need: dict[str, float] = {}
+        for b in trial_bundles(cfg):
+            for k, v in b.items():
+                need[k] = need.get(k, 0) + v
+        short = [f"{v:g} {k}" for k, v in need.items() if v > cluster.get(k, 0) + 1e-9]
+        if short:
+            what = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in sample.items()) or "the base settings"
+            raise ConfigError(f"a trial with {what} needs {', '.join(short)} (layout of {cfg.world_size} actors) but "
+                              f"the cluster has {', '.join(f'{cluster.get(k, 0):g} {k}' for k in need)}: lower "
+                              "the layout, or --gpus-per-actor to pack actors onto GPUs")

@@ -1,0 +1,180 @@
+"""One trial of a search: a normal rayconv run in ``<search>/trial-<k>/``, driven by Ray Tune.
+
+``Trial`` is a Tune class trainable: ``setup`` starts ``rayconv.driver.job.train_run`` in a thread of the
+trial's process, each evaluation's metrics (``on_eval``) become one Tune result (``step``), and the run
+waits there until Tune asks for the next result, so that a scheduler judges a trial at an evaluation
+and the trial trains no further meanwhile. When Tune ends the trial (ASHA's early stop, the search
+interrupted), ``cleanup`` stops the run as Ctrl-C stops one on the command line (``errors.RunStopped``:
+actors stopped, config.json, metrics.parquet and a summary with status interrupted kept) and waits for
+it, before Tune removes the trial's placement group.
+
+Resources (``trial_resources``): the trial's process takes none (an empty head bundle); its
+placement group holds one bundle per actor of its layout, which the run's actors take
+(``cluster.group.given_group``). Tune so starts a trial only once its whole layout fits, and ending the
+trial frees it all.
+
+A restarted trial (a resumed search) continues its run from the folder's newest checkpoint (with
+``--checkpoint-every``); a folder without one is moved aside to ``trial-<k>.stopped-<n>`` and the run
+starts over.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import queue
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+from ray import tune
+
+from rayconv.cluster.connect import available_devices
+from rayconv.cluster.group import actor_bundle
+from rayconv.config import Config
+from rayconv.errors import RunStopped
+from rayconv.flags import from_mapping
+from rayconv.outputs.checkpoint import latest_checkpoint
+
+STOP_WAIT_S = 120.0  # how long cleanup waits for a stopped run to record itself
+
+
+def trial_settings(base: dict[str, Any], sample: dict[str, Any], out: Optional[str] = None) -> Config:
+    """The validated settings of one trial: ``base`` with the sampled ``sample`` over it (and ``out``)."""
+    return from_mapping({**base, **sample, **({"out": out} if out else {})}).validate()
+
+
+def trial_bundles(cfg: Config) -> list[dict[str, float]]:
+    """The placement-group bundles of a trial running ``cfg`` (``device`` and ``dp`` resolved): an empty
+    head (the trial's process takes nothing) and one actor bundle per actor of its layout."""
+    return [{}] + [actor_bundle(cfg) for _ in range(cfg.world_size)]
+
+
+def resolved_base(base: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``device`` (auto: cuda when the connected cluster has GPUs) and, when not given,
+    ``dp`` (the cluster's devices over pp x fs, as a single run takes them) resolved, so that each
+    trial's resources are known before it starts. Needs Ray connected."""
+    cfg = from_mapping(base)
+    kind, slots = available_devices(cfg.device)
+    out = {**base, "device": kind}
+    if cfg.dp is None:
+        per = cfg.gpus_per_actor if kind == "cuda" else cfg.num_cpus_per_actor
+        out["dp"] = max(1, int(slots / per + 1e-9) // (cfg.pp * cfg.fs))
+    return out
+
+
+def trial_resources(base: dict[str, Any]):
+    """Tune's resources for a trial of the sampled ``config``: a PlacementGroupFactory (``trial_bundles``, PACK)."""
+    def resources(config: dict[str, Any]) -> tune.PlacementGroupFactory:
+        return tune.PlacementGroupFactory(trial_bundles(trial_settings(base, config)), strategy="PACK")
+    return resources
+
+
+def trial_index(trial_id: str) -> int:
+    """The trial's number in its search: the counter Tune ends its trial ids with (``abc12_00003`` -> 3)."""
+    tail = trial_id.rsplit("_", 1)[-1]
+    return int(tail) if tail.isdigit() else abs(hash(trial_id)) % 10**6
+
+
+class Trial(tune.Trainable):
+    """A rayconv run as a Tune trial (module docstring). ``config``: the sampled settings; ``base``: the
+    search's settings under them; ``search_dir``: the search folder."""
+
+    def setup(self, config: dict[str, Any], base: dict[str, Any] = None, search_dir: str = ""):
+        self.sample, self.base = dict(config), dict(base or {})
+        self.folder = Path(search_dir) / f"trial-{trial_index(self.trial_id)}"
+        self.log_path = Path(search_dir) / "logs" / f"{self.folder.name}.log"
+        self.results: queue.Queue = queue.Queue()
+        self.go = threading.Semaphore(0)
+        self.stopping = False
+        self.waiting = False        # the run is at an evaluation, waiting for ``go``
+        self.thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------ the run, in its thread
+    def _settings(self) -> Config:
+        """The run's settings: a fresh folder, or the newest checkpoint of an unfinished one."""
+        folder = self.folder
+        if folder.exists() and any(folder.iterdir()):
+            if latest_checkpoint(folder) is not None:   # continued from its newest checkpoint
+                return from_mapping({**self.base, **self.sample, "out": str(folder), "resume": str(folder)}).validate()
+            n = 1
+            while folder.with_name(f"{folder.name}.stopped-{n}").exists():
+                n += 1
+            folder.rename(folder.with_name(f"{folder.name}.stopped-{n}"))
+        return trial_settings(self.base, self.sample, str(folder))
+
+    def _log(self, line: str) -> None:
+        with open(self.log_path, "a") as f:
+            f.write(line + "\n")
+
+    def _on_eval(self, row: dict[str, Any], total_steps: int) -> None:
+        metrics = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k not in ("kind",)}
+        metrics["steps"] = total_steps
+        final = row["step"] + 1 >= total_steps
+        self.results.put(("final" if final else "eval", metrics))
+        if final:     # the run goes on to write model.pt and its summary
+            return
+        self.waiting = True
+        self.go.acquire()
+        self.waiting = False
+        if self.stopping:
+            raise RunStopped(f"Tune ended the trial after step {row['step']} (early stop or the search's end)")
+
+    def _run(self) -> None:
+        from rayconv.driver.job import train_run
+
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            summary_path = self.folder / "summary.json"
+            if summary_path.is_file() and json.loads(summary_path.read_text()).get("status") == "finished":
+                summary = json.loads(summary_path.read_text())     # done before the search was stopped
+                self.results.put(("final", {k: v for k, v in summary.items() if isinstance(v, (int, float))}))
+            else:
+                cfg = self._settings()
+                summary = train_run(cfg, log=self._log, on_eval=self._on_eval)
+            self.results.put(("done", summary))
+        except RunStopped as e:
+            self.results.put(("stopped", str(e)))
+        except BaseException as e:  # noqa: BLE001 - the trial fails, the search goes on
+            self.results.put(("error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+
+    # ------------------------------------------------------------------ Tune's side
+    def step(self) -> dict[str, Any]:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name=f"rayconv-{self.folder.name}", daemon=True)
+            self.thread.start()
+        else:
+            self.go.release()
+        kind, payload = self.results.get()
+        if kind == "eval":
+            return payload
+        if kind == "final":
+            last = payload
+            kind, payload = self.results.get()
+            if kind == "done":
+                return {**last, "done": True}
+        if kind == "error":
+            raise TrialFailed(payload)
+        raise TrialFailed(f"the run ended without finishing: {payload}")
+
+    def save_checkpoint(self, checkpoint_dir: str) -> dict[str, Any]:
+        """Tune's checkpoint of the trial names its run folder only: the run's own checkpoints
+        (``--checkpoint-every``) are what a restarted trial continues from."""
+        return {"folder": str(self.folder)}
+
+    def load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        pass
+
+    def cleanup(self) -> None:
+        """Stop the run if it is still going (as Ctrl-C would) and wait for it to record itself."""
+        if self.thread is None or not self.thread.is_alive():
+            return
+        self.stopping = True
+        if not self.waiting:   # mid-step: interrupt it where it is, as Ctrl-C does a command-line run
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread.ident), ctypes.py_object(RunStopped))
+        self.go.release()
+        self.thread.join(STOP_WAIT_S)
+
+
+class TrialFailed(RuntimeError):
+    """A trial's run failed; the message is its one-line error."""
