@@ -113,7 +113,7 @@ def load_rank_file(a: ActorState, blob: bytes, next_step: int) -> None:
 
 def _cut_whole(a: ActorState, whole: dict[str, Any]) -> dict[str, Any]:
     """This part's shard cut from a checkpoint's whole state (``reshard.cut_part``)."""
-    index, n = split_position(a.coord, a.mesh.dp, a.mesh.fs, a.plan.per_layer_plan)
+    index, n = split_position(a.coord, a.mesh.dp, a.mesh.fs, a.routing.per_layer_plan)
     return cut_part(whole, a.parallel.names, a.part, a.optimizer, split_dims(a), index, n)
 
 
