@@ -38,7 +38,7 @@ from rayconv.driver.lr import check_schedule, total_steps
 from rayconv.choices import CUDNN_BENCHMARK_MIN_STEPS  # --cudnn-benchmark auto: on for runs at least this long
 from rayconv.errors import CheckpointError, ConfigError
 from rayconv.mesh import Mesh
-from rayconv.models import build_model, check_trainable, model_names, run_model
+from rayconv.models import RAYCONV_MODELS, build_model, check_trainable, model_names, run_model
 from rayconv.models.user import is_user_model, model_label, resolve
 from rayconv.outputs.checkpoint import Checkpoint, check_resumable, find_checkpoint, list_checkpoints, load_checkpoint
 from rayconv.parallel.routing import Routing, make_routing
@@ -136,7 +136,7 @@ def check_before_ray(cfg: Config, resume: Optional[Checkpoint]) -> tuple[Source,
     the whole model as one device runs it, the routing for that ``dp``). Raises ConfigError / DataError / LayoutError / CheckpointError."""
     if is_user_model(cfg.model):
         resolve(cfg.model)  # the module and function found: raises ConfigError before the data is read
-    elif cfg.model not in model_names():
+    elif cfg.model not in RAYCONV_MODELS and cfg.model not in model_names():  # (torchvision: imported only here)
         build_model(cfg.model, 1)  # raises ConfigError naming --model, before the data is read
     if cfg.dp is not None:
         memory_check(cfg)  # --max-memory-gib: refused before Ray starts
