@@ -35,6 +35,7 @@ from rayconv.data.small import HeldSource, decide_auto, held_bytes
 from rayconv.data.source import Sharding, Source
 from rayconv.driver.lr import check_schedule, total_steps
 
+from rayconv import startup
 from rayconv.choices import CUDNN_BENCHMARK_MIN_STEPS  # --cudnn-benchmark auto: on for runs at least this long
 from rayconv.errors import CheckpointError, ConfigError
 from rayconv.mesh import Mesh
@@ -117,10 +118,14 @@ def resolve_on_cluster(cfg: Config, log=print, resume: Optional[Checkpoint] = No
     by). Raises ConfigError / DataError / LayoutError / CheckpointError / ClusterError
     before any actor starts."""
     source, sharding, reference, checked = check_before_ray(cfg, resume)
+    startup.mark("data")
     dp_given = cfg.dp is not None
     # (with --dp left to the cluster, at least one replica: --fs 3 alone on 2 cores still runs)
     wanted = (cfg.dp or 1) * cfg.pp * cfg.fs * cfg.num_cpus_per_actor
-    connect(cfg.address, min_cpus=wanted if cfg.device != "cuda" else None)
+    how = connect(cfg.address, min_cpus=wanted if cfg.device != "cuda" else None)
+    startup.mark("ray")
+    if startup.current() is not None:
+        startup.current().ray = how
     cfg, mesh = resolve_layout(cfg, log)
     cfg, source = with_data_on_device(cfg, mesh, source, log)
     cfg = copy_to_nodes(cfg, log)  # --stage-dir: the shards copied to each node; the actors read the copies
