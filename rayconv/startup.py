@@ -11,8 +11,8 @@ device) and their CUDA-graph capture are placed on the driver's clock from what 
     phases      name -> seconds since the origin at which the phase ended, in the order they ended:
                 imports (the driver's modules), data (the driver's checks: the data's metadata, the
                 model, the plan), ray (connected or started; ``ray`` says which), actors_alive (their
-                processes started and imported), model_built, data_on_device (the slowest actor's,
-                inside its setup), actors_set_up, first_step, graphs_captured (CUDA only)
+                processes started and imported), model_built, optimizer_built, data_on_device (the
+                slowest actor's, inside its setup), actors_set_up, first_step, graphs_captured (CUDA)
     slowest     {"phase", "s"}: the longest stretch between two consecutive marks up to the first step
 
 Phases run in parallel where they can (every actor's setup at once), so a stretch is the time the run
@@ -33,6 +33,7 @@ PHASES = {
     "ray": "Ray",
     "actors_alive": "actors starting",
     "model_built": "actors building the model",
+    "optimizer_built": "actors building the optimizer",
     "data_on_device": "actors putting the data on the device",
     "actors_set_up": "actors setting up",
     "first_step": "first step",
@@ -74,14 +75,14 @@ class StartupClock:
     def mark_actors(self, reports: list[dict[str, Any]]) -> None:
         """Place the actors' setup splits on this clock, after ``actors_set_up`` was marked: each report's
         ``startup`` holds its setup's seconds (``setup``) and the seconds from its start to
-        ``model_built`` and ``data_on_device``. The slowest actor's setup is the one the run waited for:
+        ``model_built``, ``optimizer_built`` and ``data_on_device``. The slowest actor's setup is the one the run waited for:
         its splits are placed back from ``actors_set_up`` (the return's transit is not counted)."""
         timed = [r["startup"] for r in reports if (r.get("startup") or {}).get("setup") is not None]
         if not timed or "actors_set_up" not in self.phases:
             return
         slow = max(timed, key=lambda t: t["setup"])
         ended = self.origin + self.phases["actors_set_up"]
-        for name in ("model_built", "data_on_device"):
+        for name in ("model_built", "optimizer_built", "data_on_device"):
             if slow.get(name) is not None:
                 self.actors[name] = slow[name]
                 self.mark(name, ended - (slow["setup"] - slow[name]))

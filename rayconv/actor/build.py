@@ -94,7 +94,7 @@ class ActorState:
     comm_bytes: int = 0
     data_decode: Optional[dict[str, Any]] = None  # the one-time decode of data held on the device
     # seconds from the build's start to its model built (on the device), its optimizer built (torch.optim's
-    # first optimizer imports torch._dynamo) and its data on the device, and the whole build's (``build``,
+    # first optimizer imports torch._dynamo) and its data on the device, and the whole build's (``setup``,
     # set by the caller): the run's start-up record (``rayconv.startup``)
     startup: dict[str, float] = field(default_factory=dict)
 

@@ -48,8 +48,8 @@ def test_main_job_as_the_readme_says(ray_cluster, tmp_path):
     st = summary["startup"]
     assert st["origin"] == "process start" and st["ray"] == "started"
     phases = list(st["phases"])
-    assert {"imports", "data", "ray", "actors_alive", "model_built", "data_on_device", "actors_set_up",
-            "first_step"} <= set(phases), st
+    assert {"imports", "data", "ray", "actors_alive", "model_built", "optimizer_built", "data_on_device",
+            "actors_set_up", "first_step"} <= set(phases), st
     assert list(st["phases"].values()) == sorted(st["phases"].values()) and st["phases"]["imports"] > 0
     for before, after in (("imports", "data"), ("data", "ray"), ("ray", "actors_alive"),
                           ("actors_alive", "actors_set_up"), ("actors_set_up", "first_step")):

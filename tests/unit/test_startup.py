@@ -18,8 +18,8 @@ def a_run() -> StartupClock:
     clock.ray = "connected"
     clock.mark("actors_set_up", 110.0)
     # two actors: the slower one (setup 1.8 s) is the one the run waited for
-    clock.mark_actors([{"startup": {"model_built": 0.5, "data_on_device": 1.0, "setup": 1.2}},
-                       {"startup": {"model_built": 0.3, "data_on_device": 1.5, "setup": 1.8}},
+    clock.mark_actors([{"startup": {"model_built": 0.5, "optimizer_built": 0.6, "data_on_device": 1.0, "setup": 1.2}},
+                       {"startup": {"model_built": 0.3, "optimizer_built": 0.9, "data_on_device": 1.5, "setup": 1.8}},
                        {"rank": 2}])  # (a report without splits is skipped)
     clock.mark("first_step", 111.0)
     return clock
@@ -27,14 +27,15 @@ def a_run() -> StartupClock:
 
 def test_phases_are_in_the_order_they_ended_with_the_slowest_actors_splits_before_its_setups_end():
     rec = a_run().record()
-    assert list(rec["phases"]) == ["imports", "data", "ray", "actors_alive", "model_built", "data_on_device",
-                                   "actors_set_up", "first_step"]
+    assert list(rec["phases"]) == ["imports", "data", "ray", "actors_alive", "model_built", "optimizer_built",
+                                   "data_on_device", "actors_set_up", "first_step"]
     assert set(rec["phases"]) <= set(PHASES)
     times = list(rec["phases"].values())
     assert times == sorted(times) and times[0] > 0
     # the slow actor's splits, counted back from the end of its setup (110 - (1.8 - 0.3), 110 - (1.8 - 1.5))
     assert rec["phases"]["model_built"] == pytest.approx(8.5) and rec["phases"]["data_on_device"] == pytest.approx(9.7)
-    assert rec["actor_setup_s"] == {"model_built": 0.3, "data_on_device": 1.5, "setup": 1.8}
+    assert rec["phases"]["optimizer_built"] == pytest.approx(9.1)
+    assert rec["actor_setup_s"] == {"model_built": 0.3, "optimizer_built": 0.9, "data_on_device": 1.5, "setup": 1.8}
     assert rec["origin"] == "process start" and rec["ray"] == "connected"
 
 
