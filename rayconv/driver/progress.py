@@ -32,7 +32,7 @@ RATE_WINDOW = 20  # steps: the progress line's images/s is over the wall-clock o
 def log_header(resolved: ResolvedRun, log=print) -> None:
     """The lines a run starts with (see the module docstring)."""
     cfg, mesh = resolved.cfg, resolved.mesh
-    log(run_line(setup))
+    log(run_line(resolved))
     log(f"rayconv: Ray: {cluster_origin()}")
     log(images_line(resolved))
     log(recipe_line(resolved))
