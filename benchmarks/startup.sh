@@ -32,8 +32,8 @@ ray start --head --port "$PORT" --temp-dir "$TMPD" --dashboard-port $((PORT + 20
   --ray-client-server-port $((PORT + 13700)) --min-worker-port $((PORT + 14600)) --max-worker-port $((PORT + 15599)) \
   --num-cpus "$CPUS" --include-dashboard false > "$OUT_DIR/ray_start.log" 2>&1 || { echo "ray start failed"; exit 1; }
 
-first_step() {  # summary.json's first_step and slowest phase
-  $PY -c "import json,sys; s=json.load(open(sys.argv[1]))['startup']; print(s['phases']['first_step'], s['slowest']['phase'], s['slowest']['s'])" "$1"
+first_step() {  # summary.json's first_step, how Ray was reached, the slowest phase
+  $PY -c "import json,sys; s=json.load(open(sys.argv[1]))['startup']; print(s['phases']['first_step'], 's; Ray', s['ray'] + '; slowest', s['slowest']['phase'], s['slowest']['s'])" "$1"
 }
 for i in $(seq "$REPEAT"); do
   $PY benchmarks/first_step_anchor.py "${ANCHOR[@]}" 2>/dev/null | sed -n 's/^FIRST_STEP //p' > "$OUT_DIR/anchor-$i.json"
@@ -46,7 +46,8 @@ stop_cluster
 if [ "$SELF" = 1 ]; then
   for i in $(seq "$REPEAT"); do
     rm -rf "$OUT_DIR/self-$i"
-    env -u RAY_ADDRESS $PY -m rayconv.run "${RAYCONV[@]}" --no-progress --out "$OUT_DIR/self-$i" \
+    # (--address local: a new local cluster, also where another one runs on this machine)
+    env -u RAY_ADDRESS $PY -m rayconv.run "${RAYCONV[@]}" --address local --no-progress --out "$OUT_DIR/self-$i" \
       > "$OUT_DIR/self-$i.log" 2>&1 && echo "rayconv starting Ray itself $i: $(first_step "$OUT_DIR/self-$i/summary.json")"
   done
 fi
