@@ -75,8 +75,9 @@ class StartupClock:
     def mark_actors(self, reports: list[dict[str, Any]]) -> None:
         """Place the actors' setup splits on this clock, after ``actors_set_up`` was marked: each report's
         ``startup`` holds its setup's seconds (``setup``) and the seconds from its start to
-        ``model_built``, ``optimizer_built`` and ``data_on_device``. The slowest actor's setup is the one the run waited for:
-        its splits are placed back from ``actors_set_up`` (the return's transit is not counted)."""
+        ``model_built``, ``optimizer_built`` and ``data_on_device``. The slowest actor's setup is the
+        one the run waited for: its splits are placed back from ``actors_set_up`` (the return's transit
+        is not counted)."""
         timed = [r["startup"] for r in reports if (r.get("startup") or {}).get("setup") is not None]
         if not timed or "actors_set_up" not in self.phases:
             return
