@@ -20,6 +20,7 @@ from rayconv.config import Config
 from rayconv.errors import ConfigError
 from rayconv.flags import from_mapping, resumed_settings
 from rayconv.outputs.checkpoint import saved_config
+from rayconv.startup import begin
 
 
 def fit(config: Optional[Config] = None, /, *, log=print, on_eval=None, **settings: Any) -> dict[str, Any]:
@@ -30,6 +31,7 @@ def fit(config: Optional[Config] = None, /, *, log=print, on_eval=None, **settin
     with status interrupted: how ``rayconv.tune`` stops a trial early). With ``resume=``, the checkpoint's settings come
     first, as on the command line. Raises ConfigError / DataError / LayoutError / CheckpointError /
     FileExistsError before Ray starts, ClusterError when the actors fail."""
+    begin(None, "fit call")  # summary.json's startup: seconds since this call
     if config is not None and not isinstance(config, Config):
         raise ConfigError(f"rayconv.fit(config): a rayconv.Config or None, not {type(config).__name__} "
                           "(settings go as keywords: rayconv.fit(model='convnet', steps=10))")

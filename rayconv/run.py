@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -19,6 +20,9 @@ from rayconv.errors import ClusterError, ConfigError, DataError, LayoutError
 from rayconv.flags import from_mapping, read_settings, resumed_settings
 from rayconv.outputs.checkpoint import latest_checkpoint, saved_config
 from rayconv.signals import stopped_by
+from rayconv.startup import begin_command
+
+_IMPORTED = time.monotonic()  # the start-up clock's origin where the process's own start is unknown
 
 
 def parse_command_line(argv: Optional[list[str]] = None) -> Config:
@@ -32,6 +36,7 @@ def parse_command_line(argv: Optional[list[str]] = None) -> Config:
 
 def main(argv: Optional[list[str]] = None) -> int:
     cfg = None
+    begin_command(_IMPORTED)  # summary.json's startup: seconds since the command
     try:
         cfg = parse_command_line(argv)
         # The driver imports torch and Ray (seconds): only once the arguments are known to be good.

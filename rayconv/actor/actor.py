@@ -75,7 +75,9 @@ class Actor:
         """Join the process groups, build this actor's part of the model, its optimizer and the rest of
         its state (``build.build_actor``). Returns parameters held (count) and the device. Raises what
         data and model loading raise."""
+        t0 = time.perf_counter()
         self.a = build_actor(self.cfg, self.run_name, self.role, rank, master, routing, sharding)
+        self.a.startup["setup"] = time.perf_counter() - t0  # (the run's start-up record)
         return self.a.report()
 
     # ------------------------------------------------------------------ steps

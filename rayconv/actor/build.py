@@ -7,7 +7,8 @@ compile, CUDA graph, the stage runner and its program. ``ActorState`` is that on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import ray
@@ -92,13 +93,18 @@ class ActorState:
     last_return: Optional[float] = None
     comm_bytes: int = 0
     data_decode: Optional[dict[str, Any]] = None  # the one-time decode of data held on the device
+    # seconds from the build's start to its model built (on the device), its optimizer built (torch.optim's
+    # first optimizer imports torch._dynamo) and its data on the device, and the whole build's (``setup``,
+    # set by the caller): the run's start-up record (``rayconv.startup``)
+    startup: dict[str, float] = field(default_factory=dict)
 
     def report(self) -> dict[str, Any]:
         """What ``build`` returns: rank, role, device, compiled, CUDA graphs, parameters held (count),
-        the one-time decode of data held on the device (seconds, images, workers; None: none held)."""
+        the one-time decode of data held on the device (seconds, images, workers; None: none held), the
+        build's start-up splits (seconds)."""
         return {"rank": self.rank, "role": self.role, "device": str(self.device), "compiled": self.compiled,
                 "cuda_graphs": self.cuda_graphs, "parameters": sum(p.numel() for p in self.part.parameters()),
-                "data_decode": self.data_decode}
+                "data_decode": self.data_decode, "startup": dict(self.startup)}
 
 
 def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, routing: Routing,
@@ -106,6 +112,7 @@ def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, r
     """Join the process groups, build this actor's part of the model, its optimizer and the rest of
     its state, in that order. ``sharding``: the train sharding the driver made (``driver.resolve``).
     Raises what data and model loading raise."""
+    t0 = time.perf_counter()
     mesh = routing.mesh
     coord = mesh.coord(rank)
     device = _pick_device(cfg)
@@ -119,7 +126,9 @@ def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, r
     per_layer = routing.per_layer_plan == "krizhevsky2014"
     parallel = parallelize(routing, layers, coord, groups, device, dtype, cfg.sync_batchnorm, cfg.bucket_mb)
     part, sync = parallel.part, parallel.sync
+    built_s = time.perf_counter() - t0
     optimizer = build_optimizer(cfg, part)
+    optimizer_s = time.perf_counter() - t0
     compiled, cuda_graphs, step_graph, lr_t = _step_mode(cfg, device, mesh, part)
     stage = coord.pp
     runner = _stage_runner(routing, mesh, coord, groups, part, sync, parallel, compiled, device, dtype, autocast)
@@ -131,13 +140,17 @@ def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, r
     # images), so that the decode is not inside the first timed step.
     hold = getattr(source, "hold", None)
     data_decode = hold(device) if hold is not None and stage == 0 else None
+    if hold is None and stage == 0 and hasattr(source, "load"):
+        source.load(device)  # (the images held on the device: copied now, not in the first step)
+    data_s = time.perf_counter() - t0
     return ActorState(
         cfg=cfg, run_name=run_name, role=role, rank=rank, routing=routing, mesh=mesh, coord=coord, device=device,
         groups=groups, source=source, batches=batches, parallel=parallel, part=part, sync=sync,
         per_layer=per_layer, dtype=dtype, autocast=autocast, input_dtype=input_dtype, optimizer=optimizer,
         recipe=recipe, compiled=compiled, cuda_graphs=cuda_graphs, step_graph=step_graph, lr_t=lr_t,
         runner=runner, program=routing.schedule.programs[stage], p2p_posts=p2p_posts(routing.schedule, stage),
-        reports=is_last and coord.fs == 0 and not (per_layer and coord.dp != 0), data_decode=data_decode)
+        reports=is_last and coord.fs == 0 and not (per_layer and coord.dp != 0), data_decode=data_decode,
+        startup={"model_built": built_s, "optimizer_built": optimizer_s, "data_on_device": data_s})
 
 
 def _pick_device(cfg: Config) -> torch.device:

@@ -19,6 +19,7 @@ What a replay needs, and how it is kept:
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Hashable, Iterable, Optional
 
 import torch
@@ -82,6 +83,12 @@ class StepGraph:
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.eager_steps = 0
         self.static: dict[str, torch.Tensor] = {}
+        self.capture_s: Optional[float] = None  # host seconds of the last capture, until taken
+
+    def take_capture_s(self) -> Optional[float]:
+        """Seconds the capture made by the last ``run`` took (None when it made none); reported once."""
+        s, self.capture_s = self.capture_s, None
+        return s
 
     def reset(self) -> None:
         """Forget the capture (after tensors it recorded were replaced, e.g. optimizer state loaded)."""
@@ -124,9 +131,11 @@ class StepGraph:
             for g in generators:
                 graph.register_generator_state(g)  # (the default CUDA generator is registered already)
             self.stream.wait_stream(current)
+            t0 = time.perf_counter()
             # thread_local: Ray's and NCCL's own threads may touch CUDA while this thread captures.
             with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
                 self.out = step()
             self.graph = graph
+            self.capture_s = time.perf_counter() - t0
         self.graph.replay()
         return self.out

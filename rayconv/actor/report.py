@@ -12,7 +12,6 @@ import time
 from typing import Any, Callable, Optional
 
 import torch
-from torch.profiler import ProfilerActivity, profile as torch_profile
 
 from rayconv.actor.build import ActorState
 from rayconv.outputs.metrics import actor_gauges
@@ -54,6 +53,8 @@ def trace(a: ActorState, train_steps: Callable[[int, int, float], object], flush
     device kernel time (ms; NCCL kernels overlap compute, so it may exceed the wall time) and, as
     text, the profiler's table of the most expensive operators (self device time on GPUs, self CPU
     time otherwise) and cProfile's of the actor's Python functions."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile  # (imports triton: only for a trace)
+
     cuda = a.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     flush()

@@ -93,6 +93,7 @@ def train_step(a: ActorState, step: int, lr: float, profile: bool, t0: float) ->
                "reports": a.reports, "loss_sum": loss.loss_sum, "correct": loss.correct,
                "samples": global_count if a.per_layer else sum(mb.sizes), "global_count": global_count,
                "epoch": epoch, "idle_ms": idle_ms,
+               "graph_capture_s": graph.take_capture_s() if graph is not None else None,
                "interval_ms": (t0 - a.last_start) * 1e3 if a.last_start is not None else None}
     a.last_start = t0
     if profile:

@@ -69,12 +69,16 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
     otherwise the actors are stopped. Raises ClusterError (out of memory, an actor's error) or its
     subclass CallTimeout (a call past its limit), the message prefixed with the phase it happened in
     (e.g. ``warm-up step 0``)."""
+    started = time.monotonic()  # the row's to_first_step_s: from here to warm-up step 0 done
     cfg, mesh, _, routing, sharding = resolve_on_cluster(cfg)  # cfg resolved against the cluster (device, dp)
     limit = call_timeout_s if call_timeout_s is not None else default_call_timeout_s(cfg)
     actor_group, reports = launch(cfg, mesh, routing, sharding, f"bench-{os.getpid()}-{time.monotonic_ns() % 10**9}")
     calls = _Calls(actor_group, cfg.lr, limit)
     try:
+        warm_from = time.monotonic()
         got: dict[str, Any] = _warm_up(calls, warmup, compiles=bool(reports[0].get("compiled")))
+        if got["first_step_s"] is not None:
+            got["to_first_step_s"] = warm_from - started + got["first_step_s"]
         got.update(_timed(calls, warmup, steps))
         first_prof = warmup + 2 * steps
         got["prof"] = _profiled(calls, first_prof, profile_steps)
@@ -170,7 +174,8 @@ def _row(cfg: Config, mesh, routing, reports: list[dict], steps: int, got: dict[
     stall = _mean(stalls)
     return {
         "images_per_s": cfg.global_batch_size * steps / elapsed, "step_ms": step_ms, "warmup_s": got["warmup_s"],
-        "first_step_s": got["first_step_s"], "compiled": bool(reports[0].get("compiled")),
+        "first_step_s": got["first_step_s"], "to_first_step_s": got.get("to_first_step_s"),
+        "compiled": bool(reports[0].get("compiled")),
         "cuda_graphs": bool(reports[0].get("cuda_graphs")),
         "peak_gib_max": max(peaks) if all(p is not None for p in peaks) else None,
         "peak_gib_per_actor": json.dumps([None if p is None else round(p, 3) for p in peaks]),

@@ -57,7 +57,10 @@ def main_bench(args) -> list[dict[str, Any]]:
         rows.append(row)
         write_table(rows, out)  # after every layout: a cut-short run keeps what it measured
         ips = row.get("images_per_s")
-        print(f"RESULT {model} {name} B={gb}: " + (f"{ips:.0f} images/s, speedup {ratio(row['speedup_vs_1'])}, "
+        first = row.get("to_first_step_s")
+        first = "n/a" if first is None else f"{first:.1f} s"
+        print(f"RESULT {model} {name} B={gb}: " + (f"{ips:.0f} images/s, first step {first} after its start, "
+              f"speedup {ratio(row['speedup_vs_1'])}, "
               f"vs plain {ratio(row['vs_plain_pytorch'])}, vs DDP {ratio(row['vs_torchrun_ddp'])}"
               if ips else f"failed: {row['note']}"), flush=True)
         bar.update(1)

@@ -18,7 +18,9 @@ from rayconv.outputs.charts import pyplot
 _F, _I, _S, _B = pa.float64(), pa.int64(), pa.string(), pa.bool_()
 BENCH_SCHEMA = pa.schema([
     ("model", _S), ("layout", _S), ("global_batch_size", _I), ("image_size", _I), ("note", _S),
-    ("images_per_s", _F), ("step_ms", _F), ("warmup_s", _F), ("first_step_s", _F), ("compiled", _B),
+    ("images_per_s", _F), ("step_ms", _F), ("warmup_s", _F), ("first_step_s", _F),
+    ("to_first_step_s", _F),  # from the layout's start (its checks, actors starting, their setup) to step 0 done
+    ("compiled", _B),
     ("cuda_graphs", _B), ("peak_gib_max", _F), ("peak_gib_per_actor", _S), ("params_per_actor", _S),
     ("compute_ms", _F), ("recv_wait_ms", _F), ("allreduce_wait_ms", _F), ("exchange_exposed_ms", _F),
     ("driver_idle_ms", _F),
@@ -37,7 +39,7 @@ BENCH_SCHEMA = pa.schema([
 ])
 
 # bench.md's columns
-MD_COLUMNS = ["model", "layout", "global_batch_size", "images_per_s", "step_ms", "speedup_vs_1",
+MD_COLUMNS = ["model", "layout", "global_batch_size", "images_per_s", "to_first_step_s", "step_ms", "speedup_vs_1",
               "vs_plain_pytorch", "vs_torchrun_ddp", "peak_gib_max", "compute_ms", "recv_wait_ms",
               "allreduce_wait_ms", "exchange_exposed_ms", "comm_mb_per_step", "driver_idle_ms", "in_actor_step_ms",
               "driver_overhead", "device_busy", "bubble_fraction", "input_stall_ms", "input_stall_fraction", "note"]

@@ -22,15 +22,17 @@ NAMESPACE = "rayconv"
 ALL_GPUS_VISIBLE_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 
 
-def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] = None) -> None:
+def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] = None) -> str:
     """Connect to the cluster at ``address``, else to RAY_ADDRESS or a running local cluster
     (``ray start --head``), else start a local one (dashboard on 127.0.0.1). A local one started
     here gets at least ``min_cpus`` logical CPUs, so that a layout with more CPU actors than cores
     (``--dp 2 --fs 2`` on a 2-core laptop) still runs, oversubscribed. Raises ConfigError for an address
-    where no Ray cluster answers, ClusterError when Ray cannot connect."""
+    where no Ray cluster answers, ClusterError when Ray cannot connect. Returns how: "reused" (this
+    process was connected already: the connection is kept, and a cluster it started runs until the
+    process exits, Ray's own atexit), "connected" or "started" (a local cluster of this process)."""
     probe(address or os.environ.get("RAY_ADDRESS"))
     if ray.is_initialized():
-        return
+        return "reused"
     kw = dict(address=address, namespace=NAMESPACE, log_to_driver=not quiet, configure_logging=True,
               logging_level="WARNING")
     extra = {"num_cpus": min_cpus} if min_cpus and min_cpus > (os.cpu_count() or 1) else {}
@@ -45,6 +47,8 @@ def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] 
         where = address or os.environ.get("RAY_ADDRESS") or "a local cluster"
         raise ClusterError(f"cannot connect to Ray at {where} ({e}): check --address / RAY_ADDRESS, "
                            "or run `ray start --head` first") from None
+    node = getattr(ray._private.worker, "_global_node", None)  # (the head node's when ray.init started it)
+    return "started" if getattr(node, "head", False) else "connected"
 
 
 def cluster_origin() -> str:

@@ -96,6 +96,10 @@ class OnDeviceSource(Source):
         """Picklable (a thread pool is not): the tables drawn ahead stay behind."""
         return {**self.__dict__, "_ahead": {}, "_pool": None}
 
+    def load(self, device: torch.device) -> None:
+        """Copy both splits onto ``device`` now (an actor's setup), rather than at its first step."""
+        self._on(device)
+
     def _on(self, device: torch.device) -> dict[str, torch.Tensor]:
         """Both splits' uint8 images on ``device`` (and the normalisation's mean and std), copied (and
         resized) on the first call."""

@@ -133,7 +133,9 @@ def summarize(run: Run, memory: list[dict[str, Any]], status: str = "finished") 
         # The steps' waits for input not overlapped with compute, summed, and their share of the steps' time.
         "input_stall_s": stall_ms / 1e3, "input_stall_fraction": stall_ms / own_ms if own_ms > 0 else None,
         "train_time_s": run.train_s, "wall_time_s": time.perf_counter() - s.t_start,
-        "startup": startup(run.actor_reports),   # the one-time decode of data held on the device (None: none held)
+        # seconds since the command to each start-up phase (rayconv.startup); with data held on the device,
+        # its one-time decode (decode_s, decoded_images, decode_workers)
+        "startup": {**run.startup.record(), **(startup(run.actor_reports) or {})},
         **run.target.summary(run.wall),
         "run_name": s.run_name,
         "resumed_from": str(s.resume.path) if s.resume is not None else None, "failures_recovered": run.failures,

@@ -31,6 +31,7 @@ from rayconv.mesh import Mesh
 from rayconv.outputs.checkpoint import Checkpoint, latest_checkpoint, load_checkpoint, rank_file_for
 from rayconv.parallel.routing import Routing
 from rayconv.signals import sigterm_as_interrupt
+from rayconv.startup import claim, mark
 
 
 def train_run(cfg: Config, log=print, on_step=None, on_eval=None) -> dict[str, Any]:
@@ -45,6 +46,7 @@ def train_run(cfg: Config, log=print, on_step=None, on_eval=None) -> dict[str, A
     with ``status`` interrupted (``finish.record_stop``). On a failure the folder is removed if this run
     made it and it holds no result yet (a checkpoint or metrics.parquet); results are never deleted.
     """
+    claim().mark("imports")                            # the start-up clock (rayconv.startup)
     resolved = resolve_run(cfg, log)                   # nothing written yet; the settings resolved
     run = Run(resolved, log, on_step, on_eval)
     # SIGTERM stops the run as Ctrl-C does; a stop leaves the steps' metrics and a summary saying how
@@ -72,7 +74,10 @@ def start_actors(run: Run, ckpt: Optional[Checkpoint]) -> ActorGroup:
     s = run.resolved
     actor_group = start_group(Actor, s.cfg, s.mesh, s.run_name, timeout_s=s.cfg.max_wait)
     try:
+        mark("actors_alive")
         run.actor_reports = build_actors(actor_group, s.mesh, s.routing, s.sharding, run.call_timeout_s)
+        mark("actors_set_up")
+        run.startup.mark_actors(run.actor_reports)
         decode = startup(run.actor_reports)
         if decode is not None:
             run.log(f"rayconv: decoded {decode['decoded_images']} images in {decode['decode_s']:.1f} s on "

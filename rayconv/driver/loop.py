@@ -24,6 +24,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from rayconv import startup
 from rayconv.cluster.group import ActorGroup, Pending
 from rayconv.driver.best import Best, load_best, write_best
 from rayconv.driver.progress import Progress
@@ -66,6 +67,7 @@ class Run:
         self.metrics.on_write = self.events.add_rows
         weakref.finalize(self, self.events.close)   # (each write is flushed; the writer closed with the run)
         self.images_logged = not resolved.cfg.log_images   # (--log-images: once, before the first step)
+        self.startup = startup.current() or startup.begin(None, "fit call")  # (rayconv.startup)
 
     def continue_from(self, ckpt: Optional[Checkpoint]) -> None:
         """Start an attempt's records: empty, or the metrics rows and last evaluation of ``ckpt``."""
@@ -171,6 +173,16 @@ def _record(run: Run, att: _Attempt, results: list) -> None:
     if not math.isfinite(r["loss"]):
         raise FloatingPointError(f"loss is {r['loss']} at step {k}: lower --lr (now {run.cfg.lr})")
     att.progress.step(k, epoch, r["loss"], run.metrics.rows[-1]["lr"], ips, run.last_eval)
+    _startup(run, k, results)
+
+
+def _startup(run: Run, k: int, results: list) -> None:
+    """The start-up clock: the run's first step done (and its console line), the CUDA-graph capture."""
+    clock = run.startup
+    if "first_step" not in clock.phases:
+        clock.mark("first_step")
+        run.log(clock.line(k))
+    clock.mark_capture([x["graph_capture_s"] for x in results if x.get("graph_capture_s") is not None])
 
 
 def _between_steps(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) -> None:

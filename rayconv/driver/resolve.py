@@ -35,10 +35,11 @@ from rayconv.data.small import HeldSource, decide_auto, held_bytes
 from rayconv.data.source import Sharding, Source
 from rayconv.driver.lr import check_schedule, total_steps
 
+from rayconv import startup
 from rayconv.choices import CUDNN_BENCHMARK_MIN_STEPS  # --cudnn-benchmark auto: on for runs at least this long
 from rayconv.errors import CheckpointError, ConfigError
 from rayconv.mesh import Mesh
-from rayconv.models import build_model, check_trainable, model_names, run_model
+from rayconv.models import RAYCONV_MODELS, build_model, check_trainable, model_names, run_model
 from rayconv.models.user import is_user_model, model_label, resolve
 from rayconv.outputs.checkpoint import Checkpoint, check_resumable, find_checkpoint, list_checkpoints, load_checkpoint
 from rayconv.parallel.routing import Routing, make_routing
@@ -118,10 +119,14 @@ def resolve_on_cluster(cfg: Config, log=print, resume: Optional[Checkpoint] = No
     by). Raises ConfigError / DataError / LayoutError / CheckpointError / ClusterError
     before any actor starts."""
     source, sharding, reference, checked = check_before_ray(cfg, resume)
+    startup.mark("data")
     dp_given = cfg.dp is not None
     # (with --dp left to the cluster, at least one replica: --fs 3 alone on 2 cores still runs)
     wanted = (cfg.dp or 1) * cfg.pp * cfg.fs * cfg.num_cpus_per_actor
-    connect(cfg.address, min_cpus=wanted if cfg.device != "cuda" else None)
+    how = connect(cfg.address, min_cpus=wanted if cfg.device != "cuda" else None)
+    startup.mark("ray")
+    if startup.current() is not None:
+        startup.current().ray = how
     cfg, mesh = resolve_layout(cfg, log)
     check_gpu_share(cfg)
     cfg, source = with_data_on_device(cfg, mesh, source, log)
@@ -138,7 +143,7 @@ def check_before_ray(cfg: Config, resume: Optional[Checkpoint]) -> tuple[Source,
     the whole model as one device runs it, the routing for that ``dp``). Raises ConfigError / DataError / LayoutError / CheckpointError."""
     if is_user_model(cfg.model):
         resolve(cfg.model)  # the module and function found: raises ConfigError before the data is read
-    elif cfg.model not in model_names():
+    elif cfg.model not in RAYCONV_MODELS and cfg.model not in model_names():  # (torchvision: imported only here)
         build_model(cfg.model, 1)  # raises ConfigError naming --model, before the data is read
     if cfg.dp is not None:
         memory_check(cfg)  # --max-memory-gib: refused before Ray starts

@@ -16,22 +16,32 @@ validation images (the test columns then null except at the last evaluation, or 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from rayconv.files import atomic_write
 
-SCHEMA = pa.schema([
-    ("kind", pa.string()), ("step", pa.int64()), ("epoch", pa.int64()), ("loss", pa.float64()),
-    ("lr", pa.float64()), ("images_per_s", pa.float64()), ("step_ms", pa.float64()),
-    ("time_s", pa.float64()), ("test_loss", pa.float64()), ("test_error", pa.float64()),
-    ("test_accuracy", pa.float64()), ("input_stall_ms", pa.float64()), ("input_stall_fraction", pa.float64()),
-    ("test_top5_accuracy", pa.float64()), ("ema_test_accuracy", pa.float64()), ("loss_scale", pa.float64()),
-    ("val_loss", pa.float64()), ("val_accuracy", pa.float64()), ("val_top5_accuracy", pa.float64()),
-])
+# metrics.parquet's columns: kind and step/epoch are string and int64, the rest float64. (pyarrow is
+# imported when a file is written or read: every actor imports this module for its gauges.)
+COLUMNS = ("kind", "step", "epoch", "loss", "lr", "images_per_s", "step_ms", "time_s", "test_loss", "test_error",
+           "test_accuracy", "input_stall_ms", "input_stall_fraction", "test_top5_accuracy", "ema_test_accuracy",
+           "loss_scale", "val_loss", "val_accuracy", "val_top5_accuracy")
+
+
+@functools.cache
+def schema():
+    """metrics.parquet's ``pyarrow.Schema`` (``COLUMNS``)."""
+    import pyarrow as pa
+
+    kinds = {"kind": pa.string(), "step": pa.int64(), "epoch": pa.int64()}
+    return pa.schema([(name, kinds.get(name, pa.float64())) for name in COLUMNS])
+
+
+def __getattr__(name: str):
+    if name == "SCHEMA":  # (the schema as a module attribute, built on first use)
+        return schema()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def reduce_step(results: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -59,18 +69,26 @@ class MetricsLog:
         self.on_write: Optional[Callable[[list[dict[str, Any]]], None]] = None
 
     def add(self, **row: Any) -> None:
-        self.rows.append({name: row.get(name) for name in SCHEMA.names})
+        self.rows.append({name: row.get(name) for name in COLUMNS})
 
-    def table(self) -> pa.Table:
-        return pa.Table.from_pylist(self.rows, schema=SCHEMA)
+    def table(self):
+        """The rows as a ``pyarrow.Table`` of ``schema()``."""
+        import pyarrow as pa
+
+        return pa.Table.from_pylist(self.rows, schema=schema())
 
     def write(self, path: Path) -> None:
+        import pyarrow.parquet as pq
+
         atomic_write(path, lambda tmp: pq.write_table(self.table(), tmp))
         if self.on_write is not None:
             self.on_write(self.rows)
 
     def to_bytes(self) -> bytes:
         """The rows as a Parquet file's bytes (stored in checkpoints)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
         sink = pa.BufferOutputStream()
         pq.write_table(self.table(), sink)
         return sink.getvalue().to_pybytes()
@@ -84,6 +102,9 @@ class MetricsLog:
 
 def read_rows(parquet: bytes) -> list[dict[str, Any]]:
     """Rows of a Parquet file's bytes written by ``MetricsLog.to_bytes``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     return pq.read_table(pa.BufferReader(parquet)).to_pylist()
 
 

@@ -13,7 +13,6 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from rayconv.config import Config, batch_split_problem
 from rayconv.mesh import Mesh
@@ -70,6 +69,8 @@ class Routing:
 def layer_profile(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, ...]):
     """(per-sample output shapes, forward FLOPs per sample, parameter counts), one per layer,
     from one eval-mode CPU forward of a batch of 1."""
+    from torch.utils.flop_counter import FlopCounterMode  # (imports triton: not in every actor, only to plan)
+
     x = torch.zeros((1, *sample_shape))
     shapes, flops, params = [], [], []
     with torch.no_grad():

@@ -43,6 +43,20 @@ def test_main_job_as_the_readme_says(ray_cluster, tmp_path):
     assert "rayconv: Ray: started a local cluster at " in proc.stdout, proc.stdout[-3000:]
     assert {"config.json", "metrics.parquet", "summary.json", "model.pt"} <= {p.name for p in out.iterdir()}
     assert f"rayconv/{summary['run_name']}" not in placement_group_names(), "the job joined the test cluster"
+    # The start-up record: seconds since the command to each phase, in the order they ended; the
+    # console line at step 0 names the slowest.
+    st = summary["startup"]
+    assert st["origin"] == "process start" and st["ray"] == "started"
+    phases = list(st["phases"])
+    assert {"imports", "data", "ray", "actors_alive", "model_built", "optimizer_built", "data_on_device",
+            "actors_set_up", "first_step"} <= set(phases), st
+    assert list(st["phases"].values()) == sorted(st["phases"].values()) and st["phases"]["imports"] > 0
+    for before, after in (("imports", "data"), ("data", "ray"), ("ray", "actors_alive"),
+                          ("actors_alive", "actors_set_up"), ("actors_set_up", "first_step")):
+        assert phases.index(before) < phases.index(after), st
+    assert st["slowest"]["phase"] in phases and st["slowest"]["s"] > 0
+    assert [line for line in proc.stdout.splitlines() if line.startswith("rayconv: step 0 done ")
+            and "s after the command; slowest: " in line], proc.stdout[-3000:]
 
 
 # What rayconv.run printed for a 2-stage pipeline of 1 micro-batch (2 steps, the defaults otherwise):
@@ -111,6 +125,9 @@ def test_main_writes_the_run_files(ray_cluster, tmp_path, capsys):
     assert summary["images_per_s"] > 0 and summary["wall_time_s"] > 0
     assert summary["layout"]["dp"] == 2 and summary["layout"]["world_size"] == 2
     assert summary["steps"] == 5
+    # In a process already connected: the connection is reused; the clock runs from main's call.
+    assert summary["startup"]["ray"] == "reused" and summary["startup"]["origin"] == "main call"
+    assert list(summary["startup"]["phases"])[-1] == "first_step"  # (CPU: no CUDA graph captured)
 
     # model.pt: a plain state_dict that the model class alone loads, strictly.
     state = torch.load(out / "model.pt", weights_only=True)

@@ -1,0 +1,177 @@
+"""A run's start-up clock: seconds from the command (or the ``rayconv.fit`` call) to each start-up phase.
+
+The driver marks each phase as it ends (``mark``); the actors' setup splits (model built, data on the
+device) and their CUDA-graph capture are placed on the driver's clock from what they report
+(``mark_actors``). ``summary.json``'s ``startup`` is ``record()``; at the first step the run prints
+``line()``: when the step ended and which phase took longest.
+
+    origin      "process start" (the command: /proc/self/stat's start time, so the interpreter's own
+                start and every import count) or "fit call" (``rayconv.fit``, or the command where
+                /proc is absent: the monotonic stamp taken when ``rayconv.run`` was imported)
+    phases      name -> seconds since the origin at which the phase ended, in the order they ended:
+                imports (the driver's modules), data (the driver's checks: the data's metadata, the
+                model, the plan), ray (connected or started; ``ray`` says which), actors_alive (their
+                processes started and imported), model_built, optimizer_built, data_on_device (the
+                slowest actor's, inside its setup), actors_set_up, first_step, graphs_captured (CUDA)
+    slowest     {"phase", "s"}: the longest stretch between two consecutive marks up to the first step
+
+Phases run in parallel where they can (every actor's setup at once), so a stretch is the time the run
+waited for that phase after the one before it ended. This module imports nothing heavy: the command
+imports it before torch and Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Optional
+
+# name -> what the console line calls it
+PHASES = {
+    "imports": "driver imports",
+    "data": "data, model and plan checks",
+    "ray": "Ray",
+    "actors_alive": "actors starting",
+    "model_built": "actors building the model",
+    "optimizer_built": "actors building the optimizer",
+    "data_on_device": "actors putting the data on the device",
+    "actors_set_up": "actors setting up",
+    "first_step": "first step",
+    "graphs_captured": "CUDA graph capture",
+}
+RAY_HOW = {"started": "Ray starting", "connected": "Ray connecting", "reused": "Ray (connected before)"}
+
+
+def process_start() -> Optional[float]:
+    """The ``time.monotonic()`` value at which this process started: its start time in /proc/self/stat
+    (clock ticks after boot, field 22) against CLOCK_BOOTTIME. None where either is missing."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # (the command name may hold spaces)
+        started_after_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - started_after_boot
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return time.monotonic() - max(0.0, age)
+
+
+class StartupClock:
+    """The phases of one run's start-up, as seconds since ``origin`` (a ``time.monotonic()`` value)."""
+
+    def __init__(self, origin: float, since: str):
+        self.origin, self.since = origin, since
+        self.phases: dict[str, float] = {}
+        self.ray: Optional[str] = None        # "started", "connected" or "reused"
+        self.actors: dict[str, float] = {}    # the slowest actor's seconds per setup split
+
+    def mark(self, name: str, at: Optional[float] = None) -> None:
+        """Phase ``name`` ended now (or at the monotonic time ``at``); the first mark of a name stays
+        (a recovery's new actors do not move the start-up's)."""
+        if name not in PHASES:
+            raise ValueError(f"unknown start-up phase {name!r}: one of {', '.join(PHASES)}")
+        if name not in self.phases:
+            self.phases[name] = (time.monotonic() if at is None else at) - self.origin
+
+    def mark_actors(self, reports: list[dict[str, Any]]) -> None:
+        """Place the actors' setup splits on this clock, after ``actors_set_up`` was marked: each report's
+        ``startup`` holds its setup's seconds (``setup``) and the seconds from its start to
+        ``model_built``, ``optimizer_built`` and ``data_on_device``. The slowest actor's setup is the
+        one the run waited for: its splits are placed back from ``actors_set_up`` (the return's transit
+        is not counted)."""
+        timed = [r["startup"] for r in reports if (r.get("startup") or {}).get("setup") is not None]
+        if not timed or "actors_set_up" not in self.phases:
+            return
+        slow = max(timed, key=lambda t: t["setup"])
+        ended = self.origin + self.phases["actors_set_up"]
+        for name in ("model_built", "optimizer_built", "data_on_device"):
+            if slow.get(name) is not None:
+                self.actors[name] = slow[name]
+                self.mark(name, ended - (slow["setup"] - slow[name]))
+        self.actors["setup"] = slow["setup"]
+
+    def mark_capture(self, seconds: list[float]) -> None:
+        """The actors' CUDA-graph capture (``seconds``: each capturing actor's) ended now."""
+        if seconds and "graphs_captured" not in self.phases:
+            self.actors["graph_capture"] = max(seconds)
+            self.mark("graphs_captured")
+
+    def ordered(self) -> list[tuple[str, float]]:
+        """(name, seconds since the origin) in the order the phases ended."""
+        return sorted(self.phases.items(), key=lambda kv: kv[1])
+
+    def stretches(self, until: str = "first_step") -> list[tuple[str, float]]:
+        """(name, seconds from the mark before it to its own) for each phase up to ``until``."""
+        out, last = [], 0.0
+        for name, at in self.ordered():
+            out.append((name, at - last))
+            last = at
+            if name == until:
+                break
+        return out
+
+    def slowest(self) -> Optional[tuple[str, float]]:
+        """The phase with the longest stretch up to the first step (None before any mark)."""
+        st = self.stretches()
+        return max(st, key=lambda kv: kv[1]) if st else None
+
+    def label(self, name: str) -> str:
+        return RAY_HOW.get(self.ray or "", "Ray") if name == "ray" else PHASES[name]
+
+    def line(self, step: int = 0) -> str:
+        """The console line at the first step (``step``: its number): when it ended, since what, and the
+        slowest phase."""
+        done = self.phases.get("first_step")
+        name, s = self.slowest() or ("first_step", 0.0)
+        after = {"fit call": "after rayconv.fit was called", "main call": "after rayconv.run.main was called"}.get(
+            self.since, "after the command")
+        when = f"{done:.1f} s {after}" if done is not None else "(not reached)"
+        return f"rayconv: step {step} done {when}; slowest: {self.label(name)} ({s:.1f} s)"
+
+    def record(self) -> dict[str, Any]:
+        """summary.json's ``startup`` (see the module docstring)."""
+        slow = self.slowest()
+        return {"origin": self.since, "ray": self.ray,
+                "phases": {k: round(v, 4) for k, v in self.ordered()},
+                "slowest": {"phase": slow[0], "s": round(slow[1], 4)} if slow else None,
+                "actor_setup_s": {k: round(v, 4) for k, v in self.actors.items()}}
+
+
+# The clock of the run in progress in this process (None outside one): the driver's modules mark it
+# without passing it through every call.
+_current: Optional[StartupClock] = None
+
+
+def begin(origin: Optional[float], since: str) -> StartupClock:
+    """Start the clock of a new run (``origin`` None: now)."""
+    global _current
+    _current = StartupClock(time.monotonic() if origin is None else origin, since)
+    return _current
+
+
+def begin_command(imported: float) -> StartupClock:
+    """The clock of ``rayconv.run.main``: from the process's start when it runs as the command
+    (``python -m rayconv.run``), else (or where /proc is absent) from ``imported``, the monotonic stamp
+    taken when ``rayconv.run`` was imported (called from Python: from the call)."""
+    import sys
+
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name == "rayconv.run":
+        started = process_start()
+        return begin(started, "process start") if started is not None else begin(imported, "rayconv.run import")
+    return begin(None, "main call")
+
+
+def current() -> Optional[StartupClock]:
+    return _current
+
+
+def claim() -> StartupClock:
+    """The clock begun for the run about to start (by the command or ``rayconv.fit``), or one begun
+    now where none waits (a caller of ``driver.job.fit`` itself)."""
+    return _current if _current is not None and not _current.phases else begin(None, "fit call")
+
+
+def mark(name: str, at: Optional[float] = None) -> None:
+    """``StartupClock.mark`` on the run in progress (nothing outside one)."""
+    if _current is not None:
+        _current.mark(name, at)
