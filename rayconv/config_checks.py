@@ -120,6 +120,8 @@ def _check_numbers(cfg: Any) -> None:
                                         f"(got {cfg.gpus_per_actor})")
     _need(cfg.gpus_per_actor == 1 or cfg.device != "cpu",
           "--gpus-per-actor shares GPUs: drop it with --device cpu (CPU actors take --num-cpus-per-actor)")
+    _need(cfg.elastic is None or cfg.elastic >= 1, f"--elastic must be >= 1 actor (got {cfg.elastic})")
+    _need(cfg.elastic_wait >= 0, f"--elastic-wait must be >= 0 seconds (got {cfg.elastic_wait})")
     _need(cfg.max_memory_gib is None or cfg.max_memory_gib > 0,
           f"--max-memory-gib must be > 0 GiB (got {cfg.max_memory_gib})")
 
@@ -163,6 +165,12 @@ def _check_combinations(cfg: Any) -> None:
     _need(cfg.max_failures == 0 or cfg.checkpoint_every > 0 or cfg.resume is not None,
           f"--max-failures {cfg.max_failures} restarts from the last checkpoint: also set --checkpoint-every N "
           "(without checkpoints a recovery would start the run over)")
+    if cfg.elastic is not None:
+        _need(cfg.checkpoint_every > 0, f"--elastic {cfg.elastic} continues from the last checkpoint on another "
+                                        "layout: also set --checkpoint-every N")
+        size = cfg.dp * cfg.pp * cfg.fs if cfg.dp else None
+        _need(size is None or cfg.elastic <= size, f"--elastic {cfg.elastic} is above the layout's {size} actors: "
+                                                   f"give --elastic {size} or less")
     if cfg.virtual_stages > 1:
         _need(cfg.pp >= 2, f"--virtual-stages {cfg.virtual_stages} interleaves model chunks over pipeline "
                             "stages: set --pp 2 or more, or drop --virtual-stages")

@@ -33,6 +33,11 @@ class RunStopped(KeyboardInterrupt):
     this message."""
 
 
+class TooFewDevices(ClusterError):
+    """An --elastic run has had fewer devices than its --elastic minimum for --max-wait seconds; it
+    stopped with its last checkpoint kept (``rayconv.run``: exit status 2 and the resume command)."""
+
+
 class LayoutError(ValueError):
     """A layout cannot be applied to this model (too many stages, bad cut points, ...)."""
 

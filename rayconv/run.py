@@ -2,7 +2,8 @@
 
 With no arguments it trains the small ConvNet on the embedded digits data, data parallel over every
 device of the Ray cluster (a local one is started when none is running). Errors a user can fix are
-printed as one line naming what to change, with exit status 2; a failed actor gives exit status 1;
+printed as one line naming what to change, with exit status 2 (also an --elastic run left below its
+minimum); a failed actor gives exit status 1;
 Ctrl-C exit status 130 and SIGTERM 143, the actors stopped and what the run wrote kept.
 Settings come, lowest first, from the ``--resume`` checkpoint, the ``--config`` file, the flags.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from rayconv.config import Config
-from rayconv.errors import ClusterError, ConfigError, DataError, LayoutError
+from rayconv.errors import ClusterError, ConfigError, DataError, LayoutError, TooFewDevices
 from rayconv.flags import from_mapping, read_settings, resumed_settings
 from rayconv.outputs.checkpoint import latest_checkpoint, saved_config
 from rayconv.signals import stopped_by
@@ -47,6 +48,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         train_run(cfg)
         return 0
     except (ConfigError, DataError, LayoutError, FileExistsError) as e:
+        print(f"rayconv: error: {e}", file=sys.stderr)
+        return 2
+    except TooFewDevices as e:   # --elastic below its minimum: one line, the resume command in it
         print(f"rayconv: error: {e}", file=sys.stderr)
         return 2
     except (ClusterError, FloatingPointError) as e:

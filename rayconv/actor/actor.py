@@ -25,6 +25,7 @@ builds. The rest, one concept a file under ``rayconv/actor/``:
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 from typing import Any, Optional
@@ -54,6 +55,20 @@ class Actor:
         torch.set_num_threads(max(1, self.cfg.num_cpus_per_actor))
         self.a: Optional[ActorState] = None
         self.rss = RssSampler(os.getpid())   # peak RssAnon of this actor and its loader processes
+        self.preempted = False   # --elastic: SIGTERM taken; the next step's result says so
+        if self.cfg.elastic is not None:
+            self._take_sigterm()
+
+    def _take_sigterm(self) -> None:
+        """--elastic: SIGTERM (a spot notice, a drain, ``kill``) sets ``preempted`` instead of ending the
+        process; the driver reads it with the next step's metrics, checkpoints at that step boundary
+        and stops the actors itself. (Where the call runs off the main thread, SIGTERM stays Ray's.)"""
+        def handler(signum, frame):
+            self.preempted = True
+        try:
+            signal.signal(signal.SIGTERM, handler)
+        except ValueError:
+            pass
 
     def __repr__(self) -> str:  # the Ray dashboard shows this
         return f"rayconv/{self.run_name}/{self.role}"
@@ -93,6 +108,12 @@ class Actor:
         # (after the step's locals, its autograd graph among them, are freed: that is the actor's
         # time, not time spent waiting for the driver's next call)
         self.a.last_return = time.perf_counter()
+        return self._marked(out)
+
+    def _marked(self, out: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        """A step's metrics with ``preempted`` (this actor's role) once it took SIGTERM (``_take_sigterm``)."""
+        if out is not None and self.preempted:
+            out["preempted"] = self.role
         return out
 
     def train_steps(self, first_step: int, steps: int, lr: float) -> Optional[dict[str, Any]]:
@@ -106,7 +127,7 @@ class Actor:
 
     def flush(self) -> Optional[dict[str, Any]]:
         """The metrics of the last step launched (waits for the device)."""
-        return train.flush(self.a)
+        return self._marked(train.flush(self.a))
 
     def trace(self, first_step: int, steps: int, lr: float) -> dict[str, Any]:
         """``steps`` steps under torch.profiler, then as many under cProfile (``report.trace``)."""

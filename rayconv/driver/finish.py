@@ -139,6 +139,7 @@ def summarize(run: Run, memory: list[dict[str, Any]], status: str = "finished") 
         **run.target.summary(run.wall),
         "run_name": s.run_name,
         "resumed_from": str(s.resume.path) if s.resume is not None else None, "failures_recovered": run.failures,
+        "layout_changes": run.layout_changes,   # --elastic: step, from, to, why, seconds_lost, steps_redone
         "actors": [{**report, **m} for report, m in zip(run.actor_reports, memory)],
     }
     if s.predicted is not None and status == "finished":

@@ -9,7 +9,8 @@ With --evaluate-only the actors, once set up with --init's weights, evaluate the
 (``finish_evaluation``: metrics.parquet and summary.json, no training, no model.pt).
 
 An actor lost mid-run (process or node died, collective timed out) ends the step for all; with
---max-failures F the driver then starts new actors, reloads the last checkpoint and continues (F times).
+--max-failures F the driver then starts new actors, reloads the last checkpoint and continues (F times);
+with --elastic MIN on the devices left, and back on the starting layout when they return (elastic.py).
 Tensors of the training path never pass through the driver: it sends each actor its rank and the
 routing once, then one small call per step.
 """
@@ -22,6 +23,7 @@ from rayconv.actor.actor import Actor
 from rayconv.cluster.group import ActorGroup, start_group
 from rayconv.config import Config
 from rayconv.data.source import Sharding
+from rayconv.driver import elastic
 from rayconv.driver.finish import export, finish, finish_evaluation, recording_stop, startup, writing_into
 from rayconv.driver.loop import Run, train
 from rayconv.driver.progress import log_header
@@ -49,6 +51,7 @@ def train_run(cfg: Config, log=print, on_step=None, on_eval=None) -> dict[str, A
     claim().mark("imports")                            # the start-up clock (rayconv.startup)
     resolved = resolve_run(cfg, log)                   # nothing written yet; the settings resolved
     run = Run(resolved, log, on_step, on_eval)
+    elastic.attach(run)                                # --elastic: re-plans after a loss, grows back (elastic.py)
     # SIGTERM stops the run as Ctrl-C does; a stop leaves the steps' metrics and a summary saying how
     # the run ended; on failure only results stay (checkpoints, metrics), not a bare config.json.
     with sigterm_as_interrupt(), writing_into(resolved.out, log), recording_stop(run):
@@ -64,8 +67,8 @@ def train_run(cfg: Config, log=print, on_step=None, on_eval=None) -> dict[str, A
                         return finish_evaluation(run, actor_group)
                     train(run, actor_group, start=ckpt.step if ckpt is not None else 0)
                     return finish(run, actor_group)
-            except ClusterError as e:
-                ckpt = recover_or_raise(e, run)   # the checkpoint to continue from, or raises
+            except ClusterError as e:   # the checkpoint to continue from (--elastic: on the layout it picks), or raises
+                ckpt = run.elastic.recover(e, run, recover_or_raise) if run.elastic else recover_or_raise(e, run)
 
 
 def start_actors(run: Run, ckpt: Optional[Checkpoint]) -> ActorGroup:

@@ -31,6 +31,7 @@ from rayconv.driver.progress import Progress
 from rayconv.driver.lr import learning_rate, peak_lr, warmup_steps
 from rayconv.driver.resolve import ResolvedRun, call_timeout_s
 from rayconv.driver.target import Target, train_seconds
+from rayconv.layout import Layout
 from rayconv.outputs.checkpoint import Checkpoint, write_checkpoint
 from rayconv.outputs.metrics import MetricsLog, actor_gauges, read_rows, reduce_step
 from rayconv.outputs.tensorboard import EventFiles, first_images
@@ -68,6 +69,20 @@ class Run:
         weakref.finalize(self, self.events.close)   # (each write is flushed; the writer closed with the run)
         self.images_logged = not resolved.cfg.log_images   # (--log-images: once, before the first step)
         self.startup = startup.current() or startup.begin(None, "fit call")  # (rayconv.startup)
+        # --elastic (job.py sets it: ``driver.elastic.Elastic``): told of each step done and each step
+        # boundary; an actor's SIGTERM mark (its role) makes the next step a boundary; summary.json's rows.
+        self.elastic: Any = None
+        self.preempted: Optional[str] = None
+        self.layout_changes: list[dict[str, Any]] = []
+
+    def use(self, resolved: ResolvedRun) -> None:
+        """Continue on another layout (--elastic): ``resolved`` with its mesh, routing and sharding."""
+        self.resolved, self.cfg = resolved, resolved.cfg
+
+    @property
+    def layout_name(self) -> str:
+        """The name of the layout the steps run on now (metrics.parquet's ``layout``)."""
+        return Layout.from_config(self.cfg).name
 
     def continue_from(self, ckpt: Optional[Checkpoint]) -> None:
         """Start an attempt's records: empty, or the metrics rows and last evaluation of ``ckpt``."""
@@ -102,9 +117,11 @@ class Run:
         return bool(every) and (done % every == 0 or done == self.resolved.total_steps)
 
     def boundary(self, step: int) -> bool:
-        """After this step the driver needs the actors quiet (evaluation, checkpoint, test hook)."""
+        """After this step the driver needs the actors quiet (evaluation, checkpoint, test hook, an
+        actor's SIGTERM mark)."""
         done = step + 1
-        return self.evaluation_due(done) or self.checkpoint_due(done) or self.on_step is not None
+        return (self.evaluation_due(done) or self.checkpoint_due(done) or self.on_step is not None
+                or self.preempted is not None)
 
 
 @dataclass
@@ -125,6 +142,8 @@ def train(run: Run, actor_group: ActorGroup, start: int) -> None:
     if not run.images_logged:
         log_images(run)
     att = _Attempt(start, Progress(run.cfg, total, start, run.log))
+    if run.elastic is not None:
+        run.elastic.started(actor_group)
     att.t_last = att.t_train
     try:
         in_flight: Optional[Pending] = None
@@ -132,10 +151,12 @@ def train(run: Run, actor_group: ActorGroup, start: int) -> None:
             if in_flight is None:
                 in_flight = _submit(run, actor_group, att, step)
             current, in_flight = in_flight, None
-            if not run.boundary(step):  # queue the next step before waiting for this one
+            # (decided before the result: a SIGTERM mark in it makes the next step the boundary)
+            boundary = run.boundary(step)
+            if not boundary:  # queue the next step before waiting for this one
                 in_flight = _submit(run, actor_group, att, step + 1)
             _record(run, att, actor_group.collect(current, timeout_s=run.call_timeout_s))
-            if run.boundary(step):
+            if boundary:
                 _between_steps(run, actor_group, att, step)
         run.trained = True
     finally:
@@ -154,6 +175,9 @@ def _record(run: Run, att: _Attempt, results: list) -> None:
     results = [x for x in results if x is not None]
     if not results:
         return
+    marks = [x["preempted"] for x in results if x.get("preempted")]
+    if marks and run.preempted is None:
+        run.preempted = f"actor {marks[0]} got SIGTERM"
     now = time.perf_counter()
     wall_s, att.t_last = now - att.t_last, now
     r, k, epoch = reduce_step(results), results[0]["step"], results[0]["epoch"]
@@ -167,7 +191,9 @@ def _record(run: Run, att: _Attempt, results: list) -> None:
     run.metrics.add(kind="train", step=k, epoch=epoch, loss=r["loss"], lr=att.lrs.pop(k),
                     images_per_s=count / max(1e-9, step_ms / 1e3), step_ms=step_ms, input_stall_ms=stall,
                     input_stall_fraction=None if stall is None else stall / max(1e-9, step_ms),
-                    time_s=run.train_s + now - att.t_train, loss_scale=r["loss_scale"])
+                    time_s=run.train_s + now - att.t_train, loss_scale=r["loss_scale"], layout=run.layout_name)
+    if run.elastic is not None:
+        run.elastic.step_done(run, k)
     if run.cfg.metrics:
         actor_gauges(run.resolved.run_name, "driver", images_per_s=ips, step_ms=step_ms, loss=r["loss"], step=k)
     if not math.isfinite(r["loss"]):
@@ -199,6 +225,8 @@ def _between_steps(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) 
     if run.on_step is not None:
         run.on_step(actor_group, step)
     att.t_last = time.perf_counter()  # evaluation and checkpoint time is not a step's
+    if run.elastic is not None:  # (a preemption's checkpoint, a grow back: may stop these actors)
+        run.elastic.at_boundary(run, actor_group, done)
 
 
 def _evaluation(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) -> None:
@@ -224,7 +252,7 @@ def _evaluation(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) -> 
         write_best(s.out, step, float(ev["val_accuracy"]), lambda path: export(actor_group, path))
         run.best = Best(step, ev["val_accuracy"])
     run.metrics.add(kind="eval", step=step, epoch=step // s.sharding.steps_per_epoch,
-                    time_s=run.train_s + time.perf_counter() - att.t_train, **run.last_eval)
+                    time_s=run.train_s + time.perf_counter() - att.t_train, layout=run.layout_name, **run.last_eval)
     att.progress.evaluation(step, run.metrics.last("train", "loss"), run.last_eval)
     if run.on_eval is not None:
         run.on_eval({**run.metrics.rows[-1], "train_loss": run.metrics.last("train", "loss")}, s.total_steps)

@@ -10,6 +10,7 @@ below 5 classes) over every held-out sample once, and with ``--model-ema`` ema_t
 moving average's top-1); with ``--val-split`` val_loss, val_accuracy and val_top5_accuracy over the
 validation images (the test columns then null except at the last evaluation, or with ``--eval-test``).
 ``loss_scale``: the fp16 dynamic loss scale the step ran with (null otherwise).
+``layout``: the name of the layout the row ran on (``Layout.name``; it changes in an --elastic run).
 ``time_s`` is seconds since training began (for test error against wall-clock time).
 ``metrics.parquet`` is written atomically (temporary file, then rename): a crash never leaves half a file.
 """
@@ -22,11 +23,11 @@ from typing import Any, Callable, Iterable, Optional
 
 from rayconv.files import atomic_write
 
-# metrics.parquet's columns: kind and step/epoch are string and int64, the rest float64. (pyarrow is
+# metrics.parquet's columns: kind and layout are strings, step/epoch int64, the rest float64. (pyarrow is
 # imported when a file is written or read: every actor imports this module for its gauges.)
 COLUMNS = ("kind", "step", "epoch", "loss", "lr", "images_per_s", "step_ms", "time_s", "test_loss", "test_error",
            "test_accuracy", "input_stall_ms", "input_stall_fraction", "test_top5_accuracy", "ema_test_accuracy",
-           "loss_scale", "val_loss", "val_accuracy", "val_top5_accuracy")
+           "loss_scale", "val_loss", "val_accuracy", "val_top5_accuracy", "layout")
 
 
 @functools.cache
@@ -34,7 +35,7 @@ def schema():
     """metrics.parquet's ``pyarrow.Schema`` (``COLUMNS``)."""
     import pyarrow as pa
 
-    kinds = {"kind": pa.string(), "step": pa.int64(), "epoch": pa.int64()}
+    kinds = {"kind": pa.string(), "step": pa.int64(), "epoch": pa.int64(), "layout": pa.string()}
     return pa.schema([(name, kinds.get(name, pa.float64())) for name in COLUMNS])
 
 

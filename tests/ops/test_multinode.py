@@ -74,3 +74,76 @@ def _train_the_copy(tmp_path) -> None:
     want, test_loss = reference_microbatch_sgd(cfg, 2)
     assert_same_state(torch.load(tmp_path / "users" / "model.pt", weights_only=True), want, atol=1e-10)
     assert abs(summary["test_loss"] - test_loss) < 1e-10
+
+
+
+def test_elastic_dp4_shrinks_grows_and_loses_no_step(two_nodes, tmp_path, monkeypatch):
+    """--dp 4 --elastic 2 --checkpoint-every 2 over the two nodes (two actors each), 10 steps: the second
+    node is removed after step 2, so the run continues on dp2 from the checkpoint of step 2; an actor's
+    SIGTERM after step 3 makes the run write the checkpoint of step 5 and continue from it (no step
+    lost); a node is added after step 5, and at the checkpoint of step 6 the run is dp4 again; that node
+    is drained (``ray drain-node``'s GCS call, reason preemption) after step 6: at the next step
+    boundary, the checkpoint of step 8, the run goes on dp2 (no step lost). The final weights are
+    single-device SGD's (float64, 1e-10): every layout computes the same steps, so they are also the
+    uninterrupted run's. Each change is a console line, a summary row and the metrics' layout."""
+    import os
+    import signal
+    import time
+
+    import pyarrow.parquet as pq
+    from ray.core.generated import autoscaler_pb2
+
+    from rayconv.driver import elastic
+    from support.helpers import reference_sgd
+
+    monkeypatch.setattr(elastic, "DRAIN_POLL_S", 0.0)   # (a look at the draining nodes after every step)
+    done: dict[str, object] = {}
+
+    def add_node():
+        node = two_nodes.add_node(num_cpus=2, resources={"node_b": 1})
+        two_nodes.wait_for_nodes()
+        deadline = time.monotonic() + 30   # (until its resources show as free: the grow check reads them)
+        while ray.available_resources().get("node_b", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return node
+
+    def events(actor_group, step):
+        if step == 2 and "removed" not in done:
+            done["removed"] = True
+            two_nodes.remove_node(next(iter(two_nodes.worker_nodes)))
+        elif step == 3 and "sigterm" not in done:
+            done["sigterm"] = True
+            os.kill(actor_group.info[1]["pid"], signal.SIGTERM)
+        elif step == 5 and "added" not in done:
+            done["added"] = add_node()
+        elif step == 6 and "drained" not in done:
+            gcs = ray._raylet.GcsClient(address=two_nodes.address)
+            accepted, why = gcs.drain_node(done["added"].node_id, autoscaler_pb2.DrainNodeReason.Value(
+                "DRAIN_NODE_REASON_PREEMPTION"), "spot notice", 0)
+            assert accepted, why
+            done["drained"] = True
+
+    lines: list[str] = []
+    cfg = sgd_config(tmp_path, "elastic", dp=4, steps=10, eval_every=10, checkpoint_every=2, elastic=2,
+                     elastic_wait=1.0, max_failures=1, collective_timeout_s=30, loader_workers=0)
+    try:
+        summary = train_run(cfg, log=lines.append, on_step=events)
+    finally:   # the cluster as the fixture made it: the head node and one of node_b
+        if "added" in done:
+            two_nodes.remove_node(done["added"])
+            add_node()
+    assert set(done) == {"removed", "sigterm", "added", "drained"}
+    changes = [(c["step"], c["from"], c["to"], c["steps_redone"]) for c in summary["layout_changes"]]
+    assert changes == [(2, "dp4", "dp2", 1), (5, "dp2", "dp2", 0), (6, "dp2", "dp4", 0), (8, "dp4", "dp2", 0)], \
+        summary["layout_changes"]
+    whys = [c["why"] for c in summary["layout_changes"]]
+    assert "was lost" in whys[0] and whys[1] == "actor dp1 got SIGTERM" and whys[2] == "devices came back"
+    assert whys[3].endswith("is draining")
+    assert all(c["seconds_lost"] > 0 for c in summary["layout_changes"])
+    said = [x for x in lines if x.startswith("rayconv: step ") and "-> " in x]
+    assert len(said) == 4 and said[0].startswith("rayconv: step 2: layout dp4 -> dp2 (actor "), said
+    assert summary["layout"]["dp"] == 2 and summary["failures_recovered"] == 1
+    rows = [r for r in pq.read_table(tmp_path / "elastic" / "metrics.parquet").to_pylist() if r["kind"] == "train"]
+    assert [(r["step"], r["layout"]) for r in rows] == [(k, "dp4" if k in (0, 1, 6, 7) else "dp2") for k in range(10)]
+    assert_same_state(torch.load(tmp_path / "elastic" / "model.pt", weights_only=True), reference_sgd(cfg, 10),
+                      atol=1e-10)

@@ -1,0 +1,81 @@
+"""--elastic without Ray: the re-plan rule, the free-device count, the refusals, and the stop below
+the minimum (one line naming the checkpoint kept and the resume command; exit status 2).
+
+The elastic run itself (a node removed and added back, an actor's SIGTERM) is
+tests/ops/test_multinode.py's ``test_elastic_dp4_shrinks_grows_and_loses_no_step``."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from rayconv import run as run_cli
+from rayconv.config import Config
+from rayconv.driver.elastic import continue_mesh, free_devices, plan_mesh
+from rayconv.errors import ConfigError, TooFewDevices
+from rayconv.mesh import Mesh
+from rayconv.outputs.checkpoint import write_checkpoint
+
+
+def test_plan_keeps_pp_and_fs_and_shrinks_dp_to_what_fits_and_splits_the_batch():
+    assert plan_mesh(Mesh(4, 1, 1), 2, 96, 1) == Mesh(2, 1, 1)
+    assert plan_mesh(Mesh(4, 1, 1), 3, 96, 1) == Mesh(3, 1, 1)       # (an uneven split is exact too)
+    assert plan_mesh(Mesh(4, 1, 1), 9, 96, 1) == Mesh(4, 1, 1)       # never above the starting dp
+    assert plan_mesh(Mesh(2, 2, 1), 5, 96, 4) == Mesh(2, 2, 1)
+    assert plan_mesh(Mesh(4, 2, 2), 11, 96, 1) == Mesh(2, 2, 2)
+    # 12 images over dp3 are 4 per replica, not 3 micro-batches: dp2 (6 each) is the largest that splits.
+    assert plan_mesh(Mesh(4, 1, 1), 3, 12, 3) == Mesh(2, 1, 1)
+    assert plan_mesh(Mesh(2, 2, 2), 3, 96, 1) is None                 # not even one pp2 x fs2 replica
+    assert plan_mesh(Mesh(4, 1, 1), 4, 96, 1, fits=lambda m: m.dp >= 3) == Mesh(4, 1, 1)
+    assert plan_mesh(Mesh(4, 1, 1), 2, 96, 1, fits=lambda m: m.dp >= 3) is None   # (memory)
+
+
+def test_free_devices_leave_draining_nodes_out_and_count_slots():
+    per_node = {"a": {"CPU": 4.0, "GPU": 2.0}, "b": {"CPU": 3.0}, "c": {"CPU": 8.0, "GPU": 8.0}}
+    assert free_devices(per_node, set(), "cpu", 2) == 2 + 1 + 4
+    assert free_devices(per_node, {"c"}, "cpu", 1) == 7
+    assert free_devices(per_node, {"c"}, "cuda", 1) == 2
+    assert free_devices({"a": {"CPU": 1.0, "GPU": 4.0}}, set(), "cuda", 1) == 1   # (a CPU per GPU actor)
+
+
+def test_elastic_refusals_are_one_line():
+    base = dict(model="convnet", data="digits", device="cpu")
+    with pytest.raises(ConfigError, match="--checkpoint-every") as e:
+        Config(**base, dp=4, elastic=2).validate()
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="above the layout's 4 actors: give --elastic 4 or less"):
+        Config(**base, dp=2, pp=2, elastic=5, checkpoint_every=2).validate()
+    with pytest.raises(ConfigError, match="--elastic must be >= 1"):
+        Config(**base, elastic=0, checkpoint_every=2).validate()
+    Config(**base, elastic=8, checkpoint_every=2).validate()   # (dp from the cluster: checked once known)
+
+
+def test_below_the_minimum_waits_then_stops_with_one_line_and_the_checkpoint_kept(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    ckpt = write_checkpoint(out, 4, [b"rank file"], {"layout": {}})
+    cfg = Config(model="convnet", data="digits", device="cpu", dp=4, elastic=3, checkpoint_every=2,
+                 global_batch_size=96, max_wait=0.6).validate()
+    lines: list[str] = []
+    t0 = time.monotonic()
+    with pytest.raises(TooFewDevices) as e:
+        continue_mesh(cfg, Mesh(4, 1, 1), 3, out, lines.append, free=lambda c: 2)
+    assert time.monotonic() - t0 >= 0.6, "it waits --max-wait before it stops"
+    assert lines == ["rayconv: 2 devices free, --elastic needs 3: waiting up to 1 s (--max-wait)"]
+    msg = str(e.value)
+    assert "\n" not in msg and f"last checkpoint {ckpt} kept" in msg
+    assert msg.endswith(f"continue with `python -m rayconv.run --resume {out}`")
+    assert (ckpt / "rank-0.pt").read_bytes() == b"rank file"
+    # Devices that come back within the wait: the run goes on, on what the rule picks.
+    seen = iter([1, 2, 3, 4])
+    assert continue_mesh(cfg, Mesh(4, 1, 1), 3, out, lines.append, free=lambda c: next(seen)) == Mesh(3, 1, 1)
+    # The command line's exit status for it is 2, its line alone on stderr.
+
+    def stop(cfg):
+        raise TooFewDevices(msg)
+
+    monkeypatch.setattr("rayconv.driver.job.train_run", stop)
+    capsys.readouterr()
+    assert run_cli.main(["--dp", "4", "--elastic", "3", "--checkpoint-every", "2", "--out", str(out / "x")]) == 2
+    assert capsys.readouterr().err == f"rayconv: error: {msg}\n"
+
