@@ -142,7 +142,7 @@ def test_corrupt_image_names_the_file(ray_cluster, tmp_path, capsys, workers, ou
                         "--no-progress", "--data", "imagefolder", "--data-dir", str(root), "--image-size", "32",
                         "--loader-workers", str(workers), "--data-on-device", on_device, "--out", str(out)],
                        capsys, code=None)
-    where = "train_step" if on_device == "off" else "in setup"
+    where = "train_step" if on_device == "off" else "in build"
     assert str(bad) in line and where in line and "remove or replace" in line
     if out_exists:
         assert out.is_dir() and list(out.iterdir()) == []
