@@ -59,7 +59,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM during the run (rayconv.signals)
         by = stopped_by()
-        print(f"rayconv: interrupted{' by SIGTERM' if by == 'SIGTERM' else ''}: actors stopped", file=sys.stderr)
+        print(f"rayconv: interrupted{' by SIGTERM' if by == 'SIGTERM' else ''}: the run and any actors it started are stopped", file=sys.stderr)
         _resume_hint(cfg)
         return 128 + getattr(signal, by)
 

@@ -32,6 +32,7 @@ def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] 
     process exits, Ray's own atexit), "connected" or "started" (a local cluster of this process)."""
     probe(address or os.environ.get("RAY_ADDRESS"))
     if ray.is_initialized():
+        _HOW["last"] = "reused"
         return "reused"
     kw = dict(address=address, namespace=NAMESPACE, log_to_driver=not quiet, configure_logging=True,
               logging_level="WARNING")
@@ -48,7 +49,11 @@ def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] 
         raise ClusterError(f"cannot connect to Ray at {where} ({e}): check --address / RAY_ADDRESS, "
                            "or run `ray start --head` first") from None
     node = getattr(ray._private.worker, "_global_node", None)  # (the head node's when ray.init started it)
-    return "started" if getattr(node, "head", False) else "connected"
+    _HOW["last"] = "started" if getattr(node, "head", False) else "connected"
+    return _HOW["last"]
+
+
+_HOW: dict[str, str] = {}  # how the last ``connect`` of this process reached the cluster
 
 
 def cluster_origin() -> str:
@@ -61,6 +66,8 @@ def cluster_origin() -> str:
     except Exception:  # noqa: BLE001 - Ray Client has no GCS client in the driver
         address = os.environ.get("RAY_ADDRESS") or "a Ray Client server"
     if getattr(node, "head", False):
+        if _HOW.get("last") == "reused":
+            return f"reusing the local cluster this process started at {address} (it stops when this process ends)"
         return f"started a local cluster at {address} (it stops when this process ends)"
     return f"attached to the cluster at {address}"
 

@@ -73,7 +73,9 @@ def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: i
     if name not in names:
         close = [n for n in names if n.startswith(name[:3])][:8]
         hint = f" (close: {', '.join(close)})" if close else ""
-        if "." in name:  # (module.function: the user's own model, given without its colon)
+        if name.endswith(".py"):  # (a model file given without its function)
+            hint = f" (your own model file? --model {name}:FUNCTION, FUNCTION returning the nn.Module)"
+        elif "." in name:  # (module.function: the user's own model, given without its colon)
             hint = f" (your own model? --model {name.rpartition('.')[0]}:{name.rpartition('.')[2]})"
         raise ConfigError(f"unknown --model {name!r}{hint}: use {', '.join(RAYCONV_MODELS)}, or any of torchvision's "
                           f"{len(names) - len(RAYCONV_MODELS)} classification models (alexnet, resnet18, vgg16, ...; "

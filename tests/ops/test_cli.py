@@ -127,6 +127,7 @@ def test_main_writes_the_run_files(ray_cluster, tmp_path, capsys):
     assert summary["steps"] == 5
     # In a process already connected: the connection is reused; the clock runs from main's call.
     assert summary["startup"]["ray"] == "reused" and summary["startup"]["origin"] == "main call"
+    assert "rayconv: Ray: reusing the local cluster this process started at " in printed  # (the console agrees)
     assert list(summary["startup"]["phases"])[-1] == "first_step"  # (CPU: no CUDA graph captured)
 
     # model.pt: a plain state_dict that the model class alone loads, strictly.

@@ -44,3 +44,11 @@ def test_flat_layers_compute_the_model(name, shape):
 def test_unknown_family_is_one_layer():
     model = torch.nn.Module()
     assert to_layers(model) == [("", model)]
+
+
+@pytest.mark.parametrize("name, hint", [("mymodel.py", "--model mymodel.py:FUNCTION"),
+                                        ("mypkg.mymodel", "--model mypkg:mymodel")])
+def test_an_unknown_model_that_looks_like_ones_own_gets_the_form_to_give(name, hint):
+    from rayconv.errors import ConfigError
+    with pytest.raises(ConfigError, match=hint.replace(".", r"\.")):
+        build_model(name, 10)

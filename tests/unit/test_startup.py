@@ -75,3 +75,4 @@ def test_the_clock_of_a_run_is_claimed_once_and_a_new_one_begins_after():
     assert later is not begun and later.phases == {}
     started = process_start()
     assert started is None or started <= time.monotonic()
+
