@@ -29,7 +29,7 @@ from rayconv.parallel import comm
 from rayconv.parallel.data_parallel import GradientSync
 from rayconv.parallel.routing import Routing
 from rayconv.parallel.parallelize import ParallelPart, parallelize
-from rayconv.parallel.part import compile_part
+from rayconv.parallel.segments import compile_part
 from rayconv.parallel.pipeline.p2p import Post, p2p_posts
 from rayconv.parallel.pipeline.runner import Chunk, StageRunner
 from rayconv.parallel.pipeline.schedules import Action

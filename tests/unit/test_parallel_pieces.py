@@ -9,7 +9,7 @@ from torch import nn
 from rayconv.parallel.data_parallel import GradientSync
 from rayconv.parallel.filter_split.exchanges import Gather
 from rayconv.parallel.filter_split.layers import SlicedDropout
-from rayconv.parallel.part import segments
+from rayconv.parallel.segments import segments
 
 
 def test_sharded_dropout_shards_make_up_one_full_mask():

@@ -4,7 +4,7 @@
 what one device would; ``GatheredConv2d`` and ``GatheredLinear`` are this actor's filters of a dense
 layer that gathers its own channel-sharded input, overlapped with its compute
 (``exchanges.overlapped_gather``). ``COMM_MODULES`` lists every module that communicates (kept
-eager, between compiled segments: ``parallel/part.py``).
+eager, between compiled segments: ``parallel/segments.py``).
 
 Legend: N batch, C channels, F features; ``x_NCHW``, ``x_NF`` activations.
 """
