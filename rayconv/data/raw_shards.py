@@ -1,11 +1,15 @@
 """Raw-pixel shards (``python -m rayconv.prepare --encoding raw``, format ``rayconv-shards/3``) as a
 training source: ``--data shards`` on such a folder.
 
-Nothing is decoded. A batch is gathered from the memory-mapped shards by numpy fancy indexing (one
-gather per shard it touches, no per-image Python) into a (B, S, S, 3) uint8 tensor (pinned on GPU
-nodes), read ahead on a thread of its own (``READ_AHEAD`` batches, numpy releases the GIL while it
-copies; their pages asked of the kernel first, ``OpenShard.will_need``), copied to the device and
-augmented there by batched tensor operations. NHWC bytes seen as NCHW (a permuted view) are already
+Nothing is decoded. A batch is gathered from the memory-mapped shards by ``np.take`` (one gather per
+shard it touches, no per-image Python; numpy releases the GIL while it copies) on a thread of its own,
+``READ_AHEAD`` batches ahead, into one of ``READ_AHEAD + 2`` (B, S, S, 3) uint8 buffers of a ring made
+once (pinned on GPU nodes: no page-locked allocation per batch; a buffer is written again only after
+the device copy that read it has finished), copied to the device and augmented there by batched
+tensor operations. The step thread's part is the hand-off and the device calls. The kernel is asked
+for the pages ahead: a split whose shards take at most 1/``RESIDENT_SHARE`` of the node's available
+memory once, whole, at its first announcement; a larger one per batch, ``READ_AHEAD`` batches on
+(``OpenShard.will_need_mapped``). NHWC bytes seen as NCHW (a permuted view) are already
 channels_last, the layout the model takes on GPUs.
 
 Augmentation, from per-epoch tables of the whole train set drawn from (seed, epoch) alone (the tables
@@ -36,7 +40,51 @@ from rayconv.data.shard_files import OpenShard, encoding, read_manifest
 from rayconv.data.source import Source, to_device
 from rayconv.errors import ConfigError, DataError
 
-READ_AHEAD = 8   # batches gathered ahead of their use
+READ_AHEAD = 8       # batches gathered ahead of their use
+RING = READ_AHEAD + 2  # gather buffers of the ring: those read ahead, the one in use, one whose copy may run
+RESIDENT_SHARE = 4   # a split of at most 1/RESIDENT_SHARE of the available memory is read ahead whole, once
+
+
+def available_memory() -> Optional[int]:
+    """The node's available memory in bytes (``MemAvailable`` of /proc/meminfo), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class _Ring:
+    """``RING`` gather buffers reused in turn: ``next(n)`` -> (slot, uint8 (n, P, P, 3) view of its
+    buffer), after waiting for the device copy last made from it (``copied``). A buffer grows (is made
+    again) only for a batch larger than any before."""
+
+    def __init__(self, stored: int, pin: bool):
+        self.stored, self.pin = stored, pin
+        self.buffers: list[Optional[torch.Tensor]] = [None] * RING
+        self.copies: list[Optional[torch.cuda.Event]] = [None] * RING
+        self.k = 0
+
+    def next(self, n: int) -> tuple[int, torch.Tensor]:
+        slot, self.k = self.k, (self.k + 1) % RING
+        done = self.copies[slot]
+        if done is not None:
+            done.synchronize()   # (releases the GIL; long done: the copy was READ_AHEAD + 1 batches ago)
+            self.copies[slot] = None
+        buf = self.buffers[slot]
+        if buf is None or len(buf) < n:
+            p = self.stored
+            buf = self.buffers[slot] = torch.empty((n, p, p, 3), dtype=torch.uint8, pin_memory=self.pin)
+        return slot, buf[:n]
+
+    def copied(self, slot: int) -> None:
+        """The device copy from ``slot``'s buffer is queued on the current stream: mark its end."""
+        if self.pin:
+            ev = torch.cuda.Event()
+            ev.record()
+            self.copies[slot] = ev
 
 
 class RawShardSource(Source):
@@ -84,6 +132,8 @@ class RawShardSource(Source):
                             "both splits need images")
         self._pending: dict[str, deque] = {}
         self._reader: Optional[ThreadPoolExecutor] = None
+        self._rings: dict[str, _Ring] = {}
+        self._resident: dict[str, bool] = {}   # split -> read ahead whole (no per-batch read-ahead)
 
     _epoch_params = OnDeviceSource._epoch_params
     _draw_params = OnDeviceSource._draw_params
@@ -104,17 +154,23 @@ class RawShardSource(Source):
         for a, b in zip(firsts.tolist(), np.r_[firsts[1:], len(order)].tolist()):
             yield int(sorted_shards[a]), order[a:b], row[order[a:b]]
 
-    def uint8(self, split: str, idx: np.ndarray, pin: bool = False) -> torch.Tensor:
+    def uint8(self, split: str, idx: np.ndarray, pin: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The stored pixels of samples ``idx``: uint8 (len(idx), P, P, 3), in pinned memory with
-        ``pin``. The shards they touch are checked first (DataError naming one that changed)."""
+        ``pin``, or written into ``out`` (that shape, contiguous). The shards they touch are checked
+        first (DataError naming one that changed)."""
         idx = np.asarray(idx, dtype=np.int64)
         p = self.stored
-        out = torch.empty((len(idx), p, p, 3), dtype=torch.uint8, pin_memory=pin)
+        if out is None:
+            out = torch.empty((len(idx), p, p, 3), dtype=torch.uint8, pin_memory=pin)
         flat = out.numpy().reshape(len(idx), p * p * 3)
-        for s, positions, rows in self._groups(split, idx):
+        groups = list(self._groups(split, idx))
+        for s, positions, rows in groups:
             sh = self.shards[split][s]
             sh.check()
-            flat[positions] = sh.pixels(rows)
+            if len(groups) == 1:
+                sh.pixels(rows, out=flat)   # (all in one shard: gathered straight into place)
+            else:
+                flat[positions] = sh.pixels(rows)
         return out
 
     def read_ahead(self, split: str, idx: np.ndarray) -> None:
@@ -123,41 +179,61 @@ class RawShardSource(Source):
         for s, _, rows in self._groups(split, np.asarray(idx, dtype=np.int64)):
             self.shards[split][s].will_need_mapped(rows)
 
-    def _gather(self, split: str, idx: np.ndarray, pin: bool, later: Optional[np.ndarray]) -> torch.Tensor:
-        """Batch ``idx`` gathered, after asking the disk for the batch ``later`` (READ_AHEAD batches on)."""
-        if later is not None:
+    def _gather(self, split: str, idx: np.ndarray, ring: _Ring,
+                later: Optional[np.ndarray]) -> tuple[int, torch.Tensor]:
+        """(ring slot, batch ``idx`` gathered into it), after asking the disk for the batch ``later``
+        (READ_AHEAD batches on) unless the split is read ahead whole."""
+        if later is not None and not self._resident.get(split):
             self.read_ahead(split, later)
-        return self.uint8(split, idx, pin)
+        slot, buf = ring.next(len(idx))
+        return slot, self.uint8(split, idx, out=buf)
+
+    def _read_ahead_whole(self, split: str) -> bool:
+        """Whether ``split``'s shards take at most 1/RESIDENT_SHARE of the available memory; if so,
+        their pages are asked of the kernel now, whole (once per split)."""
+        if split not in self._resident:
+            total = sum(len(sh.mmap) for sh in self.shards[split])
+            avail = available_memory()
+            self._resident[split] = avail is not None and total * RESIDENT_SHARE <= avail
+            if self._resident[split]:
+                for sh in self.shards[split]:
+                    sh.will_need_mapped(np.arange(sh.rows))
+        return self._resident[split]
 
     def prefetch(self, split: str, epoch: int, batches: list[np.ndarray]) -> None:
         """Announce the next batches of ``split``: the first ``READ_AHEAD`` are gathered on the reader
-        thread now, one more as each is taken; each gather first asks the disk for the batch
-        ``READ_AHEAD`` further on (the first ones' pages are asked for here)."""
+        thread now, into the split's ring, one more as each is taken. The pages are asked of the kernel
+        here: the split's whole shards when they fit (``_read_ahead_whole``), else the first batches'
+        here and, by each gather, the batch ``READ_AHEAD`` further on."""
         if self._reader is None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="rayconv-raw-read")
+        if split not in self._rings:
+            self._rings[split] = _Ring(self.stored, torch.cuda.is_available())
         queue: deque = deque([np.asarray(b), None] for b in batches if len(b))
-        for b, _ in list(queue)[:READ_AHEAD]:
-            self.read_ahead(split, b)
+        if not self._read_ahead_whole(split):
+            for b, _ in list(queue)[:READ_AHEAD]:
+                self.read_ahead(split, b)
         self._pending[split] = queue
         for k in range(min(READ_AHEAD, len(queue))):
             self._submit(split, queue, k)
 
     def _submit(self, split: str, queue: deque, k: int) -> None:
         later = queue[k + READ_AHEAD][0] if k + READ_AHEAD < len(queue) else None
-        queue[k][1] = self._reader.submit(self._gather, split, queue[k][0], torch.cuda.is_available(), later)
+        queue[k][1] = self._reader.submit(self._gather, split, queue[k][0], self._rings[split], later)
 
-    def _take(self, split: str, idx: np.ndarray, device: torch.device) -> torch.Tensor:
-        """This batch's pixels (read ahead when it was announced), the next announced one started."""
+    def _take(self, split: str, idx: np.ndarray, device: torch.device) -> tuple[Optional[int], torch.Tensor]:
+        """(ring slot or None, this batch's pixels): read ahead into the split's ring when it was
+        announced (the next announced one started), else gathered now into a buffer of its own."""
         queue = self._pending.get(split)
         if not queue or not np.array_equal(queue[0][0], idx):
             self._pending.pop(split, None)
-            return self.uint8(split, idx, device.type == "cuda")
+            return None, self.uint8(split, idx, device.type == "cuda")
         _, ahead = queue.popleft()
         if len(queue) >= READ_AHEAD and queue[READ_AHEAD - 1][1] is None:
             self._submit(split, queue, READ_AHEAD - 1)
         if not queue:
             self._pending.pop(split, None)
-        return ahead.result() if ahead is not None else self.uint8(split, idx, device.type == "cuda")
+        return ahead.result() if ahead is not None else (None, self.uint8(split, idx, device.type == "cuda"))
 
     # ------------------------------------------------------------------ Source
     def images(self, split, idx, device, epoch=0, dtype=None):
@@ -166,7 +242,10 @@ class RawShardSource(Source):
         size = self.sample_shape[1]
         if len(idx) == 0:
             return torch.empty((0, *self.sample_shape), device=dev, dtype=dtype or torch.float32)
-        x = to_device(self._take(split, idx, dev), dev).permute(0, 3, 1, 2)   # (B, 3, P, P) uint8, NHWC bytes
+        slot, host = self._take(split, idx, dev)
+        x = to_device(host, dev).permute(0, 3, 1, 2)   # (B, 3, P, P) uint8, NHWC bytes
+        if slot is not None and dev.type == "cuda":
+            self._rings[split].copied(slot)   # (the buffer is written again only after this copy)
         train = split == "train" and (self.augment != "none" or self.random_erase > 0
                                       or self.auto_augment is not None)
         if train and self.augment == "resized-crop":

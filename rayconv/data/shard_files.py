@@ -177,14 +177,17 @@ class OpenShard:
         r = row - first
         return data[r] if off is None else data[off[r]:off[r + 1]]
 
-    def pixels(self, rows: np.ndarray) -> np.ndarray:
+    def pixels(self, rows: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
         """Raw shards: the pixel bytes of ``rows`` (int array), uint8 (len(rows), size * size * 3), gathered
-        from the mapping by numpy fancy indexing (one copy, no per-row Python)."""
+        from the mapping by ``np.take`` (one copy, no per-row Python), into ``out`` when given (that
+        shape, C-contiguous)."""
         rows = np.asarray(rows, dtype=np.int64)
+        if out is None:
+            out = np.empty((len(rows), self.pieces[0][1].shape[1]), np.uint8)
         if len(self.pieces) == 1:
-            return self.pieces[0][1][rows]
+            # (mode "clip": the rows are in range, and with "raise" numpy gathers through a buffer first)
+            return np.take(self.pieces[0][1], rows, axis=0, out=out, mode="clip")
         k = np.searchsorted(self.starts, rows, side="right") - 1
-        out = np.empty((len(rows), self.pieces[0][1].shape[1]), np.uint8)
         for j in np.unique(k):
             out[k == j] = self.pieces[j][1][rows[k == j] - self.pieces[j][0]]
         return out
@@ -204,13 +207,14 @@ class OpenShard:
             views = [v for v in views if len(v)]
             starts = np.asarray([v.ctypes.data - self.base for v in views], np.int64)
             ends = starts + np.asarray([len(v) for v in views], np.int64)
-        merged: list[tuple[int, int]] = []
-        for off, end in zip(starts.tolist(), ends.tolist()):
-            if merged and off <= merged[-1][0] + merged[-1][1] + 4096:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], end - merged[-1][0]))
-            else:
-                merged.append((off, end - off))
-        return merged
+        if not len(starts):
+            return []
+        # (merged without per-row Python: a range starts where a row begins more than 4 KiB past the
+        # furthest end of the rows before it)
+        reach = np.maximum.accumulate(ends)
+        firsts = np.flatnonzero(np.r_[True, starts[1:] > reach[:-1] + 4096])
+        lasts = np.r_[firsts[1:], len(starts)] - 1
+        return list(zip(starts[firsts].tolist(), (reach[lasts] - starts[firsts]).tolist()))
 
     def will_need(self, rows: np.ndarray) -> None:
         """Ask the kernel to read the pages of ``rows``' bytes now (``POSIX_FADV_WILLNEED``: returns at

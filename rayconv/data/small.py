@@ -26,9 +26,10 @@ check the run (the driver).
 
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -92,7 +93,8 @@ def maybe_hold(cfg: Config, loader: Source, workers: int) -> Source:
     if not held_on_device(cfg, loader.train_size + loader.test_size):
         return loader
     center = RawCenters(loader) if isinstance(loader, RawShardSource) else _ShardCenters(loader) \
-        if isinstance(loader, ShardSource) else _FolderCenters(Path(cfg.data_dir or ""), cfg.data_image_size)
+        if isinstance(loader, ShardSource) else _FolderCenters(Path(cfg.data_dir or ""), cfg.data_image_size,
+                                                               getattr(loader, "sets", None))
     return HeldSource(loader, center, workers, cfg)
 
 
@@ -120,8 +122,7 @@ class HeldSource(OnDeviceSource):
 
     def _on(self, device: torch.device) -> dict[str, torch.Tensor]:
         if not self.decoded:
-            for split, buffer in self.buffers.items():
-                decode_into(buffer, self.center, split, self.workers)
+            decode_into(self.buffers, self.center, self.workers)
             self.decoded = True
         return super()._on(device)
 
@@ -137,37 +138,41 @@ class HeldSource(OnDeviceSource):
                 "decode_s": time.perf_counter() - t0}
 
 
-def decode_into(buffer: np.ndarray, center: Callable, split: str, workers: int) -> None:
-    """Fill ``buffer`` (N, 3, S, S) uint8 with ``center(split, idx)`` of every sample, ``CHUNK`` at a
-    time in ``workers`` forked processes (in this one for 0). Raises DataError naming the file that
-    does not decode."""
-    center.open(split)   # (before the fork: the workers share what it lists)
-    chunks = _Chunks(center, split, len(buffer))
+def decode_into(buffers: dict[str, np.ndarray], center: Callable, workers: int) -> None:
+    """Fill each split's buffer (N, 3, S, S) uint8 of ``buffers`` with ``center(split, idx)`` of every
+    sample, ``CHUNK`` at a time, all splits in one pool of ``workers`` forked processes (started once;
+    in this process for 0). Raises DataError naming the file that does not decode."""
+    for split in buffers:
+        center.open(split)   # (before the fork: the workers share what it lists)
+    chunks = _Chunks(center, {split: len(b) for split, b in buffers.items()})
     loader = DataLoader(chunks, batch_size=None, num_workers=workers, generator=torch.Generator(),
                         multiprocessing_context="fork" if workers else None,
                         prefetch_factor=2 if workers else None)
     it = iter(loader)
-    for k in range(len(chunks)):
+    for split, k in chunks.items:
         try:
             x = next(it)
         except (RuntimeError, DataError) as e:   # a worker's error comes back with its traceback
             lines = str(e).strip().splitlines() or [repr(e)]
             named = [line for line in lines if "DataError: " in line] or lines[-1:]
             raise DataError(named[-1].split("DataError: ", 1)[-1]) from None
-        buffer[k * CHUNK:k * CHUNK + len(x)] = x.numpy()
+        buffers[split][k * CHUNK:k * CHUNK + len(x)] = x.numpy()
 
 
 class _Chunks(Dataset):
-    """Item k: samples k * CHUNK ... of ``split`` as ``center`` makes them, uint8 (n, 3, S, S)."""
+    """Item j: the j-th (split, k) of ``items``: samples k * CHUNK ... of that split as ``center`` makes
+    them, uint8 (n, 3, S, S); ``sizes``: each split's sample count."""
 
-    def __init__(self, center: Callable, split: str, n: int):
-        self.center, self.split, self.n = center, split, n
+    def __init__(self, center: Callable, sizes: dict[str, int]):
+        self.center, self.sizes = center, sizes
+        self.items = [(split, k) for split, n in sizes.items() for k in range(-(-n // CHUNK))]
 
     def __len__(self) -> int:
-        return -(-self.n // CHUNK)
+        return len(self.items)
 
-    def __getitem__(self, k: int) -> torch.Tensor:
-        return self.center(self.split, np.arange(k * CHUNK, min(self.n, (k + 1) * CHUNK)))
+    def __getitem__(self, j: int) -> torch.Tensor:
+        split, k = self.items[j]
+        return self.center(split, np.arange(k * CHUNK, min(self.sizes[split], (k + 1) * CHUNK)))
 
 
 class _ShardCenters:
@@ -190,21 +195,51 @@ class _ShardCenters:
 
 class _FolderCenters:
     """An image folder's evaluation images: torchvision's ImageFolder (the loader path's file list and
-    RGB conversion) with ``center_transforms`` and the conversion to a uint8 tensor; each split's
-    folder is listed by ``open``, in the process that decodes (not where the source is only built)."""
+    RGB conversion) through ``center_transforms``, as uint8 (n, 3, S, S). Each split's file list is the
+    loader's (``listing``: its split -> CheckedImageFolder, listed where it was built) or, without one,
+    listed by ``open`` in the process that decodes (not where the source is only built). The resize and
+    crop are PIL's own calls, as ``center_transforms`` makes them of a PIL image (without torchvision's
+    per-call dispatch); each new image size is checked once against ``center_transforms`` and, should
+    they differ, read through it."""
 
-    def __init__(self, root: Path, size: int):
+    def __init__(self, root: Path, size: int, listing: Optional[dict[str, CheckedImageFolder]] = None):
         self.root, self.size = root, size
+        self.listing = listing
         self.sets: dict[str, CheckedImageFolder] = {}
+        self.transform: Optional[Callable] = None
+        self.same: dict[tuple[int, int], bool] = {}   # image (width, height) -> PIL's calls equal the transform's
 
     def open(self, split: str) -> None:
-        """List ``split``'s folder (once)."""
+        """List ``split``'s folder (once), or take the loader's list of it."""
         if split not in self.sets:
             from torchvision.transforms import v2 as T   # (torchvision's import takes seconds: only when used)
 
-            self.sets[split] = CheckedImageFolder(self.root / SPLITS[split],
-                                                  T.Compose([*center_transforms(self.size), T.ToImage()]))
+            self.transform = T.Compose(center_transforms(self.size))
+            if self.listing is not None and split in self.listing:
+                folder = copy.copy(self.listing[split])
+                folder.inner = copy.copy(folder.inner)
+                folder.inner.transform = None   # (the PIL image: ``_center`` crops it)
+                self.sets[split] = folder
+            else:
+                self.sets[split] = CheckedImageFolder(self.root / SPLITS[split], None)
+
+    def _center(self, image) -> np.ndarray:
+        """A PIL RGB image -> uint8 (S, S, 3): shorter side to S * 8 // 7 (PIL's antialiased bilinear
+        resize, the longer side truncated as torchvision computes it), then the center S x S."""
+        from PIL import Image
+
+        w, h, s, short = *image.size, self.size, self.size * 8 // 7
+        nw, nh = (short, int(short * h / w)) if w <= h else (int(short * w / h), short)
+        top, left = int(round((nh - s) / 2.0)), int(round((nw - s) / 2.0))
+        out = np.asarray(image.resize((nw, nh), Image.BILINEAR).crop((left, top, left + s, top + s)))
+        same = self.same.get((w, h))
+        if same is None:
+            same = self.same[(w, h)] = np.array_equal(out, np.asarray(self.transform(image)))
+        return out if same else np.asarray(self.transform(image))
 
     def __call__(self, split: str, idx: np.ndarray) -> torch.Tensor:
         self.open(split)
-        return torch.stack([self.sets[split].load(int(i))[0].as_subclass(torch.Tensor) for i in idx])
+        out = np.empty((len(idx), self.size, self.size, 3), np.uint8)   # (each image's bytes, HWC)
+        for k, i in enumerate(idx):
+            out[k] = self._center(self.sets[split].load(int(i))[0])
+        return torch.from_numpy(out).permute(0, 3, 1, 2).contiguous()

@@ -15,7 +15,7 @@ from support.image_folder import write_folder
 from rayconv.config import Config
 from rayconv.data import small
 from rayconv.data.decode import MEAN, STD
-from rayconv.data.imagefolder import ImageFolderSource
+from rayconv.data.imagefolder import ImageFolderSource, center_transforms
 from rayconv.data.registry import make_source
 from rayconv.data.shard_writer import prepare
 from rayconv.data.shards import ShardSource
@@ -107,6 +107,24 @@ def test_on_with_resized_crops_is_refused_in_one_line(folder, shards):
     with pytest.raises(SystemExit):
         from rayconv.flags import parse_args
         parse_args(["--data", "imagefolder", "--data-on-device", "yes"])
+
+
+def test_the_held_folder_crops_with_pil_calls_checked_once_a_size(folder):
+    from PIL import Image
+    from torchvision.transforms import v2 as T
+
+    centers = small._FolderCenters(folder, 32)
+    centers.open("train")
+    transform = T.Compose(center_transforms(32))
+    rng = np.random.default_rng(1)
+    for w, h in ((32, 32), (36, 36), (37, 100), (100, 37), (333, 500), (41, 40)):
+        image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        assert np.array_equal(centers._center(image), np.asarray(transform(image)))
+        assert centers.same[(w, h)]                                           # PIL's own calls were used
+    centers.same[(41, 40)] = False                                            # (as if they differed)
+    centers.transform = T.Compose([T.Resize(36, interpolation=T.InterpolationMode.NEAREST), T.CenterCrop(32)])
+    image = Image.fromarray(rng.integers(0, 256, (40, 41, 3), dtype=np.uint8))
+    assert np.array_equal(centers._center(image), np.asarray(centers.transform(image)))
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -20,7 +20,7 @@ from rayconv import prepare as prep
 from rayconv.cluster.local_copy import is_copied
 from rayconv.config import Config
 from rayconv.data.order import make_order
-from rayconv.data.raw_shards import RawShardSource
+from rayconv.data.raw_shards import RING, RawShardSource
 from rayconv.data.registry import make_source
 from rayconv.data.shard_convert import convert_encoding
 from rayconv.data.shard_writer import on_processes, resolve_encoding
@@ -154,6 +154,35 @@ def test_streamed_batches_equal_held_ones_and_the_gather_is_read_ahead(folders):
                                    rtol=0, atol=0)
     test = np.arange(6)
     torch.testing.assert_close(streamed.images("test", test, CPU), held.images("test", test, CPU), rtol=0, atol=0)
+
+
+def test_a_long_announcement_reuses_the_ring_of_gather_buffers(folders):
+    """More batches than the ring has buffers, of several sizes: each equals the same batch gathered
+    alone, and the reader writes them into RING buffers made once (one made again for a larger batch)."""
+    streamed = RawShardSource(str(folders["raw"]), SIZE, seed=0, augment="pad-crop")
+    alone = RawShardSource(str(folders["raw"]), SIZE, seed=0, augment="pad-crop")
+    batches = np.array_split(np.random.default_rng(1).permutation(18), 2 * RING - 4) + [np.array([4, 8, 15, 16, 17])]
+    streamed.prefetch("train", 2, batches)
+    pointers = set()
+    for b in batches:
+        slot, host = streamed._take("train", b, CPU)
+        assert slot is not None                           # read ahead into the ring, not gathered now
+        pointers.add(host.data_ptr())
+        assert torch.equal(host, alone.uint8("train", b))
+    assert len(pointers) <= RING + 1 and all(buf is not None for buf in streamed._rings["train"].buffers)
+    streamed.prefetch("train", 2, batches)
+    for b in batches:
+        torch.testing.assert_close(streamed.images("train", b, CPU, epoch=2), alone.images("train", b, CPU, epoch=2),
+                                   rtol=0, atol=0)
+
+
+def test_read_ahead_ranges_merge_rows_closer_than_4_kib(folders):
+    shard = RawShardSource(str(folders["raw"]), SIZE, seed=0).shards["train"][0]
+    width = SIZE * SIZE * 3
+    first = shard.pieces[0][1].ctypes.data - shard.base
+    assert shard.ranges(np.array([4, 0, 1])) == [(first, 2 * width), (first + 4 * width, width)]
+    assert shard.ranges(np.array([0, 2])) == [(first, 3 * width)]   # (a gap of one row, 3072 bytes)
+    assert shard.ranges(np.array([], dtype=np.int64)) == []
 
 
 def test_convert_between_encodings(folders, tmp_path):

@@ -1,0 +1,91 @@
+"""The host side of streaming raw-pixel shards, per batch, as an actor's step thread sees it.
+
+    python benchmarks/raw_host.py RAW_DIR [--device cpu|cuda] [--batch 512] [--steps 300] [--image-size 32]
+
+RAW_DIR: a folder of ``python -m rayconv.prepare --encoding raw``. The step thread's sequence is the
+actor's (``actor/batches.py``): the epoch announced at its first step (``prefetch``), then per step
+``images`` of the step's batch, then a stand-in for the rest of the step's host work (``--ops`` small
+tensor operations on the device, each of which releases and takes back the GIL, as the step's do).
+Prints per batch: the hand-off (``_take``: the wait for the read-ahead gather), ``images`` in all (on
+CPU it includes the augmentation, which a GPU runs on the device), the reader thread's gather, the
+stand-in's time with the reader running against its time alone, and how many steps found their batch
+read ahead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from rayconv.data.raw_shards import RawShardSource
+from rayconv.data.source import Sharding
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("dir")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch", type=int, default=512)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--ops", type=int, default=300, help="small device operations per step (the stand-in)")
+    args = p.parse_args()
+    dev = torch.device(args.device)
+    src = RawShardSource(args.dir, args.image_size, seed=0, augment="pad-crop")
+    sh = Sharding(src.train_size, args.batch, 1, 0)
+    spe = sh.steps_per_epoch
+    reader: list[float] = []
+    gather = src._gather
+
+    def timed_gather(*a):
+        t = time.perf_counter()
+        out = gather(*a)
+        reader.append(time.perf_counter() - t)
+        return out
+    src._gather = timed_gather
+    w = torch.zeros(16, device=dev)
+
+    def stand_in() -> float:
+        t = time.perf_counter()
+        for _ in range(args.ops):
+            w.add_(1.0)
+        return time.perf_counter() - t
+    alone = np.median([stand_in() for _ in range(50)])
+    take_ms, images_ms, work, hits = [], [], [], 0
+    take = src._take
+    last: list[float] = []
+
+    def timed_take(*a):
+        t = time.perf_counter()
+        out = take(*a)
+        last.append(time.perf_counter() - t)
+        return out
+    src._take = timed_take
+    for step in range(args.steps):
+        epoch, s = divmod(step, spe)
+        if s == 0:
+            src.prefetch("train", epoch, [sh.replica_batch(epoch, k, 0)[0] for k in range(spe)])
+        idx = sh.replica_batch(epoch, s, 0)[0]
+        q = src._pending.get("train")
+        hits += bool(q) and np.array_equal(q[0][0], idx)
+        t = time.perf_counter()
+        src.images("train", idx, dev, epoch, dtype=torch.bfloat16)
+        images_ms.append((time.perf_counter() - t) * 1e3)
+        take_ms.append(last[-1] * 1e3)
+        work.append(stand_in())
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    med = lambda v: f"{np.median(v):.3f} ms (mean {np.mean(v):.3f})"  # noqa: E731
+    print(f"{args.steps} steps of {args.batch} on {dev}, {spe} steps an epoch; batch read ahead at {hits} of "
+          f"{args.steps} steps")
+    print(f"hand-off (_take) per batch: {med(take_ms)}")
+    print(f"images() per batch: {med(images_ms)}")
+    print(f"reader thread's gather per batch: {med(np.array(reader) * 1e3)}")
+    print(f"stand-in ({args.ops} ops) alone {alone * 1e3:.3f} ms, beside the reader {med(np.array(work) * 1e3)}")
+
+
+if __name__ == "__main__":
+    main()
