@@ -18,7 +18,7 @@ $PY -m rayconv.run "${ARGS[@]}" --elastic 1 --max-failures 1 --out "$OUT/killed"
 RUN=$!
 while kill -0 $RUN 2>/dev/null && [ ! -d "$OUT/killed/checkpoints/step-$EVERY" ]; do sleep 0.5; done
 sleep 1
-ACTOR=$(pgrep -f 'ray::Actor' | head -1)
+ACTOR=$(pgrep -o -f 'ray::Actor')   # (the oldest: the actor itself, not a loader process it forked)
 echo "killing actor pid ${ACTOR:-none} after checkpoints/step-$EVERY"
 [ -n "$ACTOR" ] && kill -9 "$ACTOR"
 wait $RUN
