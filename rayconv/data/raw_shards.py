@@ -266,6 +266,11 @@ class RawShardSource(Source):
     def labels(self, split, idx):
         return self.targets[split][torch.as_tensor(np.asarray(idx), dtype=torch.long)]
 
+    def add_val_split(self) -> None:
+        """"val": the train shards, center-cropped and not augmented (``images`` augments "train" only)."""
+        for table in (self.shards, self.starts, self.targets):
+            table["val"] = table["train"]
+
 
 class RawCenters:
     """A raw shard folder's evaluation images for ``HeldSource``: the stored pixels of ``idx`` through

@@ -6,6 +6,7 @@ orders give the same samples as JPEG shards of the same folder; streamed batches
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -154,6 +155,16 @@ def test_streamed_batches_equal_held_ones_and_the_gather_is_read_ahead(folders):
                                    rtol=0, atol=0)
     test = np.arange(6)
     torch.testing.assert_close(streamed.images("test", test, CPU), held.images("test", test, CPU), rtol=0, atol=0)
+
+
+def test_the_validation_split_reads_train_images_unaugmented(folders):
+    cfg = Config(data="shards", data_dir=str(folders["raw"]), image_size=SIZE, device="cpu", augment="pad-crop",
+                 random_erase=0.5, loader_workers=0, data_on_device="off", val_split=0.25).validate()
+    source = make_source(cfg)
+    plain = make_source(dataclasses.replace(cfg, augment="none", random_erase=0.0, val_split=0.0))
+    idx = np.array([4, 1, 7])
+    torch.testing.assert_close(source.images("val", idx, CPU, epoch=1), plain.images("train", idx, CPU), rtol=0, atol=0)
+    assert torch.equal(source.labels("val", idx), plain.labels("train", idx))
 
 
 def test_a_long_announcement_reuses_the_ring_of_gather_buffers(folders):
