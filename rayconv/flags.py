@@ -12,6 +12,7 @@ command lines stay free of torch and Ray until their arguments are known to be g
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 from dataclasses import fields
 from pathlib import Path
@@ -43,7 +44,16 @@ class OneLineParser(argparse.ArgumentParser):
         self.error_name = error_name or self.prog
 
     def error(self, message: str):
-        self.exit(2, f"{self.error_name}: error: {message} (--help lists the flags)\n")
+        self.exit(2, f"{self.error_name}: error: {message}{self._suggestion(message)} (--help lists the flags)\n")
+
+    def _suggestion(self, message: str) -> str:
+        """``; did you mean --steps?`` for an unrecognized flag close to a known one (difflib), else ''."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        unknown = [w.split("=")[0] for w in message.split(":", 1)[1].split() if w.startswith("--")]
+        close = [m for w in unknown for m in difflib.get_close_matches(w, known, n=1, cutoff=0.75)]
+        return f"; did you mean {', '.join(close)}?" if close else ""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -207,6 +207,16 @@ def test_every_command_refuses_an_abbreviated_flag(command, argv, capsys):
     assert e.value.code == 2 and "unrecognized arguments: " + argv[0] in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, said", [(["--stpes", "20"], "; did you mean --steps?"),
+                                        (["--global-batchsize=64"], "; did you mean --global-batch-size?"),
+                                        (["--zzz", "1"], " (--help lists the flags)")])
+def test_a_misspelled_flag_is_told_the_closest_one(argv, said, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"unrecognized arguments: {' '.join(argv)}{said}" in err, err
+
+
 def test_data_dir_alone_gives_the_data_kind_it_holds(tmp_path):
     """--data-dir without --data: the folder's kind (not the digits beside an unused folder), in the
     Config that config.json and the summary record; a folder of none of them, or --data digits beside a
