@@ -24,6 +24,16 @@ from rayconv.data.raw_shards import RawShardSource
 from rayconv.data.source import Sharding
 
 
+
+def _timed(fn, seconds: list[float]):
+    """``fn`` wrapped to append each call's wall seconds to ``seconds``."""
+    def timed(*a):
+        t = time.perf_counter()
+        out = fn(*a)
+        seconds.append(time.perf_counter() - t)
+        return out
+    return timed
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("dir")
@@ -38,14 +48,7 @@ def main() -> None:
     sh = Sharding(src.train_size, args.batch, 1, 0)
     spe = sh.steps_per_epoch
     reader: list[float] = []
-    gather = src._gather
-
-    def timed_gather(*a):
-        t = time.perf_counter()
-        out = gather(*a)
-        reader.append(time.perf_counter() - t)
-        return out
-    src._gather = timed_gather
+    src._gather = _timed(src._gather, reader)
     w = torch.zeros(16, device=dev)
 
     def stand_in() -> float:
@@ -55,15 +58,8 @@ def main() -> None:
         return time.perf_counter() - t
     alone = np.median([stand_in() for _ in range(50)])
     take_ms, images_ms, work, hits = [], [], [], 0
-    take = src._take
     last: list[float] = []
-
-    def timed_take(*a):
-        t = time.perf_counter()
-        out = take(*a)
-        last.append(time.perf_counter() - t)
-        return out
-    src._take = timed_take
+    src._take = _timed(src._take, last)
     for step in range(args.steps):
         epoch, s = divmod(step, spe)
         if s == 0:
