@@ -89,9 +89,10 @@ def export(run: Run, actor_group: ActorGroup, path: Path, ema: bool = False) -> 
     export_model(path, assemble(states, split_dims), run_model(cfg, run.resolved.source))
 
 
-def startup(setups: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """summary.json's ``startup`` from the actors' build reports: the one-time decode of data held on
-    the device (the slowest actor's ``decode_s``, its images and workers), None when nothing was held."""
+def held_decode(setups: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The one-time decode of data held on the device, from the actors' build reports (the slowest
+    actor's ``decode_s``, its images and workers; merged into summary.json's ``startup``), None when
+    nothing was held."""
     held = [r["data_decode"] for r in setups if r.get("data_decode")]
     if not held:
         return None
@@ -135,7 +136,7 @@ def summarize(run: Run, memory: list[dict[str, Any]], status: str = "finished") 
         "train_time_s": run.train_s, "wall_time_s": time.perf_counter() - s.t_start,
         # seconds since the command to each start-up phase (rayconv.startup); with data held on the device,
         # its one-time decode (decode_s, decoded_images, decode_workers)
-        "startup": {**run.startup.record(), **(startup(run.actor_reports) or {})},
+        "startup": {**run.startup.record(), **(held_decode(run.actor_reports) or {})},
         **run.target.summary(run.wall),
         "run_name": s.run_name,
         "resumed_from": str(s.resume.path) if s.resume is not None else None, "failures_recovered": run.failures,

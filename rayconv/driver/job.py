@@ -24,7 +24,7 @@ from rayconv.cluster.group import ActorGroup, start_group
 from rayconv.config import Config
 from rayconv.data.source import Sharding
 from rayconv.driver import elastic
-from rayconv.driver.finish import export, finish, finish_evaluation, recording_stop, startup, writing_into
+from rayconv.driver.finish import export, finish, finish_evaluation, held_decode, recording_stop, writing_into
 from rayconv.driver.loop import Run, train
 from rayconv.driver.progress import log_header
 from rayconv.driver.resolve import call_timeout_s, resolve_run
@@ -81,7 +81,7 @@ def start_actors(run: Run, ckpt: Optional[Checkpoint]) -> ActorGroup:
         run.actor_reports = build_actors(actor_group, s.mesh, s.routing, s.sharding, run.call_timeout_s)
         mark("actors_set_up")
         run.startup.mark_actors(run.actor_reports)
-        decode = startup(run.actor_reports)
+        decode = held_decode(run.actor_reports)
         if decode is not None:
             run.log(f"rayconv: decoded {decode['decoded_images']} images in {decode['decode_s']:.1f} s on "
                     f"{decode['decode_workers']} workers (data held on the device; before the first step)")
