@@ -80,6 +80,9 @@ def main() -> None:
     print(f"hand-off (_take) per batch: {med(take_ms)}")
     print(f"images() per batch: {med(images_ms)}")
     print(f"reader thread's gather per batch: {med(np.array(reader) * 1e3)}")
+    slow = np.argsort(images_ms)[::-1][:5]
+    print("slowest images() calls (step, step in epoch, ms): " + ", ".join(
+        f"({k}, {k % spe}, {images_ms[k]:.1f})" for k in slow))
     print(f"stand-in ({args.ops} ops) alone {alone * 1e3:.3f} ms, beside the reader {med(np.array(work) * 1e3)}")
 
 

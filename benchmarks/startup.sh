@@ -25,12 +25,13 @@ else
   RAYCONV=(--device cpu --steps 5)
   CPUS=2
 fi
+RAY=(ray); command -v ray > /dev/null || RAY=("$PY" -m ray.scripts.scripts)   # (Ray on PYTHONPATH without its script)
 TMPD=$(mktemp -d /tmp/ray-startup-XXXXXX)
 stop_cluster() { pgrep -f -- "$TMPD" | xargs -r kill 2>/dev/null; sleep 2; pgrep -f -- "$TMPD" | xargs -r kill -9 2>/dev/null; }
 trap stop_cluster EXIT
-ray start --head --port "$PORT" --temp-dir "$TMPD" --dashboard-port $((PORT + 2000)) \
+"${RAY[@]}" start --head --port "$PORT" --temp-dir "$TMPD" --dashboard-port $((PORT + 2000)) \
   --ray-client-server-port $((PORT + 13700)) --min-worker-port $((PORT + 14600)) --max-worker-port $((PORT + 15599)) \
-  --num-cpus "$CPUS" --include-dashboard false > "$OUT_DIR/ray_start.log" 2>&1 || { echo "ray start failed"; exit 1; }
+  --num-cpus "$CPUS" --include-dashboard false > "$OUT_DIR/ray_start.log" 2>&1 || { echo "ray start failed:"; tail -5 "$OUT_DIR/ray_start.log"; exit 1; }
 
 first_step() {  # summary.json's first_step, how Ray was reached, the slowest phase
   $PY -c "import json,sys; s=json.load(open(sys.argv[1]))['startup']; print(s['phases']['first_step'], 's; Ray', s['ray'] + '; slowest', s['slowest']['phase'], s['slowest']['s'])" "$1"
