@@ -92,6 +92,8 @@ class ActorState:
     last_start: Optional[float] = None
     last_return: Optional[float] = None
     comm_bytes: int = 0
+    full_batch: tuple[int, ...] = ()  # per-replica sizes of a full global batch (a captured step's key)
+    shapes_fixed: bool = False  # compiled segments compile no new shape (``segments.fix_shapes``)
     data_decode: Optional[dict[str, Any]] = None  # the one-time decode of data held on the device
     # seconds from the build's start to its model built (on the device), its optimizer built (torch.optim's
     # first optimizer imports torch._dynamo) and its data on the device, and the whole build's (``setup``,
@@ -150,6 +152,7 @@ def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, r
         recipe=recipe, compiled=compiled, cuda_graphs=cuda_graphs, step_graph=step_graph, lr_t=lr_t,
         runner=runner, program=routing.schedule.programs[stage], p2p_posts=p2p_posts(routing.schedule, stage),
         reports=is_last and coord.fs == 0 and not (per_layer and coord.dp != 0), data_decode=data_decode,
+        full_batch=tuple(split_sizes(cfg.global_batch_size, mesh.dp)),
         startup={"model_built": built_s, "optimizer_built": optimizer_s, "data_on_device": data_s})
 
 

@@ -30,6 +30,7 @@ from rayconv.parallel.filter_split.layers import SlicedDropout
 from rayconv.parallel.pipeline.p2p import p2p_posts
 from rayconv.parallel.pipeline.runner import StepResult
 from rayconv.parallel.pipeline.schedules import forward_only
+from rayconv.parallel.segments import fix_shapes
 
 
 def train_step(a: ActorState, step: int, lr: float, profile: bool, t0: float) -> Optional[dict[str, Any]]:
@@ -85,6 +86,9 @@ def train_step(a: ActorState, step: int, lr: float, profile: bool, t0: float) ->
         res, loss = one_step()
     exchange_s = comm.exposed_s()
     comm.time_exchanges(False)
+    if a.compiled and not a.shapes_fixed and key == a.full_batch:
+        fix_shapes(c.module for c in a.runner.chunks)   # (a partial batch or evaluation: eager from now on)
+        a.shapes_fixed = True
     a.optimizer.zero_grad(set_to_none=True)
     # 8. The moving average (eager, outside any captured step).
     a.recipe.after_update(a.part, step)

@@ -7,11 +7,15 @@ section 6.3), the part is cut into segments at the gradient bucket size: each se
 ready when its own backward ends, and their bucket is all-reduced while earlier segments run.
 Exchange layers (filter-split gathers, the per-layer plan's batch gather) and sharded dropout (its
 generator is shared across a split) stay eager, between segments.
+
+Segments compile with static shapes, and only for the calls of the run's full training step: an epoch's
+last partial batch, evaluation chunks and the eval mode run the same modules eagerly
+(``CompiledSegment``), so that a shape seen once an epoch costs no new compilation.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -45,14 +49,47 @@ def segments(modules: Sequence[nn.Module], max_bytes: Optional[int]) -> list[tup
     return out
 
 
+class CompiledSegment(nn.Module):
+    """A run of layers compiled (``torch.compile``, static shapes) for the calls it sees until
+    ``fix_shapes``; afterwards a call of another (shape, train/eval mode, grad mode) runs the same
+    layers eagerly instead of compiling again (each new static shape would cost a full compilation,
+    tens of seconds, for a step that runs once an epoch). ``_orig_mod`` is the eager Sequential, as
+    torch.compile's wrapper names it."""
+
+    def __init__(self, seq: nn.Sequential, backend: Any = "inductor"):
+        super().__init__()
+        self._orig_mod = seq
+        object.__setattr__(self, "compiled", torch.compile(seq, dynamic=False, backend=backend))  # (not a 2nd module)
+        self.shapes: set = set()
+        self.fixed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = next(iter(self._orig_mod))  # (its mode follows the part's train()/eval(), this one's not)
+        key = (tuple(x.shape), first.training, torch.is_grad_enabled())
+        if not self.fixed:
+            self.shapes.add(key)
+        elif key not in self.shapes:
+            return self._orig_mod(x)
+        return self.compiled(x)
+
+
+def fix_shapes(modules: Iterable[nn.Module]) -> None:
+    """From now on the compiled segments in ``modules`` run compiled code only for the calls they have
+    seen (called after the run's first full training step); other calls run eagerly."""
+    for module in modules:
+        for m in module.modules():
+            if isinstance(m, CompiledSegment):
+                m.fixed = True
+
+
 def compile_part(part: nn.Sequential, max_bytes: Optional[int]) -> nn.Sequential:
-    """``part`` as a Sequential of compiled segments (``torch.compile``, static shapes) and eager
-    exchange layers. Parameters are shared with ``part`` (optimizer, gradient sync and checkpoints
-    keep using ``part``); compilation happens on the first call of each segment."""
+    """``part`` as a Sequential of compiled segments (``CompiledSegment``) and eager exchange layers.
+    Parameters are shared with ``part`` (optimizer, gradient sync and checkpoints keep using ``part``);
+    compilation happens on the first call of each segment."""
     out = []
     for compiled, mods in segments(list(part), max_bytes):
         if compiled:
-            out.append(torch.compile(nn.Sequential(*mods), dynamic=False))
+            out.append(CompiledSegment(nn.Sequential(*mods)))
         else:
             out.extend(mods)
     return nn.Sequential(*out)

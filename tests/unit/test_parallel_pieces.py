@@ -1,5 +1,5 @@
 """Pieces of a parallel part without Ray: filter split's sharded dropout masks, compiled segments ending
-at exchanges and bucket sizes, data-parallel gradient buckets in a one-rank gloo group."""
+at exchanges and bucket sizes and compiling only the full step's shapes, data-parallel gradient buckets in a one-rank gloo group."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 from rayconv.parallel.data_parallel import GradientSync
 from rayconv.parallel.filter_split.exchanges import Gather
 from rayconv.parallel.filter_split.layers import SlicedDropout
-from rayconv.parallel.segments import segments
+from rayconv.parallel.segments import CompiledSegment, fix_shapes, segments
 
 
 def test_sharded_dropout_shards_make_up_one_full_mask():
@@ -38,6 +38,33 @@ def test_segments_end_at_the_bucket_size_and_keep_exchanges_eager():
     assert [(c, len(ms)) for c, ms in runs] == [(True, 2), (False, 1), (True, 2), (True, 1)]
     assert runs[1][1][0] is gather
     assert [(c, len(ms)) for c, ms in segments(lin, None)] == [(True, 5)]
+
+
+def test_a_compiled_segment_compiles_the_full_steps_shapes_only():
+    """After ``fix_shapes`` (the run's first full step), a partial batch, an evaluation chunk and the
+    eval mode run the layers eagerly: no new compilation, the same outputs as the eager layers."""
+    graphs = []
+
+    def backend(gm, example_inputs):  # counts the graphs dynamo hands over, runs them as they are
+        graphs.append(gm)
+        return gm.forward
+
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    seg = CompiledSegment(seq, backend=backend)
+    full, partial = torch.randn(8, 4), torch.randn(5, 4)
+    seg(full)
+    assert len(graphs) == 1
+    fix_shapes([nn.Sequential(seg)])
+    seg(full)
+    assert len(graphs) == 1                        # the same shape: its compiled graph again
+    for x in (partial, full[:3]):
+        assert torch.equal(seg(x), seq(x))         # (train mode: the batch's own statistics)
+    seq.eval()
+    with torch.no_grad():
+        assert torch.equal(seg(full), seq(full))
+    assert len(graphs) == 1                        # nothing compiled for the other shapes or modes
+    assert seg._orig_mod is seq
 
 
 def test_gradient_sync_buckets_keep_channels_last_gradients(tmp_path):
