@@ -4,26 +4,39 @@
 #
 #   bash benchmarks/raw_shards.sh OUT          # run from the repository root; everything goes under OUT
 #
-# Steps (each step's command is in OUT/log.txt; about 6 minutes on one H200 with 16 cores):
+# Steps (each step's command is in OUT/log.txt; about 6 minutes on one H200 with 16 cores, raw-large not
+# counted; steps 1-2 run only for the rows that read them):
 #   1. benchmarks/make_images.py: CLASSES x TRAIN_PER_CLASS train + VAL_PER_CLASS val PNGs of SIZE x SIZE
 #      (default 10 x 7000 + 100, 32 x 32: 71,000 images)                          -> $WORK/images
 #   2. rayconv.prepare's work (local processes) at --size SIZE, --encoding raw and jpeg -> $WORK/raw, $WORK/jpeg
 #   3. python -m rayconv.bench rows (--steps STEPS --warmup WARMUP): synthetic; raw shards streamed
 #      (--data-on-device off); JPEG shards streamed (--data-on-device off, --decode cpu)
+#   3b. raw-large: benchmarks/make_raw_shards.py writes LARGE_IMAGES (default 1,280,000: ImageNet-32-sized,
+#      3.9 GB at 32 px) + LARGE_VAL (default 10,000) generated SIZE x SIZE images of LARGE_CLASSES (default
+#      1000) into raw shards (-> $WORK/large, removed after the row unless KEEP=1), then a bench row streams
+#      them (--data-on-device off) for LARGE_STEPS steps (default: as many as make the timed steps and the
+#      bench's in-actor loop of as many read the train set once) under benchmarks/rss_watch.py (the
+#      actor's private memory, RssAnon, sampled every 0.5 s)
 #   4. python -m rayconv.run rows (RUN_STEPS steps, --compile off) with the data held on the device
 #      (--data-on-device on): the image folder and the JPEG shards; their summary.json's startup says how
 #      long the one-time decode took and on how many workers
 #   5. OUT/report.md: images/s, x synthetic and input stall of each bench row; decode seconds, workers
-#      and images/s of each run row
+#      and images/s of each run row; raw-large's private memory at its first timed step (placed from the
+#      row's own step times, back from the actor's last sample), at the end and at its peak, against the
+#      bytes its measured steps read (flat: the growth small against those)
 #
 # Rows that would start after BUDGET seconds (default 420) are skipped and say so; ROWS (default all:
-# "synthetic raw-off jpeg-off folder-held jpeg-held") picks some. Env: WORK (default OUT/work, removed at
-# the end unless KEEP=1), CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS, SIZE, STEPS (default 300), WARMUP
-# (default 20), RUN_STEPS (default 20), DEVICE (auto: cuda when nvidia-smi sees a GPU; cpu: a smoke check
-# with the small ConvNet at batch 32), PYTHON (default python3). A CPU try (one row: under a minute on an
-# idle 2-core machine; leave ROWS out for all five, each a Ray start):
+# "synthetic raw-off jpeg-off raw-large folder-held jpeg-held") picks some. Env: WORK (default OUT/work,
+# removed at the end unless KEEP=1), CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS, SIZE, STEPS (default 300),
+# WARMUP (default 20), RUN_STEPS (default 20), LARGE_IMAGES, LARGE_VAL, LARGE_CLASSES, LARGE_STEPS, DEVICE
+# (auto: cuda when nvidia-smi sees a GPU; cpu: a smoke check with the small ConvNet at batch 32), PYTHON
+# (default python3). A CPU try (one row: under a minute on an idle 2-core machine; leave ROWS out for all
+# six, each a Ray start):
 #   DEVICE=cpu CLASSES=2 TRAIN_PER_CLASS=48 VAL_PER_CLASS=4 STEPS=3 WARMUP=1 RUN_STEPS=3 ROWS=raw-off \
 #     bash benchmarks/raw_shards.sh /tmp/raw-bench
+# and of raw-large alone (about a minute there):
+#   DEVICE=cpu LARGE_IMAGES=5000 LARGE_VAL=200 LARGE_CLASSES=10 WARMUP=2 ROWS=raw-large \
+#     bash benchmarks/raw_shards.sh /tmp/raw-large
 set -euo pipefail
 
 if [[ $# -ne 1 ]]; then sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 2; fi
@@ -34,6 +47,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 WORK=${WORK:-$OUT/work}
 CLASSES=${CLASSES:-10}; TRAIN_PER_CLASS=${TRAIN_PER_CLASS:-7000}; VAL_PER_CLASS=${VAL_PER_CLASS:-100}
 SIZE=${SIZE:-32}; STEPS=${STEPS:-300}; WARMUP=${WARMUP:-20}; RUN_STEPS=${RUN_STEPS:-20}; BUDGET=${BUDGET:-420}
+LARGE_IMAGES=${LARGE_IMAGES:-1280000}; LARGE_VAL=${LARGE_VAL:-10000}; LARGE_CLASSES=${LARGE_CLASSES:-1000}
 DEVICE=${DEVICE:-auto}
 if [[ $DEVICE == auto ]]; then
   DEVICE=cpu; command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 && DEVICE=cuda
@@ -43,13 +57,21 @@ if [[ $DEVICE == cuda ]]; then
 else
   MODEL=convnet_bn; BATCH=32; PREC=fp32
 fi
+LARGE_STEPS=${LARGE_STEPS:-$(( (LARGE_IMAGES + 2 * BATCH - 1) / (2 * BATCH) ))}
 mkdir -p "$OUT" "$WORK"
 [[ ${KEEP:-0} == 1 ]] || trap 'rm -rf "$WORK"' EXIT
 IMAGES=$WORK/images RAW=$WORK/raw JPEG=$WORK/jpeg LOG=$OUT/log.txt
 log() { echo "raw_shards.sh: $*" | tee -a "$LOG" >&2; }
 t0=$SECONDS
+ROWS=" ${ROWS:-synthetic raw-off jpeg-off raw-large folder-held jpeg-held} "
+picked() { [[ $ROWS == *" $1 "* ]]; }
+late() {  # late ROW: past BUDGET seconds, ROW is skipped (so that the script ends within its call)
+  if (( SECONDS - t0 > BUDGET )); then log "$1: skipped ($((SECONDS - t0)) s > BUDGET $BUDGET s)"; return 0; fi
+  return 1
+}
 
-# 1-2. the images and their shards, raw and JPEG
+# 1-2. the images and their shards, raw and JPEG (for the rows that read them)
+if picked raw-off || picked jpeg-off || picked folder-held || picked jpeg-held; then
 log "make_images: $CLASSES classes x ($TRAIN_PER_CLASS + $VAL_PER_CLASS), ${SIZE}x${SIZE} -> $IMAGES"
 [[ -d $IMAGES/val ]] || "$PY" benchmarks/make_images.py "$IMAGES" --classes "$CLASSES" \
   --train-per-class "$TRAIN_PER_CLASS" --val-per-class "$VAL_PER_CLASS" --width "$SIZE" --height "$SIZE" --format png 2>&1 | tee -a "$LOG"
@@ -66,21 +88,19 @@ prepare(sys.argv[1], sys.argv[2], size=size, encoding=enc, shard_size=default_sh
   tail -2 "$OUT/prepare-$enc.txt" | tee -a "$LOG"
   cat "$dest"/*.arrow > /dev/null   # warm page cache: the rows measure the input path, not the disk
 done
+fi
 
-late() {  # late ROW: past BUDGET seconds, ROW is skipped (so that the script ends within its call)
-  if (( SECONDS - t0 > BUDGET )); then log "$1: skipped ($((SECONDS - t0)) s > BUDGET $BUDGET s)"; return 0; fi
-  return 1
-}
-ROWS=" ${ROWS:-synthetic raw-off jpeg-off folder-held jpeg-held} "
-picked() { [[ $ROWS == *" $1 "* ]]; }
 COMMON=(--models "$MODEL" --layouts 1gpu --global-batch-size "$BATCH" --image-size "$SIZE" --precision "$PREC"
-        --device "$DEVICE" --steps "$STEPS" --warmup "$WARMUP" --no-anchors)
-bench() {  # bench ROW ARGS...: one rayconv.bench row
+        --device "$DEVICE" --warmup "$WARMUP" --no-anchors)
+bench() {  # bench ROW ARGS...: one rayconv.bench row of ROW_STEPS (default STEPS) steps; WATCH=1: under rss_watch.py
   local row=$1; shift
   picked "$row" || return 0
   late "$row" && return 0
-  log "$row: python -m rayconv.bench ${COMMON[*]} $* --out $OUT/$row ($((SECONDS - t0)) s so far)"
-  "$PY" -u -m rayconv.bench "${COMMON[@]}" "$@" --out "$OUT/$row" >> "$LOG" 2>&1 || log "$row: failed (see $LOG)"
+  local steps=${ROW_STEPS:-$STEPS} watch=()
+  if [[ ${WATCH:-0} == 1 ]]; then mkdir -p "$OUT/$row"; watch=("$PY" benchmarks/rss_watch.py "$OUT/$row/rss.json" --); fi
+  log "$row: python -m rayconv.bench ${COMMON[*]} --steps $steps $* --out $OUT/$row ($((SECONDS - t0)) s so far)"
+  "${watch[@]}" "$PY" -u -m rayconv.bench "${COMMON[@]}" --steps "$steps" "$@" --out "$OUT/$row" >> "$LOG" 2>&1 \
+    || log "$row: failed (see $LOG)"
 }
 run_row() {  # run_row ROW ARGS...: one rayconv.run (summary.json), data held on the device
   local row=$1; shift
@@ -97,19 +117,34 @@ run_row() {  # run_row ROW ARGS...: one rayconv.run (summary.json), data held on
 bench synthetic
 bench raw-off --data shards --data-dir "$RAW" --data-on-device off
 bench jpeg-off --data shards --data-dir "$JPEG" --data-on-device off --decode cpu
+# 3b. a generated set of LARGE_IMAGES images, streamed, the actor's private memory watched
+if picked raw-large && ! late raw-large; then
+  LARGE=$WORK/large
+  log "raw-large: python benchmarks/make_raw_shards.py $LARGE --images $LARGE_IMAGES --size $SIZE" \
+    "--classes $LARGE_CLASSES --val $LARGE_VAL ($((SECONDS - t0)) s so far)"
+  if "$PY" benchmarks/make_raw_shards.py "$LARGE" --images "$LARGE_IMAGES" --size "$SIZE" --classes "$LARGE_CLASSES" \
+      --val "$LARGE_VAL" > "$OUT/make-large.txt" 2>&1; then
+    tail -1 "$OUT/make-large.txt" | tee -a "$LOG"
+    cat "$LARGE"/*.arrow > /dev/null   # (as the other rows: the page cache is warm)
+    ROW_STEPS=$LARGE_STEPS WATCH=1 bench raw-large --data shards --data-dir "$LARGE" --data-on-device off
+  else
+    cat "$OUT/make-large.txt" >> "$LOG"; log "raw-large: make_raw_shards.py failed (see $LOG)"
+  fi
+  [[ ${KEEP:-0} == 1 ]] || rm -rf "$LARGE"
+fi
 # 4. the one-time decode of held data
 run_row folder-held --data imagefolder --data-dir "$IMAGES"
 run_row jpeg-held --data shards --data-dir "$JPEG"
 
 # 5. the report
-"$PY" - "$OUT" <<'EOF' | tee "$OUT/report.md"
+"$PY" - "$OUT" "$SIZE" "$BATCH" "$LARGE_STEPS" <<'EOF' | tee "$OUT/report.md"
 import json, sys
 from pathlib import Path
 import pyarrow.parquet as pq
-out = Path(sys.argv[1])
+out, size, batch, steps = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 fmt = lambda v, p="{:.0f}": "-" if v is None else p.format(v)
 bench = {}
-for d in ("synthetic", "raw-off", "jpeg-off"):
+for d in ("synthetic", "raw-off", "jpeg-off", "raw-large"):
     f = out / d / "bench.parquet"
     if (out / d).is_dir():
         bench[d] = pq.read_table(f).to_pylist()[0] if f.is_file() else {"note": "failed (log.txt says why)"}
@@ -133,5 +168,25 @@ for enc in ("raw", "jpeg"):
     p = out / f"prepare-{enc}.txt"
     if p.is_file():
         print(f"\n{enc}: " + " / ".join(p.read_text().strip().splitlines()[-2:]))
+large, watch = bench.get("raw-large", {}), out / "raw-large" / "rss.json"
+if watch.is_file() and large.get("step_ms"):
+    # The actor (the largest peak of the ray::Actor processes); its first timed step placed back from its
+    # last sample (the actor is stopped after the profiled steps) by the row's timed and in-actor loop times.
+    rss = json.loads(watch.read_text())
+    actors = [p for p, t in rss["titles"].items() if t.startswith("ray::Actor")] or list(rss["titles"])
+    pid = max(actors, key=lambda p: rss["actors"][p])
+    samples = rss["samples"][pid]
+    measured_s = steps * (large["step_ms"] + large["in_actor_step_ms"]) / 1e3
+    first = samples[-1][0] - measured_s
+    start = next((s for s in samples if s[0] >= first), samples[-1])
+    end, peak = samples[-1][1], max(s[1] for s in samples)
+    read_mib = 2 * steps * batch * size * size * 3 / 2**20   # the timed steps and the in-actor loop
+    print("\n| raw-large private memory (RssAnon, MiB) | at the first timed step | end | peak | growth | "
+          "bytes read by the measured steps (MiB) | samples |\n|---|---|---|---|---|---|---|")
+    print(f"| actor {pid} | {start[1]:.0f} (t {start[0]:.1f} s) | {end:.0f} (t {samples[-1][0]:.1f} s) | {peak:.0f} | "
+          f"{end - start[1]:+.0f} | {read_mib:.0f} | {len(samples)} |")
+p = out / "make-large.txt"
+if p.is_file():
+    print("\n" + p.read_text().strip().splitlines()[-1])
 EOF
 log "done in $((SECONDS - t0)) s: $OUT/report.md"

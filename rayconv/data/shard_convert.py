@@ -3,7 +3,7 @@ format ``rayconv-shards/2`` (Arrow IPC shards, ``rayconv/data/shard_files.py``):
 rayconv.prepare --convert DIR`` runs.
 
 Each Parquet shard is checked against its manifest entry (bytes, sha256), then written as
-``<name>.arrow`` atomically (``shard_writer.write_atomic``: tmp, fsync, rename), with the same rows,
+``<name>.arrow`` atomically (``shard_table.write_atomic``: tmp, fsync, rename), with the same rows,
 columns and schema metadata. The new manifest is written last (atomically), then the Parquet shards are
 removed. Interrupted at any point, the folder is either still format 1 (the same command again
 converts it) or complete in format 2.
@@ -23,7 +23,8 @@ from typing import Any, Optional
 
 from rayconv.data.shard_files import FORMAT, FORMAT_PARQUET, FORMAT_RAW, MANIFEST, SUFFIX, read_manifest
 from rayconv.data.shard_files import encoding as encoding_of
-from rayconv.data.shard_writer import SHARD_META, raw_pixels, shard_schema, write_atomic, write_manifest
+from rayconv.data.shard_table import SHARD_META, shard_schema, write_atomic, write_manifest
+from rayconv.data.shard_writer import raw_pixels
 from rayconv.errors import DataError
 from rayconv.files import sha256_file
 

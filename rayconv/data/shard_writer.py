@@ -41,11 +41,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from rayconv.data.folders import SPLITS, scan
-from rayconv.data.shard_files import FORMAT, FORMAT_RAW, MANIFEST, SUFFIX
+from rayconv.data.shard_files import MANIFEST, SUFFIX
+from rayconv.data.shard_table import SHARD_META, make_manifest, shard_entry, write_manifest, write_rows
 from rayconv.errors import DataError
 from rayconv.files import sha256_file
 
-SHARD_META = b"rayconv.shard"   # Arrow schema key-value metadata of a shard: its settings, inputs and skipped files
 
 # args of each shard's write_shard call, by shard name -> (shard name, its manifest entry) as each finishes
 FanOut = Callable[[dict[str, tuple]], Iterator[tuple[str, dict[str, Any]]]]
@@ -158,7 +158,7 @@ def _complete(final: Path, meta: dict[str, Any], expect_sha256: Optional[str]) -
         done["settings"] = _with_defaults(done["settings"])
         sha = sha256_file(final)
         if {k: done[k] for k in meta} == meta and expect_sha256 in (None, sha):
-            return {**_entry(final, done["rows"], sha), "skipped": done["skipped"], "counts": done["counts"],
+            return {**shard_entry(final, done["rows"], sha), "skipped": done["skipped"], "counts": done["counts"],
                     "resumed": True}
     except (OSError, KeyError, ValueError, pa.ArrowException):
         pass  # not a complete shard of these inputs: write it again
@@ -171,8 +171,6 @@ def write_shard(root: str, out: str, name: str, inputs: list[tuple[int, str, int
     (same settings and inputs, and ``expect_sha256`` when the manifest knew it). Returns its manifest
     entry plus ``skipped`` files, per-label ``counts`` and ``seconds`` (this call's own time). Runs in a
     Ray task or a pool process. Raises OSError (e.g. the disk is full) with no ``.tmp`` left behind."""
-    import pyarrow as pa
-
     t0 = time.perf_counter()
     final, meta = Path(out) / name, _meta(settings, inputs)
     resumed = _complete(final, meta, expect_sha256)
@@ -181,7 +179,7 @@ def write_shard(root: str, out: str, name: str, inputs: list[tuple[int, str, int
     raw, size = settings.get("encoding") == "raw", settings["size"]
     column = "pixels" if raw else "jpeg"
     rows: dict[str, list] = {"index": [], "label": [], "height": [], "width": [], column: [], "path": []}
-    skipped, counts = [], {}
+    skipped = []
     for index, rel, label in inputs:
         try:
             if raw:
@@ -193,60 +191,12 @@ def write_shard(root: str, out: str, name: str, inputs: list[tuple[int, str, int
             continue
         for k, v in zip(rows, (index, label, h, w, data, rel)):
             rows[k].append(v)
-        counts[str(label)] = counts.get(str(label), 0) + 1
-    done = {**meta, "rows": len(rows["index"]), "skipped": skipped, "counts": counts}
-    table = pa.table(rows, schema=shard_schema(size if raw else None)).replace_schema_metadata({SHARD_META: json.dumps(done)})
-    write_atomic(table, final)
-    return {**_entry(final, done["rows"], sha256_file(final)), "skipped": skipped, "counts": counts, "resumed": False,
-            "seconds": time.perf_counter() - t0}
-
-
-def shard_schema(raw_size: Optional[int] = None):
-    """The columns of a shard (``rayconv/data/shard_files.py`` says what each holds): of JPEGs, or with
-    ``raw_size`` S of raw pixels, a fixed-size binary column of S * S * 3 bytes (one data buffer with
-    no offsets, so that a (rows, S, S, 3) numpy view of it is zero-copy; a FixedSizeList<uint8> would
-    add a child array to every read for the same bytes)."""
-    import pyarrow as pa
-
-    image = ("jpeg", pa.binary()) if raw_size is None else ("pixels", pa.binary(raw_size * raw_size * 3))
-    return pa.schema([("index", pa.int64()), ("label", pa.int32()), ("height", pa.int32()),
-                      ("width", pa.int32()), image, ("path", pa.string())])
-
-
-def write_atomic(table, final: Path) -> None:
-    """Write ``table`` as the Arrow IPC file ``final``: into ``final.tmp``, uncompressed (JPEG bytes do
-    not compress, and a reader maps them zero-copy), one record batch, fsynced, then renamed over
-    ``final`` and the folder fsynced. On any failure (ENOSPC, EFBIG, an interrupt) the ``.tmp`` is removed
-    and the error re-raised: ``final`` is either the old file, absent, or complete."""
-    import pyarrow as pa
-
-    tmp = final.with_name(final.name + ".tmp")
-    try:
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-            writer.write_table(table.combine_chunks(), max_chunksize=max(1, table.num_rows))
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fd = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return {**write_rows(final, rows, meta, skipped, size if raw else None), "seconds": time.perf_counter() - t0}
 
 
 def _ours(name: str) -> bool:
     """Whether ``name`` is a file prepare writes: a shard, the manifest, or either's ``.tmp``."""
     return re.fullmatch(r"(train|val)-\d{5}\.(arrow|parquet)(\.tmp)?|manifest\.json(\.tmp)?", name) is not None
-
-
-def _entry(path: Path, rows: int, sha: str) -> dict[str, Any]:
-    return {"file": path.name, "rows": rows, "bytes": path.stat().st_size, "sha256": sha}
 
 
 def on_processes(args: dict[str, tuple], processes: int) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -278,7 +228,7 @@ def _previous_shards(dest: Path, settings: dict[str, Any]) -> dict[str, str]:
     return old
 
 
-def _split_summary(split: str, entries: list[dict[str, Any]], classes: list[str], skipped: list[dict[str, str]],
+def split_summary(split: str, entries: list[dict[str, Any]], classes: list[str], skipped: list[dict[str, str]],
                    listed: int, dest: Path, log) -> dict[str, Any]:
     """The manifest's entry for one split; logs one warning line when files were skipped."""
     per_class = {c: sum(e["counts"].get(str(i), 0) for e in entries) for i, c in enumerate(classes)}
@@ -318,20 +268,6 @@ def _rate_line(results: dict[str, dict[str, Any]], inputs: dict[str, int], wall_
                    if bad else "")
     return (f"{images} images encoded{not_encoded} in {wall_s:.1f} s: {images / max(core_s, 1e-9):.0f} images/s "
             f"per core ({core_s:.1f} core-seconds), {images / max(wall_s, 1e-9):.0f} images/s in all")
-
-
-def write_manifest(dest: Path, manifest: dict[str, Any]) -> None:
-    """``manifest.json`` written atomically (tmp, fsync, rename; the tmp removed on failure)."""
-    tmp = dest / (MANIFEST + ".tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(json.dumps(manifest, indent=1) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest / MANIFEST)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _jobs(files: dict[str, list[tuple[str, int]]], shard_size: int, shard_order: str,
@@ -378,12 +314,9 @@ def prepare(src: str, out: str, size: int = 256, quality: int = 90, shard_size: 
     for stale in dest.iterdir():
         if _ours(stale.name) and stale.name != MANIFEST and stale.name not in wanted:
             stale.unlink()   # a shard of files no longer in the source folder, or of the older format
-    splits = {split: _split_summary(split, [results[n] for s, n, _ in jobs if s == split], classes,
+    splits = {split: split_summary(split, [results[n] for s, n, _ in jobs if s == split], classes,
                                     skipped[split], len(files[split]), dest, log) for split in SPLITS.values()}
-    manifest = {"format": FORMAT_RAW if encoding == "raw" else FORMAT, "encoding": encoding, "source": str(root),
-                "settings": settings, "classes": classes, "splits": splits}
-    if encoding == "raw":
-        manifest["image_shape"] = [size, size, 3]
+    manifest = make_manifest(str(root), settings, classes, splits)
     write_manifest(dest, manifest)
     resumed = sum(1 for r in results.values() if r["resumed"])
     log(f"prepare: {splits['train']['images']} train and {splits['val']['images']} val images "
