@@ -6,8 +6,8 @@ the free devices (``dp * pp * fs``) and splits the global batch (``batch_split_p
 --max-memory-gib when given. Every layout computes the same SGD step from (seed, step), so the run
 ends with the weights of a run that never changed.
 
-Events, each one console line (step, old layout -> new, why, seconds lost until the next step is done)
-and one row of ``layout_changes`` in summary.json:
+Events, each one console line (step, old layout -> new, why, seconds lost until the next step is done,
+or the final export after a loss past the last step) and one row of ``layout_changes`` in summary.json:
 
 - an actor or node lost (``ClusterError``, recoverable; counted against --max-failures as before): the
   driver waits up to --elastic-wait seconds for the layout's devices, then re-plans on what is free and
@@ -105,20 +105,26 @@ class Elastic:
         self.nodes = {i["node_id"] for i in actor_group.info}
 
     def step_done(self, run: Run, step: int) -> None:
-        """After ``step``'s metrics: the pending change's line and row; every ``DRAIN_POLL_S`` a look
-        for a draining node under the actors (a preemption notice)."""
-        if self.pending is not None:
-            change, self.pending = self.pending, None
-            change["seconds_lost"] = round(time.monotonic() - change.pop("t_detect"), 3)
-            run.layout_changes.append(change)
-            run.log(f"rayconv: step {change['step']}: layout {change['from']} -> {change['to']} ({change['why']}); "
-                    f"{change['seconds_lost']:.1f} s lost, steps redone: {change['steps_redone']}")
+        """After ``step``'s metrics: the pending change's line and row (``settle``); every
+        ``DRAIN_POLL_S`` a look for a draining node under the actors (a preemption notice)."""
+        self.settle(run)
         now = time.monotonic()
         if now >= self.next_poll and run.preempted is None:
             self.next_poll = now + DRAIN_POLL_S
             drained = self.nodes & draining_nodes()
             if drained:
                 run.preempted = f"node {sorted(drained)[0][:12]} is draining"
+
+    def settle(self, run: Run) -> None:
+        """The pending change's console line and ``layout_changes`` row, its seconds lost counted to
+        now: its first step done, or (a loss after the last step) the final export done."""
+        if self.pending is None:
+            return
+        change, self.pending = self.pending, None
+        change["seconds_lost"] = round(time.monotonic() - change.pop("t_detect"), 3)
+        run.layout_changes.append(change)
+        run.log(f"rayconv: step {change['step']}: layout {change['from']} -> {change['to']} ({change['why']}); "
+                f"{change['seconds_lost']:.1f} s lost, steps redone: {change['steps_redone']}")
 
     def at_boundary(self, run: Run, actor_group: Any, done: int) -> None:
         """After a step boundary's work: on a preemption, the checkpoint of ``done`` steps (if not just

@@ -32,6 +32,8 @@ def finish(run: Run, actor_group: ActorGroup) -> dict[str, Any]:
     export(run, actor_group, out / "model.pt")
     if run.cfg.model_ema:
         export(run, actor_group, out / "model_ema.pt", ema=True)
+    if run.elastic is not None:   # (a change after a loss during the export: its line and row now)
+        run.elastic.settle(run)
     memory = actor_group.call("memory", timeout_s=run.call_timeout_s)
     run.metrics.write(out / "metrics.parquet")
     summary = summarize(run, memory)

@@ -119,9 +119,9 @@ def launch(cfg: Config, mesh: Mesh, routing: Routing, sharding: Sharding, run_na
 def recover_or_raise(e: ClusterError, run: Run) -> Optional[Checkpoint]:
     """After the actors failed with ``e`` (and were stopped): the checkpoint to continue from (the
     run's newest, else the one it resumed from, else None: the start), counted against --max-failures.
-    Raises ``e`` when it is not recoverable, when no failures are left, or when every step was done."""
-    if run.trained:  # the export failed: the steps are done, a restart would not help
-        raise e
+    A loss after the last step (during the final export) continues from the last step's checkpoint:
+    the new actors load it and export. Raises ``e`` when it is not recoverable or when no failures
+    are left."""
     if isinstance(e, CallTimeout):
         e = CallTimeout(f"{e}; the limit is 2 x --collective-timeout-s + 30 s: raise "
                         "--collective-timeout-s if the work is only slow", recoverable=True)

@@ -55,7 +55,6 @@ class Run:
         self.train_s = 0.0
         self.target = Target(resolved.cfg.target_accuracy)  # the first evaluation reaching --target-accuracy
         self.failures = 0     # actor failures recovered from
-        self.trained = False  # every step done: what fails after it (the export) is not retried
         self.stop_recorded = False  # a stop's metrics and summary written (``finish.recording_stop``)
         # step -> (images, driver wall-clock seconds from the previous result to this one, evaluation and
         # checkpoint time left out), over every attempt of this process: the summary's images/s.
@@ -158,7 +157,6 @@ def train(run: Run, actor_group: ActorGroup, start: int) -> None:
             _record(run, att, actor_group.collect(current, timeout_s=run.call_timeout_s))
             if boundary:
                 _between_steps(run, actor_group, att, step)
-        run.trained = True
     finally:
         att.progress.close()
         run.train_s += time.perf_counter() - att.t_train

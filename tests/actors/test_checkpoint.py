@@ -1,6 +1,6 @@
 """Checkpoints and resume on a real local Ray cluster: k steps + resume + k steps equals 2k steps
 straight, parameter for parameter and momentum for momentum (float64, dp=2); a --dp change under pure
-data parallelism; a dp2 x pp2 checkpoint continued under other layouts; and every bad resume is one
+data parallelism; a dp2 x pp2 checkpoint with the recipe on continued under other layouts; and every bad resume is one
 clear error that leaves the files as they were."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from support.helpers import assert_same_state, reference_sgd
+from support.helpers import assert_same_state
 from rayconv.outputs.checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint, whole_state,
                                         write_checkpoint)
 from rayconv.config import Config
@@ -153,13 +153,16 @@ def test_resume_a_finished_run_is_refused(straight, capsys):
     (["--dp", "1", "--pp", "1"], (1, 1, 1)),                                      # one actor
 ], ids=["fs2", "dp1"])  # (interleaved 1F1B and --plan krizhevsky2014 cuts: tests/unit/test_reshard.py)
 def test_dp2_pp2_checkpoint_resumes_under_any_layout(dp2_pp2, argv, layout, tmp_path):
-    """One checkpoint of a dp2 x pp2 run (step 2 of 4) continues under another layout: its rank files
-    joined, each new actor's part cut from the whole state, momentum with its parameter; the 2 steps
-    left end at the uninterrupted run's parameters = single-device SGD's."""
+    """One checkpoint of a dp2 x pp2 run with the recipe on (step 2 of 4) continues under another
+    layout: its rank files joined, each new actor's part cut from the whole state, LARS's momentum
+    with its parameter, the moving average with it; the 2 steps left end at the uninterrupted run's
+    parameters and moving average."""
     straight_out, want = dp2_pp2
     out = tmp_path / "resumed"
     assert main(["--resume", str(straight_out / "checkpoints" / "step-2"), *argv, "--out", str(out)]) == 0
     assert_same_state(torch.load(out / "model.pt", weights_only=True), want, atol=1e-10)
+    assert_same_state(torch.load(out / "model_ema.pt", weights_only=True),
+                      torch.load(straight_out / "model_ema.pt", weights_only=True), atol=1e-10)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_from"].endswith("step-2")
     assert tuple(summary["layout"][k] for k in ("dp", "pp", "fs")) == layout
@@ -177,16 +180,25 @@ def test_resume_into_a_layout_that_cannot_hold_the_model_is_one_line(dp2_pp2, ar
     assert not (tmp_path / "x").exists() and tree(ckpt) == before
 
 
+# The recipe whose state a change of layout carries: the moving average (updated every step), LARS
+# (torch SGD's momentum under its groups' settings), clipping (below every step's gradient norm) and
+# mixup/cutmix (drawn from (seed, step)). Each layout with it equals one device:
+# tests/actors/test_recipe_layouts.py, tests/actors/test_mix_layouts.py.
+RECIPE = dict(model_ema=True, model_ema_steps=1, model_ema_decay=0.99, opt="lars", lr=1.0,
+              lars_trust_coefficient=0.02, clip_grad_norm=0.1, mixup_alpha=0.4, cutmix_alpha=1.0)
+
+
 @pytest.fixture(scope="module")
 def dp2_pp2(ray_cluster, tmp_path_factory) -> tuple[Path, dict]:
-    """A dp2 x pp2 run of 4 steps (checkpoints at 2 and 4), and single-device SGD's parameters after 4."""
+    """A dp2 x pp2 run of 4 steps with ``RECIPE`` on (checkpoints at 2 and 4), and its parameters."""
     out = tmp_path_factory.mktemp("ck") / "dp2pp2"
-    cfg = ck_config(out, pp=2, num_microbatches=2, steps=4, eval_every=100)
+    cfg = ck_config(out, pp=2, num_microbatches=2, steps=4, eval_every=100, **RECIPE)
     train_run(cfg, log=lambda *_: None)
-    want = reference_sgd(cfg, 4)
-    assert_same_state(torch.load(out / "model.pt", weights_only=True), want, atol=1e-10)
+    want = torch.load(out / "model.pt", weights_only=True)
     # the checkpoint read without Ray: the rank files joined into the model's state_dict
-    assert_same_state(whole_state(out / "checkpoints" / "step-4")["model"], want, atol=1e-10)
+    whole = whole_state(out / "checkpoints" / "step-4")
+    assert_same_state(whole["model"], want, atol=0)
+    assert_same_state(whole["ema"]["tensors"], torch.load(out / "model_ema.pt", weights_only=True), atol=0)
     return out, want
 
 

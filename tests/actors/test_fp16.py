@@ -107,3 +107,20 @@ def test_resume_keeps_the_scale_and_the_average(straight, tmp_path_factory):
         assert got["loss_scale"] == want["loss_scale"]
         assert got["ema"]["n_averaged"] == want["ema"]["n_averaged"]
         assert _same(got["ema"]["tensors"], want["ema"]["tensors"])
+
+
+def test_resume_under_another_layout_keeps_the_scale_and_the_average(straight, tmp_path):
+    """The step-3 checkpoint (after the skipped step) continued on one actor: the rank files joined, and the loss scale's state (scale, growth tracker) and the average's
+    count arrive as the straight run holds them at its end; the parameters agree to float16 rounding
+    (float16 sums of another batch split round apart, so not bit for bit)."""
+    out, _ = straight
+    resumed = tmp_path / "dp1"
+    assert main(["--resume", str(out / "checkpoints" / f"step-{STOP_AFTER + 1}"), "--dp", "1", "--pp", "1",
+                 "--out", str(resumed)]) == 0
+    got = torch.load(resumed / "checkpoints" / f"step-{STEPS}" / "rank-0.pt", weights_only=True)
+    want = torch.load(out / "checkpoints" / f"step-{STEPS}" / "rank-0.pt", weights_only=True)
+    assert got["loss_scale"] == want["loss_scale"] and got["loss_scale"]["scale"] == 2.0 ** 15
+    assert got["ema"]["n_averaged"] == want["ema"]["n_averaged"]
+    for name in ("model.pt", "model_ema.pt"):
+        a, b = (torch.load(d / name, weights_only=True) for d in (resumed, out))
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-3)

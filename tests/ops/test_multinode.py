@@ -83,7 +83,9 @@ def test_elastic_dp4_shrinks_grows_and_loses_no_step(two_nodes, tmp_path, monkey
     SIGTERM after step 3 makes the run write the checkpoint of step 5 and continue from it (no step
     lost); a node is added after step 5, and at the checkpoint of step 6 the run is dp4 again; that node
     is drained (``ray drain-node``'s GCS call, reason preemption) after step 6: at the next step
-    boundary, the checkpoint of step 8, the run goes on dp2 (no step lost). The final weights are
+    boundary, the checkpoint of step 8, the run goes on dp2 (no step lost); an actor killed after the
+    last step (its checkpoint written, the final export to come) is replaced and the export done from
+    the checkpoint of step 10. The final weights are
     single-device SGD's (float64, 1e-10): every layout computes the same steps, so they are also the
     uninterrupted run's. Each change is a console line, a summary row and the metrics' layout."""
     import os
@@ -122,27 +124,31 @@ def test_elastic_dp4_shrinks_grows_and_loses_no_step(two_nodes, tmp_path, monkey
                 "DRAIN_NODE_REASON_PREEMPTION"), "spot notice", 0)
             assert accepted, why
             done["drained"] = True
+        elif step == 9 and "export" not in done:   # after the last step's checkpoint: the export finds it dead
+            done["export"] = True
+            os.kill(actor_group.info[0]["pid"], signal.SIGKILL)
 
     lines: list[str] = []
     cfg = sgd_config(tmp_path, "elastic", dp=4, steps=10, eval_every=10, checkpoint_every=2, elastic=2,
-                     elastic_wait=1.0, max_failures=1, collective_timeout_s=30, loader_workers=0)
+                     elastic_wait=1.0, max_failures=2, collective_timeout_s=30, loader_workers=0)
     try:
         summary = train_run(cfg, log=lines.append, on_step=events)
     finally:   # the cluster as the fixture made it: the head node and one of node_b
         if "added" in done:
             two_nodes.remove_node(done["added"])
             add_node()
-    assert set(done) == {"removed", "sigterm", "added", "drained"}
+    assert set(done) == {"removed", "sigterm", "added", "drained", "export"}
     changes = [(c["step"], c["from"], c["to"], c["steps_redone"]) for c in summary["layout_changes"]]
-    assert changes == [(2, "dp4", "dp2", 1), (5, "dp2", "dp2", 0), (6, "dp2", "dp4", 0), (8, "dp4", "dp2", 0)], \
+    assert changes == [(2, "dp4", "dp2", 1), (5, "dp2", "dp2", 0), (6, "dp2", "dp4", 0), (8, "dp4", "dp2", 0),
+                       (10, "dp2", "dp2", 0)], \
         summary["layout_changes"]
     whys = [c["why"] for c in summary["layout_changes"]]
     assert "was lost" in whys[0] and whys[1] == "actor dp1 got SIGTERM" and whys[2] == "devices came back"
-    assert whys[3].endswith("is draining")
+    assert whys[3].endswith("is draining") and "dp0 (rank 0) was lost" in whys[4]
     assert all(c["seconds_lost"] > 0 for c in summary["layout_changes"])
     said = [x for x in lines if x.startswith("rayconv: step ") and "-> " in x]
-    assert len(said) == 4 and said[0].startswith("rayconv: step 2: layout dp4 -> dp2 (actor "), said
-    assert summary["layout"]["dp"] == 2 and summary["failures_recovered"] == 1
+    assert len(said) == 5 and said[0].startswith("rayconv: step 2: layout dp4 -> dp2 (actor "), said
+    assert summary["layout"]["dp"] == 2 and summary["failures_recovered"] == 2
     rows = [r for r in pq.read_table(tmp_path / "elastic" / "metrics.parquet").to_pylist() if r["kind"] == "train"]
     assert [(r["step"], r["layout"]) for r in rows] == [(k, "dp4" if k in (0, 1, 6, 7) else "dp2") for k in range(10)]
     assert_same_state(torch.load(tmp_path / "elastic" / "model.pt", weights_only=True), reference_sgd(cfg, 10),

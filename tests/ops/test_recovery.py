@@ -109,21 +109,30 @@ def test_ctrl_c_stops_cleanly(ray_cluster, tmp_path):
 
 
 def test_killed_actor_is_recovered_from_the_last_checkpoint(ray_cluster, tmp_path):
+    """Two losses: rank 1 after step 4 (the last checkpoint step-4: steps 4 and on redone), and rank 0
+    after the last step, once its checkpoint is written (the final export finds it dead: the new
+    actors load step-8 and export)."""
     straight = _STRAIGHT.get("out") or straight_run(tmp_path)
 
     out = tmp_path / "recovered"
     lines: list[str] = []
-    hook = kill_once(at_step=4, rank=1)  # after 5 steps: the last checkpoint is step-4
-    summary = train_run(cfg_for(out, max_failures=1, max_wait=60), log=lines.append, on_step=hook)
-    assert hook.killed, "the actor was never killed"
-    assert summary["failures_recovered"] == 1
+    mid, last = kill_once(at_step=4, rank=1), kill_once(at_step=STEPS - 1, rank=0)
+
+    def hook(actor_group, step):
+        mid(actor_group, step)
+        last(actor_group, step)
+    summary = train_run(cfg_for(out, max_failures=2, max_wait=60), log=lines.append, on_step=hook)
+    assert mid.killed and last.killed, "an actor was never killed"
+    assert summary["failures_recovered"] == 2
     text = "\n".join(lines)
-    assert "dp1" in text and "recovering (1 of --max-failures 1)" in text and "step-4" in text
+    assert "dp1" in text and "recovering (1 of --max-failures 2)" in text and "step-4" in text
+    assert "recovering (2 of --max-failures 2)" in text and f"step-{STEPS}" in text
     torch.testing.assert_close(torch.load(out / "model.pt", weights_only=True),
                                torch.load(straight / "model.pt", weights_only=True), rtol=0, atol=0)
     import pyarrow.parquet as pq
-    steps = [r["step"] for r in pq.read_table(out / "metrics.parquet").to_pylist() if r["kind"] == "train"]
-    assert steps == list(range(STEPS))  # the replayed step is not counted twice
+    rows = pq.read_table(out / "metrics.parquet").to_pylist()
+    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(STEPS))  # replayed steps counted once
+    assert summary["test_accuracy"] == [r for r in rows if r["kind"] == "eval"][-1]["test_accuracy"] is not None
 
 
 def test_killed_actor_without_recovery_ends_the_job(ray_cluster, tmp_path):

@@ -21,6 +21,7 @@ from rayconv.outputs.checkpoint import Checkpoint, rank_file_for
 from rayconv.outputs.reshard import cut_part, join, optimizer_param_names, split_position, whole_blob
 from rayconv.parallel.routing import build_part, make_routing
 from rayconv.recipe.ema import PartEMA
+from rayconv.recipe.loss_scale import DynamicLossScale
 
 LAYOUTS = {  # name -> (dp, pp, fs, Config extras)
     "dp2xpp2": (2, 2, 1, {"num_microbatches": 2}),
@@ -46,11 +47,12 @@ def model_layers() -> list:
     return model, to_layers(model)
 
 
-def parts(name: str, model, layers):
-    """Each rank's (coord, config, sharded part, module, optimizer) under layout ``name``."""
+def parts(name: str, model, layers, **recipe):
+    """Each rank's (coord, config, sharded part, module, optimizer) under layout ``name``, with the
+    Config's ``recipe`` settings (the optimizer and its groups)."""
     dp, pp, fs, extra = LAYOUTS[name]
     cfg = Config(model="convnet_bn", data="digits", dp=dp, pp=pp, fs=fs, global_batch_size=8,
-                 **extra).validate()
+                 **extra, **recipe).validate()
     mesh = Mesh(dp, pp, fs)
     plan = make_routing(cfg, mesh, model, (1, 8, 8))
     out = []
@@ -67,19 +69,39 @@ def named(sharded, part) -> dict[str, torch.Tensor]:
             for k, v in sub.state_dict().items()}
 
 
-def saved(name: str, model, layers) -> tuple[list[dict], dict]:
-    """The rank-file payloads (as ``actor.state.rank_file`` writes them) and manifest layout."""
+def optimizer_state_of(p: torch.Tensor, opt: str) -> dict[str, torch.Tensor]:
+    """Each state tensor a function of its parameter's values (torch SGD's, LARS's included, or AdamW's)."""
+    if opt == "adamw":
+        return {"step": torch.tensor(5.0), "exp_avg": momentum_of(p), "exp_avg_sq": p.detach() ** 2 + 3}
+    return {"momentum_buffer": momentum_of(p)}
+
+
+def scaler_state() -> dict:
+    """A ``DynamicLossScale``'s state after 3 steps, an overflow and 2 more: scale 2**15, 2 steps grown."""
+    scaler = DynamicLossScale()
+    for found in (False, False, False, True, False, False):
+        scaler.update(found)
+    return scaler.state_dict()
+
+
+def saved(name: str, model, layers, **recipe) -> tuple[list[dict], dict]:
+    """The rank-file payloads (as ``actor.state.rank_file`` writes them) and manifest layout: each
+    parameter's optimizer state and moving average functions of its values, the groups' learning
+    rate the step's (0.37), the average's count 5, the loss scale's state ``scaler_state``."""
     payloads = []
-    for c, cfg, plan, sharded, part, opt in parts(name, model, layers):
+    for c, cfg, plan, sharded, part, opt in parts(name, model, layers, **recipe):
         for p in part.parameters():
-            opt.state[p]["momentum_buffer"] = momentum_of(p)
+            opt.state[p] = optimizer_state_of(p, cfg.opt)
+        for g in opt.param_groups:
+            g["lr"] = 0.37
         ema = PartEMA(part, 0.9)
         for v in ema.tensors.values():
             v.mul_(3)
+        ema.n_averaged = 5
         payloads.append({"coord": list(c), "model": named(sharded, part), "split_dims": dict(sharded.split_dims),
                          "optimizer": opt.state_dict(), "part_names": list(sharded.names),
                          "optimizer_names": optimizer_param_names(sharded.names, part, opt),
-                         "ema": ema.state_dict(), "loss_scale": {"scale": 1024.0}, "rng": {}})
+                         "ema": ema.state_dict(), "loss_scale": scaler_state(), "rng": {}})
     dp, pp, fs, _ = LAYOUTS[name]
     layout = {"dp": dp, "pp": pp, "fs": fs, "plan": cfg.plan, "world_size": dp * pp * fs,
               "stages": [list(s) for s in plan.stages]}
@@ -101,7 +123,7 @@ def test_recut_equals_direct_cut(source, target):
     payloads, layout = saved(source, model, layers)
     whole = join(payloads, layout)
     torch.testing.assert_close(whole["model"], model.state_dict(), rtol=0, atol=0)
-    assert whole["loss_scale"] == {"scale": 1024.0}
+    assert whole["loss_scale"] == scaler_state()
     for c, cfg, plan, sharded, part, opt in parts(target, model, layers):
         index, n = split_position(c, plan.mesh.dp, plan.mesh.fs, plan.per_layer_plan)
         got = cut_part(whole, sharded.names, part, opt, dict(sharded.split_dims), index, n)
@@ -116,6 +138,42 @@ def test_recut_equals_direct_cut(source, target):
         ema.load_state_dict(got["ema"])
         for k, v in part.state_dict().items():
             torch.testing.assert_close(ema.tensors[k], 3 * v, rtol=0, atol=0)
+
+
+RECIPES = {  # the optimizers and groups of the recipe, each with its own state and group settings
+    "lars": dict(opt="lars", weight_decay=1e-4),  # momentum SGD, the adapted group's decay as lars_weight_decay
+    "nesterov-norm-bias": dict(opt="sgd_nesterov", norm_weight_decay=0.0, bias_weight_decay=0.0),
+    "adamw": dict(opt="adamw"),
+}
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("source, target", [("dp2xpp2", "fs3"), ("krizhevsky2014", "pp2xfs2"), ("pp2xfs2", "dp1")])
+def test_recipe_state_follows_each_parameter(source, target, recipe):
+    """Under the recipe's optimizers every state tensor follows its parameter, every group keeps its saved
+    settings (learning rate, decay, LARS's own decay) under this part's grouping, and the moving
+    average's count and the loss scale's state (scale, growth tracker) arrive as saved."""
+    model, layers = model_layers()
+    payloads, layout = saved(source, model, layers, **RECIPES[recipe])
+    whole = join(payloads, layout)
+    for c, cfg, plan, sharded, part, opt in parts(target, model, layers, **RECIPES[recipe]):
+        want_groups = {g["name"]: {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups}
+        index, n = split_position(c, plan.mesh.dp, plan.mesh.fs, plan.per_layer_plan)
+        got = cut_part(whole, sharded.names, part, opt, dict(sharded.split_dims), index, n)
+        opt.load_state_dict(got["optimizer"])
+        for g in opt.param_groups:
+            assert {k: v for k, v in g.items() if k != "params"} == {**want_groups[g["name"]], "lr": 0.37}
+            for p in g["params"]:
+                want = optimizer_state_of(p, cfg.opt)
+                assert opt.state[p].keys() == want.keys()
+                for k in want:
+                    torch.testing.assert_close(opt.state[p][k], want[k], rtol=0, atol=0)
+        ema = PartEMA(part, 0.5)
+        ema.load_state_dict(got["ema"])
+        assert (ema.decay, ema.n_averaged) == (0.9, 5)
+        scaler = DynamicLossScale()
+        scaler.load_state_dict(got["loss_scale"])
+        assert (scaler.scale, scaler.growth_tracker) == (2.0 ** 15, 2)
 
 
 def test_slices_that_do_not_cover_the_split_are_refused():
