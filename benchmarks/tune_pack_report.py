@@ -40,8 +40,10 @@ def trial_times(folder: Path) -> Optional[dict[str, float]]:
                 evaluation += max(0.0, r["time_s"] - last_train)
     train = max(0.0, (s.get("train_time_s") or 0.0) - evaluation)
     wall = s.get("wall_time_s") or 0.0
+    peaks = [a["peak_gib"] for a in s.get("actors") or [] if a.get("peak_gib") is not None]
     return {"startup_s": startup, "train_s": train, "eval_s": evaluation,
-            "end_s": max(0.0, wall - startup - train - evaluation), "wall_s": wall}
+            "end_s": max(0.0, wall - startup - train - evaluation), "wall_s": wall,
+            "peak_gib": max(peaks) if peaks else None}
 
 
 def half(out: Path, name: str, wall: float, rc: int) -> dict[str, Any]:
@@ -56,7 +58,8 @@ def half(out: Path, name: str, wall: float, rc: int) -> dict[str, Any]:
     mean = {k: sum(t[k] for t in timed) / len(timed) for k in ("startup_s", "train_s", "eval_s", "end_s", "wall_s")} \
         if timed else {}
     return {"name": name, "rc": rc, "wall_s": wall, "metric": found["metric"], "best": found["best"],
-            "trials": trials, "mean": mean, "trial_wall_sum_s": sum(t["wall_s"] for t in timed)}
+            "trials": trials, "mean": mean, "trial_wall_sum_s": sum(t["wall_s"] for t in timed),
+            "peak_gib": max([t["peak_gib"] for t in timed if t.get("peak_gib") is not None], default=None)}
 
 
 def lines(halves: dict[str, dict[str, Any]]) -> list[str]:
@@ -68,6 +71,10 @@ def lines(halves: dict[str, dict[str, Any]]) -> list[str]:
                  f"{m['eval_s']:.1f} s, end {m['end_s']:.1f} s (trial wall {m['wall_s']:.1f} s); trials' walls "
                  f"sum {h['trial_wall_sum_s']:.1f} s = {h['trial_wall_sum_s'] / max(1e-9, h['wall_s']):.2f}x "
                  "the search's wall") if m else "no trial timings"
+        if m and h["name"] == "sequential":   # (one trial at a time: the rest is Ray's start, Tune, each trial's process)
+            where += f"; outside the trials' runs {h['wall_s'] - h['trial_wall_sum_s']:.1f} s"
+        if h["peak_gib"] is not None:
+            where += f"; largest actor peak GPU memory {h['peak_gib']:.2f} GiB"
         out.append(f"{h['name']}: wall {h['wall_s']:.1f} s (rc {h['rc']}), {done}/{n} trials finished; {where}")
     if "packed" in halves and "sequential" in halves:
         p, s = halves["packed"]["wall_s"], halves["sequential"]["wall_s"]
