@@ -11,7 +11,8 @@
 # Settings by environment: BATCH (4096; TINY 64), EPOCHS (30), LRS, OPTS, SHARE (0.25), CONCURRENT (trials at once
 # when packed; default 1/SHARE: what Ray's fractional GPUs let onto one GPU), SEQUENTIAL=0 / PACKED=0
 # (skip that half), PY (python3), TINY=1 (CPU: digits, convnet, 2 trials of STEPS steps, no GPU share).
-# Output: OUT/{packed,sequential}/ (search folders: results.json, trial-<k>/), OUT/*.log, OUT/walls.txt,
+# Output: OUT/{packed,sequential}/ (search folders: results.json, trial-<k>/), OUT/*.log, OUT/walls.txt
+# (appended: the halves may run in two calls into one OUT, PACKED=0 then SEQUENTIAL=0),
 # OUT/report.json, and one line per figure (report below).
 set -uo pipefail
 OUT=${1:?usage: tune_pack.sh OUT [DATA_DIR]}
@@ -36,7 +37,7 @@ fi
 SPACE=$($PY -c "import json, sys; print(json.dumps({'lr': {'grid': [float(v) for v in sys.argv[1].split(',')]},
                                                     'opt': {'grid': sys.argv[2].split(',')}}))" "$LRS" "$OPTS")
 COMMON=(--space "$SPACE" --scheduler fifo "${RUN[@]}" --dp 1 --tensorboard off --address local)
-echo "tune_pack: BATCH $BATCH, space $SPACE, packed ${PACK[*]:-(cpu)} --max-concurrent $CONCURRENT" | tee "$OUT/walls.txt"
+echo "tune_pack: BATCH $BATCH, space $SPACE, packed ${PACK[*]:-(cpu)} --max-concurrent $CONCURRENT" | tee -a "$OUT/walls.txt"
 
 half() {   # half NAME FLAGS...: one search, its wall seconds into walls.txt
   local name=$1; shift
