@@ -9,8 +9,9 @@ Scalars, by step: ``train/loss``, ``train/lr``, ``train/images_per_s``, ``train/
 N``): one grid (``torchvision.utils.make_grid``) of augmented training images at step 0. Read them with
 ``tensorboard --logdir runs/``.
 
-The ``tensorboard`` package is imported when the first file is written; without it the run goes on
-without event files after one console note. A run continued in a folder that already has event files
+The ``tensorboard`` package is imported when the first file is written; without it (or when its
+import fails: a protobuf or numpy it does not support) the run goes on without event files after one
+console note. A run continued in a folder that already has event files
 (``--resume``) writes with ``purge_step`` at its first step, so TensorBoard hides what the earlier
 process wrote from there on; rows already written by this process are not written again.
 """
@@ -42,9 +43,10 @@ class EventFiles:
         if self.writer is None and self.enabled:
             try:
                 from torch.utils.tensorboard import SummaryWriter   # (needs the tensorboard package)
-            except ImportError as e:
+            except Exception as e:  # noqa: BLE001 - absent, or broken (its protobuf or numpy): the run goes on
                 self.enabled = False
-                self.log(f"rayconv: no TensorBoard event files ({e}): pip install tensorboard, or pass "
+                why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                self.log(f"rayconv: no TensorBoard event files ({why}): pip install tensorboard, or pass "
                          "--tensorboard off")
                 return None
             resumed = self.folder.is_dir() and any(self.folder.glob("events.out.tfevents.*"))

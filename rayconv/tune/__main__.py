@@ -2,6 +2,8 @@
 
     python -m rayconv.tune --space '{"lr": {"loguniform": [0.01, 1]}}' --num-samples 4 --scheduler asha \\
         --max-concurrent 2 --dp 2 --epochs 4
+    python -m rayconv.tune --space '{"lr": {"loguniform": [0.01, 1]}}' --num-samples 4 --scheduler pbt \\
+        --eval-every 100 --dp 1 --epochs 4
     python -m rayconv.tune --resume runs/search-20250101-120000
 
 The search's own flags are below; every other flag is a ``python -m rayconv.run`` flag, the base
@@ -25,13 +27,18 @@ def parser() -> OneLineParser:
     p.add_argument("--space", help="JSON object (or a .json/.yaml file) of flag -> {grid|choice: [...]} or "
                                    "{uniform|loguniform|randint: [low, high]}")
     p.add_argument("--num-samples", type=int, default=1, help="samples of the space (each grid crossed in full per sample)")
-    p.add_argument("--scheduler", default="asha", help="asha (early stop at evaluations) or fifo (default asha)")
+    p.add_argument("--scheduler", default="asha", help="asha (early stop at evaluations), pbt (population-based "
+                                                      "training; needs --eval-every) or fifo (default asha)")
     p.add_argument("--max-concurrent", type=int, default=None, help="trials at once (default: as many as fit)")
     p.add_argument("--metric", default=None, help="what trials are ranked by (default val_accuracy with "
                                                   "--val-split, else test_accuracy)")
     p.add_argument("--mode", default=None, help="max or min (default: min for losses and errors, else max)")
     p.add_argument("--grace-period", type=int, default=1, help="asha: evaluations before a trial can be stopped")
     p.add_argument("--reduction-factor", type=int, default=2, help="asha: 1 in this many trials goes on at each rung")
+    p.add_argument("--perturbation-interval", type=int, default=2,
+                   help="pbt: evaluations between a trial's exploit-and-explore decisions")
+    p.add_argument("--synch", action="store_true", help="pbt: the trials wait for each other at each perturbation "
+                                                        "(each is stopped and restarted from its checkpoint there)")
     p.add_argument("--resume", default=None, help="continue an interrupted search from its folder (its own settings)")
     return p
 
@@ -53,7 +60,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         found = search(space, base, num_samples=args.num_samples, scheduler=args.scheduler,
                        max_concurrent=args.max_concurrent, metric=args.metric, mode=args.mode,
-                       grace_period=args.grace_period, reduction_factor=args.reduction_factor, resume=args.resume)
+                       grace_period=args.grace_period, reduction_factor=args.reduction_factor,
+                       perturbation_interval=args.perturbation_interval, synch=args.synch, resume=args.resume)
     except (ConfigError, DataError, LayoutError, FileExistsError) as e:
         print(f"rayconv.tune: error: {e}", file=sys.stderr)
         return 2

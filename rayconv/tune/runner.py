@@ -18,9 +18,9 @@ from typing import Any, Optional, Sequence
 from rayconv.errors import ConfigError
 from rayconv.files import write_json
 from rayconv.tune import results as table
-from rayconv.tune.space import NOT_SEARCHED, check_metric, check_space, default_metric
+from rayconv.tune.space import NOT_SEARCHED, PBT_MUTABLE, check_metric, check_space, default_metric, pbt_base
 
-SCHEDULERS = ("asha", "fifo")
+SCHEDULERS = ("asha", "fifo", "pbt")
 MAX_T = 10**6  # ASHA's last rung: beyond any run's evaluations, so that trials end by their own length
 
 
@@ -52,7 +52,8 @@ def check_options(base: dict[str, Any], space: dict[str, Any], num_samples: int,
     if max_concurrent is not None and max_concurrent < 1:
         raise ConfigError(f"--max-concurrent must be >= 1 (got {max_concurrent})")
     if scheduler not in SCHEDULERS:
-        raise ConfigError(f"--scheduler {scheduler}: choose asha (early stop at evaluations) or fifo (none)")
+        raise ConfigError(f"--scheduler {scheduler}: choose asha (early stop at evaluations), pbt (population-based "
+                          "training: weak trials continue strong ones' checkpoints, perturbed) or fifo (none)")
     metric = metric or default_metric(base, space)
     mode = mode or ("min" if metric.endswith(("loss", "error")) else "max")
     check_metric(metric, mode, base, space)
@@ -66,7 +67,8 @@ def new_search_dir() -> Path:
 def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_samples: int = 1,
            scheduler: str = "asha", max_concurrent: Optional[int] = None, metric: Optional[str] = None,
            mode: Optional[str] = None, grace_period: int = 1, reduction_factor: int = 2,
-           resume: Optional[str] = None, callbacks: Sequence[Any] = (), log=print) -> SearchResult:
+           perturbation_interval: int = 2, synch: bool = False, resume: Optional[str] = None,
+           callbacks: Sequence[Any] = (), log=print) -> SearchResult:
     """See ``rayconv.tune.search``."""
     if resume:
         search_dir = Path(resume)
@@ -78,9 +80,15 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
         num_samples, scheduler, max_concurrent = spec["num_samples"], spec["scheduler"], spec["max_concurrent"]
         metric, mode = spec["metric"], spec["mode"]
         grace_period, reduction_factor = spec["grace_period"], spec["reduction_factor"]
+        perturbation_interval = spec.get("perturbation_interval", perturbation_interval)
+        synch = spec.get("synch", synch)
     base = dict(base or {})
     metric, mode = check_options(base, space, num_samples, scheduler, max_concurrent, metric, mode)
     checked = check_space(space, {k: v for k, v in base.items() if k != "out"})
+    if scheduler == "pbt":
+        if perturbation_interval < 1:
+            raise ConfigError(f"--perturbation-interval must be >= 1 evaluation (got {perturbation_interval})")
+        base = pbt_base(base, checked)
     if not resume:
         search_dir = Path(base.pop("out", None) or new_search_dir())
         if search_dir.exists() and (not search_dir.is_dir() or any(search_dir.iterdir())):
@@ -103,7 +111,8 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
         write_json(search_dir / "search.json", {
             "space": space, "base": base, "num_samples": num_samples, "scheduler": scheduler,
             "max_concurrent": max_concurrent, "metric": metric, "mode": mode, "grace_period": grace_period,
-            "reduction_factor": reduction_factor})
+            "reduction_factor": reduction_factor, "perturbation_interval": perturbation_interval,
+            "synch": synch})
     trainable = tune.with_resources(tune.with_parameters(Trial, base=base_r, search_dir=str(search_dir)),
                                     trial_resources(base_r))
     if resume:
@@ -111,14 +120,15 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
                                    resume_errored=False, restart_errored=False)
         log(f"rayconv.tune: resuming {search_dir}")
     else:
-        sched = tune.schedulers.ASHAScheduler(time_attr="training_iteration", max_t=MAX_T, grace_period=grace_period,
-                                              reduction_factor=reduction_factor) if scheduler == "asha" else None
+        sched = make_scheduler(scheduler, checked, grace_period, reduction_factor, perturbation_interval, synch)
         tuner = tune.Tuner(
             trainable, param_space=to_tune(checked),
             tune_config=tune.TuneConfig(metric=metric, mode=mode, num_samples=num_samples, scheduler=sched,
                                         max_concurrent_trials=max_concurrent, reuse_actors=False),
             run_config=tune.RunConfig(storage_path=str(search_dir), name="tune", verbose=0,
-                                      callbacks=list(callbacks), failure_config=tune.FailureConfig(max_failures=0)))
+                                      callbacks=list(callbacks), failure_config=tune.FailureConfig(max_failures=0),
+                                      # (each of Tune's checkpoints is a copy of a run's: PBT needs the newest)
+                                      checkpoint_config=tune.CheckpointConfig(num_to_keep=2)))
         log(f"rayconv.tune: {_grid_size(checked) * num_samples} trial(s), {scheduler}, metric {metric} ({mode}) "
             f"-> {search_dir}")
     grid = tuner.fit()
@@ -135,6 +145,28 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
         log(f"rayconv.tune: {len(unfinished)} trial(s) not done: continue with "
             f"`python -m rayconv.tune --resume {search_dir}`")
     return SearchResult(search_dir, metric, rows, best)
+
+
+def make_scheduler(scheduler: str, checked: dict[str, tuple[str, list]], grace_period: int, reduction_factor: int,
+                   perturbation_interval: int, synch: bool = False):
+    """Tune's scheduler: ASHA (cuts at evaluations), PBT (every ``perturbation_interval`` evaluations a
+    trial of the lowest quarter continues one of the top quarter's checkpoint with the space's
+    ``PBT_MUTABLE`` dimensions perturbed: x0.8 or x1.2, a neighbouring listed value, or a new draw;
+    ``synch``: each trial waits there for the others, stopped and restarted from its checkpoint), or
+    None (fifo)."""
+    from ray import tune
+
+    if scheduler == "asha":
+        return tune.schedulers.ASHAScheduler(time_attr="training_iteration", max_t=MAX_T, grace_period=grace_period,
+                                             reduction_factor=reduction_factor)
+    if scheduler == "pbt":
+        domains = to_tune(checked)
+        mutations = {n: (list(values) if kind in ("grid", "choice") else domains[n])
+                     for n, (kind, values) in checked.items() if n in PBT_MUTABLE}
+        return tune.schedulers.PopulationBasedTraining(time_attr="training_iteration",
+                                                       perturbation_interval=perturbation_interval,
+                                                       hyperparam_mutations=mutations, synch=synch)
+    return None
 
 
 def _grid_size(checked: dict[str, tuple[str, list]]) -> int:

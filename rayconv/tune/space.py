@@ -26,6 +26,10 @@ KINDS = ("grid", "choice", "uniform", "loguniform", "randint")
 # Flags a trial's folder and the search set (the search folder, a trial's resume, the cluster).
 NOT_SEARCHED = ("out", "resume", "address", "evaluate_only", "layout")
 MAX_CHECKED = 512  # samples checked one by one before trials start; above, each value alone
+# What PBT may change when a trial continues another's checkpoint: settings read afresh at each step
+# (the learning rate is passed per step; the loss and the augmentation are built from the settings),
+# not ones the optimizer's saved state brings back (momentum, weight decay) or the model's shape.
+PBT_MUTABLE = ("lr", "label_smoothing", "mixup_alpha", "cutmix_alpha", "random_erase")
 
 
 def read_space(text: str) -> dict[str, Any]:
@@ -164,3 +168,20 @@ def check_metric(metric: str, mode: str, base: dict[str, Any], space: dict[str, 
         raise ConfigError(f"--metric {metric} is a validation split's: give --val-split F, or rank by test_accuracy")
     if mode not in ("max", "min"):
         raise ConfigError(f"--mode {mode}: choose max or min")
+
+
+def pbt_base(base: dict[str, Any], space: dict[str, tuple[str, list]]) -> dict[str, Any]:
+    """``base`` for a PBT search of the checked ``space``: ``checkpoint_every`` set to ``eval_every``, so
+    that every evaluation Tune sees has its checkpoint, which another trial may continue. Raises
+    ConfigError: no ``PBT_MUTABLE`` dimension in the space, no ``--eval-every``, another ``--checkpoint-every``."""
+    if not any(name in PBT_MUTABLE for name in space):
+        raise ConfigError(f"--scheduler pbt perturbs {', '.join(flag(n) for n in PBT_MUTABLE)} when a trial continues "
+                          "another's checkpoint: search at least one of them in --space")
+    every = base.get("eval_every")
+    if not every:
+        raise ConfigError("--scheduler pbt continues trials from the checkpoint of an evaluation: give --eval-every N "
+                          "(the trials then checkpoint every N steps)")
+    if base.get("checkpoint_every") not in (None, 0, every):
+        raise ConfigError(f"--scheduler pbt checkpoints at each evaluation: drop --checkpoint-every "
+                          f"{base['checkpoint_every']} (or give it as --eval-every {every})")
+    return {**base, "checkpoint_every": every}

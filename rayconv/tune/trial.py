@@ -1,9 +1,10 @@
 """One trial of a search: a normal rayconv run in ``<search>/trial-<k>/``, driven by Ray Tune.
 
 ``Trial`` is a Tune class trainable: ``setup`` starts ``rayconv.driver.job.train_run`` in a thread of the
-trial's process, each evaluation's metrics (``on_eval``) become one Tune result (``step``), and the run
-waits there until Tune asks for the next result, so that a scheduler judges a trial at an evaluation
-and the trial trains no further meanwhile. When Tune ends the trial (ASHA's early stop, the search
+trial's process, each evaluation's metrics (``on_eval``) become one Tune result (``step``) once the
+step's checkpoint (if due) is written (``on_step``), and the run waits there until Tune asks for the
+next result, so that a scheduler judges a trial at an evaluation and the trial trains no further
+meanwhile. When Tune ends the trial (ASHA's early stop, the search
 interrupted), ``cleanup`` stops the run as Ctrl-C stops one on the command line (``errors.RunStopped``:
 actors stopped, config.json, metrics.parquet and a summary with status interrupted kept) and waits for
 it, before Tune removes the trial's placement group.
@@ -16,6 +17,13 @@ trial frees it all.
 A restarted trial (a resumed search) continues its run from the folder's newest checkpoint (with
 ``--checkpoint-every``); a folder without one is moved aside to ``trial-<k>.stopped-<n>`` and the run
 starts over.
+
+PBT (``save_checkpoint`` / ``load_checkpoint``): Tune's checkpoint of a trial is a copy of its run's
+newest checkpoint (the one of the evaluation it reported) and ``BRANCH`` naming the trial. A trial
+restored from another trial's (PBT's exploit, with its perturbed settings) moves its own folder aside
+(``trial-<k>.stopped-<n>``), puts that checkpoint into a fresh ``trial-<k>/checkpoints/`` with
+``BRANCH``, and continues from it as ``--resume`` does: the donor's steps and metrics rows up to there,
+then its own settings.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import json
 import queue
+import shutil
 import threading
 from pathlib import Path
 from typing import Any, Optional
@@ -33,10 +42,12 @@ from rayconv.cluster.connect import available_devices
 from rayconv.cluster.group import actor_bundle
 from rayconv.config import Config
 from rayconv.errors import RunStopped
+from rayconv.files import write_json
 from rayconv.flags import from_mapping
 from rayconv.outputs.checkpoint import latest_checkpoint
 
 STOP_WAIT_S = 120.0  # how long cleanup waits for a stopped run to record itself
+BRANCH = "tune-branch.json"  # {"folder": the trial whose checkpoint it is, "step": its step (None: none yet)}
 
 
 def trial_settings(base: dict[str, Any], sample: dict[str, Any], out: Optional[str] = None) -> Config:
@@ -88,6 +99,7 @@ class Trial(tune.Trainable):
         self.go = threading.Semaphore(0)
         self.stopping = False
         self.waiting = False        # the run is at an evaluation, waiting for ``go``
+        self.pending: Optional[dict[str, Any]] = None   # an evaluation's metrics, reported after its step
         self.thread: Optional[threading.Thread] = None
 
     # ------------------------------------------------------------------ the run, in its thread
@@ -97,11 +109,15 @@ class Trial(tune.Trainable):
         if folder.exists() and any(folder.iterdir()):
             if latest_checkpoint(folder) is not None:   # continued from its newest checkpoint
                 return from_mapping({**self.base, **self.sample, "out": str(folder), "resume": str(folder)}).validate()
-            n = 1
-            while folder.with_name(f"{folder.name}.stopped-{n}").exists():
-                n += 1
-            folder.rename(folder.with_name(f"{folder.name}.stopped-{n}"))
+            self._move_aside()
         return trial_settings(self.base, self.sample, str(folder))
+
+    def _move_aside(self) -> None:
+        """The trial's folder renamed ``trial-<k>.stopped-<n>`` (the first free n), kept whole."""
+        n = 1
+        while self.folder.with_name(f"{self.folder.name}.stopped-{n}").exists():
+            n += 1
+        self.folder.rename(self.folder.with_name(f"{self.folder.name}.stopped-{n}"))
 
     def _log(self, line: str) -> None:
         with open(self.log_path, "a") as f:
@@ -110,15 +126,22 @@ class Trial(tune.Trainable):
     def _on_eval(self, row: dict[str, Any], total_steps: int) -> None:
         metrics = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k not in ("kind",)}
         metrics["steps"] = total_steps
-        final = row["step"] + 1 >= total_steps
-        self.results.put(("final" if final else "eval", metrics))
-        if final:     # the run goes on to write model.pt and its summary
+        if row["step"] + 1 >= total_steps:   # the run goes on to write model.pt and its summary
+            self.results.put(("final", metrics))
+        else:
+            self.pending = metrics
+
+    def _on_step(self, actor_group, step: int) -> None:
+        """After a step's evaluation and its checkpoint: the evaluation reported, then the wait for Tune."""
+        if self.pending is None:
             return
+        metrics, self.pending = self.pending, None
+        self.results.put(("eval", metrics))
         self.waiting = True
         self.go.acquire()
         self.waiting = False
         if self.stopping:
-            raise RunStopped(f"Tune ended the trial after step {row['step']} (early stop or the search's end)")
+            raise RunStopped(f"Tune ended the trial after step {step} (early stop or the search's end)")
 
     def _run(self) -> None:
         from rayconv.driver.job import train_run
@@ -131,7 +154,7 @@ class Trial(tune.Trainable):
                 self.results.put(("final", {k: v for k, v in summary.items() if isinstance(v, (int, float))}))
             else:
                 cfg = self._settings()
-                summary = train_run(cfg, log=self._log, on_eval=self._on_eval)
+                summary = train_run(cfg, log=self._log, on_step=self._on_step, on_eval=self._on_eval)
             self.results.put(("done", summary))
         except RunStopped as e:
             self.results.put(("stopped", str(e)))
@@ -157,13 +180,37 @@ class Trial(tune.Trainable):
             raise TrialFailed(payload)
         raise TrialFailed(f"the run ended without finishing: {payload}")
 
-    def save_checkpoint(self, checkpoint_dir: str) -> dict[str, Any]:
-        """Tune's checkpoint of the trial names its run folder only: the run's own checkpoints
-        (``--checkpoint-every``) are what a restarted trial continues from."""
-        return {"folder": str(self.folder)}
+    def save_checkpoint(self, checkpoint_dir: str) -> None:
+        """Tune's checkpoint of the trial: a copy of its run's newest checkpoint and ``BRANCH`` (module
+        docstring). Tune calls it between results, while the run waits at an evaluation."""
+        newest = latest_checkpoint(self.folder) if self.folder.is_dir() else None
+        if newest is not None:
+            try:
+                shutil.copytree(newest, Path(checkpoint_dir) / "checkpoints" / newest.name)
+            except OSError:   # (deleted as the run wrote a newer one: Tune asked mid-step) no branch from this
+                newest = None
+        write_json(Path(checkpoint_dir) / BRANCH, {"folder": str(self.folder),
+                                                   "step": int(newest.name.split("-")[1]) if newest else None})
 
-    def load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        pass
+    def load_checkpoint(self, checkpoint: Any) -> None:
+        """Restored from Tune's checkpoint ``checkpoint`` (a folder): its own, nothing to do (the run
+        continues from its folder); another trial's, branch from it (module docstring)."""
+        src = Path(checkpoint) if isinstance(checkpoint, (str, Path)) else None
+        if src is None or not (src / BRANCH).is_file():
+            return
+        mark = json.loads((src / BRANCH).read_text())
+        here = self.folder / BRANCH
+        if mark["step"] is None or mark["folder"] == str(self.folder) or (
+                here.is_file() and json.loads(here.read_text()) == mark):   # (branched before: a resumed search)
+            return
+        if self.folder.exists():
+            self._move_aside()
+        step_dir = f"step-{mark['step']}"
+        shutil.copytree(src / "checkpoints" / step_dir, self.folder / "checkpoints" / step_dir)
+        write_json(here, mark)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log(f"rayconv.tune: continues {Path(mark['folder']).name}'s checkpoint of step {mark['step']} with "
+                  + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.sample.items()))
 
     def cleanup(self) -> None:
         """Stop the run if it is still going (as Ctrl-C would) and wait for it to record itself."""

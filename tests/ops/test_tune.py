@@ -1,5 +1,6 @@
-"""One search on the shared 4-CPU cluster: trials of dp2 in their own placement groups, ASHA's early
-stop, a failed trial, an interrupted search resumed (``rayconv.tune``)."""
+"""Searches on the shared 4-CPU cluster (``rayconv.tune``): trials of dp2 in their own placement groups,
+ASHA's early stop, a failed trial, an interrupted search resumed; PBT's exploit (a trial continuing
+another's checkpoint)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,35 @@ def test_search_asha_failure_resume(ray_cluster, tmp_path):
     saved = json.loads((found.search_dir / "results.json").read_text())
     assert saved["best"]["trial"] == found.best["trial"] and len(saved["trials"]) == 4
     assert (found.search_dir / "results.csv").read_text().count("\n") == 5
+
+
+def test_pbt_trial_continues_a_better_trials_checkpoint(ray_cluster, tmp_path):
+    # At the first evaluation (synchronous PBT: whichever trial gets there first waits for the other) the
+    # trial with the lower test accuracy continues the other's checkpoint, its lr perturbed.
+    from rayconv.outputs.metrics import read_rows
+
+    base = {"dp": 1, "steps": 20, "eval_every": 10, "global_batch_size": 96, "out": str(tmp_path / "p"),
+            "metrics": False, "progress": False}
+    found = tune.search({"lr": {"grid": [0.2, 1e-4]}}, base, scheduler="pbt", perturbation_interval=1, synch=True,
+                        max_concurrent=2)
+    assert [r["status"] for r in found.rows] == ["finished", "finished"], found.rows
+    marks = sorted(found.search_dir.glob("trial-*/tune-branch.json"))
+    assert len(marks) == 1 and list(found.search_dir.glob("trial-*.stopped-1")), marks   # the run before it kept
+    for path in marks:
+        mark, receiver = json.loads(path.read_text()), path.parent
+        assert mark["folder"] != str(receiver) and mark["step"] == 10, mark   # (the checkpoint of that evaluation)
+        row = next(r for r in found.rows if r["trial"] == receiver.name)
+        assert json.loads((receiver / "config.json").read_text())["lr"] == row["lr"]   # (the settings it went on with)
+        summary = json.loads((receiver / "summary.json").read_text())
+        assert summary["status"] == "finished" and summary["steps_done"] == 20
+        assert summary["resumed_from"].endswith(f"checkpoints/step-{mark['step']}")
+        # its rows up to the branch are the donor's; its own run up to there (kept aside) scored no better
+        def before(folder):
+            rows = read_rows((folder / "metrics.parquet").read_bytes())
+            return [(r["kind"], r["step"], r["loss"], r["test_accuracy"]) for r in rows if r["step"] < mark["step"]]
+        donor = found.search_dir / mark["folder"].rsplit("/", 1)[-1]
+        assert before(receiver) == before(donor) and before(donor)
+        own = before(receiver.with_name(f"{receiver.name}.stopped-1"))   # its own run up to there
+        assert own != before(donor) and own[-1][0] == "eval" and own[-1][3] <= before(donor)[-1][3]
+        log = (found.search_dir / "logs" / f"{receiver.name}.log").read_text()
+        assert f"continues {donor.name}'s checkpoint of step {mark['step']}" in log

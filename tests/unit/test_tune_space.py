@@ -46,7 +46,7 @@ def test_metric_defaults_and_refusals():
     assert check_options({}, {}, 1, "asha", 2, None, None) == ("test_accuracy", "max")
     assert check_options({}, {}, 1, "fifo", None, "test_loss", None) == ("test_loss", "min")
     for args, words in [((0, "asha", 2, None, None), "--num-samples must be >= 1"),
-                        ((1, "pbt", 2, None, None), "--scheduler pbt"),
+                        ((1, "hyperband", 2, None, None), "--scheduler hyperband: choose asha"),
                         ((1, "asha", 0, None, None), "--max-concurrent must be >= 1"),
                         ((1, "asha", 2, "val_accuracy", None), "--metric val_accuracy is a validation split's"),
                         ((1, "asha", 2, "accuracy", None), "--metric accuracy: choose")]:
@@ -83,3 +83,18 @@ def test_trial_bundles_and_gpu_share():
     problem = gpu_share_problem(40.0, 0.25, 140.0)
     assert "gives each actor 35 GiB" in problem and "at least 0.29" in problem and "\n" not in problem
     assert json.dumps(problem)
+
+
+def test_pbt_checkpoints_at_each_evaluation_and_perturbs_only_what_a_resume_reads_anew():
+    from rayconv.tune.space import pbt_base
+
+    space = check_space({"lr": {"grid": [0.1, 0.2]}, "opt": {"choice": ["sgd", "lars"]}}, {})
+    assert pbt_base({"eval_every": 10}, space) == {"eval_every": 10, "checkpoint_every": 10}
+    assert pbt_base({"eval_every": 10, "checkpoint_every": 10}, space)["checkpoint_every"] == 10
+    for base, sp, words in [({"eval_every": 10}, check_space({"momentum": {"grid": [0.8, 0.9]}}, {}),
+                             "search at least one of them"),
+                            ({}, space, "give --eval-every N"),
+                            ({"eval_every": 10, "checkpoint_every": 5}, space, "drop --checkpoint-every 5")]:
+        with pytest.raises(ConfigError, match=words) as e:
+            pbt_base(base, sp)
+        assert "\n" not in str(e.value)
