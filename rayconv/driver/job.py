@@ -78,8 +78,11 @@ def start_actors(run: Run, ckpt: Optional[Checkpoint]) -> ActorGroup:
     actor_group = start_group(Actor, s.cfg, s.mesh, s.run_name, timeout_s=s.cfg.max_wait)
     try:
         mark("actors_alive")
+        change_mark = run.elastic.mark if run.elastic else (lambda phase: None)   # (a change's phases)
+        change_mark("actors_alive")
         run.actor_reports = build_actors(actor_group, s.mesh, s.routing, s.sharding, run.call_timeout_s)
         mark("actors_set_up")
+        change_mark("actors_set_up")
         run.startup.mark_actors(run.actor_reports)
         decode = held_decode(run.actor_reports)
         if decode is not None:
@@ -89,6 +92,7 @@ def start_actors(run: Run, ckpt: Optional[Checkpoint]) -> ActorGroup:
         if ckpt is not None:
             actor_group.call_each("load_rank_file", [(rank_file_for(ckpt, s.mesh, r), ckpt.step) for r in range(s.mesh.world_size)],
                            timeout_s=run.call_timeout_s)
+            change_mark("checkpoint_loaded")
     except BaseException:
         actor_group.kill()
         raise

@@ -146,6 +146,10 @@ def test_elastic_dp4_shrinks_grows_and_loses_no_step(two_nodes, tmp_path, monkey
     assert "was lost" in whys[0] and whys[1] == "actor dp1 got SIGTERM" and whys[2] == "devices came back"
     assert whys[3].endswith("is draining") and "dp0 (rank 0) was lost" in whys[4]
     assert all(c["seconds_lost"] > 0 for c in summary["layout_changes"])
+    for c in summary["layout_changes"]:   # where the seconds went: each phase done, in order, the last the step
+        times = list(c["phases"].values())
+        assert times == sorted(times) and c["phases"]["first_step"] == c["seconds_lost"], c
+        assert {"devices_free", "actors_alive", "actors_set_up"} <= set(c["phases"]), c
     said = [x for x in lines if x.startswith("rayconv: step ") and "-> " in x]
     assert len(said) == 5 and said[0].startswith("rayconv: step 2: layout dp4 -> dp2 (actor "), said
     assert summary["layout"]["dp"] == 2 and summary["failures_recovered"] == 2

@@ -79,3 +79,9 @@ def test_below_the_minimum_waits_then_stops_with_one_line_and_the_checkpoint_kep
     assert run_cli.main(["--dp", "4", "--elastic", "3", "--checkpoint-every", "2", "--out", str(out / "x")]) == 2
     assert capsys.readouterr().err == f"rayconv: error: {msg}\n"
 
+
+
+def test_a_changes_phases_read_as_the_seconds_each_took():
+    from rayconv.driver.elastic import phase_words
+    got = phase_words({"devices_free": 1.0, "actors_alive": 4.5, "actors_set_up": 7.0, "first_step": 7.25})
+    assert got == "stopped, devices free 1.0 s, actors started 3.5 s, set up 2.5 s, first step 0.2 s"
