@@ -1,7 +1,8 @@
 """A run's setup, done once before the actors' setup: checks, data, model, layout, routing, output folder.
 
 The settings themselves (also for a ``Config`` made in Python), a ``--resume`` checkpoint's files and
-the output folder are checked first, before Ray: pure Python, milliseconds. The checks that need no
+steps left, a user's ``--model`` found and the output folder are checked first, before Ray:
+milliseconds. The checks that need no
 cluster but take longer (the model name, ``--max-memory-gib``, the data, the model's training output,
 the learning-rate warm-up against the run's length, the layout against the model, the checkpoint
 against the run) come before Ray too when nothing is to start meanwhile (``resolve_on_cluster``
@@ -43,6 +44,7 @@ from rayconv.errors import CheckpointError, ConfigError
 from rayconv.mesh import Mesh
 from rayconv.models import RAYCONV_MODELS, build_model, check_trainable, model_names, run_model
 from rayconv.models.user import is_user_model, model_label, resolve
+from rayconv.models.weights import init_file
 from rayconv.outputs.checkpoint import Checkpoint, check_resumable, find_checkpoint, list_checkpoints, load_checkpoint
 from rayconv.parallel.routing import Routing, make_routing
 from rayconv.planner.layer_timing import measured_costs
@@ -88,6 +90,7 @@ def resolve_run(cfg: Config, log=print, on_layout=None) -> ResolvedRun:
     check_job_output(cfg.out)
     out = Path(cfg.out).absolute()  # (the header, the summary and the messages name it in full)
     check_output_folder(out, resume)
+    check_named(cfg, resume)
     predicted = None
     if cfg.layout == "auto":
         cfg, predicted = choose_layout(cfg, log)
@@ -100,6 +103,19 @@ def resolve_run(cfg: Config, log=print, on_layout=None) -> ResolvedRun:
     return ResolvedRun(cfg=cfg, mesh=mesh, routing=routing, source=source, sharding=sharding, total_steps=steps,
                  eval_every=cfg.eval_every or sharding.steps_per_epoch, out=out, run_name=run_name,
                  resume=resume, predicted=predicted, t_start=t_start, data_dir=data_dir)
+
+
+def check_named(cfg: Config, resume: Optional[Checkpoint]) -> None:
+    """The checks of what the settings name that take milliseconds, before Ray: a user's ``--model``
+    found (its file, module and function: imported, with the torch the driver imported already), the
+    ``--init`` file found, and a ``resume`` checkpoint with a step left before ``--steps``. Raises
+    ConfigError / CheckpointError."""
+    if is_user_model(cfg.model):
+        resolve(cfg.model)
+    if cfg.init:
+        init_file(cfg.init)
+    if resume is not None and cfg.steps:  # (with --epochs the run's length needs the data's size)
+        check_steps_left(resume, cfg.steps)
 
 
 def with_cudnn_benchmark(cfg: Config, steps: int) -> Config:
