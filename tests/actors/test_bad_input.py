@@ -143,6 +143,7 @@ def test_one_class_folder_without_images(ray_cluster, tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers, out_exists, on_device", [(0, False, "auto"), (2, True, "off"), (2, False, "on")])
 def test_corrupt_image_names_the_file(ray_cluster, tmp_path, capsys, workers, out_exists, on_device):
     """Only an actor decoding the file finds it: the run stops with the file's path (the loader's batch

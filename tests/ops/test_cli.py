@@ -27,6 +27,7 @@ def placement_group_names() -> set[str]:
     return {pg["name"] for pg in ray.util.placement_group_table().values()}
 
 
+@pytest.mark.slow
 def test_main_job_as_the_readme_says(ray_cluster, tmp_path):
     """``python -m rayconv.run --out DIR`` and nothing else: digits, convnet, a local Ray cluster of its own.
 

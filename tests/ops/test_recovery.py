@@ -66,6 +66,7 @@ def straight_run(tmp_path: Path) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_cleanly(ray_cluster, tmp_path):
     out = tmp_path / "interrupted"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -108,6 +109,7 @@ def test_ctrl_c_stops_cleanly(ray_cluster, tmp_path):
     straight_run(tmp_path)
 
 
+@pytest.mark.slow
 def test_killed_actor_is_recovered_from_the_last_checkpoint(ray_cluster, tmp_path):
     straight = _STRAIGHT.get("out") or straight_run(tmp_path)
 
@@ -126,6 +128,7 @@ def test_killed_actor_is_recovered_from_the_last_checkpoint(ray_cluster, tmp_pat
     assert steps == list(range(STEPS))  # the replayed step is not counted twice
 
 
+@pytest.mark.slow
 def test_killed_actor_without_recovery_ends_the_job(ray_cluster, tmp_path):
     out = tmp_path / "dies"
     t0 = time.monotonic()
@@ -138,6 +141,7 @@ def test_killed_actor_without_recovery_ends_the_job(ray_cluster, tmp_path):
     assert load_checkpoint(out).step == 2
 
 
+@pytest.mark.slow
 def test_stuck_collective_fails_after_the_collective_timeout(ray_cluster, tmp_path):
     """An actor that stops (SIGSTOP) leaves its peer waiting in the gradient all-reduce: the peer's
     collective times out after --collective-timeout-s and the job fails naming an actor, no hang."""
