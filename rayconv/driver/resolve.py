@@ -155,7 +155,12 @@ def resolve_on_cluster(cfg: Config, log=print, resume: Optional[Checkpoint] = No
     startup.mark("ray")
     if startup.current() is not None:
         startup.current().ray = how
-    cfg, mesh = resolve_layout(cfg, log)
+    try:
+        cfg, mesh = resolve_layout(cfg, log)
+    except ConfigError:
+        if early:   # (a layout the model cannot take is refused as that, not as one the cluster lacks)
+            check_before_ray(given, resume)
+        raise
     if early:
         on_layout(cfg, mesh)
         source, sharding, reference, checked = check_before_ray(given, resume)

@@ -168,6 +168,7 @@ def test_dp2_pp2_checkpoint_resumes_under_any_layout(dp2_pp2, argv, layout, tmp_
     assert tuple(summary["layout"][k] for k in ("dp", "pp", "fs")) == layout
 
 
+@pytest.mark.slow   # (its fixture: the dp2 x pp2 run)
 @pytest.mark.parametrize("argv, words", [
     (["--dp", "1", "--pp", "13"], ["--pp"]),          # more stages than the model's 12 layers
     (["--dp", "1", "--fs", "33"], ["conv1's 32 output channels", "at most 32"]),
