@@ -79,6 +79,7 @@ def test_a_layout_past_its_call_limit_is_stopped_noted_and_the_bench_goes_on(ray
     assert pq.read_table(bench_run(tmp_path) / "bench.parquet").to_pylist()[1]["images_per_s"] > 0
 
 
+@pytest.mark.slow   # (the bench run it reads, when the call-limit test did not make it)
 def test_bench_writes_table_chart_and_anchor_ratios(ray_cluster, tmp_path):
     out = _BENCH.get("out") or bench_run(tmp_path)
     table = pq.read_table(out / "bench.parquet")
