@@ -9,9 +9,10 @@ device) and their CUDA-graph capture are placed on the driver's clock from what 
                 start and every import count) or "fit call" (``rayconv.fit``, or the command where
                 /proc is absent: the monotonic stamp taken when ``rayconv.run`` was imported)
     phases      name -> seconds since the origin at which the phase ended, in the order they ended:
-                imports (the driver's modules), data (the driver's checks: the data's metadata, the
-                model, the plan), ray (connected or started; ``ray`` says which), actors_alive (their
-                processes started and imported), model_built, optimizer_built, data_on_device (the
+                imports (the driver's modules), ray (connected or started; ``ray`` says which), data
+                (the driver's checks: the data's metadata, the model, the plan; before ray where the
+                actors cannot start during them, ``driver.early``), actors_alive (their processes
+                started and imported), model_built, optimizer_built, data_on_device (the
                 slowest actor's, inside its setup), actors_set_up, first_step, graphs_captured (CUDA)
     slowest     {"phase", "s"}: the longest stretch between two consecutive marks up to the first step
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
 from typing import Any, Optional
 
@@ -34,7 +35,7 @@ import ray
 import torch
 
 from rayconv.actor import report, state, step as train
-from rayconv.actor.build import ActorState, build_actor
+from rayconv.actor.build import ActorState, _pick_device, build_actor
 from rayconv.actor.rss import RssSampler
 from rayconv.config import Config
 from rayconv.data.source import Sharding
@@ -58,6 +59,11 @@ class Actor:
         self.preempted = False   # --elastic: SIGTERM taken; the next step's result says so
         if self.cfg.elastic is not None:
             self._take_sigterm()
+        # What ``build`` needs first and costs seconds, done while the driver still checks and plans:
+        # torch._dynamo's import (torch.optim's first optimizer imports it) and, on a GPU, the CUDA
+        # context. ``build`` waits for it before it starts, so no import runs in two threads at once.
+        self._warm = threading.Thread(target=_warm_up, args=(self.cfg,), name="rayconv-warm-up", daemon=True)
+        self._warm.start()
 
     def _take_sigterm(self) -> None:
         """--elastic: SIGTERM (a spot notice, a drain, ``kill``) sets ``preempted`` instead of ending the
@@ -86,11 +92,16 @@ class Actor:
             port = s.getsockname()[1]
         return f"{ray.util.get_node_ip_address()}:{port}"
 
-    def build(self, rank: int, master: str, routing: Routing, sharding: Sharding) -> dict[str, Any]:
+    def build(self, rank: int, master: str, routing: Routing, sharding: Sharding,
+              cfg: Optional[dict[str, Any]] = None) -> dict[str, Any]:
         """Join the process groups, build this actor's part of the model, its optimizer and the rest of
-        its state (``build.build_actor``). Returns parameters held (count) and the device. Raises what
-        data and model loading raise."""
+        its state (``build.build_actor``), under ``cfg`` (the run's settings as resolved once the driver's
+        checks ended, ``Config.to_dict``; None: those the actor was created with). Returns parameters
+        held (count) and the device. Raises what data and model loading raise."""
         t0 = time.perf_counter()
+        self._warm.join()
+        if cfg is not None:
+            self.cfg = Config(**cfg)
         self.a = build_actor(self.cfg, self.run_name, self.role, rank, master, routing, sharding)
         self.a.startup["setup"] = time.perf_counter() - t0  # (the run's start-up record)
         return self.a.report()
@@ -184,3 +195,15 @@ class Actor:
         if self.a is not None and self.a.sync is not None:
             self.a.sync.close()
         comm.destroy()
+
+
+def _warm_up(cfg: Config) -> None:
+    """Import torch._dynamo and, with ``--device cuda``, make this actor's CUDA context (on the GPU
+    ``build`` picks), ahead of ``build``. A failure here is left for ``build`` to meet and report."""
+    try:
+        import torch._dynamo  # noqa: F401
+
+        if cfg.device == "cuda":
+            torch.zeros(1, device=_pick_device(cfg))
+    except Exception:  # noqa: BLE001 - build reports it
+        pass

@@ -71,6 +71,9 @@ class ActorGroup:
     info: list[dict[str, Any]]
     first_bundle: int = 0   # the actors' bundles are pg's first_bundle .. first_bundle + len(actors) - 1
     owns_pg: bool = True    # False: a placement group given to the run (a Tune trial's), not removed here
+    # a start not waited for yet (``create_actors(wait=False)``): (their ``whereami`` call, the monotonic
+    # deadline, the start-up limit to name); ``wait_started`` collects it into ``info``
+    starting: Optional[tuple[Any, float, float]] = None
 
     def call(self, method: str, *args, ranks: Optional[Sequence[int]] = None, timeout_s: Optional[float] = None):
         """Call ``method(*args)`` on the actors (all, or ``ranks``); results in rank order (see ``call_each``)."""
@@ -134,6 +137,19 @@ class ActorGroup:
                                    recoverable=lost or _is_collective_failure(err)) from None
         return ray.get(refs)
 
+    def wait_started(self) -> None:
+        """Wait until the actors of a start not waited for (``start_group(wait=False)``) run, and fill
+        ``info``; nothing when there is none. Raises ClusterError past the start-up limit (the actors
+        and the placement group are removed)."""
+        if self.starting is None:
+            return
+        (call, deadline, limit_s), self.starting = self.starting, None
+        try:
+            self.info = self.collect(call, timeout_s=max(0.0, deadline - time.monotonic()))
+        except CallTimeout:
+            raise ClusterError(f"the {len(self.actors)} actors did not start within {limit_s:g} s (--max-wait; "
+                               "their processes start and import torch, slowly on a loaded machine): raise --max-wait") from None
+
     def __enter__(self) -> "ActorGroup":
         return self
 
@@ -155,19 +171,23 @@ class ActorGroup:
             pass
 
 
-def start_group(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, timeout_s: float = 120.0) -> ActorGroup:
+def start_group(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, timeout_s: float = 120.0,
+                wait: bool = True) -> ActorGroup:
     """Reserve one bundle per actor, start the actors (``actor_cls``, see ``create_actors``), named
     ``rayconv/<run>/<role>`` in rank order.
 
     ``timeout_s`` (``--max-wait``) bounds the whole start-up: reserving the bundles (waiting for free
-    resources) and the actors' processes starting and importing torch. Raises ClusterError saying
-    which of the two ran out and that --max-wait raises it, or naming a Ray error at start (one line)."""
+    resources) and the actors' processes starting and importing torch. ``wait`` False: return once
+    the actors are created, their processes still starting (``ActorGroup.wait_started`` waits, within
+    the same limit). Raises ClusterError saying which of the two ran out and that --max-wait raises
+    it, or naming a Ray error at start (one line)."""
     deadline = time.monotonic() + timeout_s
     given = given_group(cfg, mesh)
     if given is not None:   # a Tune trial's group: its bundles are this run's
-        return create_actors(actor_cls, cfg, mesh, run_name, given[0], timeout_s, first_bundle=given[1])
+        return create_actors(actor_cls, cfg, mesh, run_name, given[0], timeout_s, first_bundle=given[1], wait=wait)
     pg = reserve(cfg, mesh, run_name, timeout_s)
-    return create_actors(actor_cls, cfg, mesh, run_name, pg, max(0.0, deadline - time.monotonic()), limit_s=timeout_s)
+    return create_actors(actor_cls, cfg, mesh, run_name, pg, max(0.0, deadline - time.monotonic()), limit_s=timeout_s,
+                         wait=wait)
 
 
 def actor_bundle(cfg: Config) -> dict[str, float]:
@@ -217,12 +237,12 @@ def reserve(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float) -> Any:
 
 
 def create_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: Any, timeout_s: float,
-                 limit_s: Optional[float] = None, first_bundle: Optional[int] = None) -> ActorGroup:
+                 limit_s: Optional[float] = None, first_bundle: Optional[int] = None, wait: bool = True) -> ActorGroup:
     """Start one ``actor_cls`` actor per bundle of ``pg`` (from ``first_bundle`` on, when given: a group
     this run does not own, left to its owner) and wait up to ``timeout_s`` seconds for them
-    to run (part of the start-up limit ``limit_s``, named in the error). ``actor_cls(cfg.to_dict(),
-    run_name, role)`` makes an actor; it must have ``whereami()``. Raises ClusterError; on failure the
-    actors and ``pg`` are removed."""
+    to run (part of the start-up limit ``limit_s``, named in the error; ``wait`` False: that wait is
+    ``wait_started``'s). ``actor_cls(cfg.to_dict(), run_name, role)`` makes an actor; it must have
+    ``whereami()``. Raises ClusterError; on failure the actors and ``pg`` are removed."""
     gpu, bundle = cfg.device == "cuda", actor_bundle(cfg)
     owns, first_bundle = first_bundle is None, first_bundle or 0
     deadline = time.monotonic() + timeout_s
@@ -255,11 +275,9 @@ def create_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: A
             raise ClusterError(f"Ray could not start the actors of run {run_name}: {first_line(e)}") from None
         raise
     actor_group = ActorGroup(actors, roles, pg, [], first_bundle, owns)
-    try:
-        actor_group.info = actor_group.call("whereami", timeout_s=max(0.0, deadline - time.monotonic()))
-    except CallTimeout:
-        raise ClusterError(f"the {mesh.world_size} actors did not start within {limit_s or timeout_s:g} s (--max-wait; "
-                           "their processes start and import torch, slowly on a loaded machine): raise --max-wait") from None
+    actor_group.starting = (actor_group.submit("whereami"), deadline, limit_s or timeout_s)
+    if wait:
+        actor_group.wait_started()
     return actor_group
 
 

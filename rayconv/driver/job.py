@@ -24,6 +24,7 @@ from rayconv.cluster.group import ActorGroup, start_group
 from rayconv.config import Config
 from rayconv.data.source import Sharding
 from rayconv.driver import elastic
+from rayconv.driver.early import EarlyActors
 from rayconv.driver.finish import export, finish, finish_evaluation, held_decode, recording_stop, writing_into
 from rayconv.driver.loop import Run, train
 from rayconv.driver.progress import log_header
@@ -49,7 +50,15 @@ def train_run(cfg: Config, log=print, on_step=None, on_eval=None) -> dict[str, A
     made it and it holds no result yet (a checkpoint or metrics.parquet); results are never deleted.
     """
     claim().mark("imports")                            # the start-up clock (rayconv.startup)
-    resolved = resolve_run(cfg, log)                   # nothing written yet; the settings resolved
+    early = EarlyActors()   # started once the layout is known, while the slower checks run (early.py)
+    try:
+        return _train(cfg, early, log, on_step, on_eval)
+    finally:
+        early.kill()        # (a refusal after they started: nothing is left on the cluster)
+
+
+def _train(cfg: Config, early: EarlyActors, log, on_step, on_eval) -> dict[str, Any]:
+    resolved = resolve_run(cfg, log, on_layout=early.start)   # nothing written yet; the settings resolved
     run = Run(resolved, log, on_step, on_eval)
     elastic.attach(run)                                # --elastic: re-plans after a loss, grows back (elastic.py)
     # SIGTERM stops the run as Ctrl-C does; a stop leaves the steps' metrics and a summary saying how
@@ -62,7 +71,8 @@ def train_run(cfg: Config, log=print, on_step=None, on_eval=None) -> dict[str, A
         while True:
             try:
                 # (Ctrl-C is recorded before the actors are stopped: that can wait on a cluster going down too)
-                with start_actors(run, ckpt) as actor_group, recording_stop(run, KeyboardInterrupt):
+                with start_actors(run, ckpt, early.take(run.resolved.mesh)) as actor_group, \
+                        recording_stop(run, KeyboardInterrupt):
                     if resolved.cfg.evaluate_only:
                         return finish_evaluation(run, actor_group)
                     train(run, actor_group, start=ckpt.step if ckpt is not None else 0)
@@ -71,16 +81,18 @@ def train_run(cfg: Config, log=print, on_step=None, on_eval=None) -> dict[str, A
                 ckpt = run.elastic.recover(e, run, recover_or_raise) if run.elastic else recover_or_raise(e, run)
 
 
-def start_actors(run: Run, ckpt: Optional[Checkpoint]) -> ActorGroup:
-    """Start the actors (within --max-wait), set them up and load ``ckpt`` (and its metrics rows) if
-    given. Raises ClusterError; the actors are stopped on any failure."""
+def start_actors(run: Run, ckpt: Optional[Checkpoint], started: Optional[ActorGroup] = None) -> ActorGroup:
+    """Start the actors (within --max-wait; ``started``: those started early, ``driver.early``), set them
+    up under the run's resolved settings and load ``ckpt`` (and its metrics rows) if given. Raises
+    ClusterError; the actors are stopped on any failure."""
     s = run.resolved
-    actor_group = start_group(Actor, s.cfg, s.mesh, s.run_name, timeout_s=s.cfg.max_wait)
+    actor_group = started if started is not None else start_group(Actor, s.cfg, s.mesh, s.run_name, timeout_s=s.cfg.max_wait)
     try:
+        actor_group.wait_started()
         mark("actors_alive")
         change_mark = run.elastic.mark if run.elastic else (lambda phase: None)   # (a change's phases)
         change_mark("actors_alive")
-        run.actor_reports = build_actors(actor_group, s.mesh, s.routing, s.sharding, run.call_timeout_s)
+        run.actor_reports = build_actors(actor_group, s.mesh, s.routing, s.sharding, run.call_timeout_s, s.cfg)
         mark("actors_set_up")
         change_mark("actors_set_up")
         run.startup.mark_actors(run.actor_reports)
@@ -99,12 +111,15 @@ def start_actors(run: Run, ckpt: Optional[Checkpoint]) -> ActorGroup:
     return actor_group
 
 
-def build_actors(actor_group: ActorGroup, mesh: Mesh, routing: Routing, sharding: Sharding, timeout_s: float) -> list[dict[str, Any]]:
+def build_actors(actor_group: ActorGroup, mesh: Mesh, routing: Routing, sharding: Sharding, timeout_s: float,
+                 cfg: Optional[Config] = None) -> list[dict[str, Any]]:
     """Each actor's ``build``: process groups (rank 0's address the rendezvous), its part of the model
-    cut from the routing, the optimizer, the train sharding it reads by. Returns their reports in
-    rank order."""
+    cut from the routing, the optimizer, the train sharding it reads by, under ``cfg`` (None: the
+    settings the actors were started with). Returns their reports in rank order."""
     master = actor_group.call("free_address", ranks=[0], timeout_s=timeout_s)[0]
-    return actor_group.call_each("build", [(r, master, routing, sharding) for r in range(mesh.world_size)], timeout_s=timeout_s)
+    settings = None if cfg is None else cfg.to_dict()
+    return actor_group.call_each("build", [(r, master, routing, sharding, settings) for r in range(mesh.world_size)],
+                                 timeout_s=timeout_s)
 
 
 def launch(cfg: Config, mesh: Mesh, routing: Routing, sharding: Sharding, run_name: str,

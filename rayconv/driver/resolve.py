@@ -1,12 +1,14 @@
-"""A run's setup, done once before any actor starts: checks, data, model, layout, routing, output folder.
+"""A run's setup, done once before the actors' setup: checks, data, model, layout, routing, output folder.
 
-Everything that needs no cluster is checked first (the settings themselves, also for a ``Config`` made
-in Python; the model name, ``--max-memory-gib``, the data, the model's training output, the
-learning-rate warm-up against the run's length, the layout against the model, a ``--resume``
-checkpoint against the run), so
-that a user's mistake costs no Ray start. Then Ray is connected, the device and ``dp`` are resolved
-against the cluster, and the routing (``parallel.routing.make_routing``) is built for the
-resolved mesh. Each resolution makes a new, validated ``Config`` (``dataclasses.replace``); the result
+The settings themselves (also for a ``Config`` made in Python), a ``--resume`` checkpoint's files and
+steps left, a user's ``--model`` found and the output folder are checked first, before Ray:
+milliseconds. The checks that need no
+cluster but take longer (the model name, ``--max-memory-gib``, the data, the model's training output,
+the learning-rate warm-up against the run's length, the layout against the model, the checkpoint
+against the run) come before Ray too when nothing is to start meanwhile (``resolve_on_cluster``
+without ``on_layout``); a run (``resolve_run`` with ``on_layout``) first connects Ray and resolves the
+device and ``dp``, has its actors started (``driver.early``: their processes import torch meanwhile),
+then checks. Then the routing (``parallel.routing.make_routing``) is built for the resolved mesh. Each resolution makes a new, validated ``Config`` (``dataclasses.replace``); the result
 is one frozen ``ResolvedRun`` that the loop, the checkpoints and the summary read.
 """
 
@@ -33,6 +35,7 @@ from rayconv.data.order import make_order
 from rayconv.data.registry import make_source
 from rayconv.data.small import HeldSource, decide_auto, held_bytes
 from rayconv.data.source import Sharding, Source
+from rayconv.driver.early import needs_devices
 from rayconv.driver.lr import check_schedule, total_steps
 
 from rayconv import startup
@@ -41,6 +44,7 @@ from rayconv.errors import CheckpointError, ConfigError
 from rayconv.mesh import Mesh
 from rayconv.models import RAYCONV_MODELS, build_model, check_trainable, model_names, run_model
 from rayconv.models.user import is_user_model, model_label, resolve
+from rayconv.models.weights import init_file
 from rayconv.outputs.checkpoint import Checkpoint, check_resumable, find_checkpoint, list_checkpoints, load_checkpoint
 from rayconv.parallel.routing import Routing, make_routing
 from rayconv.planner.layer_timing import measured_costs
@@ -73,10 +77,12 @@ class ResolvedRun:
         return dataclasses.replace(self.cfg, data_dir=self.data_dir)
 
 
-def resolve_run(cfg: Config, log=print) -> ResolvedRun:
-    """Check and resolve everything a run needs before its actors start (see the module docstring).
-    Nothing is written. Raises ConfigError / DataError / LayoutError / CheckpointError / FileExistsError
-    before Ray starts, ClusterError when the cluster cannot be reached."""
+def resolve_run(cfg: Config, log=print, on_layout=None) -> ResolvedRun:
+    """Check and resolve everything a run needs before its actors' setup (see the module docstring).
+    ``on_layout(cfg, mesh, run_name)``, if given, is called once the device and the mesh are known,
+    before the checks that take longer (``resolve_on_cluster``). Nothing is written. Raises
+    ConfigError / DataError / LayoutError / CheckpointError / FileExistsError (the settings and the
+    output folder's before Ray starts), ClusterError when the cluster cannot be reached."""
     t_start = time.perf_counter()
     cfg.validate()  # (a Config made in Python: refused here, before Ray starts)
     resume = load_checkpoint(cfg.resume) if cfg.resume else None
@@ -84,16 +90,32 @@ def resolve_run(cfg: Config, log=print) -> ResolvedRun:
     check_job_output(cfg.out)
     out = Path(cfg.out).absolute()  # (the header, the summary and the messages name it in full)
     check_output_folder(out, resume)
+    check_named(cfg, resume)
     predicted = None
     if cfg.layout == "auto":
         cfg, predicted = choose_layout(cfg, log)
     data_dir = cfg.data_dir
-    cfg, mesh, source, routing, sharding = resolve_on_cluster(cfg, log, resume)
+    run_name = new_run_name(out)
+    started = None if on_layout is None else (lambda c, m: on_layout(c, m, run_name))
+    cfg, mesh, source, routing, sharding = resolve_on_cluster(cfg, log, resume, on_layout=started)
     steps = total_steps(cfg, sharding.steps_per_epoch)
     cfg = with_cudnn_benchmark(cfg, steps)
     return ResolvedRun(cfg=cfg, mesh=mesh, routing=routing, source=source, sharding=sharding, total_steps=steps,
-                 eval_every=cfg.eval_every or sharding.steps_per_epoch, out=out, run_name=new_run_name(out),
+                 eval_every=cfg.eval_every or sharding.steps_per_epoch, out=out, run_name=run_name,
                  resume=resume, predicted=predicted, t_start=t_start, data_dir=data_dir)
+
+
+def check_named(cfg: Config, resume: Optional[Checkpoint]) -> None:
+    """The checks of what the settings name that take milliseconds, before Ray: a user's ``--model``
+    found (its file, module and function: imported, with the torch the driver imported already), the
+    ``--init`` file found, and a ``resume`` checkpoint with a step left before ``--steps``. Raises
+    ConfigError / CheckpointError."""
+    if is_user_model(cfg.model):
+        resolve(cfg.model)
+    if cfg.init:
+        init_file(cfg.init)
+    if resume is not None and cfg.steps:  # (with --epochs the run's length needs the data's size)
+        check_steps_left(resume, cfg.steps)
 
 
 def with_cudnn_benchmark(cfg: Config, steps: int) -> Config:
@@ -106,20 +128,26 @@ def with_cudnn_benchmark(cfg: Config, steps: int) -> Config:
     return dataclasses.replace(cfg, cudnn_benchmark="on" if steps >= CUDNN_BENCHMARK_MIN_STEPS else "off")
 
 
-def resolve_on_cluster(cfg: Config, log=print, resume: Optional[Checkpoint] = None) -> tuple[Config, Mesh, Source, Routing,
-                                                                                Sharding]:
-    """Check everything that needs no cluster, then connect to Ray, resolve the layout against the
-    cluster and build the routing.
+def resolve_on_cluster(cfg: Config, log=print, resume: Optional[Checkpoint] = None,
+                       on_layout=None) -> tuple[Config, Mesh, Source, Routing, Sharding]:
+    """Check everything that needs no cluster, connect to Ray, resolve the layout against the cluster
+    and build the routing.
 
-    Before Ray starts: the data (folders), the model (name, image shape, training output), the layout
-    against the model (with --dp as given, 1 when the cluster decides it) and ``resume``'s checkpoint
-    against the run. With --stage-dir, the shards are then copied to the nodes (``cluster.local_copy``).
+    The checks that need no cluster (``check_before_ray``: the data's folders and metadata, the model's
+    name, image shape and training output, the layout against the model with --dp as given, 1 when
+    the cluster decides it, and ``resume``'s checkpoint against the run) come before Ray, or, with
+    ``on_layout`` and where the actors may start early (``driver.early.needs_devices``), right after
+    the layout is resolved and ``on_layout(cfg, mesh)`` was called (the actors start meanwhile). With
+    --stage-dir, the shards are then copied to the nodes (``cluster.local_copy``).
     Returns (the settings with device, ``dp``, a balanced pipeline cut and a staged ``data_dir``
     resolved; mesh; source; routing; the train sharding over the mesh's replicas, which the actors read
     by). Raises ConfigError / DataError / LayoutError / CheckpointError / ClusterError
-    before any actor starts."""
-    source, sharding, reference, checked = check_before_ray(cfg, resume)
-    startup.mark("data")
+    before any actor's setup."""
+    early = on_layout is not None and not needs_devices(cfg)
+    given = cfg
+    if not early:
+        source, sharding, reference, checked = check_before_ray(cfg, resume)
+        startup.mark("data")
     dp_given = cfg.dp is not None
     # (with --dp left to the cluster, at least one replica: --fs 3 alone on 2 cores still runs)
     wanted = (cfg.dp or 1) * cfg.pp * cfg.fs * cfg.num_cpus_per_actor
@@ -127,7 +155,16 @@ def resolve_on_cluster(cfg: Config, log=print, resume: Optional[Checkpoint] = No
     startup.mark("ray")
     if startup.current() is not None:
         startup.current().ray = how
-    cfg, mesh = resolve_layout(cfg, log)
+    try:
+        cfg, mesh = resolve_layout(cfg, log)
+    except ConfigError:
+        if early:   # (a layout the model cannot take is refused as that, not as one the cluster lacks)
+            check_before_ray(given, resume)
+        raise
+    if early:
+        on_layout(cfg, mesh)
+        source, sharding, reference, checked = check_before_ray(given, resume)
+        startup.mark("data")
     check_gpu_share(cfg)
     cfg, source = with_data_on_device(cfg, mesh, source, log)
     cfg = copy_to_nodes(cfg, log)  # --stage-dir: the shards copied to each node; the actors read the copies

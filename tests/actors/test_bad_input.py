@@ -4,6 +4,7 @@ no hang, and leaves no output behind (a folder that already existed is left as i
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -81,10 +82,25 @@ def test_imagefolder_without_data_dir(tmp_path, capsys):
 
 # ---------------------------------------------------------------------- on the test cluster
 def test_unknown_model(ray_cluster, tmp_path, capsys):
-    out = tmp_path / "x"
+    """Refused by the check that runs while the run's actors start (``driver.early``): one line, and
+    nothing left on the cluster: their placement group reserved and removed, their actors gone, every
+    CPU free again."""
+    out = tmp_path / "unknown-model"
+    before = set(ray.util.placement_group_table())
     line = run_failing([*BASE, "--model", "resnet1000", "--out", str(out)], capsys)
     assert "--model" in line and "resnet1000" in line and "resnet18" in line  # suggests close names
     assert not out.exists()
+    pgs = [pg for k, pg in ray.util.placement_group_table().items()
+           if k not in before and pg["name"].startswith(f"rayconv/{out.name}-")]
+    assert pgs, "the actors did not start while the model was checked"
+    assert all(pg["state"] == "REMOVED" for pg in pgs), pgs
+    deadline = time.monotonic() + 10   # (ray.kill ends the processes asynchronously)
+    while ray.available_resources().get("CPU") != 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU") == 4
+    for role in ("dp0", "dp1"):
+        with pytest.raises(ValueError):
+            ray.get_actor(f"{pgs[0]['name']}/{role}", namespace="rayconv")
 
 
 def test_unknown_model_leaves_an_existing_empty_folder_empty(ray_cluster, tmp_path, capsys):
@@ -127,6 +143,7 @@ def test_one_class_folder_without_images(ray_cluster, tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers, out_exists, on_device", [(0, False, "auto"), (2, True, "off"), (2, False, "on")])
 def test_corrupt_image_names_the_file(ray_cluster, tmp_path, capsys, workers, out_exists, on_device):
     """Only an actor decoding the file finds it: the run stops with the file's path (the loader's batch

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from support.helpers import assert_same_state, reference_microbatch_sgd, sgd_config
+from support.helpers import assert_same_state, reference_microbatch_sgd, sgd_config, slow_among
 from rayconv.config import Config
 from rayconv.driver.job import train_run
 from rayconv.parallel.batchnorm import DeferredBatchNorm, defer_batchnorm
@@ -38,7 +38,7 @@ def bn_config(tmp_path, name, **kw) -> Config:
     return sgd_config(tmp_path, name, **{"model": "convnet_bn", "steps": STEPS, "eval_every": STEPS, **kw})
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", slow_among(LAYOUTS, {"pp2-gpipe-m4", "pp2-interleaved-v2-m4"}))
 def test_running_statistics_advance_once_per_step(ray_cluster, tmp_path, name):
     """Weights, running statistics and num_batches_tracked equal the micro-batch reference; the
     evaluation (eval mode) uses those running statistics."""

@@ -102,6 +102,7 @@ def test_failed_run_keeps_its_checkpoints(stopped):
     assert [r["step"] for r in rows if r["kind"] == "eval"] == [2]
 
 
+@pytest.mark.slow
 def test_resume_equals_straight_run(straight, stopped, tmp_path, capsys):
     """k steps, stop, ``--resume RUN`` for the other k: identical parameters, momentum and metrics."""
     branch = tmp_path / "branch"
@@ -120,6 +121,7 @@ def test_resume_equals_straight_run(straight, stopped, tmp_path, capsys):
     assert summary["resumed_from"].endswith("step-4")
 
 
+@pytest.mark.slow
 def test_resume_with_more_replicas(straight, stopped, tmp_path):
     """Pure data parallelism: a dp=2 checkpoint continues on dp=4 (every replica holds the whole model)."""
     out = tmp_path / "dp4"
@@ -148,6 +150,7 @@ def test_resume_a_finished_run_is_refused(straight, capsys):
     assert tree(straight) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, layout", [
     (["--dp", "1", "--pp", "1", "--fs", "2"], (1, 1, 2)),                         # filter split
     (["--dp", "1", "--pp", "1"], (1, 1, 1)),                                      # one actor
@@ -168,6 +171,7 @@ def test_dp2_pp2_checkpoint_resumes_under_any_layout(dp2_pp2, argv, layout, tmp_
     assert tuple(summary["layout"][k] for k in ("dp", "pp", "fs")) == layout
 
 
+@pytest.mark.slow   # (its fixture: the dp2 x pp2 run)
 @pytest.mark.parametrize("argv, words", [
     (["--dp", "1", "--pp", "13"], ["--pp"]),          # more stages than the model's 12 layers
     (["--dp", "1", "--fs", "33"], ["conv1's 32 output channels", "at most 32"]),
@@ -274,6 +278,7 @@ def test_operations_flags_are_validated(argv, words, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_interleaved_pipeline_resume_equals_straight_run(ray_cluster, tmp_path):
     """Interleaved 1F1B (2 stages, 2 model chunks each: non-adjacent layers on one actor): each actor's
     shard holds its chunks' parameters and momentum under the whole model's names; 6 steps + resume + 2

@@ -16,6 +16,7 @@ import sys
 import pytest
 import ray
 
+from rayconv.config import ConfigError
 from rayconv.planner import costmodel, memory, search as layout_search
 from rayconv.parallel import pipeline
 from rayconv.layout import Layout
@@ -105,15 +106,20 @@ def test_memory_accounting_on_the_convnet():
     assert prof["gathers"] == [2, 5, 9, 11] and prof["max_fs"] == 10
 
 
-def test_a_run_that_cannot_fit_is_refused_before_ray_starts(tmp_path, capsys):
-    from rayconv.run import main
+def test_a_run_that_cannot_fit_is_refused_by_the_check_without_cluster(tmp_path):
+    """--max-memory-gib with --dp given: refused by the check a run makes while its actors start (no
+    cluster needed; a ConfigError, which the command exits 2 with, in one line)."""
+    from rayconv.driver.resolve import check_before_ray
+    from rayconv.run import parse_command_line
 
     if ray.is_initialized():
         ray.shutdown()
     out = tmp_path / "run"
-    assert main(["--dp", "1", "--device", "cpu", "--steps", "1", "--max-memory-gib", "0.00001",
-                 "--out", str(out)]) == 2
-    err = capsys.readouterr().err.strip()
+    cfg = parse_command_line(["--dp", "1", "--device", "cpu", "--steps", "1", "--max-memory-gib", "0.00001",
+                              "--out", str(out)])
+    with pytest.raises(ConfigError) as e:
+        check_before_ray(cfg, None)
+    err = str(e.value)
     assert len(err.splitlines()) == 1 and "needs" in err and "GiB per device" in err and "--max-memory-gib" in err
     assert re.search(r"layout 1gpu needs 0\.00\d+ GiB per device", err)
     assert not ray.is_initialized() and not out.exists()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.helpers import assert_same_state, reference_sgd
+from support.helpers import assert_same_state, reference_sgd, slow_among
 from rayconv.config import Config
 from rayconv.driver.job import train_run
 
@@ -24,7 +24,7 @@ def dp_config(tmp_path, dp: int, **kw) -> Config:
 
 # dp=2 holds out --val-split 0.1 (143 digits): 1295 train, 13 steps an epoch, the same batches as the
 # single-device reference (which draws the split from the seed as well).
-@pytest.mark.parametrize("dp, val_split", [(1, 0.0), (2, 0.1), (4, 0.0)])
+@pytest.mark.parametrize("dp, val_split", slow_among([(1, 0.0), (2, 0.1), (4, 0.0)], [(4, 0.0)]))
 def test_dp_matches_single_device_sgd(ray_cluster, tmp_path, dp, val_split):
     cfg = dp_config(tmp_path, dp, val_split=val_split)
     replica_states = []
@@ -53,6 +53,7 @@ def test_dp_matches_single_device_sgd(ray_cluster, tmp_path, dp, val_split):
     assert abs(acc * n - round(acc * n)) < 1e-9, "accuracy must be a whole count over 359 samples"
 
 
+@pytest.mark.slow
 def test_compiled_segments_with_small_buckets_match_single_device_sgd(ray_cluster, tmp_path):
     """torch.compile per segment (segments end at 20 kB gradient buckets, so the convnet is cut into
     several compiled graphs whose gradients are all-reduced while the backward pass goes on) is still

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from support.helpers import sgd_config
+from support.helpers import sgd_config, slow_among
 from rayconv.driver.job import train_run
 
 STEPS = 40
@@ -29,7 +29,7 @@ def trained(ray_cluster, tmp_path_factory):
     return cfg, train_run(cfg, log=lambda *_: None)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", slow_among(LAYOUTS, {"dp2-pp2", "dp2"}))
 def test_evaluate_only_reports_the_runs_accuracy(trained, tmp_path, name):
     cfg, summary = trained
     ev_cfg = dataclasses.replace(cfg, init=f"{cfg.out}/model.pt", evaluate_only=True, out=str(tmp_path / name),

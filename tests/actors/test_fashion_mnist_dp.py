@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from support.helpers import assert_same_state, reference_sgd
+from support.helpers import assert_same_state, reference_sgd, slow_among
 from rayconv.config import Config
 from rayconv.data.fashion_mnist import FILES
 from rayconv.driver.job import train_run
@@ -29,7 +29,8 @@ def write_fashion_mnist(root, n_train: int, n_test: int) -> None:
             (root / name).write_bytes(head + array.tobytes())
 
 
-@pytest.mark.parametrize("augmentation", [{}, dict(auto_augment="ta_wide", random_erase=0.5)])
+@pytest.mark.parametrize("augmentation", slow_among([{}, dict(auto_augment="ta_wide", random_erase=0.5)],
+                                                    [dict(auto_augment="ta_wide", random_erase=0.5)]))
 def test_dp2_on_fashion_mnist_matches_single_device_sgd(ray_cluster, tmp_path, augmentation):
     write_fashion_mnist(tmp_path, 256, 32)
     cfg = Config(model="convnet", data="fashion-mnist", data_dir=str(tmp_path), dp=2, global_batch_size=64,

@@ -63,6 +63,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_overflow_in_one_stage_skips_the_step_everywhere(straight):
     out, rec = straight
     assert sorted(rec.states) == list(range(STEPS))
@@ -82,6 +83,7 @@ def test_overflow_in_one_stage_skips_the_step_everywhere(straight):
     assert all(torch.isfinite(v).all() for v in torch.load(out / "model.pt", weights_only=True).values())
 
 
+@pytest.mark.slow
 def test_resume_keeps_the_scale_and_the_average(straight, tmp_path_factory):
     """Resumed from the checkpoint after the skipped step (step-3): model, moving average and
     loss-scale state equal the straight run's exactly. The run folder resumed is the straight run's,

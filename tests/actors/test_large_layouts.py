@@ -27,6 +27,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_large_layout_matches_single_device(ray_cluster8, tmp_path, name):
     kw = dict(model="convnet", data="digits", global_batch_size=96, steps=3, precision="fp64", device="cpu",

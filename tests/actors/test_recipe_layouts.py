@@ -100,6 +100,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a if not k.endswith("num_batches_tracked"))
 
 
+@pytest.mark.slow
 def test_each_element_of_the_recipe_changes_the_reference(tmp_path):
     """The layouts' test can fail: each element of the recipe, turned off, changes the weights or the
     average by far more than 1e-10; and the average is not the weights."""

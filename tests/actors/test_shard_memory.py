@@ -48,6 +48,7 @@ def _peaks(data: Path, out: Path) -> list[dict]:
     return train_run(cfg, log=lambda *_: None)["actors"]
 
 
+@pytest.mark.slow
 def test_private_memory_stays_flat_when_the_data_grows_tenfold(ray_cluster, folders, tmp_path):
     sizes = {n: sum(p.stat().st_size for p in d.iterdir()) for n, d in folders.items()}
     assert sizes[10 * N] > 8 * sizes[N] and sizes[10 * N] > 80e6

@@ -216,6 +216,7 @@ def test_a_shard_that_disappears_or_changes_while_open_is_named(shards, tmp_path
                                ShardSource(str(shards), 32, seed=0, workers=0).images("train", np.arange(8), cpu))
 
 
+@pytest.mark.slow
 def test_the_val_split_reads_train_shards_center_cropped(shards):
     """--val-split's "val" split: the train shards' samples as --augment none reads them, whatever the
     training augmentation (and auto-augment, random erasing: training's only)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.helpers import assert_same_state, reference_microbatch_sgd, reference_sgd, sgd_config
+from support.helpers import assert_same_state, reference_microbatch_sgd, reference_sgd, sgd_config, slow_among
 from rayconv.driver.job import train_run
 from rayconv.errors import LayoutError
 from rayconv.data.registry import make_source
@@ -29,7 +29,7 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", slow_among(LAYOUTS, {"dp2-pp2-1f1b-m4"}))
 def test_user_model_pipeline_matches_single_device_sgd(ray_cluster, tmp_path, name):
     cfg = sgd_config(tmp_path, name, model=MODEL, steps=STEPS, eval_every=STEPS, **LAYOUTS[name])
     summary = train_run(cfg, log=lambda *_: None)

@@ -52,6 +52,7 @@ def bench_run(tmp_path: Path) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_a_layout_past_its_call_limit_is_stopped_noted_and_the_bench_goes_on(ray_cluster, tmp_path, capsys):
     # A limit no step can meet: each layout is stopped at its first step and its row says why, instead
     # of the bench waiting on it; the actors are released, so the next layout and a later run get theirs.
@@ -78,6 +79,7 @@ def test_a_layout_past_its_call_limit_is_stopped_noted_and_the_bench_goes_on(ray
     assert pq.read_table(bench_run(tmp_path) / "bench.parquet").to_pylist()[1]["images_per_s"] > 0
 
 
+@pytest.mark.slow   # (the bench run it reads, when the call-limit test did not make it)
 def test_bench_writes_table_chart_and_anchor_ratios(ray_cluster, tmp_path):
     out = _BENCH.get("out") or bench_run(tmp_path)
     table = pq.read_table(out / "bench.parquet")
@@ -117,6 +119,7 @@ def test_bench_writes_table_chart_and_anchor_ratios(ray_cluster, tmp_path):
     assert (out / "speedup.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_bench_sweep_stops_at_max(ray_cluster, tmp_path):
     out = tmp_path / "sweep"
     rc = bench.main(["--models", "convnet", "--layouts", "1gpu", "--image-size", "32", "--sweep", "batch",
@@ -145,6 +148,7 @@ def test_bench_refuses_a_call_limit_it_cannot_keep(tmp_path, capsys, limit):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_training_curve_writes_error_against_time(ray_cluster, tmp_path, capsys):
     out = tmp_path / "curve"
     rc = bench.main(["--curve", "--curve-epochs", "1", "--layouts", "1gpu,dp2", "--global-batch-size", "64,256",

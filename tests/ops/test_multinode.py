@@ -77,6 +77,7 @@ def _train_the_copy(tmp_path) -> None:
 
 
 
+@pytest.mark.slow
 def test_elastic_dp4_shrinks_grows_and_loses_no_step(two_nodes, tmp_path, monkeypatch):
     """--dp 4 --elastic 2 --checkpoint-every 2 over the two nodes (two actors each), 10 steps: the second
     node is removed after step 2, so the run continues on dp2 from the checkpoint of step 2; an actor's

@@ -66,6 +66,7 @@ def straight_run(tmp_path: Path) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_cleanly(ray_cluster, tmp_path):
     out = tmp_path / "interrupted"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -108,6 +109,7 @@ def test_ctrl_c_stops_cleanly(ray_cluster, tmp_path):
     straight_run(tmp_path)
 
 
+@pytest.mark.slow
 def test_killed_actor_is_recovered_from_the_last_checkpoint(ray_cluster, tmp_path):
     """Two losses: rank 1 after step 4 (the last checkpoint step-4: steps 4 and on redone), and rank 0
     after the last step, once its checkpoint is written (the final export finds it dead: the new
@@ -135,6 +137,7 @@ def test_killed_actor_is_recovered_from_the_last_checkpoint(ray_cluster, tmp_pat
     assert summary["test_accuracy"] == [r for r in rows if r["kind"] == "eval"][-1]["test_accuracy"] is not None
 
 
+@pytest.mark.slow
 def test_killed_actor_without_recovery_ends_the_job(ray_cluster, tmp_path):
     out = tmp_path / "dies"
     t0 = time.monotonic()
@@ -147,6 +150,7 @@ def test_killed_actor_without_recovery_ends_the_job(ray_cluster, tmp_path):
     assert load_checkpoint(out).step == 2
 
 
+@pytest.mark.slow
 def test_stuck_collective_fails_after_the_collective_timeout(ray_cluster, tmp_path):
     """An actor that stops (SIGSTOP) leaves its peer waiting in the gradient all-reduce: the peer's
     collective times out after --collective-timeout-s and the job fails naming an actor, no hang."""

@@ -30,6 +30,7 @@ class InterruptAfterFirst(ray_tune.Callback):
     on_trial_error = on_trial_complete
 
 
+@pytest.mark.slow
 def test_search_asha_failure_resume(ray_cluster, tmp_path):
     # lr 1e12 makes the loss overflow at the first steps: that trial fails, the others go on.
     space = {"lr": {"grid": [0.2, 1e12]}, "seed": {"grid": [0, 1]}}

@@ -203,3 +203,12 @@ def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
     assert got.keys() == want.keys()
     for k in want:
         torch.testing.assert_close(got[k].double(), want[k].double(), rtol=0, atol=atol, msg=lambda m: f"{k}: {m}")
+
+
+def slow_among(values, slow) -> list:
+    """``values`` for ``pytest.mark.parametrize`` with those in ``slow`` marked ``slow`` (a tuple is
+    one value per argument name)."""
+    import pytest
+
+    return [pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow) if v in slow else v
+            for v in values]

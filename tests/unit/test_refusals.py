@@ -1,6 +1,9 @@
-"""What rayconv refuses before Ray starts: every check that needs no cluster (the data, the model, the
-layout against the model, the output folder) gives exit 2 and one line, with no cluster contacted;
-and every torchvision classification model either trains or is refused that way."""
+"""What rayconv refuses without a cluster: the settings and the output folder before Ray is contacted
+(exit 2 and one line); the data, the model and the layout against the model in the one check that
+needs no cluster (``check_before_ray``, which a run makes while its actors start: one line, an error
+that the command turns into exit 2; tests/actors/test_bad_input.py's ``test_unknown_model`` shows
+that such a refusal leaves nothing on the cluster); and every torchvision classification model either
+trains or is refused that way."""
 
 from __future__ import annotations
 
@@ -15,8 +18,10 @@ import torchvision
 from PIL import Image
 
 from rayconv.config import ConfigError
+from rayconv.driver.resolve import check_before_ray
+from rayconv.errors import DataError, LayoutError
 from rayconv.models import build_model, check_trainable, to_layers
-from rayconv.run import main
+from rayconv.run import main, parse_command_line
 
 
 def image_tree(root: Path) -> Path:
@@ -45,23 +50,26 @@ def a_file(p: Path) -> Path:
     return p
 
 
-# (flags, how --out is made or None, words the one line must hold)
+# Refused before Ray is contacted: (flags, how --out is made or None, words the one line must hold)
 CASES = {
-    "data-dir missing": (["--data", "imagefolder", "--data-dir", "{tmp}/nothing-here"], None,
-                         ["{tmp}/nothing-here/train", "does not exist", "--data-dir"]),
-    "no train/ val/": (["--data", "imagefolder", "--data-dir", "{data}"], None, ["{data}/train", "does not exist"]),
     "out holds files": ([], full_folder, ["--out", "already holds files"]),
     "out is a file": ([], a_file, ["--out", "is a file"]),
-    "unknown model": (["--model", "resnet1000"], None,
-                      ["resnet1000", "convnet_bn", "convnet2col", "alexnet2012", "list_models"]),
-    "vit at 64 px": (["--model", "vit_b_32", "--data", "synthetic", "--image-size", "64"], None,
-                     ["vit_b_32", "64x64", "--image-size 224"]),
-    "3-channel model on digits": (["--model", "resnet18", "--channels", "1"], None, ["resnet18", "3-channel", "--data"]),
-    "classes differ": (["--num-classes", "7"], None, ["--num-classes 7", "10 classes"]),
-    "pipeline of an uncuttable model": (["--model", "convnext_tiny", "--data", "synthetic", "--image-size", "64",
-                                         "--pp", "2"], None, ["convnext_tiny", "--pp 1"]),
-    "stages out of range": (["--pp", "2", "--stages", "99"], None, ["--stages"]),
     "sync batch norm on cpu": (["--sync-batchnorm"], None, ["--sync-batchnorm", "--device cpu"]),
+}
+# Refused by ``check_before_ray`` (a run's actors start meanwhile): (flags, words the one line must hold)
+LATE = {
+    "data-dir missing": (["--data", "imagefolder", "--data-dir", "{tmp}/nothing-here"],
+                         ["{tmp}/nothing-here/train", "does not exist", "--data-dir"]),
+    "no train/ val/": (["--data", "imagefolder", "--data-dir", "{data}"], ["{data}/train", "does not exist"]),
+    "unknown model": (["--model", "resnet1000"],
+                      ["resnet1000", "convnet_bn", "convnet2col", "alexnet2012", "list_models"]),
+    "vit at 64 px": (["--model", "vit_b_32", "--data", "synthetic", "--image-size", "64"],
+                     ["vit_b_32", "64x64", "--image-size 224"]),
+    "3-channel model on digits": (["--model", "resnet18", "--channels", "1"], ["resnet18", "3-channel", "--data"]),
+    "classes differ": (["--num-classes", "7"], ["--num-classes 7", "10 classes"]),
+    "pipeline of an uncuttable model": (["--model", "convnext_tiny", "--data", "synthetic", "--image-size", "64",
+                                         "--pp", "2"], ["convnext_tiny", "--pp 1"]),
+    "stages out of range": (["--pp", "2", "--stages", "99"], ["--stages"]),
 }
 
 
@@ -95,6 +103,30 @@ def test_refused_before_ray(case, tmp_path, capsys, silent_address):
         assert not out.exists()
     elif before is not None:
         assert sorted(out.iterdir()) == before
+
+
+@pytest.mark.parametrize("case", list(LATE))
+def test_refused_by_the_check_without_cluster(case, tmp_path):
+    """The check the run makes while its actors start, on the settings the command line gives: the
+    error is one the command exits 2 with, one line holding the words; no cluster is contacted."""
+    flags, words = LATE[case]
+    fill = {"{tmp}": str(tmp_path), "{data}": str(no_val(tmp_path / "data"))}
+
+    def sub(text: str) -> str:
+        for k, v in fill.items():
+            text = text.replace(k, v)
+        return text
+
+    connected = ray.is_initialized()
+    cfg = parse_command_line(["--device", "cpu", "--steps", "1", "--out", str(tmp_path / "out"),
+                              *[sub(f) for f in flags]])
+    with pytest.raises((ConfigError, DataError, LayoutError)) as e:   # (rayconv.run.main: exit 2)
+        check_before_ray(cfg, None)
+    line = str(e.value)
+    assert "\n" not in line and "*.JPEG" not in line, line
+    for w in words:
+        assert sub(w) in line, line
+    assert ray.is_initialized() == connected and not (tmp_path / "out").exists()
 
 
 # Each kind of torchvision classification model (the class its builder returns), by its smallest member.

@@ -17,11 +17,11 @@ from torch import nn
 
 import rayconv
 from rayconv.config import Config, ConfigError
-from rayconv.driver.resolve import new_run_dir
+from rayconv.driver.resolve import check_before_ray, new_run_dir
 from rayconv.models import build_model
 from rayconv.models.user import (NAME_ENV, PICKLE_ENV, actor_runtime_env, model_label, model_name, parse_spec,
                                  resolve, shipped_path)
-from rayconv.run import main
+from rayconv.run import main, parse_command_line
 
 FIXTURE = Path(__file__).resolve().parents[1] / "support" / "fixtures" / "resnetish.py"
 SPEC = f"{FIXTURE}:ResNetish"
@@ -192,13 +192,30 @@ CLI_CASES = {
     "missing file": (["--model", "tests/fixtures/missing.py:ResNetish"], "no such file"),
     "no function": (["--model", f"{FIXTURE}:Nope"], "has no 'Nope'"),
     "not callable": (["--model", f"{FIXTURE}:NOT_CALLABLE"], "not callable"),
-    "not a module": (["--model", f"{FIXTURE}:not_a_model"], "not an nn.Module"),
-    "tuple out": (["--model", f"{FIXTURE}:resnetish_tuple"], "returns tuple when training"),
-    "classes ignored": (["--model", f"{FIXTURE}:ignores_classes"], "gives 1000 class scores, the data has 10"),
     "init missing": (["--init", "{tmp}/none.pt"], "no such file"),
     "skip without init": (["--init-skip-head"], "add it"),
     "evaluate without init": (["--evaluate-only"], "--evaluate-only applies to the weights of --init"),
 }
+
+
+# Refused by the check a run makes while its actors start (``check_before_ray``): in one line, an
+# error the command exits 2 with (tests/actors/test_bad_input.py: such a refusal leaves nothing behind).
+LATE_CASES = {
+    "not a module": (["--model", f"{FIXTURE}:not_a_model"], "not an nn.Module"),
+    "tuple out": (["--model", f"{FIXTURE}:resnetish_tuple"], "returns tuple when training"),
+    "classes ignored": (["--model", f"{FIXTURE}:ignores_classes"], "gives 1000 class scores, the data has 10"),
+}
+
+
+@pytest.mark.parametrize("case", list(LATE_CASES))
+def test_refused_by_the_check_without_cluster(case, tmp_path):
+    flags, words = LATE_CASES[case]
+    connected = ray.is_initialized()
+    cfg = parse_command_line(["--device", "cpu", "--steps", "1", "--out", str(tmp_path / "out"), *flags])
+    with pytest.raises(ConfigError) as e:
+        check_before_ray(cfg, None)
+    assert "\n" not in str(e.value) and words in str(e.value), str(e.value)
+    assert ray.is_initialized() == connected and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("case", list(CLI_CASES))

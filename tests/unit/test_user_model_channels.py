@@ -9,10 +9,10 @@ import sys
 import pytest
 from torch import nn
 
-import rayconv
 from rayconv.config import Config, ConfigError
 from rayconv.data.registry import make_source
 from rayconv.driver.resolve import check_before_ray
+from rayconv.flags import from_mapping
 from rayconv.models.channels import first_convolution
 
 GREY = """
@@ -82,10 +82,12 @@ def test_a_channel_mismatch_is_refused_naming_channels(grey_file, function, chan
         check_before_ray(cfg, None)
 
 
-def test_fit_finds_the_channels_and_refuses_a_mismatch_before_ray(grey_file):
-    """``rayconv.fit`` takes the same checks: a grey model with --channels 3 refused in one line."""
+def test_fit_settings_take_the_same_channel_check(grey_file):
+    """``rayconv.fit``'s settings (``flags.from_mapping``, as fit makes them) take the same check, which
+    fit's run makes while its actors start: a grey model with --channels 3 refused in one line."""
+    cfg = from_mapping({"model": f"{grey_file}:build", "channels": 3, "steps": 1, "device": "cpu"}).validate()
     with pytest.raises(ConfigError, match="takes 1-channel images.*give --channels 1"):
-        rayconv.fit(model=f"{grey_file}:build", channels=3, steps=1, device="cpu", log=lambda *_: None)
+        check_before_ray(cfg, None)
 
 
 def test_the_planner_measures_a_grey_model_on_the_grey_data(grey_file):
