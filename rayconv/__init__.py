@@ -5,9 +5,13 @@ Reproduces Yadan, Adams, Taigman and Ranzato, "Multi-GPU Training of ConvNets" (
 the same settings and checks from Python; returns the summary).
 """
 
-from rayconv.api import fit
-from rayconv.config import Config
-from rayconv.errors import ConfigError
+import time as _time
+
+IMPORTED = _time.monotonic()  # (the start-up clock's origin where the process ran other commands first)
+
+from rayconv.api import fit  # noqa: E402
+from rayconv.config import Config  # noqa: E402
+from rayconv.errors import ConfigError  # noqa: E402
 
 __all__ = ["Config", "ConfigError", "fit", "__version__"]
 __version__ = "0.1.0"

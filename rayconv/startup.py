@@ -6,7 +6,8 @@ device) and their CUDA-graph capture are placed on the driver's clock from what 
 ``line()``: when the step ended and which phase took longest.
 
     origin      "process start" (the command: /proc/self/stat's start time, so the interpreter's own
-                start and every import count) or "fit call" (``rayconv.fit``, or the command where
+                start and every import count; "rayconv import" where the process ran a shell's other
+                commands before, ``command_origin``) or "fit call" (``rayconv.fit``, or the command where
                 /proc is absent: the monotonic stamp taken when ``rayconv.run`` was imported)
     phases      name -> seconds since the origin at which the phase ended, in the order they ended:
                 imports (the driver's modules), ray (connected or started; ``ray`` says which), data
@@ -123,7 +124,8 @@ class StartupClock:
         slowest phase."""
         done = self.phases.get("first_step")
         name, s = self.slowest() or ("first_step", 0.0)
-        after = {"fit call": "after rayconv.fit was called", "main call": "after rayconv.run.main was called"}.get(
+        after = {"fit call": "after rayconv.fit was called", "main call": "after rayconv.run.main was called",
+                 "rayconv import": "after rayconv was imported"}.get(
             self.since, "after the command")
         when = f"{done:.1f} s {after}" if done is not None else "(not reached)"
         return f"rayconv: step {step} done {when}; slowest: {self.label(name)} ({s:.1f} s)"
@@ -157,9 +159,26 @@ def begin_command(imported: float) -> StartupClock:
 
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if spec is not None and spec.name == "rayconv.run":
-        started = process_start()
-        return begin(started, "process start") if started is not None else begin(imported, "rayconv.run import")
+        import rayconv
+
+        return begin(*command_origin(process_start(), rayconv.IMPORTED, imported))
     return begin(None, "main call")
+
+
+EXEC_GAP_S = 2.0  # more between the process's start and rayconv's import: the process ran other commands
+
+
+def command_origin(started: Optional[float], package: float, imported: float) -> tuple[float, str]:
+    """(origin, its name) of the command's clock from the monotonic stamps of the process's start
+    (None where /proc is absent), the rayconv package's import and ``rayconv.run``'s: the process's
+    start, unless rayconv was imported more than ``EXEC_GAP_S`` after it (the process first ran a
+    shell's other commands, e.g. ``bash -c 'pip install ... && python -m rayconv.run'``, whose last
+    command the shell runs in its own process): then the package's import."""
+    if started is None:
+        return imported, "rayconv.run import"
+    if package - started > EXEC_GAP_S:
+        return package, "rayconv import"
+    return started, "process start"
 
 
 def current() -> Optional[StartupClock]:

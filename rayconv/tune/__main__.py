@@ -14,6 +14,7 @@ trials are rows of its results), 1 when no trial finished, 130 on Ctrl-C (resume
 
 from __future__ import annotations
 
+import difflib
 import sys
 from typing import Optional
 
@@ -43,10 +44,31 @@ def parser() -> OneLineParser:
     return p
 
 
+def unknown_flags(rest: list[str], search_parser: OneLineParser) -> None:
+    """Raise ConfigError naming the flags of ``rest`` (what the search's parser left) that no
+    ``rayconv.run`` flag takes either, with the closest flag of both commands."""
+    from rayconv.flags import build_parser
+
+    def names(p) -> set[str]:
+        return {o for a in p._actions for o in a.option_strings if o.startswith("--")}
+
+    run = names(build_parser())
+    unknown = [w.split("=")[0] for w in rest if w.startswith("--") and w.split("=")[0] not in run]
+    if unknown:
+        known = sorted(run | names(search_parser))
+        close = [m for w in unknown for m in difflib.get_close_matches(w, known, n=1, cutoff=0.75)]
+        raise ConfigError(f"unrecognized arguments: {' '.join(unknown)}"
+                          + (f"; did you mean {', '.join(close)}?" if close else "")
+                          + " (--help lists the search's flags; the others are python -m rayconv.run's)")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    args, rest = parser().parse_known_args(argv)
+    search_parser = parser()
+    args, rest = search_parser.parse_known_args(argv)
     try:
         from rayconv.tune.space import read_space
+
+        unknown_flags(rest, search_parser)
 
         if args.resume:
             if args.space or rest:

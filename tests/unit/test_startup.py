@@ -76,3 +76,10 @@ def test_the_clock_of_a_run_is_claimed_once_and_a_new_one_begins_after():
     started = process_start()
     assert started is None or started <= time.monotonic()
 
+
+
+def test_the_commands_clock_starts_at_rayconvs_import_after_a_shells_other_commands():
+    from rayconv.startup import command_origin
+    assert command_origin(100.0, 100.05, 100.3) == (100.0, "process start")      # python started the process
+    assert command_origin(100.0, 230.0, 230.2) == (230.0, "rayconv import")      # `pip install ... && python ...`
+    assert command_origin(None, 5.0, 5.2) == (5.2, "rayconv.run import")          # no /proc

@@ -98,3 +98,11 @@ def test_pbt_checkpoints_at_each_evaluation_and_perturbs_only_what_a_resume_read
         with pytest.raises(ConfigError, match=words) as e:
             pbt_base(base, sp)
         assert "\n" not in str(e.value)
+
+
+def test_a_misspelled_search_flag_is_told_the_search_flag(capsys):
+    from rayconv.tune.__main__ import main
+    assert main(["--space", '{"lr": {"grid": [0.1]}}', "--sheduler", "asha", "--num-sample", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rayconv.tune: error: unrecognized arguments: --sheduler --num-sample") and "\n" not in err
+    assert "did you mean --scheduler, --num-samples?" in err
