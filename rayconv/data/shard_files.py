@@ -177,21 +177,6 @@ class OpenShard:
         r = row - first
         return data[r] if off is None else data[off[r]:off[r + 1]]
 
-    def pixels(self, rows: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
-        """Raw shards: the pixel bytes of ``rows`` (int array), uint8 (len(rows), size * size * 3), gathered
-        from the mapping by ``np.take`` (one copy, no per-row Python), into ``out`` when given (that
-        shape, C-contiguous)."""
-        rows = np.asarray(rows, dtype=np.int64)
-        if out is None:
-            out = np.empty((len(rows), self.pieces[0][1].shape[1]), np.uint8)
-        if len(self.pieces) == 1:
-            # (mode "clip": the rows are in range, and with "raise" numpy gathers through a buffer first)
-            return np.take(self.pieces[0][1], rows, axis=0, out=out, mode="clip")
-        k = np.searchsorted(self.starts, rows, side="right") - 1
-        for j in np.unique(k):
-            out[k == j] = self.pieces[j][1][rows[k == j] - self.pieces[j][0]]
-        return out
-
     def ranges(self, rows: np.ndarray) -> list[tuple[int, int]]:
         """The (file offset, length) of the bytes of ``rows``, sorted, ranges closer than 4 KiB merged."""
         rows = np.sort(np.asarray(rows, dtype=np.int64))
