@@ -10,8 +10,8 @@ device copy that read it, and the gather that wrote it before, have finished), c
 and augmented there by batched tensor operations. The step thread's part is the hand-off and the
 device calls. The kernel is asked for the pages ahead: a split whose shards take at most
 1/``RESIDENT_SHARE`` of the node's available memory once, whole, at its first announcement; a larger
-one per batch, ``READ_AHEAD`` batches on (``OpenShard.will_need_mapped``). NHWC bytes seen as NCHW (a
-permuted view) are already channels_last, the layout the model takes on GPUs.
+one per batch, ``READ_AHEAD`` batches on (``RowGather.file_ranges``, ``OpenShard.will_need_ranges``).
+NHWC bytes seen as NCHW (a permuted view) are already channels_last, the layout the model takes on GPUs.
 
 Augmentation, from per-epoch tables of the whole train set drawn from (seed, epoch) alone (the tables
 of ``OnDeviceSource``, so that a raw folder streamed and held on the device, ``--data-on-device``,
@@ -163,21 +163,6 @@ class RawShardSource(Source):
     _draw_params = OnDeviceSource._draw_params
 
     # ------------------------------------------------------------------ bytes
-    def _locate(self, split: str, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        starts = self.starts[split]
-        shard = np.searchsorted(starts, idx, side="right") - 1
-        return shard, np.asarray(idx, dtype=np.int64) - starts[shard]
-
-    def _groups(self, split: str, idx: np.ndarray):
-        """(shard, positions in ``idx``, rows in that shard) of each shard that samples ``idx`` touch,
-        grouped by one stable argsort (no per-sample Python)."""
-        shard, row = self._locate(split, idx)
-        order = np.argsort(shard, kind="stable")
-        sorted_shards = shard[order]
-        firsts = np.flatnonzero(np.r_[True, sorted_shards[1:] != sorted_shards[:-1]])
-        for a, b in zip(firsts.tolist(), np.r_[firsts[1:], len(order)].tolist()):
-            yield int(sorted_shards[a]), order[a:b], row[order[a:b]]
-
     def uint8(self, split: str, idx: np.ndarray, pin: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The stored pixels of samples ``idx``: uint8 (len(idx), P, P, 3), in pinned memory with
         ``pin``, or written into ``out`` (that shape, contiguous). The shards they touch are checked
@@ -196,8 +181,8 @@ class RawShardSource(Source):
     def read_ahead(self, split: str, idx: np.ndarray) -> None:
         """Ask the kernel to read the pixel bytes of samples ``idx`` from disk now (``madvise(WILLNEED)``
         on the shards' mappings: returns at once, the reads go on in the background)."""
-        for s, _, rows in self._groups(split, np.asarray(idx, dtype=np.int64)):
-            self.shards[split][s].will_need_mapped(rows)
+        for s, ranges in self.gathers[split].file_ranges(idx):
+            self.shards[split][s].will_need_ranges(ranges)
 
     def _gather(self, split: str, idx: np.ndarray, ring: _Ring, slot: int, before: Optional[Future],
                 later: Optional[np.ndarray]) -> tuple[int, torch.Tensor]:

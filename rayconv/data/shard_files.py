@@ -218,12 +218,16 @@ class OpenShard:
 
     def will_need_mapped(self, rows: np.ndarray) -> None:
         """As ``will_need``, through the mapping (``madvise(MADV_WILLNEED)``: no file opened), page-aligned."""
+        self.will_need_ranges(self.ranges(rows))
+
+    def will_need_ranges(self, ranges: list[tuple[int, int]]) -> None:
+        """``will_need_mapped`` of (file offset, length) ``ranges`` (as ``ranges`` gives them)."""
         advise = getattr(self.mmap, "madvise", None)
         flag = getattr(mmap, "MADV_WILLNEED", None)
         if advise is None or flag is None:
             return
         page, size = mmap.PAGESIZE, len(self.mmap)
-        for off, n in self.ranges(rows):
+        for off, n in ranges:
             start = off - off % page
             try:
                 advise(flag, start, min(off + n, size) - start)

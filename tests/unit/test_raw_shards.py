@@ -201,6 +201,13 @@ def test_read_ahead_ranges_merge_rows_closer_than_4_kib(folders):
     assert shard.ranges(np.array([4, 0, 1])) == [(first, 2 * width), (first + 4 * width, width)]
     assert shard.ranges(np.array([0, 2])) == [(first, 3 * width)]   # (a gap of one row, 3072 bytes)
     assert shard.ranges(np.array([], dtype=np.int64)) == []
+    # A batch's ranges over all the shards it touches, at once: each shard's own.
+    source = RawShardSource(str(folders["raw"]), SIZE, seed=0)
+    idx = np.array([17, 4, 0, 1, 9, 12, 6, 5, 16])
+    starts = source.starts["train"]
+    want = [(s, source.shards["train"][s].ranges(idx[(idx >= starts[s]) & (idx < starts[s + 1])] - starts[s]))
+            for s in range(len(starts) - 1) if ((idx >= starts[s]) & (idx < starts[s + 1])).any()]
+    assert source.gathers["train"].file_ranges(idx) == want and len(want) == 4
 
 
 def test_convert_between_encodings(folders, tmp_path):
@@ -235,7 +242,7 @@ def test_one_gather_reads_rows_of_pieces_at_any_addresses():
     shards, arrays = [], []
     for sizes in layout:
         pieces = [(int(sum(sizes[:k])), piece(n), None) for k, n in enumerate(sizes)]
-        shards.append(SimpleNamespace(rows=sum(sizes), pieces=pieces))
+        shards.append(SimpleNamespace(rows=sum(sizes), pieces=pieces, base=0))
         arrays += [p[1] for p in pieces]
     whole = np.concatenate(arrays)
     gather = RowGather(shards)
