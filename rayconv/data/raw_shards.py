@@ -166,7 +166,7 @@ class RawShardSource(Source):
     def uint8(self, split: str, idx: np.ndarray, pin: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The stored pixels of samples ``idx``: uint8 (len(idx), P, P, 3), in pinned memory with
         ``pin``, or written into ``out`` (that shape, contiguous). The shards they touch are checked
-        first (DataError naming one that changed)."""
+        first (DataError naming one that changed); IndexError for a sample outside the split."""
         idx = np.asarray(idx, dtype=np.int64)
         p = self.stored
         if out is None:
