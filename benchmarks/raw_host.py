@@ -14,15 +14,15 @@ read ahead. ``--readers``: the source's reader threads (``raw_shards.READERS``).
 the reader's throughput with nothing else running: the steps' batches announced, then taken one after
 another (``_take``, no device copy, augmentation or stand-in), batches/s and images/s of the whole,
 after one untimed pass over the train split (its pages mapped in this process: the steady state of
-epochs after the first); with ``--busy``, beside a thread that runs small tensor operations non-stop (a
-step thread that never waits: each operation releases and takes back the GIL), whose operations/s it
-prints too. ``--threads``: torch's intra-op threads (an actor's ``--num-cpus-per-actor``).
+epochs after the first); with ``--busy``, taken by a thread that runs small tensor operations while the
+next batch is not ready (a step thread that never idles: each operation releases and takes back the
+GIL), whose operations/s it prints too. ``--threads``: torch's intra-op threads (an actor's
+``--num-cpus-per-actor``).
 """
 
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -54,7 +54,7 @@ def main() -> None:
     p.add_argument("--ops", type=int, default=300, help="small device operations per step (the stand-in)")
     p.add_argument("--readers", type=int, default=raw_shards.READERS, help="reader threads (default %(default)s)")
     p.add_argument("--reader-alone", action="store_true", help="time the reader alone (see above)")
-    p.add_argument("--busy", action="store_true", help="--reader-alone beside a busy thread (see above)")
+    p.add_argument("--busy", action="store_true", help="--reader-alone, taken by a busy thread (see above)")
     p.add_argument("--threads", type=int, default=1, help="torch's intra-op threads (default 1)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -70,26 +70,17 @@ def main() -> None:
         batches = [sh.replica_batch(e, k, 0)[0] for e in range(2) for k in range(spe)][:args.steps]
         for chunk in np.array_split(np.arange(src.train_size), max(1, src.train_size // 4096)):
             src.uint8("train", chunk)   # (the pages mapped before the clock starts)
-        ops, stop = [0], threading.Event()
-
-        def busy() -> None:
-            w = torch.zeros(16)
-            while not stop.is_set():
-                w.add_(1.0)
-                ops[0] += 1
-        spinner = threading.Thread(target=busy) if args.busy else None
-        if spinner is not None:
-            spinner.start()
-            time.sleep(0.1)
-        t, ops0 = time.perf_counter(), ops[0]
+        w, n_ops = torch.zeros(16), 0
+        t = time.perf_counter()
         src.prefetch("train", 0, batches)
         for b in batches:
+            ahead = src._pending["train"][0][1]
+            while args.busy and ahead is not None and not ahead.done():
+                w.add_(1.0)
+                n_ops += 1
             src._take("train", b, dev)
-        dt, n_ops = time.perf_counter() - t, ops[0] - ops0
-        stop.set()
-        if spinner is not None:
-            spinner.join()
-        where = f"beside a busy thread ({n_ops / dt:.0f} operations/s there)" if args.busy else "alone"
+        dt = time.perf_counter() - t
+        where = f"taken by a busy thread ({n_ops / dt:.0f} operations/s there)" if args.busy else "alone"
         print(f"reader {where}, {args.readers} threads: {len(batches)} batches of {args.batch} in "
               f"{dt:.3f} s: {len(batches) / dt:.0f} batches/s, {len(batches) * args.batch / dt:.0f} images/s; "
               f"gather per batch {np.median(reader) * 1e3:.3f} ms (mean {np.mean(reader) * 1e3:.3f})")

@@ -208,6 +208,7 @@ def test_read_ahead_ranges_merge_rows_closer_than_4_kib(folders):
     want = [(s, source.shards["train"][s].ranges(idx[(idx >= starts[s]) & (idx < starts[s + 1])] - starts[s]))
             for s in range(len(starts) - 1) if ((idx >= starts[s]) & (idx < starts[s + 1])).any()]
     assert source.gathers["train"].file_ranges(idx) == want and len(want) == 4
+    source.read_ahead("train", idx)   # (those ranges asked of the kernel: madvise on each shard's mapping)
 
 
 def test_convert_between_encodings(folders, tmp_path):
