@@ -1,16 +1,17 @@
 """Raw-pixel shards (``python -m rayconv.prepare --encoding raw``, format ``rayconv-shards/3``) as a
 training source: ``--data shards`` on such a folder.
 
-Nothing is decoded. A batch is gathered from the memory-mapped shards by ``np.take`` (one gather per
-shard it touches, no per-image Python; numpy releases the GIL while it copies) on a thread of its own,
-``READ_AHEAD`` batches ahead, into one of ``READ_AHEAD + 2`` (B, S, S, 3) uint8 buffers of a ring made
-once (pinned on GPU nodes: no page-locked allocation per batch; a buffer is written again only after
-the device copy that read it has finished), copied to the device and augmented there by batched
-tensor operations. The step thread's part is the hand-off and the device calls. The kernel is asked
-for the pages ahead: a split whose shards take at most 1/``RESIDENT_SHARE`` of the node's available
-memory once, whole, at its first announcement; a larger one per batch, ``READ_AHEAD`` batches on
-(``OpenShard.will_need_mapped``). NHWC bytes seen as NCHW (a permuted view) are already
-channels_last, the layout the model takes on GPUs.
+Nothing is decoded. A batch is gathered from the memory-mapped shards by one ``torch.index_select``
+whatever the shards it touches (``raw_gather.RowGather``: no per-shard or per-image Python, the GIL
+released for the whole copy), ``READ_AHEAD`` batches ahead, up to ``READERS`` gathers at once on a pool
+of reader threads, into one of ``READ_AHEAD + 2`` (B, S, S, 3) uint8 buffers of a ring made once
+(pinned on GPU nodes: no page-locked allocation per batch; a buffer is written again only after the
+device copy that read it, and the gather that wrote it before, have finished), copied to the device
+and augmented there by batched tensor operations. The step thread's part is the hand-off and the
+device calls. The kernel is asked for the pages ahead: a split whose shards take at most
+1/``RESIDENT_SHARE`` of the node's available memory once, whole, at its first announcement; a larger
+one per batch, ``READ_AHEAD`` batches on (``RowGather.file_ranges``, ``OpenShard.will_need_ranges``).
+NHWC bytes seen as NCHW (a permuted view) are already channels_last, the layout the model takes on GPUs.
 
 Augmentation, from per-epoch tables of the whole train set drawn from (seed, epoch) alone (the tables
 of ``OnDeviceSource``, so that a raw folder streamed and held on the device, ``--data-on-device``,
@@ -23,8 +24,9 @@ disappears or changes are the same (``OpenShard.check``, before a batch's bytes 
 
 from __future__ import annotations
 
+import os
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Optional
 
@@ -36,6 +38,7 @@ from rayconv.data import decode as dec
 from rayconv.data.augment import erase, random_crop_flip, resize, resized_crop_flip
 from rayconv.data.folders import SPLITS
 from rayconv.data.on_device import OnDeviceSource, _words, pad_for
+from rayconv.data.raw_gather import RowGather
 from rayconv.data.shard_files import OpenShard, encoding, read_manifest
 from rayconv.data.source import Source, to_device
 from rayconv.errors import ConfigError, DataError
@@ -43,6 +46,13 @@ from rayconv.errors import ConfigError, DataError
 READ_AHEAD = 8       # batches gathered ahead of their use
 RING = READ_AHEAD + 2  # gather buffers of the ring: those read ahead, the one in use, one whose copy may run
 RESIDENT_SHARE = 4   # a split of at most 1/RESIDENT_SHARE of the available memory is read ahead whole, once
+READERS = 4          # reader threads: gathers of announced batches in flight at once (at most the cores)
+
+
+def readers() -> int:
+    """Reader threads of a source: ``READERS``, at most the cores this process may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(READERS, cores))
 
 
 def available_memory() -> Optional[int]:
@@ -57,18 +67,30 @@ def available_memory() -> Optional[int]:
 
 
 class _Ring:
-    """``RING`` gather buffers reused in turn: ``next(n)`` -> (slot, uint8 (n, P, P, 3) view of its
-    buffer), after waiting for the device copy last made from it (``copied``). A buffer grows (is made
-    again) only for a batch larger than any before."""
+    """``RING`` gather buffers reused in turn, in the order the batches are announced: ``claim()`` (on
+    the step thread, as a gather is submitted) -> (slot, the gather that wrote the slot before or None),
+    ``wrote(slot, future)`` records the new one; ``buffer(slot, n, before)`` (on a reader thread) -> uint8
+    (n, P, P, 3) view of the slot's buffer, after waiting for ``before`` (gathers run at once on several
+    threads) and for the device copy last made from it (``copied``). A buffer grows (is made again) only
+    for a batch larger than any before."""
 
     def __init__(self, stored: int, pin: bool):
         self.stored, self.pin = stored, pin
         self.buffers: list[Optional[torch.Tensor]] = [None] * RING
         self.copies: list[Optional[torch.cuda.Event]] = [None] * RING
+        self.writers: list[Optional[Future]] = [None] * RING
         self.k = 0
 
-    def next(self, n: int) -> tuple[int, torch.Tensor]:
+    def claim(self) -> tuple[int, Optional[Future]]:
         slot, self.k = self.k, (self.k + 1) % RING
+        return slot, self.writers[slot]
+
+    def wrote(self, slot: int, future: Future) -> None:
+        self.writers[slot] = future
+
+    def buffer(self, slot: int, n: int, before: Optional[Future]) -> torch.Tensor:
+        if before is not None:
+            wait([before])   # (submitted earlier, so running or done: a pool starts its work in order)
         done = self.copies[slot]
         if done is not None:
             done.synchronize()   # (releases the GIL; long done: the copy was READ_AHEAD + 1 batches ago)
@@ -77,7 +99,7 @@ class _Ring:
         if buf is None or len(buf) < n:
             p = self.stored
             buf = self.buffers[slot] = torch.empty((n, p, p, 3), dtype=torch.uint8, pin_memory=self.pin)
-        return slot, buf[:n]
+        return buf[:n]
 
     def copied(self, slot: int) -> None:
         """The device copy from ``slot``'s buffer is queued on the current stream: mark its end."""
@@ -119,6 +141,7 @@ class RawShardSource(Source):
         self.shards: dict[str, list[OpenShard]] = {}
         self.starts: dict[str, np.ndarray] = {}
         self.targets: dict[str, torch.Tensor] = {}
+        self.gathers: dict[str, RowGather] = {}
         for split, folder in SPLITS.items():
             entries = self.manifest["splits"][folder]["shards"]
             self.shards[split] = [OpenShard(self.root / e["file"], int(e["rows"])) for e in entries]
@@ -126,6 +149,7 @@ class RawShardSource(Source):
             self.targets[split] = torch.from_numpy(np.concatenate(labels).astype(np.int64) if labels
                                                    else np.zeros(0, np.int64))
             self.starts[split] = np.cumsum([0] + [sh.rows for sh in self.shards[split]])
+            self.gathers[split] = RowGather(self.shards[split])
         self.train_size, self.test_size = len(self.targets["train"]), len(self.targets["test"])
         if self.train_size == 0 or self.test_size == 0:
             raise DataError(f"{self.root} holds {self.train_size} train and {self.test_size} val images: "
@@ -139,54 +163,35 @@ class RawShardSource(Source):
     _draw_params = OnDeviceSource._draw_params
 
     # ------------------------------------------------------------------ bytes
-    def _locate(self, split: str, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        starts = self.starts[split]
-        shard = np.searchsorted(starts, idx, side="right") - 1
-        return shard, np.asarray(idx, dtype=np.int64) - starts[shard]
-
-    def _groups(self, split: str, idx: np.ndarray):
-        """(shard, positions in ``idx``, rows in that shard) of each shard that samples ``idx`` touch,
-        grouped by one stable argsort (no per-sample Python)."""
-        shard, row = self._locate(split, idx)
-        order = np.argsort(shard, kind="stable")
-        sorted_shards = shard[order]
-        firsts = np.flatnonzero(np.r_[True, sorted_shards[1:] != sorted_shards[:-1]])
-        for a, b in zip(firsts.tolist(), np.r_[firsts[1:], len(order)].tolist()):
-            yield int(sorted_shards[a]), order[a:b], row[order[a:b]]
-
     def uint8(self, split: str, idx: np.ndarray, pin: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The stored pixels of samples ``idx``: uint8 (len(idx), P, P, 3), in pinned memory with
         ``pin``, or written into ``out`` (that shape, contiguous). The shards they touch are checked
-        first (DataError naming one that changed)."""
+        first (DataError naming one that changed); IndexError for a sample outside the split."""
         idx = np.asarray(idx, dtype=np.int64)
         p = self.stored
         if out is None:
             out = torch.empty((len(idx), p, p, 3), dtype=torch.uint8, pin_memory=pin)
-        flat = out.numpy().reshape(len(idx), p * p * 3)
-        groups = list(self._groups(split, idx))
-        for s, positions, rows in groups:
-            sh = self.shards[split][s]
-            sh.check()
-            if len(groups) == 1:
-                sh.pixels(rows, out=flat)   # (all in one shard: gathered straight into place)
-            else:
-                flat[positions] = sh.pixels(rows)
+        gather = self.gathers[split]
+        at, touched = gather.locate(idx)
+        for s in touched.tolist():
+            self.shards[split][s].check()
+        gather.copy(at, out.view(len(idx), p * p * 3))
         return out
 
     def read_ahead(self, split: str, idx: np.ndarray) -> None:
         """Ask the kernel to read the pixel bytes of samples ``idx`` from disk now (``madvise(WILLNEED)``
         on the shards' mappings: returns at once, the reads go on in the background)."""
-        for s, _, rows in self._groups(split, np.asarray(idx, dtype=np.int64)):
-            self.shards[split][s].will_need_mapped(rows)
+        for s, ranges in self.gathers[split].file_ranges(idx):
+            self.shards[split][s].will_need_ranges(ranges)
 
-    def _gather(self, split: str, idx: np.ndarray, ring: _Ring,
+    def _gather(self, split: str, idx: np.ndarray, ring: _Ring, slot: int, before: Optional[Future],
                 later: Optional[np.ndarray]) -> tuple[int, torch.Tensor]:
-        """(ring slot, batch ``idx`` gathered into it), after asking the disk for the batch ``later``
-        (READ_AHEAD batches on) unless the split is read ahead whole."""
+        """(``slot``, batch ``idx`` gathered into the slot's buffer once ``before``, the slot's previous
+        gather, is done), after asking the disk for the batch ``later`` (READ_AHEAD batches on) unless
+        the split is read ahead whole."""
         if later is not None and not self._resident.get(split):
             self.read_ahead(split, later)
-        slot, buf = ring.next(len(idx))
-        return slot, self.uint8(split, idx, out=buf)
+        return slot, self.uint8(split, idx, out=ring.buffer(slot, len(idx), before))
 
     def _read_ahead_whole(self, split: str) -> bool:
         """Whether ``split``'s shards take at most 1/RESIDENT_SHARE of the available memory; if so,
@@ -202,11 +207,11 @@ class RawShardSource(Source):
 
     def prefetch(self, split: str, epoch: int, batches: list[np.ndarray]) -> None:
         """Announce the next batches of ``split``: the first ``READ_AHEAD`` are gathered on the reader
-        thread now, into the split's ring, one more as each is taken. The pages are asked of the kernel
+        threads now, into the split's ring, one more as each is taken. The pages are asked of the kernel
         here: the split's whole shards when they fit (``_read_ahead_whole``), else the first batches'
         here and, by each gather, the batch ``READ_AHEAD`` further on."""
         if self._reader is None:
-            self._reader = ThreadPoolExecutor(1, thread_name_prefix="rayconv-raw-read")
+            self._reader = ThreadPoolExecutor(readers(), thread_name_prefix="rayconv-raw-read")
         if split not in self._rings:
             self._rings[split] = _Ring(self.stored, torch.cuda.is_available())
         queue: deque = deque([np.asarray(b), None] for b in batches if len(b))
@@ -219,7 +224,10 @@ class RawShardSource(Source):
 
     def _submit(self, split: str, queue: deque, k: int) -> None:
         later = queue[k + READ_AHEAD][0] if k + READ_AHEAD < len(queue) else None
-        queue[k][1] = self._reader.submit(self._gather, split, queue[k][0], self._rings[split], later)
+        ring = self._rings[split]
+        slot, before = ring.claim()
+        queue[k][1] = self._reader.submit(self._gather, split, queue[k][0], ring, slot, before, later)
+        ring.wrote(slot, queue[k][1])
 
     def _take(self, split: str, idx: np.ndarray, device: torch.device) -> tuple[Optional[int], torch.Tensor]:
         """(ring slot or None, this batch's pixels): read ahead into the split's ring when it was
@@ -268,7 +276,7 @@ class RawShardSource(Source):
 
     def add_val_split(self) -> None:
         """"val": the train shards, center-cropped and not augmented (``images`` augments "train" only)."""
-        for table in (self.shards, self.starts, self.targets):
+        for table in (self.shards, self.starts, self.targets, self.gathers):
             table["val"] = table["train"]
 
 

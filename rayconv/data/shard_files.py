@@ -177,21 +177,6 @@ class OpenShard:
         r = row - first
         return data[r] if off is None else data[off[r]:off[r + 1]]
 
-    def pixels(self, rows: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
-        """Raw shards: the pixel bytes of ``rows`` (int array), uint8 (len(rows), size * size * 3), gathered
-        from the mapping by ``np.take`` (one copy, no per-row Python), into ``out`` when given (that
-        shape, C-contiguous)."""
-        rows = np.asarray(rows, dtype=np.int64)
-        if out is None:
-            out = np.empty((len(rows), self.pieces[0][1].shape[1]), np.uint8)
-        if len(self.pieces) == 1:
-            # (mode "clip": the rows are in range, and with "raise" numpy gathers through a buffer first)
-            return np.take(self.pieces[0][1], rows, axis=0, out=out, mode="clip")
-        k = np.searchsorted(self.starts, rows, side="right") - 1
-        for j in np.unique(k):
-            out[k == j] = self.pieces[j][1][rows[k == j] - self.pieces[j][0]]
-        return out
-
     def ranges(self, rows: np.ndarray) -> list[tuple[int, int]]:
         """The (file offset, length) of the bytes of ``rows``, sorted, ranges closer than 4 KiB merged."""
         rows = np.sort(np.asarray(rows, dtype=np.int64))
@@ -233,12 +218,16 @@ class OpenShard:
 
     def will_need_mapped(self, rows: np.ndarray) -> None:
         """As ``will_need``, through the mapping (``madvise(MADV_WILLNEED)``: no file opened), page-aligned."""
+        self.will_need_ranges(self.ranges(rows))
+
+    def will_need_ranges(self, ranges: list[tuple[int, int]]) -> None:
+        """``will_need_mapped`` of (file offset, length) ``ranges`` (as ``ranges`` gives them)."""
         advise = getattr(self.mmap, "madvise", None)
         flag = getattr(mmap, "MADV_WILLNEED", None)
         if advise is None or flag is None:
             return
         page, size = mmap.PAGESIZE, len(self.mmap)
-        for off, n in self.ranges(rows):
+        for off, n in ranges:
             start = off - off % page
             try:
                 advise(flag, start, min(off + n, size) - start)

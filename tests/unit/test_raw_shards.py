@@ -2,13 +2,18 @@
 one local process): the stored pixels are the source's where lossless (PNG), and JPEG shards' decode
 of the same resize within JPEG's error; a flipped byte is caught by the sha256 checks; block and exact
 orders give the same samples as JPEG shards of the same folder; streamed batches equal held ones;
-``--convert --encoding`` re-encodes; a JPEG folder whose manifest has no ``encoding`` reads as before."""
+``--convert --encoding`` re-encodes; a JPEG folder whose manifest has no ``encoding`` reads as before;
+one gather reads rows of pieces at any addresses; gathers in flight at once keep the order and reuse a
+ring slot only after its previous gather; a shard that changed is named before its bytes are read."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import shutil
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -21,13 +26,15 @@ from rayconv import prepare as prep
 from rayconv.cluster.local_copy import is_copied
 from rayconv.config import Config
 from rayconv.data.order import make_order
-from rayconv.data.raw_shards import RING, RawShardSource
+from rayconv.data.raw_gather import RowGather
+from rayconv.data.raw_shards import RING, RawShardSource, _Ring
 from rayconv.data.registry import make_source
 from rayconv.data.shard_convert import convert_encoding
 from rayconv.data.shard_writer import on_processes, resolve_encoding
 from rayconv.data.shards import ShardSource
 from rayconv.data.small import HeldSource
 from rayconv.data.source import Sharding
+from rayconv.errors import DataError
 
 CPU = torch.device("cpu")
 SIZE = 32
@@ -194,6 +201,14 @@ def test_read_ahead_ranges_merge_rows_closer_than_4_kib(folders):
     assert shard.ranges(np.array([4, 0, 1])) == [(first, 2 * width), (first + 4 * width, width)]
     assert shard.ranges(np.array([0, 2])) == [(first, 3 * width)]   # (a gap of one row, 3072 bytes)
     assert shard.ranges(np.array([], dtype=np.int64)) == []
+    # A batch's ranges over all the shards it touches, at once: each shard's own.
+    source = RawShardSource(str(folders["raw"]), SIZE, seed=0)
+    idx = np.array([17, 4, 0, 1, 9, 12, 6, 5, 16])
+    starts = source.starts["train"]
+    want = [(s, source.shards["train"][s].ranges(idx[(idx >= starts[s]) & (idx < starts[s + 1])] - starts[s]))
+            for s in range(len(starts) - 1) if ((idx >= starts[s]) & (idx < starts[s + 1])).any()]
+    assert source.gathers["train"].file_ranges(idx) == want and len(want) == 4
+    source.read_ahead("train", idx)   # (those ranges asked of the kernel: madvise on each shard's mapping)
 
 
 def test_convert_between_encodings(folders, tmp_path):
@@ -217,3 +232,79 @@ def test_a_jpeg_manifest_without_encoding_reads_as_jpeg(folders, tmp_path):
     src = make_source(Config(data="shards", data_dir=str(old), image_size=SIZE, device="cpu", loader_workers=0,
                              data_on_device="off").validate())
     assert isinstance(src, ShardSource) and src.images("test", np.arange(2), CPU).shape == (2, 3, SIZE, SIZE)
+
+
+def test_one_gather_reads_rows_of_pieces_at_any_addresses():
+    """Shards of several pieces (one empty), an empty shard, each piece an allocation of its own: rows
+    in any order, repeated, across them all, are those of the pieces one after another."""
+    rng = np.random.default_rng(0)
+    piece = lambda n: rng.integers(0, 256, (n, 12), dtype=np.uint8)  # noqa: E731
+    layout = [[3, 0, 4], [], [1], [5, 2]]
+    shards, arrays = [], []
+    for sizes in layout:
+        pieces = [(int(sum(sizes[:k])), piece(n), None) for k, n in enumerate(sizes)]
+        shards.append(SimpleNamespace(rows=sum(sizes), pieces=pieces, base=0))
+        arrays += [p[1] for p in pieces]
+    whole = np.concatenate(arrays)
+    gather = RowGather(shards)
+    idx = np.array([14, 0, 7, 7, 3, 8, 2, 9, 13])
+    at, touched = gather.locate(idx)
+    out = gather.copy(at, torch.empty((len(idx), 12), dtype=torch.uint8))
+    assert np.array_equal(out.numpy(), whole[idx]) and touched.tolist() == [0, 2, 3]
+    assert gather.locate(np.array([], np.int64))[0].shape == (0,)
+    for bad in (15, -1):
+        with pytest.raises(IndexError, match=f"sample {bad} is outside the split's 15 rows"):
+            gather.locate(np.array([0, bad]))
+
+
+def test_a_ring_slot_is_written_again_only_after_its_previous_gather():
+    ring = _Ring(2, pin=False)
+    slot, before = ring.claim()
+    running = Future()
+    ring.wrote(slot, running)
+    for _ in range(RING - 1):
+        ring.claim()
+    again, before = ring.claim()
+    assert (again, before) == (slot, running)
+    got = threading.Event()
+    t = threading.Thread(target=lambda: (ring.buffer(again, 3, before), got.set()))
+    t.start()
+    assert not got.wait(0.2)                  # the slot's previous gather still runs: its buffer waits
+    running.set_result(None)
+    assert got.wait(5)
+    t.join()
+
+
+def test_gathers_in_flight_at_once_keep_the_order_and_the_pixels(folders):
+    """Four reader threads, more batches than the ring has buffers, an announcement left mid-way (its
+    gathers still in flight) and another made: every batch equals the same batch gathered alone."""
+    streamed = RawShardSource(str(folders["raw"]), SIZE, seed=0, augment="pad-crop")
+    streamed._reader = ThreadPoolExecutor(4)
+    alone = RawShardSource(str(folders["raw"]), SIZE, seed=0, augment="pad-crop")
+    rng = np.random.default_rng(2)
+    batches = [rng.choice(18, 5, replace=False) for _ in range(2 * RING + 3)]
+    streamed.prefetch("train", 1, batches)
+    for b in batches[:3]:
+        assert torch.equal(streamed._take("train", b, CPU)[1], alone.uint8("train", b))
+    odd = np.array([17, 0, 9])
+    assert torch.equal(streamed._take("train", odd, CPU)[1], alone.uint8("train", odd))   # the rest left
+    streamed.prefetch("train", 2, batches)
+    for b in batches:
+        slot, host = streamed._take("train", b, CPU)
+        assert slot is not None and torch.equal(host, alone.uint8("train", b))
+
+
+def test_a_raw_shard_that_changed_is_named_before_its_bytes_are_read(folders, tmp_path):
+    d = tmp_path / "raw"
+    shutil.copytree(folders["raw"], d)
+    source = RawShardSource(str(d), SIZE, seed=0)
+    p = source.shards["train"][1].path
+    mine, others = np.array([5, 6]), np.array([0, 12])    # (shards of 5 rows: 5, 6 in the second)
+    p.rename(d / "away")
+    assert source.uint8("train", others).shape == (2, SIZE, SIZE, 3)     # other shards read on
+    with pytest.raises(DataError, match=f"{p} disappeared during the run"):
+        source.uint8("train", np.array([0, 5]))
+    shutil.copy(d / "away", p)   # the same bytes back, but another file (inode, mtime)
+    source.prefetch("train", 0, [mine])
+    with pytest.raises(DataError, match=f"{p} changed"):
+        source.images("train", mine, CPU)
