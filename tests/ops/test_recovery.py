@@ -74,7 +74,10 @@ def test_ctrl_c_stops_cleanly(ray_cluster, tmp_path):
         [sys.executable, "-m", "rayconv.run", "--address", ray.get_runtime_context().gcs_address,
          "--steps", "100000", "--checkpoint-every", "2", "--dp", "2", "--device", "cpu", "--global-batch-size", "32",
          "--no-progress", "--out", str(out)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # (SIGINT as a terminal's Ctrl-C delivers it: a suite started in the background, `cmd &` in a
+        # script, hands its children SIGINT ignored, and Python then raises no KeyboardInterrupt)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         wait_until(proc, lambda: latest_checkpoint(out) is not None and load_checkpoint(out).step >= 4,
                    "no checkpoint", poll_s=0.2)
