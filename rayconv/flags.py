@@ -52,8 +52,14 @@ class OneLineParser(argparse.ArgumentParser):
             return ""
         known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
         unknown = [w.split("=")[0] for w in message.split(":", 1)[1].split() if w.startswith("--")]
-        close = [m for w in unknown for m in difflib.get_close_matches(w, known, n=1, cutoff=0.75)]
-        return f"; did you mean {', '.join(close)}?" if close else ""
+        return closest_flags(unknown, known)
+
+
+def closest_flags(unknown: list[str], known: list[str]) -> str:
+    """``; did you mean --steps?`` naming the flag of ``known`` closest to each of ``unknown`` (difflib),
+    or '' where none is close."""
+    close = [m for w in unknown for m in difflib.get_close_matches(w, known, n=1, cutoff=0.75)]
+    return f"; did you mean {', '.join(close)}?" if close else ""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,6 @@ trials are rows of its results), 1 when no trial finished, 130 on Ctrl-C (resume
 
 from __future__ import annotations
 
-import difflib
 import sys
 from typing import Optional
 
@@ -47,7 +46,7 @@ def parser() -> OneLineParser:
 def unknown_flags(rest: list[str], search_parser: OneLineParser) -> None:
     """Raise ConfigError naming the flags of ``rest`` (what the search's parser left) that no
     ``rayconv.run`` flag takes either, with the closest flag of both commands."""
-    from rayconv.flags import build_parser
+    from rayconv.flags import build_parser, closest_flags
 
     def names(p) -> set[str]:
         return {o for a in p._actions for o in a.option_strings if o.startswith("--")}
@@ -55,10 +54,8 @@ def unknown_flags(rest: list[str], search_parser: OneLineParser) -> None:
     run = names(build_parser())
     unknown = [w.split("=")[0] for w in rest if w.startswith("--") and w.split("=")[0] not in run]
     if unknown:
-        known = sorted(run | names(search_parser))
-        close = [m for w in unknown for m in difflib.get_close_matches(w, known, n=1, cutoff=0.75)]
         raise ConfigError(f"unrecognized arguments: {' '.join(unknown)}"
-                          + (f"; did you mean {', '.join(close)}?" if close else "")
+                          + closest_flags(unknown, sorted(run | names(search_parser)))
                           + " (--help lists the search's flags; the others are python -m rayconv.run's)")
 
 
