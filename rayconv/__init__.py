@@ -2,16 +2,17 @@
 
 Reproduces Yadan, Adams, Taigman and Ranzato, "Multi-GPU Training of ConvNets" (2013). Entry points:
 ``python -m rayconv.run`` (training) and ``rayconv.fit(config=None, **settings)`` (``rayconv.api``:
-the same settings and checks from Python; returns the summary).
+the same settings and checks from Python; returns the summary; ``release_actors()`` stops the
+actors it keeps for the next ``fit``).
 """
 
 import time as _time
 
 IMPORTED = _time.monotonic()  # (the start-up clock's origin where the process ran other commands first)
 
-from rayconv.api import fit  # noqa: E402
+from rayconv.api import fit, release_actors  # noqa: E402
 from rayconv.config import Config  # noqa: E402
 from rayconv.errors import ConfigError  # noqa: E402
 
-__all__ = ["Config", "ConfigError", "fit", "__version__"]
+__all__ = ["Config", "ConfigError", "fit", "release_actors", "__version__"]
 __version__ = "0.1.0"

@@ -9,7 +9,9 @@ the command line checks them, all before Ray starts: a bad one raises ConfigErro
 LayoutError, CheckpointError) at once. ``model`` may also be a callable (a function or class returning an
 ``nn.Module``): one importable by its module and name runs as ``module:qualname``; any other (a lambda,
 a local function) is pickled to the actors with Ray's serializer, and refused in one line when it
-cannot be. This module imports neither torch nor Ray until ``fit`` is called.
+cannot be. A run that ended normally leaves its actors for --keep-actors-s seconds (default 60), so that
+the next ``fit`` of this process that needs the same actors starts at once (``rayconv.cluster.pool``);
+``release_actors()`` stops them sooner. This module imports neither torch nor Ray until ``fit`` is called.
 """
 
 from __future__ import annotations
@@ -48,3 +50,13 @@ def fit(config: Optional[Config] = None, /, *, log=print, on_eval=None, **settin
     from rayconv.driver.job import train_run
 
     return train_run(cfg, log=log, on_eval=on_eval)
+
+
+def release_actors() -> None:
+    """Stop the actors a finished ``fit`` of this process kept for the next (--keep-actors-s) and free
+    their resources now (safe to repeat; nothing when none are kept)."""
+    import sys
+
+    pool = sys.modules.get("rayconv.cluster.pool")   # (not imported: no run kept anything)
+    if pool is not None:
+        pool.release()

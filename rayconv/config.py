@@ -242,6 +242,10 @@ class ClusterSettings:
                 "one GPU per actor, NCCL is reported to slow or hang on NVSwitch hosts, Ray issue 61073); "
                 "no effect on CPU"})
     collective_timeout_s: float = field(default=300.0, metadata={"help": "seconds before a stuck collective fails"})
+    keep_actors_s: float = field(default=60.0, metadata={
+        "help": "seconds a finished run's actors stay, for the next run of the same Python process "
+                "(rayconv.fit) that needs the same actors to reuse their started processes; 0: stopped at "
+                "the run's end (a command-line run's end with its process)"})
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,7 @@ def _check_numbers(cfg: Any) -> None:
 
 def _check_recipe(cfg: Any) -> None:
     """The training recipe's numbers in their ranges (torchvision's reference script takes the same)."""
+    _need(cfg.keep_actors_s >= 0, f"--keep-actors-s must be >= 0 (got {cfg.keep_actors_s:g}; 0: the actors stop at the run's end)")
     _need(cfg.lr_warmup_epochs >= 0, f"--lr-warmup-epochs must be >= 0 (got {cfg.lr_warmup_epochs}; 0: no warm-up)")
     _need(0 < cfg.lr_warmup_decay <= 1, f"--lr-warmup-decay must be in (0, 1] (got {cfg.lr_warmup_decay})")
     _need(cfg.lars_trust_coefficient > 0, f"--lars-trust-coefficient must be > 0 (got {cfg.lars_trust_coefficient})")

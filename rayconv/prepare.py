@@ -30,7 +30,10 @@ def _on_ray(args: dict[str, tuple], address: Optional[str]) -> Iterator[tuple[st
 
     from rayconv.cluster import connect as cluster  # (imports Ray, as above)
 
+    from rayconv.cluster import pool
+
     cluster.connect(address)
+    pool.release()   # (actors a run of this process kept would hold CPUs the tasks need)
     print(f"prepare: Ray: {cluster.cluster_origin()}")
     task = ray.remote(num_cpus=1)(write_shard)
     refs = {task.remote(*a): name for name, a in args.items()}

@@ -29,8 +29,12 @@ _SHARED: dict[str, object] = {"gcs": None}
 
 
 def _cpus_free(n: int, wait_s: float = 3.0) -> bool:
-    """Whether all ``n`` CPUs of the connected cluster are free within ``wait_s`` seconds: a run that
-    just ended releases its placement group asynchronously, a moment after its actors are killed."""
+    """Whether all ``n`` CPUs of the connected cluster are free within ``wait_s`` seconds, once the
+    actors kept for reuse are stopped: a run that just ended releases its placement group
+    asynchronously, a moment after its actors are killed."""
+    from rayconv.cluster import pool
+
+    pool.release()   # (the actors the last run of the previous module kept: ``--keep-actors-s``)
     deadline = time.monotonic() + wait_s
     while ray.available_resources().get("CPU") != n:
         if time.monotonic() > deadline:

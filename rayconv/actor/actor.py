@@ -24,9 +24,11 @@ builds. The rest, one concept a file under ``rayconv/actor/``:
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from typing import Any, Optional
@@ -51,6 +53,16 @@ class Actor:
     ``a`` is its ``build.ActorState`` (None until ``build``)."""
 
     def __init__(self, cfg: dict[str, Any], run_name: str, role: str):
+        self._sigterm = signal.getsignal(signal.SIGTERM)   # Ray's, restored by ``renew``
+        self._begin(cfg, run_name, role)
+        # What ``build`` needs first and costs seconds, done while the driver still checks and plans:
+        # torch._dynamo's import (torch.optim's first optimizer imports it) and, on a GPU, the CUDA
+        # context. ``build`` waits for it before it starts, so no import runs in two threads at once.
+        self._warm = threading.Thread(target=_warm_up, args=(self.cfg,), name="rayconv-warm-up", daemon=True)
+        self._warm.start()
+
+    def _begin(self, cfg: dict[str, Any], run_name: str, role: str) -> None:
+        """The state of a new actor of run ``run_name`` (``__init__`` and ``renew``)."""
         self.cfg = Config(**cfg)
         self.run_name, self.role = run_name, role
         torch.set_num_threads(max(1, self.cfg.num_cpus_per_actor))
@@ -59,11 +71,26 @@ class Actor:
         self.preempted = False   # --elastic: SIGTERM taken; the next step's result says so
         if self.cfg.elastic is not None:
             self._take_sigterm()
-        # What ``build`` needs first and costs seconds, done while the driver still checks and plans:
-        # torch._dynamo's import (torch.optim's first optimizer imports it) and, on a GPU, the CUDA
-        # context. ``build`` waits for it before it starts, so no import runs in two threads at once.
-        self._warm = threading.Thread(target=_warm_up, args=(self.cfg,), name="rayconv-warm-up", daemon=True)
-        self._warm.start()
+
+    def renew(self, cfg: dict[str, Any], run_name: str, role: str) -> None:
+        """Become a new actor of run ``run_name`` in this process (kept from a run that ended:
+        ``cluster.pool``): the previous run's state dropped (model, optimizer, data and its loader
+        processes, device memory), its gradient hooks and process groups left, torch.compile's caches
+        reset and SIGTERM Ray's again; then as ``__init__(cfg, run_name, role)`` leaves a new actor."""
+        self._warm.join()
+        self.shutdown()
+        self.rss.stop()
+        self.a = None
+        gc.collect()
+        if "torch._dynamo" in sys.modules:
+            torch._dynamo.reset()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        try:
+            signal.signal(signal.SIGTERM, self._sigterm)
+        except (ValueError, TypeError):   # (off the main thread; or a handler Python did not install)
+            pass
+        self._begin(cfg, run_name, role)
 
     def _take_sigterm(self) -> None:
         """--elastic: SIGTERM (a spot notice, a drain, ``kill``) sets ``preempted`` instead of ending the

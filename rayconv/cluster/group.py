@@ -26,6 +26,7 @@ from ray.util.placement_group import (get_current_placement_group, placement_gro
                                       remove_placement_group)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rayconv.cluster import pool
 from rayconv.cluster.connect import ALL_GPUS_VISIBLE_ENV, NAMESPACE, exception_summary, first_line
 from rayconv.config import Config
 from rayconv.errors import CallTimeout, ClusterError
@@ -74,6 +75,8 @@ class ActorGroup:
     # a start not waited for yet (``create_actors(wait=False)``): (their ``whereami`` call, the monotonic
     # deadline, the start-up limit to name); ``wait_started`` collects it into ``info``
     starting: Optional[tuple[Any, float, float]] = None
+    key: str = ""   # what another run's actors must match to reuse these (``pool.actors_key``)
+    reused: bool = False   # kept from a previous run of this process (``pool.take``)
 
     def call(self, method: str, *args, ranks: Optional[Sequence[int]] = None, timeout_s: Optional[float] = None):
         """Call ``method(*args)`` on the actors (all, or ``ranks``); results in rank order (see ``call_each``)."""
@@ -156,6 +159,13 @@ class ActorGroup:
     def __exit__(self, *exc) -> None:
         self.kill()
 
+    def hand_over(self) -> "ActorGroup":
+        """A new ActorGroup holding these actors and the placement group; this one is left empty (its
+        ``kill`` does nothing), for ``pool.keep``."""
+        other = ActorGroup(self.actors, self.roles, self.pg, self.info, self.first_bundle, self.owns_pg, key=self.key)
+        self.actors, self.pg, self.owns_pg = [], None, False
+        return other
+
     def kill(self) -> None:
         """Stop every actor and release the placement group (safe to repeat)."""
         for a in self.actors:
@@ -185,9 +195,26 @@ def start_group(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, timeout
     given = given_group(cfg, mesh)
     if given is not None:   # a Tune trial's group: its bundles are this run's
         return create_actors(actor_cls, cfg, mesh, run_name, given[0], timeout_s, first_bundle=given[1], wait=wait)
+    kept = reuse_kept(actor_cls, cfg, mesh, run_name)
+    if kept is not None:
+        return kept
     pg = reserve(cfg, mesh, run_name, timeout_s)
     return create_actors(actor_cls, cfg, mesh, run_name, pg, max(0.0, deadline - time.monotonic()), limit_s=timeout_s,
                          wait=wait)
+
+
+def actors_env(cfg: Config) -> Optional[dict[str, Any]]:
+    """The actors' runtime environment: a user's modules (uploaded: ``with_uploads``) and the GPU
+    visibility setting."""
+    gpu = cfg.device == "cuda"
+    return with_uploads(actor_runtime_env(cfg.model, ALL_GPUS_VISIBLE_ENV if (gpu and cfg.all_gpus_visible) else {}))
+
+
+def reuse_kept(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str) -> Optional[ActorGroup]:
+    """The actors a previous run of this process left (``pool``, ``--keep-actors-s``), renewed for this
+    run, when they are the ones it needs; else None (and any kept actors are stopped)."""
+    key = pool.actors_key(actor_cls, mesh.world_size, actor_bundle(cfg), actors_env(cfg))
+    return pool.take(key, cfg.to_dict(), run_name, [mesh.role(r) for r in range(mesh.world_size)])
 
 
 def actor_bundle(cfg: Config) -> dict[str, float]:
@@ -216,6 +243,7 @@ def given_group(cfg: Config, mesh: Mesh) -> Optional[tuple[Any, int]]:
 def reserve(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float) -> Any:
     """The run's placement group ``rayconv/<run>``, one bundle per actor (PACK), ready within ``timeout_s``
     seconds. Raises ClusterError (nothing stays reserved)."""
+    pool.release()   # (actors a previous run kept, not the ones this run needs: their resources are the cluster's)
     bundle = actor_bundle(cfg)
     try:
         pg = placement_group([dict(bundle) for _ in range(mesh.world_size)], strategy="PACK",
@@ -256,7 +284,7 @@ def create_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: A
         for b in mine:
             node_order.setdefault(nodes[b], len(node_order))
         bundles = sorted(mine, key=lambda b: (node_order[nodes[b]], b))
-        env = with_uploads(actor_runtime_env(cfg.model, ALL_GPUS_VISIBLE_ENV if (gpu and cfg.all_gpus_visible) else {}))
+        env = actors_env(cfg)
         remote = ray.remote(actor_cls)
         _wait_names_free([f"rayconv/{run_name}/{mesh.role(r)}" for r in range(mesh.world_size)],
                          max(0.0, deadline - time.monotonic()))
@@ -274,7 +302,8 @@ def create_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: A
         if isinstance(e, ray.exceptions.RayError):
             raise ClusterError(f"Ray could not start the actors of run {run_name}: {first_line(e)}") from None
         raise
-    actor_group = ActorGroup(actors, roles, pg, [], first_bundle, owns)
+    actor_group = ActorGroup(actors, roles, pg, [], first_bundle, owns,
+                             key=pool.actors_key(actor_cls, mesh.world_size, bundle, env))
     actor_group.starting = (actor_group.submit("whereami"), deadline, limit_s or timeout_s)
     if wait:
         actor_group.wait_started()

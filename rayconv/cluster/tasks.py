@@ -17,6 +17,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rayconv.cluster import pool
 from rayconv.cluster.connect import ALL_GPUS_VISIBLE_ENV, exception_summary, visible_index
 from rayconv.cluster.group import with_uploads
 from rayconv.errors import ClusterError
@@ -55,6 +56,7 @@ def run_on_device(fn, args: Sequence[Any], gpu: bool, timeout_s: float = 300.0, 
     name) gives the task the runtime environment a run's actors get for it: a user's modules shipped
     in ``py_modules``, a pickled callable. Raises ClusterError naming the task's error, the timeout,
     or a failed upload."""
+    pool.release()   # (actors kept for reuse would hold the device or CPU the task needs)
     env = actor_runtime_env(model or "", ALL_GPUS_VISIBLE_ENV if gpu else {})
     # max_calls=1: the worker process exits afterwards, releasing its CUDA context and cached memory.
     ref = ray.remote(max_calls=1)(_on_device).options(
@@ -93,6 +95,7 @@ def run_on_devices(fn, world: int, gpu: bool, args: Sequence[Any] = (), timeout_
     in one placement group as the training actors are (``master``: a free host:port on rank 0's node for
     a process-group rendezvous); their results in rank order. Raises ClusterError naming the error or
     the timeout; the actors and the reservation are released in every case."""
+    pool.release()   # (actors kept for reuse would hold what these need)
     bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
     pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
     actors: list[Any] = []

@@ -17,7 +17,7 @@ import time
 from typing import Optional
 
 from rayconv.actor.actor import Actor
-from rayconv.cluster.group import ActorGroup, create_actors, given_group, reserve
+from rayconv.cluster.group import ActorGroup, create_actors, given_group, reserve, reuse_kept
 from rayconv.config import Config
 from rayconv.errors import ClusterError, ConfigError, DataError
 from rayconv.mesh import Mesh
@@ -55,6 +55,8 @@ class EarlyActors:
                 self.group = create_actors(Actor, cfg, mesh, run_name, given[0], cfg.max_wait,
                                            first_bundle=given[1], wait=False)
             else:
+                self.group = reuse_kept(Actor, cfg, mesh, run_name)   # a previous run's (--keep-actors-s)
+            if self.group is None:
                 pg = reserve(cfg, mesh, run_name, min(cfg.max_wait, RESERVE_S))
                 self.group = create_actors(Actor, cfg, mesh, run_name, pg, max(0.0, cfg.max_wait - (time.monotonic() - t0)),
                                            limit_s=cfg.max_wait, wait=False)

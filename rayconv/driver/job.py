@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from rayconv.actor.actor import Actor
+from rayconv.cluster import pool
 from rayconv.cluster.group import ActorGroup, start_group
 from rayconv.config import Config
 from rayconv.data.source import Sharding
@@ -74,11 +75,18 @@ def _train(cfg: Config, early: EarlyActors, log, on_step, on_eval) -> dict[str, 
                 with start_actors(run, ckpt, early.take(run.resolved.mesh)) as actor_group, \
                         recording_stop(run, KeyboardInterrupt):
                     if resolved.cfg.evaluate_only:
-                        return finish_evaluation(run, actor_group)
+                        return kept_after(run, actor_group, finish_evaluation(run, actor_group))
                     train(run, actor_group, start=ckpt.step if ckpt is not None else 0)
-                    return finish(run, actor_group)
+                    return kept_after(run, actor_group, finish(run, actor_group))
             except ClusterError as e:   # the checkpoint to continue from (--elastic: on the layout it picks), or raises
                 ckpt = run.elastic.recover(e, run, recover_or_raise) if run.elastic else recover_or_raise(e, run)
+
+
+def kept_after(run: Run, actor_group: ActorGroup, summary: dict[str, Any]) -> dict[str, Any]:
+    """``summary``, once the actors of the run that ended are kept for the next run of this process
+    (``cluster.pool``, --keep-actors-s) instead of stopped."""
+    pool.keep(actor_group, actor_group.key, run.cfg.keep_actors_s)
+    return summary
 
 
 def start_actors(run: Run, ckpt: Optional[Checkpoint], started: Optional[ActorGroup] = None) -> ActorGroup:
@@ -90,6 +98,9 @@ def start_actors(run: Run, ckpt: Optional[Checkpoint], started: Optional[ActorGr
     try:
         actor_group.wait_started()
         mark("actors_alive")
+        if actor_group.reused:
+            run.log(f"rayconv: {len(actor_group.actors)} actors kept from this process's previous run, reused "
+                    "(--keep-actors-s)")
         change_mark = run.elastic.mark if run.elastic else (lambda phase: None)   # (a change's phases)
         change_mark("actors_alive")
         run.actor_reports = build_actors(actor_group, s.mesh, s.routing, s.sharding, run.call_timeout_s, s.cfg)

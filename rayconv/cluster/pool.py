@@ -1,0 +1,127 @@
+"""The actors of a finished run, kept for the next run of the same Python process (``--keep-actors-s``).
+
+An actor's process costs seconds to start: Ray starts it, it imports torch and torch._dynamo (and on a
+GPU makes its CUDA context). A second ``rayconv.fit`` in the same process (a notebook, a script's loop
+over settings, the test suite) that needs the same actors takes the kept ones instead: the same
+placement group, the same processes, each ``renew``-ed (its previous run's state dropped, its process
+groups left, torch.compile's caches reset) before the new run's ``build``. This is Ray Tune's
+``reuse_actors`` (``TuneConfig``) for rayconv's gangs of actors.
+
+"The same actors": the same actor class, count, bundle (CPUs, GPU share), runtime environment (a
+user's modules by the content hash of their upload, a pickled model) and cluster connection. One group
+is kept at a time; a run that needs other actors stops it first (its resources are the cluster's again),
+as does whatever else of rayconv asks the cluster for resources (a placement group, a task that measures
+a device, ``rayconv.prepare``'s tasks), ``rayconv.release_actors()``, and ``--keep-actors-s`` seconds
+of waiting (a timer thread). Only a run that ended normally
+leaves its actors; a failed, stopped or interrupted run's are killed as before. A command-line run
+ends its process, and its actors with it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import ray
+
+from rayconv.cluster.connect import exception_summary
+
+RENEW_S = 30.0  # how long kept actors may take to renew before new ones are started instead
+
+
+@dataclass
+class _Kept:
+    group: Any      # the ActorGroup
+    key: str
+    cluster: str    # the GCS address the actors live on
+    timer: Optional[threading.Timer]
+
+
+_LOCK = threading.Lock()
+_KEPT: dict[str, Optional[_Kept]] = {"now": None}
+
+
+def actors_key(actor_cls: type, world_size: int, bundle: dict[str, float], env: Optional[dict[str, Any]]) -> str:
+    """What kept actors must match to serve a run: class, count, bundle and runtime environment (after
+    the upload, so a changed module is another environment)."""
+    return json.dumps([f"{actor_cls.__module__}.{actor_cls.__qualname__}", world_size, sorted(bundle.items()), env],
+                      sort_keys=True, default=str)
+
+
+def _cluster() -> Optional[str]:
+    return ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+
+
+def keep(group: Any, key: str, keep_s: float) -> bool:
+    """Keep ``group`` (an ActorGroup of a run that ended normally, its placement group its own) for
+    ``keep_s`` seconds; any group kept before is stopped. False (nothing kept) when ``keep_s`` is 0,
+    the group does not own its placement group (a Tune trial's) or is still starting."""
+    if keep_s <= 0 or not group.owns_pg or group.starting is not None or not group.actors:
+        return False
+    release()
+    kept = group.hand_over()
+    timer = threading.Timer(keep_s, _expire, args=(kept,))
+    timer.daemon = True
+    with _LOCK:
+        _KEPT["now"] = _Kept(kept, key, _cluster() or "", timer)
+    timer.start()
+    return True
+
+
+def take(key: str, cfg_dict: dict[str, Any], run_name: str, roles: list[str]) -> Optional[Any]:
+    """The kept group when it matches ``key`` on this cluster, its actors renewed for the run
+    ``run_name`` (``Actor.renew(cfg_dict, run_name, role)``, in rank order) and its roles set; else None,
+    with any kept group stopped (its resources free for the run's own). A kept actor that does not
+    renew (gone, failed) makes it None too: the run starts its own."""
+    with _LOCK:
+        kept, _KEPT["now"] = _KEPT["now"], None
+    if kept is None:
+        return None
+    if kept.timer is not None:
+        kept.timer.cancel()
+    if kept.key != key or kept.cluster != _cluster() or len(kept.group.actors) != len(roles):
+        _stop(kept)
+        return None
+    group = kept.group
+    try:
+        group.collect(group.submit_each("renew", [(cfg_dict, run_name, r) for r in roles]), timeout_s=RENEW_S)
+    except Exception as e:  # noqa: BLE001 - the group is stopped (collect kills it); the run starts its own
+        import logging
+
+        logging.getLogger("rayconv").info("kept actors did not renew (%s): starting new ones", exception_summary(e))
+        _stop(kept)
+        return None
+    group.roles, group.reused = list(roles), True
+    return group
+
+
+def release() -> None:
+    """Stop the kept actors, if any, and remove their placement group (safe to repeat): the
+    cluster's resources are free again."""
+    with _LOCK:
+        kept, _KEPT["now"] = _KEPT["now"], None
+    if kept is not None:
+        if kept.timer is not None:
+            kept.timer.cancel()
+        _stop(kept)
+
+
+def kept_group() -> Optional[Any]:
+    """The ActorGroup kept now, or None."""
+    kept = _KEPT["now"]
+    return None if kept is None else kept.group
+
+
+def _expire(kept: _Kept) -> None:
+    with _LOCK:
+        if _KEPT["now"] is not kept:
+            return
+        _KEPT["now"] = None
+    _stop(kept)
+
+
+def _stop(kept: _Kept) -> None:
+    if kept.cluster and kept.cluster == _cluster():
+        kept.group.kill()

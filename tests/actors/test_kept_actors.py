@@ -1,0 +1,57 @@
+"""Actors kept from a finished run (``--keep-actors-s``, ``cluster.pool``) serve the next run of the
+same process that needs the same actors, exactly as new ones would; other runs get their own."""
+
+from __future__ import annotations
+
+import time
+
+import ray
+import torch
+
+from support.helpers import assert_same_state, reference_sgd, sgd_config
+from rayconv.cluster import pool
+from rayconv.driver.job import train_run
+
+STEPS = 6
+
+
+def _run(cfg, seen: dict, name: str) -> dict:
+    def on_step(actor_group, step):
+        if step == 0:
+            seen[name] = ([i["pid"] for i in actor_group.info], actor_group.reused)
+    return train_run(cfg, log=lambda *_: None, on_step=on_step)
+
+
+def _pg_state(run_name: str) -> str:
+    return next(pg["state"] for pg in ray.util.placement_group_table().values() if pg["name"] == f"rayconv/{run_name}")
+
+
+def test_kept_actors_train_the_next_run_exactly_and_other_runs_get_their_own(ray_cluster, tmp_path):
+    seen: dict = {}
+    a = sgd_config(tmp_path, "a", dp=2, steps=STEPS, eval_every=STEPS)
+    _run(a, seen, "a")
+    model_a = torch.load(tmp_path / "a" / "model.pt", weights_only=True)
+    assert not seen["a"][1] and pool.kept_group() is not None
+    # The same run again: the same processes, the same model to the bit (nothing of run a stayed in them).
+    _run(sgd_config(tmp_path, "b", dp=2, steps=STEPS, eval_every=STEPS), seen, "b")
+    assert seen["b"] == (seen["a"][0], True)
+    assert_same_state(torch.load(tmp_path / "b" / "model.pt", weights_only=True), model_a, atol=0.0)
+    # Another layout of two actors: renewed as pipeline stages, still single-device SGD.
+    c = sgd_config(tmp_path, "c", pp=2, num_microbatches=2, steps=STEPS, eval_every=STEPS)
+    _run(c, seen, "c")
+    assert seen["c"] == (seen["a"][0], True)
+    assert_same_state(torch.load(tmp_path / "c" / "model.pt", weights_only=True), reference_sgd(c, STEPS), atol=1e-10)
+    # A kept actor that died while kept: the next run starts its own, and trains the same.
+    ray.kill(pool.kept_group().actors[0])
+    d = _run(sgd_config(tmp_path, "d", dp=2, steps=STEPS, eval_every=STEPS), seen, "d")
+    assert not seen["d"][1] and not set(seen["d"][0]) & set(seen["a"][0])
+    assert_same_state(torch.load(tmp_path / "d" / "model.pt", weights_only=True), model_a, atol=0.0)
+    # A run of one actor stops the two kept (their placement group removed); with --keep-actors-s 0
+    # it leaves nothing: every CPU is free again.
+    _run(sgd_config(tmp_path, "e", dp=1, steps=2, eval_every=2, keep_actors_s=0), seen, "e")
+    assert not seen["e"][1] and _pg_state(d["run_name"]) == "REMOVED"
+    assert pool.kept_group() is None
+    deadline = time.monotonic() + 10   # (ray.kill ends the processes asynchronously)
+    while ray.available_resources().get("CPU") != 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU") == 4
