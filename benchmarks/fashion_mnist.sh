@@ -2,6 +2,8 @@
 # Fashion-MNIST to its published accuracy on one GPU, against the plain-PyTorch anchor in the same call:
 #   bash benchmarks/fashion_mnist.sh OUT_DIR [DATA_DIR]
 # rows: OUT_DIR/anchor.json (eager and compiled), OUT_DIR/rayconv/summary.json, OUT_DIR/synthetic/bench.parquet
+# (SYNTHETIC=0 leaves the synthetic row out); the last line compares the time to --target-accuracy from
+# each command (rayconv's summary.json time_to_target_since_s; the anchor's, per mode, as though run alone)
 set -uo pipefail  # each part runs even when one before it failed
 OUT_DIR=${1:?usage: fashion_mnist.sh OUT_DIR [DATA_DIR]}
 DATA=${2:-/usr/share/datasets/fashion-mnist}
@@ -20,6 +22,20 @@ echo "== rayconv: $PY -m rayconv.run --data fashion-mnist --model resnet18 $RECI
 $PY -u -m rayconv.run --data fashion-mnist --data-dir "$DATA" --model resnet18 $RECIPE --opt sgd_nesterov \
   --bias-weight-decay 0 --augment pad-crop --precision bf16 --compile "$COMPILE" --no-progress --log-every 1000 \
   --out "$OUT_DIR/rayconv" 2>&1 | tail -4
+$PY - "$OUT_DIR" <<'PYEOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+r = json.loads((out / "rayconv" / "summary.json").read_text())
+a = {x["mode"]: x for x in json.loads((out / "anchor.json").read_text())["runs"]}
+ours = r.get("time_to_target_since_s")
+for mode, x in a.items():
+    theirs = x.get("time_to_target_since_s")
+    ratio = f"{ours / theirs:.2f}x" if ours and theirs else "n/a"
+    print(f"FROM_COMMAND rayconv {ours} s (train {r.get('time_to_target_train_s')} s, final {r.get('test_accuracy')}) "
+          f"vs anchor {mode} {theirs} s (train {x.get('time_to_target_train_s')} s, final {x.get('final_test_accuracy')}): {ratio}")
+PYEOF
+[ "${SYNTHETIC:-1}" = 0 ] && exit 0
 echo "== synthetic: $PY -m rayconv.bench --models resnet18 --image-size $SIZE --global-batch-size $BATCH --layouts 1gpu --precision bf16 --compile $COMPILE"
 $PY -u -m rayconv.bench --device cuda --models resnet18 --image-size "$SIZE" --global-batch-size "$BATCH" \
   --layouts 1gpu --precision bf16 --compile "$COMPILE" --steps 200 --warmup 20 --no-anchors --out "$OUT_DIR/synthetic" 2>&1 | tail -3

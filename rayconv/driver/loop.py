@@ -241,7 +241,8 @@ def _evaluation(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) -> 
             ev["ema_test_accuracy"] = evaluate(actor_group, run.call_timeout_s, ema=True)["test_accuracy"]
     run.last_eval = ev
     metric = selection_metric(cfg)
-    if run.target.update(step, ev.get(metric), time.perf_counter() - s.t_start, train_seconds(run.wall, step)):
+    since = time.monotonic() - run.startup.origin
+    if run.target.update(step, ev.get(metric), time.perf_counter() - s.t_start, train_seconds(run.wall, step), since):
         run.log(f"rayconv: {metric.replace('_', ' ')} {ev[metric]:.4f} reached --target-accuracy "
                 f"{run.target.accuracy:g} after step {step}: {run.target.wall_s:.1f} s from the start, "
                 f"{run.target.train_s:.1f} s of training")

@@ -99,10 +99,12 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
     import ray
     from ray import tune
 
+    from rayconv.api import release_actors
     from rayconv.cluster.connect import connect
     from rayconv.tune.trial import Trial, resolved_base, trial_resources, trial_settings
 
     connect(base.get("address"))
+    release_actors()   # (actors a run of this process kept would hold what the trials need)
     base_r = resolved_base(base)
     _check_fits(base_r, checked, trial_settings, ray.cluster_resources())
     search_dir = search_dir.absolute()

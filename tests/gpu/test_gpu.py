@@ -77,6 +77,23 @@ def test_cuda_graph_defers_batchnorm_statistics(gpu_cluster, tmp_path, layout):
     assert_same_state(got, reference_microbatch_sgd(cfg, 5)[0], atol=1e-8)
 
 
+def test_a_kept_gpu_actor_trains_the_next_run_as_a_new_one(gpu_cluster, tmp_path):
+    """--keep-actors-s on a GPU: the second run takes the first's actor (its model, data, compiled code
+    and captured graph dropped, device memory freed) and trains compiled, replaying a new CUDA graph, to
+    single-device SGD as the first run did."""
+    seen, states = [], {}
+    for name in ("a", "b"):
+        cfg = Config(model="convnet", data="digits", dp=1, global_batch_size=96, steps=5, precision="fp64",
+                     device="cuda", compile="on", progress=False, out=str(tmp_path / name), balance="flops").validate()
+        summary = train_run(cfg, log=print, on_step=lambda g, step: step or seen.append((g.info[0]["pid"], g.reused)))
+        assert all(a["cuda_graphs"] for a in summary["actors"])
+        states[name] = torch.load(tmp_path / name / "model.pt", weights_only=True)
+    assert seen[1] == (seen[0][0], True), seen
+    want = reference_sgd(cfg, 5)
+    assert_same_state(states["a"], want, atol=1e-8)
+    assert_same_state(states["b"], want, atol=1e-8)
+
+
 @two_gpus
 def test_cuda_graph_replays_dropout_and_learning_rate_as_eager(gpu_cluster, tmp_path):
     """AlexNet under the per-layer plan (dropout on the gathered batch from the default generator, sharded

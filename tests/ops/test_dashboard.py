@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import ray
 
+import rayconv
+
 from support.helpers import wait_until
 from rayconv.config import Config
 from rayconv.driver.job import train_run
@@ -186,7 +188,10 @@ def test_actors_and_gauges_in_the_dashboard(dashboard, tmp_path):
     loss = [float(line.rsplit(" ", 1)[1]) for line in seen["lines"]
             if line.startswith("ray_rayconv_loss{") and 'role="driver"' in line]
     assert loss and 0 < loss[0] < 10
-    # After the run: the same actors, dead (killed by the driver).
+    # After the run: the same actors, kept for this process's next run (--keep-actors-s) until
+    # rayconv.release_actors() stops them; then dead.
+    assert rayconv_actors(dashboard["url"], f"{run}/") == seen["actors"]
+    rayconv.release_actors()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         states = rayconv_actors(dashboard["url"], f"{run}/")
