@@ -166,10 +166,10 @@ def test_target_records_the_first_evaluation_that_reaches_it():
     assert train_seconds(wall, 2) == 7.5 and first_steps_s(wall) == 7.0 and first_steps_s({}) is None
     t = Target(0.9)
     assert not t.update(1, 0.85, 10.0, train_seconds(wall, 1))
-    assert t.update(3, 0.9, 20.0, train_seconds(wall, 3))  # >= counts
-    assert not t.update(4, 0.95, 30.0, train_seconds(wall, 4))  # only the first
+    assert t.update(3, 0.9, 20.0, train_seconds(wall, 3), 26.5)  # >= counts
+    assert not t.update(4, 0.95, 30.0, train_seconds(wall, 4), 36.5)  # only the first
     assert t.summary(wall) == {"target_accuracy": 0.9, "target_step": 3, "time_to_target_s": 20.0,
-                               "time_to_target_train_s": 8.0, "first_steps_s": 7.0}
+                               "time_to_target_train_s": 8.0, "time_to_target_since_s": 26.5, "first_steps_s": 7.0}
     never, none = Target(0.99), Target(None)
     never.update(4, 0.95, 30.0, 9.0)
     none.update(4, 1.0, 30.0, 9.0)
