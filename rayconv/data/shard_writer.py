@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import multiprocessing
 import os
 import re
 import sys
@@ -201,8 +202,13 @@ def _ours(name: str) -> bool:
 
 def on_processes(args: dict[str, tuple], processes: int) -> Iterator[tuple[str, dict[str, Any]]]:
     """Each shard's ``write_shard`` on a local pool of ``processes`` processes (no Ray:
-    benchmarks/input_bench.py); yields (name, entry) as they finish."""
-    with ProcessPoolExecutor(processes) as pool:
+    benchmarks/input_bench.py); yields (name, entry) as they finish. In a process connected to Ray (a
+    driver calling ``prepare`` between runs) the pool's processes start from a fork server: a fork of
+    this process would copy Ray's gRPC threads' state mid-use."""
+    ray = sys.modules.get("ray")
+    connected = ray is not None and getattr(ray, "is_initialized", lambda: False)()
+    context = multiprocessing.get_context("forkserver") if connected else None
+    with ProcessPoolExecutor(processes, mp_context=context) as pool:
         futures = {pool.submit(write_shard, *a): name for name, a in args.items()}
         for f in as_completed(futures):
             yield futures[f], f.result()

@@ -18,24 +18,24 @@ STEPS = 4  # global batch 96 of the 1438 digits: 4 full steps
 # are tests/actors/test_batchnorm.py's layouts, each checked against single-device SGD there; the per-layer plan
 # over 4 is tests/actors/test_large_layouts.py's; an even filter split over 2 is dp2-fs2's, and interleaved
 # with as many micro-batches as stages dp2-pp2-interleaved-v2's.)
-LAYOUTS = {
-    "fs3-uneven": dict(fs=3),                      # 32/64/10 channels over 3 actors: 11,11,10 ...
+LAYOUTS = {  # (in order of actors: a run takes the actors the run before it kept, --keep-actors-s)
     "fs2-batchnorm": dict(fs=2, model="convnet_bn"),  # batch norm over a channel slice is exact
     "fs2-two-column": dict(fs=2, model="convnet2col"),  # grouped conv2 needs no exchange
-    # each gather in 5 overlapped batch pieces (32 per replica: 7,7,6,6,6), channels uneven over 3 actors
-    "fs3-overlapped-exchanges": dict(fs=3, exchange_chunks=5),
     "pp2-gpipe-m1": dict(pp=2, schedule="gpipe", num_microbatches=1, stages="4"),  # (a cut of CUTS)
     "pp2-1f1b-m3": dict(pp=2, schedule="1f1b", num_microbatches=3, stages="1"),  # (a cut of CUTS)
-    "pp3-1f1b-m4": dict(pp=3, schedule="1f1b", num_microbatches=4),
-    "pp2-balanced-by-time": dict(pp=2, balance="time", num_microbatches=2),  # stages cut by measured times
     # interleaved 1F1B: each stage holds non-adjacent model chunks (virtual stages s, s + P, ...)
     "pp2-interleaved-v3-m4": dict(pp=2, virtual_stages=3, num_microbatches=4),
+    "plan-krizhevsky2014-dp2": dict(dp=2, plan="krizhevsky2014"),
+    "fs3-uneven": dict(fs=3),                      # 32/64/10 channels over 3 actors: 11,11,10 ...
+    # each gather in 5 overlapped batch pieces (32 per replica: 7,7,6,6,6), channels uneven over 3 actors
+    "fs3-overlapped-exchanges": dict(fs=3, exchange_chunks=5),
+    "pp3-1f1b-m4": dict(pp=3, schedule="1f1b", num_microbatches=4),
     "pp3-interleaved-v2-m6": dict(pp=3, virtual_stages=2, num_microbatches=6),
     "dp2-pp2-interleaved-v2": dict(dp=2, pp=2, virtual_stages=2, num_microbatches=2),
     "dp2-fs2": dict(dp=2, fs=2),
     "dp2-pp2": dict(dp=2, pp=2, num_microbatches=2, stages="8"),  # (a cut of CUTS)
     "pp2-fs2": dict(pp=2, fs=2, num_microbatches=2, schedule="gpipe"),
-    "plan-krizhevsky2014-dp2": dict(dp=2, plan="krizhevsky2014"),
+    "pp2-balanced-by-time": dict(pp=2, balance="time", num_microbatches=2),  # stages cut by measured times
 }
 
 
