@@ -28,9 +28,7 @@ def _on_ray(args: dict[str, tuple], address: Optional[str]) -> Iterator[tuple[st
     naming the shard whose task failed (the others are cancelled)."""
     import ray   # (Ray's import takes seconds: not for --help or a bad argument)
 
-    from rayconv.cluster import connect as cluster  # (imports Ray, as above)
-
-    from rayconv.cluster import pool
+    from rayconv.cluster import connect as cluster, pool  # (imports Ray, as above)
 
     cluster.connect(address)
     pool.release()   # (actors a run of this process kept would hold CPUs the tasks need)

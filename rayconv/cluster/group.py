@@ -195,12 +195,13 @@ def start_group(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, timeout
     given = given_group(cfg, mesh)
     if given is not None:   # a Tune trial's group: its bundles are this run's
         return create_actors(actor_cls, cfg, mesh, run_name, given[0], timeout_s, first_bundle=given[1], wait=wait)
-    kept = reuse_kept(actor_cls, cfg, mesh, run_name)
+    env = actors_env(cfg)
+    kept = reuse_kept(actor_cls, cfg, mesh, run_name, env)
     if kept is not None:
         return kept
     pg = reserve(cfg, mesh, run_name, timeout_s)
     return create_actors(actor_cls, cfg, mesh, run_name, pg, max(0.0, deadline - time.monotonic()), limit_s=timeout_s,
-                         wait=wait)
+                         wait=wait, env=env)
 
 
 def actors_env(cfg: Config) -> Optional[dict[str, Any]]:
@@ -210,10 +211,12 @@ def actors_env(cfg: Config) -> Optional[dict[str, Any]]:
     return with_uploads(actor_runtime_env(cfg.model, ALL_GPUS_VISIBLE_ENV if (gpu and cfg.all_gpus_visible) else {}))
 
 
-def reuse_kept(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str) -> Optional[ActorGroup]:
+def reuse_kept(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str,
+               env: Optional[dict[str, Any]]) -> Optional[ActorGroup]:
     """The actors a previous run of this process left (``pool``, ``--keep-actors-s``), renewed for this
-    run, when they are the ones it needs; else None (and any kept actors are stopped)."""
-    key = pool.actors_key(actor_cls, mesh.world_size, actor_bundle(cfg), actors_env(cfg))
+    run, when they are the ones it needs (``env``: ``actors_env(cfg)``); else None (and any kept actors
+    are stopped)."""
+    key = pool.actors_key(actor_cls, mesh.world_size, actor_bundle(cfg), env)
     return pool.take(key, cfg.to_dict(), run_name, [mesh.role(r) for r in range(mesh.world_size)])
 
 
@@ -265,7 +268,8 @@ def reserve(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float) -> Any:
 
 
 def create_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: Any, timeout_s: float,
-                 limit_s: Optional[float] = None, first_bundle: Optional[int] = None, wait: bool = True) -> ActorGroup:
+                 limit_s: Optional[float] = None, first_bundle: Optional[int] = None, wait: bool = True,
+                 env: Optional[dict[str, Any]] = None) -> ActorGroup:
     """Start one ``actor_cls`` actor per bundle of ``pg`` (from ``first_bundle`` on, when given: a group
     this run does not own, left to its owner) and wait up to ``timeout_s`` seconds for them
     to run (part of the start-up limit ``limit_s``, named in the error; ``wait`` False: that wait is
@@ -284,7 +288,7 @@ def create_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: A
         for b in mine:
             node_order.setdefault(nodes[b], len(node_order))
         bundles = sorted(mine, key=lambda b: (node_order[nodes[b]], b))
-        env = actors_env(cfg)
+        env = actors_env(cfg) if env is None else env
         remote = ray.remote(actor_cls)
         _wait_names_free([f"rayconv/{run_name}/{mesh.role(r)}" for r in range(mesh.world_size)],
                          max(0.0, deadline - time.monotonic()))

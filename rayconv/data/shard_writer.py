@@ -205,8 +205,7 @@ def on_processes(args: dict[str, tuple], processes: int) -> Iterator[tuple[str, 
     benchmarks/input_bench.py); yields (name, entry) as they finish. In a process connected to Ray (a
     driver calling ``prepare`` between runs) the pool's processes start from a fork server: a fork of
     this process would copy Ray's gRPC threads' state mid-use."""
-    ray = sys.modules.get("ray")
-    connected = ray is not None and getattr(ray, "is_initialized", lambda: False)()
+    connected = "ray" in sys.modules and sys.modules["ray"].is_initialized()
     context = multiprocessing.get_context("forkserver") if connected else None
     with ProcessPoolExecutor(processes, mp_context=context) as pool:
         futures = {pool.submit(write_shard, *a): name for name, a in args.items()}

@@ -17,7 +17,7 @@ import time
 from typing import Optional
 
 from rayconv.actor.actor import Actor
-from rayconv.cluster.group import ActorGroup, create_actors, given_group, reserve, reuse_kept
+from rayconv.cluster.group import ActorGroup, actors_env, create_actors, given_group, reserve, reuse_kept
 from rayconv.config import Config
 from rayconv.errors import ClusterError, ConfigError, DataError
 from rayconv.mesh import Mesh
@@ -55,11 +55,13 @@ class EarlyActors:
                 self.group = create_actors(Actor, cfg, mesh, run_name, given[0], cfg.max_wait,
                                            first_bundle=given[1], wait=False)
             else:
-                self.group = reuse_kept(Actor, cfg, mesh, run_name)   # a previous run's (--keep-actors-s)
-            if self.group is None:
-                pg = reserve(cfg, mesh, run_name, min(cfg.max_wait, RESERVE_S))
-                self.group = create_actors(Actor, cfg, mesh, run_name, pg, max(0.0, cfg.max_wait - (time.monotonic() - t0)),
-                                           limit_s=cfg.max_wait, wait=False)
+                env = actors_env(cfg)
+                self.group = reuse_kept(Actor, cfg, mesh, run_name, env)   # a previous run's (--keep-actors-s)
+                if self.group is None:
+                    pg = reserve(cfg, mesh, run_name, min(cfg.max_wait, RESERVE_S))
+                    self.group = create_actors(Actor, cfg, mesh, run_name, pg,
+                                               max(0.0, cfg.max_wait - (time.monotonic() - t0)),
+                                               limit_s=cfg.max_wait, wait=False, env=env)
             self.mesh = mesh
         except (ClusterError, ConfigError, DataError):
             self.group = None   # (nothing stays reserved: reserve and create_actors remove what they made)
