@@ -24,6 +24,7 @@ import torch
 from rayconv.data import auto_augment as aa
 from rayconv.data.augment import (crop_flip_params, erase, erase_params, normalize, random_crop_flip,
                                   resize, resized_crop_flip, resized_crop_params)
+from rayconv.data.augment_graph import ReplayedAugment
 from rayconv.data.source import Source, stable_seed, to_device
 from rayconv.errors import ConfigError
 
@@ -91,10 +92,11 @@ class OnDeviceSource(Source):
         self._params: dict[torch.device, tuple[int, dict[str, torch.Tensor]]] = {}
         self._ahead: dict[int, Future] = {}   # epoch -> its table being drawn on self._pool
         self._pool: Optional[ThreadPoolExecutor] = None
+        self._graphs: Optional[ReplayedAugment] = None
 
     def __getstate__(self) -> dict:
         """Picklable (a thread pool is not): the tables drawn ahead stay behind."""
-        return {**self.__dict__, "_ahead": {}, "_pool": None}
+        return {**self.__dict__, "_ahead": {}, "_pool": None, "_graphs": None}
 
     def load(self, device: torch.device) -> None:
         """Copy both splits onto ``device`` now (an actor's setup), rather than at its first step."""
@@ -153,22 +155,44 @@ class OnDeviceSource(Source):
 
     def images(self, split, idx, device, epoch=0, dtype=None):
         dev = torch.device(device)
-        rows = to_device(torch.as_tensor(np.asarray(idx), dtype=torch.long), dev)
         stored = self._on(dev)
-        x = stored[split][rows]                                              # (n, C, S, S) uint8
         train = split == "train" and (self.augment != "none" or self.random_erase > 0
                                       or self.auto_augment is not None)
         params = self._epoch_params(dev, epoch) if train else {}
+        held = {"images": stored[split], "mean": stored["mean"], "std": stored["std"]}
+        rows = torch.as_tensor(np.asarray(idx), dtype=torch.long)
+        if dev.type == "cuda" and self.auto_augment is None:
+            # (one graph replay a batch: augment_graph.py; the indices copied from pinned memory)
+            x = self._replayed((split, train, dtype, None), held, rows=rows.pin_memory(), **params)
+        else:
+            x = self._augment((split, train, dtype, epoch), rows=to_device(rows, dev), **held, **params)
+        return self.expand(x)
+
+    def _augment(self, key: tuple, images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
+                 rows: torch.Tensor, **params: torch.Tensor) -> torch.Tensor:
+        """The batch of samples ``rows`` (device int64 (n,)) of ``images`` (the split held on the
+        device), augmented by the epoch's ``params`` (``_epoch_params``; none outside training) and
+        normalised: float (n, C, S, S) of the key's dtype. ``key`` = (split, train, dtype, epoch; the
+        epoch is read by auto-augment only)."""
+        _, _, dtype, epoch = key
+        x = images[rows]                                                     # (n, C, S, S) uint8
         if "offsets" in params and (self.pad or self.flip):
             x = random_crop_flip(x, self.pad, params["offsets"][rows], params["flips"][rows])
         elif "boxes" in params:
             x = resized_crop_flip(x, params["boxes"][rows], params["flips"][rows])
         if "aa_groups" in params:
             x = aa.apply(x, params["aa_groups"][rows], self.auto_augment, self.seed, epoch)
-        x = normalize(x, stored["mean"], stored["std"])                      # (n, C, S, S) float32
+        x = normalize(x, mean, std)                                          # (n, C, S, S) float32
         if "erase" in params:
             x = erase(x, params["erase"][rows])
-        return self.expand(x if dtype is None else x.to(dtype))
+        return x if dtype is None else x.to(dtype)
+
+    @property
+    def _replayed(self) -> ReplayedAugment:
+        """``_augment`` replayed as a CUDA graph per batch shape (made on first use; not pickled)."""
+        if self._graphs is None:
+            self._graphs = ReplayedAugment(self._augment)
+        return self._graphs
 
     def labels(self, split, idx):
         return self.targets[split][torch.as_tensor(np.asarray(idx), dtype=torch.long)]

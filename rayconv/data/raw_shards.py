@@ -36,6 +36,7 @@ import torch
 from rayconv.data import auto_augment as aa
 from rayconv.data import decode as dec
 from rayconv.data.augment import erase, random_crop_flip, resize, resized_crop_flip
+from rayconv.data.augment_graph import ReplayedAugment
 from rayconv.data.folders import SPLITS
 from rayconv.data.on_device import OnDeviceSource, _words, pad_for
 from rayconv.data.raw_gather import RowGather
@@ -46,13 +47,14 @@ from rayconv.errors import ConfigError, DataError
 READ_AHEAD = 8       # batches gathered ahead of their use
 RING = READ_AHEAD + 2  # gather buffers of the ring: those read ahead, the one in use, one whose copy may run
 RESIDENT_SHARE = 4   # a split of at most 1/RESIDENT_SHARE of the available memory is read ahead whole, once
-READERS = 4          # reader threads: gathers of announced batches in flight at once (at most the cores)
+READERS = 2          # reader threads: gathers in flight at once (more contend with the step thread for the GIL)
 
 
 def readers() -> int:
-    """Reader threads of a source: ``READERS``, at most the cores this process may run on."""
+    """Reader threads of a source: ``READERS`` (or the environment's ``RAYCONV_RAW_READERS``, for
+    benchmarks), at most the cores this process may run on."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(READERS, cores))
+    return max(1, min(int(os.environ.get("RAYCONV_RAW_READERS") or READERS), cores))
 
 
 def available_memory() -> Optional[int]:
@@ -158,6 +160,7 @@ class RawShardSource(Source):
         self._reader: Optional[ThreadPoolExecutor] = None
         self._rings: dict[str, _Ring] = {}
         self._resident: dict[str, bool] = {}   # split -> read ahead whole (no per-batch read-ahead)
+        self._graphs: Optional[ReplayedAugment] = None
 
     _epoch_params = OnDeviceSource._epoch_params
     _draw_params = OnDeviceSource._draw_params
@@ -247,21 +250,37 @@ class RawShardSource(Source):
     def images(self, split, idx, device, epoch=0, dtype=None):
         dev = torch.device(device)
         idx = np.asarray(idx, dtype=np.int64)
-        size = self.sample_shape[1]
         if len(idx) == 0:
             return torch.empty((0, *self.sample_shape), device=dev, dtype=dtype or torch.float32)
         slot, host = self._take(split, idx, dev)
-        x = to_device(host, dev).permute(0, 3, 1, 2)   # (B, 3, P, P) uint8, NHWC bytes
-        if slot is not None and dev.type == "cuda":
-            self._rings[split].copied(slot)   # (the buffer is written again only after this copy)
         train = split == "train" and (self.augment != "none" or self.random_erase > 0
                                       or self.auto_augment is not None)
+        params = self._epoch_params(dev, epoch) if train else {}
+        rows = {"rows": torch.from_numpy(idx)} if params else {}
+        if dev.type == "cuda" and self.auto_augment is None:
+            # (the copy from the pinned ring buffer and the augmentation: one graph replay, augment_graph.py)
+            x = self._replayed((train, dtype, None), {}, pixels=host,
+                               **{k: v.pin_memory() for k, v in rows.items()}, **params)
+        else:
+            x = self._augment((train, dtype, epoch), pixels=to_device(host, dev),
+                              **{k: to_device(v, dev) for k, v in rows.items()}, **params)
+        if slot is not None and dev.type == "cuda":
+            self._rings[split].copied(slot)   # (the buffer is written again only after this copy)
+        return x
+
+    def _augment(self, key: tuple, pixels: torch.Tensor, rows: Optional[torch.Tensor] = None,
+                 **params: torch.Tensor) -> torch.Tensor:
+        """Stored pixels ``pixels`` (uint8 (n, P, P, 3) on the device) of samples ``rows`` (device int64
+        (n,); only with ``params``) -> float (n, 3, S, S) of the key's dtype: center crop (or the
+        resized crop's resize), the epoch's ``params`` (``_epoch_params``), normalisation, erasing.
+        ``key`` = (train, dtype, epoch; the epoch is read by auto-augment only)."""
+        train, dtype, epoch = key
+        size = self.sample_shape[1]
+        x = pixels.permute(0, 3, 1, 2)   # (n, 3, P, P) uint8, NHWC bytes
         if train and self.augment == "resized-crop":
             x = resize(x, size) if self.stored != size else x
         else:
             x = dec.center(x, size)
-        params = self._epoch_params(dev, epoch) if train else {}
-        rows = to_device(torch.from_numpy(idx), dev) if params else None
         if "offsets" in params:
             x = random_crop_flip(x, self.pad, params["offsets"][rows], params["flips"][rows])
         elif "boxes" in params:
@@ -270,6 +289,13 @@ class RawShardSource(Source):
             x = aa.apply(x, params["aa_groups"][rows], self.auto_augment, self.seed, epoch)
         x = dec.normalize(x, dtype)
         return erase(x, params["erase"][rows]) if "erase" in params else x
+
+    @property
+    def _replayed(self) -> ReplayedAugment:
+        """``_augment`` replayed as a CUDA graph per batch shape (made on first use)."""
+        if self._graphs is None:
+            self._graphs = ReplayedAugment(self._augment)
+        return self._graphs
 
     def labels(self, split, idx):
         return self.targets[split][torch.as_tensor(np.asarray(idx), dtype=torch.long)]

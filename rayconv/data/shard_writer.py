@@ -203,10 +203,12 @@ def _ours(name: str) -> bool:
 def on_processes(args: dict[str, tuple], processes: int) -> Iterator[tuple[str, dict[str, Any]]]:
     """Each shard's ``write_shard`` on a local pool of ``processes`` processes (no Ray:
     benchmarks/input_bench.py); yields (name, entry) as they finish. In a process connected to Ray (a
-    driver calling ``prepare`` between runs) the pool's processes start from a fork server: a fork of
-    this process would copy Ray's gRPC threads' state mid-use."""
+    driver calling ``prepare`` between runs) or one that has used CUDA, the pool's processes start from
+    a fork server: a fork of this process would copy Ray's gRPC threads' state mid-use, and CUDA cannot
+    be used in a forked child."""
     connected = "ray" in sys.modules and sys.modules["ray"].is_initialized()
-    context = multiprocessing.get_context("forkserver") if connected else None
+    cuda = "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()
+    context = multiprocessing.get_context("forkserver") if connected or cuda else None
     with ProcessPoolExecutor(processes, mp_context=context) as pool:
         futures = {pool.submit(write_shard, *a): name for name, a in args.items()}
         for f in as_completed(futures):
