@@ -19,7 +19,9 @@ gives the same batches): ``pad-crop`` and ``none`` start from the evaluation's c
 (``decode.center``: shorter side to S * 8 // 7, center S x S), as JPEG shards and held data do;
 ``resized-crop`` crops the stored image (resized to S x S first when the prepare size is not S).
 Memory: as ``ShardSource`` (the mappings are shared page cache); the checks of a shard that
-disappears or changes are the same (``OpenShard.check``, before a batch's bytes are read).
+disappears or changes are the same (``OpenShard.check``, before a batch's bytes are read), each shard's
+at most every ``CHECK_S`` seconds: a random batch touches every shard, and a ``stat`` per shard per
+batch, each releasing and taking back the GIL, slows the step thread.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from rayconv.errors import ConfigError, DataError
 READ_AHEAD = 8       # batches gathered ahead of their use
 RING = READ_AHEAD + 2  # gather buffers of the ring: those read ahead, the one in use, one whose copy may run
 RESIDENT_SHARE = 4   # a split of at most 1/RESIDENT_SHARE of the available memory is read ahead whole, once
+CHECK_S = 0.5        # a shard's file is checked at most this often (seconds): one stat per shard, not per batch
 READERS = 2          # reader threads: gathers in flight at once (more contend with the step thread for the GIL)
 
 
@@ -177,7 +180,7 @@ class RawShardSource(Source):
         gather = self.gathers[split]
         at, touched = gather.locate(idx)
         for s in touched.tolist():
-            self.shards[split][s].check()
+            self.shards[split][s].check(CHECK_S)
         gather.copy(at, out.view(len(idx), p * p * 3))
         return out
 

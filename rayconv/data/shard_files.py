@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -127,6 +128,7 @@ class OpenShard:
         import pyarrow as pa   # (pyarrow's import is slow: only where shards are read)
 
         self.path = path
+        self.checked_at = float("-inf")   # (time.monotonic() of the last check that passed)
         try:
             # The mapping outlives the file descriptor (closed here), so a folder of thousands of shards
             # holds no open files; Arrow reads the record batches from it zero-copy.
@@ -234,13 +236,21 @@ class OpenShard:
             except (OSError, ValueError):
                 return   # (a changed file: ``check`` names it before the bytes are read)
 
-    def check(self) -> None:
-        """Raise DataError naming the file if it disappeared, or its inode, size or mtime changed since open."""
+    def check(self, max_age_s: float = 0.0) -> None:
+        """Raise DataError naming the file if it disappeared, or its inode, size or mtime changed since open.
+        With ``max_age_s``, a shard whose last check passed less than that many seconds ago is not
+        checked again (a reader touching many shards a batch makes one ``stat`` per shard per interval,
+        not per batch)."""
+        now_s = time.monotonic()
+        if max_age_s and now_s - self.checked_at < max_age_s:
+            return
         try:
             now: Optional[tuple] = _identity(os.stat(self.path))
         except OSError:
             now = None
-        if now != self.identity:
+        if now == self.identity:
+            self.checked_at = now_s
+        else:
             what = "disappeared" if now is None else "changed (inode, size or mtime differ from when it was opened)"
             raise DataError(f"{self.path} {what} during the run: put the file back as prepared and continue with "
                             "--resume (the last checkpoint stays)")
