@@ -27,7 +27,6 @@ from typing import Any, Optional
 import ray
 
 from rayconv.choices import SMALL_DATA_BYTES
-from rayconv.cluster import pool
 from rayconv.cluster.connect import available_devices, connect, node_memory_share
 from rayconv.cluster.local_copy import copy_to_nodes
 from rayconv.cluster.tasks import gpu_free_bytes, gpu_total_bytes, run_on_device
@@ -154,8 +153,6 @@ def resolve_on_cluster(cfg: Config, log=print, resume: Optional[Checkpoint] = No
     wanted = (cfg.dp or 1) * cfg.pp * cfg.fs * cfg.num_cpus_per_actor
     how = connect(cfg.address, min_cpus=wanted if cfg.device != "cuda" else None)
     startup.mark("ray")
-    if not (dp_given and early):
-        pool.release()   # (actors a previous run kept would hold what the cluster decides by or measures on)
     if startup.current() is not None:
         startup.current().ray = how
     try:

@@ -55,3 +55,16 @@ def test_kept_actors_train_the_next_run_exactly_and_other_runs_get_their_own(ray
     while ray.available_resources().get("CPU") != 4 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray.available_resources().get("CPU") == 4
+
+
+def test_a_run_with_dp_left_to_the_cluster_reuses_the_actors_it_is_given_again(ray_cluster, tmp_path):
+    # --dp from the cluster (4 CPUs, 2 per actor: 2 replicas) reads the cluster's totals, which kept
+    # actors do not change: the second run takes the first's actors and trains the same to the bit.
+    seen: dict = {}
+    _run(sgd_config(tmp_path, "f", dp=None, num_cpus_per_actor=2, steps=STEPS, eval_every=STEPS), seen, "f")
+    assert len(seen["f"][0]) == 2 and not seen["f"][1] and pool.kept_group() is not None
+    _run(sgd_config(tmp_path, "g", dp=None, num_cpus_per_actor=2, steps=STEPS, eval_every=STEPS), seen, "g")
+    assert seen["g"] == (seen["f"][0], True)
+    assert_same_state(torch.load(tmp_path / "g" / "model.pt", weights_only=True),
+                      torch.load(tmp_path / "f" / "model.pt", weights_only=True), atol=0.0)
+    pool.release()
