@@ -40,6 +40,7 @@ from rayconv.choices import (  # noqa: F401 (the fields' choices, also read from
     SHUFFLE_CHOICES, DATA_ON_DEVICE_CHOICES, DATA_ON_DEVICE_HELP, DATA_IMAGE_SIZE, PAD_CROP_MAX_SIZE, LARS_ETA,
     CUDNN_BENCHMARK_MIN_STEPS)
 from rayconv.config_checks import batch_split_problem, check  # noqa: F401 (batch_split_problem re-exported)
+from rayconv.data_dir import raw_side
 from rayconv.errors import ConfigError  # noqa: F401 (re-exported: callers catch it from here)
 
 
@@ -78,7 +79,8 @@ class DataSettings:
     image_size: Optional[int] = field(default=None, metadata={
         "help": "side in pixels of the training images (synthetic data, the crops of imagefolder and shards "
                 "data, a resize of digits and fashion-mnist); default: the data's own, digits 8, "
-                "fashion-mnist 28, synthetic/imagefolder/shards 224 (each model refuses sizes it cannot take)"})
+                "fashion-mnist 28, raw-pixel shards their stored side, synthetic/imagefolder/JPEG shards 224 (each "
+                "model refuses sizes it cannot take)"})
     channels: Optional[int] = field(default=None, metadata={
         "help": "image channels the model takes, 1 or 3 (grey repeated to 3); default: the model's (a user's: its first convolution's)"})
     augment: str = field(default="auto", metadata={
@@ -328,8 +330,12 @@ class Config(OperationsSettings, OutputSettings, ClusterSettings, ExecutionSetti
 
     @property
     def data_image_size(self) -> int:
-        """Side in pixels of the training images: ``image_size``, else the data's own (``DATA_IMAGE_SIZE``)."""
-        return self.image_size if self.image_size is not None else DATA_IMAGE_SIZE.get(self.data, 224)
+        """Side in pixels of the training images: ``image_size``, else the data's own: a raw-pixel shard
+        folder's stored side, else ``DATA_IMAGE_SIZE``."""
+        if self.image_size is not None:
+            return self.image_size
+        side = raw_side(self.data_dir) if self.data == "shards" else None
+        return side if side is not None else DATA_IMAGE_SIZE.get(self.data, 224)
 
     @property
     def augmentation(self) -> str:

@@ -9,13 +9,35 @@ readers'), so that the command lines stay free of torch until their arguments ar
 
 from __future__ import annotations
 
+import json
+from functools import lru_cache
 from pathlib import Path
+from typing import Optional
 
 from rayconv.errors import ConfigError
 
 MANIFEST = "manifest.json"                           # rayconv.data.shard_files.MANIFEST
 FASHION_MNIST_TRAIN = "train-images-idx3-ubyte"      # rayconv.data.fashion_mnist.FILES["train"][0]
 FOLDER_KINDS = ("imagefolder", "shards", "fashion-mnist")   # the --data kinds that read --data-dir
+
+
+def raw_side(data_dir: Optional[str]) -> Optional[int]:
+    """The stored side in pixels of a raw-pixel shard folder (its manifest's ``image_shape``), None for
+    JPEG shards, no folder or a manifest that does not read (the shard checks name what is wrong)."""
+    path = Path(data_dir) / MANIFEST if data_dir else None
+    try:
+        return _raw_side(str(path), path.stat().st_mtime_ns) if path else None
+    except OSError:
+        return None
+
+
+@lru_cache(maxsize=16)
+def _raw_side(path: str, mtime_ns: int) -> Optional[int]:
+    try:
+        manifest = json.loads(Path(path).read_text())
+        return int(manifest["image_shape"][0]) if manifest.get("encoding") == "raw" else None
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
 
 
 def data_of_folder(data_dir: str) -> str:

@@ -35,6 +35,7 @@ from rayconv.data.order import make_order
 from rayconv.data.registry import make_source
 from rayconv.data.small import HeldSource, decide_auto, held_bytes
 from rayconv.data.source import Sharding, Source
+from rayconv.data_dir import raw_side
 from rayconv.driver.early import needs_devices
 from rayconv.driver.lr import check_schedule, total_steps
 
@@ -275,7 +276,9 @@ def with_data_on_device(cfg: Config, mesh: Mesh, source: Source, log=print) -> t
             memory, actors = node_memory_share(ray.nodes(), mesh.world_size, cfg.num_cpus_per_actor)
             what = "the node's memory"
         held, why = decide_auto(data_bytes, memory, actors, what)
-    chosen = "both splits held on the device" if held else "the loader decodes each batch"
+    streamed = "each batch read from the raw shards, no decode" if cfg.data == "shards" and \
+        raw_side(cfg.data_dir) is not None else "the loader decodes each batch"
+    chosen = "both splits held on the device" if held else streamed
     log(f"rayconv: --data-on-device auto: {chosen} ({why})")
     cfg = dataclasses.replace(cfg, data_on_device="on" if held else "off").validate()
     return cfg, source if held or not isinstance(source, HeldSource) else make_source(cfg)

@@ -95,6 +95,15 @@ def test_auto_is_raw_up_to_64_px_and_the_manifest_says_so(folders, capsys):
     assert json.loads((folders["jpeg"] / "manifest.json").read_text())["format"] == "rayconv-shards/2"
 
 
+def test_without_image_size_raw_shards_train_at_their_stored_side(folders):
+    # (JPEG shards keep ImageNet's 224: their stored images are larger than the crop)
+    cfg = Config(data="shards", data_dir=str(folders["raw"]), device="cpu", loader_workers=0).validate()
+    assert cfg.data_image_size == SIZE and cfg.augmentation == "pad-crop"
+    assert make_source(cfg).sample_shape == (3, SIZE, SIZE)
+    jpeg = Config(data="shards", data_dir=str(folders["jpeg"]), device="cpu", loader_workers=0).validate()
+    assert jpeg.data_image_size == 224 and jpeg.augmentation == "resized-crop"
+
+
 def test_raw_pixels_are_the_source_and_jpeg_shards_decode_the_same_resize(src, folders):
     from torchvision.io import decode_jpeg
 
