@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
+from support.image_folder import write_folder
 from rayconv import prepare as prep
 from rayconv.config import Config
 from rayconv.data.raw_shards import RawShardSource
@@ -26,13 +26,7 @@ GPU = torch.device("cuda", 0)
 
 @pytest.fixture(scope="module")
 def raw(tmp_path_factory):
-    root = tmp_path_factory.mktemp("src")
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 12), ("val", 4)):
-        for c in "ab":
-            (root / split / c).mkdir(parents=True)
-            for i in range(n):
-                Image.fromarray(rng.integers(0, 255, (SIZE, SIZE, 3)).astype(np.uint8)).save(root / split / c / f"{i}.png")
+    root = write_folder(tmp_path_factory.mktemp("src") / "images", ".png", train=12, val=4)   # 24 train, 8 val
     out = tmp_path_factory.mktemp("prepared") / "raw"
     mp = pytest.MonkeyPatch()
     mp.setattr(prep, "_on_ray", lambda args, address: on_processes(args, 1))
