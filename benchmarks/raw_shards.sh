@@ -11,6 +11,9 @@
 #   2. rayconv.prepare's work (local processes) at --size SIZE, --encoding raw and jpeg -> $WORK/raw, $WORK/jpeg
 #   3. python -m rayconv.bench rows (--steps STEPS --warmup WARMUP): synthetic; raw shards streamed
 #      (--data-on-device off); JPEG shards streamed (--data-on-device off, --decode cpu)
+#   3a. raw-even: benchmarks/make_raw_shards.py writes EVEN_IMAGES (default 140 batches of BATCH: 71,680 at
+#      512) + CLASSES x VAL_PER_CLASS generated SIZE x SIZE images of CLASSES into raw shards (-> $WORK/even),
+#      streamed as raw-off is: the same epoch ends but no partial batch (an epoch's last step a full one)
 #   3b. raw-large: benchmarks/make_raw_shards.py writes LARGE_IMAGES (default 1,280,000: ImageNet-32-sized,
 #      3.9 GB at 32 px) + LARGE_VAL (default 10,000) generated SIZE x SIZE images of LARGE_CLASSES (default
 #      1000) into raw shards (-> $WORK/large, removed after the row unless KEEP=1), then a bench row streams
@@ -20,13 +23,15 @@
 #   4. python -m rayconv.run rows (RUN_STEPS steps, --compile off) with the data held on the device
 #      (--data-on-device on): the image folder and the JPEG shards; their summary.json's startup says how
 #      long the one-time decode took and on how many workers
-#   5. OUT/report.md: images/s, x synthetic and input stall of each bench row; decode seconds, workers
+#   5. OUT/report.md: images/s, x synthetic, input stall, the mean and median timed step and the in-actor
+#      loop's step of each bench row (a mean well above the median: a few slow steps, e.g. epoch ends); decode seconds, workers
 #      and images/s of each run row; raw-large's private memory at its first timed step (placed from the
 #      row's own step times, back from the actor's last sample), at the end and at its peak, against the
 #      bytes its measured steps read (flat: the growth small against those)
 #
 # Rows that would start after BUDGET seconds (default 420) are skipped and say so; ROWS (default all:
-# "synthetic raw-off jpeg-off raw-large folder-held jpeg-held") picks some. Env: WORK (default OUT/work,
+# "synthetic raw-off jpeg-off raw-large folder-held jpeg-held"; raw-even only when named) picks some. Env: EVEN_IMAGES,
+# WORK (default OUT/work,
 # removed at the end unless KEEP=1), CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS, SIZE, STEPS (default 300),
 # WARMUP (default 20), RUN_STEPS (default 20), LARGE_IMAGES, LARGE_VAL, LARGE_CLASSES, LARGE_STEPS, DEVICE
 # (auto: cuda when nvidia-smi sees a GPU; cpu: a smoke check with the small ConvNet at batch 32), PYTHON
@@ -58,6 +63,7 @@ else
   MODEL=convnet_bn; BATCH=32; PREC=fp32
 fi
 LARGE_STEPS=${LARGE_STEPS:-$(( (LARGE_IMAGES + 2 * BATCH - 1) / (2 * BATCH) ))}
+EVEN_IMAGES=${EVEN_IMAGES:-$(( 140 * BATCH ))}
 mkdir -p "$OUT" "$WORK"
 [[ ${KEEP:-0} == 1 ]] || trap 'rm -rf "$WORK"' EXIT
 IMAGES=$WORK/images RAW=$WORK/raw JPEG=$WORK/jpeg LOG=$OUT/log.txt
@@ -117,6 +123,19 @@ run_row() {  # run_row ROW ARGS...: one rayconv.run (summary.json), data held on
 bench synthetic
 bench raw-off --data shards --data-dir "$RAW" --data-on-device off
 bench jpeg-off --data shards --data-dir "$JPEG" --data-on-device off --decode cpu
+# 3a. a generated set of whole batches only (no partial batch at an epoch's end)
+if picked raw-even && ! late raw-even; then
+  EVEN=$WORK/even
+  log "raw-even: python benchmarks/make_raw_shards.py $EVEN --images $EVEN_IMAGES --size $SIZE --classes $CLASSES" \
+    "--val $(( CLASSES * VAL_PER_CLASS )) ($((SECONDS - t0)) s so far)"
+  if "$PY" benchmarks/make_raw_shards.py "$EVEN" --images "$EVEN_IMAGES" --size "$SIZE" --classes "$CLASSES" \
+      --val $(( CLASSES * VAL_PER_CLASS )) > "$OUT/make-even.txt" 2>&1; then
+    cat "$EVEN"/*.arrow > /dev/null
+    bench raw-even --data shards --data-dir "$EVEN" --data-on-device off
+  else
+    cat "$OUT/make-even.txt" >> "$LOG"; log "raw-even: make_raw_shards.py failed (see $LOG)"
+  fi
+fi
 # 3b. a generated set of LARGE_IMAGES images, streamed, the actor's private memory watched
 if picked raw-large && ! late raw-large; then
   LARGE=$WORK/large
@@ -144,16 +163,18 @@ import pyarrow.parquet as pq
 out, size, batch, steps = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 fmt = lambda v, p="{:.0f}": "-" if v is None else p.format(v)
 bench = {}
-for d in ("synthetic", "raw-off", "jpeg-off", "raw-large"):
+for d in ("synthetic", "raw-off", "raw-even", "jpeg-off", "raw-large"):
     f = out / d / "bench.parquet"
     if (out / d).is_dir():
         bench[d] = pq.read_table(f).to_pylist()[0] if f.is_file() else {"note": "failed (log.txt says why)"}
 synth = bench.get("synthetic", {}).get("images_per_s")
-print("| row | images/s | x synthetic | input stall | note |\n|---|---|---|---|---|")
+print("| row | images/s | x synthetic | input stall | step ms, mean / median | in-actor step ms | note |\n"
+      "|---|---|---|---|---|---|---|")
 for d, r in bench.items():
     ips = r.get("images_per_s")
     print(f"| {d} | {fmt(ips)} | {fmt(ips / synth if ips and synth else None, '{:.2f}')} | "
-          f"{fmt(r.get('input_stall_fraction'), '{:.1%}')} | {r.get('note') or ''} |")
+          f"{fmt(r.get('input_stall_fraction'), '{:.1%}')} | {fmt(r.get('step_ms'), '{:.2f}')} / "
+          f"{fmt(r.get('step_ms_median'), '{:.2f}')} | {fmt(r.get('in_actor_step_ms'), '{:.2f}')} | {r.get('note') or ''} |")
 print("\n| held row | decoded images | decode s | decode workers | images/s (--compile off) |\n|---|---|---|---|---|")
 for d in ("folder-held", "jpeg-held"):
     f = out / d / "summary.json"

@@ -9,7 +9,8 @@ compile(DDP) and DDP(compile), on GPUs; DDP's bucket settings), the winner named
 ``--data imagefolder --data-dir DIR`` reads real JPEG files through the loader instead of synthetic
 data, so that each row's input stall shows (the anchors then do not run). Writes into ``--out``:
 
-* ``bench.parquet``: one row per (model, layout): images_per_s, step_ms, speedup over rayconv on 1
+* ``bench.parquet``: one row per (model, layout): images_per_s, step_ms (and ``step_ms_median``: a mean
+  well above the median is a few slow steps, such as epoch ends), speedup over rayconv on 1
   device, ratios to the anchors, peak memory per device (GiB), parameters per actor, compute /
   receive-wait / all-reduce-wait / driver-idle time per step (ms), ``exchange_exposed_ms``: the time a
   step waits for filter split's (or the per-layer plan's) activation exchanges, the part compute did

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+
 from rayconv.config import Config
 from rayconv.driver.job import launch
 from rayconv.driver.resolve import call_timeout_s as default_call_timeout_s, resolve_on_cluster
@@ -111,12 +113,13 @@ def _timed(calls: _Calls, warmup: int, steps: int) -> dict[str, Any]:
     current one), the same steps looped inside the actors, and the peak memory of the timed steps."""
     actor_group, lr, end = calls.actor_group, calls.lr, warmup + steps
     t0 = time.perf_counter()
-    results = []
+    results, done_at = [], []
     in_flight = actor_group.submit("train_step", warmup, lr)
     for s in range(warmup, end):
         calls.phase = f"timed step {s}"
         current, in_flight = in_flight, (actor_group.submit("train_step", s + 1, lr) if s + 1 < end else None)
         results.append(actor_group.collect(current, timeout_s=calls.limit))
+        done_at.append(time.perf_counter())
     results.append(calls.call(f"timed step {end - 1}", "flush"))
     elapsed = time.perf_counter() - t0
     # The same steps with no driver call between them (each actor loops by itself; one call).
@@ -125,7 +128,9 @@ def _timed(calls: _Calls, warmup: int, steps: int) -> dict[str, Any]:
     in_actor_s = time.perf_counter() - t1
     # Peak memory of the timed steps (the profiled ones run eagerly, outside any CUDA graph).
     memory = calls.call("memory report", "memory")
-    return {"results": results, "elapsed": elapsed, "in_actor_s": in_actor_s, "memory": memory}
+    gaps = np.diff([t0] + done_at)   # (each step's collect after the one before: the driver loop's step times)
+    return {"results": results, "elapsed": elapsed, "in_actor_s": in_actor_s, "memory": memory,
+            "median_s": float(np.median(gaps)) if len(gaps) else None}
 
 
 def _profiled(calls: _Calls, first: int, n: int) -> list:
@@ -173,7 +178,8 @@ def _row(cfg: Config, mesh, routing, reports: list[dict], steps: int, got: dict[
     peaks = [m["peak_gib"] for m in got["memory"]]
     stall = _mean(stalls)
     return {
-        "images_per_s": cfg.global_batch_size * steps / elapsed, "step_ms": step_ms, "warmup_s": got["warmup_s"],
+        "images_per_s": cfg.global_batch_size * steps / elapsed, "step_ms": step_ms,
+        "step_ms_median": None if got.get("median_s") is None else got["median_s"] * 1e3, "warmup_s": got["warmup_s"],
         "first_step_s": got["first_step_s"], "to_first_step_s": got.get("to_first_step_s"),
         "compiled": bool(reports[0].get("compiled")),
         "cuda_graphs": bool(reports[0].get("cuda_graphs")),

@@ -18,7 +18,9 @@ from rayconv.outputs.charts import pyplot
 _F, _I, _S, _B = pa.float64(), pa.int64(), pa.string(), pa.bool_()
 BENCH_SCHEMA = pa.schema([
     ("model", _S), ("layout", _S), ("global_batch_size", _I), ("image_size", _I), ("note", _S),
-    ("images_per_s", _F), ("step_ms", _F), ("warmup_s", _F), ("first_step_s", _F),
+    ("images_per_s", _F), ("step_ms", _F),
+    ("step_ms_median", _F),  # the median timed step (the mean, step_ms, also counts the rare slow ones: epoch ends)
+    ("warmup_s", _F), ("first_step_s", _F),
     ("to_first_step_s", _F),  # from the layout's start (its checks, actors starting, their setup) to step 0 done
     ("compiled", _B),
     ("cuda_graphs", _B), ("peak_gib_max", _F), ("peak_gib_per_actor", _S), ("params_per_actor", _S),

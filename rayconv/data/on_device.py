@@ -128,7 +128,7 @@ class OnDeviceSource(Source):
         if cached is None or cached[0] != epoch:
             ahead = self._ahead.pop(epoch, None)
             params = ahead.result() if ahead is not None else self._draw_params(epoch)
-            cached = self._params[device] = (epoch, {k: v.to(device) for k, v in params.items()})
+            cached = self._params[device] = (epoch, {k: to_device(v, device) for k, v in params.items()})
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="rayconv-augment")
             self._ahead = {epoch + 1: self._pool.submit(self._draw_params, epoch + 1)}
