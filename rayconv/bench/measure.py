@@ -130,7 +130,7 @@ def _timed(calls: _Calls, warmup: int, steps: int) -> dict[str, Any]:
     memory = calls.call("memory report", "memory")
     gaps = np.diff([t0] + done_at)   # (each step's collect after the one before: the driver loop's step times)
     return {"results": results, "elapsed": elapsed, "in_actor_s": in_actor_s, "memory": memory,
-            "median_s": float(np.median(gaps)) if len(gaps) else None}
+            "median_s": float(np.median(gaps)) if len(gaps) else None, "gaps_s": gaps.tolist()}
 
 
 def _profiled(calls: _Calls, first: int, n: int) -> list:
@@ -179,7 +179,8 @@ def _row(cfg: Config, mesh, routing, reports: list[dict], steps: int, got: dict[
     stall = _mean(stalls)
     return {
         "images_per_s": cfg.global_batch_size * steps / elapsed, "step_ms": step_ms,
-        "step_ms_median": None if got.get("median_s") is None else got["median_s"] * 1e3, "warmup_s": got["warmup_s"],
+        "step_ms_median": None if got.get("median_s") is None else got["median_s"] * 1e3,
+        "timed_step_ms": json.dumps([round(g * 1e3, 3) for g in got.get("gaps_s") or []]), "warmup_s": got["warmup_s"],
         "first_step_s": got["first_step_s"], "to_first_step_s": got.get("to_first_step_s"),
         "compiled": bool(reports[0].get("compiled")),
         "cuda_graphs": bool(reports[0].get("cuda_graphs")),

@@ -20,6 +20,7 @@ BENCH_SCHEMA = pa.schema([
     ("model", _S), ("layout", _S), ("global_batch_size", _I), ("image_size", _I), ("note", _S),
     ("images_per_s", _F), ("step_ms", _F),
     ("step_ms_median", _F),  # the median timed step (the mean, step_ms, also counts the rare slow ones: epoch ends)
+    ("timed_step_ms", _S),   # JSON: each timed step's time (ms) as the driver's loop saw it (its collect after the last)
     ("warmup_s", _F), ("first_step_s", _F),
     ("to_first_step_s", _F),  # from the layout's start (its checks, actors starting, their setup) to step 0 done
     ("compiled", _B),
