@@ -9,7 +9,9 @@ run's console lines) and ``results.csv`` / ``results.json``.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -115,6 +117,12 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
             "max_concurrent": max_concurrent, "metric": metric, "mode": mode, "grace_period": grace_period,
             "reduction_factor": reduction_factor, "perturbation_interval": perturbation_interval,
             "synch": synch})
+    # Tune's own per-trial logs (result.json, progress.csv) but not its TensorBoard files: each trial's
+    # run writes its own into trial-<k>/tensorboard/, and a second set under tune/ would list every trial
+    # twice in `tensorboard --logdir runs/`.
+    from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
+
+    callbacks = [CSVLoggerCallback(), JsonLoggerCallback(), *callbacks]
     trainable = tune.with_resources(tune.with_parameters(Trial, base=base_r, search_dir=str(search_dir)),
                                     trial_resources(base_r))
     if resume:
@@ -133,7 +141,8 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
                                       checkpoint_config=tune.CheckpointConfig(num_to_keep=2)))
         log(f"rayconv.tune: {_grid_size(checked) * num_samples} trial(s), {scheduler}, metric {metric} ({mode}) "
             f"-> {search_dir}")
-    grid = tuner.fit()
+    with _no_default_loggers():
+        grid = tuner.fit()
     rows = table.collect(grid, search_dir, list(checked), metric)
     best = table.best([r for r in rows if r["status"] in ("finished",) or r["status"].startswith("stopped")],
                       metric, mode)
@@ -147,6 +156,22 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
         log(f"rayconv.tune: {len(unfinished)} trial(s) not done: continue with "
             f"`python -m rayconv.tune --resume {search_dir}`")
     return SearchResult(search_dir, metric, rows, best)
+
+
+@contextlib.contextmanager
+def _no_default_loggers():
+    """Within: Tune adds no logger callbacks of its own (``TUNE_DISABLE_AUTO_CALLBACK_LOGGERS``, read when a
+    search starts); the caller's environment as it was afterwards."""
+    key = "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"
+    before = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
 
 
 def make_scheduler(scheduler: str, checked: dict[str, tuple[str, list]], grace_period: int, reduction_factor: int,

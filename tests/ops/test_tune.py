@@ -52,6 +52,12 @@ def test_search_asha_failure_resume(ray_cluster, tmp_path):
     saved = json.loads((found.search_dir / "results.json").read_text())
     assert saved["best"]["trial"] == found.best["trial"] and len(saved["trials"]) == 4
     assert (found.search_dir / "results.csv").read_text().count("\n") == 5
+    # TensorBoard finds each trial once, in its own run's folder: Tune keeps its JSON and CSV logs but
+    # writes no event files of its own, and the process's environment is left as it was.
+    tune_dir = found.search_dir / "tune"
+    assert list(tune_dir.rglob("result.json")) and list(tune_dir.rglob("progress.csv"))
+    assert not list(tune_dir.rglob("events.out.tfevents*"))
+    assert "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS" not in os.environ
 
 
 def test_pbt_trial_continues_a_better_trials_checkpoint(ray_cluster, tmp_path):
