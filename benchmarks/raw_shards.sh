@@ -24,7 +24,8 @@
 #      (--data-on-device on): the image folder and the JPEG shards; their summary.json's startup says how
 #      long the one-time decode took and on how many workers
 #   5. OUT/report.md: images/s, x synthetic, input stall, the mean and median timed step and the in-actor
-#      loop's step of each bench row (a mean well above the median: a few slow steps, e.g. epoch ends); decode seconds, workers
+#      loop's step of each bench row (a mean well above the median: a few slow steps, e.g. epoch ends), its warm-up
+#      steps (the whole first epoch when it ends in a partial batch: bench.measure.warmup_steps); decode seconds, workers
 #      and images/s of each run row; raw-large's private memory at its first timed step (placed from the
 #      row's own step times, back from the actor's last sample), at the end and at its peak, against the
 #      bytes its measured steps read (flat: the growth small against those)
@@ -168,13 +169,13 @@ for d in ("synthetic", "raw-off", "raw-even", "jpeg-off", "raw-large"):
     if (out / d).is_dir():
         bench[d] = pq.read_table(f).to_pylist()[0] if f.is_file() else {"note": "failed (log.txt says why)"}
 synth = bench.get("synthetic", {}).get("images_per_s")
-print("| row | images/s | x synthetic | input stall | step ms, mean / median | in-actor step ms | note |\n"
-      "|---|---|---|---|---|---|---|")
+print("| row | images/s | x synthetic | input stall | step ms, mean / median | in-actor step ms | warm-up steps | note |\n"
+      "|---|---|---|---|---|---|---|---|")
 for d, r in bench.items():
     ips = r.get("images_per_s")
     print(f"| {d} | {fmt(ips)} | {fmt(ips / synth if ips and synth else None, '{:.2f}')} | "
           f"{fmt(r.get('input_stall_fraction'), '{:.1%}')} | {fmt(r.get('step_ms'), '{:.2f}')} / "
-          f"{fmt(r.get('step_ms_median'), '{:.2f}')} | {fmt(r.get('in_actor_step_ms'), '{:.2f}')} | {r.get('note') or ''} |")
+          f"{fmt(r.get('step_ms_median'), '{:.2f}')} | {fmt(r.get('in_actor_step_ms'), '{:.2f}')} | {fmt(r.get('warmup_steps'))} | {r.get('note') or ''} |")
 print("\n| held row | decoded images | decode s | decode workers | images/s (--compile off) |\n|---|---|---|---|---|")
 for d in ("folder-held", "jpeg-held"):
     f = out / d / "summary.json"

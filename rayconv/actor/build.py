@@ -57,7 +57,7 @@ class ActorState:
       their sends and receives), ``reports`` (whether this actor's loss is the one the driver reads);
     * per step (``step.py``): ``pending`` (the metrics of the step in flight), ``last_start``,
       ``last_return`` (perf_counter seconds of the last call's start and return), ``comm_bytes``
-      (bytes handed to torch.distributed by the last eager step).
+      (bytes handed to torch.distributed by the last eager step), ``gauges_at``, ``train_mode``, ``sliced_dropouts``.
     """
 
     cfg: Config
@@ -92,6 +92,9 @@ class ActorState:
     last_start: Optional[float] = None
     last_return: Optional[float] = None
     comm_bytes: int = 0
+    gauges_at: Optional[float] = None  # perf_counter seconds when the gauges were last set (``report.report_gauges``)
+    train_mode: bool = False  # the part was last put in training mode (``part.train()``) by a step, not an evaluation
+    sliced_dropouts: Optional[list] = None  # (name, SlicedDropout) of the part, listed at the first step
     full_batch: tuple[int, ...] = ()  # per-replica sizes of a full global batch (a captured step's key)
     shapes_fixed: bool = False  # compiled segments compile no new shape (``segments.fix_shapes``)
     data_decode: Optional[dict[str, Any]] = None  # the one-time decode of data held on the device

@@ -25,10 +25,20 @@ def memory(a: ActorState) -> dict[str, Any]:
     return {"rank": a.rank, "peak_gib": torch.cuda.max_memory_allocated(a.device) / 2**30}
 
 
-def report_gauges(a: ActorState, result: Optional[dict[str, Any]]) -> None:
-    """Per-actor gauges in Ray's metrics (dashboard Metrics view): images/s, step ms, loss, peak memory."""
+GAUGE_S = 0.5   # an actor sets its gauges at most this often (seconds); Prometheus scrapes every few seconds
+
+
+def report_gauges(a: ActorState, result: Optional[dict[str, Any]], force: bool = False) -> None:
+    """Per-actor gauges in Ray's metrics (dashboard Metrics view): images/s, step ms, loss, peak memory,
+    from the step ``result``; at most every ``GAUGE_S`` seconds unless ``force`` (a short step's host
+    time is the GPU's bound: setting four gauges and reading the allocator's statistics each step
+    costs a tenth of a millisecond or more)."""
     if not a.cfg.metrics or result is None or not result.get("interval_ms"):
         return
+    now = time.perf_counter()
+    if not force and a.gauges_at is not None and now - a.gauges_at < GAUGE_S:
+        return
+    a.gauges_at = now
     ms = result["interval_ms"]
     peak = torch.cuda.max_memory_allocated(a.device) / 2**30 if a.device.type == "cuda" else None
     loss = result["loss_sum"] / max(1, result["samples"]) if result["reports"] else None
@@ -52,7 +62,7 @@ def trace(a: ActorState, train_steps: Callable[[int, int, float], object], flush
     then ``steps`` more under cProfile. Returns the wall time (ms) of the first ``steps``, the summed
     device kernel time (ms; NCCL kernels overlap compute, so it may exceed the wall time) and, as
     text, the profiler's table of the most expensive operators (self device time on GPUs, self CPU
-    time otherwise) and cProfile's of the actor's Python functions."""
+    time otherwise) and cProfile's of the actor's Python functions (by own time, then by cumulative time)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile  # (imports triton: only for a trace)
 
     cuda = a.device.type == "cuda"
@@ -72,6 +82,8 @@ def trace(a: ActorState, train_steps: Callable[[int, int, float], object], flush
     py.disable()
     py_table = io.StringIO()
     pstats.Stats(py, stream=py_table).sort_stats("tottime").print_stats(25)
+    py_table.write("\nBy cumulative time (what each function's calls cost, callees included):\n")
+    pstats.Stats(py, stream=py_table).sort_stats("cumulative").print_stats(40)
     events = prof.key_averages()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     kernel_us = sum(getattr(e, "self_device_time_total", 0) for e in events) if cuda else None

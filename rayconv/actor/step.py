@@ -62,7 +62,9 @@ def train_step(a: ActorState, step: int, lr: float, profile: bool, t0: float) ->
     mb = a.batches.train(epoch, replica_idx, a.routing.schedule.num_microbatches, clock, graph if graphed else None)
     # 2. Dropout seeds and the learning rate.
     generators = seed(a, step)
-    a.part.train()
+    if not a.train_mode:   # (train() walks every module: at the first step and after an evaluation only)
+        a.part.train()
+        a.train_mode = True
     for g in a.optimizer.param_groups:
         g["lr"] = lr
     for t in a.lr_t.values():
@@ -157,11 +159,12 @@ def seed(a: ActorState, step: int) -> list[torch.Generator]:
     if a.device.type == "cuda":
         torch.cuda.default_generators[a.device.index].manual_seed(s)
     split_key = "fc" if a.per_layer else a.coord.dp
+    if a.sliced_dropouts is None:   # (the part's modules do not change during a run)
+        a.sliced_dropouts = [(n, m) for n, m in a.part.named_modules() if isinstance(m, SlicedDropout)]
     generators = []
-    for name, mod in a.part.named_modules():
-        if isinstance(mod, SlicedDropout):
-            mod.reseed(stable_seed(a.cfg.seed, step, split_key, a.coord.pp, name), a.device)
-            generators.append(mod.generator)
+    for name, mod in a.sliced_dropouts:
+        mod.reseed(stable_seed(a.cfg.seed, step, split_key, a.coord.pp, name), a.device)
+        generators.append(mod.generator)
     return generators
 
 
@@ -197,7 +200,7 @@ def flush(a: ActorState) -> Optional[dict[str, Any]]:
     """The metrics of the last step launched (waits for the device)."""
     previous, a.pending = a.pending, None
     out = materialise(previous)
-    report_gauges(a, out)
+    report_gauges(a, out, force=True)
     a.last_return = None  # the driver waits on purpose after a flush: not counted as idle
     return out
 
@@ -213,6 +216,7 @@ def evaluate(a: ActorState, split: str = "test") -> dict[str, Any]:
     n_chunks = max(1, -(-len(replica_idx[0]) // chunk))
     mb = a.batches.evaluate(replica_idx, n_chunks, split)
     a.part.eval()
+    a.train_mode = False
     sched = forward_only(a.mesh.pp, n_chunks, a.routing.schedule.num_chunks)
     count = sum(len(r) for r in replica_idx) if a.per_layer else sum(mb.sizes)
     loss = StepLoss(mb.labels, max(1, count), top5=True)

@@ -29,11 +29,13 @@ class StepClock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.marks: dict[str, Any] = {}
+        # (the step's stream, looked up once: each Event.record() without one looks it up again)
+        self.stream = torch.cuda.current_stream(device) if self.cuda else None
 
     def _mark(self, name: str) -> None:
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev.record(self.stream)
             self.marks[name] = ev
         else:
             self.marks[name] = time.perf_counter()

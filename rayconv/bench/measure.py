@@ -1,6 +1,7 @@
 """Measuring one layout: start its actors, warm up, time steps, split a step into its costs.
 
-``measure`` runs ``--warmup`` steps, then ``--steps`` timed steps driven as the driver's loop drives
+``measure`` runs ``--warmup`` steps (through the first epoch's end when that epoch ends in a partial
+batch: ``warmup_steps``), then ``--steps`` timed steps driven as the driver's loop drives
 them (the next step queued before waiting), the same steps again looped inside the actors (one
 call, for the driver's overhead), reads peak memory, then profiles a few steps that split the step
 into compute, receive wait, all-reduce wait and exposed exchange time (profiled steps run eagerly,
@@ -60,9 +61,24 @@ class _Calls:
         return self.actor_group.call(method, *args, timeout_s=self.limit)
 
 
+WARMUP_EPOCH_MAX = 1000   # the warm-up runs through the first epoch's partial batch for epochs of at most this many steps
+
+
+def warmup_steps(warmup: int, sharding) -> int:
+    """The warm-up's steps: ``warmup``, or, when the epoch ends in a partial batch and has more steps than
+    ``warmup`` but at most ``WARMUP_EPOCH_MAX``, the whole first epoch. A partial batch's first step pays
+    its shape's one-time set-up (it runs eagerly: cuDNN's plans for each convolution of the new shape,
+    the batch's augmentation captured again: seconds on a GPU, RESULTS.md) inside the timed steps
+    otherwise; the later epochs' ends, which recur, are timed."""
+    spe = sharding.steps_per_epoch
+    partial = sharding.train_samples % sharding.global_batch_size != 0
+    return spe if partial and warmup < spe <= WARMUP_EPOCH_MAX else warmup
+
+
 def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_steps: int = 0,
             trace_to: Optional[Path] = None, call_timeout_s: Optional[float] = None) -> dict[str, Any]:
-    """Images/s and step time of ``cfg`` over ``steps`` timed steps after ``warmup`` steps, then a
+    """Images/s and step time of ``cfg`` over ``steps`` timed steps after ``warmup`` steps (or the first
+    epoch: ``warmup_steps``), then a
     profiled split, then (``trace_steps`` > 0) a torch.profiler trace of rank 0 written as a table to
     ``trace_to``. Returns one bench row's measured columns (``bench.table.BENCH_SCHEMA``).
 
@@ -76,12 +92,13 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
     limit = call_timeout_s if call_timeout_s is not None else default_call_timeout_s(cfg)
     actor_group, reports = launch(cfg, mesh, routing, sharding, f"bench-{os.getpid()}-{time.monotonic_ns() % 10**9}")
     calls = _Calls(actor_group, cfg.lr, limit)
+    warmup = warmup_steps(warmup, sharding)
     try:
         warm_from = time.monotonic()
         got: dict[str, Any] = _warm_up(calls, warmup, compiles=bool(reports[0].get("compiled")))
         if got["first_step_s"] is not None:
             got["to_first_step_s"] = warm_from - started + got["first_step_s"]
-        got.update(_timed(calls, warmup, steps))
+        got.update(_timed(calls, warmup, steps), warmup_steps=warmup)
         first_prof = warmup + 2 * steps
         got["prof"] = _profiled(calls, first_prof, profile_steps)
         got["device_busy"] = _trace(calls, first_prof + profile_steps, trace_steps, trace_to) if trace_steps else None
@@ -181,6 +198,7 @@ def _row(cfg: Config, mesh, routing, reports: list[dict], steps: int, got: dict[
         "images_per_s": cfg.global_batch_size * steps / elapsed, "step_ms": step_ms,
         "step_ms_median": None if got.get("median_s") is None else got["median_s"] * 1e3,
         "timed_step_ms": json.dumps([round(g * 1e3, 3) for g in got.get("gaps_s") or []]), "warmup_s": got["warmup_s"],
+        "warmup_steps": got["warmup_steps"],
         "first_step_s": got["first_step_s"], "to_first_step_s": got.get("to_first_step_s"),
         "compiled": bool(reports[0].get("compiled")),
         "cuda_graphs": bool(reports[0].get("cuda_graphs")),

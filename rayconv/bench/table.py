@@ -21,7 +21,9 @@ BENCH_SCHEMA = pa.schema([
     ("images_per_s", _F), ("step_ms", _F),
     ("step_ms_median", _F),  # the median timed step (the mean, step_ms, also counts the rare slow ones: epoch ends)
     ("timed_step_ms", _S),   # JSON: each timed step's time (ms) as the driver's loop saw it (its collect after the last)
-    ("warmup_s", _F), ("first_step_s", _F),
+    ("warmup_s", _F),
+    ("warmup_steps", _I),    # untimed steps before the timed ones: --warmup, or the first epoch when it ends in a partial batch
+    ("first_step_s", _F),
     ("to_first_step_s", _F),  # from the layout's start (its checks, actors starting, their setup) to step 0 done
     ("compiled", _B),
     ("cuda_graphs", _B), ("peak_gib_max", _F), ("peak_gib_per_actor", _S), ("params_per_actor", _S),

@@ -88,6 +88,7 @@ def test_bench_writes_table_chart_and_anchor_ratios(ray_cluster, tmp_path):
     assert [r["layout"] for r in rows] == ["1gpu", "dp2", "pp2m2", "fs2c2"]
     for r in rows:
         assert r["images_per_s"] > 0 and r["step_ms"] > 0
+        assert r["warmup_steps"] == 1   # (synthetic data: whole batches, the warm-up as asked)
         assert r["vs_plain_pytorch"] is not None and r["vs_plain_pytorch"] > 0
     assert rows[0]["speedup_vs_1"] == pytest.approx(1.0)
     assert rows[1]["vs_torchrun_ddp"] is not None  # the DDP anchor ran under torchrun with gloo
