@@ -62,7 +62,8 @@ class RowGather:
         distinct, sorted): what ``copy`` reads, and which shards to check before."""
         idx = np.asarray(idx, dtype=np.int64)
         p = self._pieces(idx)
-        return self.offsets[p] + (idx - self.firsts[p]) * self.width, np.unique(self.shard_of[p])
+        touched = np.flatnonzero(np.bincount(self.shard_of[p], minlength=len(self.shards)))   # (no sort)
+        return self.offsets[p] + (idx - self.firsts[p]) * self.width, touched
 
     def file_ranges(self, idx: np.ndarray) -> list[tuple[int, list[tuple[int, int]]]]:
         """Per shard that rows ``idx`` touch, in shard order: (shard number, the (file offset, length) of

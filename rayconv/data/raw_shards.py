@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -95,7 +95,9 @@ class _Ring:
 
     def buffer(self, slot: int, n: int, before: Optional[Future]) -> torch.Tensor:
         if before is not None:
-            wait([before])   # (submitted earlier, so running or done: a pool starts its work in order)
+            # (submitted earlier, so running or done: a pool starts its work in order; exception() waits
+            # without raising: the batch that gather was for raises when it is taken)
+            before.exception()
         done = self.copies[slot]
         if done is not None:
             done.synchronize()   # (releases the GIL; long done: the copy was READ_AHEAD + 1 batches ago)
