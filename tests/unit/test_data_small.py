@@ -149,7 +149,7 @@ def test_an_empty_class_folder_is_named(tmp_path):
     with pytest.raises(DataError) as e:
         CheckedImageFolder(root / "val", None)
     msg = str(e.value)
-    assert f"class folder c has no image files (.jpg" in msg and ". :" not in msg and "\n" not in msg, msg
+    assert "class folder c has no image files (.jpg" in msg and ". :" not in msg and "\n" not in msg, msg
 
 
 def test_prepare_counts_what_it_encoded_and_names_what_it_skipped(tmp_path):
