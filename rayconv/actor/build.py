@@ -27,6 +27,7 @@ from rayconv.mesh import Coord, Mesh, split_sizes
 from rayconv.models import run_model, to_layers
 from rayconv.parallel import comm
 from rayconv.parallel.data_parallel import GradientSync
+from rayconv.parallel.filter_split.layers import SlicedDropout
 from rayconv.parallel.routing import Routing
 from rayconv.parallel.parallelize import ParallelPart, parallelize
 from rayconv.parallel.segments import compile_part
@@ -54,10 +55,11 @@ class ActorState:
     * ``compiled``, ``cuda_graphs``, ``step_graph`` (the captured step or None), ``lr_t`` (device
       learning rates for a captured update, by parameter dtype);
     * ``runner`` (the stage's ``StageRunner``), ``program`` and ``p2p_posts`` (its actions and
-      their sends and receives), ``reports`` (whether this actor's loss is the one the driver reads);
+      their sends and receives), ``reports`` (whether this actor's loss is the one the driver reads),
+      ``sliced_dropouts`` (filter split's dropouts, ``step.seed`` reseeds them);
     * per step (``step.py``): ``pending`` (the metrics of the step in flight), ``last_start``,
       ``last_return`` (perf_counter seconds of the last call's start and return), ``comm_bytes``
-      (bytes handed to torch.distributed by the last eager step), ``gauges_at``, ``train_mode``, ``sliced_dropouts``.
+      (bytes handed to torch.distributed by the last eager step), ``gauges_at``, ``train_mode``.
     """
 
     cfg: Config
@@ -88,13 +90,13 @@ class ActorState:
     program: tuple[Action, ...]
     p2p_posts: list[tuple[Post, ...]]
     reports: bool
+    sliced_dropouts: list[tuple[str, SlicedDropout]]  # the part's split dropouts by name (reseeded each step)
     pending: Optional[dict[str, Any]] = None
     last_start: Optional[float] = None
     last_return: Optional[float] = None
     comm_bytes: int = 0
     gauges_at: Optional[float] = None  # perf_counter seconds when the gauges were last set (``report.report_gauges``)
     train_mode: bool = False  # the part was last put in training mode (``part.train()``) by a step, not an evaluation
-    sliced_dropouts: Optional[list] = None  # (name, SlicedDropout) of the part, listed at the first step
     full_batch: tuple[int, ...] = ()  # per-replica sizes of a full global batch (a captured step's key)
     shapes_fixed: bool = False  # compiled segments compile no new shape (``segments.fix_shapes``)
     data_decode: Optional[dict[str, Any]] = None  # the one-time decode of data held on the device
@@ -155,6 +157,7 @@ def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, r
         recipe=recipe, compiled=compiled, cuda_graphs=cuda_graphs, step_graph=step_graph, lr_t=lr_t,
         runner=runner, program=routing.schedule.programs[stage], p2p_posts=p2p_posts(routing.schedule, stage),
         reports=is_last and coord.fs == 0 and not (per_layer and coord.dp != 0), data_decode=data_decode,
+        sliced_dropouts=[(n, m) for n, m in part.named_modules() if isinstance(m, SlicedDropout)],
         full_batch=tuple(split_sizes(cfg.global_batch_size, mesh.dp)),
         startup={"model_built": built_s, "optimizer_built": optimizer_s, "data_on_device": data_s})
 

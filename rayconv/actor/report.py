@@ -31,8 +31,8 @@ GAUGE_S = 0.5   # an actor sets its gauges at most this often (seconds); Prometh
 def report_gauges(a: ActorState, result: Optional[dict[str, Any]], force: bool = False) -> None:
     """Per-actor gauges in Ray's metrics (dashboard Metrics view): images/s, step ms, loss, peak memory,
     from the step ``result``; at most every ``GAUGE_S`` seconds unless ``force`` (a short step's host
-    time is the GPU's bound: setting four gauges and reading the allocator's statistics each step
-    costs a tenth of a millisecond or more)."""
+    time can bound the GPU, and setting four gauges and reading the allocator's statistics each step
+    adds to it)."""
     if not a.cfg.metrics or result is None or not result.get("interval_ms"):
         return
     now = time.perf_counter()

@@ -26,7 +26,6 @@ from rayconv.parallel import comm
 from rayconv.parallel.batchnorm import commit_batchnorm
 from rayconv.parallel.comm import sync_device
 from rayconv.parallel.data_parallel import broadcast_modules
-from rayconv.parallel.filter_split.layers import SlicedDropout
 from rayconv.parallel.pipeline.p2p import p2p_posts
 from rayconv.parallel.pipeline.runner import StepResult
 from rayconv.parallel.pipeline.schedules import forward_only
@@ -159,8 +158,6 @@ def seed(a: ActorState, step: int) -> list[torch.Generator]:
     if a.device.type == "cuda":
         torch.cuda.default_generators[a.device.index].manual_seed(s)
     split_key = "fc" if a.per_layer else a.coord.dp
-    if a.sliced_dropouts is None:   # (the part's modules do not change during a run)
-        a.sliced_dropouts = [(n, m) for n, m in a.part.named_modules() if isinstance(m, SlicedDropout)]
     generators = []
     for name, mod in a.sliced_dropouts:
         mod.reseed(stable_seed(a.cfg.seed, step, split_key, a.coord.pp, name), a.device)

@@ -1,9 +1,9 @@
 """``python -m rayconv.bench``: the paper's experiments (Yadan et al. 2013, section 4) as one command.
 
 For each model and layout: start the actors, run ``--warmup`` steps (the whole first epoch when it ends
-in a partial batch, whose shape's one-time set-up is then not timed: ``bench.measure.warmup_steps``), then time ``--steps`` steps on
-synthetic ImageNet-shaped data (3 x 224 x 224, 1000 classes) and a few profiled steps that split the
-step into its costs (``bench.measure``). In the same run the anchors are measured under the same
+in a partial batch, whose shape's one-time set-up is then not timed: ``bench.measure.warmup_steps``),
+then time ``--steps`` steps on synthetic ImageNet-shaped data (3 x 224 x 224, 1000 classes) and a few
+profiled steps that split the step into its costs (``bench.measure``). In the same run the anchors are measured under the same
 precision and global batch: plain PyTorch on 1 device and torchrun DDP on the layout's devices
 (``bench.anchor``), each in the fastest of its candidate configurations (eager; compiled, and for DDP
 compile(DDP) and DDP(compile), on GPUs; DDP's bucket settings), the winner named in the row.
@@ -72,7 +72,8 @@ def _add_workload(p: argparse.ArgumentParser) -> None:
                    help="comma-separated, e.g. 256,1024 (default 256; with --curve: one curve per batch size, "
                         "default rayconv.run's)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per layout (default %(default)s)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps first; the first compiles on GPUs; through the first epoch when it ends in a partial batch (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first; the first compiles on GPUs; through the first epoch when it "
+                        "ends in a partial batch (default %(default)s)")
     p.add_argument("--image-size", type=int, default=224,
                    help="images are 3 x S x S (synthetic; image folders are cropped to S) (default %(default)s)")
     p.add_argument("--data", default="synthetic", choices=("synthetic", "imagefolder", "shards"),
