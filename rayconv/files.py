@@ -5,6 +5,8 @@ these, so an interrupted run leaves the previous complete file, never a partial 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -28,6 +30,18 @@ def atomic_write(path: Path, write) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path):
+    """Hold an exclusive ``flock(2)`` on the folder itself (no file is added to it) while the block
+    runs: a second holder, in this process or another on the same host, waits. Raises OSError."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (closing releases the lock)
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -13,6 +13,9 @@ hard ``NodeAffinitySchedulingStrategy``. Each task (``copy_folder``) reads the f
 - DIR's manifest is removed before any shard is copied and written (atomically) after all of them,
   so a DIR whose copy stopped part-way (full disk, a crash) has no manifest and is refused by the
   reader rather than taken as complete;
+- the copy holds an exclusive ``flock`` on DIR, so two tasks copying into one folder (two Ray nodes
+  of one host, or a DIR on a disk the nodes share) run one after the other: the second finds the
+  shards there and skips them, and neither removes the other's temporary files;
 - shard files in DIR that the manifest does not list (``train-NNNNN`` / ``val-NNNNN`` of an earlier
   preparation) are removed, as the reader refuses unlisted shards.
 
@@ -24,6 +27,7 @@ for summary.json).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -40,7 +44,7 @@ from rayconv.cluster.connect import exception_summary
 from rayconv.config import Config
 from rayconv.data.shards import MANIFEST
 from rayconv.errors import ClusterError, DataError
-from rayconv.files import atomic_write, sha256_file
+from rayconv.files import atomic_write, folder_lock, sha256_file
 
 SHARD_NAME = re.compile(r"^(train|val)-\d+\.(parquet|arrow)$")  # what prepare names its shards
 BLOCK = 1 << 22  # bytes read and written at a time
@@ -94,8 +98,18 @@ def copy_folder(src: str, dest: str) -> dict[str, Any]:
             raise DataError(f"--stage-dir {out} is --data-dir itself and {bad[0]} there does not match {MANIFEST}: "
                             "give --data-dir the prepared folder it was copied from")
         return {"node": _node(), "copied": [], "skipped": sorted(e["file"] for e in entries), "copied_bytes": 0}
+    with contextlib.ExitStack() as held:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            held.enter_context(folder_lock(out))  # (two nodes of one host, or a shared disk: one at a time)
+        except OSError as e:
+            raise DataError(f"--stage-dir {out}: cannot prepare the folder ({e.strerror or e})") from None
+        return _copy_locked(root, out, manifest_bytes, entries)
+
+
+def _copy_locked(root: Path, out: Path, manifest_bytes: bytes, entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """copy_folder's work, with ``out`` locked."""
     try:
-        out.mkdir(parents=True, exist_ok=True)
         listed = {e["file"] for e in entries}
         for p in out.iterdir():  # earlier shards the manifest no longer lists, and tmp files of a crash
             if (SHARD_NAME.match(p.name) and p.name not in listed) or \

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from rayconv.config import Config
 from rayconv.data.registry import make_source
 from rayconv.driver.job import train_run
 from rayconv.errors import DataError
+from rayconv.files import folder_lock
 from support.shard_folder import make_prepared
 
 pytestmark = pytest.mark.own_cluster  # (conftest runs such modules last)
@@ -131,10 +133,27 @@ def test_a_run_trains_from_the_staged_copy(ray_cluster, prepared, tmp_path):
     assert any("--stage-dir" in line and "1 node(s)" in line and "copied" in line for line in logged), logged
 
 
+def test_a_second_copy_into_a_locked_folder_waits(prepared, tmp_path):
+    """The folder's flock: a copy into DIR while another holder has it waits, writing nothing, then
+    finishes once it is released."""
+    dest = tmp_path / "locked"
+    dest.mkdir()
+    done: list[dict] = []
+    with folder_lock(dest):
+        worker = threading.Thread(target=lambda: done.append(copy_folder(str(prepared), str(dest))))
+        worker.start()
+        worker.join(timeout=1.0)
+        assert worker.is_alive() and not done and list(dest.iterdir()) == []
+    worker.join(timeout=60)
+    assert len(done[0]["copied"]) == len(listed(prepared)) and same_files(prepared, dest)
+
+
 def test_every_node_of_two_gets_a_copy(prepared, two_nodes, tmp_path):
     """Two Ray nodes (conftest's ``two_nodes``, shared with tests/ops/test_multinode.py): one task per node."""
     logged: list[str] = []
     cfg = Config(data="shards", data_dir=str(prepared), stage_dir=str(tmp_path / "d"), device="cpu").validate()
     staged = copy_to_nodes(cfg, log=logged.append)
     assert staged.data_dir == str(tmp_path / "d") and "2 node(s)" in logged[0], logged
+    n = len(listed(prepared))  # (both nodes share this host's disk: one copies, the other finds the copies)
+    assert f"{n} file(s) copied" in logged[0] and f", {n} already there" in logged[0], logged
     assert same_files(prepared, tmp_path / "d")
