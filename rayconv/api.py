@@ -42,14 +42,31 @@ def fit(config: Optional[Config] = None, /, *, log=print, on_eval=None, **settin
         values = {**resumed_settings(saved_config(values["resume"])), **values}
     if "model" in values and not isinstance(values["model"], str):
         # (torch and Ray only once a callable is given: the model's name is made from it)
-        from rayconv.models.user import model_name
+        from rayconv.user_model import model_name
 
         values["model"] = model_name(values["model"])
     cfg = from_mapping(values).validate()
-    # The driver imports torch and Ray (seconds): only once the settings are known to be good.
-    from rayconv.driver.job import train_run
+    # The driver imports Ray, then torch (seconds), only once the settings are known to be good; the
+    # actors start before torch where they can (driver.prestart).
+    from rayconv.driver.prestart import with_output_folder
 
-    return train_run(cfg, log=log, on_eval=on_eval)
+    return start_and_train(with_output_folder(cfg), log=log, on_eval=on_eval)
+
+
+def start_and_train(cfg: Config, log=print, **kw: Any) -> dict[str, Any]:
+    """``driver.job.train_run(cfg, log, **kw)`` with the actors started before the driver imports
+    torch where they can (``driver.prestart``); ``cfg`` has its output folder named (``with_output_folder``:
+    the actors' run name is made from it). Raises what ``train_run`` raises; actors started here and
+    not taken by the run are stopped."""
+    from rayconv.driver.prestart import start_first  # (Ray; not torch)
+
+    early = start_first(cfg, log)
+    try:
+        from rayconv.driver.job import train_run  # (torch and the training code: seconds)
+    except BaseException:
+        early.kill()
+        raise
+    return train_run(cfg, log=log, early=early, **kw)
 
 
 def release_actors() -> None:

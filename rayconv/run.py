@@ -40,12 +40,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     begin_command(_IMPORTED)  # summary.json's startup: seconds since the command
     try:
         cfg = parse_command_line(argv)
-        # The driver imports torch and Ray (seconds): only once the arguments are known to be good.
-        from rayconv.driver.job import train_run
-        from rayconv.driver.resolve import with_output_folder
+        # The driver imports Ray, then torch (seconds), only once the arguments are known to be good;
+        # the actors start before torch where they can (driver.prestart).
+        from rayconv.api import start_and_train
+        from rayconv.driver.prestart import with_output_folder
 
         cfg = with_output_folder(cfg)  # named before the run starts, so that a failure's hint can name it
-        train_run(cfg)
+        start_and_train(cfg)
         return 0
     except (ConfigError, DataError, LayoutError, FileExistsError) as e:
         print(f"rayconv: error: {e}", file=sys.stderr)

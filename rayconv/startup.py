@@ -10,7 +10,8 @@ device) and their CUDA-graph capture are placed on the driver's clock from what 
                 commands before, ``command_origin``) or "fit call" (``rayconv.fit``, or the command where
                 /proc is absent: the monotonic stamp taken when ``rayconv.run`` was imported)
     phases      name -> seconds since the origin at which the phase ended, in the order they ended:
-                imports (the driver's modules), ray (connected or started; ``ray`` says which), data
+                ray (connected or started; ``ray`` says which), imports (the driver's modules: after ray
+                where the actors start first, ``driver.prestart``; else before it), data
                 (the driver's checks: the data's metadata, the model, the plan; before ray where the
                 actors cannot start during them, ``driver.early``), actors_alive (their processes
                 started and imported), model_built, optimizer_built, data_on_device (the
@@ -65,6 +66,7 @@ class StartupClock:
         self.phases: dict[str, float] = {}
         self.ray: Optional[str] = None        # "started", "connected" or "reused"
         self.actors: dict[str, float] = {}    # the slowest actor's seconds per setup split
+        self.claimed = False                  # taken by a run (``claim``): a later run begins its own
 
     def mark(self, name: str, at: Optional[float] = None) -> None:
         """Phase ``name`` ended now (or at the monotonic time ``at``); the first mark of a name stays
@@ -188,7 +190,10 @@ def current() -> Optional[StartupClock]:
 def claim() -> StartupClock:
     """The clock begun for the run about to start (by the command or ``rayconv.fit``), or one begun
     now where none waits (a caller of ``driver.job.fit`` itself)."""
-    return _current if _current is not None and not _current.phases else begin(None, "fit call")
+    if _current is None or _current.claimed:
+        begin(None, "fit call")
+    _current.claimed = True
+    return _current
 
 
 def mark(name: str, at: Optional[float] = None) -> None:

@@ -33,19 +33,34 @@ import threading
 import time
 from typing import Any, Optional
 
-import ray
-import torch
+from typing import TYPE_CHECKING
 
-from rayconv.actor import report, state, step as train
-from rayconv.actor.build import ActorState, _pick_device, build_actor
+import ray
+
 from rayconv.actor.rss import RssSampler
 from rayconv.config import Config
-from rayconv.data.source import Sharding
 from rayconv.errors import DataError
-from rayconv.parallel import comm
-from rayconv.parallel.routing import Routing
+
+if TYPE_CHECKING:
+    import torch
+
+    from rayconv.actor.build import ActorState
+    from rayconv.data.source import Sharding
+    from rayconv.parallel.routing import Routing
 
 __all__ = ["Actor"]
+
+
+def _import_training_modules() -> None:
+    """Bind torch and the actor's training modules in this module, in the actor's own process (its
+    ``__init__``): the driver only names ``Actor`` to Ray, so it can start the actors before it
+    imports torch itself (``driver.prestart``), and their imports run meanwhile."""
+    global torch, train, report, state, comm, build_actor, _pick_device
+    import torch
+
+    from rayconv.actor import report, state, step as train
+    from rayconv.actor.build import _pick_device, build_actor
+    from rayconv.parallel import comm
 
 
 class Actor:
@@ -53,6 +68,7 @@ class Actor:
     ``a`` is its ``build.ActorState`` (None until ``build``)."""
 
     def __init__(self, cfg: dict[str, Any], run_name: str, role: str):
+        _import_training_modules()
         self._sigterm = signal.getsignal(signal.SIGTERM)   # Ray's, restored by ``renew``
         self._begin(cfg, run_name, role)
         # What ``build`` needs first and costs seconds, done while the driver still checks and plans:

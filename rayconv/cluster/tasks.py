@@ -2,7 +2,7 @@
 balancer's measurements.
 
 ``run_on_device`` runs a function as a Ray task on one GPU or CPU (with a user's model's runtime
-environment, ``models.user.actor_runtime_env``, as the run's actors get it, so that the task can build
+environment, ``user_model.actor_runtime_env``, as the run's actors get it, so that the task can build
 the model); ``run_on_devices`` runs one in
 ``world`` ``Probe`` actors at once, packed in one placement group as the training actors are, so that
 a process-group rendezvous between them measures the links a run would use.
@@ -21,7 +21,7 @@ from rayconv.cluster import pool
 from rayconv.cluster.connect import ALL_GPUS_VISIBLE_ENV, exception_summary, visible_index
 from rayconv.cluster.group import with_uploads
 from rayconv.errors import ClusterError
-from rayconv.models.user import actor_runtime_env
+from rayconv.user_model import actor_runtime_env
 
 
 def _on_device(fn, gpu: bool, *args) -> Any:

@@ -25,7 +25,7 @@ from rayconv.data.shards import ShardSource, is_prepared
 from rayconv.data.small import maybe_hold
 from rayconv.data.source import Source
 from rayconv.models.channels import user_model_channels
-from rayconv.models.user import is_user_model, takes_in_channels
+from rayconv.user_model import is_user_model, takes_in_channels
 from rayconv.data.synthetic import SyntheticSource
 
 GREY_MODELS = ("convnet", "convnet_bn", "convnet2col")  # rayconv.models' models that take any channel count

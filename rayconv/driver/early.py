@@ -42,11 +42,13 @@ class EarlyActors:
     def __init__(self) -> None:
         self.group: Optional[ActorGroup] = None
         self.mesh: Optional[Mesh] = None
+        self.run_name: Optional[str] = None   # the name they started under
 
     def start(self, cfg: Config, mesh: Mesh, run_name: str) -> None:
         """Start the actors of ``cfg`` (device and ``dp`` resolved) on ``mesh`` without waiting for them,
-        when the module docstring's conditions hold; else nothing."""
-        if needs_devices(cfg):
+        when the module docstring's conditions hold; else, or when they were started already
+        (``driver.prestart``: ``take`` checks the mesh), nothing."""
+        if needs_devices(cfg) or self.group is not None:
             return
         t0 = time.monotonic()
         try:
@@ -62,7 +64,7 @@ class EarlyActors:
                     self.group = create_actors(Actor, cfg, mesh, run_name, pg,
                                                max(0.0, cfg.max_wait - (time.monotonic() - t0)),
                                                limit_s=cfg.max_wait, wait=False, env=env)
-            self.mesh = mesh
+            self.mesh, self.run_name = mesh, run_name
         except (ClusterError, ConfigError, DataError):
             self.group = None   # (nothing stays reserved: reserve and create_actors remove what they made)
 

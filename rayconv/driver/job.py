@@ -38,12 +38,14 @@ from rayconv.signals import sigterm_as_interrupt
 from rayconv.startup import claim, mark
 
 
-def train_run(cfg: Config, log=print, on_step=None, on_eval=None) -> dict[str, Any]:
+def train_run(cfg: Config, log=print, on_step=None, on_eval=None, early: Optional[EarlyActors] = None) -> dict[str, Any]:
     """Train as ``cfg`` says; write config.json, metrics.parquet, summary.json and model.pt into the
     output folder (and checkpoints/ every ``cfg.checkpoint_every`` steps); return the summary.
     ``on_step(actor_group, step)``, if given, is called after each step (tests use it to inspect every actor);
     ``on_eval(row, total_steps)`` after each evaluation, with its metrics row (``step``, ``test_accuracy``,
     ... and the last ``train_loss``): raising ``errors.RunStopped`` there stops the run as Ctrl-C does.
+    ``early``: the actors ``driver.prestart`` started before torch was imported (else they start once
+    the layout is known, ``driver.early``).
     Raises ConfigError / DataError / LayoutError / CheckpointError before anything is written,
     ClusterError if an actor fails more than ``cfg.max_failures`` times. A run stopped by Ctrl-C or
     SIGTERM after a step keeps its folder: config.json, metrics.parquet of the steps done, summary.json
@@ -51,7 +53,7 @@ def train_run(cfg: Config, log=print, on_step=None, on_eval=None) -> dict[str, A
     made it and it holds no result yet (a checkpoint or metrics.parquet); results are never deleted.
     """
     claim().mark("imports")                            # the start-up clock (rayconv.startup)
-    early = EarlyActors()   # started once the layout is known, while the slower checks run (early.py)
+    early = early or EarlyActors()   # started once the layout is known, while the slower checks run (early.py)
     try:
         return _train(cfg, early, log, on_step, on_eval)
     finally:
@@ -59,7 +61,7 @@ def train_run(cfg: Config, log=print, on_step=None, on_eval=None) -> dict[str, A
 
 
 def _train(cfg: Config, early: EarlyActors, log, on_step, on_eval) -> dict[str, Any]:
-    resolved = resolve_run(cfg, log, on_layout=early.start)   # nothing written yet; the settings resolved
+    resolved = resolve_run(cfg, log, on_layout=early.start, run_name=early.run_name)   # nothing written yet
     run = Run(resolved, log, on_step, on_eval)
     elastic.attach(run)                                # --elastic: re-plans after a loss, grows back (elastic.py)
     # SIGTERM stops the run as Ctrl-C does; a stop leaves the steps' metrics and a summary saying how

@@ -21,7 +21,8 @@ from tqdm import tqdm
 from rayconv.cluster.connect import cluster_origin
 from rayconv.config import Config, batch_split_problem
 from rayconv.driver.lr import peak_lr, warmup_steps
-from rayconv.driver.resolve import ResolvedRun, ray_job
+from rayconv.driver.prestart import ray_job
+from rayconv.driver.resolve import ResolvedRun
 from rayconv.mesh import Mesh
 from rayconv.parallel.routing import Routing
 from rayconv.parallel.pipeline.simulate import bubble_fraction, format_grid

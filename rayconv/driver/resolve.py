@@ -15,19 +15,15 @@ is one frozen ``ResolvedRun`` that the loop, the checkpoints and the summary rea
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import secrets
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
 import ray
 
 from rayconv.choices import SMALL_DATA_BYTES
-from rayconv.cluster.connect import available_devices, connect, node_memory_share
+from rayconv.cluster.connect import connect, node_memory_share
 from rayconv.cluster.local_copy import copy_to_nodes
 from rayconv.cluster.tasks import gpu_free_bytes, gpu_total_bytes, run_on_device
 from rayconv.config import Config
@@ -38,15 +34,17 @@ from rayconv.data.source import Sharding, Source
 from rayconv.data_dir import raw_side
 from rayconv.driver.early import needs_devices
 from rayconv.driver.lr import check_schedule, total_steps
+from rayconv.driver.prestart import (check_job_output, check_output_folder, cluster_cpus, new_run_name,
+                                     resolve_layout, with_output_folder)
 
 from rayconv import startup
 from rayconv.choices import CUDNN_BENCHMARK_MIN_STEPS  # --cudnn-benchmark auto: on for runs at least this long
 from rayconv.errors import CheckpointError, ConfigError
 from rayconv.mesh import Mesh
 from rayconv.models import RAYCONV_MODELS, build_model, check_trainable, model_names, run_model
-from rayconv.models.user import is_user_model, model_label, resolve
+from rayconv.user_model import is_user_model, resolve
 from rayconv.models.weights import init_file
-from rayconv.outputs.checkpoint import Checkpoint, check_resumable, find_checkpoint, list_checkpoints, load_checkpoint
+from rayconv.outputs.checkpoint import Checkpoint, check_resumable, load_checkpoint
 from rayconv.parallel.routing import Routing, make_routing
 from rayconv.planner.layer_timing import measured_costs
 from rayconv.planner.memory import GIB, gpu_share_problem
@@ -78,10 +76,11 @@ class ResolvedRun:
         return dataclasses.replace(self.cfg, data_dir=self.data_dir)
 
 
-def resolve_run(cfg: Config, log=print, on_layout=None) -> ResolvedRun:
+def resolve_run(cfg: Config, log=print, on_layout=None, run_name: Optional[str] = None) -> ResolvedRun:
     """Check and resolve everything a run needs before its actors' setup (see the module docstring).
     ``on_layout(cfg, mesh, run_name)``, if given, is called once the device and the mesh are known,
-    before the checks that take longer (``resolve_on_cluster``). Nothing is written. Raises
+    before the checks that take longer (``resolve_on_cluster``); ``run_name``: the name the actors
+    started under (``driver.prestart``), else a new one. Nothing is written. Raises
     ConfigError / DataError / LayoutError / CheckpointError / FileExistsError (the settings and the
     output folder's before Ray starts), ClusterError when the cluster cannot be reached."""
     t_start = time.perf_counter()
@@ -96,7 +95,7 @@ def resolve_run(cfg: Config, log=print, on_layout=None) -> ResolvedRun:
     if cfg.layout == "auto":
         cfg, predicted = choose_layout(cfg, log)
     data_dir = cfg.data_dir
-    run_name = new_run_name(out)
+    run_name = run_name or new_run_name(out)
     started = None if on_layout is None else (lambda c, m: on_layout(c, m, run_name))
     cfg, mesh, source, routing, sharding = resolve_on_cluster(cfg, log, resume, on_layout=started)
     steps = total_steps(cfg, sharding.steps_per_epoch)
@@ -150,12 +149,12 @@ def resolve_on_cluster(cfg: Config, log=print, resume: Optional[Checkpoint] = No
         source, sharding, reference, checked = check_before_ray(cfg, resume)
         startup.mark("data")
     dp_given = cfg.dp is not None
-    # (with --dp left to the cluster, at least one replica: --fs 3 alone on 2 cores still runs)
-    wanted = (cfg.dp or 1) * cfg.pp * cfg.fs * cfg.num_cpus_per_actor
-    how = connect(cfg.address, min_cpus=wanted if cfg.device != "cuda" else None)
-    startup.mark("ray")
-    if startup.current() is not None:
-        startup.current().ray = how
+    clock = startup.current()
+    if clock is None or "ray" not in clock.phases or not ray.is_initialized():  # (else driver.prestart connected)
+        how = connect(cfg.address, min_cpus=cluster_cpus(cfg))
+        startup.mark("ray")
+        if clock is not None:
+            clock.ray = how
     try:
         cfg, mesh = resolve_layout(cfg, log)
     except ConfigError:
@@ -202,45 +201,6 @@ def check_before_ray(cfg: Config, resume: Optional[Checkpoint]) -> tuple[Source,
     if resume is not None:  # (a resumed run's --dp comes from its checkpoint)
         check_resumable(resume, cfg, routing.mesh, routing.stages, source.num_classes, tuple(source.sample_shape))
     return source, sharding, reference, routing
-
-
-def resolve_layout(cfg: Config, log=print) -> tuple[Config, Mesh]:
-    """``cfg`` with ``device`` and ``dp`` taken from the cluster (validated again: the batch split over
-    ``dp``, the GPU-only features), and its mesh, checked to fit. Raises ConfigError.
-
-    On a cluster given by --address or RAY_ADDRESS (one that can grow: autoscaler, nodes joining),
-    a layout larger than the cluster waits up to --max-wait seconds for the devices, saying so; a
-    local cluster cannot grow, so there the error is immediate."""
-    kind, slots = available_devices(cfg.device)
-    if kind != "cuda" and cfg.gpus_per_actor != 1:
-        raise ConfigError(f"--gpus-per-actor {cfg.gpus_per_actor:g} shares GPUs but the Ray cluster has none: drop "
-                          "it (CPU actors take --num-cpus-per-actor)")
-    per_actor = cfg.gpus_per_actor if kind == "cuda" else cfg.num_cpus_per_actor
-    unit = ("GPUs" if per_actor == 1 else f"GPU shares ({per_actor:g} GPU each)") if kind == "cuda" else \
-        f"CPU slots ({per_actor} CPU each)"
-    dp = cfg.dp if cfg.dp is not None else max(1, _actors(slots, per_actor) // (cfg.pp * cfg.fs))
-    mesh = Mesh(dp, cfg.pp, cfg.fs)
-    can_grow = bool(cfg.address or os.environ.get("RAY_ADDRESS"))
-    deadline = time.monotonic() + cfg.max_wait
-    if mesh.world_size > _actors(slots, per_actor) and can_grow:
-        log(f"rayconv: layout {mesh.describe()} needs {mesh.world_size} {unit}, the cluster has "
-            f"{_actors(slots, per_actor)}: waiting up to {cfg.max_wait:.0f} s (--max-wait) for more")
-    while mesh.world_size > _actors(slots, per_actor) and can_grow and time.monotonic() < deadline:
-        time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
-        slots = available_devices(cfg.device)[1]
-    devices = _actors(slots, per_actor)
-    if mesh.world_size > devices:
-        waited = f" after waiting {cfg.max_wait:.0f} s" if can_grow else ""
-        raise ConfigError(f"layout {mesh.describe()} needs {mesh.world_size} {unit} but the cluster has "
-                          f"{devices}{waited}: lower --dp/--pp/--fs, or add nodes")
-    if (kind, dp) != (cfg.device, cfg.dp):  # (validated again: the batch split over dp, GPU-only features)
-        cfg = dataclasses.replace(cfg, device=kind, dp=dp).validate()
-    return cfg, mesh
-
-
-def _actors(slots: int, per_actor: float) -> int:
-    """Actors of ``per_actor`` GPUs (a share) or CPUs each that ``slots`` of them hold."""
-    return int(slots / per_actor + 1e-9)
 
 
 def check_gpu_share(cfg: Config) -> None:
@@ -304,42 +264,6 @@ def resolve_routing(cfg: Config, mesh: Mesh, checked: Routing, reference, source
     return dataclasses.replace(cfg, stages=",".join(str(a) for a, _ in routing.stages[1:])), routing
 
 
-# ---------------------------------------------------------------------- the output folder
-def new_run_dir(cfg: Config) -> Path:
-    """A new folder under runs/ named by the time, the model and the data."""
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{stamp}-{model_label(cfg.model)}-{cfg.data}"
-
-
-def with_output_folder(cfg: Config, resume: Optional[Checkpoint] = None) -> Config:
-    """``cfg`` with its output folder named (nothing is made): ``--out``, else the folder of the run
-    ``--resume`` continues (``resume``, or found from ``cfg.resume``), else a new one under runs/.
-    Raises CheckpointError when ``cfg.resume`` names no checkpoint."""
-    if cfg.out:
-        return cfg
-    if resume is not None:
-        out = resume.run_dir
-    elif cfg.resume:
-        out = find_checkpoint(cfg.resume).parent.parent  # checkpoints/step-<k> of the run folder
-    else:
-        out = new_run_dir(cfg)
-    return dataclasses.replace(cfg, out=str(out))
-
-
-def check_output_folder(out: Path, resume: Optional[Checkpoint]) -> None:
-    """Refuse an output folder where writing would lose something. Raises CheckpointError (a resumed
-    run's folder holds newer checkpoints) or FileExistsError (a file, or a folder holding files)."""
-    if resume is not None and out.resolve() == resume.run_dir.resolve():
-        newer = [p.name for p in list_checkpoints(out) if int(p.name.split("-")[1]) > resume.step]
-        if newer:
-            raise CheckpointError(f"--resume {resume.path} is older than {', '.join(newer)} of the same run: "
-                                  f"resume from the newest, or give --out NEW to branch off from step {resume.step}")
-    elif out.exists() and not out.is_dir():
-        raise FileExistsError(f"--out {out} is a file: choose a folder (nothing was overwritten)")
-    elif out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"--out {out} already holds files: choose a new folder (nothing was overwritten)")
-
-
 def check_steps_left(resume: Checkpoint, steps: int) -> None:
     """Refuse to resume a checkpoint that has no step left to train: at or past the run's ``steps``
     (``--steps``, else ``--epochs`` x steps per epoch). Raises CheckpointError."""
@@ -349,38 +273,6 @@ def check_steps_left(resume: Checkpoint, steps: int) -> None:
     if resume.step > steps:
         raise CheckpointError(f"--resume {resume.path} is at step {resume.step}, past this run's last ({steps}): "
                               f"give --steps above {resume.step} (or more --epochs) to continue it")
-
-
-def ray_job() -> Optional[str]:
-    """The Ray job this process is the driver of (``ray job submit``): its submission id, or the working
-    folder when that is inside Ray's runtime-env files (``.../session_*/runtime_resources/...``, where
-    ``--working-dir`` is unpacked) only: ""; None when it is not run as a Ray job."""
-    try:  # the job supervisor gives its driver the job's config (runtime env, metadata) in this variable
-        meta = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}").get("metadata") or {}
-    except (ValueError, AttributeError):
-        meta = {}
-    if meta.get("job_submission_id"):
-        return str(meta["job_submission_id"])
-    return "" if "runtime_resources" in Path.cwd().parts else None
-
-
-def check_job_output(out: str) -> None:
-    """Refuse a relative output folder under a Ray job: the job's working folder is Ray's own copy of
-    ``--working-dir`` (or the job supervisor's folder), which nobody looks into and Ray deletes; an
-    absolute ``--out`` is where the user says. Raises ConfigError."""
-    job = ray_job()
-    if job is not None and not Path(out).is_absolute():
-        where = f"Ray job {job}" if job else "a Ray job"
-        raise ConfigError(f"the output folder {out} is relative: under {where} it would be made in the job's "
-                          f"working folder {Path.cwd()} (with --working-dir, Ray's temporary copy of it): give an "
-                          "absolute --out, e.g. --out /shared/runs/NAME")
-
-
-def new_run_name(out: Path) -> str:
-    """The run's name on the cluster (placement group ``rayconv/<name>``, actors ``rayconv/<name>/<role>``,
-    the gauges' ``run`` tag): the output folder's name and a random suffix, e.g. ``r1-3f9a2c``, so that
-    runs whose folders share a name (``/tmp/a/run``, ``/tmp/b/run``) can share a cluster."""
-    return f"{out.name}-{secrets.token_hex(3)}"
 
 
 def call_timeout_s(cfg: Config) -> float:

@@ -19,8 +19,8 @@ from rayconv.config import ConfigError
 from rayconv.models.channels import channel_mismatch, dry_forward
 from rayconv.models.convnet import ConvNet
 from rayconv.models.traced import NotCuttable, traced_layers
-from rayconv.models.user import SPEC_FORM, build_user_model, is_user_model
 from rayconv.models.weights import load_init
+from rayconv.user_model import SPEC_FORM, build_user_model, is_user_model
 
 __all__ = ["ConvNet", "build_model", "check_trainable", "to_layers", "model_names"]
 
@@ -50,7 +50,7 @@ def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: i
     ``zero_init_residual`` is torchvision's (the last batch norm of each residual block starts at 0;
     Goyal et al. 2017, section 5.1), for builders that take it (ResNets, ResNeXts, wide ResNets).
     A user's model (``MODULE:FUNCTION``, ``path/to/file.py:FUNCTION``, a callable given to
-    ``rayconv.fit``) is built by its own function (``rayconv.models.user``).
+    ``rayconv.fit``) is built by its own function (``rayconv.user_model``).
     Raises ConfigError for unknown names, for models that cannot take the data's image shape and for
     ``zero_init_residual`` on a model without it."""
     if is_user_model(name):

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from rayconv.models.user import build_user_model
+from rayconv.user_model import build_user_model
 
 CONVOLUTIONS = (nn.modules.conv._ConvNd,)  # Conv1d/2d/3d and their transposed and lazy forms
 

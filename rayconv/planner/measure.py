@@ -47,7 +47,7 @@ from rayconv.data.registry import make_source
 from rayconv.errors import LayoutError
 from rayconv.files import atomic_write
 from rayconv.models import run_model, to_layers
-from rayconv.models.user import model_label
+from rayconv.user_model import model_label
 from rayconv.parallel.filter_split.exchanges import Gather, Scatter
 from rayconv.parallel.filter_split.layers import SlicedDropout
 from rayconv.parallel.filter_split.split import slice_layers

@@ -18,7 +18,7 @@ from rayconv.cluster.connect import available_devices, connect
 from rayconv.config import Config, ConfigError
 from rayconv.data.registry import make_source
 from rayconv.layout import Layout
-from rayconv.models.user import is_user_model
+from rayconv.user_model import is_user_model
 from rayconv.planner import costmodel
 from rayconv.planner.costmodel import Prediction
 from rayconv.planner.links import MACHINES, Links

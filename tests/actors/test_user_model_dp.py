@@ -23,7 +23,7 @@ import torch
 
 from support.helpers import assert_same_state, reference_microbatch_sgd, sgd_config
 from rayconv.driver.job import train_run
-from rayconv.models.user import resolve
+from rayconv.user_model import resolve
 from rayconv.planner.measure import Measurements
 from rayconv.planner.search import plan_config
 from rayconv.run import main
@@ -53,6 +53,8 @@ def users_folder(tmp_path, monkeypatch) -> None:
     shutil.copy(FIXTURE, tmp_path / "models" / "resnetish.py")
     (tmp_path / "models" / "greynet.py").write_text(GREYNET)
     monkeypatch.chdir(tmp_path)
+    for name in ("resnetish", "greynet"):  # (imported from elsewhere by an earlier test: import these copies)
+        monkeypatch.delitem(sys.modules, name, raising=False)
 
 
 def test_measuring_tasks_get_the_users_module(ray_cluster, tmp_path, monkeypatch):

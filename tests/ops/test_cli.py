@@ -44,15 +44,16 @@ def test_main_job_as_the_readme_says(ray_cluster, tmp_path):
     assert "rayconv: Ray: started a local cluster at " in proc.stdout, proc.stdout[-3000:]
     assert {"config.json", "metrics.parquet", "summary.json", "model.pt"} <= {p.name for p in out.iterdir()}
     assert f"rayconv/{summary['run_name']}" not in placement_group_names(), "the job joined the test cluster"
-    # The start-up record: seconds since the command to each phase, in the order they ended (the
-    # driver's checks after Ray: the actors start meanwhile); the console line at step 0 names the slowest.
+    # The start-up record: seconds since the command to each phase, in the order they ended (Ray
+    # before the driver's imports of torch and its checks: the actors start meanwhile,
+    # driver.prestart); the console line at step 0 names the slowest.
     st = summary["startup"]
     assert st["origin"] == "process start" and st["ray"] == "started"
     phases = list(st["phases"])
     assert {"imports", "data", "ray", "actors_alive", "model_built", "optimizer_built", "data_on_device",
             "actors_set_up", "first_step"} <= set(phases), st
     assert list(st["phases"].values()) == sorted(st["phases"].values()) and st["phases"]["imports"] > 0
-    for before, after in (("imports", "ray"), ("ray", "data"), ("data", "actors_alive"),
+    for before, after in (("ray", "imports"), ("imports", "data"), ("data", "actors_alive"),
                           ("actors_alive", "actors_set_up"), ("actors_set_up", "first_step")):
         assert phases.index(before) < phases.index(after), st
     assert st["slowest"]["phase"] in phases and st["slowest"]["s"] > 0

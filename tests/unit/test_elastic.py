@@ -74,7 +74,7 @@ def test_below_the_minimum_waits_then_stops_with_one_line_and_the_checkpoint_kep
     def stop(cfg):
         raise TooFewDevices(msg)
 
-    monkeypatch.setattr("rayconv.driver.job.train_run", stop)
+    monkeypatch.setattr("rayconv.api.start_and_train", stop)
     capsys.readouterr()
     assert run_cli.main(["--dp", "4", "--elastic", "3", "--checkpoint-every", "2", "--out", str(out / "x")]) == 2
     assert capsys.readouterr().err == f"rayconv: error: {msg}\n"

@@ -21,7 +21,8 @@ from rayconv.config import Config
 from rayconv.driver.finish import done_line, recording_stop, writing_into
 from rayconv.driver.loop import Run
 from rayconv.driver.progress import run_line
-from rayconv.driver.resolve import ResolvedRun, check_before_ray, check_job_output, check_steps_left, ray_job
+from rayconv.driver.prestart import check_job_output, ray_job
+from rayconv.driver.resolve import ResolvedRun, check_before_ray, check_steps_left
 from rayconv.errors import CheckpointError, ConfigError
 from rayconv.data.source import Sharding
 from rayconv.mesh import Mesh

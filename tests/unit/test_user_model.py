@@ -17,10 +17,11 @@ from torch import nn
 
 import rayconv
 from rayconv.config import Config, ConfigError
-from rayconv.driver.resolve import check_before_ray, new_run_dir
+from rayconv.driver.prestart import new_run_dir
+from rayconv.driver.resolve import check_before_ray
 from rayconv.models import build_model
-from rayconv.models.user import (NAME_ENV, PICKLE_ENV, actor_runtime_env, model_label, model_name, parse_spec,
-                                 resolve, shipped_path)
+from rayconv.user_model import (NAME_ENV, PICKLE_ENV, actor_runtime_env, model_label, model_name, parse_spec,
+                                resolve, shipped_path)
 from rayconv.run import main, parse_command_line
 
 FIXTURE = Path(__file__).resolve().parents[1] / "support" / "fixtures" / "resnetish.py"
@@ -276,7 +277,7 @@ def test_a_lambda_is_pickled_for_the_actors(monkeypatch):
     assert name == f"{__name__}:test_a_lambda_is_pickled_for_the_actors.<locals>.<lambda>"
     env = actor_runtime_env(name)
     assert env["env_vars"][NAME_ENV] == name and str(FIXTURE) in env["py_modules"]
-    from rayconv.models import user
+    from rayconv import user_model as user
 
     monkeypatch.delitem(user._BY_VALUE, name)
     monkeypatch.setenv(NAME_ENV, name)

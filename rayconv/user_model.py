@@ -14,6 +14,10 @@ modules imported from its folder too: a node need not share the driver's file sy
 be imported by name (a lambda, a local function, one of ``__main__``), its cloudpickle in an
 environment variable. Every process then builds the model from the same string (``resolve``).
 Errors a user can fix raise ConfigError in one line naming ``--model``.
+
+This module imports torch only to build a model or to check one given to ``rayconv.fit``: the driver
+names the model and sets up the actors' runtime environment (``actor_runtime_env``) before it imports
+torch (``driver.prestart``).
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
-
-from torch import nn
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from rayconv.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch import nn
 
 NAME_ENV = "RAYCONV_MODEL_NAME"      # the pickled callable's model name (on the actors)
 PICKLE_ENV = "RAYCONV_MODEL_PICKLE"  # its cloudpickle, base64
@@ -165,6 +170,8 @@ def _missing_advice(spec: ModelSpec, missing: str) -> str:
 def build_user_model(name: str, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
     """``FUNCTION(num_classes=..., [in_channels=...], [image_size=...])`` (see the module docstring).
     Raises ConfigError when the function cannot take ``num_classes``, raises, or returns no nn.Module."""
+    from torch import nn
+
     fn = resolve(name)
     kwargs: dict[str, Any] = {"num_classes": num_classes}
     params = _parameters(fn)
@@ -207,6 +214,8 @@ def model_name(model: Any) -> str:
     model, a non-callable, or a callable cloudpickle cannot pickle (or over ``MAX_PICKLE_BYTES``)."""
     if isinstance(model, str):
         return model
+    from torch import nn
+
     if isinstance(model, nn.Module):
         raise ConfigError(f"model={type(model).__name__}(...) is a built model: give the function or class "
                           f"that builds it (model={type(model).__name__}), which every actor calls")

@@ -1,0 +1,183 @@
+"""What a run resolves before the driver imports torch, and its actors started from there.
+
+``start_first`` runs before the command and ``rayconv.fit`` import ``driver.job`` (``api.start_and_train``):
+where the run's actors can start before the driver's checks (``can_start_first``: no ``--resume``, no user's
+model or ``--init`` file, no ``--layout auto``, and ``driver.early``'s conditions), it names the output
+folder and checks it, connects Ray, resolves the device and ``dp`` (``resolve_layout``) and starts the
+actors (``driver.early.EarlyActors``), all without torch; only then does the driver import torch and
+the training code (seconds) while the actors' processes start and import theirs. ``train_run`` then
+resolves the run as it would (``driver.resolve``: the same checks, in the same order after the
+layout), reusing the connection, the run name and the actors. Where the actors cannot start first,
+``train_run`` runs as it is.
+
+The output folder's checks and the layout against the cluster live here so that this module imports
+neither torch nor anything that does (a test imports it in a fresh process and checks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+from rayconv import startup
+from rayconv.cluster.connect import available_devices, connect
+from rayconv.config import Config
+from rayconv.driver.early import EarlyActors, needs_devices
+from rayconv.errors import CheckpointError, ConfigError
+from rayconv.mesh import Mesh
+from rayconv.user_model import is_user_model, model_label
+from rayconv.outputs.checkpoint import Checkpoint, find_checkpoint, list_checkpoints
+
+
+def can_start_first(cfg: Config) -> bool:
+    """Whether ``cfg``'s actors may start before the driver imports torch: nothing the driver checks
+    before the layout needs torch (no ``--resume`` checkpoint, user's model, ``--init`` file or
+    ``--layout auto`` plan) and nothing after it needs the cluster's devices (``early.needs_devices``)."""
+    return not (cfg.resume or cfg.init or cfg.layout == "auto" or is_user_model(cfg.model) or needs_devices(cfg))
+
+
+def start_first(cfg: Config, log=print) -> EarlyActors:
+    """The run's actors started before torch is imported, when ``can_start_first``: the output folder
+    (named: ``with_output_folder``) checked, Ray connected (the start-up clock's ``ray``), the layout resolved, the actors
+    started without waiting for them. Else, or when the layout does not fit (the run refuses it after
+    its checks, as it would; or the cluster lacks the devices yet: the run waits for them as it would),
+    an ``EarlyActors`` holding none. Raises ConfigError / FileExistsError
+    (the output folder), ClusterError (Ray)."""
+    early = EarlyActors()
+    if not can_start_first(cfg):
+        return early
+    check_job_output(cfg.out)
+    out = Path(cfg.out).absolute()
+    check_output_folder(out, None)
+    how = connect(cfg.address, min_cpus=cluster_cpus(cfg))
+    startup.mark("ray")
+    if startup.current() is not None:
+        startup.current().ray = how
+    try:
+        resolved, mesh = resolve_layout(cfg, log, wait=False)
+    except ConfigError:   # (too few devices yet, or a layout the run refuses once its checks say why)
+        return early
+    early.start(resolved, mesh, new_run_name(out))
+    return early
+
+
+def cluster_cpus(cfg: Config) -> Optional[int]:
+    """The logical CPUs a local cluster started for ``cfg`` gets at least (``connect``'s ``min_cpus``):
+    one slot per CPU actor (``--dp`` left to the cluster: one replica); None for GPU runs."""
+    if cfg.device == "cuda":
+        return None
+    return (cfg.dp or 1) * cfg.pp * cfg.fs * cfg.num_cpus_per_actor
+
+
+def resolve_layout(cfg: Config, log=print, wait: bool = True) -> tuple[Config, Mesh]:
+    """``cfg`` with ``device`` and ``dp`` taken from the cluster (validated again: the batch split over
+    ``dp``, the GPU-only features), and its mesh, checked to fit. Raises ConfigError.
+
+    On a cluster given by --address or RAY_ADDRESS (one that can grow: autoscaler, nodes joining),
+    a layout larger than the cluster waits up to --max-wait seconds for the devices, saying so
+    (``wait`` False: never); a local cluster cannot grow, so there the error is immediate."""
+    kind, slots = available_devices(cfg.device)
+    if kind != "cuda" and cfg.gpus_per_actor != 1:
+        raise ConfigError(f"--gpus-per-actor {cfg.gpus_per_actor:g} shares GPUs but the Ray cluster has none: drop "
+                          "it (CPU actors take --num-cpus-per-actor)")
+    per_actor = cfg.gpus_per_actor if kind == "cuda" else cfg.num_cpus_per_actor
+    unit = ("GPUs" if per_actor == 1 else f"GPU shares ({per_actor:g} GPU each)") if kind == "cuda" else \
+        f"CPU slots ({per_actor} CPU each)"
+    dp = cfg.dp if cfg.dp is not None else max(1, _actors(slots, per_actor) // (cfg.pp * cfg.fs))
+    mesh = Mesh(dp, cfg.pp, cfg.fs)
+    can_grow = wait and bool(cfg.address or os.environ.get("RAY_ADDRESS"))
+    deadline = time.monotonic() + cfg.max_wait
+    if mesh.world_size > _actors(slots, per_actor) and can_grow:
+        log(f"rayconv: layout {mesh.describe()} needs {mesh.world_size} {unit}, the cluster has "
+            f"{_actors(slots, per_actor)}: waiting up to {cfg.max_wait:.0f} s (--max-wait) for more")
+    while mesh.world_size > _actors(slots, per_actor) and can_grow and time.monotonic() < deadline:
+        time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+        slots = available_devices(cfg.device)[1]
+    devices = _actors(slots, per_actor)
+    if mesh.world_size > devices:
+        waited = f" after waiting {cfg.max_wait:.0f} s" if can_grow else ""
+        raise ConfigError(f"layout {mesh.describe()} needs {mesh.world_size} {unit} but the cluster has "
+                          f"{devices}{waited}: lower --dp/--pp/--fs, or add nodes")
+    if (kind, dp) != (cfg.device, cfg.dp):  # (validated again: the batch split over dp, GPU-only features)
+        cfg = dataclasses.replace(cfg, device=kind, dp=dp).validate()
+    return cfg, mesh
+
+
+def _actors(slots: int, per_actor: float) -> int:
+    """Actors of ``per_actor`` GPUs (a share) or CPUs each that ``slots`` of them hold."""
+    return int(slots / per_actor + 1e-9)
+
+
+
+# ---------------------------------------------------------------------- the output folder
+def new_run_dir(cfg: Config) -> Path:
+    """A new folder under runs/ named by the time, the model and the data."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{stamp}-{model_label(cfg.model)}-{cfg.data}"
+
+
+def with_output_folder(cfg: Config, resume: Optional[Checkpoint] = None) -> Config:
+    """``cfg`` with its output folder named (nothing is made): ``--out``, else the folder of the run
+    ``--resume`` continues (``resume``, or found from ``cfg.resume``), else a new one under runs/.
+    Raises CheckpointError when ``cfg.resume`` names no checkpoint."""
+    if cfg.out:
+        return cfg
+    if resume is not None:
+        out = resume.run_dir
+    elif cfg.resume:
+        out = find_checkpoint(cfg.resume).parent.parent  # checkpoints/step-<k> of the run folder
+    else:
+        out = new_run_dir(cfg)
+    return dataclasses.replace(cfg, out=str(out))
+
+
+def check_output_folder(out: Path, resume: Optional[Checkpoint]) -> None:
+    """Refuse an output folder where writing would lose something. Raises CheckpointError (a resumed
+    run's folder holds newer checkpoints) or FileExistsError (a file, or a folder holding files)."""
+    if resume is not None and out.resolve() == resume.run_dir.resolve():
+        newer = [p.name for p in list_checkpoints(out) if int(p.name.split("-")[1]) > resume.step]
+        if newer:
+            raise CheckpointError(f"--resume {resume.path} is older than {', '.join(newer)} of the same run: "
+                                  f"resume from the newest, or give --out NEW to branch off from step {resume.step}")
+    elif out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file: choose a folder (nothing was overwritten)")
+    elif out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"--out {out} already holds files: choose a new folder (nothing was overwritten)")
+
+
+def ray_job() -> Optional[str]:
+    """The Ray job this process is the driver of (``ray job submit``): its submission id, or the working
+    folder when that is inside Ray's runtime-env files (``.../session_*/runtime_resources/...``, where
+    ``--working-dir`` is unpacked) only: ""; None when it is not run as a Ray job."""
+    try:  # the job supervisor gives its driver the job's config (runtime env, metadata) in this variable
+        meta = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}").get("metadata") or {}
+    except (ValueError, AttributeError):
+        meta = {}
+    if meta.get("job_submission_id"):
+        return str(meta["job_submission_id"])
+    return "" if "runtime_resources" in Path.cwd().parts else None
+
+
+def check_job_output(out: str) -> None:
+    """Refuse a relative output folder under a Ray job: the job's working folder is Ray's own copy of
+    ``--working-dir`` (or the job supervisor's folder), which nobody looks into and Ray deletes; an
+    absolute ``--out`` is where the user says. Raises ConfigError."""
+    job = ray_job()
+    if job is not None and not Path(out).is_absolute():
+        where = f"Ray job {job}" if job else "a Ray job"
+        raise ConfigError(f"the output folder {out} is relative: under {where} it would be made in the job's "
+                          f"working folder {Path.cwd()} (with --working-dir, Ray's temporary copy of it): give an "
+                          "absolute --out, e.g. --out /shared/runs/NAME")
+
+
+def new_run_name(out: Path) -> str:
+    """The run's name on the cluster (placement group ``rayconv/<name>``, actors ``rayconv/<name>/<role>``,
+    the gauges' ``run`` tag): the output folder's name and a random suffix, e.g. ``r1-3f9a2c``, so that
+    runs whose folders share a name (``/tmp/a/run``, ``/tmp/b/run``) can share a cluster."""
+    return f"{out.name}-{secrets.token_hex(3)}"
