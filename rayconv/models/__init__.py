@@ -115,7 +115,9 @@ def check_trainable(name: str, model: nn.Module, sample_shape: tuple[int, ...],
 
     The forward runs in training mode on the meta device (shapes only: no memory, no compute, the
     model's own tensors untouched), falling back to a CPU forward for an operation meta tensors lack
-    or a value the forward reads (data-dependent control flow). A forward that fails where the model's
+    or a value the forward reads (data-dependent control flow); a small model (``cheap_on_cpu``) runs
+    it on the CPU at once: the meta device's first use imports torch._dynamo (seconds, in the driver
+    at every run's start). A forward that fails where the model's
     first convolution takes another channel count than ``sample_shape``'s is refused as that mismatch
     (``channels.channel_mismatch``; ``data_channels``: the data's own count, before grey is repeated).
     Returns the output's shape, (2, classes). Raises ConfigError naming --model and what to change."""
@@ -126,6 +128,8 @@ def check_trainable(name: str, model: nn.Module, sample_shape: tuple[int, ...],
                           "batch of the run's image size inside the function before returning it")
 
     def attempt(shape: tuple[int, ...]):
+        if cheap_on_cpu(model, shape):
+            return dry_forward(model, shape, "cpu")
         try:
             return dry_forward(model, shape, "meta")
         except NotImplementedError:
@@ -158,6 +162,19 @@ def check_trainable(name: str, model: nn.Module, sample_shape: tuple[int, ...],
         raise ConfigError(f"--model {name} maps 2 images to a tensor of shape {tuple(out.shape)}, not (2, classes): "
                           "pick another --model")
     return tuple(out.shape)
+
+
+CPU_CHECK_MAX = 2**30  # parameters x image pixels up to which check_trainable's forward runs on the CPU
+
+
+def cheap_on_cpu(model: nn.Module, shape: tuple[int, ...]) -> bool:
+    """Whether a CPU forward of ``model`` on 2 images of ``shape`` (C, H, W) is cheap: parameters x pixels
+    at most ``CPU_CHECK_MAX``, which bounds a ConvNet's multiply-adds per image (each weight is applied at
+    most once per input pixel): rayconv's ConvNet up to about 100 px, no torchvision model."""
+    pixels = 1
+    for d in shape[1:]:
+        pixels *= int(d)
+    return sum(p.numel() for p in model.parameters()) * pixels <= CPU_CHECK_MAX
 
 
 RAYCONV_MODELS = ("convnet", "convnet_bn", "convnet2col", "alexnet2012")

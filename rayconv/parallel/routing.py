@@ -8,6 +8,7 @@ builds and validates the schedule, and checks the layout against the model. Ever
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -31,7 +32,8 @@ class Routing:
     """Layout of one run, identical on every actor.
 
     ``layer_names``: qualified names of the flat layers; ``out_shapes[i]``: per-sample output shape
-    of layer i (``in_shape`` for the input); ``flops[i]``: forward FLOPs of layer i per sample;
+    of layer i (``in_shape`` for the input); ``flops[i]``: forward FLOPs of layer i per sample (None
+    unless the pipeline stages were balanced by them: counting imports torch._dynamo and triton);
     ``stages``: [start, end) layer ranges, one per pipeline stage, or per virtual stage under
     interleaved 1F1B (``P * V`` of them; stage s holds ``virtual_stages(s)``); ``schedule``: the
     micro-batch program of each stage; ``per_layer_plan``: "none" or "krizhevsky2014" (``--plan``).
@@ -41,7 +43,7 @@ class Routing:
     layer_names: tuple[str, ...]
     in_shape: tuple[int, ...]
     out_shapes: tuple[tuple[int, ...], ...]
-    flops: tuple[float, ...]
+    flops: Optional[tuple[float, ...]]
     params: tuple[int, ...]
     stages: tuple[tuple[int, int], ...]
     schedule: Schedule
@@ -66,18 +68,18 @@ class Routing:
         return [stage + c * self.mesh.pp for c in range(self.schedule.num_chunks)]
 
 
-def layer_profile(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, ...]):
-    """(per-sample output shapes, forward FLOPs per sample, parameter counts), one per layer,
-    from one eval-mode CPU forward of a batch of 1."""
-    from torch.utils.flop_counter import FlopCounterMode  # (imports triton: not in every actor, only to plan)
-
+def layer_profile(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, ...], count_flops: bool = True):
+    """(per-sample output shapes, forward FLOPs per sample or None without ``count_flops``, parameter
+    counts), one per layer, from one eval-mode CPU forward of a batch of 1."""
+    if count_flops:  # (torch's FLOP counter imports torch._dynamo and triton: seconds, only to plan)
+        from torch.utils.flop_counter import FlopCounterMode
     x = torch.zeros((1, *sample_shape))
     shapes, flops, params = [], [], []
     with torch.no_grad():
         for _, m in layers:
             was_training = m.training
             m.eval()
-            counter = FlopCounterMode(display=False)
+            counter = FlopCounterMode(display=False) if count_flops else contextlib.nullcontext()
             try:
                 with counter:
                     x = m(x)
@@ -86,9 +88,10 @@ def layer_profile(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, 
                                 "raise --image-size or pick a model for small images (convnet)") from None
             m.train(was_training)
             shapes.append(tuple(x.shape[1:]))
-            flops.append(float(counter.get_total_flops()))
+            if count_flops:
+                flops.append(float(counter.get_total_flops()))
             params.append(sum(p.numel() for p in m.parameters()))
-    return shapes, flops, params
+    return shapes, flops if count_flops else None, params
 
 
 def build_part(routing: Routing, layers, stage: int, fs_index: int, fs_group, dp_index: int,
@@ -122,7 +125,8 @@ def make_routing(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[
     """the routing of ``model`` (built with the run's settings) for ``mesh``; pipeline stages balance ``costs``
     (one per layer, e.g. measured times) when given, else forward FLOPs. Raises LayoutError."""
     layers = to_layers(model)
-    shapes, flops, params = layer_profile(layers, sample_shape)
+    by_flops = mesh.pp * cfg.virtual_stages > 1 and not cfg.stages and costs is None
+    shapes, flops, params = layer_profile(layers, sample_shape, count_flops=by_flops)
     if mesh.pp > 1 and len(layers) == 1:
         raise LayoutError(f"--model {cfg.model} cannot be cut into pipeline stages ({cut_problem(model)}): "
                         "use --pp 1 (it trains data parallel)")
@@ -137,8 +141,9 @@ def make_routing(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[
             raise LayoutError(f"{len(costs)} layer costs for {len(layers)} layers")
         stages = balance(costs, chunks)
     else:
-        # Balance by forward FLOPs, parameters as a tie-breaker for layers without compute.
-        stages = balance([f + p for f, p in zip(flops, params)], chunks)
+        # Balance by forward FLOPs, parameters as a tie-breaker for layers without compute (one chunk:
+        # every layer, no FLOPs counted).
+        stages = balance([f + p for f, p in zip(flops or [0.0] * len(params), params)], chunks)
     # (checked once --dp is known: before the cluster decides it, the split is not yet known)
     problem = batch_split_problem(cfg.global_batch_size, mesh.dp, cfg.num_microbatches) if cfg.dp else None
     if problem:
@@ -149,7 +154,8 @@ def make_routing(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[
         raise LayoutError(str(e)) from None
     validate(schedule)
     routing = Routing(mesh=mesh, layer_names=tuple(n for n, _ in layers), in_shape=tuple(sample_shape),
-                out_shapes=tuple(shapes), flops=tuple(flops), params=tuple(params), stages=tuple(stages),
+                out_shapes=tuple(shapes), flops=tuple(flops) if flops is not None else None, params=tuple(params),
+                stages=tuple(stages),
                 schedule=schedule, per_layer_plan=cfg.plan, exchange_chunks=cfg.exchange_chunks)
     build_part(routing, layers, mesh.pp - 1, 0, None, 0, None)  # refuse unsplittable layers before any actor
     return routing

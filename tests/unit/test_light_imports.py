@@ -26,15 +26,16 @@ def test_a_run_of_rayconvs_own_model_does_not_import_torchvision():
     without torchvision (whose import pulls in torch._dynamo) or scikit-learn: seconds per actor; nor
     does the driver's check of that run (``check_before_ray``). The actor's modules import neither
     pyarrow (metrics.parquet is the driver's, written later) nor triton (torch.profiler's and the
-    planner's FLOP counter): each actor's start pays every import."""
+    planner's FLOP counter): each actor's start pays every import. Nor does the driver's check of it import
+    torch._dynamo (the meta device's first use and torch's FLOP counter do: seconds at every start)."""
     code = ("import sys; from rayconv.actor import actor; "
             "print(*(m in sys.modules for m in ('pyarrow', 'triton'))); "
             "from rayconv.driver import job, resolve; from rayconv.data import registry as data; from rayconv import models; "
             "from rayconv.config import Config; cfg = Config(model='convnet').validate(); "
             "src = data.make_source(cfg); models.to_layers(models.run_model(cfg, src)); resolve.check_before_ray(cfg, None); "
-            "print('torchvision' in sys.modules, 'sklearn' in sys.modules)")
+            "print('torchvision' in sys.modules, 'sklearn' in sys.modules, 'torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split("\n")[:2] == ["False False", "False False"], (out.stdout, out.stderr[-2000:])
+    assert out.stdout.split("\n")[:2] == ["False False", "False False False"], (out.stdout, out.stderr[-2000:])
 
 
 def test_the_actors_start_before_the_driver_imports_torch():
@@ -68,3 +69,31 @@ def test_runs_that_need_torch_before_their_layout_start_their_actors_after_it():
                      {"layout": "auto"}, {"device": "cuda", "data": "shards", "data_dir": "d"},
                      {"device": "cuda", "gpus_per_actor": 0.5}):
         assert not can_start_first(Config(**settings)), settings
+
+
+def test_the_driver_checks_a_small_model_on_the_cpu_and_a_large_one_on_meta():
+    """``models.cheap_on_cpu``: rayconv's ConvNet on small images runs check_trainable's forward on the
+    CPU; torchvision's models on the meta device. Both paths refuse a forward that returns no tensor."""
+    import pytest
+    from torch import nn
+
+    from rayconv.errors import ConfigError
+    from rayconv.models import build_model, check_trainable, cheap_on_cpu
+
+    assert cheap_on_cpu(build_model("convnet", 10, 1, 8), (1, 8, 8))
+    assert not cheap_on_cpu(build_model("resnet18", 10, 3, 32), (3, 32, 32))
+
+    class Pair(nn.Module):
+        def __init__(self, width: int):
+            super().__init__()
+            self.conv = nn.Conv2d(3, width, 3)
+
+        def forward(self, x):
+            return self.conv(x), x
+
+    for width, on_cpu in ((4, True), (16384, False)):   # (16384 x 28 parameters x 64 x 64 pixels > the bound)
+        model = Pair(width)
+        assert cheap_on_cpu(model, (3, 64, 64)) == on_cpu
+        with pytest.raises(ConfigError, match="returns tuple when training"):
+            check_trainable("pair", model, (3, 64, 64))
+    assert check_trainable("convnet", build_model("convnet", 10, 1, 8), (1, 8, 8)) == (2, 10)
