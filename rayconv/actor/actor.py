@@ -31,9 +31,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Optional
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 import ray
 

@@ -2,8 +2,8 @@
 
 ``start_first`` runs before the command and ``rayconv.fit`` import ``driver.job`` (``api.start_and_train``):
 where the run's actors can start before the driver's checks (``can_start_first``: no ``--resume``, no user's
-model or ``--init`` file, no ``--layout auto``, and ``driver.early``'s conditions), it names the output
-folder and checks it, connects Ray, resolves the device and ``dp`` (``resolve_layout``) and starts the
+model or ``--init`` file, no ``--layout auto``, and ``driver.early``'s conditions), it checks the output
+folder (named by the caller: ``with_output_folder``), connects Ray (``connect_run``), resolves the device and ``dp`` (``resolve_layout``) and starts the
 actors (``driver.early.EarlyActors``), all without torch; only then does the driver import torch and
 the training code (seconds) while the actors' processes start and import theirs. ``train_run`` then
 resolves the run as it would (``driver.resolve``: the same checks, in the same order after the
@@ -25,14 +25,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
+import ray
+
 from rayconv import startup
 from rayconv.cluster.connect import available_devices, connect
 from rayconv.config import Config
 from rayconv.driver.early import EarlyActors, needs_devices
 from rayconv.errors import CheckpointError, ConfigError
 from rayconv.mesh import Mesh
-from rayconv.user_model import is_user_model, model_label
 from rayconv.outputs.checkpoint import Checkpoint, find_checkpoint, list_checkpoints
+from rayconv.user_model import is_user_model, model_label
 
 
 def can_start_first(cfg: Config) -> bool:
@@ -55,16 +57,26 @@ def start_first(cfg: Config, log=print) -> EarlyActors:
     check_job_output(cfg.out)
     out = Path(cfg.out).absolute()
     check_output_folder(out, None)
-    how = connect(cfg.address, min_cpus=cluster_cpus(cfg))
-    startup.mark("ray")
-    if startup.current() is not None:
-        startup.current().ray = how
+    connect_run(cfg)
     try:
         resolved, mesh = resolve_layout(cfg, log, wait=False)
     except ConfigError:   # (too few devices yet, or a layout the run refuses once its checks say why)
         return early
     early.start(resolved, mesh, new_run_name(out))
     return early
+
+
+def connect_run(cfg: Config) -> None:
+    """Connect Ray for the run in progress (``cluster.connect``) and mark the start-up clock's ``ray``
+    with how; nothing when this run connected already (``start_first``, then ``driver.resolve``).
+    Raises ConfigError / ClusterError as ``connect`` does."""
+    clock = startup.current()
+    if clock is not None and "ray" in clock.phases and ray.is_initialized():
+        return
+    how = connect(cfg.address, min_cpus=cluster_cpus(cfg))
+    startup.mark("ray")
+    if clock is not None:
+        clock.ray = how
 
 
 def cluster_cpus(cfg: Config) -> Optional[int]:
@@ -112,7 +124,6 @@ def resolve_layout(cfg: Config, log=print, wait: bool = True) -> tuple[Config, M
 def _actors(slots: int, per_actor: float) -> int:
     """Actors of ``per_actor`` GPUs (a share) or CPUs each that ``slots`` of them hold."""
     return int(slots / per_actor + 1e-9)
-
 
 
 # ---------------------------------------------------------------------- the output folder

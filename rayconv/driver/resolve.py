@@ -23,7 +23,7 @@ from typing import Any, Optional
 import ray
 
 from rayconv.choices import SMALL_DATA_BYTES
-from rayconv.cluster.connect import connect, node_memory_share
+from rayconv.cluster.connect import node_memory_share
 from rayconv.cluster.local_copy import copy_to_nodes
 from rayconv.cluster.tasks import gpu_free_bytes, gpu_total_bytes, run_on_device
 from rayconv.config import Config
@@ -34,7 +34,7 @@ from rayconv.data.source import Sharding, Source
 from rayconv.data_dir import raw_side
 from rayconv.driver.early import needs_devices
 from rayconv.driver.lr import check_schedule, total_steps
-from rayconv.driver.prestart import (check_job_output, check_output_folder, cluster_cpus, new_run_name,
+from rayconv.driver.prestart import (check_job_output, check_output_folder, connect_run, new_run_name,
                                      resolve_layout, with_output_folder)
 
 from rayconv import startup
@@ -149,12 +149,7 @@ def resolve_on_cluster(cfg: Config, log=print, resume: Optional[Checkpoint] = No
         source, sharding, reference, checked = check_before_ray(cfg, resume)
         startup.mark("data")
     dp_given = cfg.dp is not None
-    clock = startup.current()
-    if clock is None or "ray" not in clock.phases or not ray.is_initialized():  # (else driver.prestart connected)
-        how = connect(cfg.address, min_cpus=cluster_cpus(cfg))
-        startup.mark("ray")
-        if clock is not None:
-            clock.ray = how
+    connect_run(cfg)   # (nothing when driver.prestart connected this run)
     try:
         cfg, mesh = resolve_layout(cfg, log)
     except ConfigError:
