@@ -10,6 +10,7 @@ flat view and the model share parameters.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import torch
@@ -171,10 +172,7 @@ def cheap_on_cpu(model: nn.Module, shape: tuple[int, ...]) -> bool:
     """Whether a CPU forward of ``model`` on 2 images of ``shape`` (C, H, W) is cheap: parameters x pixels
     at most ``CPU_CHECK_MAX``, which bounds a ConvNet's multiply-adds per image (each weight is applied at
     most once per input pixel): rayconv's ConvNet up to about 100 px, no torchvision model."""
-    pixels = 1
-    for d in shape[1:]:
-        pixels *= int(d)
-    return sum(p.numel() for p in model.parameters()) * pixels <= CPU_CHECK_MAX
+    return sum(p.numel() for p in model.parameters()) * math.prod(shape[1:]) <= CPU_CHECK_MAX
 
 
 RAYCONV_MODELS = ("convnet", "convnet_bn", "convnet2col", "alexnet2012")
