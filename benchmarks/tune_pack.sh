@@ -4,7 +4,7 @@
 # --max-concurrent 1: the same command and machinery); and RQ4's selection at global batch BATCH, the
 # learning rate and optimizer picked by val_accuracy, the chosen trial's test accuracy read once.
 #   bash benchmarks/tune_pack.sh OUT [DATA_DIR]      # run from the repository root
-# (On the GPU machine, whose Ray bundle lacks pydantic, stage benchmarks/device_wheels.sh's wheels first.)
+# (On the GPU machine, whose Ray bundle lacks pandas and pydantic, carry benchmarks/device_wheels.sh's tar first.)
 # Trials: LRS x OPTS (default 0.03,0.1,0.3,1.0 x sgd_nesterov,lars: 8), each RQ4's recipe
 # (benchmarks/rq4_fashion.py's RECIPE: resnet18 at 32 px, --lr-scaling linear, --lr-warmup-epochs 5,
 # bf16) for EPOCHS epochs with --val-split 0.1 and dp 1, scheduler fifo (every trial runs to its end,
