@@ -33,8 +33,8 @@ trap stop_cluster EXIT
   --ray-client-server-port $((PORT + 13700)) --min-worker-port $((PORT + 14600)) --max-worker-port $((PORT + 15599)) \
   --num-cpus "$CPUS" --include-dashboard false > "$OUT_DIR/ray_start.log" 2>&1 || { echo "ray start failed:"; tail -5 "$OUT_DIR/ray_start.log"; exit 1; }
 
-first_step() {  # summary.json's first_step, how Ray was reached, the slowest phase
-  $PY -c "import json,sys; s=json.load(open(sys.argv[1]))['startup']; print(s['phases']['first_step'], 's; Ray', s['ray'] + '; slowest', s['slowest']['phase'], s['slowest']['s'])" "$1"
+first_step() {  # summary.json's first_step, how Ray was reached, the slowest phase; then the whole record
+  $PY -c "import json,sys; s=json.load(open(sys.argv[1]))['startup']; print(s['phases']['first_step'], 's; Ray', s['ray'] + '; slowest', s['slowest']['phase'], s['slowest']['s']); print('  startup', json.dumps({k: s.get(k) for k in ('phases', 'actor_setup_s', 'actor_process')}))" "$1"
 }
 for i in $(seq "$REPEAT"); do
   $PY benchmarks/first_step_anchor.py "${ANCHOR[@]}" 2>/dev/null | sed -n 's/^FIRST_STEP //p' > "$OUT_DIR/anchor-$i.json"

@@ -14,9 +14,15 @@ device) and their CUDA-graph capture are placed on the driver's clock from what 
                 where the actors start first, ``driver.prestart``; else before it), data
                 (the driver's checks: the data's metadata, the model, the plan; before ray where the
                 actors cannot start during them, ``driver.early``), actors_alive (their processes
-                started and imported), model_built, optimizer_built, data_on_device (the
+                started and imported), actors_warmed_up (the slowest actor's wait for its
+                warm-up: torch._dynamo imported, the CUDA context made), model_built, optimizer_built, data_on_device (the
                 slowest actor's, inside its setup), actors_set_up, first_step, graphs_captured (CUDA)
     slowest     {"phase", "s"}: the longest stretch between two consecutive marks up to the first step
+    actor_setup_s   the slowest actor's setup splits, seconds from its ``build`` call (``warmed_up``: the
+                wait for its warm-up, ``Actor.__init__``)
+    actor_process   that actor's process on this clock (from its node's wall clock): process_started,
+                init (``__init__`` entered), imported (its training code), alive, warmed_up, build, built;
+                ``renewed`` instead of the first four for actors kept from an earlier run
 
 Phases run in parallel where they can (every actor's setup at once), so a stretch is the time the run
 waited for that phase after the one before it ended. This module imports nothing heavy: the command
@@ -35,6 +41,7 @@ PHASES = {
     "data": "data, model and plan checks",
     "ray": "Ray",
     "actors_alive": "actors starting",
+    "actors_warmed_up": "actors importing torch._dynamo and making the CUDA context",
     "model_built": "actors building the model",
     "optimizer_built": "actors building the optimizer",
     "data_on_device": "actors putting the data on the device",
@@ -66,6 +73,7 @@ class StartupClock:
         self.phases: dict[str, float] = {}
         self.ray: Optional[str] = None        # "started", "connected" or "reused"
         self.actors: dict[str, float] = {}    # the slowest actor's seconds per setup split
+        self.timeline: dict[str, float] = {}  # the slowest actor's process stamps, seconds since the origin
         self.claimed = False                  # taken by a run (``claim``): a later run begins its own
 
     def mark(self, name: str, at: Optional[float] = None) -> None:
@@ -85,13 +93,19 @@ class StartupClock:
         timed = [r["startup"] for r in reports if (r.get("startup") or {}).get("setup") is not None]
         if not timed or "actors_set_up" not in self.phases:
             return
-        slow = max(timed, key=lambda t: t["setup"])
+        slowest = max((r for r in reports if (r.get("startup") or {}).get("setup") is not None),
+                      key=lambda r: r["startup"]["setup"])
+        slow = slowest["startup"]
         ended = self.origin + self.phases["actors_set_up"]
-        for name in ("model_built", "optimizer_built", "data_on_device"):
-            if slow.get(name) is not None:
-                self.actors[name] = slow[name]
-                self.mark(name, ended - (slow["setup"] - slow[name]))
+        for name, split in (("actors_warmed_up", "warmed_up"), ("model_built", "model_built"),
+                            ("optimizer_built", "optimizer_built"), ("data_on_device", "data_on_device")):
+            if slow.get(split) is not None:
+                self.actors[split] = slow[split]
+                self.mark(name, ended - (slow["setup"] - slow[split]))
         self.actors["setup"] = slow["setup"]
+        # its process's stamps (wall clock) on this clock: where the seconds before its setup went
+        wall_origin = time.time() - (time.monotonic() - self.origin)
+        self.timeline = {k: v - wall_origin for k, v in (slowest.get("stamps") or {}).items() if v is not None}
 
     def mark_capture(self, seconds: list[float]) -> None:
         """The actors' CUDA-graph capture (``seconds``: each capturing actor's) ended now."""
@@ -138,7 +152,8 @@ class StartupClock:
         return {"origin": self.since, "ray": self.ray,
                 "phases": {k: round(v, 4) for k, v in self.ordered()},
                 "slowest": {"phase": slow[0], "s": round(slow[1], 4)} if slow else None,
-                "actor_setup_s": {k: round(v, 4) for k, v in self.actors.items()}}
+                "actor_setup_s": {k: round(v, 4) for k, v in self.actors.items()},
+                "actor_process": {k: round(v, 4) for k, v in sorted(self.timeline.items(), key=lambda kv: kv[1])}}
 
 
 # The clock of the run in progress in this process (None outside one): the driver's modules mark it

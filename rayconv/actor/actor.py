@@ -25,6 +25,7 @@ builds. The rest, one concept a file under ``rayconv/actor/``:
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import signal
 import socket
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import ray
 
 from rayconv.actor.rss import RssSampler
+from rayconv.cluster.connect import visible_index
 from rayconv.config import Config
 from rayconv.errors import DataError
 
@@ -53,9 +55,7 @@ def _import_training_modules() -> None:
     """Bind torch and the actor's training modules in this module, in the actor's own process (its
     ``__init__``): the driver only names ``Actor`` to Ray, so it can start the actors before it
     imports torch itself (``driver.prestart``), and their imports run meanwhile."""
-    global torch, train, report, state, comm, build_actor, _pick_device
-    import torch
-
+    global train, report, state, comm, build_actor, _pick_device
     from rayconv.actor import report, state, step as train
     from rayconv.actor.build import _pick_device, build_actor
     from rayconv.parallel import comm
@@ -66,14 +66,31 @@ class Actor:
     ``a`` is its ``build.ActorState`` (None until ``build``)."""
 
     def __init__(self, cfg: dict[str, Any], run_name: str, role: str):
+        # wall-clock stamps (time.time(), this node's clock) of this process's start-up, for the run's
+        # start-up record: the process started, __init__ entered, the training code imported, __init__
+        # returned (alive), the warm-up done, build called and returned
+        self.stamps = {"process_started": _process_started(), "init": time.time()}
+        global torch
+        import torch
+
+        # The CUDA context (a GPU run's first CUDA call, ~0.3 s of driver work) made in a thread of its
+        # own while this one imports the training code; the warm-up joins it.
+        cuda = None
+        if cfg.get("device") == "cuda":
+            cuda = threading.Thread(target=_cuda_context, args=(bool(cfg.get("all_gpus_visible")),),
+                                    name="rayconv-cuda-context", daemon=True)
+            cuda.start()
         _import_training_modules()
+        self.stamps["imported"] = time.time()
         self._sigterm = signal.getsignal(signal.SIGTERM)   # Ray's, restored by ``renew``
         self._begin(cfg, run_name, role)
         # What ``build`` needs first and costs seconds, done while the driver still checks and plans:
         # torch._dynamo's import (torch.optim's first optimizer imports it) and, on a GPU, the CUDA
         # context. ``build`` waits for it before it starts, so no import runs in two threads at once.
-        self._warm = threading.Thread(target=_warm_up, args=(self.cfg,), name="rayconv-warm-up", daemon=True)
+        self._warm = threading.Thread(target=_warm_up, args=(cuda, self.stamps), name="rayconv-warm-up",
+                                      daemon=True)
         self._warm.start()
+        self.stamps["alive"] = time.time()
 
     def _begin(self, cfg: dict[str, Any], run_name: str, role: str) -> None:
         """The state of a new actor of run ``run_name`` (``__init__`` and ``renew``)."""
@@ -92,6 +109,7 @@ class Actor:
         processes, device memory), its gradient hooks and process groups left, torch.compile's caches
         reset and SIGTERM Ray's again; then as ``__init__(cfg, run_name, role)`` leaves a new actor."""
         self._warm.join()
+        self.stamps = {"renewed": time.time()}
         self.shutdown()
         self.rss.stop()
         self.a = None
@@ -140,12 +158,17 @@ class Actor:
         checks ended, ``Config.to_dict``; None: those the actor was created with). Returns parameters
         held (count) and the device. Raises what data and model loading raise."""
         t0 = time.perf_counter()
+        self.stamps["build"] = time.time()
         self._warm.join()
+        waited = time.perf_counter() - t0
         if cfg is not None:
             self.cfg = Config(**cfg)
         self.a = build_actor(self.cfg, self.run_name, self.role, rank, master, routing, sharding)
-        self.a.startup["setup"] = time.perf_counter() - t0  # (the run's start-up record)
-        return self.a.report()
+        # (the run's start-up record: the splits from this call's start, the wait for the warm-up included)
+        self.a.startup = {k: v + waited for k, v in self.a.startup.items()}
+        self.a.startup.update(warmed_up=waited, setup=time.perf_counter() - t0)
+        self.stamps["built"] = time.time()
+        return {**self.a.report(), "stamps": dict(self.stamps)}
 
     # ------------------------------------------------------------------ steps
     def train_step(self, step: int, lr: float, profile: bool = False) -> Optional[dict[str, Any]]:
@@ -238,13 +261,33 @@ class Actor:
         comm.destroy()
 
 
-def _warm_up(cfg: Config) -> None:
-    """Import torch._dynamo and, with ``--device cuda``, make this actor's CUDA context (on the GPU
-    ``build`` picks), ahead of ``build``. A failure here is left for ``build`` to meet and report."""
+def _warm_up(cuda: Optional[threading.Thread], stamps: dict[str, float]) -> None:
+    """Import torch._dynamo and wait for the CUDA context (``cuda``: the thread making it, or None),
+    ahead of ``build``; ``stamps["warmed_up"]``: when both were done (wall clock). A failure here is
+    left for ``build`` to meet and report."""
     try:
-        import torch._dynamo  # noqa: F401
-
-        if cfg.device == "cuda":
-            torch.zeros(1, device=_pick_device(cfg))
+        importlib.import_module("torch._dynamo")
     except Exception:  # noqa: BLE001 - build reports it
         pass
+    if cuda is not None:
+        cuda.join()
+    stamps["warmed_up"] = time.time()
+
+
+def _cuda_context(all_gpus_visible: bool) -> None:
+    """Make the CUDA context on the GPU Ray assigned this actor (the one ``build._pick_device`` picks:
+    by index where the actor sees every GPU of the node). A failure is left for ``build``."""
+    try:
+        ids = ray.get_gpu_ids()
+        torch.zeros(1, device=torch.device("cuda", visible_index(ids[0]) if all_gpus_visible else 0))
+    except Exception:  # noqa: BLE001 - build reports it
+        pass
+
+
+def _process_started() -> Optional[float]:
+    """This process's start as a wall-clock time (``startup.process_start``, moved from the monotonic
+    clock to time.time()); None where /proc is absent."""
+    from rayconv.startup import process_start
+
+    started = process_start()
+    return None if started is None else time.time() - (time.monotonic() - started)

@@ -83,3 +83,24 @@ def test_the_commands_clock_starts_at_rayconvs_import_after_a_shells_other_comma
     assert command_origin(100.0, 100.05, 100.3) == (100.0, "process start")      # python started the process
     assert command_origin(100.0, 230.0, 230.2) == (230.0, "rayconv import")      # `pip install ... && python ...`
     assert command_origin(None, 5.0, 5.2) == (5.2, "rayconv.run import")          # no /proc
+
+
+def test_the_slowest_actors_wait_for_its_warm_up_and_its_process_stamps_are_placed_on_the_clock():
+    now_wall, now_mono = time.time(), time.monotonic()
+    clock = StartupClock(now_mono - 10.0, "process start")   # the command started 10 s ago
+    clock.mark("actors_alive", now_mono - 4.0)
+    clock.mark("actors_set_up", now_mono - 1.0)
+    stamps = {"process_started": now_wall - 8.0, "init": now_wall - 7.0, "alive": now_wall - 4.5,
+              "warmed_up": now_wall - 2.5, "build": now_wall - 3.0, "built": now_wall - 1.0, "renewed": None}
+    clock.mark_actors([{"startup": {"warmed_up": 0.5, "model_built": 1.0, "data_on_device": 1.5, "setup": 2.0},
+                        "stamps": stamps},
+                       {"startup": {"warmed_up": 0.0, "model_built": 0.2, "data_on_device": 0.3, "setup": 0.4},
+                        "stamps": {"renewed": now_wall - 9.0}}])
+    rec = clock.record()
+    # the slow actor's build call began 2.0 s before the set-up ended (at 9.0 s): warmed up 0.5 s later
+    assert rec["phases"]["actors_warmed_up"] == pytest.approx(7.5, abs=1e-6)
+    assert rec["phases"]["model_built"] == pytest.approx(8.0, abs=1e-6)
+    assert rec["actor_setup_s"]["warmed_up"] == 0.5
+    process = rec["actor_process"]
+    assert list(process) == ["process_started", "init", "alive", "build", "warmed_up", "built"]  # (by time)
+    assert process["process_started"] == pytest.approx(2.0, abs=0.05) and process["built"] == pytest.approx(9.0, abs=0.05)
