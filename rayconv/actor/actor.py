@@ -87,8 +87,8 @@ class Actor:
         # What ``build`` needs first and costs seconds, done while the driver still checks and plans:
         # torch._dynamo's import (torch.optim's first optimizer imports it) and, on a GPU, the CUDA
         # context. ``build`` waits for it before it starts, so no import runs in two threads at once.
-        self._warm = threading.Thread(target=_warm_up, args=(cuda, self.stamps), name="rayconv-warm-up",
-                                      daemon=True)
+        self._warm = threading.Thread(target=_warm_up, args=(cuda, _torchvision_model(cfg.get("model")), self.stamps),
+                                      name="rayconv-warm-up", daemon=True)
         self._warm.start()
         self.stamps["alive"] = time.time()
 
@@ -261,17 +261,27 @@ class Actor:
         comm.destroy()
 
 
-def _warm_up(cuda: Optional[threading.Thread], stamps: dict[str, float]) -> None:
-    """Import torch._dynamo and wait for the CUDA context (``cuda``: the thread making it, or None),
-    ahead of ``build``; ``stamps["warmed_up"]``: when both were done (wall clock). A failure here is
-    left for ``build`` to meet and report."""
+def _warm_up(cuda: Optional[threading.Thread], torchvision: bool, stamps: dict[str, float]) -> None:
+    """Import torch._dynamo (and torchvision for one of its models), and wait for the CUDA context
+    (``cuda``: the thread making it, or None), ahead of ``build``; ``stamps["warmed_up"]``: when all
+    were done (wall clock). A failure here is left for ``build`` to meet and report."""
     try:
         importlib.import_module("torch._dynamo")
+        if torchvision:
+            importlib.import_module("torchvision")
     except Exception:  # noqa: BLE001 - build reports it
         pass
     if cuda is not None:
         cuda.join()
     stamps["warmed_up"] = time.time()
+
+
+def _torchvision_model(model: Any) -> bool:
+    """Whether ``--model`` names one of torchvision's models (not rayconv's own, not a user's)."""
+    from rayconv.models import RAYCONV_MODELS
+    from rayconv.user_model import is_user_model
+
+    return isinstance(model, str) and model not in RAYCONV_MODELS and not is_user_model(model)
 
 
 def _cuda_context(all_gpus_visible: bool) -> None:
