@@ -3,7 +3,9 @@
 #   bash benchmarks/fashion_mnist.sh OUT_DIR [DATA_DIR]
 # rows: OUT_DIR/anchor.json (eager and compiled), OUT_DIR/rayconv/summary.json, OUT_DIR/synthetic/bench.parquet
 # (SYNTHETIC=0 leaves the synthetic row out); the last line compares the time to --target-accuracy from
-# each command (rayconv's summary.json time_to_target_since_s; the anchor's, per mode, as though run alone)
+# each command (rayconv's summary.json time_to_target_since_s; the anchor's, per mode, as though run alone).
+# RUNNING=1: rayconv runs on a Ray cluster started here first (`ray start --head` on its own ports and temp
+# dir, ended by its processes' ids), as a user who ran `ray start` before; default: rayconv starts Ray itself.
 set -uo pipefail  # each part runs even when one before it failed
 OUT_DIR=${1:?usage: fashion_mnist.sh OUT_DIR [DATA_DIR]}
 DATA=${2:-/usr/share/datasets/fashion-mnist}
@@ -18,10 +20,21 @@ RECIPE="--image-size $SIZE --epochs $EPOCHS --global-batch-size $BATCH --lr $LR 
 echo "== anchor: $PY -m rayconv.bench.accuracy_anchor --data-dir $DATA $RECIPE --compile both"
 $PY -u -m rayconv.bench.accuracy_anchor --data-dir "$DATA" $RECIPE --compile both --out "$OUT_DIR/anchor.json" \
   2>&1 | grep -v "^anchor .* epoch" | tail -4
-echo "== rayconv: $PY -m rayconv.run --data fashion-mnist --model resnet18 $RECIPE --opt sgd_nesterov --bias-weight-decay 0 --augment pad-crop --precision bf16 --compile $COMPILE"
+ADDRESS=(--address local)
+if [ "${RUNNING:-0}" = 1 ]; then
+  PORT=${PORT:-6391}; TMPD=$(mktemp -d /tmp/ray-fm-XXXXXX)
+  RAY=(ray); command -v ray > /dev/null || RAY=("$PY" -m ray.scripts.scripts)
+  stop_cluster() { pgrep -f -- "$TMPD" | xargs -r kill 2>/dev/null; sleep 2; pgrep -f -- "$TMPD" | xargs -r kill -9 2>/dev/null; }
+  trap stop_cluster EXIT
+  "${RAY[@]}" start --head --port "$PORT" --temp-dir "$TMPD" --dashboard-port $((PORT + 2000)) \
+    --ray-client-server-port $((PORT + 13700)) --min-worker-port $((PORT + 14600)) --max-worker-port $((PORT + 15599)) \
+    --include-dashboard false > "$OUT_DIR/ray_start.log" 2>&1 || { echo "ray start failed:"; tail -5 "$OUT_DIR/ray_start.log"; }
+  ADDRESS=(--address "127.0.0.1:$PORT")
+fi
+echo "== rayconv (${ADDRESS[*]}): $PY -m rayconv.run --data fashion-mnist --model resnet18 $RECIPE --opt sgd_nesterov --bias-weight-decay 0 --augment pad-crop --precision bf16 --compile $COMPILE"
 $PY -u -m rayconv.run --data fashion-mnist --data-dir "$DATA" --model resnet18 $RECIPE --opt sgd_nesterov \
   --bias-weight-decay 0 --augment pad-crop --precision bf16 --compile "$COMPILE" --no-progress --log-every 1000 \
-  --out "$OUT_DIR/rayconv" 2>&1 | tail -4
+  "${ADDRESS[@]}" --out "$OUT_DIR/rayconv" 2>&1 | tail -4
 $PY - "$OUT_DIR" <<'PYEOF'
 import json, sys
 from pathlib import Path
