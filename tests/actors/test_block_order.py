@@ -36,6 +36,7 @@ def block_config(data_dir: Path, out: Path, **kw) -> Config:
     return Config(**base).validate()
 
 
+@pytest.mark.slow
 def test_the_block_order_is_the_one_trained_on(prepared, tmp_path):
     """The reference follows the block order (windows of two shards), which differs from the exact one."""
     cfg = block_config(prepared, tmp_path / "x")
@@ -48,7 +49,7 @@ def test_the_block_order_is_the_one_trained_on(prepared, tmp_path):
     assert not np.array_equal(sh.global_batch(0, 0), exact.global_batch(0, 0))
 
 
-@pytest.mark.parametrize("layout", slow_among([dict(dp=1), dict(dp=2), dict(dp=1, pp=2)], [dict(dp=2)]),
+@pytest.mark.parametrize("layout", slow_among([dict(dp=1), dict(dp=2), dict(dp=1, pp=2)], [dict(dp=1), dict(dp=2)]),
                          ids=["dp1", "dp2", "pp2"])
 def test_every_layout_equals_single_device_sgd_in_block_order(ray_cluster, prepared, tmp_path, layout):
     extra = dict(checkpoint_every=2, keep_checkpoints=0) if layout.get("dp") == 2 else {}

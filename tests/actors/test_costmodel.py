@@ -125,6 +125,7 @@ def test_a_run_that_cannot_fit_is_refused_by_the_check_without_cluster(tmp_path)
     assert not ray.is_initialized() and not out.exists()
 
 
+@pytest.mark.slow
 def test_plan_command_on_cpu_ranks_layouts_and_caches(tmp_path):
     env = {**os.environ, "RAYCONV_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "rayconv.plan", "--device", "cpu", "--model", "convnet", "--global-batch-size", "8",

@@ -111,6 +111,7 @@ def test_resume_keeps_the_scale_and_the_average(straight, tmp_path_factory):
         assert _same(got["ema"]["tensors"], want["ema"]["tensors"])
 
 
+@pytest.mark.slow
 def test_resume_under_another_layout_keeps_the_scale_and_the_average(straight, tmp_path):
     """The step-3 checkpoint (after the skipped step) continued on one actor: the rank files joined, and the loss scale's state (scale, growth tracker) and the average's
     count arrive as the straight run holds them at its end; the parameters agree to float16 rounding

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import ray
 import torch
 
@@ -26,6 +27,7 @@ def _pg_state(run_name: str) -> str:
     return next(pg["state"] for pg in ray.util.placement_group_table().values() if pg["name"] == f"rayconv/{run_name}")
 
 
+@pytest.mark.slow
 def test_kept_actors_train_the_next_run_exactly_and_other_runs_get_their_own(ray_cluster, tmp_path):
     seen: dict = {}
     a = sgd_config(tmp_path, "a", dp=2, steps=STEPS, eval_every=STEPS)
@@ -57,6 +59,7 @@ def test_kept_actors_train_the_next_run_exactly_and_other_runs_get_their_own(ray
     assert ray.available_resources().get("CPU") == 4
 
 
+@pytest.mark.slow
 def test_a_run_with_dp_left_to_the_cluster_reuses_the_actors_it_is_given_again(ray_cluster, tmp_path):
     # --dp from the cluster (4 CPUs, 2 per actor: 2 replicas) reads the cluster's totals, which kept
     # actors do not change: the second run takes the first's actors and trains the same to the bit.

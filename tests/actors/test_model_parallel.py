@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from support.helpers import assert_same_state, reference_sgd, sgd_config
+from support.helpers import assert_same_state, reference_sgd, sgd_config, slow_among
 from rayconv.config import Config
 from rayconv.driver.job import train_run
 
@@ -62,7 +62,8 @@ def layout_config(tmp_path, name, **kw) -> Config:
 CUTS = (1, 4, 8, 11)
 
 
-@pytest.mark.parametrize("cut", [c for c in CUTS if not any(kw.get("stages") == str(c) for kw in LAYOUTS.values())])
+@pytest.mark.parametrize("cut", slow_among(
+    [c for c in CUTS if not any(kw.get("stages") == str(c) for kw in LAYOUTS.values())], {11}))
 def test_two_stage_cuts_match_single_device_sgd(ray_cluster, tmp_path, cut):
     """A two-stage pipeline cut at ``cut`` (1f1b, 2 micro-batches) trains as single-device SGD does."""
     cfg = layout_config(tmp_path, f"cut{cut}", pp=2, num_microbatches=2, stages=str(cut))
@@ -72,7 +73,7 @@ def test_two_stage_cuts_match_single_device_sgd(ray_cluster, tmp_path, cut):
     assert_same_state(got, reference_sgd(cfg, STEPS), atol=1e-10)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", slow_among(LAYOUTS, {"fs3-uneven", "dp2-pp2-interleaved-v2", "pp2-balanced-by-time"}))
 def test_layout_matches_single_device_sgd(ray_cluster, tmp_path, name):
     cfg = layout_config(tmp_path, name, **LAYOUTS[name])
     summary = train_run(cfg, log=lambda *_: None)

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from support.helpers import assert_same_state, reference_recipe_sgd, sgd_config
+from support.helpers import assert_same_state, reference_recipe_sgd, sgd_config, slow_among
 from rayconv.actor.cuda_graph import sgd_step
 from rayconv.config import Config
 from rayconv.driver.job import train_run
@@ -71,7 +71,7 @@ def _without_counts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if not k.endswith("num_batches_tracked")}
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", slow_among(LAYOUTS, {"dp2", "pp2-1f1b-m2", "pp2-interleaved-v2-m4", "fs2"}))
 def test_recipe_layout_matches_single_device(ray_cluster, tmp_path, name):
     cfg = recipe_config(tmp_path, name, **LAYOUTS[name])
     summary = train_run(cfg, log=lambda *_: None)
@@ -88,7 +88,8 @@ def test_recipe_layout_matches_single_device(ray_cluster, tmp_path, name):
 LARS = dict(opt="lars", lr=1.0, lars_trust_coefficient=0.02)
 
 
-@pytest.mark.parametrize("name", ["fs2", "plan-krizhevsky2014-dp2"])
+@pytest.mark.parametrize("name", [pytest.param("fs2", marks=pytest.mark.slow),
+                                  pytest.param("plan-krizhevsky2014-dp2", marks=pytest.mark.slow)])
 def test_lars_layout_matches_single_device(ray_cluster, tmp_path, name):
     cfg = recipe_config(tmp_path, name, **LARS, **LAYOUTS[name])
     train_run(cfg, log=lambda *_: None)

@@ -119,6 +119,7 @@ def test_format_1_is_refused_with_the_command_and_converted(ray_cluster, straigh
     assert train_run(cfg, log=lambda *_: None)["steps"] == 2
 
 
+@pytest.mark.slow
 def test_a_shard_removed_mid_run_stops_it_and_resume_continues(ray_cluster, straight, tmp_path):
     data = tmp_path / "data"
     data.mkdir()

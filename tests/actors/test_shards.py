@@ -76,6 +76,7 @@ def shards(ray_cluster, folder, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_prepare_writes_a_checked_manifest(shards, folder):
     m = json.loads((shards / "manifest.json").read_text())
     assert m["classes"] == list(CLASSES) and m["settings"] == {"size": SIZE, "quality": 90, "shard_size": 4,
@@ -261,6 +262,7 @@ def shard_config(data_dir: Path, out: Path, **kw) -> Config:
     return Config(**base).validate()
 
 
+@pytest.mark.slow
 def test_dp2_on_shards_equals_single_device_sgd_and_resumes_exactly(ray_cluster, shards, tmp_path):
     cfg = shard_config(shards, tmp_path / "a", checkpoint_every=2, keep_checkpoints=0)
     train_run(cfg, log=lambda *_: None)

@@ -23,7 +23,7 @@ from rayconv.models import build_model
 STEPS = 2
 
 
-@pytest.mark.parametrize("data,augmentation", [("imagefolder", {}),
+@pytest.mark.parametrize("data,augmentation", [pytest.param("imagefolder", {}, marks=pytest.mark.slow),
                                                ("shards", dict(auto_augment="ta_wide", random_erase=0.5)),
                                                ("raw", dict(random_erase=0.5, data_on_device="off"))])
 def test_dp2_on_held_data_matches_single_device_sgd(ray_cluster, tmp_path, data, augmentation):

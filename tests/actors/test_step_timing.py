@@ -14,6 +14,7 @@ from rayconv.config import Config
 from rayconv.driver.job import train_run
 
 
+@pytest.mark.slow
 def test_rows_time_their_own_step_across_evaluation_and_checkpoint_boundaries(ray_cluster, tmp_path):
     # Evaluation every 2 steps and a checkpoint every 3: the driver waits for the actors after those
     # steps, so the driver's wall time between two results is one step's or two steps' or almost none.

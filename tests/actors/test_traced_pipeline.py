@@ -29,7 +29,7 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", slow_among(LAYOUTS, {"dp2-pp2-1f1b-m4"}))
+@pytest.mark.parametrize("name", slow_among(LAYOUTS, {"pp2-1f1b-m4", "dp2-pp2-1f1b-m4"}))
 def test_user_model_pipeline_matches_single_device_sgd(ray_cluster, tmp_path, name):
     cfg = sgd_config(tmp_path, name, model=MODEL, steps=STEPS, eval_every=STEPS, **LAYOUTS[name])
     summary = train_run(cfg, log=lambda *_: None)
@@ -46,6 +46,7 @@ def test_user_model_pipeline_matches_single_device_sgd(ray_cluster, tmp_path, na
     user.load_state_dict(got, strict=True)
 
 
+@pytest.mark.slow
 def test_untraceable_model_trains_data_parallel_and_is_refused_for_pp(ray_cluster, tmp_path):
     """``branchy`` branches on the data: dp=2 equals single-device SGD; --pp 2 is refused in one line
     naming torch.fx's reason, before any actor starts."""

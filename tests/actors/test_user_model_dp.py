@@ -57,6 +57,7 @@ def users_folder(tmp_path, monkeypatch) -> None:
         monkeypatch.delitem(sys.modules, name, raising=False)
 
 
+@pytest.mark.slow
 def test_measuring_tasks_get_the_users_module(ray_cluster, tmp_path, monkeypatch):
     """--balance time measures layer times in a Ray task, as the planner does on a cluster: the task
     imports the user's module from py_modules, as the actors do."""
@@ -71,6 +72,7 @@ def test_measuring_tasks_get_the_users_module(ray_cluster, tmp_path, monkeypatch
     assert len(meas.times([(8, 1)])(8, 1)) == summary["layout"]["stages"][-1][1]  # (one time per layer)
 
 
+@pytest.mark.slow
 def test_users_model_dp2_equals_single_device_sgd_and_evaluates_from_init(ray_cluster, tmp_path, monkeypatch, capsys):
     users_folder(tmp_path, monkeypatch)
     cfg = sgd_config(tmp_path, "r", model=MODEL, dp=2, steps=STEPS, eval_every=STEPS, loader_workers=0)

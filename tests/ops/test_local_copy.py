@@ -42,6 +42,7 @@ def same_files(a: Path, b: Path) -> bool:
                                                                 for n in names)
 
 
+@pytest.mark.slow
 def test_copied_checked_then_skipped_and_a_bad_copy_copied_again(prepared, tmp_path):
     dest = tmp_path / "local"
     entries = listed(prepared)
@@ -110,6 +111,7 @@ def test_too_little_space_is_refused_before_copying(prepared, tmp_path, monkeypa
     assert list(dest.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_run_trains_from_the_staged_copy(ray_cluster, prepared, tmp_path):
     """The run stages, then reads only DIR: the given folder is moved away after the first step, and
     the remaining steps and the evaluation still read their shards."""

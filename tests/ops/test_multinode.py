@@ -24,6 +24,7 @@ from rayconv.mesh import Mesh
 pytestmark = pytest.mark.own_cluster  # (conftest runs such modules last)
 
 
+@pytest.mark.slow
 def test_ranks_by_node_and_fs_groups_inside_a_node(two_nodes, tmp_path):
     nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
     assert len(nodes) == 2 and sum(r["CPU"] for r in nodes.values()) == 4

@@ -152,6 +152,7 @@ def test_an_empty_class_folder_is_named(tmp_path):
     assert "class folder c has no image files (.jpg" in msg and ". :" not in msg and "\n" not in msg, msg
 
 
+@pytest.mark.slow
 def test_prepare_counts_what_it_encoded_and_names_what_it_skipped(tmp_path):
     """One corrupt file of 15: "14 images encoded", the corrupt one named (not "15 images encoded")."""
     root = write_folder(tmp_path / "src")

@@ -141,6 +141,7 @@ REPRESENTATIVES = {
 FIXED_SIZE = {"inception_v3", "maxvit_t", "vit_b_32"}
 
 
+@pytest.mark.slow
 def test_every_torchvision_model_trains_or_is_refused():
     """All of torchvision.models.list_models(): each kind's training forward (on the meta device, the
     way ``driver.resolve.resolve_on_cluster`` checks it) gives class scores at 64x64, or the model is refused in one line;
