@@ -14,9 +14,10 @@ device) and their CUDA-graph capture are placed on the driver's clock from what 
                 where the actors start first, ``driver.prestart``; else before it), data
                 (the driver's checks: the data's metadata, the model, the plan; before ray where the
                 actors cannot start during them, ``driver.early``), actors_alive (their processes
-                started and imported), actors_warmed_up (the slowest actor's wait for its
-                warm-up: torch._dynamo imported, the CUDA context made), model_built, optimizer_built, data_on_device (the
-                slowest actor's, inside its setup), actors_set_up, first_step, graphs_captured (CUDA)
+                started and imported), actors_warmed_up (the slowest actor's wait for its warm-up:
+                torch._dynamo and torchvision imported, the CUDA context made), model_built,
+                optimizer_built, data_on_device (the slowest actor's, inside its setup), actors_set_up,
+                first_step, graphs_captured (CUDA)
     slowest     {"phase", "s"}: the longest stretch between two consecutive marks up to the first step
     actor_setup_s   the slowest actor's setup splits, seconds from its ``build`` call (``warmed_up``: the
                 wait for its warm-up, ``Actor.__init__``)
@@ -41,7 +42,7 @@ PHASES = {
     "data": "data, model and plan checks",
     "ray": "Ray",
     "actors_alive": "actors starting",
-    "actors_warmed_up": "actors importing torch._dynamo and making the CUDA context",
+    "actors_warmed_up": "actors importing torch._dynamo and torchvision, making the CUDA context",
     "model_built": "actors building the model",
     "optimizer_built": "actors building the optimizer",
     "data_on_device": "actors putting the data on the device",
@@ -90,11 +91,10 @@ class StartupClock:
         ``model_built``, ``optimizer_built`` and ``data_on_device``. The slowest actor's setup is the
         one the run waited for: its splits are placed back from ``actors_set_up`` (the return's transit
         is not counted)."""
-        timed = [r["startup"] for r in reports if (r.get("startup") or {}).get("setup") is not None]
+        timed = [r for r in reports if (r.get("startup") or {}).get("setup") is not None]
         if not timed or "actors_set_up" not in self.phases:
             return
-        slowest = max((r for r in reports if (r.get("startup") or {}).get("setup") is not None),
-                      key=lambda r: r["startup"]["setup"])
+        slowest = max(timed, key=lambda r: r["startup"]["setup"])
         slow = slowest["startup"]
         ended = self.origin + self.phases["actors_set_up"]
         for name, split in (("actors_warmed_up", "warmed_up"), ("model_built", "model_built"),

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import ray
 
 from rayconv.actor.rss import RssSampler
-from rayconv.cluster.connect import visible_index
+from rayconv.cluster.connect import assigned_gpu_index
 from rayconv.config import Config
 from rayconv.errors import DataError
 
@@ -52,9 +52,9 @@ __all__ = ["Actor"]
 
 
 def _import_training_modules() -> None:
-    """Bind torch and the actor's training modules in this module, in the actor's own process (its
-    ``__init__``): the driver only names ``Actor`` to Ray, so it can start the actors before it
-    imports torch itself (``driver.prestart``), and their imports run meanwhile."""
+    """Bind the actor's training modules in this module, in the actor's own process (its ``__init__``,
+    after it imported torch): the driver only names ``Actor`` to Ray, so it can start the actors before
+    it imports torch itself (``driver.prestart``), and their imports run meanwhile."""
     global train, report, state, comm, build_actor, _pick_device
     from rayconv.actor import report, state, step as train
     from rayconv.actor.build import _pick_device, build_actor
@@ -285,11 +285,10 @@ def _torchvision_model(model: Any) -> bool:
 
 
 def _cuda_context(all_gpus_visible: bool) -> None:
-    """Make the CUDA context on the GPU Ray assigned this actor (the one ``build._pick_device`` picks:
-    by index where the actor sees every GPU of the node). A failure is left for ``build``."""
+    """Make the CUDA context on the GPU Ray assigned this actor (``connect.assigned_gpu_index``, as
+    ``build._pick_device``). A failure is left for ``build``."""
     try:
-        ids = ray.get_gpu_ids()
-        torch.zeros(1, device=torch.device("cuda", visible_index(ids[0]) if all_gpus_visible else 0))
+        torch.zeros(1, device=torch.device("cuda", assigned_gpu_index(all_gpus_visible)))
     except Exception:  # noqa: BLE001 - build reports it
         pass
 

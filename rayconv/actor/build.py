@@ -11,14 +11,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import ray
 import torch
 from torch import nn
 
 from rayconv.actor.batches import Batches
 from rayconv.actor.cuda_graph import StepGraph
 from rayconv.actor.recipe_step import RecipeStep, build_optimizer
-from rayconv.cluster.connect import visible_index
+from rayconv.cluster.connect import assigned_gpu_index
 from rayconv.config import Config
 from rayconv.data.registry import make_source
 from rayconv.data.source import Sharding, Source
@@ -165,14 +164,7 @@ def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, r
 def _pick_device(cfg: Config) -> torch.device:
     if cfg.device != "cuda":
         return torch.device("cpu")
-    ids = ray.get_gpu_ids()
-    if not ids:
-        raise RuntimeError("actor has no GPU assigned by Ray")
-    if cfg.all_gpus_visible:
-        # Actors see every GPU of the node (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1): pick ours by index.
-        index = visible_index(ids[0])
-    else:
-        index = 0  # Ray narrowed CUDA_VISIBLE_DEVICES to our GPU
+    index = assigned_gpu_index(cfg.all_gpus_visible)
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 

@@ -135,6 +135,16 @@ def visible_index(gpu_id: Any, visible: Optional[str] = None) -> int:
     return listed.index(str(gpu_id)) if str(gpu_id) in listed else int(gpu_id)
 
 
+def assigned_gpu_index(all_gpus_visible: bool) -> int:
+    """torch's device index of the GPU Ray assigned this actor: found by ``visible_index`` where the actor
+    sees every GPU of its node (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1), else 0 (Ray narrowed
+    CUDA_VISIBLE_DEVICES to it). Raises RuntimeError where Ray assigned none."""
+    ids = ray.get_gpu_ids()
+    if not ids:
+        raise RuntimeError("actor has no GPU assigned by Ray")
+    return visible_index(ids[0]) if all_gpus_visible else 0
+
+
 def exception_summary(e: BaseException) -> str:
     """The one-line message of the innermost user-facing error in ``e`` (Ray wraps an actor's or a
     task's error in RayTaskError, possibly several deep)."""
