@@ -195,13 +195,15 @@ class Batches:
         elif self.is_last:
             idx = replica_idx[self.coord.dp]
             slices = split_slices(len(idx), n_mb)
-            y_all = self._targets(split, self.coord.dp, idx, mix)
+            # (a stage that read the images may have its labels on the device already, copied with them)
+            made = self.source.device_labels(split, idx, self.device) if self.is_first and mix is None else None
+            y_all = made if made is not None else self._targets(split, self.coord.dp, idx, mix)
             host = lambda m: y_all[slices[m]]  # noqa: E731
         else:
             return labels, None
         if graph is None:
             return (lambda m: to_device(host(m), self.device)), before_forward
         parts = [host(m) for m in range(n_mb)]
-        y_dev = graph.buffer("labels", to_device(torch.cat(parts), self.device))
+        y_dev = graph.buffer("labels", to_device(parts[0] if n_mb == 1 else torch.cat(parts), self.device))
         views = torch.split(y_dev, [len(h) for h in parts])
         return (lambda m: views[m]), before_forward

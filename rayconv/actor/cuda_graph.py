@@ -84,6 +84,9 @@ class StepGraph:
         self.eager_steps = 0
         self.static: dict[str, torch.Tensor] = {}
         self.capture_s: Optional[float] = None  # host seconds of the last capture, until taken
+        # whether the last ``run`` replayed a capture made before it: it set no gradient attribute
+        # (a replay writes the graph's own gradient memory; ``.grad`` stays as it was after the capture)
+        self.replayed = False
 
     def take_capture_s(self) -> Optional[float]:
         """Seconds the capture made by the last ``run`` took (None when it made none); reported once."""
@@ -92,7 +95,7 @@ class StepGraph:
 
     def reset(self) -> None:
         """Forget the capture (after tensors it recorded were replaced, e.g. optimizer state loaded)."""
-        self.graph, self.eager_steps = None, 0
+        self.graph, self.eager_steps, self.replayed = None, 0, False
         self.static = {}
 
     def buffer(self, name: str, value: torch.Tensor) -> torch.Tensor:
@@ -122,7 +125,7 @@ class StepGraph:
         """Run ``step()`` eagerly (warm-up, or a shape that was not captured) or replay its capture.
         Returns what ``step`` returned (from the capture when replaying: its tensors hold this step's
         values after the replay). Raises what capture raises (an operation a graph cannot hold)."""
-        current = torch.cuda.current_stream(self.device)
+        self.replayed = self.graph is not None and self.will_replay(key)
         if not self.will_replay(key):
             self.eager_steps += 1
             return self.eager(step)
@@ -130,7 +133,7 @@ class StepGraph:
             graph = torch.cuda.CUDAGraph()
             for g in generators:
                 graph.register_generator_state(g)  # (the default CUDA generator is registered already)
-            self.stream.wait_stream(current)
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
             t0 = time.perf_counter()
             # thread_local: Ray's and NCCL's own threads may touch CUDA while this thread captures.
             with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):

@@ -38,6 +38,7 @@ class StepLoss:
         self.loss_sum: object = 0.0
         self.correct: object = 0
         self.correct5: object = None
+        self.held: Optional[torch.Tensor] = None   # ``pair()`` made at the end of a GPU step (``step.sgd``)
 
     def __call__(self, m: int, out: torch.Tensor) -> torch.Tensor:
         logits = out.float() if out.dtype in (torch.bfloat16, torch.float16) else out
@@ -51,3 +52,11 @@ class StepLoss:
             self.correct5 = top5 if self.correct5 is None else self.correct5 + top5
         scaled = loss / self.global_count
         return scaled if self.scale is None else scaled * self.scale
+
+    def pair(self) -> Optional[torch.Tensor]:
+        """float64 (2,) [loss_sum, correct] on the device after the step, or None on a stage that
+        computes no loss: one tensor to copy to the host (made inside a captured step, so that a
+        replay leaves it ready without further launches)."""
+        if not isinstance(self.loss_sum, torch.Tensor):
+            return None
+        return torch.stack([self.loss_sum.to(torch.float64), torch.as_tensor(self.correct).to(torch.float64)])

@@ -77,10 +77,12 @@ def train_step(a: ActorState, step: int, lr: float, profile: bool, t0: float) ->
     if profile:
         sync_device(a.device)
     t_run = time.perf_counter()
+    replayed = False
     if graph is not None and not profile:
         # Warm-up steps and steps of another shape run eagerly; the rest replay one captured step.
         res, loss = graph.run(key, one_step, generators)
         res.wait_s = None  # (receive and all-reduce waits are not separable inside a captured step)
+        replayed = graph.replayed
     elif graph is not None:
         res, loss = graph.eager(one_step)
     else:
@@ -90,7 +92,8 @@ def train_step(a: ActorState, step: int, lr: float, profile: bool, t0: float) ->
     if a.compiled and not a.shapes_fixed and key == a.full_batch:
         fix_shapes(c.module for c in a.runner.chunks)   # (a partial batch or evaluation: eager from now on)
         a.shapes_fixed = True
-    a.optimizer.zero_grad(set_to_none=True)
+    if not replayed:   # (a replay leaves every .grad None, as the zero_grad after the capture did)
+        a.optimizer.zero_grad(set_to_none=True)
     # 8. The moving average (eager, outside any captured step).
     a.recipe.after_update(a.part, step)
     # 9. The metrics; those of the previous step are returned.
@@ -103,7 +106,7 @@ def train_step(a: ActorState, step: int, lr: float, profile: bool, t0: float) ->
     a.last_start = t0
     if profile:
         current.update(_profile_split(a, res, t_run, allreduce.get("s"), exchange_s))
-    _hold_scalars(a, current, loss)
+    _hold_scalars(a, current, loss, clock.stream)
     clock.end()
     current["clock"] = clock
     previous, a.pending = a.pending, current
@@ -141,6 +144,8 @@ def sgd(a: ActorState, step: int, mb: MicroBatches, global_count: int, profile: 
     if a.parallel.has_buffers and not a.cfg.sync_batchnorm:
         # Per-replica batch-norm statistics (as DDP): running stats follow dp replica 0.
         broadcast_modules(a.parallel.replicated, a.groups.ranks["dp"][0], a.groups.axis["dp"], buffers_only=True)
+    if a.device.type == "cuda":
+        loss.held = loss.pair()   # (inside a captured step: a replay leaves the step's scalars ready)
     # (a replay does not run this function: it repeats the captured step's communication)
     a.comm_bytes = sum(comm.volume().values())
     return res, loss
@@ -178,18 +183,18 @@ def _profile_split(a: ActorState, res: StepResult, t_run: float, allreduce_s: Op
                 compute_ms=(total - wait_s - ar_s - exchange_s) * 1e3)
 
 
-def _hold_scalars(a: ActorState, current: dict[str, Any], loss: StepLoss) -> None:
+def _hold_scalars(a: ActorState, current: dict[str, Any], loss: StepLoss, stream: torch.cuda.Stream) -> None:
     """On GPUs, copy the step's scalars (the last stage's; a host number copied to the device would
-    synchronise the stream) to pinned host memory behind the step's work and mark the point with an
-    event: reading them later waits for this step only (``.item()`` would wait for everything queued
-    on the stream, including the step launched after it)."""
+    synchronise the stream) to pinned host memory behind the step's work on ``stream`` and mark the
+    point with an event: reading them later waits for this step only (``.item()`` would wait for
+    everything queued on the stream, including the step launched after it)."""
     if a.device.type != "cuda" or not isinstance(loss.loss_sum, torch.Tensor):
         return
-    vals = torch.stack([loss.loss_sum.to(torch.float64), torch.as_tensor(loss.correct).to(torch.float64)])
+    vals = loss.held if loss.held is not None else loss.pair()
     host = torch.empty(2, dtype=torch.float64, pin_memory=True)
     host.copy_(vals, non_blocking=True)
     event = torch.cuda.Event()
-    event.record()
+    event.record(stream)
     current.update(loss_sum=host[0], correct=host[1], event=event)
 
 

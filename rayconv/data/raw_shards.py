@@ -74,14 +74,16 @@ def available_memory() -> Optional[int]:
 class _Ring:
     """``RING`` gather buffers reused in turn, in the order the batches are announced: ``claim()`` (on
     the step thread, as a gather is submitted) -> (slot, the gather that wrote the slot before or None),
-    ``wrote(slot, future)`` records the new one; ``buffer(slot, n, before)`` (on a reader thread) -> uint8
-    (n, P, P, 3) view of the slot's buffer, after waiting for ``before`` (gathers run at once on several
-    threads) and for the device copy last made from it (``copied``). A buffer grows (is made again) only
-    for a batch larger than any before."""
+    ``wrote(slot, future)`` records the new one; ``buffers(slot, n, before)`` (on a reader thread) ->
+    the slot's uint8 (n, P, P, 3) pixel view and int64 (n,) views for the batch's sample indices and
+    labels, after waiting for ``before`` (gathers run at once on several threads) and for the device
+    copies last made from them (``copied``). A slot's buffers grow (are made again) only for a batch
+    larger than any before."""
 
     def __init__(self, stored: int, pin: bool):
         self.stored, self.pin = stored, pin
-        self.buffers: list[Optional[torch.Tensor]] = [None] * RING
+        self.pixels: list[Optional[torch.Tensor]] = [None] * RING
+        self.words: list[Optional[torch.Tensor]] = [None] * RING   # (2, n) int64: sample indices, labels
         self.copies: list[Optional[torch.cuda.Event]] = [None] * RING
         self.writers: list[Optional[Future]] = [None] * RING
         self.k = 0
@@ -93,7 +95,7 @@ class _Ring:
     def wrote(self, slot: int, future: Future) -> None:
         self.writers[slot] = future
 
-    def buffer(self, slot: int, n: int, before: Optional[Future]) -> torch.Tensor:
+    def buffers(self, slot: int, n: int, before: Optional[Future]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if before is not None:
             # (submitted earlier, so running or done: a pool starts its work in order; exception() waits
             # without raising: the batch that gather was for raises when it is taken)
@@ -102,14 +104,16 @@ class _Ring:
         if done is not None:
             done.synchronize()   # (releases the GIL; long done: the copy was READ_AHEAD + 1 batches ago)
             self.copies[slot] = None
-        buf = self.buffers[slot]
+        buf = self.pixels[slot]
         if buf is None or len(buf) < n:
             p = self.stored
-            buf = self.buffers[slot] = torch.empty((n, p, p, 3), dtype=torch.uint8, pin_memory=self.pin)
-        return buf[:n]
+            buf = self.pixels[slot] = torch.empty((n, p, p, 3), dtype=torch.uint8, pin_memory=self.pin)
+            self.words[slot] = torch.empty((2, n), dtype=torch.int64, pin_memory=self.pin)
+        words = self.words[slot]
+        return buf[:n], words[0, :n], words[1, :n]
 
     def copied(self, slot: int) -> None:
-        """The device copy from ``slot``'s buffer is queued on the current stream: mark its end."""
+        """The device copies from ``slot``'s buffers are queued on the current stream: mark their end."""
         if self.pin:
             ev = torch.cuda.Event()
             ev.record()
@@ -166,6 +170,7 @@ class RawShardSource(Source):
         self._rings: dict[str, _Ring] = {}
         self._resident: dict[str, bool] = {}   # split -> read ahead whole (no per-batch read-ahead)
         self._graphs: Optional[ReplayedAugment] = None
+        self._made: Optional[tuple] = None   # (split, idx, device labels) of the last images() on a GPU
 
     _epoch_params = OnDeviceSource._epoch_params
     _draw_params = OnDeviceSource._draw_params
@@ -193,13 +198,17 @@ class RawShardSource(Source):
             self.shards[split][s].will_need_ranges(ranges)
 
     def _gather(self, split: str, idx: np.ndarray, ring: _Ring, slot: int, before: Optional[Future],
-                later: Optional[np.ndarray]) -> tuple[int, torch.Tensor]:
-        """(``slot``, batch ``idx`` gathered into the slot's buffer once ``before``, the slot's previous
-        gather, is done), after asking the disk for the batch ``later`` (READ_AHEAD batches on) unless
-        the split is read ahead whole."""
+                later: Optional[np.ndarray]) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(``slot``, batch ``idx``'s pixels, sample indices and labels) written into the slot's buffers
+        once ``before``, the slot's previous gather, is done, after asking the disk for the batch
+        ``later`` (READ_AHEAD batches on) unless the split is read ahead whole. The indices and labels
+        are written here, on the reader thread, so that the step thread only queues their device copies."""
         if later is not None and not self._resident.get(split):
             self.read_ahead(split, later)
-        return slot, self.uint8(split, idx, out=ring.buffer(slot, len(idx), before))
+        pixels, rows, labels = ring.buffers(slot, len(idx), before)
+        rows.numpy()[:] = idx   # (numpy: no torch call, each of which gives up and takes back the GIL)
+        np.take(self.targets[split].numpy(), idx, out=labels.numpy())
+        return slot, self.uint8(split, idx, out=pixels), rows, labels
 
     def _read_ahead_whole(self, split: str) -> bool:
         """Whether ``split``'s shards take at most 1/RESIDENT_SHARE of the available memory; if so,
@@ -237,19 +246,27 @@ class RawShardSource(Source):
         queue[k][1] = self._reader.submit(self._gather, split, queue[k][0], ring, slot, before, later)
         ring.wrote(slot, queue[k][1])
 
-    def _take(self, split: str, idx: np.ndarray, device: torch.device) -> tuple[Optional[int], torch.Tensor]:
-        """(ring slot or None, this batch's pixels): read ahead into the split's ring when it was
-        announced (the next announced one started), else gathered now into a buffer of its own."""
+    def _take(self, split: str, idx: np.ndarray, device: torch.device
+              ) -> tuple[Optional[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ring slot or None, this batch's pixels, sample indices, labels): read ahead into the split's
+        ring when it was announced (the next announced one started), else read now into tensors of
+        their own (pinned on a GPU)."""
         queue = self._pending.get(split)
+        ahead = None
         if not queue or not np.array_equal(queue[0][0], idx):
             self._pending.pop(split, None)
-            return None, self.uint8(split, idx, device.type == "cuda")
-        _, ahead = queue.popleft()
-        if len(queue) >= READ_AHEAD and queue[READ_AHEAD - 1][1] is None:
-            self._submit(split, queue, READ_AHEAD - 1)
-        if not queue:
-            self._pending.pop(split, None)
-        return ahead.result() if ahead is not None else (None, self.uint8(split, idx, device.type == "cuda"))
+        else:
+            _, ahead = queue.popleft()
+            if len(queue) >= READ_AHEAD and queue[READ_AHEAD - 1][1] is None:
+                self._submit(split, queue, READ_AHEAD - 1)
+            if not queue:
+                self._pending.pop(split, None)
+        if ahead is not None:
+            return ahead.result()
+        pin = device.type == "cuda"
+        rows = torch.from_numpy(idx)
+        labels = self.targets[split][rows]
+        return None, self.uint8(split, idx, pin), (rows.pin_memory() if pin else rows), (labels.pin_memory() if pin else labels)
 
     # ------------------------------------------------------------------ Source
     def images(self, split, idx, device, epoch=0, dtype=None):
@@ -257,21 +274,29 @@ class RawShardSource(Source):
         idx = np.asarray(idx, dtype=np.int64)
         if len(idx) == 0:
             return torch.empty((0, *self.sample_shape), device=dev, dtype=dtype or torch.float32)
-        slot, host = self._take(split, idx, dev)
+        slot, host, rows, labels = self._take(split, idx, dev)
         train = split == "train" and (self.augment != "none" or self.random_erase > 0
                                       or self.auto_augment is not None)
         params = self._epoch_params(dev, epoch) if train else {}
-        rows = {"rows": torch.from_numpy(idx)} if params else {}
+        rows = {"rows": rows} if params else {}
         if dev.type == "cuda" and self.auto_augment is None:
             # (the copy from the pinned ring buffer and the augmentation: one graph replay, augment_graph.py)
-            x = self._replayed((train, dtype, None), {}, pixels=host,
-                               **{k: v.pin_memory() for k, v in rows.items()}, **params)
+            x = self._replayed((train, dtype, None), {}, pixels=host, **rows, **params)
         else:
             x = self._augment((train, dtype, epoch), pixels=to_device(host, dev),
                               **{k: to_device(v, dev) for k, v in rows.items()}, **params)
-        if slot is not None and dev.type == "cuda":
-            self._rings[split].copied(slot)   # (the buffer is written again only after this copy)
+        if dev.type == "cuda":
+            # the batch's labels, from the pinned buffer the reader thread filled, for ``device_labels``
+            self._made = (split, idx, labels.to(dev, non_blocking=True))
+            if slot is not None:
+                self._rings[split].copied(slot)   # (the buffers are written again only after these copies)
         return x
+
+    def device_labels(self, split, idx, device):
+        made, self._made = self._made, None
+        if made is None or made[0] != split or not (made[1] is idx or np.array_equal(made[1], idx)):
+            return None
+        return made[2]
 
     def _augment(self, key: tuple, pixels: torch.Tensor, rows: Optional[torch.Tensor] = None,
                  **params: torch.Tensor) -> torch.Tensor:

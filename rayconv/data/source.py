@@ -166,6 +166,12 @@ class Source:
     def labels(self, split: str, idx: np.ndarray) -> torch.Tensor:
         raise NotImplementedError
 
+    def device_labels(self, split: str, idx: np.ndarray, device: torch.device) -> Optional[torch.Tensor]:
+        """The labels of samples ``idx`` already on ``device``, int64 (len(idx),), when the last
+        ``images`` call, for the same samples, copied them there with its pixels (one copy from the
+        buffer its reader filled, queued with the pixels'); else None: ``labels`` gives them."""
+        return None
+
     def prefetch(self, split: str, epoch: int, batches: list[np.ndarray]) -> None:
         """Announce the batches ``images`` will be asked for next (sources that decode files start now)."""
 

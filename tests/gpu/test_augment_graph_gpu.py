@@ -2,7 +2,8 @@
 lent GPU machine: ``pytest -m gpu tests/gpu/test_augment_graph_gpu.py``): for raw shards streamed and
 for data held on the device, every batch (the first of a shape eager, the second captured, the rest
 replayed; a new epoch's table; a partial batch; the test split) equals the eager augmentation to the
-bit, and a batch returned earlier is not overwritten by later ones."""
+bit, and a batch returned earlier is not overwritten by later ones; streamed raw shards' labels copied
+with the pixels (``device_labels``) are the batch's."""
 
 from __future__ import annotations
 
@@ -65,6 +66,10 @@ def test_replayed_batches_equal_eager_ones_to_the_bit(raw, on_device):
         for b in full:
             x = source.images("train", b, GPU, epoch=epoch, dtype=torch.bfloat16)
             torch.testing.assert_close(x, _eager(source, "train", b, epoch, torch.bfloat16), rtol=0, atol=0)
+            made = source.device_labels("train", b, GPU)
+            if on_device == "off":   # (raw shards copy the batch's labels with its pixels)
+                assert made is not None and made.is_cuda and torch.equal(made.cpu(), source.labels("train", b))
+                assert source.device_labels("train", b, GPU) is None   # (given once)
             kept.append((b, epoch, x))
     assert source._graphs is not None and source._graphs.captures   # (batches did replay)
     for b, epoch, x in kept[:3]:   # (earlier results are copies, not the graph's buffer)

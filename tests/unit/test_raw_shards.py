@@ -192,11 +192,13 @@ def test_a_long_announcement_reuses_the_ring_of_gather_buffers(folders):
     streamed.prefetch("train", 2, batches)
     pointers = set()
     for b in batches:
-        slot, host = streamed._take("train", b, CPU)
+        slot, host, rows, labels = streamed._take("train", b, CPU)
         assert slot is not None                           # read ahead into the ring, not gathered now
         pointers.add(host.data_ptr())
         assert torch.equal(host, alone.uint8("train", b))
-    assert len(pointers) <= RING + 1 and all(buf is not None for buf in streamed._rings["train"].buffers)
+        # the reader wrote the batch's sample indices and labels beside its pixels
+        assert rows.tolist() == b.tolist() and torch.equal(labels, alone.labels("train", b))
+    assert len(pointers) <= RING + 1 and all(buf is not None for buf in streamed._rings["train"].pixels)
     streamed.prefetch("train", 2, batches)
     for b in batches:
         torch.testing.assert_close(streamed.images("train", b, CPU, epoch=2), alone.images("train", b, CPU, epoch=2),
@@ -276,7 +278,7 @@ def test_a_ring_slot_is_written_again_only_after_its_previous_gather():
     again, before = ring.claim()
     assert (again, before) == (slot, running)
     got = threading.Event()
-    t = threading.Thread(target=lambda: (ring.buffer(again, 3, before), got.set()))
+    t = threading.Thread(target=lambda: (ring.buffers(again, 3, before), got.set()))
     t.start()
     assert not got.wait(0.2)                  # the slot's previous gather still runs: its buffer waits
     running.set_result(None)
@@ -299,7 +301,7 @@ def test_gathers_in_flight_at_once_keep_the_order_and_the_pixels(folders):
     assert torch.equal(streamed._take("train", odd, CPU)[1], alone.uint8("train", odd))   # the rest left
     streamed.prefetch("train", 2, batches)
     for b in batches:
-        slot, host = streamed._take("train", b, CPU)
+        slot, host, _, _ = streamed._take("train", b, CPU)
         assert slot is not None and torch.equal(host, alone.uint8("train", b))
 
 
