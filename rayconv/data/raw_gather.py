@@ -60,10 +60,15 @@ class RowGather:
     def locate(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(byte offsets of rows ``idx`` in the range, int64 (len(idx),); the shard numbers they lie in,
         distinct, sorted): what ``copy`` reads, and which shards to check before."""
+        at, shard = self.rows_at(idx)
+        return at, np.flatnonzero(np.bincount(shard, minlength=len(self.shards)))   # (no sort)
+
+    def rows_at(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(byte offsets of rows ``idx`` in the range, the shard number of each), int64 (len(idx),):
+        ``locate`` for many batches at once, before their reads are split among reader threads."""
         idx = np.asarray(idx, dtype=np.int64)
         p = self._pieces(idx)
-        touched = np.flatnonzero(np.bincount(self.shard_of[p], minlength=len(self.shards)))   # (no sort)
-        return self.offsets[p] + (idx - self.firsts[p]) * self.width, touched
+        return self.offsets[p] + (idx - self.firsts[p]) * self.width, self.shard_of[p]
 
     def file_ranges(self, idx: np.ndarray) -> list[tuple[int, list[tuple[int, int]]]]:
         """Per shard that rows ``idx`` touch, in shard order: (shard number, the (file offset, length) of

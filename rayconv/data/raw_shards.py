@@ -27,6 +27,7 @@ batch, each releasing and taking back the GIL, slows the step thread.
 from __future__ import annotations
 
 import os
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -170,6 +171,7 @@ class RawShardSource(Source):
         self._rings: dict[str, _Ring] = {}
         self._resident: dict[str, bool] = {}   # split -> read ahead whole (no per-batch read-ahead)
         self._graphs: Optional[ReplayedAugment] = None
+        self._checked: dict[str, np.ndarray] = {}   # split -> each shard's last passed check (monotonic s)
         self._made: Optional[tuple] = None   # (split, idx, device labels) of the last images() on a GPU
 
     _epoch_params = OnDeviceSource._epoch_params
@@ -198,17 +200,38 @@ class RawShardSource(Source):
             self.shards[split][s].will_need_ranges(ranges)
 
     def _gather(self, split: str, idx: np.ndarray, ring: _Ring, slot: int, before: Optional[Future],
-                later: Optional[np.ndarray]) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+                later: Optional[np.ndarray], located: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]
+                ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(``slot``, batch ``idx``'s pixels, sample indices and labels) written into the slot's buffers
         once ``before``, the slot's previous gather, is done, after asking the disk for the batch
-        ``later`` (READ_AHEAD batches on) unless the split is read ahead whole. The indices and labels
-        are written here, on the reader thread, so that the step thread only queues their device copies."""
+        ``later`` (READ_AHEAD batches on) unless the split is read ahead whole. ``located``: the
+        batch's byte offsets, shard numbers and labels, found for the whole announcement at once
+        (``prefetch``). The indices and labels are written here, on the reader thread, so that the step
+        thread only queues their device copies; the reader's own Python is kept to a few calls, as
+        the step thread waits for the GIL whenever a reader holds it."""
         if later is not None and not self._resident.get(split):
             self.read_ahead(split, later)
         pixels, rows, labels = ring.buffers(slot, len(idx), before)
         rows.numpy()[:] = idx   # (numpy: no torch call, each of which gives up and takes back the GIL)
-        np.take(self.targets[split].numpy(), idx, out=labels.numpy())
-        return slot, self.uint8(split, idx, out=pixels), rows, labels
+        if located is None:
+            np.take(self.targets[split].numpy(), idx, out=labels.numpy())
+            return slot, self.uint8(split, idx, out=pixels), rows, labels
+        at, shard, y = located
+        labels.numpy()[:] = y
+        self._check(split, shard)
+        self.gathers[split].copy(at, pixels.view(len(idx), -1))
+        return slot, pixels, rows, labels
+
+    def _check(self, split: str, shard: np.ndarray) -> None:
+        """``OpenShard.check`` of the shards numbered in ``shard`` (a batch's, one per sample) whose last
+        check is ``CHECK_S`` seconds old (one numpy test while none is)."""
+        last = self._checked[split]
+        if time.monotonic() - last[shard].min() < CHECK_S:
+            return
+        for s in np.unique(shard).tolist():
+            sh = self.shards[split][s]
+            sh.check(CHECK_S)
+            last[s] = sh.checked_at
 
     def _read_ahead_whole(self, split: str) -> bool:
         """Whether ``split``'s shards take at most 1/RESIDENT_SHARE of the available memory; if so,
@@ -231,9 +254,25 @@ class RawShardSource(Source):
             self._reader = ThreadPoolExecutor(readers(), thread_name_prefix="rayconv-raw-read")
         if split not in self._rings:
             self._rings[split] = _Ring(self.stored, torch.cuda.is_available())
-        queue: deque = deque([np.asarray(b), None] for b in batches if len(b))
+        queue: deque = deque([np.asarray(b, dtype=np.int64), None, None] for b in batches if len(b))
+        if queue:
+            # every batch's bytes, shards and labels found at once (a few numpy calls per announcement,
+            # on this thread, not a dozen per batch on the readers); a sample outside the split raises
+            # when its batch is taken
+            every = np.concatenate([e[0] for e in queue])
+            try:
+                at, shard = self.gathers[split].rows_at(every)
+            except IndexError:
+                pass
+            else:
+                labels = self.targets[split].numpy()[every]
+                cuts = np.cumsum([len(e[0]) for e in queue])[:-1]
+                for e, a, sh, y in zip(queue, np.split(at, cuts), np.split(shard, cuts), np.split(labels, cuts)):
+                    e[2] = (a, sh, y)
+            if split not in self._checked:
+                self._checked[split] = np.array([sh.checked_at for sh in self.shards[split]])
         if not self._read_ahead_whole(split):
-            for b, _ in list(queue)[:READ_AHEAD]:
+            for b, _, _ in list(queue)[:READ_AHEAD]:
                 self.read_ahead(split, b)
         self._pending[split] = queue
         for k in range(min(READ_AHEAD, len(queue))):
@@ -243,7 +282,7 @@ class RawShardSource(Source):
         later = queue[k + READ_AHEAD][0] if k + READ_AHEAD < len(queue) else None
         ring = self._rings[split]
         slot, before = ring.claim()
-        queue[k][1] = self._reader.submit(self._gather, split, queue[k][0], ring, slot, before, later)
+        queue[k][1] = self._reader.submit(self._gather, split, queue[k][0], ring, slot, before, later, queue[k][2])
         ring.wrote(slot, queue[k][1])
 
     def _take(self, split: str, idx: np.ndarray, device: torch.device
@@ -256,7 +295,7 @@ class RawShardSource(Source):
         if not queue or not np.array_equal(queue[0][0], idx):
             self._pending.pop(split, None)
         else:
-            _, ahead = queue.popleft()
+            _, ahead, _ = queue.popleft()
             if len(queue) >= READ_AHEAD and queue[READ_AHEAD - 1][1] is None:
                 self._submit(split, queue, READ_AHEAD - 1)
             if not queue:

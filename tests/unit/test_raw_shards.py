@@ -165,7 +165,7 @@ def test_streamed_batches_equal_held_ones_and_the_gather_is_read_ahead(folders):
     assert held.hold(CPU)["images"] == 24
     batches = [np.array([3, 0, 17, 9]), np.array([11, 2, 5])]
     streamed.prefetch("train", 1, batches)
-    assert all(f is not None for _, f in streamed._pending["train"])       # gathered ahead on the reader thread
+    assert all(f is not None for _, f, _ in streamed._pending["train"])       # gathered ahead on the reader thread
     for b in batches:
         torch.testing.assert_close(streamed.images("train", b, CPU, epoch=1), held.images("train", b, CPU, epoch=1),
                                    rtol=0, atol=0)
