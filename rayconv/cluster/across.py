@@ -25,6 +25,7 @@ be placed at once stops them (``stop_kept``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -60,6 +61,21 @@ def actor_options() -> tuple[dict[str, Any], dict[str, Any]]:
     return ({"lifetime": "detached"}, {"watch": current_job()}) if enabled() else ({}, {})
 
 
+def _quiet(default: Any):
+    """A registry operation whose failure (Ray's store unreadable) costs only the keeping: logged, and
+    ``default`` returned instead of a traceback from inside Ray."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def quiet(*args, **kw):
+            try:
+                return fn(*args, **kw)
+            except Exception as e:  # noqa: BLE001 - see the docstring
+                _log.info("rayconv: %s failed (%s)", fn.__name__, exception_summary(e))
+                return default
+        return quiet
+    return wrap
+
+
 def _hash(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
@@ -93,6 +109,7 @@ def _remove_pg(name: str) -> None:
         pass
 
 
+@_quiet(None)
 def pending(pg_name: str) -> None:
     """Note that this command's placement group ``pg_name`` exists before its actors do (their
     watchdogs guard it from then on: ``created`` drops the note); nothing where not ``enabled``."""
@@ -100,6 +117,7 @@ def pending(pg_name: str) -> None:
         _internal_kv_put(f"pending/{pg_name}", json.dumps({"job": current_job(), "pg": pg_name}), namespace=KV_NAMESPACE)
 
 
+@_quiet(None)
 def created(pg_name: str) -> None:
     """The actors of the ``pending`` placement group ``pg_name`` exist (or it was removed): the note
     is dropped."""
@@ -107,6 +125,7 @@ def created(pg_name: str) -> None:
         _del(f"pending/{pg_name}")
 
 
+@_quiet(None)
 def sweep() -> None:
     """Remove the placement groups of commands that died before their actors existed (``pending``)."""
     if not enabled():
@@ -167,6 +186,7 @@ def claim(key: str, world_size: int) -> Optional[tuple[list[Any], list[str], Any
     return None
 
 
+@_quiet(0)
 def stop_kept() -> int:
     """Stop every group kept on the cluster (claimed first, so that none in use is stopped): their
     resources are free again. Returns how many were stopped."""
