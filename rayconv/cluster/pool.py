@@ -13,8 +13,10 @@ is kept at a time; a run that needs other actors stops it first (its resources a
 as does whatever else of rayconv asks the cluster for resources (a placement group, a task that measures
 a device, ``rayconv.prepare``'s tasks), ``rayconv.release_actors()``, and ``--keep-actors-s`` seconds
 of waiting (a timer thread). Only a run that ended normally
-leaves its actors; a failed, stopped or interrupted run's are killed as before. A command-line run
-ends its process, and its actors with it.
+leaves its actors; a failed, stopped or interrupted run's are killed. A command-line run on a cluster
+that outlives it (``ray start --head``, then commands with ``--address`` or none) leaves its actors on
+the cluster instead, for the next command (``cluster.across``); on a cluster it started itself they end
+with its process.
 """
 
 from __future__ import annotations
