@@ -245,9 +245,10 @@ class ClusterSettings:
                 "no effect on CPU"})
     collective_timeout_s: float = field(default=300.0, metadata={"help": "seconds before a stuck collective fails"})
     keep_actors_s: float = field(default=60.0, metadata={
-        "help": "seconds a finished run's actors stay, for the next run of the same Python process "
-                "(rayconv.fit) that needs the same actors to reuse their started processes; 0: stopped at "
-                "the run's end (a command-line run's end with its process)"})
+        "help": "seconds a finished run's actors stay, for the next run that needs the same actors to reuse "
+                "their started processes: of the same Python process (rayconv.fit), or, for a command on a "
+                "cluster that outlives it (ray start --head, then --address or none), the next command on "
+                "that cluster; 0: stopped at the run's end"})
 
 
 @dataclass(frozen=True)

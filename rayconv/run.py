@@ -6,6 +6,9 @@ printed as one line naming what to change, with exit status 2 (also an --elastic
 minimum); a failed actor gives exit status 1;
 Ctrl-C exit status 130 and SIGTERM 143, the actors stopped and what the run wrote kept.
 Settings come, lowest first, from the ``--resume`` checkpoint, the ``--config`` file, the flags.
+On a cluster that outlives the command (``ray start --head``, then commands with ``--address`` or
+none), a run that ended normally leaves its actors there for ``--keep-actors-s`` seconds, for the
+next command that needs the same ones (``cluster.across``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         # the actors start before torch where they can (driver.prestart).
         from rayconv.api import start_and_train
         from rayconv.driver.prestart import with_output_folder
+
+        if argv is None:   # the command (not a Python caller's main(argv)): actors may stay on the cluster
+            from rayconv.cluster import across
+
+            across.leave_on_cluster()
 
         cfg = with_output_folder(cfg)  # named before the run starts, so that a failure's hint can name it
         start_and_train(cfg)

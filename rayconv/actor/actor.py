@@ -38,6 +38,7 @@ import ray
 
 from rayconv.actor.rss import RssSampler
 from rayconv.cluster.connect import assigned_gpu_index
+from rayconv.cluster.watch import Watch
 from rayconv.config import Config
 from rayconv.errors import DataError
 
@@ -65,7 +66,11 @@ class Actor:
     """One actor of the mesh, created as a Ray actor by the actor group (``rayconv/cluster/group.py``).
     ``a`` is its ``build.ActorState`` (None until ``build``)."""
 
-    def __init__(self, cfg: dict[str, Any], run_name: str, role: str):
+    def __init__(self, cfg: dict[str, Any], run_name: str, role: str, watch: Optional[str] = None):
+        # ``watch``: the Ray job (hex id) of the driver, for an actor that may outlive it (detached, kept
+        # on the cluster for the next command: ``cluster.across``), which then ends itself once that
+        # driver is gone, or once kept too long (``cluster.watch``); started before anything slow
+        self.watch = Watch(watch) if watch is not None else None
         # wall-clock stamps (time.time(), this node's clock) of this process's start-up, for the run's
         # start-up record: the process started, __init__ entered, the training code imported, __init__
         # returned (alive), the warm-up done, build called and returned
@@ -123,6 +128,16 @@ class Actor:
         except (ValueError, TypeError):   # (off the main thread; or a handler Python did not install)
             pass
         self._begin(cfg, run_name, role)
+
+    def keep(self, key: str, keep_s: float, entry: str) -> Optional[str]:
+        """Kept on the cluster after its run ended, for the next command's ``claim`` of ``key`` within
+        ``keep_s`` seconds (``cluster.watch.Watch.keep``): this process's code hash; None for an actor
+        that cannot outlive its driver (not detached)."""
+        return None if self.watch is None else self.watch.keep(key, keep_s, entry)
+
+    def claim(self, key: str, job: str) -> bool:
+        """Taken by the command whose driver is Ray job ``job``, when kept for ``key``: True once."""
+        return self.watch is not None and self.watch.claim(key, job)
 
     def _take_sigterm(self) -> None:
         """--elastic: SIGTERM (a spot notice, a drain, ``kill``) sets ``preempted`` instead of ending the

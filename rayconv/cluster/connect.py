@@ -1,7 +1,8 @@
 """Connecting to a Ray cluster and asking it what it has; the small Ray helpers the rest of cluster/ shares.
 
 ``connect`` finds or starts the cluster (``probe`` refuses, in one line, an address where no Ray
-answers; ``cluster_origin`` says which it did); ``available_devices`` counts the slots an actor can
+answers; ``cluster_origin`` says which it did, ``cluster_outlives_process`` whether it stays after
+this process); ``available_devices`` counts the slots an actor can
 take (GPUs, or CPUs); ``node_memory_share`` the memory CPU actors share on a node; ``visible_index``
 maps the GPU id Ray assigned to torch's device index; ``exception_summary`` and ``first_line`` turn
 Ray's multi-line errors into the one line a user reads.
@@ -50,10 +51,29 @@ def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] 
                            "or run `ray start --head` first") from None
     node = getattr(ray._private.worker, "_global_node", None)  # (the head node's when ray.init started it)
     _HOW["last"] = "started" if getattr(node, "head", False) else "connected"
+    _HOW["outlives"] = _gcs_address() if _HOW["last"] == "connected" else None
     return _HOW["last"]
 
 
-_HOW: dict[str, str] = {}  # how the last ``connect`` of this process reached the cluster
+# how the last ``connect`` of this process reached the cluster; "outlives": the GCS address of the
+# cluster it last connected to without starting it
+_HOW: dict[str, Optional[str]] = {}
+
+
+def cluster_outlives_process() -> bool:
+    """Whether the connected cluster goes on after this process ends: one it connected to (an
+    address, RAY_ADDRESS, a running local cluster), not one it started; Ray Client's connections
+    excluded (actors kept across commands need the driver's own GCS connection: ``cluster.across``)."""
+    from ray.util.client import ray as client
+
+    return not client.is_connected() and ray.is_initialized() and _HOW.get("outlives") == _gcs_address()
+
+
+def _gcs_address() -> Optional[str]:
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001 - Ray Client has no GCS client in the driver
+        return None
 
 
 def cluster_origin() -> str:

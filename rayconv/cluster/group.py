@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import ray
@@ -26,7 +26,7 @@ from ray.util.placement_group import (get_current_placement_group, placement_gro
                                       remove_placement_group)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rayconv.cluster import pool
+from rayconv.cluster import across, pool
 from rayconv.cluster.connect import ALL_GPUS_VISIBLE_ENV, NAMESPACE, exception_summary, first_line
 from rayconv.config import Config
 from rayconv.errors import CallTimeout, ClusterError
@@ -34,6 +34,7 @@ from rayconv.mesh import Mesh
 from rayconv.user_model import actor_runtime_env
 
 LOST_GRACE_S = 2.0  # after an actor error, how long to look for a lost actor that caused it
+KEPT_WAIT_S = 1.0   # how long a placement group waits before the actors kept on the cluster are stopped
 
 
 def _is_lost(e: BaseException) -> bool:
@@ -76,7 +77,9 @@ class ActorGroup:
     # deadline, the start-up limit to name); ``wait_started`` collects it into ``info``
     starting: Optional[tuple[Any, float, float]] = None
     key: str = ""   # what another run's actors must match to reuse these (``pool.actors_key``)
-    reused: bool = False   # kept from a previous run of this process (``pool.take``)
+    reused: bool = False   # kept from a previous run (of this process: ``pool.take``; or ``across``)
+    names: list[str] = field(default_factory=list)   # the actors' names (namespace ``rayconv``), rank order
+    across: bool = False   # kept on the cluster by a previous command (``across.claim``)
 
     def call(self, method: str, *args, ranks: Optional[Sequence[int]] = None, timeout_s: Optional[float] = None):
         """Call ``method(*args)`` on the actors (all, or ``ranks``); results in rank order (see ``call_each``)."""
@@ -162,7 +165,8 @@ class ActorGroup:
     def hand_over(self) -> "ActorGroup":
         """A new ActorGroup holding these actors and the placement group; this one is left empty (its
         ``kill`` does nothing), for ``pool.keep``."""
-        other = ActorGroup(self.actors, self.roles, self.pg, self.info, self.first_bundle, self.owns_pg, key=self.key)
+        other = ActorGroup(self.actors, self.roles, self.pg, self.info, self.first_bundle, self.owns_pg, key=self.key,
+                           names=self.names)
         self.actors, self.pg, self.owns_pg = [], None, False
         return other
 
@@ -213,11 +217,24 @@ def actors_env(cfg: Config) -> Optional[dict[str, Any]]:
 
 def reuse_kept(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str,
                env: Optional[dict[str, Any]]) -> Optional[ActorGroup]:
-    """The actors a previous run of this process left (``pool``, ``--keep-actors-s``), renewed for this
-    run, when they are the ones it needs (``env``: ``actors_env(cfg)``); else None (and any kept actors
-    are stopped)."""
+    """The actors a previous run of this process left (``pool``, ``--keep-actors-s``), or a previous
+    command left on the cluster (``across``), renewed for this run, when they are the ones it needs
+    (``env``: ``actors_env(cfg)``); else None (and any kept by this process are stopped)."""
     key = pool.actors_key(actor_cls, mesh.world_size, actor_bundle(cfg), env)
-    return pool.take(key, cfg.to_dict(), run_name, [mesh.role(r) for r in range(mesh.world_size)])
+    roles = [mesh.role(r) for r in range(mesh.world_size)]
+    group = pool.take(key, cfg.to_dict(), run_name, roles)
+    if group is not None:
+        return group
+    try:
+        claimed = across.claim(key, mesh.world_size)
+    except Exception as e:  # noqa: BLE001 - the registry unreadable: the run starts its own
+        logging.getLogger("rayconv").info("rayconv: no kept actors looked up on the cluster (%s)", exception_summary(e))
+        return None
+    if claimed is None:
+        return None
+    actors, names, pg, info = claimed
+    group = ActorGroup(actors, list(roles), pg, info, key=key, names=names, across=True)
+    return group if pool.renew(group, cfg.to_dict(), run_name, roles) else None
 
 
 def actor_bundle(cfg: Config) -> dict[str, float]:
@@ -245,18 +262,28 @@ def given_group(cfg: Config, mesh: Mesh) -> Optional[tuple[Any, int]]:
 
 def reserve(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float) -> Any:
     """The run's placement group ``rayconv/<run>``, one bundle per actor (PACK), ready within ``timeout_s``
-    seconds. Raises ClusterError (nothing stays reserved)."""
+    seconds; detached where its actors may be kept on the cluster for the next command (``across``).
+    Raises ClusterError (nothing stays reserved)."""
     pool.release()   # (actors a previous run kept, not the ones this run needs: their resources are the cluster's)
+    across.sweep()   # (placement groups of commands that died before their actors existed)
     bundle = actor_bundle(cfg)
+    name = f"rayconv/{run_name}"
+    deadline = time.monotonic() + timeout_s
     try:
-        pg = placement_group([dict(bundle) for _ in range(mesh.world_size)], strategy="PACK",
-                             name=f"rayconv/{run_name}")
+        pg = placement_group([dict(bundle) for _ in range(mesh.world_size)], strategy="PACK", name=name,
+                             lifetime="detached" if across.enabled() else None)
+        across.pending(name)   # (until its actors exist and watch it: create_actors)
     except ray.exceptions.RayError as e:
         raise ClusterError(f"Ray refused the placement group of run {run_name}: {first_line(e)}") from None
     try:
-        ray.get(pg.ready(), timeout=timeout_s)
+        ready = pg.ready()
+        # actors kept on the cluster for another command hold resources: stopped when this one waits
+        if not ray.wait([ready], timeout=min(timeout_s, KEPT_WAIT_S))[0] and across.stop_kept():
+            logging.getLogger("rayconv").info("rayconv: stopped the actors kept on the cluster for lack of resources")
+        ray.get(ready, timeout=max(0.0, deadline - time.monotonic()))
     except BaseException as e:
         ActorGroup([], [], pg, []).kill()  # removes the placement group
+        across.created(name)
         if isinstance(e, ray.exceptions.GetTimeoutError):
             raise ClusterError(f"could not reserve {mesh.world_size} x {bundle} within {timeout_s:g} s (--max-wait): "
                                "the cluster is busy or too small; free resources, lower the layout or raise "
@@ -290,15 +317,17 @@ def create_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: A
         bundles = sorted(mine, key=lambda b: (node_order[nodes[b]], b))
         env = actors_env(cfg) if env is None else env
         remote = ray.remote(actor_cls)
-        _wait_names_free([f"rayconv/{run_name}/{mesh.role(r)}" for r in range(mesh.world_size)],
-                         max(0.0, deadline - time.monotonic()))
+        names = [f"rayconv/{run_name}/{mesh.role(r)}" for r in range(mesh.world_size)]
+        _wait_names_free(names, max(0.0, deadline - time.monotonic()))
+        # (detached, each watching this driver, where they may be kept on the cluster: across)
+        options, kwargs = across.actor_options() if owns else ({}, {})
         for rank, b in enumerate(bundles):
             role = mesh.role(rank)
             actors.append(remote.options(
-                name=f"rayconv/{run_name}/{role}", namespace=NAMESPACE, num_cpus=bundle["CPU"],
+                name=names[rank], namespace=NAMESPACE, num_cpus=bundle["CPU"],
                 num_gpus=bundle["GPU"] if gpu else 0, max_restarts=0, runtime_env=env,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
-            ).remote(cfg.to_dict(), run_name, role))
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b), **options,
+            ).remote(cfg.to_dict(), run_name, role, **kwargs))
             roles.append(role)
     except BaseException as e:
         # Nothing stays reserved when the start fails (a busy cluster, a name in use, Ctrl-C).
@@ -306,8 +335,11 @@ def create_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: A
         if isinstance(e, ray.exceptions.RayError):
             raise ClusterError(f"Ray could not start the actors of run {run_name}: {first_line(e)}") from None
         raise
+    finally:
+        if owns:
+            across.created(f"rayconv/{run_name}")
     actor_group = ActorGroup(actors, roles, pg, [], first_bundle, owns,
-                             key=pool.actors_key(actor_cls, mesh.world_size, bundle, env))
+                             key=pool.actors_key(actor_cls, mesh.world_size, bundle, env), names=names)
     actor_group.starting = (actor_group.submit("whereami"), deadline, limit_s or timeout_s)
     if wait:
         actor_group.wait_started()

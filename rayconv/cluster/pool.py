@@ -13,8 +13,10 @@ is kept at a time; a run that needs other actors stops it first (its resources a
 as does whatever else of rayconv asks the cluster for resources (a placement group, a task that measures
 a device, ``rayconv.prepare``'s tasks), ``rayconv.release_actors()``, and ``--keep-actors-s`` seconds
 of waiting (a timer thread). Only a run that ended normally
-leaves its actors; a failed, stopped or interrupted run's are killed as before. A command-line run
-ends its process, and its actors with it.
+leaves its actors; a failed, stopped or interrupted run's are killed. A command-line run on a cluster
+that outlives it (``ray start --head``, then commands with ``--address`` or none) leaves its actors on
+the cluster instead, for the next command (``cluster.across``); on a cluster it started itself they end
+with its process.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, Optional
 import ray
 
 from rayconv.cluster.connect import exception_summary
+from rayconv.cluster.watch import code_hash
 
 RENEW_S = 30.0  # how long kept actors may take to renew before new ones are started instead
 
@@ -44,10 +47,12 @@ _KEPT: dict[str, Optional[_Kept]] = {"now": None}
 
 
 def actors_key(actor_cls: type, world_size: int, bundle: dict[str, float], env: Optional[dict[str, Any]]) -> str:
-    """What kept actors must match to serve a run: class, count, bundle and runtime environment (after
-    the upload, so a changed module is another environment)."""
-    return json.dumps([f"{actor_cls.__module__}.{actor_cls.__qualname__}", world_size, sorted(bundle.items()), env],
-                      sort_keys=True, default=str)
+    """What kept actors must match to serve a run: class, count, bundle, runtime environment (after
+    the upload, so a changed module is another environment) and the code they run (rayconv's files,
+    torch's, torchvision's and Ray's versions: ``watch.code_hash``; actors kept on the cluster may
+    have been started by another command, from another checkout)."""
+    return json.dumps([f"{actor_cls.__module__}.{actor_cls.__qualname__}", world_size, sorted(bundle.items()), env,
+                       code_hash()], sort_keys=True, default=str)
 
 
 def _cluster() -> Optional[str]:
@@ -84,17 +89,26 @@ def take(key: str, cfg_dict: dict[str, Any], run_name: str, roles: list[str]) ->
     if kept.key != key or kept.cluster != _cluster() or len(kept.group.actors) != len(roles):
         _stop(kept)
         return None
-    group = kept.group
+    if not renew(kept.group, cfg_dict, run_name, roles):
+        _stop(kept)
+        return None
+    return kept.group
+
+
+def renew(group: Any, cfg_dict: dict[str, Any], run_name: str, roles: list[str]) -> bool:
+    """Renew the actors of a kept ``group`` for the run ``run_name`` (``Actor.renew(cfg_dict, run_name,
+    role)``, in rank order, within RENEW_S seconds) and set its roles; False when one does not (gone,
+    failed: the group is then stopped, ``collect`` kills it, and the run starts its own)."""
     try:
         group.collect(group.submit_each("renew", [(cfg_dict, run_name, r) for r in roles]), timeout_s=RENEW_S)
     except Exception as e:  # noqa: BLE001 - the group is stopped (collect kills it); the run starts its own
         import logging
 
         logging.getLogger("rayconv").info("kept actors did not renew (%s): starting new ones", exception_summary(e))
-        _stop(kept)
-        return None
+        group.kill()
+        return False
     group.roles, group.reused = list(roles), True
-    return group
+    return True
 
 
 def release() -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from rayconv.actor.actor import Actor
-from rayconv.cluster import pool
+from rayconv.cluster import across, pool
 from rayconv.cluster.group import ActorGroup, start_group
 from rayconv.config import Config
 from rayconv.data.source import Sharding
@@ -85,9 +85,13 @@ def _train(cfg: Config, early: EarlyActors, log, on_step, on_eval) -> dict[str, 
 
 
 def kept_after(run: Run, actor_group: ActorGroup, summary: dict[str, Any]) -> dict[str, Any]:
-    """``summary``, once the actors of the run that ended are kept for the next run of this process
-    (``cluster.pool``, --keep-actors-s) instead of stopped."""
-    pool.keep(actor_group, actor_group.key, run.cfg.keep_actors_s)
+    """``summary``, once the actors of the run that ended are kept (--keep-actors-s) instead of stopped:
+    on the cluster for the next command where they may outlive this one (``cluster.across``), else for
+    the next run of this process (``cluster.pool``)."""
+    if across.enabled():
+        across.leave(actor_group, run.cfg.keep_actors_s)
+    else:
+        pool.keep(actor_group, actor_group.key, run.cfg.keep_actors_s)
     return summary
 
 
@@ -100,7 +104,10 @@ def start_actors(run: Run, ckpt: Optional[Checkpoint], started: Optional[ActorGr
     try:
         actor_group.wait_started()
         mark("actors_alive")
-        if actor_group.reused:
+        if actor_group.across:
+            run.log(f"rayconv: {len(actor_group.actors)} actors kept on the cluster by a previous command, reused "
+                    "(--keep-actors-s)")
+        elif actor_group.reused:
             run.log(f"rayconv: {len(actor_group.actors)} actors kept from this process's previous run, reused "
                     "(--keep-actors-s)")
         change_mark = run.elastic.mark if run.elastic else (lambda phase: None)   # (a change's phases)

@@ -1,0 +1,161 @@
+"""Actors kept on a running cluster by one command (``python -m rayconv.run``) serve the next command
+that needs the same actors (``--keep-actors-s``, ``cluster.across``); unclaimed they end after
+``--keep-actors-s`` seconds, and a command killed mid-run leaves neither actor nor placement group
+(each actor's watchdog, ``cluster.watch``).
+
+The module starts its own Ray head (``ray start --head --block``, every port a free one, its own temp
+folder, 2 CPUs) and stops it by its process group: never ``ray stop``, which would stop every Ray of
+the host."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+pytestmark = [pytest.mark.own_cluster, pytest.mark.slow]   # (each command is a fresh process: seconds)
+
+REPO = Path(__file__).resolve().parents[2]
+PORT_FLAGS = ("--port", "--ray-client-server-port", "--node-manager-port", "--object-manager-port",
+              "--metrics-export-port", "--runtime-env-agent-port", "--dashboard-agent-listen-port",
+              "--dashboard-agent-grpc-port")
+RUN = ["--data", "digits", "--model", "convnet", "--dp", "1", "--device", "cpu", "--steps", "3",
+       "--eval-every", "3", "--global-batch-size", "32", "--no-progress", "--loader-workers", "0"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def head():
+    """The address of a Ray head of this module's own (see the module docstring); this process is
+    connected to it (to look at its actors and placement groups)."""
+    if ray.is_initialized():
+        ray.shutdown()
+    ports = {flag: _free_port() for flag in PORT_FLAGS}
+    low = _free_port() // 100 * 100 % 50000 + 10000   # (a range of worker ports of its own)
+    temp_dir = tempfile.mkdtemp(prefix="rck-", dir="/tmp")   # (short: Ray's socket paths are limited)
+    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--num-cpus", "2",
+           "--include-dashboard", "false", "--temp-dir", temp_dir, "--min-worker-port", str(low),
+           "--max-worker-port", str(low + 99), *[f"{flag}={port}" for flag, port in ports.items()]]
+    log = Path(temp_dir) / "ray-start.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"127.0.0.1:{ports['--port']}"
+    try:
+        deadline = time.monotonic() + 120
+        while not (Path(temp_dir) / "ray_current_cluster").exists():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the Ray head did not start within 120 s"
+            time.sleep(0.5)
+        ray.init(address=address, namespace="rayconv", log_to_driver=False, configure_logging=True,
+                 logging_level="WARNING")
+        yield address
+    finally:
+        ray.shutdown()
+        proc.send_signal(signal.SIGTERM)   # (ray start --block stops its node's processes)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _command(address: str, out: Path, *flags: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.Popen([sys.executable, "-m", "rayconv.run", "--address", address, *RUN, "--out", str(out),
+                             *flags], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout_s: float = 120) -> str:
+    out, _ = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, out
+    return out
+
+
+def _alive(run_name: str) -> list[str]:
+    """The live actors named after run ``run_name`` (named actors of the namespace ``rayconv``)."""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == "rayconv" and a["name"].startswith(f"rayconv/{run_name}/")]
+    live = []
+    for name in names:
+        try:
+            ray.get_actor(name, namespace="rayconv")
+            live.append(name)
+        except ValueError:
+            pass
+    return live
+
+
+def _pg_states(run_name: str) -> list[str]:
+    return [pg["state"] for pg in ray.util.placement_group_table().values() if pg["name"] == f"rayconv/{run_name}"]
+
+
+def _gone(run_name: str, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while _alive(run_name) or any(s != "REMOVED" for s in _pg_states(run_name)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+def _summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_the_next_command_reuses_the_actors_and_unclaimed_they_end(head, tmp_path):
+    first = _finish(_command(head, tmp_path / "a"))
+    a = _summary(tmp_path / "a")
+    assert "kept on the cluster" not in first
+    assert len(_alive(a["run_name"])) == 1 and _pg_states(a["run_name"]) == ["CREATED"]   # (kept, 60 s)
+    second = _finish(_command(head, tmp_path / "b", "--keep-actors-s", "3"))
+    b = _summary(tmp_path / "b")
+    assert "rayconv: 1 actors kept on the cluster by a previous command, reused (--keep-actors-s)" in second
+    assert "renewed" in b["startup"]["actor_process"] and "process_started" not in b["startup"]["actor_process"]
+    assert "process_started" in a["startup"]["actor_process"]
+    assert _alive(a["run_name"])   # (the same actors, kept again: now for 3 s)
+    print(f"to step 0: first command {a['startup']['phases']['first_step']:.2f} s, "
+          f"second {b['startup']['phases']['first_step']:.2f} s")
+    # Unclaimed, they end after --keep-actors-s (3 s, the watchdog polls every second), their placement group removed.
+    assert _gone(a["run_name"], within_s=15)
+
+
+def test_a_killed_command_leaves_no_actor_nor_placement_group(head, tmp_path):
+    proc = _command(head, tmp_path / "k", "--steps", "100000", "--eval-every", "100000", "--log-every", "1",
+                    "--progress")
+    deadline = time.monotonic() + 120
+    lines = []
+    while not any("step 0 done" in line for line in lines):   # (training: the actors are in use)
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+        lines.append(proc.stdout.readline())
+    run_name = json.loads((tmp_path / "k" / "config.json").read_text()).get("run_name") or _run_name_of(tmp_path / "k")
+    assert _alive(run_name)
+    proc.kill()   # SIGKILL: nothing of the driver's runs
+    proc.wait()
+    assert _gone(run_name, within_s=20)
+
+
+def _run_name_of(out: Path) -> str:
+    names = {a["name"].split("/")[1] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(f"rayconv/{out.name}-")}
+    assert len(names) == 1, names
+    return names.pop()
