@@ -186,6 +186,27 @@ def claim(key: str, world_size: int) -> Optional[tuple[list[Any], list[str], Any
     return None
 
 
+KEPT_WAIT_S = 1.0   # how long a request for resources waits before the actors kept on the cluster are stopped
+
+
+def make_room(ref: Any, timeout_s: float) -> None:
+    """Wait up to ``KEPT_WAIT_S`` (at most ``timeout_s``) for ``ref`` (a placement group's ``ready()``, a
+    task's result); if it is not there by then, the groups kept on the cluster for another command
+    (which hold GPUs and CPUs) are stopped, so that the request can be placed."""
+    if not ray.wait([ref], timeout=min(timeout_s, KEPT_WAIT_S))[0] and stop_kept():
+        _log.info("rayconv: stopped the actors kept on the cluster for lack of resources")
+
+
+def make_room_for(need: dict[str, float]) -> None:
+    """Stop the groups kept on the cluster for another command when the cluster's free resources
+    (``ray.available_resources``) do not hold ``need`` (e.g. {"GPU": 1, "CPU": 1}: a task's)."""
+    if not (ray.is_initialized() and cluster_outlives_process()):
+        return
+    free = ray.available_resources()
+    if any(free.get(k, 0.0) + 1e-9 < v for k, v in need.items() if v) and stop_kept():
+        _log.info("rayconv: stopped the actors kept on the cluster for lack of resources")
+
+
 @_quiet(0)
 def stop_kept() -> int:
     """Stop every group kept on the cluster (claimed first, so that none in use is stopped): their

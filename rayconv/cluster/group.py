@@ -34,7 +34,6 @@ from rayconv.mesh import Mesh
 from rayconv.user_model import actor_runtime_env
 
 LOST_GRACE_S = 2.0  # after an actor error, how long to look for a lost actor that caused it
-KEPT_WAIT_S = 1.0   # how long a placement group waits before the actors kept on the cluster are stopped
 
 
 def _is_lost(e: BaseException) -> bool:
@@ -278,8 +277,7 @@ def reserve(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float) -> Any:
     try:
         ready = pg.ready()
         # actors kept on the cluster for another command hold resources: stopped when this one waits
-        if not ray.wait([ready], timeout=min(timeout_s, KEPT_WAIT_S))[0] and across.stop_kept():
-            logging.getLogger("rayconv").info("rayconv: stopped the actors kept on the cluster for lack of resources")
+        across.make_room(ready, timeout_s)
         ray.get(ready, timeout=max(0.0, deadline - time.monotonic()))
     except BaseException as e:
         ActorGroup([], [], pg, []).kill()  # removes the placement group

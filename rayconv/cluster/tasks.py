@@ -17,7 +17,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rayconv.cluster import pool
+from rayconv.cluster import across, pool
 from rayconv.cluster.connect import ALL_GPUS_VISIBLE_ENV, exception_summary, visible_index
 from rayconv.cluster.group import with_uploads
 from rayconv.errors import ClusterError
@@ -57,6 +57,7 @@ def run_on_device(fn, args: Sequence[Any], gpu: bool, timeout_s: float = 300.0, 
     in ``py_modules``, a pickled callable. Raises ClusterError naming the task's error, the timeout,
     or a failed upload."""
     pool.release()   # (actors kept for reuse would hold the device or CPU the task needs)
+    across.make_room_for({"GPU": num_gpus if gpu else 0.0, "CPU": 1.0})   # (... or kept for another command)
     env = actor_runtime_env(model or "", ALL_GPUS_VISIBLE_ENV if gpu else {})
     # max_calls=1: the worker process exits afterwards, releasing its CUDA context and cached memory.
     ref = ray.remote(max_calls=1)(_on_device).options(
@@ -101,7 +102,9 @@ def run_on_devices(fn, world: int, gpu: bool, args: Sequence[Any] = (), timeout_
     actors: list[Any] = []
     try:
         try:
-            ray.get(pg.ready(), timeout=timeout_s)
+            ready = pg.ready()
+            across.make_room(ready, timeout_s)   # (actors kept for another command would hold what these need)
+            ray.get(ready, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise ClusterError(f"could not reserve {world} x {bundle} within {timeout_s:.0f} s for "
                                f"{fn.__name__}: free resources") from None
