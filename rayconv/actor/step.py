@@ -190,9 +190,8 @@ def _hold_scalars(a: ActorState, current: dict[str, Any], loss: StepLoss, stream
     everything queued on the stream, including the step launched after it)."""
     if a.device.type != "cuda" or not isinstance(loss.loss_sum, torch.Tensor):
         return
-    vals = loss.held if loss.held is not None else loss.pair()
     host = torch.empty(2, dtype=torch.float64, pin_memory=True)
-    host.copy_(vals, non_blocking=True)
+    host.copy_(loss.held, non_blocking=True)   # (made by ``sgd``, or by the capture a replay repeats)
     event = torch.cuda.Event()
     event.record(stream)
     current.update(loss_sum=host[0], correct=host[1], event=event)

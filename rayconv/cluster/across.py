@@ -20,7 +20,8 @@ commands at once one gets the group and the other starts its own. Each actor wat
 command) or once kept ``--keep-actors-s`` seconds unclaimed. A placement group whose command died
 before its actors existed (``pending/<name>`` entries, with the creating job) is removed by the next
 command that reserves one. Kept actors hold their resources: a command whose placement group cannot
-be placed at once stops them (``stop_kept``).
+be placed at once (``make_room``), or whose device task finds the cluster's free resources short
+(``make_room_for``), stops them (``stop_kept``).
 """
 
 from __future__ import annotations

@@ -317,13 +317,13 @@ class RawShardSource(Source):
         train = split == "train" and (self.augment != "none" or self.random_erase > 0
                                       or self.auto_augment is not None)
         params = self._epoch_params(dev, epoch) if train else {}
-        rows = {"rows": rows} if params else {}
+        indexed = {"rows": rows} if params else {}   # (the tables are indexed by sample)
         if dev.type == "cuda" and self.auto_augment is None:
             # (the copy from the pinned ring buffer and the augmentation: one graph replay, augment_graph.py)
-            x = self._replayed((train, dtype, None), {}, pixels=host, **rows, **params)
+            x = self._replayed((train, dtype, None), {}, pixels=host, **indexed, **params)
         else:
             x = self._augment((train, dtype, epoch), pixels=to_device(host, dev),
-                              **{k: to_device(v, dev) for k, v in rows.items()}, **params)
+                              **{k: to_device(v, dev) for k, v in indexed.items()}, **params)
         if dev.type == "cuda":
             # the batch's labels, from the pinned buffer the reader thread filled, for ``device_labels``
             self._made = (split, idx, labels.to(dev, non_blocking=True))

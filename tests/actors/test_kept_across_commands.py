@@ -4,8 +4,7 @@ that needs the same actors (``--keep-actors-s``, ``cluster.across``); unclaimed 
 (each actor's watchdog, ``cluster.watch``).
 
 The module starts its own Ray head (``ray start --head --block``, every port a free one, its own temp
-folder, 2 CPUs) and stops it by its process group: never ``ray stop``, which would stop every Ray of
-the host."""
+folder, 2 CPUs) and ends it by its process group, so that no other Ray of the host is touched."""
 
 from __future__ import annotations
 
