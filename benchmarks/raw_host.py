@@ -1,22 +1,21 @@
 """The host side of streaming raw-pixel shards, per batch, as an actor's step thread sees it.
 
     python benchmarks/raw_host.py RAW_DIR [--device cpu|cuda] [--batch 512] [--steps 300] [--image-size 32]
-                                          [--readers N] [--reader-alone]
+                                          [--reader-alone [--busy]]
 
 RAW_DIR: a folder of ``python -m rayconv.prepare --encoding raw``. The step thread's sequence is the
 actor's (``actor/batches.py``): the epoch announced at its first step (``prefetch``), then per step
 ``images`` of the step's batch, then a stand-in for the rest of the step's host work (``--ops`` small
 tensor operations on the device, each of which releases and takes back the GIL, as the step's do).
-Prints per batch: the hand-off (``_take``: the wait for the read-ahead gather), ``images`` in all (on
-CPU it includes the augmentation, which a GPU runs on the device), the reader thread's gather, the
-stand-in's time with the reader running against its time alone, and how many steps found their batch
-read ahead. ``--readers``: the source's reader threads (``raw_shards.READERS``). ``--reader-alone``:
+Prints per batch: the hand-off (``_take``: the wait for the reader process's reply), ``images`` in all (on
+CPU it includes the augmentation, which a GPU runs on the device), the stand-in's time with the reader
+running against its time alone, and how many steps found their batch read ahead. ``--reader-alone``:
 the reader's throughput with nothing else running: the steps' batches announced, then taken one after
 another (``_take``, no device copy, augmentation or stand-in), batches/s and images/s of the whole,
-after one untimed pass over the train split (its pages mapped in this process: the steady state of
-epochs after the first); with ``--busy``, taken by a thread that runs small tensor operations while the
+after one untimed pass over the train split (the reader process started and the pages mapped in it:
+the steady state of epochs after the first); with ``--busy``, taken by a thread that runs small tensor operations while the
 next batch is not ready (a step thread that never idles: each operation releases and takes back the
-GIL), whose operations/s it prints too. ``--threads``: torch's intra-op threads (an actor's
+GIL), whose operations/s it prints too (beside a reader process they run as they do alone). ``--threads``: torch's intra-op threads (an actor's
 ``--num-cpus-per-actor``).
 """
 
@@ -24,12 +23,10 @@ from __future__ import annotations
 
 import argparse
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from rayconv.data import raw_shards
 from rayconv.data.raw_shards import RawShardSource
 from rayconv.data.source import Sharding
 
@@ -52,7 +49,6 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--ops", type=int, default=300, help="small device operations per step (the stand-in)")
-    p.add_argument("--readers", type=int, default=raw_shards.READERS, help="reader threads (default %(default)s)")
     p.add_argument("--reader-alone", action="store_true", help="time the reader alone (see above)")
     p.add_argument("--busy", action="store_true", help="--reader-alone, taken by a busy thread (see above)")
     p.add_argument("--threads", type=int, default=1, help="torch's intra-op threads (default 1)")
@@ -60,30 +56,28 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     src = RawShardSource(args.dir, args.image_size, seed=0, augment="pad-crop")
-    # (made here, not by the source, so that more threads than cores can be measured)
-    src._reader = ThreadPoolExecutor(args.readers, thread_name_prefix="rayconv-raw-read")
     sh = Sharding(src.train_size, args.batch, 1, 0)
     spe = sh.steps_per_epoch
-    reader: list[float] = []
-    src._gather = _timed(src._gather, reader)
     if args.reader_alone:
         batches = [sh.replica_batch(e, k, 0)[0] for e in range(2) for k in range(spe)][:args.steps]
-        for chunk in np.array_split(np.arange(src.train_size), max(1, src.train_size // 4096)):
-            src.uint8("train", chunk)   # (the pages mapped before the clock starts)
+        # (the reader process started and the pages mapped in it, one pass, before the clock starts)
+        chunks = np.array_split(np.arange(src.train_size), max(1, src.train_size // args.batch))
+        src.prefetch("train", 0, chunks)
+        for chunk in chunks:
+            src._take("train", chunk, dev)
         w, n_ops = torch.zeros(16), 0
         t = time.perf_counter()
         src.prefetch("train", 0, batches)
         for b in batches:
             ahead = src._pending["train"][0][1]
-            while args.busy and ahead is not None and not ahead.done():
+            while args.busy and ahead not in src._reader.arrived and not src._reader.replies.poll(0):
                 w.add_(1.0)
                 n_ops += 1
             src._take("train", b, dev)
         dt = time.perf_counter() - t
         where = f"taken by a busy thread ({n_ops / dt:.0f} operations/s there)" if args.busy else "alone"
-        print(f"reader {where}, {args.readers} threads: {len(batches)} batches of {args.batch} in "
-              f"{dt:.3f} s: {len(batches) / dt:.0f} batches/s, {len(batches) * args.batch / dt:.0f} images/s; "
-              f"gather per batch {np.median(reader) * 1e3:.3f} ms (mean {np.mean(reader) * 1e3:.3f})")
+        print(f"reader process {where}: {len(batches)} batches of {args.batch} in "
+              f"{dt:.3f} s: {len(batches) / dt:.0f} batches/s, {len(batches) * args.batch / dt:.0f} images/s")
         return
     w = torch.zeros(16, device=dev)
 
@@ -115,7 +109,6 @@ def main() -> None:
           f"{args.steps} steps")
     print(f"hand-off (_take) per batch: {med(take_ms)}")
     print(f"images() per batch: {med(images_ms)}")
-    print(f"reader thread's gather per batch: {med(np.array(reader) * 1e3)}")
     slow = np.argsort(images_ms)[::-1][:5]
     print("slowest images() calls (step, step in epoch, ms): " + ", ".join(
         f"({k}, {k % spe}, {images_ms[k]:.1f})" for k in slow))

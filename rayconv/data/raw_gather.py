@@ -9,6 +9,8 @@ their byte offsets: one call that releases the GIL for the whole copy, whatever 
 batch touches, where one numpy call per shard would take and release it once per shard. Only bytes of
 the pieces are read (the offsets are those of rows in them): the range between the mappings is never
 touched. The mappings live as long as the shards (``OpenShard.mmap``), which a ``RowGather`` holds.
+The reader process (``raw_reader``) reads the same view through numpy (``copy_np``: fancy indexing of
+the overlapping rows, no torch in that process); torch is imported by ``copy`` alone.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import ctypes
 
 import numpy as np
-import torch
 
 
 class RowGather:
@@ -42,14 +43,16 @@ class RowGather:
         self.firsts = np.asarray(firsts, np.int64)
         self.shard_of = np.asarray(shard_of, np.int64)
         if not firsts:
-            self.low, self.view = 0, None
+            self.low, self.view, self.np_view = 0, None, None
             return
         self.low = min(addresses)
         self.offsets = np.asarray(addresses, np.int64) - self.low   # byte offset of each piece's first row
         self.file_offsets = np.asarray(addresses, np.int64) - np.asarray(bases, np.int64)   # ... in its file
-        span = max(ends) - self.low
-        whole = torch.frombuffer((ctypes.c_ubyte * span).from_address(self.low), dtype=torch.uint8)
-        self.view = whole.as_strided((span - self.width + 1, self.width), (1, 1))
+        self.span = max(ends) - self.low
+        self.view = None   # (the torch view, made by the first ``copy``)
+        self.np_view = np.lib.stride_tricks.as_strided(
+            np.frombuffer((ctypes.c_ubyte * self.span).from_address(self.low), dtype=np.uint8),
+            shape=(self.span - self.width + 1, self.width), strides=(1, 1), writeable=False)
 
     def _pieces(self, idx: np.ndarray) -> np.ndarray:
         if len(idx) and (idx.min() < 0 or idx.max() >= self.rows):
@@ -85,7 +88,20 @@ class RowGather:
         cuts = np.flatnonzero(np.r_[True, shard[1:] != shard[:-1]]).tolist() + [len(shard)]
         return [(int(shard[a]), list(zip(offs[a:b].tolist(), lengths[a:b].tolist()))) for a, b in zip(cuts, cuts[1:])]
 
-    def copy(self, at: np.ndarray, out: torch.Tensor) -> torch.Tensor:
-        """The rows at byte offsets ``at`` (from ``locate``) copied into ``out`` (uint8 (len(at), width),
-        contiguous), in order: one ``torch.index_select``."""
-        return torch.index_select(self.view, 0, torch.from_numpy(at), out=out) if len(at) else out
+    def copy(self, at: np.ndarray, out):
+        """The rows at byte offsets ``at`` (from ``locate``) copied into ``out`` (a uint8 torch tensor
+        (len(at), width), contiguous), in order: one ``torch.index_select``. Returns ``out``."""
+        import torch
+
+        if not len(at):
+            return out
+        if self.view is None:
+            whole = torch.frombuffer((ctypes.c_ubyte * self.span).from_address(self.low), dtype=torch.uint8)
+            self.view = whole.as_strided((self.span - self.width + 1, self.width), (1, 1))
+        return torch.index_select(self.view, 0, torch.from_numpy(at), out=out)
+
+    def copy_np(self, at: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``copy`` into a numpy array ``out`` (uint8 (len(at), width)): one fancy index of the rows."""
+        if len(at):
+            out[...] = self.np_view[at]
+        return out

@@ -72,6 +72,8 @@ def test_replayed_batches_equal_eager_ones_to_the_bit(raw, on_device):
                 assert source.device_labels("train", b, GPU) is None   # (given once)
             kept.append((b, epoch, x))
     assert source._graphs is not None and source._graphs.captures   # (batches did replay)
+    if on_device == "off":   # (the reader process's ring is page-locked here: its copies are asynchronous)
+        assert source._reader.rings["train"].registered
     for b, epoch, x in kept[:3]:   # (earlier results are copies, not the graph's buffer)
         torch.testing.assert_close(x, _eager(source, "train", b, epoch, torch.bfloat16), rtol=0, atol=0)
     test = np.arange(8)

@@ -3,16 +3,19 @@ one local process): the stored pixels are the source's where lossless (PNG), and
 of the same resize within JPEG's error; a flipped byte is caught by the sha256 checks; block and exact
 orders give the same samples as JPEG shards of the same folder; streamed batches equal held ones;
 ``--convert --encoding`` re-encodes; a JPEG folder whose manifest has no ``encoding`` reads as before;
-one gather reads rows of pieces at any addresses; gathers in flight at once keep the order and reuse a
-ring slot only after its previous gather; a shard that changed is named before its bytes are read."""
+one gather reads rows of pieces at any addresses; the reader process's gathers keep the order of the
+requests, and the process ends with its source (closed, collected, or its process killed) and names its
+own end as a one-line error; a shard that changed is named before its bytes are read."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import subprocess
+import sys
+import time
 from types import SimpleNamespace
 from pathlib import Path
 
@@ -27,7 +30,7 @@ from rayconv.cluster.local_copy import is_copied
 from rayconv.config import Config
 from rayconv.data.order import make_order
 from rayconv.data.raw_gather import RowGather
-from rayconv.data.raw_shards import RING, RawShardSource, _Ring
+from rayconv.data.raw_shards import RING, RawShardSource
 from rayconv.data.registry import make_source
 from rayconv.data.shard_convert import convert_encoding
 from rayconv.data.shard_writer import on_processes, resolve_encoding
@@ -165,7 +168,7 @@ def test_streamed_batches_equal_held_ones_and_the_gather_is_read_ahead(folders):
     assert held.hold(CPU)["images"] == 24
     batches = [np.array([3, 0, 17, 9]), np.array([11, 2, 5])]
     streamed.prefetch("train", 1, batches)
-    assert all(f is not None for _, f, _ in streamed._pending["train"])       # gathered ahead on the reader thread
+    assert all(n is not None for _, n in streamed._pending["train"])       # requested ahead of the reader process
     for b in batches:
         torch.testing.assert_close(streamed.images("train", b, CPU, epoch=1), held.images("train", b, CPU, epoch=1),
                                    rtol=0, atol=0)
@@ -185,7 +188,7 @@ def test_the_validation_split_reads_train_images_unaugmented(folders):
 
 def test_a_long_announcement_reuses_the_ring_of_gather_buffers(folders):
     """More batches than the ring has buffers, of several sizes: each equals the same batch gathered
-    alone, and the reader writes them into RING buffers made once (one made again for a larger batch)."""
+    alone, and the reader process writes them into the RING buffers of one ring, made once."""
     streamed = RawShardSource(str(folders["raw"]), SIZE, seed=0, augment="pad-crop")
     alone = RawShardSource(str(folders["raw"]), SIZE, seed=0, augment="pad-crop")
     batches = np.array_split(np.random.default_rng(1).permutation(18), 2 * RING - 4) + [np.array([4, 8, 15, 16, 17])]
@@ -198,7 +201,7 @@ def test_a_long_announcement_reuses_the_ring_of_gather_buffers(folders):
         assert torch.equal(host, alone.uint8("train", b))
         # the reader wrote the batch's sample indices and labels beside its pixels
         assert rows.tolist() == b.tolist() and torch.equal(labels, alone.labels("train", b))
-    assert len(pointers) <= RING + 1 and all(buf is not None for buf in streamed._rings["train"].pixels)
+    assert len(pointers) == RING and len(streamed._reader.rings["train"].pixels) == RING
     streamed.prefetch("train", 2, batches)
     for b in batches:
         torch.testing.assert_close(streamed.images("train", b, CPU, epoch=2), alone.images("train", b, CPU, epoch=2),
@@ -268,29 +271,11 @@ def test_one_gather_reads_rows_of_pieces_at_any_addresses():
             gather.locate(np.array([0, bad]))
 
 
-def test_a_ring_slot_is_written_again_only_after_its_previous_gather():
-    ring = _Ring(2, pin=False)
-    slot, before = ring.claim()
-    running = Future()
-    ring.wrote(slot, running)
-    for _ in range(RING - 1):
-        ring.claim()
-    again, before = ring.claim()
-    assert (again, before) == (slot, running)
-    got = threading.Event()
-    t = threading.Thread(target=lambda: (ring.buffers(again, 3, before), got.set()))
-    t.start()
-    assert not got.wait(0.2)                  # the slot's previous gather still runs: its buffer waits
-    running.set_result(None)
-    assert got.wait(5)
-    t.join()
-
-
 def test_gathers_in_flight_at_once_keep_the_order_and_the_pixels(folders):
-    """Four reader threads, more batches than the ring has buffers, an announcement left mid-way (its
-    gathers still in flight) and another made: every batch equals the same batch gathered alone."""
+    """More batches than the ring has buffers, an announcement left mid-way (its gathers still in
+    flight, into slots the next announcement's gathers reuse) and another made: every batch equals the
+    same batch gathered alone."""
     streamed = RawShardSource(str(folders["raw"]), SIZE, seed=0, augment="pad-crop")
-    streamed._reader = ThreadPoolExecutor(4)
     alone = RawShardSource(str(folders["raw"]), SIZE, seed=0, augment="pad-crop")
     rng = np.random.default_rng(2)
     batches = [rng.choice(18, 5, replace=False) for _ in range(2 * RING + 3)]
@@ -319,3 +304,60 @@ def test_a_raw_shard_that_changed_is_named_before_its_bytes_are_read(folders, tm
     source.prefetch("train", 0, [mine])
     with pytest.raises(DataError, match=f"{p} changed"):
         source.images("train", mine, CPU)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return (Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z") if Path(f"/proc/{pid}").exists() else True
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_the_reader_process_ends_with_its_source_and_names_its_own_end(folders):
+    """close() and garbage collection end the process; a process killed mid-run is a one-line DataError
+    at the next batch, not a hang; a sample outside the split is an IndexError at its batch."""
+    source = RawShardSource(str(folders["raw"]), SIZE, seed=0)
+    source.prefetch("train", 0, [np.array([1, 2])])
+    pid = source._reader.proc.pid
+    assert _alive(pid)
+    source.close()
+    assert _gone_within(pid, 10)
+
+    source.prefetch("train", 0, [np.array([1, 2]), np.array([3, 99])])
+    assert source._take("train", np.array([1, 2]), CPU)[1].shape == (2, SIZE, SIZE, 3)
+    with pytest.raises(IndexError, match="sample 99 is outside the split's 18 rows"):
+        source._take("train", np.array([3, 99]), CPU)
+    pid = source._reader.proc.pid
+    del source
+    assert _gone_within(pid, 10)
+
+    source = RawShardSource(str(folders["raw"]), SIZE, seed=0)
+    source.prefetch("train", 0, [np.array([4])])
+    source._take("train", np.array([4]), CPU)
+    source._reader.proc.kill()
+    source._reader.proc.wait()
+    with pytest.raises(DataError, match="the raw shards' reader process ended .*: see the actor's log"):
+        source.prefetch("train", 0, [np.array([5]), np.array([6])])
+        source._take("train", np.array([5]), CPU)
+
+
+def test_the_reader_process_ends_when_its_actor_process_dies(folders):
+    """A process killed without any clean-up (SIGKILL, as Ray stops an actor) leaves no reader behind:
+    the reader ends at the end of its pipe."""
+    code = (f"import os, sys, numpy as np\nfrom rayconv.data.raw_shards import RawShardSource\n"
+            f"s = RawShardSource({str(folders['raw'])!r}, {SIZE}, seed=0)\n"
+            "s.prefetch('train', 0, [np.arange(4)]); s._take('train', np.arange(4), __import__('torch').device('cpu'))\n"
+            "print(s._reader.proc.pid, flush=True)\nos.kill(os.getpid(), 9)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == -9, out.stderr
+    assert _gone_within(int(out.stdout.split()[0]), 10)
