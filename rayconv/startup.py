@@ -21,6 +21,8 @@ device) and their CUDA-graph capture are placed on the driver's clock from what 
     slowest     {"phase", "s"}: the longest stretch between two consecutive marks up to the first step
     actor_setup_s   the slowest actor's setup splits, seconds from its ``build`` call (``warmed_up``: the
                 wait for its warm-up, ``Actor.__init__``)
+    model_check "driver", or "kept actor" where rank 0 of actors kept by a previous run checked a
+                torchvision model for a driver that had not imported torchvision (``resolve.WarmCheck``)
     actor_process   that actor's process on this clock (from its node's wall clock): process_started,
                 init (``__init__`` entered), imported (its training code), alive, warmed_up, build, built;
                 ``renewed`` instead of the first four for actors kept from an earlier run
@@ -76,6 +78,7 @@ class StartupClock:
         self.actors: dict[str, float] = {}    # the slowest actor's seconds per setup split
         self.timeline: dict[str, float] = {}  # the slowest actor's process stamps, seconds since the origin
         self.claimed = False                  # taken by a run (``claim``): a later run begins its own
+        self.model_check: Optional[str] = None   # who checked the model: "driver" or "kept actor"
 
     def mark(self, name: str, at: Optional[float] = None) -> None:
         """Phase ``name`` ended now (or at the monotonic time ``at``); the first mark of a name stays
@@ -149,7 +152,7 @@ class StartupClock:
     def record(self) -> dict[str, Any]:
         """summary.json's ``startup`` (see the module docstring)."""
         slow = self.slowest()
-        return {"origin": self.since, "ray": self.ray,
+        return {"origin": self.since, "ray": self.ray, "model_check": self.model_check,
                 "phases": {k: round(v, 4) for k, v in self.ordered()},
                 "slowest": {"phase": slow[0], "s": round(slow[1], 4)} if slow else None,
                 "actor_setup_s": {k: round(v, 4) for k, v in self.actors.items()},

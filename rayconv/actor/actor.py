@@ -41,6 +41,7 @@ from rayconv.cluster.connect import assigned_gpu_index
 from rayconv.cluster.watch import Watch
 from rayconv.config import Config
 from rayconv.errors import DataError
+from rayconv.mesh import Mesh
 
 if TYPE_CHECKING:
     import torch
@@ -165,6 +166,17 @@ class Actor:
             s.bind(("", 0))
             port = s.getsockname()[1]
         return f"{ray.util.get_node_ip_address()}:{port}"
+
+    def check_model(self, cfg: dict[str, Any], mesh: tuple[int, int, int], num_classes: int,
+                    sample_shape: tuple[int, ...], data_channels: int, check: bool = True) -> Routing:
+        """``routing.checked_routing`` of run ``cfg``'s model for ``mesh`` (dp, pp, fs), made here for a
+        driver that has not imported torchvision (``driver.resolve.WarmCheck``: this actor has, in its
+        warm-up). Raises ConfigError / LayoutError as the driver's own check would."""
+        self._warm.join()
+        from rayconv.parallel.routing import checked_routing
+
+        return checked_routing(Config(**cfg), Mesh(*mesh), num_classes, tuple(sample_shape), data_channels,
+                               check=check)[1]
 
     def build(self, rank: int, master: str, routing: Routing, sharding: Sharding,
               cfg: Optional[dict[str, Any]] = None) -> dict[str, Any]:

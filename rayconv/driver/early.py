@@ -44,12 +44,13 @@ class EarlyActors:
         self.mesh: Optional[Mesh] = None
         self.run_name: Optional[str] = None   # the name they started under
 
-    def start(self, cfg: Config, mesh: Mesh, run_name: str) -> None:
+    def start(self, cfg: Config, mesh: Mesh, run_name: str) -> Optional[ActorGroup]:
         """Start the actors of ``cfg`` (device and ``dp`` resolved) on ``mesh`` without waiting for them,
         when the module docstring's conditions hold; else, or when they were started already
-        (``driver.prestart``: ``take`` checks the mesh), nothing."""
+        (``driver.prestart``: ``take`` checks the mesh), nothing. Returns the actors started (or kept
+        by a previous run and renewed), None when none were."""
         if needs_devices(cfg) or self.group is not None:
-            return
+            return self.group
         t0 = time.monotonic()
         try:
             given = given_group(cfg, mesh)
@@ -67,6 +68,7 @@ class EarlyActors:
             self.mesh, self.run_name = mesh, run_name
         except (ClusterError, ConfigError, DataError):
             self.group = None   # (nothing stays reserved: reserve and create_actors remove what they made)
+        return self.group
 
     def take(self, mesh: Mesh) -> Optional[ActorGroup]:
         """The actors started early, if they fit ``mesh`` (the run's, as resolved); else None, and any

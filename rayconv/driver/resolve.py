@@ -15,6 +15,7 @@ is one frozen ``ResolvedRun`` that the loop, the checkpoints and the summary rea
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,13 +40,13 @@ from rayconv.driver.prestart import (check_job_output, check_output_folder, conn
 
 from rayconv import startup
 from rayconv.choices import CUDNN_BENCHMARK_MIN_STEPS  # --cudnn-benchmark auto: on for runs at least this long
-from rayconv.errors import CheckpointError, ConfigError
+from rayconv.errors import CheckpointError, ClusterError, ConfigError, LayoutError
 from rayconv.mesh import Mesh
-from rayconv.models import RAYCONV_MODELS, build_model, check_trainable, model_names, run_model
+from rayconv.models import RAYCONV_MODELS, build_model, model_names
 from rayconv.user_model import is_user_model, resolve
 from rayconv.models.weights import init_file
 from rayconv.outputs.checkpoint import Checkpoint, check_resumable, load_checkpoint
-from rayconv.parallel.routing import Routing, make_routing
+from rayconv.parallel.routing import Routing, checked_routing, make_routing
 from rayconv.planner.layer_timing import measured_costs
 from rayconv.planner.memory import GIB, gpu_share_problem
 from rayconv.planner.search import choose_layout, memory_check, predicted_peak_gib
@@ -157,8 +158,8 @@ def resolve_on_cluster(cfg: Config, log=print, resume: Optional[Checkpoint] = No
             check_before_ray(given, resume)
         raise
     if early:
-        on_layout(cfg, mesh)
-        source, sharding, reference, checked = check_before_ray(given, resume)
+        group = on_layout(cfg, mesh)
+        source, sharding, reference, checked = check_before_ray(given, resume, WarmCheck.of(group, given))
         startup.mark("data")
     check_gpu_share(cfg)
     cfg, source = with_data_on_device(cfg, mesh, source, log)
@@ -170,13 +171,54 @@ def resolve_on_cluster(cfg: Config, log=print, resume: Optional[Checkpoint] = No
     return cfg, mesh, source, routing, dataclasses.replace(sharding, dp=mesh.dp)
 
 
-def check_before_ray(cfg: Config, resume: Optional[Checkpoint]) -> tuple[Source, Sharding, Any, Routing]:
+class WarmCheck:
+    """The model's checks and routings (``routing.checked_routing``) made by rank 0 of actors a previous
+    run kept (``--keep-actors-s``; their warm-up imported torchvision), for a driver that has not imported
+    torchvision: a torchvision model's check here would import it, and torch._dynamo with it (seconds, at
+    every command's start; the kept actors' start-up is otherwise the shorter path). ``of(group, cfg)``
+    -> a WarmCheck, or None where the driver checks itself: no kept group, rayconv's own or a user's model
+    (fast here, or imported here already), ``--init`` (its file may lie on the driver's machine alone),
+    torchvision already imported here. ``routing`` raises what the check raised (ConfigError /
+    LayoutError), ClusterError when the actor fails otherwise."""
+
+    def __init__(self, actor: Any, timeout_s: float):
+        self.actor, self.timeout_s = actor, timeout_s
+        self.data: tuple = ()
+
+    @staticmethod
+    def of(group: Any, cfg: Config) -> Optional["WarmCheck"]:
+        if group is None or not group.reused or group.starting is not None or cfg.init:
+            return None
+        if cfg.model in RAYCONV_MODELS or is_user_model(cfg.model) or "torchvision" in sys.modules:
+            return None
+        return WarmCheck(group.actors[0], call_timeout_s(cfg))
+
+    def with_data(self, num_classes: int, sample_shape: tuple[int, ...], data_channels: int) -> "WarmCheck":
+        self.data = (num_classes, tuple(sample_shape), data_channels)
+        return self
+
+    def routing(self, cfg: Config, mesh: Mesh, check: bool = True) -> Routing:
+        call = self.actor.check_model.remote(cfg.to_dict(), (mesh.dp, mesh.pp, mesh.fs), *self.data, check)
+        try:
+            return ray.get(call, timeout=self.timeout_s)
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, (ConfigError, LayoutError)):
+                raise e.cause from None
+            raise ClusterError(f"the kept actor checking --model {cfg.model} failed: {e.cause!r}") from None
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            raise ClusterError(f"the kept actor checking --model {cfg.model} was lost or stuck ({type(e).__name__}): "
+                               "run again (new actors start)", recoverable=True) from None
+
+
+def check_before_ray(cfg: Config, resume: Optional[Checkpoint], warm: Optional[WarmCheck] = None
+                     ) -> tuple[Source, Sharding, Any, Routing]:
     """The checks that need no cluster; returns (source, its train sharding over ``dp`` as given or 1,
-    the whole model as one device runs it, the routing for that ``dp``). Raises ConfigError / DataError / LayoutError / CheckpointError."""
+    the whole model as one device runs it (or ``warm``, which checks and routes it in a kept actor),
+    the routing for that ``dp``). Raises ConfigError / DataError / LayoutError / CheckpointError."""
     if is_user_model(cfg.model):
         resolve(cfg.model)  # the module and function found: raises ConfigError before the data is read
-    elif cfg.model not in RAYCONV_MODELS and cfg.model not in model_names():  # (torchvision: imported only here)
-        build_model(cfg.model, 1)  # raises ConfigError naming --model, before the data is read
+    elif warm is None and cfg.model not in RAYCONV_MODELS and cfg.model not in model_names():
+        build_model(cfg.model, 1)  # raises ConfigError naming --model, before the data is read (torchvision imported)
     if cfg.dp is not None:
         memory_check(cfg)  # --max-memory-gib: refused before Ray starts
     source = make_source(cfg)
@@ -186,13 +228,15 @@ def check_before_ray(cfg: Config, resume: Optional[Checkpoint]) -> tuple[Source,
     check_schedule(cfg, sharding.steps_per_epoch)
     if resume is not None:
         check_steps_left(resume, total_steps(cfg, sharding.steps_per_epoch))
-    reference = run_model(cfg, source)  # (with --init: its keys and shapes checked, its weights loaded)
-    classes = check_trainable(cfg.model, reference, tuple(source.sample_shape),
-                              source.expanded_from or source.sample_shape[0])[1]
-    if classes != source.num_classes:
-        raise ConfigError(f"--model {cfg.model} gives {classes} class scores, the data has {source.num_classes} "
-                          "classes: build the model with the num_classes it is called with")
-    routing = make_routing(cfg, Mesh(cfg.dp or 1, cfg.pp, cfg.fs), reference, source.sample_shape)
+    mesh = Mesh(cfg.dp or 1, cfg.pp, cfg.fs)
+    data = (source.num_classes, tuple(source.sample_shape), source.expanded_from or source.sample_shape[0])
+    if warm is not None:
+        reference, routing = warm.with_data(*data), warm.routing(cfg, mesh)
+    else:
+        reference, routing = checked_routing(cfg, mesh, *data)
+    clock = startup.current()
+    if clock is not None:
+        clock.model_check = "driver" if warm is None else "kept actor"
     if resume is not None:  # (a resumed run's --dp comes from its checkpoint)
         check_resumable(resume, cfg, routing.mesh, routing.stages, source.num_classes, tuple(source.sample_shape))
     return source, sharding, reference, routing
@@ -249,7 +293,11 @@ def resolve_routing(cfg: Config, mesh: Mesh, checked: Routing, reference, source
     into the returned settings, so that a resumed run keeps it."""
     by_time = cfg.balance == "time" or (cfg.balance == "auto" and cfg.device == "cuda")
     if mesh.pp == 1 or cfg.stages or not by_time:
-        return cfg, checked if mesh == checked.mesh else make_routing(cfg, mesh, reference, source.sample_shape)
+        if mesh == checked.mesh:
+            return cfg, checked
+        if isinstance(reference, WarmCheck):
+            return cfg, reference.routing(cfg, mesh, check=False)
+        return cfg, make_routing(cfg, mesh, reference, source.sample_shape)
     micro_batch = max(1, cfg.global_batch_size // mesh.dp // cfg.num_microbatches)
     costs = run_on_device(measured_costs, (cfg.to_dict(), micro_batch), gpu=cfg.device == "cuda",
                           model=cfg.model, num_gpus=cfg.gpus_per_actor)

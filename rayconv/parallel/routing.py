@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -17,14 +18,14 @@ from torch import nn
 
 from rayconv.config import Config, batch_split_problem
 from rayconv.mesh import Mesh
-from rayconv.models import to_layers
+from rayconv.models import check_trainable, run_model, to_layers
 from rayconv.models.traced import cut_problem
 from rayconv.parallel.filter_split.per_layer_plan import krizhevsky2014
 from rayconv.parallel.filter_split.split import SlicedPart, slice_layers, whole_part
 from rayconv.parallel.pipeline.schedules import Schedule, make_schedule
 from rayconv.parallel.pipeline.stages import balance, parse_stages
 from rayconv.parallel.pipeline.checks import validate
-from rayconv.errors import LayoutError
+from rayconv.errors import ConfigError, LayoutError
 
 
 @dataclass(frozen=True)
@@ -159,3 +160,20 @@ def make_routing(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[
                 schedule=schedule, per_layer_plan=cfg.plan, exchange_chunks=cfg.exchange_chunks)
     build_part(routing, layers, mesh.pp - 1, 0, None, 0, None)  # refuse unsplittable layers before any actor
     return routing
+
+
+def checked_routing(cfg: Config, mesh: Mesh, num_classes: int, sample_shape: tuple[int, ...], data_channels: int,
+                    check: bool = True) -> tuple[nn.Module, Routing]:
+    """(the run's whole model as every actor builds it, ``models.run_model``; its routing for ``mesh``),
+    the model first checked (``check``) to train on the data: its forward maps (C, H, W) =
+    ``sample_shape`` images to ``num_classes`` scores (``check_trainable``; ``data_channels``: the data's
+    own channel count, before grey is repeated). Run by the driver, or for it by a kept actor
+    (``driver.early.WarmCheck``). Raises ConfigError / LayoutError naming what to change."""
+    data = SimpleNamespace(num_classes=num_classes, sample_shape=tuple(sample_shape))
+    model = run_model(cfg, data)   # (with --init: its keys and shapes checked, its weights loaded)
+    if check:
+        classes = check_trainable(cfg.model, model, tuple(sample_shape), data_channels)[1]
+        if classes != num_classes:
+            raise ConfigError(f"--model {cfg.model} gives {classes} class scores, the data has {num_classes} "
+                              "classes: build the model with the num_classes it is called with")
+    return model, make_routing(cfg, mesh, model, tuple(sample_shape))

@@ -1,7 +1,9 @@
 """Actors kept on a running cluster by one command (``python -m rayconv.run``) serve the next command
 that needs the same actors (``--keep-actors-s``, ``cluster.across``); unclaimed they end after
 ``--keep-actors-s`` seconds, and a command killed mid-run leaves neither actor nor placement group
-(each actor's watchdog, ``cluster.watch``).
+(each actor's watchdog, ``cluster.watch``). A torchvision model is checked by the kept actors, which
+imported torchvision, for a command whose driver has not (``resolve.WarmCheck``), and a model they
+refuse is refused as the driver would refuse it.
 
 The module starts its own Ray head (``ray start --head --block``, every port a free one, its own temp
 folder, 2 CPUs) and ends it by its process group, so that no other Ray of the host is touched."""
@@ -136,6 +138,23 @@ def test_the_next_command_reuses_the_actors_and_unclaimed_they_end(head, tmp_pat
           f"second {b['startup']['phases']['first_step']:.2f} s")
     # Unclaimed, they end after --keep-actors-s (3 s, the watchdog polls every second), their placement group removed.
     assert _gone(a["run_name"], within_s=15)
+
+
+def test_kept_actors_check_a_torchvision_model_for_the_next_command(head, tmp_path):
+    tv = ("--model", "resnet18", "--image-size", "32", "--steps", "2", "--eval-every", "2")
+    _finish(_command(head, tmp_path / "a", *tv))
+    a = _summary(tmp_path / "a")
+    assert a["startup"]["model_check"] == "driver"
+    _finish(_command(head, tmp_path / "b", *tv, "--keep-actors-s", "3"))
+    b = _summary(tmp_path / "b")
+    assert b["startup"]["model_check"] == "kept actor" and "renewed" in b["startup"]["actor_process"]
+    assert b["steps_done"] == 2 and b["status"] == "finished"
+    proc = _command(head, tmp_path / "c", *tv, "--model", "vit_b_16")   # (a transformer made for 224 px)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out
+    last = out.strip().splitlines()[-1]
+    assert "--model vit_b_16" in last and "Traceback" not in out, out
+    assert _gone(b["run_name"], within_s=15)   # (the run refused: the kept actors it claimed stopped)
 
 
 def test_a_killed_command_leaves_no_actor_nor_placement_group(head, tmp_path):

@@ -5,6 +5,7 @@ grid; without the tensorboard package, one note and no files."""
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 import torch
@@ -50,6 +51,10 @@ def test_rows_become_scalars_once_and_a_resume_purges_from_its_step(tmp_path):
     assert scalars(acc, "train/loss") == [(0, 1.0), (1, 0.5), (2, round(1 / 3, 6)), (3, 0.25)]
     assert scalars(acc, "val/accuracy") == [(2, 0.4), (3, 0.4)]
     # A run continued from step 2 in the same folder: what the first wrote from step 2 on is hidden.
+    # (A resumed run writes its file seconds later, from another process; TensorBoard reads a folder's
+    # files in name order, and two writers of one process within a second are told apart by a counter
+    # whose digits sort as text: 10 before 9. The second writer here starts in the next second.)
+    time.sleep(1.0 - time.time() % 1.0 + 0.05)
     again = EventFiles(tmp_path, start=2)
     again.add_rows(rows([0, 1, 2, 3, 4], scale=2.0))
     again.close()
