@@ -6,6 +6,9 @@
 # each command (rayconv's summary.json time_to_target_since_s; the anchor's, per mode, as though run alone).
 # RUNNING=1: rayconv runs on a Ray cluster started here first (`ray start --head` on its own ports and temp
 # dir, ended by its processes' ids), as a user who ran `ray start` before; default: rayconv starts Ray itself.
+# WARM=1 (with RUNNING=1): a short rayconv command (the same model, data and batch, 5 steps) runs on that
+# cluster first, so that the timed command finds the actors it kept (--keep-actors-s), as a user's second
+# command there does.
 set -uo pipefail  # each part runs even when one before it failed
 OUT_DIR=${1:?usage: fashion_mnist.sh OUT_DIR [DATA_DIR]}
 DATA=${2:-/usr/share/datasets/fashion-mnist}
@@ -30,6 +33,12 @@ if [ "${RUNNING:-0}" = 1 ]; then
     --ray-client-server-port $((PORT + 13700)) --min-worker-port $((PORT + 14600)) --max-worker-port $((PORT + 15599)) \
     --include-dashboard false > "$OUT_DIR/ray_start.log" 2>&1 || { echo "ray start failed:"; tail -5 "$OUT_DIR/ray_start.log"; }
   ADDRESS=(--address "127.0.0.1:$PORT")
+fi
+if [ "${WARM:-0}" = 1 ] && [ "${RUNNING:-0}" = 1 ]; then
+  echo "== a first command on the cluster (its actors kept for the timed one): --steps 5"
+  $PY -u -m rayconv.run --data fashion-mnist --data-dir "$DATA" --model resnet18 --image-size "$SIZE" \
+    --global-batch-size "$BATCH" --steps 5 --precision bf16 --compile "$COMPILE" --no-progress \
+    "${ADDRESS[@]}" --out "$OUT_DIR/first" 2>&1 | tail -2
 fi
 echo "== rayconv (${ADDRESS[*]}): $PY -m rayconv.run --data fashion-mnist --model resnet18 $RECIPE --opt sgd_nesterov --bias-weight-decay 0 --augment pad-crop --precision bf16 --compile $COMPILE"
 $PY -u -m rayconv.run --data fashion-mnist --data-dir "$DATA" --model resnet18 $RECIPE --opt sgd_nesterov \
