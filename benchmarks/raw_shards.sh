@@ -197,16 +197,18 @@ if watch.is_file() and large.get("step_ms"):
     rss = json.loads(watch.read_text())
     actors = [p for p, t in rss["titles"].items() if t.startswith("ray::Actor")] or list(rss["titles"])
     pid = max(actors, key=lambda p: rss["actors"][p])
-    samples = rss["samples"][pid]
+    readers = [p for p, t in rss["titles"].items() if t == "rayconv.data.raw_reader"]
     measured_s = steps * (large["step_ms"] + large["in_actor_step_ms"]) / 1e3
-    first = samples[-1][0] - measured_s
-    start = next((s for s in samples if s[0] >= first), samples[-1])
-    end, peak = samples[-1][1], max(s[1] for s in samples)
+    first = rss["samples"][pid][-1][0] - measured_s
     read_mib = 2 * steps * batch * size * size * 3 / 2**20   # the timed steps and the in-actor loop
     print("\n| raw-large private memory (RssAnon, MiB) | at the first timed step | end | peak | growth | "
           "bytes read by the measured steps (MiB) | samples |\n|---|---|---|---|---|---|---|")
-    print(f"| actor {pid} | {start[1]:.0f} (t {start[0]:.1f} s) | {end:.0f} (t {samples[-1][0]:.1f} s) | {peak:.0f} | "
-          f"{end - start[1]:+.0f} | {read_mib:.0f} | {len(samples)} |")
+    for who, p in [("actor", pid)] + [("its reader process", r) for r in readers]:
+        samples = rss["samples"][p]
+        start = next((s for s in samples if s[0] >= first), samples[-1])
+        end, peak = samples[-1][1], max(s[1] for s in samples)
+        print(f"| {who} {p} | {start[1]:.0f} (t {start[0]:.1f} s) | {end:.0f} (t {samples[-1][0]:.1f} s) | "
+              f"{peak:.0f} | {end - start[1]:+.0f} | {read_mib:.0f} | {len(samples)} |")
 p = out / "make-large.txt"
 if p.is_file():
     print("\n" + p.read_text().strip().splitlines()[-1])

@@ -5,7 +5,8 @@ its peak and its course, for benchmarks/shards_scale.sh and raw_shards.sh:
 
 runs the command, samples every 0.5 s each of its descendants whose command line Ray titled
 ``ray::Actor...`` or ``ray::rayconv...`` (the actors of the Ray cluster the command starts; their forked
-loader workers carry the same title; other clusters' actors on this machine are not counted), and writes
+loader workers carry the same title; other clusters' actors on this machine are not counted) or that runs
+a raw shard source's reader process (``python -m rayconv.data.raw_reader``), and writes
 ``{"actors": {pid: peak MiB}, "max_mib": ..., "samples": {pid: [[t, MiB], ...]}, "end_s": t}`` (the peak
 of each process sampled and every sample, t in seconds since the command started, ``end_s`` when it
 ended; RssAnon from /proc/PID/status, as ``rayconv/actor/rss.py`` reads it). Exits with the command's
@@ -29,11 +30,14 @@ def _actors(root: int) -> list[tuple[int, str]]:
     found = []
     for pid in descendants(root):
         try:
-            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
+        title = args[0].decode(errors="replace")
         if title.startswith(("ray::Actor", "ray::rayconv")):
             found.append((pid, title))
+        elif b"rayconv.data.raw_reader" in args[:3]:
+            found.append((pid, "rayconv.data.raw_reader"))
     return found
 
 
