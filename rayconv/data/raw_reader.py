@@ -80,7 +80,7 @@ class _Ring:
         base = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.registered = False
         if pin:
-            self.registered = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), len(self.mm), 0) == 0
+            self.registered = int(torch.cuda.cudart().cudaHostRegister(base.data_ptr(), len(self.mm), 1)) == 0
         self.pixels, self.words = [], []
         for k in range(slots):
             at = k * self.slot_bytes
