@@ -49,6 +49,7 @@ from rayconv.errors import DataError
 
 CHECK_S = 0.5   # a shard's file is checked at most this often (seconds), as the actor's readers did
 START_S = 60.0  # seconds the process may take to map a ring before the actor gives up on it
+REGISTER_PORTABLE = 1   # cudaHostRegisterPortable: page-locked for every CUDA context of the process
 
 
 def _layout(capacity: int, width: int) -> tuple[int, int]:
@@ -80,7 +81,7 @@ class _Ring:
         base = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.registered = False
         if pin:
-            self.registered = int(torch.cuda.cudart().cudaHostRegister(base.data_ptr(), len(self.mm), 1)) == 0
+            self.registered = int(torch.cuda.cudart().cudaHostRegister(base.data_ptr(), len(self.mm), REGISTER_PORTABLE)) == 0
         self.pixels, self.words = [], []
         for k in range(slots):
             at = k * self.slot_bytes
