@@ -60,6 +60,17 @@ def available_memory() -> Optional[int]:
     return None
 
 
+class _Aside:
+    """A batch made ahead on the side stream: what it was made for, its images and device labels, the
+    event that ends its making."""
+
+    def __init__(self, idx: np.ndarray, epoch: int, dtype, x: torch.Tensor, labels: torch.Tensor, event):
+        self.idx, self.epoch, self.dtype, self.x, self.labels, self.event = idx, epoch, dtype, x, labels, event
+
+    def serves(self, idx: np.ndarray, epoch: int, dtype) -> bool:
+        return self.epoch == epoch and self.dtype == dtype and (self.idx is idx or np.array_equal(self.idx, idx))
+
+
 class RawShardSource(Source):
     """A raw-pixel shard folder (``root``): labels read at open, pixels gathered per batch.
 
@@ -109,6 +120,8 @@ class RawShardSource(Source):
         self._reader: Optional[ReaderProcess] = None
         self._resident: dict[str, bool] = {}   # split -> read ahead whole (no per-batch read-ahead)
         self._graphs: Optional[ReplayedAugment] = None
+        self._side = None   # (a GPU's side stream, where batches are made: ``images``)
+        self._ready: dict[str, _Aside] = {}   # split -> its next announced batch, made ahead
         self._made: Optional[tuple] = None   # (split, idx, device labels) of the last images() on a GPU
 
     _epoch_params = OnDeviceSource._epoch_params
@@ -162,6 +175,7 @@ class RawShardSource(Source):
             self._reader.close()
             self._reader = None
         self._pending.clear()
+        self._ready.clear()
 
     def prefetch(self, split: str, epoch: int, batches: list[np.ndarray]) -> None:
         """Announce the next batches of ``split``: the first ``READ_AHEAD`` are requested of the reader
@@ -169,6 +183,7 @@ class RawShardSource(Source):
         here, the split's whole shards when they fit (``_read_ahead_whole``), else by the reader process
         for each batch ``READ_AHEAD`` further on and for the first batches now."""
         reader = self.reader()
+        self._ready.pop(split, None)
         old = self._pending.pop(split, None)
         if old:
             reader.forget(n for _, n in old)
@@ -219,23 +234,55 @@ class RawShardSource(Source):
         idx = np.asarray(idx, dtype=np.int64)
         if len(idx) == 0:
             return torch.empty((0, *self.sample_shape), device=dev, dtype=dtype or torch.float32)
+        if dev.type != "cuda" or self.auto_augment is not None:
+            x, labels = self._make(split, idx, dev, epoch, dtype)
+            if dev.type == "cuda":
+                self._made = (split, idx, labels)
+            return x
+        # On a GPU each batch is made on a side stream, the next announced one as soon as this one is
+        # handed over: its copy from the ring and its augmentation run while this batch's step computes.
+        main = torch.cuda.current_stream(dev)
+        ready = self._ready.pop(split, None)
+        if ready is None or not ready.serves(idx, epoch, dtype):
+            ready = self._made_aside(split, idx, dev, epoch, dtype)
+        main.wait_event(ready.event)
+        ready.x.record_stream(main)        # (made on the side stream: not reused there before this one's use)
+        ready.labels.record_stream(main)
+        self._made = (split, idx, ready.labels)
+        queue = self._pending.get(split)
+        if queue:
+            self._ready[split] = self._made_aside(split, queue[0][0], dev, epoch, dtype)
+        return ready.x
+
+    def _made_aside(self, split: str, idx: np.ndarray, dev: torch.device, epoch: int, dtype) -> "_Aside":
+        """``_make`` on the source's side stream (made once), and the event that ends it there."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(dev)
+        with torch.cuda.stream(self._side):
+            x, labels = self._make(split, idx, dev, epoch, dtype)
+            return _Aside(idx, epoch, dtype, x, labels, self._side.record_event())
+
+    def _make(self, split: str, idx: np.ndarray, dev: torch.device, epoch: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(batch ``idx`` of ``split`` augmented on ``dev``, its labels: on the device on a GPU, else
+        None) on the current stream: taken from the ring (``_take``), copied and augmented (one graph
+        replay on a GPU: augment_graph.py)."""
         slot, host, rows, labels = self._take(split, idx, dev)
         train = split == "train" and (self.augment != "none" or self.random_erase > 0
                                       or self.auto_augment is not None)
         params = self._epoch_params(dev, epoch) if train else {}
         indexed = {"rows": rows} if params else {}   # (the tables are indexed by sample)
         if dev.type == "cuda" and self.auto_augment is None:
-            # (the copy from the pinned ring buffer and the augmentation: one graph replay, augment_graph.py)
             x = self._replayed((train, dtype, None), {}, pixels=host, **indexed, **params)
         else:
             x = self._augment((train, dtype, epoch), pixels=to_device(host, dev),
                               **{k: to_device(v, dev) for k, v in indexed.items()}, **params)
-        if dev.type == "cuda":
-            # the batch's labels, from the pinned buffer the reader thread filled, for ``device_labels``
-            self._made = (split, idx, labels.to(dev, non_blocking=True))
-            if slot is not None:
-                self._reader.copied(split, slot)   # (the buffers are written again only after these copies)
-        return x
+        if dev.type != "cuda":
+            return x, None
+        # the batch's labels, from the buffer the reader process filled, for ``device_labels``
+        on_device = labels.to(dev, non_blocking=True)
+        if slot is not None:
+            self._reader.copied(split, slot)   # (the buffers are written again only after these copies)
+        return x, on_device
 
     def device_labels(self, split, idx, device):
         made, self._made = self._made, None
