@@ -1,11 +1,11 @@
 """The reader process of a raw-pixel shard source: a batch's pixels, sample indices and labels gathered
 by a process of its own into a ring of shared-memory buffers, which the actor copies to its device.
 
-Why a process: a reader thread in the actor's process holds the GIL for its few Python calls per batch,
-and the actor's step thread, which gives up the GIL around every device call (a graph replay, a copy),
-then waits to take it back; with reader threads running, those calls took about twice as long and the
-step became bound by the host (benchmarks/RESULTS.md, "Small images"). A process has a GIL of its own:
-the step thread's part per batch is one request sent and one reply received.
+Why a process: reader threads in the actor's process hold its GIL for their Python between copies,
+and every other thread of the actor (the step thread, which gives up the GIL around each device call
+and on CPUs around each operation) then waits to take it back; a process has a GIL of its own, and the
+step thread's part per batch is one request sent and one reply received (benchmarks/RESULTS.md,
+"Small images", has the reader's rate beside a busy thread either way).
 
 ``ReaderProcess(splits, width, pin)`` starts ``python -m rayconv.data.raw_reader`` (numpy and pyarrow
 only: no torch in it), which maps the same shard files read-only (the page cache is shared) and checks

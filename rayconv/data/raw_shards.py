@@ -7,7 +7,9 @@ to give it back), ``READ_AHEAD`` batches ahead, into one of ``RING`` buffers of 
 once per split (page-locked on GPU nodes: no page-locked allocation per batch; a buffer is written again
 only after the device copy that read it has finished), with the batch's sample indices and labels; the
 step thread sends one request and takes one reply per batch, then copies the buffers to the device,
-where the batch is augmented by batched tensor operations. The kernel is asked for the pages ahead: a
+where the batch is augmented by batched tensor operations. On a GPU the copy and the augmentation run
+on a side stream, the next announced batch's as soon as this one is handed over, so that they overlap
+the step's compute instead of preceding it on the step's stream (``images``). The kernel is asked for the pages ahead: a
 split whose shards take at most 1/``RESIDENT_SHARE`` of the node's available memory once, whole, at its
 first announcement; a larger one per batch, ``READ_AHEAD`` batches on (by the reader process).
 NHWC bytes seen as NCHW (a permuted view) are already channels_last, the layout the model takes on GPUs.
