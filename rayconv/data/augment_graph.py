@@ -94,7 +94,7 @@ class ReplayedAugment:
         current = torch.cuda.current_stream(device)
         self.stream.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the loader's reader threads and Ray's own threads touch CUDA meanwhile.
+        # thread_local: other threads of the actor (Ray's own, a loader's) touch CUDA meanwhile.
         with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
             out = self.fn(key, **held, **static)
         current.wait_stream(self.stream)

@@ -68,7 +68,7 @@ class RowGather:
 
     def rows_at(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(byte offsets of rows ``idx`` in the range, the shard number of each), int64 (len(idx),):
-        ``locate`` for many batches at once, before their reads are split among reader threads."""
+        ``locate`` for many batches at once (a whole announcement)."""
         idx = np.asarray(idx, dtype=np.int64)
         p = self._pieces(idx)
         return self.offsets[p] + (idx - self.firsts[p]) * self.width, self.shard_of[p]
