@@ -89,7 +89,10 @@ def kept_after(run: Run, actor_group: ActorGroup, summary: dict[str, Any]) -> di
     on the cluster for the next command where they may outlive this one (``cluster.across``), else for
     the next run of this process (``cluster.pool``)."""
     if across.enabled():
-        across.leave(actor_group, run.cfg.keep_actors_s)
+        n = len(actor_group.actors)
+        if across.leave(actor_group, run.cfg.keep_actors_s):
+            run.log(f"rayconv: {n} actors stay on the cluster for {run.cfg.keep_actors_s:g} s, for the next command "
+                    "that needs them (--keep-actors-s 0: stopped at the end instead)")
     else:
         pool.keep(actor_group, actor_group.key, run.cfg.keep_actors_s)
     return summary

@@ -127,6 +127,7 @@ def test_the_next_command_reuses_the_actors_and_unclaimed_they_end(head, tmp_pat
     first = _finish(_command(head, tmp_path / "a"))
     a = _summary(tmp_path / "a")
     assert "kept on the cluster" not in first
+    assert "rayconv: 1 actors stay on the cluster for 60 s, for the next command that needs them" in first
     assert len(_alive(a["run_name"])) == 1 and _pg_states(a["run_name"]) == ["CREATED"]   # (kept, 60 s)
     second = _finish(_command(head, tmp_path / "b", "--keep-actors-s", "3"))
     b = _summary(tmp_path / "b")
