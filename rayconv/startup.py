@@ -21,6 +21,7 @@ device) and their CUDA-graph capture are placed on the driver's clock from what 
     slowest     {"phase", "s"}: the longest stretch between two consecutive marks up to the first step
     actor_setup_s   the slowest actor's setup splits, seconds from its ``build`` call (``warmed_up``: the
                 wait for its warm-up, ``Actor.__init__``)
+    ended       (in summary.json) seconds from the origin to the summary: the whole run as its user waited
     model_check "driver", or "kept actor" where rank 0 of actors kept by a previous run checked a
                 torchvision model for a driver that had not imported torchvision (``resolve.WarmCheck``)
     actor_process   that actor's process on this clock (from its node's wall clock): process_started,
@@ -143,11 +144,12 @@ class StartupClock:
         slowest phase."""
         done = self.phases.get("first_step")
         name, s = self.slowest() or ("first_step", 0.0)
-        after = {"fit call": "after rayconv.fit was called", "main call": "after rayconv.run.main was called",
-                 "rayconv import": "after rayconv was imported"}.get(
-            self.since, "after the command")
-        when = f"{done:.1f} s {after}" if done is not None else "(not reached)"
+        when = f"{done:.1f} s {after(self.since)}" if done is not None else "(not reached)"
         return f"rayconv: step {step} done {when}; slowest: {self.label(name)} ({s:.1f} s)"
+
+    def elapsed(self) -> float:
+        """Seconds from the origin to now."""
+        return time.monotonic() - self.origin
 
     def record(self) -> dict[str, Any]:
         """summary.json's ``startup`` (see the module docstring)."""
@@ -157,6 +159,12 @@ class StartupClock:
                 "slowest": {"phase": slow[0], "s": round(slow[1], 4)} if slow else None,
                 "actor_setup_s": {k: round(v, 4) for k, v in self.actors.items()},
                 "actor_process": {k: round(v, 4) for k, v in sorted(self.timeline.items(), key=lambda kv: kv[1])}}
+
+
+def after(origin: str) -> str:
+    """Words for seconds counted from ``origin`` (a clock's ``since``): "after the command", ..."""
+    return {"fit call": "after rayconv.fit was called", "main call": "after rayconv.run.main was called",
+            "rayconv import": "after rayconv was imported"}.get(origin, "after the command")
 
 
 # The clock of the run in progress in this process (None outside one): the driver's modules mark it

@@ -22,6 +22,7 @@ from rayconv.outputs.checkpoint import list_checkpoints, remove_partial
 from rayconv.outputs.export import assemble, export_model
 from rayconv.planner.search import compare
 from rayconv.signals import stopped_by
+from rayconv.startup import after
 
 
 def finish(run: Run, actor_group: ActorGroup) -> dict[str, Any]:
@@ -49,10 +50,13 @@ def finish(run: Run, actor_group: ActorGroup) -> dict[str, Any]:
 
 def done_line(summary: dict[str, Any], out: Path) -> str:
     """The line a finished run ends with: final train loss, test accuracy, images/s ("n/a" where the
-    run has none: no step timed, no evaluation), wall time, the output folder."""
+    run has none: no step timed, no evaluation), wall time (from the run's checks, and from the command
+    where the start-up clock says), the output folder."""
+    st = summary.get("startup") or {}
+    since = f" ({st['ended']:.1f} s {after(st.get('origin', ''))})" if st.get("ended") is not None else ""
     return (f"done: train loss {_fmt(summary['final_train_loss'], '.4f')}, test accuracy "
             f"{_fmt(summary['test_accuracy'], '.4f')}, {_fmt(summary['images_per_s'], '.0f')} images/s, "
-            f"{summary['wall_time_s']:.1f} s -> {out}")
+            f"{summary['wall_time_s']:.1f} s{since} -> {out}")
 
 
 def _fmt(value: Optional[float], spec: str) -> str:
@@ -138,7 +142,8 @@ def summarize(run: Run, memory: list[dict[str, Any]], status: str = "finished") 
         "train_time_s": run.train_s, "wall_time_s": time.perf_counter() - s.t_start,
         # seconds since the command to each start-up phase (rayconv.startup); with data held on the device,
         # its one-time decode (decode_s, decoded_images, decode_workers)
-        "startup": {**run.startup.record(), **(held_decode(run.actor_reports) or {})},
+        "startup": {**run.startup.record(), "ended": round(run.startup.elapsed(), 4),
+                    **(held_decode(run.actor_reports) or {})},
         **run.target.summary(run.wall),
         "run_name": s.run_name,
         "resumed_from": str(s.resume.path) if s.resume is not None else None, "failures_recovered": run.failures,

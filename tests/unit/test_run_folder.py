@@ -213,3 +213,13 @@ def test_failed_run_keeps_the_results_it_wrote(setup_of, tmp_path):
     assert len(pq.read_table(out / "metrics.parquet").to_pylist()) == 30
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["steps_done"] == 30 and summary["error"].startswith("loss is nan")
+
+
+def test_end_line_gives_the_whole_run_from_its_origin():
+    """The run's own seconds (from its checks) and, beside them, the whole wait from the command or call."""
+    summary = {"final_train_loss": 0.07, "test_accuracy": 0.97, "images_per_s": 5168.4, "wall_time_s": 8.7,
+               "startup": {"origin": "process start", "ended": 29.74}}
+    assert done_line(summary, Path("/r")) == ("done: train loss 0.0700, test accuracy 0.9700, 5168 images/s, "
+                                              "8.7 s (29.7 s after the command) -> /r")
+    summary["startup"]["origin"] = "fit call"
+    assert "(29.7 s after rayconv.fit was called)" in done_line(summary, Path("/r"))
