@@ -73,7 +73,10 @@ def dashboard():
            *[f"{flag}={port}" for flag, port in ports.items()]]
     env = {**os.environ, "RAY_metrics_report_interval_ms": "500",  # inherited by the raylet and workers
            # the dashboard's modules start as processes: on a loaded 2-core machine 30 s (the default) is short
-           "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": "180"}
+           "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": "180",
+           # on SIGTERM the head stops its processes at once instead of first draining the node for up
+           # to 30 s (a wait for work to move elsewhere: there is none to move at the module's end)
+           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     log = Path(temp_dir) / "ray-start.log"
     with log.open("w") as f:
         head = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
