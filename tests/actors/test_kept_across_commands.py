@@ -70,7 +70,7 @@ def head():
         yield address
     finally:
         ray.shutdown()
-        proc.send_signal(signal.SIGTERM)   # (ray start --block stops its node's processes)
+        os.killpg(proc.pid, signal.SIGTERM)   # (the whole instance: docs/operations.md, a shared host)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
