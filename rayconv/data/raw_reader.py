@@ -47,7 +47,7 @@ from rayconv.data.raw_gather import RowGather
 from rayconv.data.shard_files import OpenShard
 from rayconv.errors import DataError
 
-CHECK_S = 0.5   # a shard's file is checked at most this often (seconds), as the actor's readers did
+CHECK_S = 0.5   # a shard's file is checked at most this often (seconds): a random batch touches every shard
 START_S = 60.0  # seconds the process may take to map a ring before the actor gives up on it
 REGISTER_PORTABLE = 1   # cudaHostRegisterPortable: page-locked for every CUDA context of the process
 
@@ -56,6 +56,19 @@ def _layout(capacity: int, width: int) -> tuple[int, int]:
     """(bytes of one slot, offset of its words): pixels first, the int64 words 64-byte aligned after."""
     words_at = -(-capacity * width // 64) * 64
     return -(-(words_at + 16 * capacity) // 64) * 64, words_at
+
+
+def _slots(base: Any, slots: int, capacity: int, width: int, int64: Any) -> tuple[list, list]:
+    """The ring's views, the same in both processes: per slot its uint8 (capacity, width) pixels and
+    its (2, capacity) ``int64`` words, from ``base``, the whole mapping as a flat uint8 torch tensor (the
+    actor) or numpy array (the reader process)."""
+    slot_bytes, words_at = _layout(capacity, width)
+    pixels, words = [], []
+    for k in range(slots):
+        at = k * slot_bytes
+        pixels.append(base[at:at + capacity * width].reshape(capacity, width))
+        words.append(base[at + words_at:at + words_at + 16 * capacity].view(int64).reshape(2, capacity))
+    return pixels, words
 
 
 # ---------------------------------------------------------------------------------- the actor's side
@@ -67,7 +80,7 @@ class _Ring:
         import torch
 
         self.key, self.slots, self.capacity, self.width = key, slots, capacity, width
-        self.slot_bytes, words_at = _layout(capacity, width)
+        self.slot_bytes = _layout(capacity, width)[0]
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         fd, self.path = tempfile.mkstemp(prefix="rayconv-ring-", dir=folder)
         try:
@@ -82,29 +95,27 @@ class _Ring:
         self.registered = False
         if pin:
             self.registered = int(torch.cuda.cudart().cudaHostRegister(base.data_ptr(), len(self.mm), REGISTER_PORTABLE)) == 0
-        self.pixels, self.words = [], []
-        for k in range(slots):
-            at = k * self.slot_bytes
-            self.pixels.append(base[at:at + capacity * width].view(capacity, width))
-            self.words.append(base[at + words_at:at + words_at + 16 * capacity].view(torch.int64).view(2, capacity))
+        self.pixels, self.words = _slots(base, slots, capacity, width, torch.int64)
         self.base = base
         self.copies: list[Any] = [None] * slots
         self.k = 0
 
     def claim(self) -> int:
-        """The next slot, once the device copies last made from it have finished."""
+        """The next slot, once the device copies last made from it have finished (long done: the slot
+        was copied ``slots`` batches ago)."""
         slot, self.k = self.k, (self.k + 1) % self.slots
-        done = self.copies[slot]
-        if done is not None:
-            done.synchronize()   # (long done: the slot was copied ``slots`` batches ago)
-            self.copies[slot] = None
+        self._copied(slot)
         return slot
 
     def wait_copies(self) -> None:
-        for k, done in enumerate(self.copies):
-            if done is not None:
-                done.synchronize()
-                self.copies[k] = None
+        for slot in range(self.slots):
+            self._copied(slot)
+
+    def _copied(self, slot: int) -> None:
+        """Wait for the device copies last made from ``slot``, if any."""
+        done, self.copies[slot] = self.copies[slot], None
+        if done is not None:
+            done.synchronize()
 
     def close(self) -> None:
         """Unmap (after ``wait_copies``); a batch still referenced keeps the mapping until it is freed."""
@@ -335,15 +346,9 @@ def serve(requests: Connection, replies: Connection) -> None:
             return
         if op == "ring":
             _, split, key, path, slots, capacity, width = message
-            slot_bytes, words_at = _layout(capacity, width)
             with open(path, "r+b") as f:
-                mm = mmap.mmap(f.fileno(), slots * slot_bytes)
-            base = np.frombuffer(mm, dtype=np.uint8)
-            pixels = [base[k * slot_bytes:k * slot_bytes + capacity * width].reshape(capacity, width)
-                      for k in range(slots)]
-            words = [base[k * slot_bytes + words_at:k * slot_bytes + words_at + 16 * capacity].view(np.int64)
-                     .reshape(2, capacity) for k in range(slots)]
-            rings[key] = (mm, pixels, words)
+                mm = mmap.mmap(f.fileno(), slots * _layout(capacity, width)[0])
+            rings[key] = (mm, *_slots(np.frombuffer(mm, dtype=np.uint8), slots, capacity, width, np.int64))
             replies.send(("mapped", key))
         elif op == "drop":
             rings.pop(message[1], None)   # (unmapped as the views go)

@@ -186,9 +186,7 @@ class RawShardSource(Source):
         for each batch ``READ_AHEAD`` further on and for the first batches now."""
         reader = self.reader()
         self._ready.pop(split, None)
-        old = self._pending.pop(split, None)
-        if old:
-            reader.forget(n for _, n in old)
+        self._drop_pending(split)
         queue: deque = deque([np.asarray(b, dtype=np.int64), None] for b in batches if len(b))
         if not queue:
             return
@@ -199,6 +197,13 @@ class RawShardSource(Source):
         self._pending[split] = queue
         for k in range(min(READ_AHEAD, len(queue))):
             self._submit(split, queue, k)
+
+    def _drop_pending(self, split: str) -> None:
+        """Forget ``split``'s announced batches (a new announcement, or a batch taken that was not the
+        next announced): the reader process's replies to their requests are dropped as they come."""
+        old = self._pending.pop(split, None)
+        if old and self._reader is not None:
+            self._reader.forget(n for _, n in old)
 
     def _submit(self, split: str, queue: deque, k: int) -> None:
         later = queue[k + READ_AHEAD][0] if k + READ_AHEAD < len(queue) and not self._resident[split] else None
@@ -213,9 +218,7 @@ class RawShardSource(Source):
         queue = self._pending.get(split)
         ahead = None
         if not queue or not np.array_equal(queue[0][0], idx):
-            old = self._pending.pop(split, None)
-            if old and self._reader is not None:
-                self._reader.forget(n for _, n in old)
+            self._drop_pending(split)
         else:
             _, ahead = queue.popleft()
             if len(queue) >= READ_AHEAD and queue[READ_AHEAD - 1][1] is None:

@@ -10,8 +10,8 @@ How each command is checked (``KINDS``; a command of no kind fails ``test_every_
   ``rayconv.plan``, ``rayconv.prepare``, ``rayconv.bench``, ``rayconv.tune`` (its parser and its checks before Ray starts);
 * run by another test, named here and checked to exist: the main job (``tests/ops/test_cli.py``), the
   test command (``.ci/run``), ``ray job submit`` (``tests/ops/test_dashboard.py``, whose inner
-  ``rayconv.run`` is parsed here too), a Ray head started in a session of its own and ended by its
-  process group (``tests/actors/test_kept_across_commands.py``'s ``head``);
+  ``rayconv.run`` is parsed here too), a Ray head started by ``setsid`` as a process group of its own and
+  ended by SIGTERM to that group (``tests/actors/test_kept_across_commands.py``'s ``head``);
 * install commands: the same as ``.ci/run``'s, which CI runs on a fresh machine;
 * scripts under ``benchmarks/`` and ``tests/``: the file exists and takes every flag given;
 * commands that need a cloud or a running run (``ray up``/``down``/``dashboard``/``rsync-down`` of
@@ -197,8 +197,8 @@ KINDS = [
     ("TensorBoard's own viewer; the event files are read back by tests/unit/test_tensorboard.py",
      lambda a: a[:2] == ["tensorboard", "--logdir"],
      lambda a: has_function("tests/unit/test_tensorboard.py", "test_rows_become_scalars_once_and_a_resume_purges_from_its_step")),
-    ("done by tests/actors/test_kept_across_commands.py's head: ray start --block in a session of its own, "
-     "ended by SIGTERM to its process group", lambda a: a[:3] == ["setsid", "ray", "start"] or a[:2] == ["kill", "--"],
+    ("done by tests/actors/test_kept_across_commands.py's head: ray start --block as a process group of its "
+     "own, ended by SIGTERM to that group", lambda a: a[:3] == ["setsid", "ray", "start"] or a[:2] == ["kill", "--"],
      lambda a: has_function("tests/actors/test_kept_across_commands.py", "head")),
     ("needs a cloud or a running run", lambda a: a[:2] in (["ray", "up"], ["ray", "down"], ["ray", "dashboard"],
      ["ray", "rsync-down"], ["ray", "list"]) or a[:1] == ["curl"], check_cloud),
