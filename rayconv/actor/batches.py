@@ -17,9 +17,11 @@ that computes the loss mixes the one-hot labels the same way into soft targets (
 same mixed global batch.
 
 The prefetch protocol (``Source.prefetch``): the first stage announces, before reading them, the
-index arrays it will ask ``images`` for, in order -- for training the rest of the epoch at the
-epoch's first step (and at an actor's first step, after a resume), each step's own samples followed
-by their partners' when mixing, for evaluation every chunk; a source that decodes files starts
+index arrays it will ask ``images`` for, in order -- for training the next epoch once the epoch's
+last step is under way (``announce_next``: the next epoch's first batches are read and made while the
+last step computes and the evaluation runs), the rest of the epoch at an actor's first step (after a
+resume) or at an epoch's first step that was not announced ahead, each step's own samples followed
+by their partners' when mixing; for evaluation every chunk. A source that decodes files starts
 decoding them then. ``Batches.announce`` is the one place that announces.
 """
 
@@ -74,12 +76,14 @@ class Batches:
 
     def __init__(self, source: Source, sharding: Sharding, mesh: Mesh, coord: Coord, device: torch.device,
                  input_dtype: torch.dtype, batch_gather: Optional[BatchGather],
-                 mix: tuple[float, float] = (0.0, 0.0)):
+                 mix: tuple[float, float] = (0.0, 0.0), epochs: Optional[int] = None):
         self.source, self.sharding, self.mesh, self.coord = source, sharding, mesh, coord
         self.device, self.input_dtype = device, input_dtype
         self.is_first, self.is_last = coord.pp == 0, coord.pp == mesh.pp - 1
         self.batch_gather = batch_gather  # (the per-layer plan's: it needs every replica's labels)
         self.first_step = 0  # the first step this actor runs (after a resume, not 0)
+        self.epochs = epochs  # the epochs the run trains (None: no end known); none is announced past them
+        self.announced: Optional[int] = None  # the epoch whose training batches were announced last
         self.mix_alphas = mix
         self.mix: Optional[StepMix] = None  # the mix of the step train_indices last named
         # soft targets in the parameters' precision (float64 runs stay exact)
@@ -88,15 +92,32 @@ class Batches:
     # ------------------------------------------------------------------ which samples
     def train_indices(self, step: int) -> tuple[int, list[np.ndarray]]:
         """(epoch, every replica's sample indices) of global step ``step``, and its mix (``self.mix``);
-        announces the rest of the epoch to the loader at its first step (and at this actor's first step)."""
+        announces the rest of the epoch to the loader at this actor's first step, and at an epoch's first
+        step that ``announce_next`` did not announce."""
         epoch, step_in_epoch = divmod(step, self.sharding.steps_per_epoch)
+        if step == self.first_step or (step_in_epoch == 0 and self.announced != epoch):
+            self._announce_epoch(epoch, step_in_epoch)
         replica_idx = [self.sharding.replica_batch(epoch, step_in_epoch, r)[0] for r in range(self.mesh.dp)]
         self.mix = self.step_mix(step)
-        if step_in_epoch == 0 or step == self.first_step:
-            first = step - step_in_epoch
-            self.announce("train", epoch, [self._read("train", epoch, s, self.step_mix(first + s))
-                                           for s in range(step_in_epoch, self.sharding.steps_per_epoch)])
         return epoch, replica_idx
+
+    def announce_next(self, step: int) -> None:
+        """After step ``step``'s batch was read and its computation launched: at an epoch's last step,
+        announce the next epoch's batches (unless the run ends with this epoch), so that the source reads
+        them while this step computes and the evaluation runs."""
+        epoch, step_in_epoch = divmod(step, self.sharding.steps_per_epoch)
+        if (step_in_epoch == self.sharding.steps_per_epoch - 1 and self.is_first
+                and (self.epochs is None or epoch + 1 < self.epochs)):
+            self._announce_epoch(epoch + 1, 0)
+
+    def _announce_epoch(self, epoch: int, step_in_epoch: int) -> None:
+        """Announce ``epoch``'s training batches from ``step_in_epoch`` on (first stage only)."""
+        if not self.is_first:
+            return
+        first = epoch * self.sharding.steps_per_epoch
+        self.announce("train", epoch, [self._read("train", epoch, s, self.step_mix(first + s))
+                                       for s in range(step_in_epoch, self.sharding.steps_per_epoch)])
+        self.announced = epoch
 
     def step_mix(self, step: int) -> Optional[StepMix]:
         """The mixup/cutmix of global step ``step`` (``recipe.mix.draw_mix`` from (seed, step)), None

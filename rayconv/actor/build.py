@@ -16,7 +16,7 @@ from torch import nn
 
 from rayconv.actor.batches import Batches
 from rayconv.actor.cuda_graph import StepGraph
-from rayconv.actor.recipe_step import RecipeStep, build_optimizer
+from rayconv.actor.recipe_step import RecipeStep, build_optimizer, run_epochs
 from rayconv.cluster.connect import assigned_gpu_index
 from rayconv.config import Config
 from rayconv.data.registry import make_source
@@ -140,7 +140,7 @@ def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, r
     runner = _stage_runner(routing, mesh, coord, groups, part, sync, parallel, compiled, device, dtype, autocast)
     is_last = stage == mesh.pp - 1
     batches = Batches(source, sharding, mesh, coord, device, input_dtype, parallel.sharded.batch_gather,
-                      mix=(cfg.mixup_alpha, cfg.cutmix_alpha))
+                      mix=(cfg.mixup_alpha, cfg.cutmix_alpha), epochs=run_epochs(cfg, sharding.steps_per_epoch))
     recipe = RecipeStep(cfg, parallel, optimizer, groups, coord, per_layer, device, sharding.steps_per_epoch)
     # Data held on the device (--data-on-device) is decoded here, by the first stage (which reads
     # images), so that the decode is not inside the first timed step.

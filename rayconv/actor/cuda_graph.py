@@ -14,7 +14,8 @@ What a replay needs, and how it is kept:
   (``sgd_step``; torch.optim.SGD reads a tensor learning rate on the host, which a graph cannot);
 - dropout: the seeds set before a replay reach the captured kernels through the generators'
   graph-safe state (the default CUDA generator, and each registered ``torch.Generator``);
-- the same shapes: a step of another shape (an epoch's last partial batch) runs eagerly instead.
+- the same shapes: each step shape has a graph of its own (the full batch's, and an epoch's last, partial
+  batch's, captured after it ran eagerly once).
 """
 
 from __future__ import annotations
@@ -69,20 +70,27 @@ def sgd_step(optimizer: torch.optim.SGD, lr: dict[torch.dtype, torch.Tensor]) ->
 
 
 class StepGraph:
-    """One actor's captured training step.
+    """One actor's captured training steps, one CUDA graph per step shape.
 
     ``warmup`` eager steps run first (on the capture stream: libraries set up per-stream state, compiled
     code compiles, NCCL connects its peers); the next step of ``key`` (whatever fixes a step's shapes:
-    the per-replica batch sizes of a full global batch) is captured and replayed from then on; steps
-    of other keys (an epoch's last partial batch) stay eager.
+    the per-replica batch sizes of a full global batch) is captured and replayed from then on. A step of
+    another key (an epoch's last, partial batch) runs eagerly once (cuDNN picks its algorithms for the
+    shape; the warm-up of ``key`` set up the rest), then is captured too, in a graph and memory pool of its own, and replayed
+    at each epoch's end; at most ``MAX_KEYS`` keys are captured, later ones stay eager. Every step of a
+    key replays the same graph, and every rank captures the same keys at the same steps (a key is the
+    global batch's split), so the graphs' collectives match across ranks.
     """
+
+    MAX_KEYS = 2
 
     def __init__(self, device: torch.device, key: Hashable, warmup: int = 2):
         self.device, self.key, self.warmup = device, key, warmup
         self.stream = torch.cuda.Stream(device)
-        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = {}   # key -> (graph, what step returned)
+        self.eager_runs: dict[Hashable, int] = {}   # key -> eager steps of that key so far
         self.eager_steps = 0
-        self.static: dict[str, torch.Tensor] = {}
+        self.static: dict[tuple, torch.Tensor] = {}
         self.capture_s: Optional[float] = None  # host seconds of the last capture, until taken
         # whether the last ``run`` replayed a capture made before it: it set no gradient attribute
         # (a replay writes the graph's own gradient memory; ``.grad`` stays as it was after the capture)
@@ -94,22 +102,28 @@ class StepGraph:
         return s
 
     def reset(self) -> None:
-        """Forget the capture (after tensors it recorded were replaced, e.g. optimizer state loaded)."""
-        self.graph, self.eager_steps, self.replayed = None, 0, False
+        """Forget the captures (after tensors they recorded were replaced, e.g. optimizer state loaded)."""
+        self.graphs, self.eager_runs, self.eager_steps, self.replayed = {}, {}, 0, False
         self.static = {}
 
     def buffer(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        """``value`` copied into the static buffer ``name`` (made on first use, same shape and layout;
-        only steps of the captured key use the buffers, so their shapes never change)."""
-        buf = self.static.get(name)
+        """``value`` copied into the static buffer ``name`` of its shape (made on first use, same shape and
+        layout): a captured step reads its inputs there. Steps of two keys may share a buffer of one
+        shape: each copies its own input in before its replay, on the stream the replays run on."""
+        buf = self.static.get((name, value.shape, value.dtype))
         if buf is None:
-            buf = self.static[name] = torch.empty_like(value)
+            buf = self.static[(name, value.shape, value.dtype)] = torch.empty_like(value)
         buf.copy_(value, non_blocking=True)
         return buf
 
     def will_replay(self, key: Hashable) -> bool:
         """Whether the step of ``key`` replays (or captures) rather than running eagerly."""
-        return self.eager_steps >= self.warmup and key == self.key
+        if key in self.graphs:
+            return True
+        if key == self.key:
+            return self.eager_steps >= self.warmup
+        return (self.eager_steps >= self.warmup and self.eager_runs.get(key, 0) >= 1
+                and len(self.graphs) < self.MAX_KEYS)
 
     def eager(self, step: Callable[[], object]) -> object:
         """Run ``step()`` eagerly on the capture stream, as warm-up steps run (a profiled step between
@@ -122,14 +136,15 @@ class StepGraph:
         return out
 
     def run(self, key: Hashable, step: Callable[[], object], generators: Iterable[torch.Generator] = ()) -> object:
-        """Run ``step()`` eagerly (warm-up, or a shape that was not captured) or replay its capture.
+        """Run ``step()`` eagerly (warm-up, or a shape not captured yet) or replay its key's capture.
         Returns what ``step`` returned (from the capture when replaying: its tensors hold this step's
         values after the replay). Raises what capture raises (an operation a graph cannot hold)."""
-        self.replayed = self.graph is not None and self.will_replay(key)
+        self.replayed = key in self.graphs
         if not self.will_replay(key):
             self.eager_steps += 1
+            self.eager_runs[key] = self.eager_runs.get(key, 0) + 1
             return self.eager(step)
-        if self.graph is None:
+        if key not in self.graphs:
             graph = torch.cuda.CUDAGraph()
             for g in generators:
                 graph.register_generator_state(g)  # (the default CUDA generator is registered already)
@@ -137,8 +152,9 @@ class StepGraph:
             t0 = time.perf_counter()
             # thread_local: Ray's and NCCL's own threads may touch CUDA while this thread captures.
             with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
-                self.out = step()
-            self.graph = graph
+                out = step()
+            self.graphs[key] = (graph, out)
             self.capture_s = time.perf_counter() - t0
-        self.graph.replay()
-        return self.out
+        graph, out = self.graphs[key]
+        graph.replay()
+        return out

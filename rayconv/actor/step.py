@@ -87,6 +87,7 @@ def train_step(a: ActorState, step: int, lr: float, profile: bool, t0: float) ->
         res, loss = graph.eager(one_step)
     else:
         res, loss = one_step()
+    a.batches.announce_next(step)   # (at an epoch's end: the next epoch read while this step computes)
     exchange_s = comm.exposed_s()
     comm.time_exchanges(False)
     if a.compiled and not a.shapes_fixed and key == a.full_batch:

@@ -30,6 +30,11 @@ from rayconv.layout import Layout
 from rayconv.parallel.pipeline import bubble_fraction
 
 
+# The bench calls each step itself, as many as it times: its run has no end the actors should see (they
+# announce each next epoch to the source ahead, as in the middle of a run: ``actor.batches``).
+BENCH_EPOCHS = 1_000_000
+
+
 def base_config(args, model: str, layout: Layout, global_batch: int) -> Config:
     """The validated Config the bench runs ``layout`` of ``model`` with (its flags ``args``: data,
     precision, device, compile, CUDA graphs); synthetic data has 1000 classes. Raises ConfigError."""
@@ -41,7 +46,8 @@ def base_config(args, model: str, layout: Layout, global_batch: int) -> Config:
                               precision=args.precision, device=args.device, address=args.address,
                               progress=False, lr=0.01, compile=args.compile,
                               cuda_graphs=args.cuda_graphs, all_gpus_visible=args.all_gpus_visible,
-                              cudnn_benchmark="on")  # (steady images/s: cuDNN's timed choice, as the anchors')
+                              cudnn_benchmark="on",  # (steady images/s: cuDNN's timed choice, as the anchors')
+                              epochs=BENCH_EPOCHS)
     kw.update(layout.to_config_fields())
     return Config(**kw).validate()
 
@@ -61,18 +67,20 @@ class _Calls:
         return self.actor_group.call(method, *args, timeout_s=self.limit)
 
 
-WARMUP_EPOCH_MAX = 1000   # the warm-up runs through the first epoch's partial batch for epochs of at most this many steps
+WARMUP_EPOCH_MAX = 1000   # the warm-up runs through the first epochs' partial batches for epochs of at most this many steps
 
 
-def warmup_steps(warmup: int, sharding) -> int:
+def warmup_steps(warmup: int, sharding, graphs: bool = False) -> int:
     """The warm-up's steps: ``warmup``, or, when the epoch ends in a partial batch and has more steps than
-    ``warmup`` but at most ``WARMUP_EPOCH_MAX``, the whole first epoch. A partial batch's first step pays
-    its shape's one-time set-up (it runs eagerly: cuDNN's plans for each convolution of the new shape,
-    the batch's augmentation captured again: seconds on a GPU, RESULTS.md) inside the timed steps
-    otherwise; the later epochs' ends, which recur, are timed."""
+    ``warmup`` but at most ``WARMUP_EPOCH_MAX``, the whole first epoch (with whole-step CUDA graphs,
+    ``graphs``, the first two). A partial batch's first step pays its shape's one-time set-up (it runs
+    eagerly: cuDNN's plans for each convolution of the new shape, the batch's augmentation captured
+    again: seconds on a GPU, RESULTS.md), and under CUDA graphs the second is captured
+    (``actor.cuda_graph.StepGraph``): inside the timed steps otherwise; the later epochs' ends, which
+    recur, are timed."""
     spe = sharding.steps_per_epoch
     partial = sharding.train_samples % sharding.global_batch_size != 0
-    return spe if partial and warmup < spe <= WARMUP_EPOCH_MAX else warmup
+    return (2 if graphs else 1) * spe if partial and warmup < spe <= WARMUP_EPOCH_MAX else warmup
 
 
 def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_steps: int = 0,
@@ -92,7 +100,7 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
     limit = call_timeout_s if call_timeout_s is not None else default_call_timeout_s(cfg)
     actor_group, reports = launch(cfg, mesh, routing, sharding, f"bench-{os.getpid()}-{time.monotonic_ns() % 10**9}")
     calls = _Calls(actor_group, cfg.lr, limit)
-    warmup = warmup_steps(warmup, sharding)
+    warmup = warmup_steps(warmup, sharding, graphs=bool(reports[0].get("cuda_graphs")))
     try:
         warm_from = time.monotonic()
         got: dict[str, Any] = _warm_up(calls, warmup, compiles=bool(reports[0].get("compiled")))

@@ -8,8 +8,9 @@ once per split (page-locked on GPU nodes: no page-locked allocation per batch; a
 only after the device copy that read it has finished), with the batch's sample indices and labels; the
 step thread sends one request and takes one reply per batch, then copies the buffers to the device,
 where the batch is augmented by batched tensor operations. On a GPU the copy and the augmentation run
-on a side stream, the next announced batch's as soon as this one is handed over, so that they overlap
-the step's compute instead of preceding it on the step's stream (``images``). The kernel is asked for the pages ahead: a
+on a side stream, the next announced batch's as soon as this one is handed over (and a new
+announcement's first batch as it is announced: the next epoch's during the last step of this one), so
+that they overlap the step's compute instead of preceding it on the step's stream (``images``). The kernel is asked for the pages ahead: a
 split whose shards take at most 1/``RESIDENT_SHARE`` of the node's available memory once, whole, at its
 first announcement; a larger one per batch, ``READ_AHEAD`` batches on (by the reader process).
 NHWC bytes seen as NCHW (a permuted view) are already channels_last, the layout the model takes on GPUs.
@@ -124,6 +125,7 @@ class RawShardSource(Source):
         self._graphs: Optional[ReplayedAugment] = None
         self._side = None   # (a GPU's side stream, where batches are made: ``images``)
         self._ready: dict[str, _Aside] = {}   # split -> its next announced batch, made ahead
+        self._aside_on: dict[str, tuple] = {}   # split -> (device, dtype) its batches were last made aside for
         self._made: Optional[tuple] = None   # (split, idx, device labels) of the last images() on a GPU
 
     _epoch_params = OnDeviceSource._epoch_params
@@ -178,12 +180,14 @@ class RawShardSource(Source):
             self._reader = None
         self._pending.clear()
         self._ready.clear()
+        self._aside_on.clear()
 
     def prefetch(self, split: str, epoch: int, batches: list[np.ndarray]) -> None:
         """Announce the next batches of ``split``: the first ``READ_AHEAD`` are requested of the reader
         process now, into the split's ring, one more as each is taken. The pages are asked of the kernel
         here, the split's whole shards when they fit (``_read_ahead_whole``), else by the reader process
-        for each batch ``READ_AHEAD`` further on and for the first batches now."""
+        for each batch ``READ_AHEAD`` further on and for the first batches now. On a GPU, where the split's
+        batches were made on the side stream before, the first announced batch is made there now."""
         reader = self.reader()
         self._ready.pop(split, None)
         self._drop_pending(split)
@@ -197,6 +201,9 @@ class RawShardSource(Source):
         self._pending[split] = queue
         for k in range(min(READ_AHEAD, len(queue))):
             self._submit(split, queue, k)
+        made = self._aside_on.get(split)
+        if made is not None:   # (on a GPU: the first announced batch made now, while the current step computes)
+            self._ready[split] = self._made_aside(split, queue[0][0], made[0], epoch, made[1])
 
     def _drop_pending(self, split: str) -> None:
         """Forget ``split``'s announced batches (a new announcement, or a batch taken that was not the
@@ -247,6 +254,7 @@ class RawShardSource(Source):
         # On a GPU each batch is made on a side stream, the next announced one as soon as this one is
         # handed over: its copy from the ring and its augmentation run while this batch's step computes.
         main = torch.cuda.current_stream(dev)
+        self._aside_on[split] = (dev, dtype)
         ready = self._ready.pop(split, None)
         if ready is None or not ready.serves(idx, epoch, dtype):
             ready = self._made_aside(split, idx, dev, epoch, dtype)

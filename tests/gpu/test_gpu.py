@@ -161,6 +161,68 @@ def test_captured_sgd_update_equals_torch_sgd_on_gpu():
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6)
 
 
+def test_step_graph_captures_the_partial_batch_as_well_and_replays_as_eager():
+    """Epochs of two full batches (64) and a partial one (24) through ``StepGraph``: the full shape is
+    captured after two warm-up steps, the partial one after its first (eager) step, each in a graph of
+    its own, and replayed from then on; parameters, momentum and batch-norm statistics equal the same
+    steps run eagerly (float64). A replay that read the other shape's inputs, or a shape left eager,
+    would fail."""
+    from torch import nn
+    from torch.nn import functional as F
+
+    from rayconv.actor.cuda_graph import StepGraph, sgd_step
+
+    dev = torch.device("cuda", 0)
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5)).to(dev, torch.float64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+        return model, opt, {torch.float64: torch.tensor(0.1, device=dev, dtype=torch.float64)}
+
+    def one(model, opt, lr_t, x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        sgd_step(opt, lr_t)
+        return loss.detach()
+
+    g = torch.Generator(device=dev).manual_seed(1)
+    data = [(torch.randn(n, 3, 8, 8, device=dev, dtype=torch.float64, generator=g),
+             torch.randint(0, 5, (n,), device=dev, generator=g)) for n in [64, 64, 24] * 4]
+    eager = make()
+    for x, y in data:
+        one(*eager, x, y)
+        eager[1].zero_grad(set_to_none=True)
+    graphed, graph, losses = make(), StepGraph(dev, (64,)), []
+    for x, y in data:
+        key = (len(x),)
+        if graph.will_replay(key):
+            x, y = graph.buffer("images", x), graph.buffer("labels", y)
+        losses.append(graph.run(key, lambda: one(*graphed, x, y)).clone())
+        if not graph.replayed:
+            graphed[1].zero_grad(set_to_none=True)
+    torch.cuda.synchronize(dev)
+    assert set(graph.graphs) == {(64,), (24,)}
+    assert_same_state(graphed[0].state_dict(), eager[0].state_dict(), atol=1e-12)
+    for p, q in zip(graphed[0].parameters(), eager[0].parameters()):
+        torch.testing.assert_close(graphed[1].state[p]["momentum_buffer"], eager[1].state[q]["momentum_buffer"],
+                                   rtol=0, atol=1e-12)
+    assert len({round(float(v), 12) for v in losses}) == len(losses)   # (each step's own loss came back)
+
+
+def test_a_run_whose_epochs_end_in_a_partial_batch_replays_it_and_equals_single_device_sgd(gpu_cluster, tmp_path):
+    """Digits (1,438 train images) in global batches of 96: 15 steps an epoch, the last of 94; three
+    epochs with CUDA graphs (the partial step eager, then captured, then replayed) equal single-device SGD."""
+    kw = dict(model="convnet", data="digits", global_batch_size=96, steps=45, precision="fp64", device="cuda",
+              cuda_graphs="on", progress=False, out=str(tmp_path / "run"))
+    cfg = Config(**kw).validate()
+    summary = train_run(cfg, log=print)
+    assert all(a["cuda_graphs"] for a in summary["actors"])
+    got = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    assert_same_state(got, reference_sgd(cfg, 45), atol=1e-8)
+
+
 @two_gpus
 def test_crossing_sends_of_1f1b_complete_eagerly_and_in_a_graph():
     """Two ranks each send 64 MB to the other while receiving (1F1B's steady state) through
