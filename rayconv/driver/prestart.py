@@ -3,10 +3,9 @@
 ``start_first`` runs before the command and ``rayconv.fit`` import ``driver.job`` (``api.start_and_train``):
 where the run's actors can start before the driver's checks (``can_start_first``: no ``--resume``, no user's
 model or ``--init`` file, no ``--layout auto``, and ``driver.early``'s conditions), it checks the output
-folder (named by the caller: ``with_output_folder``), connects Ray (``connect_run``), resolves the device
-and ``dp`` (``resolve_layout``) and starts the actors (``driver.early.EarlyActors``), all without torch,
-while a thread of its own imports the driver's training code, torch with it (seconds;
-``import_in_background``), which then goes on while the actors' processes start and import theirs. ``train_run`` then
+folder (named by the caller: ``with_output_folder``), connects Ray (``connect_run``), resolves the device and ``dp`` (``resolve_layout``) and starts the
+actors (``driver.early.EarlyActors``), all without torch; only then does the driver import torch and
+the training code (seconds) while the actors' processes start and import theirs. ``train_run`` then
 resolves the run as it would (``driver.resolve``: the same checks, in the same order after the
 layout), reusing the connection, the run name and the actors. Where the actors cannot start first,
 ``train_run`` runs as it is.
@@ -18,11 +17,9 @@ neither torch nor anything that does (a test imports it in a fresh process and c
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import secrets
-import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -31,7 +28,7 @@ from typing import Optional
 import ray
 
 from rayconv import startup
-from rayconv.cluster.connect import available_devices, connect, probe
+from rayconv.cluster.connect import available_devices, connect
 from rayconv.config import Config
 from rayconv.driver.early import EarlyActors, needs_devices
 from rayconv.errors import CheckpointError, ConfigError
@@ -48,10 +45,9 @@ def can_start_first(cfg: Config) -> bool:
 
 
 def start_first(cfg: Config, log=print) -> EarlyActors:
-    """The run's actors started without waiting for torch, when ``can_start_first``: the output folder
-    (named: ``with_output_folder``) checked, the cluster's address probed, the driver's training code
-    imported on a thread of its own from then on (``import_in_background``), Ray connected (the start-up
-    clock's ``ray``), the layout resolved, the actors started without waiting for them. Else, or when the layout does not fit (the run refuses it after
+    """The run's actors started before torch is imported, when ``can_start_first``: the output folder
+    (named: ``with_output_folder``) checked, Ray connected (the start-up clock's ``ray``), the layout resolved, the actors
+    started without waiting for them. Else, or when the layout does not fit (the run refuses it after
     its checks, as it would; or the cluster lacks the devices yet: the run waits for them as it would),
     an ``EarlyActors`` holding none. Raises ConfigError / FileExistsError
     (the output folder), ClusterError (Ray)."""
@@ -61,41 +57,13 @@ def start_first(cfg: Config, log=print) -> EarlyActors:
     check_job_output(cfg.out)
     out = Path(cfg.out).absolute()
     check_output_folder(out, None)
-    probe(cfg.address or os.environ.get("RAY_ADDRESS"))   # (a wrong address refused before anything starts)
-    importing = import_in_background(TRAINING_CODE)
+    connect_run(cfg)
     try:
-        connect_run(cfg)
-        try:
-            resolved, mesh = resolve_layout(cfg, log, wait=False)
-        except ConfigError:   # (too few devices yet, or a layout the run refuses once its checks say why)
-            return early
-        early.start(resolved, mesh, new_run_name(out))
-    except Exception:
-        importing.join()   # (the error is reported once no import is left half done)
-        raise
+        resolved, mesh = resolve_layout(cfg, log, wait=False)
+    except ConfigError:   # (too few devices yet, or a layout the run refuses once its checks say why)
+        return early
+    early.start(resolved, mesh, new_run_name(out))
     return early
-
-
-TRAINING_CODE = "rayconv.driver.job"   # the driver's training code: torch with it (seconds)
-
-
-def import_in_background(module: str) -> threading.Thread:
-    """Import ``module`` on a thread of its own, started now, while this thread connects Ray (a local
-    cluster's start: seconds spent waiting for its processes) and starts the actors; whoever imports
-    ``module`` next waits for that import to end (Python's per-module import locks), and meets its error,
-    if any, in its own import. Python's imports of two threads take turns with the GIL, so the actors'
-    start shares the interpreter with it; rayconv's modules import in no circle (``test_house``), so the
-    two threads' imports cannot wait for each other."""
-    thread = threading.Thread(target=_import_quietly, args=(module,), name="rayconv-import", daemon=True)
-    thread.start()
-    return thread
-
-
-def _import_quietly(module: str) -> None:
-    try:
-        importlib.import_module(module)
-    except BaseException:  # noqa: BLE001 - the next import of the module meets it and reports it
-        pass
 
 
 def connect_run(cfg: Config) -> None:

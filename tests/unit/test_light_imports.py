@@ -38,10 +38,10 @@ def test_a_run_of_rayconvs_own_model_does_not_import_torchvision():
     assert out.stdout.split("\n")[:2] == ["False False", "False False False"], (out.stdout, out.stderr[-2000:])
 
 
-def test_the_actors_start_without_waiting_for_the_driver_to_import_torch():
+def test_the_actors_start_before_the_driver_imports_torch():
     """What the driver runs up to starting a run's actors (``driver.prestart``: the output folder, Ray,
     the layout, ``driver.early`` and the actor class named to Ray) imports no torch, so the actors'
-    processes start and import it while the driver imports its own (on a thread: ``import_in_background``)."""
+    processes start and import it while the driver imports its own."""
     code = ("import sys; import rayconv.run, rayconv.api; from rayconv.driver import prestart; "
             "from rayconv.actor.actor import Actor; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -97,24 +97,3 @@ def test_the_driver_checks_a_small_model_on_the_cpu_and_a_large_one_on_meta():
         with pytest.raises(ConfigError, match="returns tuple when training"):
             check_trainable("pair", model, (3, 64, 64))
     assert check_trainable("convnet", build_model("convnet", 10, 1, 8), (1, 8, 8)) == (2, 10)
-
-
-def test_the_background_import_is_waited_for_and_leaves_its_error_to_the_next_import(tmp_path, monkeypatch):
-    """``prestart.import_in_background``: an import of the module on the main thread while the thread
-    imports it gets the whole module (it waits); a module whose import failed there raises its own
-    error at the next import."""
-    import importlib
-
-    import pytest
-
-    from rayconv.driver.prestart import import_in_background
-
-    (tmp_path / "slow_module_x.py").write_text("import time\ntime.sleep(0.5)\nDONE = True\n")
-    (tmp_path / "broken_module_x.py").write_text("raise ImportError('broken on purpose')\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    thread = import_in_background("slow_module_x")
-    assert importlib.import_module("slow_module_x").DONE
-    thread.join()
-    import_in_background("broken_module_x").join()
-    with pytest.raises(ImportError, match="broken on purpose"):
-        importlib.import_module("broken_module_x")
