@@ -205,7 +205,12 @@ def on_processes(args: dict[str, tuple], processes: int) -> Iterator[tuple[str, 
     benchmarks/input_bench.py); yields (name, entry) as they finish. In a process connected to Ray (a
     driver calling ``prepare`` between runs) or one that has used CUDA, the pool's processes start from
     a fork server: a fork of this process would copy Ray's gRPC threads' state mid-use, and CUDA cannot
-    be used in a forked child."""
+    be used in a forked child. One process: the shards are written here, in turn (a pool of one would
+    only add its start, seconds from a fork server, whose process imports the writer afresh)."""
+    if processes <= 1:
+        for name, a in args.items():
+            yield name, write_shard(*a)
+        return
     connected = "ray" in sys.modules and sys.modules["ray"].is_initialized()
     cuda = "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()
     context = multiprocessing.get_context("forkserver") if connected or cuda else None
