@@ -74,6 +74,9 @@ def _check_names(cfg: Any) -> None:
           "--data imagefolder needs --data-dir DIR (a folder with train/<class>/<images> and val/<class>/<images>)")
     _need(cfg.data != "shards" or bool(cfg.data_dir),
           "--data shards needs --data-dir SHARDS (a folder written by python -m rayconv.prepare DIR --out SHARDS)")
+    _need(not (cfg.data_on_device == "on" and cfg.augmentation == "resized-crop"),
+          "--data-on-device on holds each image's center crop, but --augment resized-crop needs each image's own "
+          "size: use --augment pad-crop or none, or --data-on-device auto or off")
     _need(cfg.shuffle in SHUFFLE_CHOICES, f"unknown --shuffle {cfg.shuffle!r}: choose exact or block")
     _need(cfg.shuffle != "block" or cfg.data == "shards",
           f"--shuffle block permutes windows of shards: use --data shards (got --data {cfg.data}) or --shuffle exact")

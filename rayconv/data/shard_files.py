@@ -66,9 +66,11 @@ def convert_hint(root: Path) -> str:
 
 def read_manifest(root: Path) -> dict[str, Any]:
     """The manifest of a prepared folder, checked against the files present: every listed shard exists
-    with its byte size, and no unlisted shard is there. Raises DataError naming what does not match, and
-    for a folder of the older format (Parquet shards) naming the command that converts it."""
+    with its byte size, and no unlisted shard is there. Raises DataError for a folder that does not exist,
+    naming what does not match, and for a folder of the older format (Parquet shards) naming the command that converts it."""
     path = root / MANIFEST
+    if not root.is_dir():
+        raise DataError(f"{root} does not exist: check --data-dir (a folder written by python -m rayconv.prepare)")
     if not path.is_file():
         raise DataError(f"{root} has no {MANIFEST}: prepare it with `python -m rayconv.prepare {root} --out {root.parent / (root.name + '-shards')}` and give that --data-dir, or read its images with --data imagefolder")
     try:

@@ -52,14 +52,11 @@ CPU = torch.device("cpu")
 
 def held_on_device(cfg: Config, images: int) -> bool:
     """Whether ``images`` (both splits) of ``cfg.data`` at ``cfg.data_image_size`` are held on the
-    device (the module's rule). Raises ConfigError (one line) for an unknown ``--data-on-device`` and
-    for ``on`` with the resized crop."""
+    device (the module's rule; ``on`` with the resized crop is refused by ``Config.validate``). Raises
+    ConfigError (one line) for an unknown ``--data-on-device``."""
     mode, augment = cfg.data_on_device, cfg.augmentation
     if mode not in DATA_ON_DEVICE_CHOICES:
         raise ConfigError(f"unknown --data-on-device {mode!r}: choose one of {', '.join(DATA_ON_DEVICE_CHOICES)}")
-    if mode == "on" and augment == "resized-crop":
-        raise ConfigError("--data-on-device on holds each image's center crop, but --augment resized-crop needs "
-                          "each image's own size: use --augment pad-crop or none, or --data-on-device auto or off")
     if mode != "auto":
         return mode == "on"
     return augment in ("pad-crop", "none") and held_bytes(cfg, images) <= SMALL_DATA_BYTES
@@ -117,7 +114,8 @@ class HeldSource(OnDeviceSource):
         if hasattr(loader, "manifest"):
             self.manifest = loader.manifest
         mb = sum(b.nbytes for b in self.buffers.values()) / 2**20
-        self.augmentation += (f"; data held on the device (--data-on-device): both splits decoded once, "
+        done = "read" if isinstance(center, RawCenters) else "decoded"   # (raw pixels need no decode)
+        self.augmentation += (f"; data held on the device (--data-on-device): both splits {done} once, "
                               f"{mb:.1f} MB of uint8 images")
 
     def _on(self, device: torch.device) -> dict[str, torch.Tensor]:

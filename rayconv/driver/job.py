@@ -24,6 +24,7 @@ from rayconv.cluster import across, pool
 from rayconv.cluster.group import ActorGroup, start_group
 from rayconv.config import Config
 from rayconv.data.source import Sharding
+from rayconv.data_dir import raw_side
 from rayconv.driver import elastic
 from rayconv.driver.early import EarlyActors
 from rayconv.driver.finish import export, finish, finish_evaluation, held_decode, recording_stop, writing_into
@@ -121,8 +122,10 @@ def start_actors(run: Run, ckpt: Optional[Checkpoint], started: Optional[ActorGr
         run.startup.mark_actors(run.actor_reports)
         decode = held_decode(run.actor_reports)
         if decode is not None:
-            run.log(f"rayconv: decoded {decode['decoded_images']} images in {decode['decode_s']:.1f} s on "
-                    f"{decode['decode_workers']} workers (data held on the device; before the first step)")
+            raw = s.cfg.data == "shards" and raw_side(s.cfg.data_dir) is not None   # (pixels: no decode)
+            run.log(f"rayconv: {'read' if raw else 'decoded'} {decode['decoded_images']} images in "
+                    f"{decode['decode_s']:.1f} s on {decode['decode_workers']} workers (data held on the device; "
+                    "before the first step)")
         run.continue_from(ckpt)
         if ckpt is not None:
             actor_group.call_each("load_rank_file", [(rank_file_for(ckpt, s.mesh, r), ckpt.step) for r in range(s.mesh.world_size)],

@@ -258,8 +258,15 @@ def check_gpu_share(cfg: Config) -> None:
 def with_data_on_device(cfg: Config, mesh: Mesh, source: Source, log=print) -> tuple[Config, Source]:
     """``cfg`` with ``--data-on-device auto`` resolved to on or off against the cluster (``data.small``'s
     rule: the memory each actor's copy shares, the node's among its CPU actors or a GPU's free memory),
-    and the source to match; one console line says which and why. Other data and modes: unchanged."""
-    if cfg.data not in ("imagefolder", "shards") or cfg.data_on_device != "auto":
+    and the source to match; one console line says which and why (for ``on`` and ``off``: as given).
+    Other data: unchanged."""
+    if cfg.data not in ("imagefolder", "shards"):
+        return cfg, source
+    streamed = "each batch read from the raw shards, no decode" if cfg.data == "shards" and \
+        raw_side(cfg.data_dir) is not None else "the loader decodes each batch"
+    if cfg.data_on_device != "auto":
+        chosen = "both splits held on the device" if cfg.data_on_device == "on" else streamed
+        log(f"rayconv: --data-on-device {cfg.data_on_device}: {chosen} (as given)")
         return cfg, source
     data_bytes = held_bytes(cfg, source.train_size + source.test_size)
     if not isinstance(source, HeldSource):   # the augmentation, or the size alone, rules it out
@@ -275,8 +282,6 @@ def with_data_on_device(cfg: Config, mesh: Mesh, source: Source, log=print) -> t
             memory, actors = node_memory_share(ray.nodes(), mesh.world_size, cfg.num_cpus_per_actor)
             what = "the node's memory"
         held, why = decide_auto(data_bytes, memory, actors, what)
-    streamed = "each batch read from the raw shards, no decode" if cfg.data == "shards" and \
-        raw_side(cfg.data_dir) is not None else "the loader decodes each batch"
     chosen = "both splits held on the device" if held else streamed
     log(f"rayconv: --data-on-device auto: {chosen} ({why})")
     cfg = dataclasses.replace(cfg, data_on_device="on" if held else "off").validate()

@@ -310,4 +310,6 @@ def test_shard_flags_are_checked(ray_cluster, folder, tmp_path, capsys):
     assert "--decode cpu" in failing(["--data", "shards", "--data-dir", str(folder), "--device", "cpu",
                                       "--decode", "gpu"])
     assert "no manifest.json" in failing(["--data", "shards", "--data-dir", str(folder), "--device", "cpu"])
+    missing = failing(["--data", "shards", "--data-dir", str(tmp_path / "shardz"), "--device", "cpu"])
+    assert "shardz does not exist: check --data-dir" in missing and "prepare it" not in missing
     assert not (tmp_path / "x").exists()

@@ -99,10 +99,12 @@ def test_the_rule_picks_the_loader_for_resized_crops_and_large_data(folder, shar
     assert isinstance(make_source(_cfg("imagefolder", folder, data_on_device="on")), small.HeldSource)
 
 
-def test_on_with_resized_crops_is_refused_in_one_line(folder, shards):
+def test_on_with_resized_crops_is_refused_in_one_line_by_the_settings_check(folder, shards):
+    """Refused by ``Config.validate``, before Ray starts or the data is read."""
     for data, root in (("imagefolder", folder), ("shards", shards)):
         with pytest.raises(ConfigError) as e:
-            make_source(_cfg(data, root, data_on_device="on", augment="resized-crop"))
+            Config(data=data, data_dir=str(root), image_size=32, device="cpu", data_on_device="on",
+                   augment="resized-crop").validate()
         assert "\n" not in str(e.value) and "--data-on-device on" in str(e.value) and "resized-crop" in str(e.value)
     with pytest.raises(SystemExit):
         from rayconv.flags import parse_args
