@@ -242,7 +242,7 @@ class ClusterSettings:
     all_gpus_visible: bool = field(default=True, metadata={
         "help": "actors see every GPU of their node and pick theirs by index, as torchrun does (with Ray's "
                 "one GPU per actor, NCCL is reported to slow or hang on NVSwitch hosts, Ray issue 61073); "
-                "no effect on CPU"})
+                "no effect on CPU or for a layout of one actor"})
     collective_timeout_s: float = field(default=300.0, metadata={"help": "seconds before a stuck collective fails"})
     keep_actors_s: float = field(default=60.0, metadata={
         "help": "seconds a finished run's actors stay, for the next run that needs the same actors to reuse "

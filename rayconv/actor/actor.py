@@ -83,8 +83,7 @@ class Actor:
         # own while this one imports the training code; the warm-up joins it.
         cuda = None
         if cfg.get("device") == "cuda":
-            cuda = threading.Thread(target=_cuda_context, args=(bool(cfg.get("all_gpus_visible")),),
-                                    name="rayconv-cuda-context", daemon=True)
+            cuda = threading.Thread(target=_cuda_context, name="rayconv-cuda-context", daemon=True)
             cuda.start()
         _import_training_modules()
         self.stamps["imported"] = time.time()
@@ -311,11 +310,11 @@ def _torchvision_model(model: Any) -> bool:
     return isinstance(model, str) and model not in RAYCONV_MODELS and not is_user_model(model)
 
 
-def _cuda_context(all_gpus_visible: bool) -> None:
+def _cuda_context() -> None:
     """Make the CUDA context on the GPU Ray assigned this actor (``connect.assigned_gpu_index``, as
     ``build._pick_device``). A failure is left for ``build``."""
     try:
-        torch.zeros(1, device=torch.device("cuda", assigned_gpu_index(all_gpus_visible)))
+        torch.zeros(1, device=torch.device("cuda", assigned_gpu_index()))
     except Exception:  # noqa: BLE001 - build reports it
         pass
 

@@ -164,7 +164,7 @@ def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, r
 def _pick_device(cfg: Config) -> torch.device:
     if cfg.device != "cuda":
         return torch.device("cpu")
-    index = assigned_gpu_index(cfg.all_gpus_visible)
+    index = assigned_gpu_index()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 

@@ -155,14 +155,15 @@ def visible_index(gpu_id: Any, visible: Optional[str] = None) -> int:
     return listed.index(str(gpu_id)) if str(gpu_id) in listed else int(gpu_id)
 
 
-def assigned_gpu_index(all_gpus_visible: bool) -> int:
+def assigned_gpu_index() -> int:
     """torch's device index of the GPU Ray assigned this actor: found by ``visible_index`` where the actor
-    sees every GPU of its node (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1), else 0 (Ray narrowed
-    CUDA_VISIBLE_DEVICES to it). Raises RuntimeError where Ray assigned none."""
+    sees every GPU of its node (its environment has ``ALL_GPUS_VISIBLE_ENV``: ``group.actors_env``), else
+    0 (Ray narrowed CUDA_VISIBLE_DEVICES to it). Raises RuntimeError where Ray assigned none."""
     ids = ray.get_gpu_ids()
     if not ids:
         raise RuntimeError("actor has no GPU assigned by Ray")
-    return visible_index(ids[0]) if all_gpus_visible else 0
+    sees_all = all(os.environ.get(k) == v for k, v in ALL_GPUS_VISIBLE_ENV.items())
+    return visible_index(ids[0]) if sees_all else 0
 
 
 def exception_summary(e: BaseException) -> str:

@@ -198,7 +198,7 @@ def start_group(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, timeout
     given = given_group(cfg, mesh)
     if given is not None:   # a Tune trial's group: its bundles are this run's
         return create_actors(actor_cls, cfg, mesh, run_name, given[0], timeout_s, first_bundle=given[1], wait=wait)
-    env = actors_env(cfg)
+    env = actors_env(cfg, mesh)
     kept = reuse_kept(actor_cls, cfg, mesh, run_name, env)
     if kept is not None:
         return kept
@@ -207,18 +207,21 @@ def start_group(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, timeout
                          wait=wait, env=env)
 
 
-def actors_env(cfg: Config) -> Optional[dict[str, Any]]:
+def actors_env(cfg: Config, mesh: Mesh) -> Optional[dict[str, Any]]:
     """The actors' runtime environment: a user's modules (uploaded: ``with_uploads``) and the GPU
-    visibility setting."""
-    gpu = cfg.device == "cuda"
-    return with_uploads(actor_runtime_env(cfg.model, ALL_GPUS_VISIBLE_ENV if (gpu and cfg.all_gpus_visible) else {}))
+    visibility setting (``--all-gpus-visible``) where there are NCCL peers: a mesh of one actor sees its
+    GPU alone, which is the same to it, and without an environment of its own it starts in one of the
+    worker processes Ray starts for the job when it connects, not in a new one (seconds sooner). None
+    when there is nothing."""
+    sees_all = cfg.device == "cuda" and cfg.all_gpus_visible and mesh.world_size > 1
+    return with_uploads(actor_runtime_env(cfg.model, ALL_GPUS_VISIBLE_ENV if sees_all else {}))
 
 
 def reuse_kept(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str,
                env: Optional[dict[str, Any]]) -> Optional[ActorGroup]:
     """The actors a previous run of this process left (``pool``, ``--keep-actors-s``), or a previous
     command left on the cluster (``across``), renewed for this run, when they are the ones it needs
-    (``env``: ``actors_env(cfg)``); else None (and any kept by this process are stopped)."""
+    (``env``: ``actors_env(cfg, mesh)``); else None (and any kept by this process are stopped)."""
     key = pool.actors_key(actor_cls, mesh.world_size, actor_bundle(cfg), env)
     roles = [mesh.role(r) for r in range(mesh.world_size)]
     group = pool.take(key, cfg.to_dict(), run_name, roles)
@@ -313,7 +316,7 @@ def create_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: A
         for b in mine:
             node_order.setdefault(nodes[b], len(node_order))
         bundles = sorted(mine, key=lambda b: (node_order[nodes[b]], b))
-        env = actors_env(cfg) if env is None else env
+        env = actors_env(cfg, mesh) if env is None else env
         remote = ray.remote(actor_cls)
         names = [f"rayconv/{run_name}/{mesh.role(r)}" for r in range(mesh.world_size)]
         _wait_names_free(names, max(0.0, deadline - time.monotonic()))

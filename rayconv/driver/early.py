@@ -58,7 +58,7 @@ class EarlyActors:
                 self.group = create_actors(Actor, cfg, mesh, run_name, given[0], cfg.max_wait,
                                            first_bundle=given[1], wait=False)
             else:
-                env = actors_env(cfg)
+                env = actors_env(cfg, mesh)
                 self.group = reuse_kept(Actor, cfg, mesh, run_name, env)   # a previous run's (--keep-actors-s)
                 if self.group is None:
                     pg = reserve(cfg, mesh, run_name, min(cfg.max_wait, RESERVE_S))

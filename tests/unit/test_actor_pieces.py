@@ -43,3 +43,21 @@ def test_visible_index_maps_ray_gpu_ids_to_torch_indices():
     assert visible_index("3", "2,3") == 1              # node started with CUDA_VISIBLE_DEVICES=2,3
     assert visible_index(2, " 2 , 3") == 0
     assert visible_index("GPU-abc", "GPU-xyz,GPU-abc") == 1  # UUIDs as ids
+
+
+def test_only_actors_with_nccl_peers_get_the_all_gpus_visible_environment():
+    """``group.actors_env``: GPU actors of a mesh of two or more see every GPU of their node
+    (``--all-gpus-visible``, an environment variable of their runtime environment); a mesh of one actor,
+    CPU actors and ``--no-all-gpus-visible`` get no runtime environment, so Ray starts them in the worker
+    processes it starts for the job ahead."""
+    from rayconv.cluster.connect import ALL_GPUS_VISIBLE_ENV
+    from rayconv.cluster.group import actors_env
+    from rayconv.config import Config
+    from rayconv.mesh import Mesh
+
+    gpu = Config(device="cuda", model="resnet18").validate()
+    assert actors_env(gpu, Mesh(dp=2)) == {"env_vars": ALL_GPUS_VISIBLE_ENV}
+    assert actors_env(gpu, Mesh(pp=2)) == {"env_vars": ALL_GPUS_VISIBLE_ENV}
+    assert actors_env(gpu, Mesh()) is None
+    assert actors_env(Config(device="cuda", all_gpus_visible=False).validate(), Mesh(dp=2)) is None
+    assert actors_env(Config(device="cpu").validate(), Mesh(dp=2)) is None
