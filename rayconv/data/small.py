@@ -146,15 +146,23 @@ def decode_into(buffers: dict[str, np.ndarray], center: Callable, workers: int) 
     loader = DataLoader(chunks, batch_size=None, num_workers=workers, generator=torch.Generator(),
                         multiprocessing_context="fork" if workers else None,
                         prefetch_factor=2 if workers else None)
-    it = iter(loader)
+    it, failed = iter(loader), None
     for split, k in chunks.items:
         try:
             x = next(it)
         except (RuntimeError, DataError) as e:   # a worker's error comes back with its traceback
             lines = str(e).strip().splitlines() or [repr(e)]
             named = [line for line in lines if "DataError: " in line] or lines[-1:]
-            raise DataError(named[-1].split("DataError: ", 1)[-1]) from None
+            failed = named[-1].split("DataError: ", 1)[-1]
+            e.__traceback__ = None   # (its frames hold the iterator, in a cycle through the exception)
+            break
         buffers[split][k * CHUNK:k * CHUNK + len(x)] = x.numpy()
+    # The iterator's last reference: its workers stop now. Held by the worker error's frames, they would
+    # stop at a later garbage collection, which may finalise their index queues first and then wait
+    # MP_STATUS_CHECK_INTERVAL (5 s) per worker for workers that never got the stop.
+    del it
+    if failed is not None:
+        raise DataError(failed)
 
 
 class _Chunks(Dataset):
