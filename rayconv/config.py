@@ -339,6 +339,11 @@ class Config(OperationsSettings, OutputSettings, ClusterSettings, ExecutionSetti
         return side if side is not None else DATA_IMAGE_SIZE.get(self.data, 224)
 
     @property
+    def raw_pixels(self) -> bool:
+        """Whether the data are raw-pixel shards (``prepare --encoding raw``): read as stored, never decoded."""
+        return self.data == "shards" and raw_side(self.data_dir) is not None
+
+    @property
     def augmentation(self) -> str:
         """The augmentation ``augment`` names, ``auto`` resolved by the image side: ``pad-crop`` up to
         ``PAD_CROP_MAX_SIZE`` pixels (small images, as CIFAR's recipe), ``resized-crop`` above (ImageNet's)."""

@@ -106,8 +106,7 @@ class Batches:
         announce the next epoch's batches (unless the run ends with this epoch), so that the source reads
         them while this step computes and the evaluation runs."""
         epoch, step_in_epoch = divmod(step, self.sharding.steps_per_epoch)
-        if (step_in_epoch == self.sharding.steps_per_epoch - 1 and self.is_first
-                and (self.epochs is None or epoch + 1 < self.epochs)):
+        if step_in_epoch == self.sharding.steps_per_epoch - 1 and (self.epochs is None or epoch + 1 < self.epochs):
             self._announce_epoch(epoch + 1, 0)
 
     def _announce_epoch(self, epoch: int, step_in_epoch: int) -> None:

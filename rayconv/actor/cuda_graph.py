@@ -89,7 +89,6 @@ class StepGraph:
         self.stream = torch.cuda.Stream(device)
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = {}   # key -> (graph, what step returned)
         self.eager_runs: dict[Hashable, int] = {}   # key -> eager steps of that key so far
-        self.eager_steps = 0
         self.static: dict[tuple, torch.Tensor] = {}
         self.capture_s: Optional[float] = None  # host seconds of the last capture, until taken
         # whether the last ``run`` replayed a capture made before it: it set no gradient attribute
@@ -103,7 +102,7 @@ class StepGraph:
 
     def reset(self) -> None:
         """Forget the captures (after tensors they recorded were replaced, e.g. optimizer state loaded)."""
-        self.graphs, self.eager_runs, self.eager_steps, self.replayed = {}, {}, 0, False
+        self.graphs, self.eager_runs, self.replayed = {}, {}, False
         self.static = {}
 
     def buffer(self, name: str, value: torch.Tensor) -> torch.Tensor:
@@ -115,6 +114,11 @@ class StepGraph:
             buf = self.static[(name, value.shape, value.dtype)] = torch.empty_like(value)
         buf.copy_(value, non_blocking=True)
         return buf
+
+    @property
+    def eager_steps(self) -> int:
+        """Steps run eagerly so far, of every key."""
+        return sum(self.eager_runs.values())
 
     def will_replay(self, key: Hashable) -> bool:
         """Whether the step of ``key`` replays (or captures) rather than running eagerly."""
@@ -141,7 +145,6 @@ class StepGraph:
         values after the replay). Raises what capture raises (an operation a graph cannot hold)."""
         self.replayed = key in self.graphs
         if not self.will_replay(key):
-            self.eager_steps += 1
             self.eager_runs[key] = self.eager_runs.get(key, 0) + 1
             return self.eager(step)
         if key not in self.graphs:

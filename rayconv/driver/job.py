@@ -24,7 +24,6 @@ from rayconv.cluster import across, pool
 from rayconv.cluster.group import ActorGroup, start_group
 from rayconv.config import Config
 from rayconv.data.source import Sharding
-from rayconv.data_dir import raw_side
 from rayconv.driver import elastic
 from rayconv.driver.early import EarlyActors
 from rayconv.driver.finish import export, finish, finish_evaluation, held_decode, recording_stop, writing_into
@@ -122,8 +121,7 @@ def start_actors(run: Run, ckpt: Optional[Checkpoint], started: Optional[ActorGr
         run.startup.mark_actors(run.actor_reports)
         decode = held_decode(run.actor_reports)
         if decode is not None:
-            raw = s.cfg.data == "shards" and raw_side(s.cfg.data_dir) is not None   # (pixels: no decode)
-            run.log(f"rayconv: {'read' if raw else 'decoded'} {decode['decoded_images']} images in "
+            run.log(f"rayconv: {'read' if s.cfg.raw_pixels else 'decoded'} {decode['decoded_images']} images in "
                     f"{decode['decode_s']:.1f} s on {decode['decode_workers']} workers (data held on the device; "
                     "before the first step)")
         run.continue_from(ckpt)

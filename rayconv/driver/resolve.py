@@ -32,7 +32,6 @@ from rayconv.data.order import make_order
 from rayconv.data.registry import make_source
 from rayconv.data.small import HeldSource, decide_auto, held_bytes
 from rayconv.data.source import Sharding, Source
-from rayconv.data_dir import raw_side
 from rayconv.driver.early import needs_devices
 from rayconv.driver.lr import check_schedule, total_steps
 from rayconv.driver.prestart import (check_job_output, check_output_folder, connect_run, new_run_name,
@@ -262,8 +261,7 @@ def with_data_on_device(cfg: Config, mesh: Mesh, source: Source, log=print) -> t
     Other data: unchanged."""
     if cfg.data not in ("imagefolder", "shards"):
         return cfg, source
-    streamed = "each batch read from the raw shards, no decode" if cfg.data == "shards" and \
-        raw_side(cfg.data_dir) is not None else "the loader decodes each batch"
+    streamed = "each batch read from the raw shards, no decode" if cfg.raw_pixels else "the loader decodes each batch"
     if cfg.data_on_device != "auto":
         chosen = "both splits held on the device" if cfg.data_on_device == "on" else streamed
         log(f"rayconv: --data-on-device {cfg.data_on_device}: {chosen} (as given)")
