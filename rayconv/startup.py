@@ -22,8 +22,9 @@ device) and their CUDA-graph capture are placed on the driver's clock from what 
     actor_setup_s   the slowest actor's setup splits, seconds from its ``build`` call (``warmed_up``: the
                 wait for its warm-up, ``Actor.__init__``)
     ended       (in summary.json) seconds from the origin to the summary: the whole run as its user waited
-    model_check "driver", or "kept actor" where rank 0 of actors kept by a previous run checked a
-                torchvision model for a driver that had not imported torchvision (``resolve.WarmCheck``)
+    model_check "driver"; for a torchvision model and a driver that has not imported torchvision, "actor"
+                (rank 0 of the actors the run started early checked it) or "kept actor" (of actors kept
+                by a previous run) (``resolve.WarmCheck``)
     actor_process   that actor's process on this clock (from its node's wall clock): process_started,
                 init (``__init__`` entered), imported (its training code), alive, warmed_up, build, built;
                 ``renewed`` instead of the first four for actors kept from an earlier run
@@ -79,7 +80,7 @@ class StartupClock:
         self.actors: dict[str, float] = {}    # the slowest actor's seconds per setup split
         self.timeline: dict[str, float] = {}  # the slowest actor's process stamps, seconds since the origin
         self.claimed = False                  # taken by a run (``claim``): a later run begins its own
-        self.model_check: Optional[str] = None   # who checked the model: "driver" or "kept actor"
+        self.model_check: Optional[str] = None   # who checked the model: "driver", "actor" or "kept actor"
 
     def mark(self, name: str, at: Optional[float] = None) -> None:
         """Phase ``name`` ended now (or at the monotonic time ``at``); the first mark of a name stays

@@ -21,6 +21,8 @@ from rayconv.errors import ClusterError, ConfigError
 NAMESPACE = "rayconv"
 # Actors and tasks with this see every GPU of their node (and select theirs by ``visible_index``).
 ALL_GPUS_VISIBLE_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+# Seconds ``probe`` gives a cluster address to accept a connection, then to complete gRPC's handshake.
+PROBE_TIMEOUT_S = 5.0
 
 
 def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] = None) -> str:
@@ -92,12 +94,13 @@ def cluster_origin() -> str:
     return f"attached to the cluster at {address}"
 
 
-def probe(address: Optional[str], timeout_s: float = 5.0) -> None:
+def probe(address: Optional[str], timeout_s: Optional[float] = None) -> None:
     """Fail fast, in one line, on a ``host:port`` cluster address where no Ray GCS answers: nobody
     listening (Ray itself retries for minutes), or something other than Ray (Ray's GCS client then
     logs its RPC errors for as long). The GCS is a gRPC server, so it must complete gRPC's HTTP/2
-    handshake (``grpc.channel_ready_future``) within ``timeout_s`` seconds. Raises ConfigError: the
-    address is the user's to change."""
+    handshake (``grpc.channel_ready_future``) within ``timeout_s`` seconds (default ``PROBE_TIMEOUT_S``).
+    Raises ConfigError: the address is the user's to change."""
+    timeout_s = PROBE_TIMEOUT_S if timeout_s is None else timeout_s
     if not address or "://" in address or address == "auto" or ":" not in address:
         return
     host, _, port = address.rpartition(":")

@@ -139,9 +139,15 @@ class ImageFolderSource(Source):
             # A worker's error comes back as "Caught DataError in DataLoader worker ...\n<traceback>":
             # keep the one line that names the file.
             msg = str(e).strip().splitlines()
-            raise DataError(msg[-1].split("DataError: ", 1)[-1] if len(msg) > 1 else str(e)) from None
-        x = x.to(device, non_blocking=True)
-        return x if dtype is None else x.to(dtype)
+            named = msg[-1].split("DataError: ", 1)[-1] if len(msg) > 1 else str(e)
+        else:
+            x = x.to(device, non_blocking=True)
+            return x if dtype is None else x.to(dtype)
+        # (raised outside the except clause, so that no traceback holds the loader: its workers stop
+        # now, not at a later garbage collection)
+        self._pending.pop(split, None)
+        del pending
+        raise DataError(named)
 
     def labels(self, split, idx):
         return self.sets[split].targets[torch.as_tensor(idx, dtype=torch.long)]

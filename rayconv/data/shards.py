@@ -163,7 +163,11 @@ class ShardSource(Source):
                 or not np.array_equal(pending["queue"][0], idx):
             self.prefetch(split, epoch, [idx])          # not announced: decode this batch alone
             pending = self._pending[split]
-        self.check(split, idx)
+        try:
+            self.check(split, idx)
+        except DataError:
+            self._drop(split)
+            raise
         if len(pending["queue"]) > READ_AHEAD:
             self.read_ahead(split, pending["queue"][READ_AHEAD])
         x = self._take_gpu(split, pending, device) if self._use_gpu(device) else self._take_cpu(split, pending)
@@ -230,13 +234,26 @@ class ShardSource(Source):
         try:
             return next(pending["loader"])
         except (RuntimeError, DataError) as e:   # a worker's error, or a worker killed (SIGBUS: a shard shrank)
-            self._check_all(split)
             lines = str(e).strip().splitlines()
             if isinstance(e, DataError):
                 named = [x for x in lines if str(self.root) in x] or lines[-1:]
-                raise DataError(named[-1].removeprefix("rayconv.errors.DataError: ")) from None
-            raise DataError(f"cannot decode a sample of {self.root} ({lines[-1] if lines else e}): "
-                            "prepare the folder again") from None
+                error = DataError(named[-1].removeprefix("rayconv.errors.DataError: "))
+            else:
+                error = DataError(f"cannot decode a sample of {self.root} ({lines[-1] if lines else e}): "
+                                  "prepare the folder again")
+        # (outside the except clause, so that no traceback holds the loader: its workers stop now)
+        del pending
+        self._drop(split)
+        self._check_all(split)   # (a shard that changed is named as that)
+        raise error
+
+    def _drop(self, split: str) -> None:
+        """Forget the batches announced for ``split`` after a failure: the loader, and its worker
+        processes with it, stop at once rather than at a later garbage collection (each worker's
+        shutdown then waits seconds)."""
+        pending = self._pending.pop(split, None)
+        if pending is not None:
+            pending["loader"] = pending["launched"] = None
 
     def _check_all(self, split: str) -> None:
         for sh in self.shards[split]:

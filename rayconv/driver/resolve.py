@@ -170,27 +170,41 @@ def resolve_on_cluster(cfg: Config, log=print, resume: Optional[Checkpoint] = No
     return cfg, mesh, source, routing, dataclasses.replace(sharding, dp=mesh.dp)
 
 
-class WarmCheck:
-    """The model's checks and routings (``routing.checked_routing``) made by rank 0 of actors a previous
-    run kept (``--keep-actors-s``; their warm-up imported torchvision), for a driver that has not imported
-    torchvision: a torchvision model's check here would import it, and torch._dynamo with it (seconds, at
-    every command's start; the kept actors' start-up is otherwise the shorter path). ``of(group, cfg)``
-    -> a WarmCheck, or None where the driver checks itself: no kept group, rayconv's own or a user's model
-    (fast here, or imported here already), ``--init`` (its file may lie on the driver's machine alone),
-    torchvision already imported here. ``routing`` raises what the check raised (ConfigError /
-    LayoutError), ClusterError when the actor fails otherwise."""
+class ActorCheckLost(Exception):
+    """A new actor checking the model did not start (``WarmCheck.routing``): the driver checks it itself,
+    and the actors' start reports what stopped them."""
 
-    def __init__(self, actor: Any, timeout_s: float):
-        self.actor, self.timeout_s = actor, timeout_s
+
+class WarmCheck:
+    """The model's checks and routings (``routing.checked_routing``) made by rank 0 of the run's actors,
+    whose warm-up imports torchvision, for a driver that has not imported it: a torchvision model's check
+    here would import it, and torch._dynamo with it (seconds at every command's start, beside the same
+    import in the actors). The actors are those a previous run kept (``--keep-actors-s``), or those this
+    run started early (``driver.early``: the call waits in the actor's queue for its start and warm-up).
+    ``of(group, cfg)`` -> a WarmCheck, or None where the driver checks itself: no group, rayconv's own or
+    a user's model (fast here, or imported here already), ``--init`` (its file may lie on the driver's
+    machine alone), torchvision already imported here. ``routing`` raises what the check raised
+    (ConfigError / LayoutError); for kept actors ClusterError when the actor fails otherwise, for new
+    ones ActorCheckLost (their start reports why)."""
+
+    def __init__(self, actor: Any, timeout_s: float, kept: bool):
+        self.actor, self.timeout_s, self.kept = actor, timeout_s, kept
         self.data: tuple = ()
 
     @staticmethod
     def of(group: Any, cfg: Config) -> Optional["WarmCheck"]:
-        if group is None or not group.reused or group.starting is not None or cfg.init:
+        if group is None or cfg.init:
             return None
         if cfg.model in RAYCONV_MODELS or is_user_model(cfg.model) or "torchvision" in sys.modules:
             return None
-        return WarmCheck(group.actors[0], call_timeout_s(cfg))
+        kept = group.reused and group.starting is None
+        # (new actors: their start's limit, then a call's)
+        return WarmCheck(group.actors[0], call_timeout_s(cfg) + (0 if kept else cfg.max_wait), kept)
+
+    @property
+    def who(self) -> str:
+        """startup.model_check's word for it."""
+        return "kept actor" if self.kept else "actor"
 
     def with_data(self, num_classes: int, sample_shape: tuple[int, ...], data_channels: int) -> "WarmCheck":
         self.data = (num_classes, tuple(sample_shape), data_channels)
@@ -203,8 +217,10 @@ class WarmCheck:
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, (ConfigError, LayoutError)):
                 raise e.cause from None
-            raise ClusterError(f"the kept actor checking --model {cfg.model} failed: {e.cause!r}") from None
+            raise ClusterError(f"the {self.who} checking --model {cfg.model} failed: {e.cause!r}") from None
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            if not self.kept:
+                raise ActorCheckLost() from None
             raise ClusterError(f"the kept actor checking --model {cfg.model} was lost or stuck ({type(e).__name__}): "
                                "run again (new actors start)", recoverable=True) from None
 
@@ -212,7 +228,7 @@ class WarmCheck:
 def check_before_ray(cfg: Config, resume: Optional[Checkpoint], warm: Optional[WarmCheck] = None
                      ) -> tuple[Source, Sharding, Any, Routing]:
     """The checks that need no cluster; returns (source, its train sharding over ``dp`` as given or 1,
-    the whole model as one device runs it (or ``warm``, which checks and routes it in a kept actor),
+    the whole model as one device runs it (or ``warm``, which checks and routes it in one of the run's actors),
     the routing for that ``dp``). Raises ConfigError / DataError / LayoutError / CheckpointError."""
     if is_user_model(cfg.model):
         resolve(cfg.model)  # the module and function found: raises ConfigError before the data is read
@@ -230,12 +246,15 @@ def check_before_ray(cfg: Config, resume: Optional[Checkpoint], warm: Optional[W
     mesh = Mesh(cfg.dp or 1, cfg.pp, cfg.fs)
     data = (source.num_classes, tuple(source.sample_shape), source.expanded_from or source.sample_shape[0])
     if warm is not None:
-        reference, routing = warm.with_data(*data), warm.routing(cfg, mesh)
-    else:
+        try:
+            reference, routing = warm.with_data(*data), warm.routing(cfg, mesh)
+        except ActorCheckLost:
+            warm = None
+    if warm is None:
         reference, routing = checked_routing(cfg, mesh, *data)
     clock = startup.current()
     if clock is not None:
-        clock.model_check = "driver" if warm is None else "kept actor"
+        clock.model_check = "driver" if warm is None else warm.who
     if resume is not None:  # (a resumed run's --dp comes from its checkpoint)
         check_resumable(resume, cfg, routing.mesh, routing.stages, source.num_classes, tuple(source.sample_shape))
     return source, sharding, reference, routing

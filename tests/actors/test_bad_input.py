@@ -12,6 +12,7 @@ import pytest
 import ray
 from PIL import Image
 
+from rayconv.cluster import connect
 from rayconv.config import Config, ConfigError
 from rayconv.run import main
 
@@ -224,9 +225,11 @@ def test_unreachable_address_fails_fast(tmp_path, capsys):
     assert not out.exists()
 
 
-def test_address_where_something_else_answers(tmp_path, capfd, silent_address):
+def test_address_where_something_else_answers(tmp_path, capfd, silent_address, monkeypatch):
     """A TCP listener on loopback that accepts and says nothing (not a Ray GCS): one line, exit 2,
-    none of Ray's own client errors (captured at the file-descriptor level, where Ray's C++ logs go)."""
+    none of Ray's own client errors (captured at the file-descriptor level, where Ray's C++ logs go).
+    (The handshake's wait lowered from its 5 s: a loopback listener that will answer does so at once.)"""
+    monkeypatch.setattr(connect, "PROBE_TIMEOUT_S", 0.5)
     address, held = silent_address
     out = tmp_path / "x"
     capfd.readouterr()

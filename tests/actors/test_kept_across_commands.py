@@ -34,10 +34,14 @@ RUN = ["--data", "digits", "--model", "convnet", "--dp", "1", "--device", "cpu",
        "--eval-every", "3", "--global-batch-size", "32", "--no-progress", "--loader-workers", "0"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_port(taken: range = range(0), chosen: tuple[int, ...] = ()) -> int:
+    """A port free now, outside ``taken`` (the head's worker ports) and not among ``chosen``."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in taken and port not in chosen:
+            return port
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +50,10 @@ def head():
     connected to it (to look at its actors and placement groups)."""
     if ray.is_initialized():
         ray.shutdown()
-    ports = {flag: _free_port() for flag in PORT_FLAGS}
     low = _free_port() // 100 * 100 % 50000 + 10000   # (a range of worker ports of its own)
+    ports: dict[str, int] = {}
+    for flag in PORT_FLAGS:   # (none inside the workers' range, none twice)
+        ports[flag] = _free_port(range(low, low + 100), tuple(ports.values()))
     temp_dir = tempfile.mkdtemp(prefix="rck-", dir="/tmp")   # (short: Ray's socket paths are limited)
     cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--num-cpus", "2",
            "--include-dashboard", "false", "--temp-dir", temp_dir, "--min-worker-port", str(low),
@@ -144,20 +150,27 @@ def test_the_next_command_reuses_the_actors_and_unclaimed_they_end(head, tmp_pat
     assert _gone(a["run_name"], within_s=15)
 
 
-def test_kept_actors_check_a_torchvision_model_for_the_next_command(head, tmp_path):
-    tv = ("--model", "resnet18", "--image-size", "32", "--steps", "2", "--eval-every", "2")
-    _finish(_command(head, tmp_path / "a", *tv))
-    a = _summary(tmp_path / "a")
-    assert a["startup"]["model_check"] == "driver"
-    _finish(_command(head, tmp_path / "b", *tv, "--keep-actors-s", "3"))
-    b = _summary(tmp_path / "b")
-    assert b["startup"]["model_check"] == "kept actor" and "renewed" in b["startup"]["actor_process"]
-    assert b["steps_done"] == 2 and b["status"] == "finished"
-    proc = _command(head, tmp_path / "c", *tv, "--model", "vit_b_16")   # (a transformer made for 224 px)
+def _refused(proc: subprocess.Popen) -> None:
+    """``proc`` ended with exit status 2 and one line naming ``--model vit_b_16``, no traceback."""
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 2, out
     last = out.strip().splitlines()[-1]
     assert "--model vit_b_16" in last and "Traceback" not in out, out
+
+
+def test_the_actors_check_a_torchvision_model_for_the_driver(head, tmp_path):
+    tv = ("--model", "resnet18", "--image-size", "32", "--steps", "2", "--eval-every", "2")
+    # (vit_b_16: a transformer made for 224 px) refused by a new actor, which then stops with its group
+    _refused(_command(head, tmp_path / "v", *tv, "--model", "vit_b_16"))
+    assert not _run_names(tmp_path / "v") and not (tmp_path / "v").exists()
+    _finish(_command(head, tmp_path / "a", *tv))
+    a = _summary(tmp_path / "a")
+    assert a["startup"]["model_check"] == "actor" and "process_started" in a["startup"]["actor_process"]
+    _finish(_command(head, tmp_path / "b", *tv, "--keep-actors-s", "3"))
+    b = _summary(tmp_path / "b")
+    assert b["startup"]["model_check"] == "kept actor" and "renewed" in b["startup"]["actor_process"]
+    assert b["steps_done"] == 2 and b["status"] == "finished"
+    _refused(_command(head, tmp_path / "c", *tv, "--model", "vit_b_16"))
     assert _gone(b["run_name"], within_s=15)   # (the run refused: the kept actors it claimed stopped)
 
 
@@ -176,8 +189,19 @@ def test_a_killed_command_leaves_no_actor_nor_placement_group(head, tmp_path):
     assert _gone(run_name, within_s=20)
 
 
+def _run_names(out: Path, within_s: float = 15) -> set[str]:
+    """The run names of live actors of runs whose output folder is named as ``out`` (none: once those
+    stopping are gone, within ``within_s``)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        names = {a["name"].split("/")[1] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"].startswith(f"rayconv/{out.name}-")}
+        if not any(_alive(n) for n in names) or time.monotonic() > deadline:
+            return {n for n in names if _alive(n)}
+        time.sleep(0.5)
+
+
 def _run_name_of(out: Path) -> str:
-    names = {a["name"].split("/")[1] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].startswith(f"rayconv/{out.name}-")}
+    names = _run_names(out, within_s=0)
     assert len(names) == 1, names
     return names.pop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -30,6 +31,13 @@ def sgd_config(tmp_path, name: str, **kw) -> Config:
     return Config(**base).validate()
 
 
+def reference_source(cfg: Config):
+    """``cfg``'s data source decoded in this process (no loader workers): a sample's pixels depend on
+    (seed, epoch, index) alone, not on which process decodes it, and each unannounced batch of a loader
+    with workers forks them anew from this large process (a second or more per batch)."""
+    return make_source(dataclasses.replace(cfg, loader_workers=0))
+
+
 def wait_until(proc, ready, what: str, timeout_s: float = 120, poll_s: float = 0.5) -> None:
     """Poll ``ready()`` until it holds, failing the test if ``proc`` (a subprocess.Popen) ends first
     (with its output) or ``timeout_s`` passes (``what`` did not happen in time)."""
@@ -45,7 +53,7 @@ def wait_until(proc, ready, what: str, timeout_s: float = 120, poll_s: float = 0
 def reference_sgd(cfg: Config, steps: int, mix_batch=None) -> dict[str, torch.Tensor]:
     """Plain single-device SGD on the same global batches (mean cross-entropy), in float64.
     ``mix_batch(step, x, y) -> (x, y)`` changes each global batch before the step (``reference_mix_sgd``)."""
-    source = make_source(cfg)
+    source = reference_source(cfg)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1]).double()
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
@@ -70,7 +78,7 @@ def reference_mix_sgd(cfg: Config, steps: int) -> dict[str, torch.Tensor]:
     """``reference_sgd`` with ``cfg``'s mixup/cutmix: each global batch mixed as a whole with the draw of
     (seed, step) (``recipe.mix``), images and one-hot targets alike, mean cross entropy on the soft
     targets, in float64."""
-    source = make_source(cfg)
+    source = reference_source(cfg)
 
     def mix_batch(step, x, y):
         draw = draw_mix(cfg.seed, step, len(x), cfg.mixup_alpha, cfg.cutmix_alpha, tuple(source.sample_shape[1:]))
@@ -85,7 +93,7 @@ def reference_microbatch_sgd(cfg: Config, steps: int) -> tuple[dict[str, torch.T
     ``cfg.num_microbatches`` micro-batches with gradient accumulation (loss: per-sample sum / global
     batch); batch-norm running statistics updated once per step from replica 0's whole share; with
     ``cfg``'s recipe (``reference_recipe_sgd``). Returns (state_dict, test loss in eval mode)."""
-    source = make_source(cfg)
+    source = reference_source(cfg)
     model, _ = _reference_run(cfg, steps, source)
     model.eval()
     idx = torch.arange(source.test_size).numpy()
@@ -102,7 +110,7 @@ def reference_recipe_sgd(cfg: Config, steps: int) -> tuple[dict[str, torch.Tenso
     with ``label_smoothing``, ``nn.utils.clip_grad_norm_`` on the whole model, and with --model-ema
     torch's ``AveragedModel`` updated as torchvision's train.py updates its ExponentialMovingAverage.
     Returns (state_dict, the average's state_dict or None)."""
-    model, ema = _reference_run(cfg, steps, make_source(cfg))
+    model, ema = _reference_run(cfg, steps, reference_source(cfg))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return state, None if ema is None else {k: v.detach().clone() for k, v in ema.module.state_dict().items()}
 
