@@ -5,13 +5,16 @@
 #   bash benchmarks/startup.sh cpu OUT_DIR              # CPU: the digits main job's ConvNet
 # Each is run REPEAT times (default 3), in turn; the least of each is compared. rayconv runs on a cluster
 # started here (`ray start --head` on its own ports and temp dir, ended by its processes' ids), then
-# (SELF=1, default) REPEAT more times starting Ray itself. rayconv's figure is summary.json's
+# (SELF=1, default) REPEAT more times starting Ray itself. On the running cluster each command after the
+# first reuses the actors the one before kept (--keep-actors-s); NEW=1 keeps none, so that every command
+# starts its actors as a first command does. rayconv's figure is summary.json's
 # startup.phases.first_step; each run's slowest phase is printed beside it.
 set -uo pipefail
 MODE=${1:?usage: startup.sh gpu|cpu OUT_DIR [DATA_DIR]}
 OUT_DIR=${2:?usage: startup.sh gpu|cpu OUT_DIR [DATA_DIR]}
 DATA=${3:-/usr/share/datasets/fashion-mnist}
-PY=${PY:-python3}; REPEAT=${REPEAT:-3}; SELF=${SELF:-1}; STEPS=${STEPS:-20}; COMPILE=${COMPILE:-off}
+PY=${PY:-python3}; REPEAT=${REPEAT:-3}; SELF=${SELF:-1}; STEPS=${STEPS:-20}; COMPILE=${COMPILE:-off}; NEW=${NEW:-0}
+KEEP=(); [ "$NEW" = 1 ] && KEEP=(--keep-actors-s 0)
 PORT=${PORT:-6390}
 mkdir -p "$OUT_DIR"
 if [ "$MODE" = gpu ]; then
@@ -40,7 +43,7 @@ for i in $(seq "$REPEAT"); do
   $PY benchmarks/first_step_anchor.py "${ANCHOR[@]}" 2>/dev/null | sed -n 's/^FIRST_STEP //p' > "$OUT_DIR/anchor-$i.json"
   echo "plain script $i: $($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['first_step_s'])" "$OUT_DIR/anchor-$i.json") s"
   rm -rf "$OUT_DIR/cluster-$i"
-  RAY_ADDRESS=127.0.0.1:$PORT $PY -m rayconv.run "${RAYCONV[@]}" --no-progress --out "$OUT_DIR/cluster-$i" \
+  RAY_ADDRESS=127.0.0.1:$PORT $PY -m rayconv.run "${RAYCONV[@]}" "${KEEP[@]}" --no-progress --out "$OUT_DIR/cluster-$i" \
     > "$OUT_DIR/cluster-$i.log" 2>&1 && echo "rayconv on the running cluster $i: $(first_step "$OUT_DIR/cluster-$i/summary.json")"
 done
 stop_cluster
