@@ -24,6 +24,7 @@ builds. The rest, one concept a file under ``rayconv/actor/``:
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import importlib
 import os
@@ -76,15 +77,15 @@ class Actor:
         # start-up record: the process started, __init__ entered, the training code imported, __init__
         # returned (alive), the warm-up done, build called and returned
         self.stamps = {"process_started": _process_started(), "init": time.time()}
+        # The CUDA context made through the driver API in a thread of its own, before torch is imported,
+        # while this one imports torch and the training code; the warm-up joins it and has torch take it.
+        cuda = None
+        if cfg.get("device") == "cuda":
+            cuda = threading.Thread(target=_driver_api_context, name="rayconv-cuda-context", daemon=True)
+            cuda.start()
         global torch
         import torch
 
-        # The CUDA context (a GPU run's first CUDA call, ~0.3 s of driver work) made in a thread of its
-        # own while this one imports the training code; the warm-up joins it.
-        cuda = None
-        if cfg.get("device") == "cuda":
-            cuda = threading.Thread(target=_cuda_context, name="rayconv-cuda-context", daemon=True)
-            cuda.start()
         _import_training_modules()
         self.stamps["imported"] = time.time()
         self._sigterm = signal.getsignal(signal.SIGTERM)   # Ray's, restored by ``renew``
@@ -289,8 +290,9 @@ class Actor:
 
 def _warm_up(cuda: Optional[threading.Thread], torchvision: bool, stamps: dict[str, float]) -> None:
     """Import torch._dynamo (and torchvision for one of its models), and wait for the CUDA context
-    (``cuda``: the thread making it, or None), ahead of ``build``; ``stamps["warmed_up"]``: when all
-    were done (wall clock). A failure here is left for ``build`` to meet and report."""
+    (``cuda``: the thread making it through the driver API, or None), then have torch take it, ahead of
+    ``build``; ``stamps["warmed_up"]``: when all were done (wall clock). A failure here is left for
+    ``build`` to meet and report."""
     try:
         importlib.import_module("torch._dynamo")
         if torchvision:
@@ -299,6 +301,7 @@ def _warm_up(cuda: Optional[threading.Thread], torchvision: bool, stamps: dict[s
         pass
     if cuda is not None:
         cuda.join()
+        _cuda_context()
     stamps["warmed_up"] = time.time()
 
 
@@ -310,9 +313,27 @@ def _torchvision_model(model: Any) -> bool:
     return isinstance(model, str) and model not in RAYCONV_MODELS and not is_user_model(model)
 
 
+def _driver_api_context() -> None:
+    """The primary CUDA context of the GPU Ray assigned this actor (``connect.assigned_gpu_index``: the
+    driver API numbers the visible devices as torch does) made through the CUDA driver API (libcuda by
+    ctypes: ``cuInit``, ``cuDevicePrimaryCtxRetain``), without torch: torch's runtime takes that context at
+    its first CUDA call (``_cuda_context``). ctypes lets go of the interpreter during each call, so the
+    imports in the actor's main thread go on meanwhile; a fresh process on an H200 was ready to train
+    ~1 s sooner so than with the context made by torch after or beside its imports
+    (benchmarks/cuda_context_overlap.py). A failure is left for torch's own first CUDA call."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        device, context = ctypes.c_int(), ctypes.c_void_p()
+        if cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(device), assigned_gpu_index()) == 0:
+            cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)
+    except (OSError, RuntimeError):   # (no driver library; no GPU assigned: build reports it)
+        pass
+
+
 def _cuda_context() -> None:
-    """Make the CUDA context on the GPU Ray assigned this actor (``connect.assigned_gpu_index``, as
-    ``build._pick_device``). A failure is left for ``build``."""
+    """torch's first CUDA call on the GPU Ray assigned this actor (``connect.assigned_gpu_index``, as
+    ``build._pick_device``), which takes the context ``_driver_api_context`` made (or makes it). A
+    failure is left for ``build``."""
     try:
         torch.zeros(1, device=torch.device("cuda", assigned_gpu_index()))
     except Exception:  # noqa: BLE001 - build reports it
