@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import threading
 import time
 
@@ -13,6 +14,10 @@ from ray.cluster_utils import Cluster
 
 # Actors must not oversubscribe the 2 cores of CI machines.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# rayconv's caches (the planner's measurements, the listing of torchvision's models) in a folder of the
+# session's own, not the user's ~/.cache/rayconv (set before any cluster starts: its workers inherit it)
+_CACHE = tempfile.TemporaryDirectory(prefix="rayconv-cache-")
+os.environ["RAYCONV_CACHE_DIR"] = _CACHE.name
 
 
 def local_ray(num_cpus: int, **kw):

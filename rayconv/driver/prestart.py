@@ -33,6 +33,7 @@ from rayconv.config import Config
 from rayconv.driver.early import EarlyActors, needs_devices
 from rayconv.errors import CheckpointError, ConfigError
 from rayconv.mesh import Mesh
+from rayconv.model_names import check_known
 from rayconv.outputs.checkpoint import Checkpoint, find_checkpoint, list_checkpoints
 from rayconv.user_model import is_user_model, model_label
 
@@ -45,7 +46,8 @@ def can_start_first(cfg: Config) -> bool:
 
 
 def start_first(cfg: Config, log=print) -> EarlyActors:
-    """The run's actors started before torch is imported, when ``can_start_first``: the output folder
+    """The run's actors started before torch is imported, when ``can_start_first``: the model's name
+    checked against this machine's listing of torchvision's models (``model_names.check_known``), the output folder
     (named: ``with_output_folder``) checked, Ray connected (the start-up clock's ``ray``), the layout resolved, the actors
     started without waiting for them. Else, or when the layout does not fit (the run refuses it after
     its checks, as it would; or the cluster lacks the devices yet: the run waits for them as it would),
@@ -54,6 +56,7 @@ def start_first(cfg: Config, log=print) -> EarlyActors:
     early = EarlyActors()
     if not can_start_first(cfg):
         return early
+    check_known(cfg.model)   # (a torchvision model's name, where this machine listed them: the actors check the rest)
     check_job_output(cfg.out)
     out = Path(cfg.out).absolute()
     check_output_folder(out, None)

@@ -21,7 +21,8 @@ from rayconv.models.channels import channel_mismatch, dry_forward
 from rayconv.models.convnet import ConvNet
 from rayconv.models.traced import NotCuttable, traced_layers
 from rayconv.models.weights import load_init
-from rayconv.user_model import SPEC_FORM, build_user_model, is_user_model
+from rayconv.model_names import RAYCONV_MODELS, remember, unknown_model
+from rayconv.user_model import build_user_model, is_user_model
 
 __all__ = ["ConvNet", "build_model", "check_trainable", "to_layers", "model_names"]
 
@@ -37,7 +38,9 @@ def _torchvision():
 def model_names() -> list[str]:
     """Names accepted by --model: convnet plus torchvision's classification models."""
     tv = _torchvision()
-    return list(RAYCONV_MODELS) + sorted(tv.models.list_models(module=tv.models))
+    listed = sorted(tv.models.list_models(module=tv.models))
+    remember(listed)   # (for the driver's check before Ray: rayconv.model_names.check_known)
+    return list(RAYCONV_MODELS) + listed
 
 
 def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: int = 224,
@@ -72,15 +75,7 @@ def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: i
                        batch_norm=batch_norm or name == "convnet_bn", columns=2 if name == "convnet2col" else 1)
     names = model_names()
     if name not in names:
-        close = [n for n in names if n.startswith(name[:3])][:8]
-        hint = f" (close: {', '.join(close)})" if close else ""
-        if name.endswith(".py"):  # (a model file given without its function)
-            hint = f" (your own model file? --model {name}:FUNCTION, FUNCTION returning the nn.Module)"
-        elif "." in name:  # (module.function: the user's own model, given without its colon)
-            hint = f" (your own model? --model {name.rpartition('.')[0]}:{name.rpartition('.')[2]})"
-        raise ConfigError(f"unknown --model {name!r}{hint}: use {', '.join(RAYCONV_MODELS)}, or any of torchvision's "
-                          f"{len(names) - len(RAYCONV_MODELS)} classification models (alexnet, resnet18, vgg16, ...; "
-                          f"{LIST_MODELS} lists them), or your own as {SPEC_FORM}")
+        raise unknown_model(name, names)
     if in_channels != 3:
         raise ConfigError(f"--model {name} takes 3-channel images but gets {in_channels} channel(s): drop "
                           "--channels (grey --data is then given as 3 equal channels), or use --model convnet")
@@ -97,7 +92,6 @@ def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: i
     return model
 
 
-LIST_MODELS = "`python -c 'import torchvision; print(torchvision.models.list_models(module=torchvision.models))'`"
 
 # GoogLeNet and Inception v3 are built without their auxiliary classifiers: with them, their training
 # forward returns a tuple of logits (GoogLeNetOutputs, InceptionOutputs) whose weighting in the loss is
@@ -175,7 +169,6 @@ def cheap_on_cpu(model: nn.Module, shape: tuple[int, ...]) -> bool:
     return sum(p.numel() for p in model.parameters()) * math.prod(shape[1:]) <= CPU_CHECK_MAX
 
 
-RAYCONV_MODELS = ("convnet", "convnet_bn", "convnet2col", "alexnet2012")
 
 
 def run_model(cfg, source, dtype: Optional[torch.dtype] = None) -> nn.Module:

@@ -82,10 +82,12 @@ def test_imagefolder_without_data_dir(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------- on the test cluster
-def test_unknown_model(ray_cluster, tmp_path, capsys):
-    """Refused by the check that runs while the run's actors start (``driver.early``): one line, and
+def test_unknown_model(ray_cluster, tmp_path, capsys, monkeypatch):
+    """Refused by the check that runs while the run's actors start (``driver.early``; this machine's
+    listing of torchvision's models, which would refuse it before Ray, left out): one line, and
     nothing left on the cluster: their placement group reserved and removed, their actors gone, every
     CPU free again."""
+    monkeypatch.setenv("RAYCONV_CACHE_DIR", str(tmp_path / "no-listing"))
     out = tmp_path / "unknown-model"
     before = set(ray.util.placement_group_table())
     line = run_failing([*BASE, "--model", "resnet1000", "--out", str(out)], capsys)

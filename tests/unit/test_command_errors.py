@@ -28,3 +28,26 @@ def test_lazy_modules_are_refused_with_their_fix():
         check_trainable("net.py:Net", model, (3, 8, 8))
     eager = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 10))
     assert tuple(check_trainable("net.py:Net", eager, (3, 8, 8))) == (2, 10)
+
+
+def test_a_model_name_missing_from_the_listing_is_refused_before_ray(tmp_path, monkeypatch, capsys, silent_address):
+    """Where this machine listed torchvision's models (``models.model_names`` remembers the listing, per
+    torchvision version), a mistyped name is refused before Ray is reached, in the line the model's own
+    check gives; a listed name and, without a listing, any name go on to the cluster."""
+    from rayconv import model_names as names
+    from rayconv.models import build_model, model_names
+    from rayconv.run import main
+
+    monkeypatch.setenv("RAYCONV_CACHE_DIR", str(tmp_path / "cache"))
+    names.check_known("resnet1000")   # (no listing yet: left to the model's check)
+    listed = model_names()
+    assert names.remembered() == listed[len(names.RAYCONV_MODELS):] and "resnet18" in listed
+    names.check_known("resnet18")
+    with pytest.raises(ConfigError) as built:
+        build_model("resnet1000", 10)
+    address, contacts = silent_address
+    rc = main(["--address", address, "--model", "resnet1000", "--device", "cpu", "--steps", "1",
+               "--out", str(tmp_path / "x")])
+    assert rc == 2 and not contacts, "the cluster's address was reached"
+    assert capsys.readouterr().err.strip() == f"rayconv: error: {built.value}"
+    assert "resnet18" in str(built.value) and not (tmp_path / "x").exists()
