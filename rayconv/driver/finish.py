@@ -53,10 +53,10 @@ def done_line(summary: dict[str, Any], out: Path) -> str:
     run has none: no step timed, no evaluation), wall time (from the run's checks, and from the command
     where the start-up clock says), the output folder."""
     st = summary.get("startup") or {}
-    since = f" ({st['ended']:.1f} s {after(st.get('origin', ''))})" if st.get("ended") is not None else ""
+    since = f", ended {st['ended']:.1f} s {after(st.get('origin', ''))}" if st.get("ended") is not None else ""
     return (f"done: train loss {_fmt(summary['final_train_loss'], '.4f')}, test accuracy "
             f"{_fmt(summary['test_accuracy'], '.4f')}, {_fmt(summary['images_per_s'], '.0f')} images/s, "
-            f"{summary['wall_time_s']:.1f} s{since} -> {out}")
+            f"run {summary['wall_time_s']:.1f} s{since} -> {out}")
 
 
 def _fmt(value: Optional[float], spec: str) -> str:

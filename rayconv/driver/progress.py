@@ -131,6 +131,7 @@ class Progress:
         self.use_bar = cfg.progress and sys.stderr.isatty()
         self.bar = tqdm(total=total_steps, initial=start, desc="train", unit="step", disable=not self.use_bar,
                         dynamic_ncols=True, mininterval=1.0)
+        self.eval_step: Optional[int] = None   # the step after which this attempt last evaluated
 
     def rate(self, images: int, wall_s: float, first: bool) -> float:
         """Images/s over the window, after adding a result of ``images`` in ``wall_s`` seconds
@@ -140,19 +141,23 @@ class Progress:
         return sum(n for n, _, _ in recent) / max(1e-9, sum(w for _, w, _ in recent))
 
     def step(self, k: int, epoch: int, loss: float, lr: float, ips: float, last_eval: dict) -> None:
-        """Step ``k``'s result: the bar moves, or a plain line every --log-every steps and at the last."""
+        """Step ``k``'s result: the bar moves, or a plain line every --log-every steps and at the last
+        (with the accuracy of the attempt's last evaluation, ``last_eval``, and the step it followed)."""
         name, acc = _last_accuracy(last_eval)
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{ips:.0f}",
                              **({name: f"{acc:.4f}"} if acc is not None else {}))
         if not self.use_bar and (k % self.cfg.log_every == 0 or k + 1 == self.total_steps):
+            # (the accuracy is the last evaluation's, named with its step: not this step's)
+            known = acc is not None and self.eval_step is not None
             self.log(f"step {k:5d} epoch {epoch:3d} loss {loss:.4f} lr {lr:.4g} {ips:8.0f} images/s"
-                     + (f" {name} {acc:.4f}" if acc is not None else ""))
+                     + (f" ({name} {acc:.4f} after step {self.eval_step})" if known else ""))
 
     def evaluation(self, step: int, train_loss: float, ev: dict) -> None:
         """An evaluation after ``step``: on the bar, or a plain line with the validation and test loss and
         accuracies evaluated (also the moving average's, with --model-ema)."""
         name, acc = _last_accuracy(ev)
+        self.eval_step = step
         self.bar.set_postfix(loss=f"{train_loss:.4f}", **({name: f"{acc:.4f}"} if acc is not None else {}))
         if not self.use_bar:
             self.log(f"step {step:5d} " + eval_line(ev))

@@ -141,7 +141,7 @@ def test_evaluate_only_header_trains_no_steps():
 
 def test_end_line_of_a_run_without_timed_steps():
     summary = {"final_train_loss": None, "test_accuracy": 0.5, "images_per_s": None, "wall_time_s": 1.0}
-    assert done_line(summary, Path("/r")) == "done: train loss n/a, test accuracy 0.5000, n/a images/s, 1.0 s -> /r"
+    assert done_line(summary, Path("/r")) == "done: train loss n/a, test accuracy 0.5000, n/a images/s, run 1.0 s -> /r"
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +220,6 @@ def test_end_line_gives_the_whole_run_from_its_origin():
     summary = {"final_train_loss": 0.07, "test_accuracy": 0.97, "images_per_s": 5168.4, "wall_time_s": 8.7,
                "startup": {"origin": "process start", "ended": 29.74}}
     assert done_line(summary, Path("/r")) == ("done: train loss 0.0700, test accuracy 0.9700, 5168 images/s, "
-                                              "8.7 s (29.7 s after the command) -> /r")
+                                              "run 8.7 s, ended 29.7 s after the command -> /r")
     summary["startup"]["origin"] = "fit call"
-    assert "(29.7 s after rayconv.fit was called)" in done_line(summary, Path("/r"))
+    assert ", ended 29.7 s after rayconv.fit was called -> " in done_line(summary, Path("/r"))
