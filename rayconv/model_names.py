@@ -18,10 +18,18 @@ from pathlib import Path
 from typing import Optional
 
 from rayconv.errors import ConfigError
+from rayconv.files import write_json
 from rayconv.user_model import SPEC_FORM, is_user_model
 
 RAYCONV_MODELS = ("convnet", "convnet_bn", "convnet2col", "alexnet2012")
 LIST_MODELS = "`python -c 'import torchvision; print(torchvision.models.list_models(module=torchvision.models))'`"
+_WRITTEN: dict[Path, list[str]] = {}   # the listing this process found (or wrote) in each file
+
+
+def is_torchvision_model(name: object) -> bool:
+    """Whether ``--model name`` names one of torchvision's models: a name, neither rayconv's own nor a
+    user's (``MODULE:FUNCTION``, ``file.py:FUNCTION``, a callable)."""
+    return isinstance(name, str) and name not in RAYCONV_MODELS and not is_user_model(name)
 
 
 def _listing() -> Optional[Path]:
@@ -35,18 +43,19 @@ def _listing() -> Optional[Path]:
 
 
 def remember(torchvision_names: list[str]) -> None:
-    """Write torchvision's classification model names for ``check_known`` (a whole file or none: a
-    temporary file renamed over it); a folder that cannot be written is left as it is."""
-    path = _listing()
-    if path is None or remembered() == sorted(torchvision_names):
+    """Write torchvision's classification model names for ``check_known`` (``files.write_json``: a whole
+    file or none), once per process and only where the file holds another listing; a folder that cannot
+    be written is left as it is."""
+    path, names = _listing(), sorted(torchvision_names)
+    if path is None or _WRITTEN.get(path) == names:
         return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(sorted(torchvision_names)))
-        tmp.replace(path)
-    except OSError:
-        pass
+    if remembered() != names:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(path, names)
+        except OSError:
+            return
+    _WRITTEN[path] = names
 
 
 def remembered() -> Optional[list[str]]:
@@ -75,7 +84,7 @@ def unknown_model(name: str, names: list[str]) -> ConfigError:
 def check_known(name: object) -> None:
     """Refuse ``--model name`` where it is neither rayconv's nor a user's model and a listing of this
     torchvision's models (``remember``) lacks it. Raises ConfigError (``unknown_model``'s line)."""
-    if not isinstance(name, str) or name in RAYCONV_MODELS or is_user_model(name):
+    if not is_torchvision_model(name):
         return
     listed = remembered()
     if listed is not None and name not in listed:

@@ -17,8 +17,8 @@ from ray.cluster_utils import Cluster
 # own torch, which computes the single-device references while the actors wait, uses every core.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(len(os.sched_getaffinity(0)))
-# rayconv's caches (the planner's measurements, the listing of torchvision's models) in a folder of the
-# session's own, not the user's ~/.cache/rayconv (set before any cluster starts: its workers inherit it)
+# rayconv's caches (the planner's measurements, the listing of torchvision's models) in a temporary
+# folder of the session (set before any cluster starts: its workers inherit it)
 _CACHE = tempfile.TemporaryDirectory(prefix="rayconv-cache-")
 os.environ["RAYCONV_CACHE_DIR"] = _CACHE.name
 

@@ -43,6 +43,7 @@ from rayconv.cluster.watch import Watch
 from rayconv.config import Config
 from rayconv.errors import DataError
 from rayconv.mesh import Mesh
+from rayconv.model_names import is_torchvision_model
 
 if TYPE_CHECKING:
     import torch
@@ -93,7 +94,7 @@ class Actor:
         # What ``build`` needs first and costs seconds, done while the driver still checks and plans:
         # torch._dynamo's import (torch.optim's first optimizer imports it) and, on a GPU, the CUDA
         # context. ``build`` waits for it before it starts, so no import runs in two threads at once.
-        self._warm = threading.Thread(target=_warm_up, args=(cuda, _torchvision_model(cfg.get("model")), self.stamps),
+        self._warm = threading.Thread(target=_warm_up, args=(cuda, is_torchvision_model(cfg.get("model")), self.stamps),
                                       name="rayconv-warm-up", daemon=True)
         self._warm.start()
         self.stamps["alive"] = time.time()
@@ -303,14 +304,6 @@ def _warm_up(cuda: Optional[threading.Thread], torchvision: bool, stamps: dict[s
         cuda.join()
         _cuda_context()
     stamps["warmed_up"] = time.time()
-
-
-def _torchvision_model(model: Any) -> bool:
-    """Whether ``--model`` names one of torchvision's models (not rayconv's own, not a user's)."""
-    from rayconv.models import RAYCONV_MODELS
-    from rayconv.user_model import is_user_model
-
-    return isinstance(model, str) and model not in RAYCONV_MODELS and not is_user_model(model)
 
 
 def _driver_api_context() -> None:

@@ -94,13 +94,13 @@ def cluster_origin() -> str:
     return f"attached to the cluster at {address}"
 
 
-def probe(address: Optional[str], timeout_s: Optional[float] = None) -> None:
+def probe(address: Optional[str]) -> None:
     """Fail fast, in one line, on a ``host:port`` cluster address where no Ray GCS answers: nobody
     listening (Ray itself retries for minutes), or something other than Ray (Ray's GCS client then
     logs its RPC errors for as long). The GCS is a gRPC server, so it must complete gRPC's HTTP/2
-    handshake (``grpc.channel_ready_future``) within ``timeout_s`` seconds (default ``PROBE_TIMEOUT_S``).
-    Raises ConfigError: the address is the user's to change."""
-    timeout_s = PROBE_TIMEOUT_S if timeout_s is None else timeout_s
+    handshake (``grpc.channel_ready_future``); each of the two gets ``PROBE_TIMEOUT_S`` seconds. Raises
+    ConfigError: the address is the user's to change."""
+    timeout_s = PROBE_TIMEOUT_S
     if not address or "://" in address or address == "auto" or ":" not in address:
         return
     host, _, port = address.rpartition(":")

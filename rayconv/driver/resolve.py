@@ -41,7 +41,8 @@ from rayconv import startup
 from rayconv.choices import CUDNN_BENCHMARK_MIN_STEPS  # --cudnn-benchmark auto: on for runs at least this long
 from rayconv.errors import CheckpointError, ClusterError, ConfigError, LayoutError
 from rayconv.mesh import Mesh
-from rayconv.models import RAYCONV_MODELS, build_model, model_names
+from rayconv.model_names import is_torchvision_model
+from rayconv.models import build_model, model_names
 from rayconv.user_model import is_user_model, resolve
 from rayconv.models.weights import init_file
 from rayconv.outputs.checkpoint import Checkpoint, check_resumable, load_checkpoint
@@ -195,7 +196,7 @@ class WarmCheck:
     def of(group: Any, cfg: Config) -> Optional["WarmCheck"]:
         if group is None or cfg.init:
             return None
-        if cfg.model in RAYCONV_MODELS or is_user_model(cfg.model) or "torchvision" in sys.modules:
+        if not is_torchvision_model(cfg.model) or "torchvision" in sys.modules:
             return None
         kept = group.reused and group.starting is None
         # (new actors: their start's limit, then a call's)
@@ -232,7 +233,7 @@ def check_before_ray(cfg: Config, resume: Optional[Checkpoint], warm: Optional[W
     the routing for that ``dp``). Raises ConfigError / DataError / LayoutError / CheckpointError."""
     if is_user_model(cfg.model):
         resolve(cfg.model)  # the module and function found: raises ConfigError before the data is read
-    elif warm is None and cfg.model not in RAYCONV_MODELS and cfg.model not in model_names():
+    elif warm is None and is_torchvision_model(cfg.model) and cfg.model not in model_names():
         build_model(cfg.model, 1)  # raises ConfigError naming --model, before the data is read (torchvision imported)
     if cfg.dp is not None:
         memory_check(cfg)  # --max-memory-gib: refused before Ray starts

@@ -92,7 +92,6 @@ def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: i
     return model
 
 
-
 # GoogLeNet and Inception v3 are built without their auxiliary classifiers: with them, their training
 # forward returns a tuple of logits (GoogLeNetOutputs, InceptionOutputs) whose weighting in the loss is
 # the training recipe's (0.3 in Szegedy et al. 2015, section 5; 0.4 in TF-slim's Inception v3), not
@@ -167,8 +166,6 @@ def cheap_on_cpu(model: nn.Module, shape: tuple[int, ...]) -> bool:
     at most ``CPU_CHECK_MAX``, which bounds a ConvNet's multiply-adds per image (each weight is applied at
     most once per input pixel): rayconv's ConvNet up to about 100 px, no torchvision model."""
     return sum(p.numel() for p in model.parameters()) * math.prod(shape[1:]) <= CPU_CHECK_MAX
-
-
 
 
 def run_model(cfg, source, dtype: Optional[torch.dtype] = None) -> nn.Module:
