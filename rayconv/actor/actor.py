@@ -264,6 +264,10 @@ class Actor:
         """``state.load_state``: the inverse of ``state()``."""
         state.load_state(self.a, values)
 
+    def model_keys(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The whole model's state_dict keys and shapes as this actor built it (``export.state_keys``)."""
+        return self.a.model_keys
+
     def split_dims(self) -> dict[str, int]:
         """``state.split_dims``: state_dict keys that filter split cuts, and the dimension."""
         return state.split_dims(self.a)

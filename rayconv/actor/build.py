@@ -24,6 +24,7 @@ from rayconv.data.source import Sharding, Source
 from rayconv.errors import ConfigError
 from rayconv.mesh import Coord, Mesh, split_sizes
 from rayconv.models import run_model, to_layers
+from rayconv.outputs.export import state_keys
 from rayconv.parallel import comm
 from rayconv.parallel.data_parallel import GradientSync
 from rayconv.parallel.filter_split.layers import SlicedDropout
@@ -99,6 +100,8 @@ class ActorState:
     full_batch: tuple[int, ...] = ()  # per-replica sizes of a full global batch (a captured step's key)
     shapes_fixed: bool = False  # compiled segments compile no new shape (``segments.fix_shapes``)
     data_decode: Optional[dict[str, Any]] = None  # the one-time decode of data held on the device
+    # the whole model's state_dict keys and shapes as built (``outputs.export.state_keys``): the export's check
+    model_keys: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
     # seconds from the build's start to its model built (on the device), its optimizer built (torch.optim's
     # first optimizer imports torch._dynamo) and its data on the device, and the whole build's (``setup``,
     # set by the caller): the run's start-up record (``rayconv.startup``)
@@ -127,7 +130,9 @@ def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, r
     source = make_source(cfg)
     dtype, autocast, input_dtype = _precision(cfg, device)
     # This actor's part: every actor builds the same full model from the seed, then keeps its part.
-    layers = to_layers(run_model(cfg, source, dtype))  # (--init loaded in the run's dtype)
+    model = run_model(cfg, source, dtype)  # (--init loaded in the run's dtype)
+    model_keys = state_keys(model)
+    layers = to_layers(model)
     assert tuple(n for n, _ in layers) == routing.layer_names, "routing was made for another model"
     per_layer = routing.per_layer_plan == "krizhevsky2014"
     parallel = parallelize(routing, layers, coord, groups, device, dtype, cfg.sync_batchnorm, cfg.bucket_mb)
@@ -157,7 +162,7 @@ def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, r
         runner=runner, program=routing.schedule.programs[stage], p2p_posts=p2p_posts(routing.schedule, stage),
         reports=is_last and coord.fs == 0 and not (per_layer and coord.dp != 0), data_decode=data_decode,
         sliced_dropouts=[(n, m) for n, m in part.named_modules() if isinstance(m, SlicedDropout)],
-        full_batch=tuple(split_sizes(cfg.global_batch_size, mesh.dp)),
+        full_batch=tuple(split_sizes(cfg.global_batch_size, mesh.dp)), model_keys=model_keys,
         startup={"model_built": built_s, "optimizer_built": optimizer_s, "data_on_device": data_s})
 
 

@@ -17,7 +17,6 @@ from rayconv.cluster.group import ActorGroup
 from rayconv.driver.loop import Run, evaluate
 from rayconv.errors import RunStopped
 from rayconv.files import write_json
-from rayconv.models import run_model
 from rayconv.outputs.checkpoint import list_checkpoints, remove_partial
 from rayconv.outputs.export import assemble, export_model
 from rayconv.planner.search import compare
@@ -82,7 +81,8 @@ def finish_evaluation(run: Run, actor_group: ActorGroup) -> dict[str, Any]:
 
 def export(run: Run, actor_group: ActorGroup, path: Path, ema: bool = False) -> None:
     """``path`` <- the actors' parts (``ema``: of their moving averages) assembled into one state_dict,
-    loaded into a fresh model to check it, written atomically."""
+    checked against the keys and shapes of the model an actor built (as a fresh model's strict
+    ``load_state_dict`` would: the driver builds no model, and imports no torchvision), written atomically."""
     cfg, mesh = run.cfg, run.resolved.mesh
     # Replica 0's actors hold the whole model between them.
     # (Under the per-layer plan every actor holds a slice of the FC layers.)
@@ -92,7 +92,8 @@ def export(run: Run, actor_group: ActorGroup, path: Path, ema: bool = False) -> 
     split_dims: dict[str, int] = {}
     for d in actor_group.call("split_dims", ranks=holders, timeout_s=run.call_timeout_s):
         split_dims.update(d)
-    export_model(path, assemble(states, split_dims), run_model(cfg, run.resolved.source))
+    keys = actor_group.call("model_keys", ranks=holders[:1], timeout_s=run.call_timeout_s)[0]
+    export_model(path, assemble(states, split_dims), keys)
 
 
 def held_decode(setups: list[dict[str, Any]]) -> Optional[dict[str, Any]]:

@@ -9,7 +9,7 @@ back here in fs order.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -31,10 +31,25 @@ def assemble(states: list[dict[str, torch.Tensor]], split_dims: dict[str, int]) 
     return out
 
 
-def export_model(path: Path, state: dict[str, torch.Tensor], reference: nn.Module) -> None:
-    """Check that ``state`` loads into ``reference`` (a freshly built model, strict), then save it
-    atomically with ``torch.save``; it loads back with ``torch.load(path, weights_only=True)``.
-    Raises RuntimeError (from ``load_state_dict``) if keys or shapes do not match."""
-    reference.load_state_dict(state, strict=True)
-    ordered: dict[str, Any] = {k: state[k].contiguous() for k in reference.state_dict()}
+def state_keys(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """``model``'s state_dict keys in order, each with its tensor's shape: what ``export_model`` checks
+    against (an actor records it from the model it built, so the driver builds none)."""
+    return [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
+
+
+def export_model(path: Path, state: dict[str, torch.Tensor], keys: Sequence[tuple[str, Sequence[int]]]) -> None:
+    """Check that ``state`` holds exactly the keys of ``keys`` (``state_keys`` of a freshly built model)
+    with their shapes, as ``load_state_dict(strict=True)`` does, then save it in that key order atomically
+    with ``torch.save``; it loads back with ``torch.load(path, weights_only=True)`` into the model.
+    Raises RuntimeError naming the missing, unexpected and mis-shaped keys."""
+    want = {k: tuple(shape) for k, shape in keys}
+    missing = [k for k in want if k not in state]
+    unexpected = [k for k in state if k not in want]
+    mis_shaped = [f"{k} {tuple(state[k].shape)} (model {want[k]})" for k in want
+                  if k in state and tuple(state[k].shape) != want[k]]
+    if missing or unexpected or mis_shaped:
+        raise RuntimeError("the assembled state_dict does not load into the model: "
+                           + "; ".join(f"{what}: {', '.join(names[:5])}" for what, names in
+                                       (("missing", missing), ("unexpected", unexpected), ("shapes", mis_shaped)) if names))
+    ordered: dict[str, Any] = {k: state[k].contiguous() for k in want}
     atomic_write(path, lambda tmp: torch.save(ordered, tmp))

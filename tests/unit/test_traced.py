@@ -4,6 +4,7 @@ cuts where exactly one tensor is live, the pieces compute the model, state_dict 
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from rayconv.mesh import Mesh
 from rayconv.models import build_model, run_layers, to_layers
 from rayconv.models import traced
 from rayconv.models.traced import NotCuttable, cut_problem, traced_layers
-from rayconv.outputs.export import assemble, export_model
+from rayconv.outputs.export import assemble, export_model, state_keys
 from rayconv.parallel.routing import make_routing
 
 _SPEC = importlib.util.spec_from_file_location("blocks_fixture",
@@ -91,7 +92,7 @@ def test_state_dict_keys_are_the_users(tmp_path):
              for a, b in ((0, 4), (4, len(layers)))]
     state = assemble(parts, {})
     assert set(state) == set(model.state_dict())
-    export_model(tmp_path / "model.pt", state, blocks.BlockNet(10, 1).double())
+    export_model(tmp_path / "model.pt", state, state_keys(blocks.BlockNet(10, 1).double()))
     fresh = blocks.BlockNet(10, 1).double()
     fresh.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True), strict=True)
     for k, v in fresh.state_dict().items():
@@ -168,3 +169,20 @@ def test_non_persistent_buffer_stays_out_of_the_state():
     assert {f"{n}.{k}" if n else k for n, m in layers for k in m.state_dict()} == set(model.state_dict())
     x = torch.randn(2, 2, 1, 1)
     torch.testing.assert_close(run_layers(layers, x), model(x), rtol=0, atol=0)
+
+
+def test_export_refuses_a_state_that_would_not_load_and_writes_nothing(tmp_path):
+    """export_model's check is load_state_dict(strict=True)'s: a missing key, an unexpected one and a
+    wrong shape are each named, and no model.pt is written."""
+    model = blocks.BlockNet(10, 1).double()
+    keys = state_keys(model)
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    first, last = keys[0][0], keys[-1][0]
+    bad_states = ({k: v for k, v in good.items() if k != last}, {**good, "extra.weight": torch.zeros(1)},
+                  {**good, first: torch.zeros(3, 3)})
+    for bad, word in zip(bad_states, ("missing: " + last, "unexpected: extra.weight", f"shapes: {first} (3, 3)")):
+        with pytest.raises(RuntimeError, match=re.escape(word)):
+            export_model(tmp_path / "model.pt", bad, keys)
+        with pytest.raises(RuntimeError):
+            model.load_state_dict(bad, strict=True)   # (what a user's plain PyTorch would say too)
+    assert not (tmp_path / "model.pt").exists()
