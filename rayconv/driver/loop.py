@@ -34,7 +34,7 @@ from rayconv.driver.target import Target, train_seconds
 from rayconv.layout import Layout
 from rayconv.outputs.checkpoint import Checkpoint, write_checkpoint
 from rayconv.outputs.metrics import MetricsLog, actor_gauges, read_rows, reduce_step
-from rayconv.outputs.tensorboard import EventFiles, first_images
+from rayconv.outputs.tensorboard import EventFiles, first_images, import_writers
 
 
 EVAL_KEYS = ("test_loss", "test_accuracy", "test_error", "test_top5_accuracy", "ema_test_accuracy",
@@ -65,6 +65,7 @@ class Run:
         self.events = EventFiles(resolved.out, resolved.resume.step if resolved.resume is not None else 0,
                                  enabled=resolved.cfg.tensorboard == "on", log=log)
         self.metrics.on_write = self.events.add_rows
+        import_writers(self.events.enabled)   # (pyarrow's and TensorBoard's, while the actors set up)
         weakref.finalize(self, self.events.close)   # (each write is flushed; the writer closed with the run)
         self.images_logged = not resolved.cfg.log_images   # (--log-images: once, before the first step)
         self.startup = startup.current() or startup.begin(None, "fit call")  # (rayconv.startup)
@@ -85,6 +86,7 @@ class Run:
 
     def continue_from(self, ckpt: Optional[Checkpoint]) -> None:
         """Start an attempt's records: empty, or the metrics rows and last evaluation of ``ckpt``."""
+        self.metrics.wait()   # (the last attempt's background write done before the next one writes)
         self.metrics = MetricsLog()
         self.metrics.on_write = self.events.add_rows
         self.last_eval = {}
@@ -219,8 +221,10 @@ def _between_steps(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) 
     if run.checkpoint_due(done):
         checkpoint(run, actor_group, done)
     if done % s.eval_every == 0 or cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
-        run.metrics.write(s.out / "metrics.parquet")  # the progress so far, readable mid-run
+        # the progress so far, readable mid-run: written while the next steps run
+        run.metrics.write_soon(s.out / "metrics.parquet")
     if run.on_step is not None:
+        run.metrics.wait()   # (the hook sees the file written)
         run.on_step(actor_group, step)
     att.t_last = time.perf_counter()  # evaluation and checkpoint time is not a step's
     if run.elastic is not None:  # (a preemption's checkpoint, a grow back: may stop these actors)

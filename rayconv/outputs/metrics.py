@@ -13,11 +13,14 @@ validation images (the test columns then null except at the last evaluation, or 
 ``layout``: the name of the layout the row ran on (``Layout.name``; it changes in an --elastic run).
 ``time_s`` is seconds since training began (for test error against wall-clock time).
 ``metrics.parquet`` is written atomically (temporary file, then rename): a crash never leaves half a file.
+Between steps the step loop writes it in a background thread (``MetricsLog.write_soon``), so that the
+next steps run while it is written; the final write waits for that one and writes in the caller.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -63,27 +66,73 @@ def reduce_step(results: Iterable[dict[str, Any]]) -> dict[str, Any]:
 
 class MetricsLog:
     """Rows of the run, kept in memory and flushed to ``metrics.parquet``; ``on_write(rows)``, if set,
-    is called after each ``write`` (the TensorBoard event files, ``outputs.tensorboard``)."""
+    is called after each write with the rows written (the TensorBoard event files, ``outputs.tensorboard``)."""
 
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
         self.on_write: Optional[Callable[[list[dict[str, Any]]], None]] = None
+        self._wanted: Optional[tuple[Path, int]] = None   # the background thread's next write: (path, rows)
+        self._writer: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._done = threading.Condition()
 
     def add(self, **row: Any) -> None:
         self.rows.append({name: row.get(name) for name in COLUMNS})
 
-    def table(self):
-        """The rows as a ``pyarrow.Table`` of ``schema()``."""
+    def table(self, n: Optional[int] = None):
+        """The first ``n`` rows (all: None) as a ``pyarrow.Table`` of ``schema()``."""
         import pyarrow as pa
 
-        return pa.Table.from_pylist(self.rows, schema=schema())
+        return pa.Table.from_pylist(self.rows[:n], schema=schema())
 
     def write(self, path: Path) -> None:
+        """Write every row now (after the background write in progress, if any). Raises OSError, or what
+        the background write raised."""
+        self.wait()
+        self._write(path, len(self.rows))
+
+    def write_soon(self, path: Path) -> None:
+        """Write the rows there are now in a background thread: rows are only appended, so the thread
+        reads a fixed prefix. A request made while one is waiting replaces it. Raises what the previous
+        background write raised."""
+        with self._done:
+            self._raise()
+            self._wanted = (path, len(self.rows))
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._background, name="rayconv-metrics", daemon=True)
+                self._writer.start()
+
+    def wait(self) -> None:
+        """Until no background write is waiting or running. Raises what it raised."""
+        with self._done:
+            self._done.wait_for(lambda: self._writer is None)
+            self._raise()
+
+    def _background(self) -> None:
+        while True:
+            with self._done:
+                wanted, self._wanted = self._wanted, None
+                if wanted is None or self._error is not None:
+                    self._writer = None
+                    self._done.notify_all()
+                    return
+            try:
+                self._write(*wanted)
+            except BaseException as e:  # noqa: BLE001 - raised in the step loop's thread by the next write
+                with self._done:
+                    self._error = e
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
+
+    def _write(self, path: Path, n: int) -> None:
         import pyarrow.parquet as pq
 
-        atomic_write(path, lambda tmp: pq.write_table(self.table(), tmp))
+        atomic_write(path, lambda tmp: pq.write_table(self.table(n), tmp))
         if self.on_write is not None:
-            self.on_write(self.rows)
+            self.on_write(self.rows[:n])
 
     def to_bytes(self) -> bytes:
         """The rows as a Parquet file's bytes (stored in checkpoints)."""

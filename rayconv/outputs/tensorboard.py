@@ -18,6 +18,7 @@ process wrote from there on; rows already written by this process are not writte
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -28,6 +29,21 @@ TAGS = {  # row field -> tag, per row kind
              "test_accuracy": "test/accuracy", "test_loss": "test/loss", "test_top5_accuracy": "test/top5_accuracy",
              "ema_test_accuracy": "test/ema_accuracy"},
 }
+
+
+def import_writers(tensorboard: bool) -> None:
+    """Import pyarrow's Parquet writer and (``tensorboard``) TensorBoard's in a background thread: the
+    first write of metrics.parquet and its event files would otherwise import them (seconds) while
+    steps wait. An import that fails is reported by the write that needs it."""
+    def _imports() -> None:
+        try:
+            import pyarrow.parquet  # noqa: F401
+            if tensorboard:
+                import torch.utils.tensorboard  # noqa: F401
+        except Exception:  # noqa: BLE001 - the write reports it (EventFiles._open)
+            pass
+
+    threading.Thread(target=_imports, name="rayconv-imports", daemon=True).start()
 
 
 class EventFiles:
