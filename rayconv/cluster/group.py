@@ -196,15 +196,28 @@ def start_group(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, timeout
     it, or naming a Ray error at start (one line)."""
     deadline = time.monotonic() + timeout_s
     given = given_group(cfg, mesh)
-    if given is not None:   # a Tune trial's group: its bundles are this run's
-        return create_actors(actor_cls, cfg, mesh, run_name, given[0], timeout_s, first_bundle=given[1], wait=wait)
     env = actors_env(cfg, mesh)
+    if given is not None:   # a Tune trial's group: its bundles are this run's
+        return in_given_group(actor_cls, cfg, mesh, run_name, given, timeout_s, wait, env)
     kept = reuse_kept(actor_cls, cfg, mesh, run_name, env)
     if kept is not None:
         return kept
     pg = reserve(cfg, mesh, run_name, timeout_s)
     return create_actors(actor_cls, cfg, mesh, run_name, pg, max(0.0, deadline - time.monotonic()), limit_s=timeout_s,
                          wait=wait, env=env)
+
+
+def in_given_group(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, given: tuple[Any, int], timeout_s: float,
+                   wait: bool, env: Optional[dict[str, Any]]) -> ActorGroup:
+    """The actors of a run inside a placement group it was given (``given_group``: a Tune trial's): those
+    the trial's process kept from its last run there (``pool``: Tune handed the process and its placement
+    group to this trial), renewed, or new ones in its bundles (see ``create_actors``)."""
+    pg, first = given
+    kept = pool.take(pool.actors_key(actor_cls, mesh.world_size, actor_bundle(cfg), env, pg.id.hex()),
+                     cfg.to_dict(), run_name, [mesh.role(r) for r in range(mesh.world_size)])
+    if kept is not None:
+        return kept
+    return create_actors(actor_cls, cfg, mesh, run_name, pg, timeout_s, first_bundle=first, wait=wait, env=env)
 
 
 def actors_env(cfg: Config, mesh: Mesh) -> Optional[dict[str, Any]]:
@@ -339,8 +352,8 @@ def create_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: A
     finally:
         if owns:
             across.created(f"rayconv/{run_name}")
-    actor_group = ActorGroup(actors, roles, pg, [], first_bundle, owns,
-                             key=pool.actors_key(actor_cls, mesh.world_size, bundle, env), names=names)
+    actor_group = ActorGroup(actors, roles, pg, [], first_bundle, owns, names=names,
+                             key=pool.actors_key(actor_cls, mesh.world_size, bundle, env, None if owns else pg.id.hex()))
     actor_group.starting = (actor_group.submit("whereami"), deadline, limit_s or timeout_s)
     if wait:
         actor_group.wait_started()

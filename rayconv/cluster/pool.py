@@ -8,7 +8,9 @@ groups left, torch.compile's caches reset) before the new run's ``build``. This 
 ``reuse_actors`` (``TuneConfig``) for rayconv's gangs of actors.
 
 "The same actors": the same actor class, count, bundle (CPUs, GPU share), runtime environment (a
-user's modules by the content hash of their upload, a pickled model) and cluster connection. One group
+user's modules by the content hash of their upload, a pickled model) and cluster connection; for the
+actors of a Ray Tune trial, also the trial's placement group (``rayconv.tune`` reuses the trial's
+process and placement group for the next trial: ``TuneConfig(reuse_actors=True)``, ``Trial.reset_config``). One group
 is kept at a time; a run that needs other actors stops it first (its resources are the cluster's again),
 as does whatever else of rayconv asks the cluster for resources (a placement group, a task that measures
 a device, ``rayconv.prepare``'s tasks), ``rayconv.release_actors()``, and ``--keep-actors-s`` seconds
@@ -46,13 +48,16 @@ _LOCK = threading.Lock()
 _KEPT: dict[str, Optional[_Kept]] = {"now": None}
 
 
-def actors_key(actor_cls: type, world_size: int, bundle: dict[str, float], env: Optional[dict[str, Any]]) -> str:
+def actors_key(actor_cls: type, world_size: int, bundle: dict[str, float], env: Optional[dict[str, Any]],
+               given_pg: Optional[str] = None) -> str:
     """What kept actors must match to serve a run: class, count, bundle, runtime environment (after
     the upload, so a changed module is another environment) and the code they run (rayconv's files,
     torch's, torchvision's and Ray's versions: ``watch.code_hash``; actors kept on the cluster may
-    have been started by another command, from another checkout)."""
+    have been started by another command, from another checkout); and ``given_pg``, the id of the
+    placement group they were started in when it is not the run's own (a Tune trial's: the next trial
+    that Tune runs in the same process and placement group takes them)."""
     return json.dumps([f"{actor_cls.__module__}.{actor_cls.__qualname__}", world_size, sorted(bundle.items()), env,
-                       code_hash()], sort_keys=True, default=str)
+                       code_hash(), given_pg], sort_keys=True, default=str)
 
 
 def _cluster() -> Optional[str]:
@@ -60,10 +65,11 @@ def _cluster() -> Optional[str]:
 
 
 def keep(group: Any, key: str, keep_s: float) -> bool:
-    """Keep ``group`` (an ActorGroup of a run that ended normally, its placement group its own) for
-    ``keep_s`` seconds; any group kept before is stopped. False (nothing kept) when ``keep_s`` is 0,
-    the group does not own its placement group (a Tune trial's) or is still starting."""
-    if keep_s <= 0 or not group.owns_pg or group.starting is not None or not group.actors:
+    """Keep ``group`` (an ActorGroup of a run that ended normally) for ``keep_s`` seconds; any group
+    kept before is stopped. A group in a placement group it does not own (a Tune trial's) keeps it:
+    stopping the group leaves that placement group to its owner. False (nothing kept) when ``keep_s`` is
+    0 or the group is still starting."""
+    if keep_s <= 0 or group.starting is not None or not group.actors:
         return False
     release()
     kept = group.hand_over()

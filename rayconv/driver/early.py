@@ -17,7 +17,8 @@ import time
 from typing import Optional
 
 from rayconv.actor.actor import Actor
-from rayconv.cluster.group import ActorGroup, actors_env, create_actors, given_group, reserve, reuse_kept
+from rayconv.cluster.group import (ActorGroup, actors_env, create_actors, given_group, in_given_group, reserve,
+                                   reuse_kept)
 from rayconv.config import Config
 from rayconv.errors import ClusterError, ConfigError, DataError
 from rayconv.mesh import Mesh
@@ -54,11 +55,10 @@ class EarlyActors:
         t0 = time.monotonic()
         try:
             given = given_group(cfg, mesh)
+            env = actors_env(cfg, mesh)
             if given is not None:   # a Tune trial's group: its bundles are this run's
-                self.group = create_actors(Actor, cfg, mesh, run_name, given[0], cfg.max_wait,
-                                           first_bundle=given[1], wait=False)
+                self.group = in_given_group(Actor, cfg, mesh, run_name, given, cfg.max_wait, False, env)
             else:
-                env = actors_env(cfg, mesh)
                 self.group = reuse_kept(Actor, cfg, mesh, run_name, env)   # a previous run's (--keep-actors-s)
                 if self.group is None:
                     pg = reserve(cfg, mesh, run_name, min(cfg.max_wait, RESERVE_S))

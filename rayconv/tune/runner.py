@@ -134,7 +134,10 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
         tuner = tune.Tuner(
             trainable, param_space=to_tune(checked),
             tune_config=tune.TuneConfig(metric=metric, mode=mode, num_samples=num_samples, scheduler=sched,
-                                        max_concurrent_trials=max_concurrent, reuse_actors=False),
+                                        max_concurrent_trials=max_concurrent,
+                                        # (a trial's process, placement group and finished run's actors serve
+                                        # the next trial; PBT restores trials from checkpoints instead)
+                                        reuse_actors=scheduler != "pbt"),
             run_config=tune.RunConfig(storage_path=str(search_dir), name="tune", verbose=0,
                                       callbacks=list(callbacks), failure_config=tune.FailureConfig(max_failures=0),
                                       # (each of Tune's checkpoints is a copy of a run's: PBT needs the newest)

@@ -12,7 +12,9 @@ it, before Tune removes the trial's placement group.
 Resources (``trial_resources``): the trial's process takes none (an empty head bundle); its
 placement group holds one bundle per actor of its layout, which the run's actors take
 (``cluster.group.given_group``). Tune so starts a trial only once its whole layout fits, and ending the
-trial frees it all.
+trial frees it all. Except under PBT, Tune hands a trial's process and placement group to the next
+trial of the same resources (``reuse_actors``, ``reset_config``), and the actors of a run that finished
+stay there for the next trial's run (``cluster.pool``: renewed, not started again).
 
 A restarted trial (a resumed search) continues its run from the folder's newest checkpoint (with
 ``--checkpoint-every``); a folder without one is moved aside to ``trial-<k>.stopped-<n>`` and the run
@@ -92,7 +94,7 @@ class Trial(tune.Trainable):
     search's settings under them; ``search_dir``: the search folder."""
 
     def setup(self, config: dict[str, Any], base: dict[str, Any] = None, search_dir: str = ""):
-        self.sample, self.base = dict(config), dict(base or {})
+        self.sample, self.base, self.search_dir = dict(config), dict(base or {}), search_dir
         self.folder = Path(search_dir) / f"trial-{trial_index(self.trial_id)}"
         self.log_path = Path(search_dir) / "logs" / f"{self.folder.name}.log"
         self.results: queue.Queue = queue.Queue()
@@ -211,6 +213,14 @@ class Trial(tune.Trainable):
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log(f"rayconv.tune: continues {Path(mark['folder']).name}'s checkpoint of step {mark['step']} with "
                   + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.sample.items()))
+
+    def reset_config(self, new_config: dict[str, Any]) -> bool:
+        """This process (and its placement group) taken for another trial (``reuse_actors``; Tune has set
+        the new trial's id): the last trial's run stopped if it is still going, then set up as a new
+        trial. Its actors, kept when its run finished (``cluster.pool``), serve the new trial's run."""
+        self.cleanup()
+        self.setup(new_config)   # (``tune.with_parameters`` passes base and search_dir again)
+        return True
 
     def cleanup(self) -> None:
         """Stop the run if it is still going (as Ctrl-C would) and wait for it to record itself."""

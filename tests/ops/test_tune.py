@@ -1,6 +1,6 @@
 """Searches on the shared 4-CPU cluster (``rayconv.tune``): trials of dp2 in their own placement groups,
-ASHA's early stop, a failed trial, an interrupted search resumed; PBT's exploit (a trial continuing
-another's checkpoint)."""
+ASHA's early stop, a failed trial, an interrupted search resumed; the next trial on the last one's process
+and actors; PBT's exploit (a trial continuing another's checkpoint)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,25 @@ def test_search_asha_failure_resume(ray_cluster, tmp_path):
     assert list(tune_dir.rglob("result.json")) and list(tune_dir.rglob("progress.csv"))
     assert not list(tune_dir.rglob("events.out.tfevents*"))
     assert "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS" not in os.environ
+
+
+def test_the_next_trial_runs_on_the_finished_trials_process_and_actors(ray_cluster, tmp_path):
+    # Tune hands a finished trial's process and placement group to the next trial of the same resources
+    # (reuse_actors); the actors its run kept are renewed for the next run, not started again, and that
+    # run equals one of the same settings on new actors.
+    from rayconv.driver.job import train_run
+    from rayconv.tune.trial import trial_settings
+
+    base = {"dp": 1, "steps": 6, "eval_every": 6, "global_batch_size": 96, "out": str(tmp_path / "r"),
+            "metrics": False, "progress": False}
+    found = tune.search({"lr": {"grid": [0.2, 0.05]}}, base, scheduler="fifo", max_concurrent=1)
+    assert [r["status"] for r in found.rows] == ["finished", "finished"], found.rows
+    first, second = (json.loads((found.search_dir / f"trial-{k}" / "summary.json").read_text()) for k in (0, 1))
+    assert "renewed" not in first["startup"]["actor_process"], first["startup"]
+    assert "renewed" in second["startup"]["actor_process"], second["startup"]
+    alone = train_run(trial_settings({**base, "device": "cpu", "keep_actors_s": 0}, {"lr": 0.05}, str(tmp_path / "alone")),
+                      log=lambda *_: None)
+    assert second["final_train_loss"] == alone["final_train_loss"] and second["test_loss"] == alone["test_loss"]
 
 
 def test_pbt_trial_continues_a_better_trials_checkpoint(ray_cluster, tmp_path):
