@@ -86,7 +86,7 @@ class DataSettings:
     augment: str = field(default="auto", metadata={
         "help": "training augmentation: pad-crop (pad by size/8, random crop, horizontal flip), resized-crop "
                 "(RandomResizedCrop + flip, Szegedy et al. 2015), none; auto: pad-crop + flip up to 64 pixels, "
-                "resized-crop above", "choices": AUGMENT_CHOICES})
+                "resized-crop above; the digits (8x8) are never augmented", "choices": AUGMENT_CHOICES})
     auto_augment: Optional[str] = field(default=None, metadata={
         "help": "augmentation policy after the crop and flip, torchvision's: imagenet, cifar10, svhn "
                 "(AutoAugment, Cubuk et al. 2019), ra (RandAugment), ta_wide (TrivialAugmentWide); default none",

@@ -78,6 +78,17 @@ def _gcs_address() -> Optional[str]:
         return None
 
 
+def dashboard_url() -> Optional[str]:
+    """The connected cluster's Ray dashboard (``http://host:port``, as Ray's node records it), None when it
+    runs none or under Ray Client."""
+    node = getattr(ray._private.worker, "_global_node", None) if ray.is_initialized() else None
+    try:
+        url = getattr(node, "webui_url", None)
+    except Exception:  # noqa: BLE001 - not readable from this node: no line
+        return None
+    return (url if "://" in url else f"http://{url}") if url else None
+
+
 def cluster_origin() -> str:
     """How this process reached the connected cluster, for the console: ``attached to the cluster at
     HOST:PORT`` (``--address``, RAY_ADDRESS, or one started by ``ray start``), or ``started a local

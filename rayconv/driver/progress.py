@@ -1,7 +1,7 @@
 """What a run prints: the header, then a progress bar on a terminal or plain lines in a log file.
 
 The header names the model, data, layout, device, batch, steps and output folder; how Ray was reached
-(attached to a running cluster, or a local one started); the images (channels
+(attached to a running cluster, or a local one started) and its dashboard's address; the images (channels
 and side as the source gives them, the augmentation) and the recipe (optimizer, learning rate and its
 warm-up, the other recipe settings that are on); for a pipeline, its stages and schedule grid, with a
 note when too few micro-batches leave the stages taking turns.
@@ -18,7 +18,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from rayconv.cluster.connect import cluster_origin
+from rayconv.cluster.connect import cluster_origin, dashboard_url
 from rayconv.config import Config, batch_split_problem
 from rayconv.driver.lr import peak_lr, warmup_steps
 from rayconv.driver.prestart import ray_job
@@ -35,6 +35,8 @@ def log_header(resolved: ResolvedRun, log=print) -> None:
     cfg, mesh = resolved.cfg, resolved.mesh
     log(run_line(resolved))
     log(f"rayconv: Ray: {cluster_origin()}")
+    if dashboard_url():
+        log(f"rayconv: Ray dashboard: {dashboard_url()}")
     log(images_line(resolved))
     log(recipe_line(resolved))
     if resolved.resume is not None:

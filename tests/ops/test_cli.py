@@ -42,6 +42,7 @@ def test_main_job_as_the_readme_says(ray_cluster, tmp_path):
     assert summary["model"] == "convnet" and summary["data"] == "digits"
     assert summary["test_accuracy"] >= 0.95, summary
     assert "rayconv: Ray: started a local cluster at " in proc.stdout, proc.stdout[-3000:]
+    assert "rayconv: Ray dashboard: http://127.0.0.1:" in proc.stdout, proc.stdout[-3000:]   # (as README says)
     assert {"config.json", "metrics.parquet", "summary.json", "model.pt"} <= {p.name for p in out.iterdir()}
     assert f"rayconv/{summary['run_name']}" not in placement_group_names(), "the job joined the test cluster"
     # The start-up record: seconds since the command to each phase, in the order they ended (Ray

@@ -267,6 +267,7 @@ def test_two_runs_with_the_same_folder_name_at_once(dashboard, tmp_path):
     for printed in (out.splitlines(), lines):   # (a run of its own command line, and this process's fit)
         assert any(x.startswith("rayconv: Ray: attached to the cluster at ") and x.endswith(f":{port}")
                    for x in printed), printed[:5]
+        assert f"rayconv: Ray dashboard: {dashboard['url']}" in printed, printed[:5]   # (where to watch it)
     assert name != second and name.startswith("run-") and second.startswith("run-"), (name, second)
     assert f"Ray run name {second}" in lines[0]
     pgs = {pg["name"] for pg in ray.util.placement_group_table().values()}
