@@ -41,7 +41,7 @@ from rayconv.outputs.checkpoint import Checkpoint, check_resumable, latest_check
 from rayconv.planner.search import memory_check
 
 DRAIN_POLL_S = 5.0   # seconds between two looks at the cluster's draining nodes
-POLL_S = 0.5         # seconds between two looks at the free devices while waiting
+POLL_S = 0.1         # seconds between two looks at the free devices while waiting (a stopped run's are free a moment after)
 GROW = "devices came back"
 
 
