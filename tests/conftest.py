@@ -18,7 +18,7 @@ from ray.cluster_utils import Cluster
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(len(os.sched_getaffinity(0)))
 # rayconv's caches (the planner's measurements, the listing of torchvision's models) in a temporary
-# folder of the session (set before any cluster starts: its workers inherit it)
+# folder of the session, in the environment every cluster's workers inherit
 _CACHE = tempfile.TemporaryDirectory(prefix="rayconv-cache-")
 os.environ["RAYCONV_CACHE_DIR"] = _CACHE.name
 

@@ -35,8 +35,9 @@ def log_header(resolved: ResolvedRun, log=print) -> None:
     cfg, mesh = resolved.cfg, resolved.mesh
     log(run_line(resolved))
     log(f"rayconv: Ray: {cluster_origin()}")
-    if dashboard_url():
-        log(f"rayconv: Ray dashboard: {dashboard_url()}")
+    dashboard = dashboard_url()
+    if dashboard:
+        log(f"rayconv: Ray dashboard: {dashboard}")
     log(images_line(resolved))
     log(recipe_line(resolved))
     if resolved.resume is not None:
