@@ -21,6 +21,11 @@ torch.set_num_threads(len(os.sched_getaffinity(0)))
 # folder of the session, in the environment every cluster's workers inherit
 _CACHE = tempfile.TemporaryDirectory(prefix="rayconv-cache-")
 os.environ["RAYCONV_CACHE_DIR"] = _CACHE.name
+# Ray's temp folder, one of this test process's own (short: Ray's socket paths have a length limit): it
+# holds ray_current_cluster, which a Ray started without an address looks for first, so that no test
+# here attaches to another process's cluster (pytest-xdist's other worker, anything else on the host)
+_RAY_TMP = tempfile.TemporaryDirectory(prefix="rc-", dir="/tmp", ignore_cleanup_errors=True)
+os.environ["RAY_TMPDIR"] = _RAY_TMP.name
 
 
 def local_ray(num_cpus: int, **kw):
@@ -62,6 +67,7 @@ def ray_cluster():
     if ray.is_initialized() and _SHARED["gcs"] == ray.get_runtime_context().gcs_address and _cpus_free(4):
         yield
         return
+    _shut_two_nodes()   # (a pytest-xdist worker may run a two-node module, then this one)
     if ray.is_initialized():
         ray.shutdown()
     ray.init(num_cpus=4, include_dashboard=False, namespace="rayconv", log_to_driver=False,

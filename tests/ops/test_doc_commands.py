@@ -129,9 +129,12 @@ def check_script(argv: list[str]) -> None:
 
 def check_pytest(argv: list[str]) -> None:
     args = argv[3:] if argv[:3] == ["python", "-m", "pytest"] else argv[1:]
-    for a in args:
-        if not a.startswith("-") and a != "gpu":
+    valued = {"-m", "-n", "-k", "-p"}   # (options whose value is the next word)
+    for before, a in zip([None, *args], args):
+        if not a.startswith("-") and before not in valued:
             assert (REPO / a.split("::")[0]).exists(), f"{a} does not exist"
+    if "-n" in args:
+        assert args[args.index("-n") + 1].isdigit(), "-n takes a number of test processes"
     if "-m" in args:
         marker = args[args.index("-m") + 1]
         assert f'"{marker}:' in (REPO / "pyproject.toml").read_text(), f"no marker {marker}"
