@@ -28,7 +28,7 @@ ADDRESS=(--address local)
 if [ "${RUNNING:-0}" = 1 ]; then
   PORT=${PORT:-6391}; TMPD=$(mktemp -d /tmp/ray-fm-XXXXXX)
   RAY=(ray); command -v ray > /dev/null || RAY=("$PY" -m ray.scripts.scripts)
-  stop_cluster() { pgrep -f -- "$TMPD" | xargs -r kill 2>/dev/null; sleep 2; pgrep -f -- "$TMPD" | xargs -r kill -9 2>/dev/null; }
+  stop_cluster() { pgrep -f -- "$TMPD" | xargs -r kill 2>/dev/null; sleep 2; pgrep -f -- "$TMPD" | xargs -r kill -9 2>/dev/null; rm -rf "$TMPD"; }
   trap stop_cluster EXIT
   "${RAY[@]}" start --head --port "$PORT" --temp-dir "$TMPD" --dashboard-port $((PORT + 2000)) \
     --ray-client-server-port $((PORT + 13700)) --min-worker-port $((PORT + 14600)) --max-worker-port $((PORT + 15599)) \

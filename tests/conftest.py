@@ -19,7 +19,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(len(os.sched_getaffinity(0)))
 # rayconv's caches (the planner's measurements, the listing of torchvision's models) in a temporary
 # folder of the session, in the environment every cluster's workers inherit
-_CACHE = tempfile.TemporaryDirectory(prefix="rayconv-cache-")
+_CACHE = tempfile.TemporaryDirectory(prefix="rayconv-cache-", ignore_cleanup_errors=True)
 os.environ["RAYCONV_CACHE_DIR"] = _CACHE.name
 # Ray's temp folder, one of this test process's own (short: Ray's socket paths have a length limit): it
 # holds ray_current_cluster, which a Ray started without an address looks for first, so that no test
@@ -178,6 +178,9 @@ def pytest_sessionfinish(session, exitstatus):
     if ray.is_initialized():
         ray.shutdown()
     gc.collect()
+    # (removed here: ``pytest_unconfigure`` ends the process before their finalizers would run)
+    _RAY_TMP.cleanup()
+    _CACHE.cleanup()
     _EXIT_STATUS.append(int(exitstatus))
 
 
