@@ -17,15 +17,15 @@ from ray.cluster_utils import Cluster
 # own torch, which computes the single-device references while the actors wait, uses every core.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(len(os.sched_getaffinity(0)))
-# rayconv's caches (the planner's measurements, the listing of torchvision's models) in a temporary
-# folder of the session, in the environment every cluster's workers inherit
-_CACHE = tempfile.TemporaryDirectory(prefix="rayconv-cache-", ignore_cleanup_errors=True)
-os.environ["RAYCONV_CACHE_DIR"] = _CACHE.name
-# Ray's temp folder, one of this test process's own (short: Ray's socket paths have a length limit): it
-# holds ray_current_cluster, which a Ray started without an address looks for first, so that no test
-# here attaches to another process's cluster (pytest-xdist's other worker, anything else on the host)
-_RAY_TMP = tempfile.TemporaryDirectory(prefix="rc-", dir="/tmp", ignore_cleanup_errors=True)
-os.environ["RAY_TMPDIR"] = _RAY_TMP.name
+# One temporary folder of this test process, in the environment every cluster's workers inherit:
+# - Ray's temp folder (short: Ray's socket paths have a length limit). It holds ray_current_cluster, which
+#   a Ray started without an address looks for first, so no test here attaches to another process's
+#   cluster (pytest-xdist's other worker, anything else on the host).
+# - rayconv's caches (the planner's measurements, the listing of torchvision's models), in cache/.
+_TMP = tempfile.TemporaryDirectory(prefix="rc-", dir="/tmp", ignore_cleanup_errors=True)
+os.environ["RAY_TMPDIR"] = _TMP.name
+os.environ["RAYCONV_CACHE_DIR"] = os.path.join(_TMP.name, "cache")
+os.makedirs(os.environ["RAYCONV_CACHE_DIR"])
 
 
 def local_ray(num_cpus: int, **kw):
@@ -178,9 +178,7 @@ def pytest_sessionfinish(session, exitstatus):
     if ray.is_initialized():
         ray.shutdown()
     gc.collect()
-    # (removed here: ``pytest_unconfigure`` ends the process before their finalizers would run)
-    _RAY_TMP.cleanup()
-    _CACHE.cleanup()
+    _TMP.cleanup()   # (here: ``pytest_unconfigure`` ends the process, and no finalizer runs)
     _EXIT_STATUS.append(int(exitstatus))
 
 
