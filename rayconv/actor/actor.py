@@ -59,9 +59,10 @@ def _import_training_modules() -> None:
     """Bind the actor's training modules in this module, in the actor's own process (its ``__init__``,
     after it imported torch): the driver only names ``Actor`` to Ray, so it can start the actors before
     it imports torch itself (``driver.prestart``), and their imports run meanwhile."""
-    global train, report, state, comm, build_actor, _pick_device
+    global train, report, state, comm, build_actor, _pick_device, read_ahead
     from rayconv.actor import report, state, step as train
     from rayconv.actor.build import _pick_device, build_actor
+    from rayconv.data.registry import read_ahead
     from rayconv.parallel import comm
 
 
@@ -93,15 +94,21 @@ class Actor:
         self._begin(cfg, run_name, role)
         # What ``build`` needs first and costs seconds, done while the driver still checks and plans:
         # torch._dynamo's import (torch.optim's first optimizer imports it) and, on a GPU, the CUDA
-        # context. ``build`` waits for it before it starts, so no import runs in two threads at once.
-        self._warm = threading.Thread(target=_warm_up, args=(cuda, is_torchvision_model(cfg.get("model")), self.stamps),
+        # context and cuDNN's and cuBLAS's set-up. ``build`` waits for it before it starts, so no import
+        # runs in two threads at once; ``check_model`` waits for the imports only (``_imported``).
+        self._imported = threading.Event()
+        self._warm = threading.Thread(target=_warm_up, args=(cuda, is_torchvision_model(cfg.get("model")), self.stamps,
+                                                             self._imported, cfg.get("precision")),
                                       name="rayconv-warm-up", daemon=True)
         self._warm.start()
         self.stamps["alive"] = time.time()
 
     def _begin(self, cfg: dict[str, Any], run_name: str, role: str) -> None:
-        """The state of a new actor of run ``run_name`` (``__init__`` and ``renew``)."""
+        """The state of a new actor of run ``run_name`` (``__init__`` and ``renew``); its data files are
+        read on a thread meanwhile (``registry.read_ahead``), which ``build``'s data source then finds
+        read (or waits for)."""
         self.cfg = Config(**cfg)
+        threading.Thread(target=read_ahead, args=(self.cfg,), name="rayconv-read-ahead", daemon=True).start()
         self.run_name, self.role = run_name, role
         torch.set_num_threads(max(1, self.cfg.num_cpus_per_actor))
         self.a: Optional[ActorState] = None
@@ -173,7 +180,7 @@ class Actor:
         """``routing.checked_routing`` of run ``cfg``'s model for ``mesh`` (dp, pp, fs), made here for a
         driver that has not imported torchvision (``driver.resolve.WarmCheck``: this actor has, in its
         warm-up). Raises ConfigError / LayoutError as the driver's own check would."""
-        self._warm.join()
+        self._imported.wait()   # (the warm-up sets up the CUDA libraries meanwhile, without the interpreter)
         from rayconv.parallel.routing import checked_routing
 
         return checked_routing(Config(**cfg), Mesh(*mesh), num_classes, tuple(sample_shape), data_channels,
@@ -293,20 +300,26 @@ class Actor:
         comm.destroy()
 
 
-def _warm_up(cuda: Optional[threading.Thread], torchvision: bool, stamps: dict[str, float]) -> None:
-    """Import torch._dynamo (and torchvision for one of its models), and wait for the CUDA context
-    (``cuda``: the thread making it through the driver API, or None), then have torch take it, ahead of
-    ``build``; ``stamps["warmed_up"]``: when all were done (wall clock). A failure here is left for
-    ``build`` to meet and report."""
+def _warm_up(cuda: Optional[threading.Thread], torchvision: bool, stamps: dict[str, float],
+             imported: threading.Event, precision: Optional[str]) -> None:
+    """Import torch._dynamo (and torchvision for one of its models), then set ``imported``; wait for the
+    CUDA context (``cuda``: the thread making it through the driver API, or None), have torch take it and
+    set up the CUDA libraries the first step uses (``_cuda_libraries``), ahead of ``build``;
+    ``stamps["warmed_up"]``: when all were done (wall clock). A failure here is left for ``build`` to
+    meet and report."""
     try:
         importlib.import_module("torch._dynamo")
         if torchvision:
             importlib.import_module("torchvision")
     except Exception:  # noqa: BLE001 - build reports it
         pass
+    finally:
+        imported.set()
     if cuda is not None:
         cuda.join()
-        _cuda_context()
+        device = _cuda_context()
+        if device is not None:
+            _cuda_libraries(device, precision)
     stamps["warmed_up"] = time.time()
 
 
@@ -327,14 +340,40 @@ def _driver_api_context() -> None:
         pass
 
 
-def _cuda_context() -> None:
+def _cuda_context() -> Optional[torch.device]:
     """torch's first CUDA call on the GPU Ray assigned this actor (``connect.assigned_gpu_index``, as
-    ``build._pick_device``), which takes the context ``_driver_api_context`` made (or makes it). A
-    failure is left for ``build``."""
+    ``build._pick_device``), which takes the context ``_driver_api_context`` made (or makes it); returns
+    that device. A failure (None) is left for ``build``."""
     try:
-        torch.zeros(1, device=torch.device("cuda", assigned_gpu_index()))
+        device = torch.device("cuda", assigned_gpu_index())
+        torch.zeros(1, device=device)
+        return device
     except Exception:  # noqa: BLE001 - build reports it
-        pass
+        return None
+
+
+def _cuda_libraries(device: torch.device, precision: Optional[str]) -> bool:
+    """cuDNN's and cuBLAS's one-time set-up in this process (their libraries loaded, their handles made),
+    by a tiny convolution, batch norm and linear layer, forward and backward, in ``--precision``'s
+    autocast dtype, on the GPU Ray assigned this actor: otherwise the first training step pays it, after
+    ``build``. Draws no random numbers (the model is built from the seed later) and keeps nothing: the
+    handles go back to torch's pool, for the thread that steps. Returns whether it ran; a failure is left
+    for ``build``."""
+    F = torch.nn.functional
+    try:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision or "")
+        x = torch.zeros(2, 8, 8, 8, device=device, requires_grad=True).contiguous(memory_format=torch.channels_last)
+        w = torch.zeros(8, 8, 3, 3, device=device, requires_grad=True)
+        scale, shift = (torch.ones(8, device=device, requires_grad=True),
+                        torch.zeros(8, device=device, requires_grad=True))
+        fc = torch.zeros(4, 8 * 6 * 6, device=device, requires_grad=True)
+        with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
+            y = F.batch_norm(F.conv2d(x, w), None, None, scale, shift, training=True).relu()
+            F.linear(y.flatten(1), fc).sum().backward()
+        torch.cuda.synchronize(device)
+        return True
+    except Exception:  # noqa: BLE001 - build reports it
+        return False
 
 
 def _process_started() -> Optional[float]:

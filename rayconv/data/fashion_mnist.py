@@ -13,12 +13,15 @@ images normalised by the train set's mean and std.
 from __future__ import annotations
 
 import gzip
+import os
+import threading
+import zlib
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
-from rayconv.data.on_device import OnDeviceSource
+from rayconv.data.on_device import OnDeviceSource, channel_stats
 from rayconv.errors import DataError
 
 DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"   # where `apt-get install dataset-fashion-mnist` puts them
@@ -39,11 +42,12 @@ def _find(folder: Path, name: str) -> Optional[Path]:
 def read_idx(path: Path, magic: int) -> np.ndarray:
     """The uint8 array of one idx file (plain or gzipped): (N, H, W) for images, (N,) for labels.
     Raises DataError for a file of another type or a size its header does not give."""
-    opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rb") as f:
-            data = bytearray(f.read())   # writable, so that torch.from_numpy can share it
-    except OSError as e:
+        # (one read and one decompress call, each without the interpreter's lock: a read-ahead thread
+        # does not wait on the imports running beside it chunk by chunk)
+        raw = path.read_bytes()
+        data = bytearray(gzip.decompress(raw) if path.suffix == ".gz" else raw)   # writable: torch.from_numpy shares it
+    except (OSError, EOFError, zlib.error) as e:
         raise DataError(f"cannot read {path} ({e}): replace it (apt-get install --reinstall "
                         "dataset-fashion-mnist) or give --data-dir DIR with good copies") from None
     ndim = magic & 0xFF
@@ -56,24 +60,54 @@ def read_idx(path: Path, magic: int) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8, offset=head).reshape(dims)
 
 
+# The files read last in this process, by their identity (path, inode, size, modification time), with the
+# train images' channel statistics: an actor reads them on a thread while it imports (``read_ahead``), and
+# its build then finds them read. One entry: a process trains on one data set at a time.
+_READ: dict[tuple, tuple[dict[str, tuple[np.ndarray, np.ndarray]], tuple[list[float], list[float]]]] = {}
+_READ_LOCK = threading.Lock()   # (a build that asks while the read-ahead reads waits for it: one read)
+
+
 def fashion_mnist_arrays(data_dir: Optional[str] = None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """{"train": (images (60000, 1, 28, 28) uint8, labels (60000,) int64), "test": (10000 of each)} from
     ``data_dir`` or Debian's folder. Raises DataError (one line) when a file is missing or malformed."""
+    return _read(data_dir)[0]
+
+
+def read_ahead(data_dir: Optional[str] = None) -> None:
+    """Read ``data_dir``'s four files and the train images' statistics now, for a ``load_fashion_mnist``
+    of the same files later in this process (an actor's thread, while its main thread imports: zlib and
+    torch let go of the interpreter while they work). A failure is left for that load to report."""
+    try:
+        _read(data_dir)
+    except Exception:  # noqa: BLE001 - load_fashion_mnist reports it
+        pass
+
+
+def _read(data_dir: Optional[str]) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], tuple[list[float], list[float]]]:
+    """(the arrays of ``fashion_mnist_arrays``, (mean, std) of the train images), read once per set of
+    files (``_READ``)."""
     folder = Path(data_dir or DEBIAN_DIR)
     paths = {name: _find(folder, name) for pair in FILES.values() for name in pair}
     missing = [name for name, path in paths.items() if path is None]
     if missing:
         raise DataError(f"--data fashion-mnist: {folder} lacks {', '.join(missing)} (or .gz): install them with "
                         "`apt-get install dataset-fashion-mnist`, or give --data-dir DIR holding the four idx files")
-    out = {}
-    for split, (images, labels) in FILES.items():
-        x = read_idx(paths[images], IMAGE_MAGIC)[:, None]                   # (N, 1, 28, 28)
-        y = read_idx(paths[labels], LABEL_MAGIC).astype(np.int64)           # (N,)
-        if len(x) != len(y) or (len(y) and int(y.max()) >= 10):
-            raise DataError(f"{paths[images]} holds {len(x)} images but {paths[labels]} {len(y)} labels in 0..9 "
-                            f"(largest {int(y.max()) if len(y) else None}): replace them with the Fashion-MNIST originals")
-        out[split] = (x, y)
-    return out
+    key = tuple((str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+                for path in paths.values() for st in [os.stat(path)])
+    with _READ_LOCK:
+        if key not in _READ:
+            out = {}
+            for split, (images, labels) in FILES.items():
+                x = read_idx(paths[images], IMAGE_MAGIC)[:, None]                   # (N, 1, 28, 28)
+                y = read_idx(paths[labels], LABEL_MAGIC).astype(np.int64)           # (N,)
+                if len(x) != len(y) or (len(y) and int(y.max()) >= 10):
+                    raise DataError(f"{paths[images]} holds {len(x)} images but {paths[labels]} {len(y)} labels in "
+                                    f"0..9 (largest {int(y.max()) if len(y) else None}): replace them with the "
+                                    "Fashion-MNIST originals")
+                out[split] = (x, y)
+            _READ.clear()
+            _READ[key] = (out, channel_stats(out["train"][0]))
+        return _READ[key]
 
 
 def load_fashion_mnist(data_dir: Optional[str], seed: int, image_size: Optional[int] = None,
@@ -83,8 +117,8 @@ def load_fashion_mnist(data_dir: Optional[str], seed: int, image_size: Optional[
     the device), 10 classes; training samples augmented by ``augment`` (pad-crop: padded by
     ``on_device.pad_for(S)``, ``PAD`` at 28, and mirrored), given ``auto_augment``'s policy and erased with probability ``random_erase``,
     keyed by (``seed``, epoch, sample). Raises DataError when the files are missing or malformed."""
-    arrays = fashion_mnist_arrays(data_dir)
+    arrays, (mean, std) = _read(data_dir)
     size = None if image_size in (None, 28) else image_size
     return OnDeviceSource(arrays["train"], arrays["test"], num_classes=10, seed=seed, image_size=size,
                           augment=augment, random_erase=random_erase, name="fashion-mnist",
-                          auto_augment=auto_augment)
+                          auto_augment=auto_augment, mean=mean, std=std)

@@ -17,6 +17,7 @@ import torch
 
 from rayconv.config import Config, ConfigError
 from rayconv.data.digits import load_digits
+from rayconv.data import fashion_mnist
 from rayconv.data.fashion_mnist import load_fashion_mnist
 from rayconv.data.imagefolder import ImageFolderSource
 from rayconv.data.raw_shards import RawShardSource
@@ -69,6 +70,15 @@ def decode_workers(cfg: Config) -> int:
         return 2
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
     return max(2, cores // max(1, torch.cuda.device_count()))
+
+
+def read_ahead(cfg: Config) -> None:
+    """Read now what ``make_source(cfg)`` reads whole from files before it returns (fashion-mnist's four
+    idx files and their statistics), so that a later ``make_source`` of the same files in this process
+    finds them read: an actor calls it on a thread of its own while it imports and the driver checks.
+    Other sources read their files lazily: nothing to do. A failure is left for ``make_source`` to report."""
+    if cfg.data == "fashion-mnist":
+        fashion_mnist.read_ahead(cfg.data_dir)
 
 
 def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from rayconv.config import Config
 from rayconv.data.augment import normalize, random_crop_flip
-from rayconv.data.fashion_mnist import DEBIAN_DIR, FILES, PAD, fashion_mnist_arrays, load_fashion_mnist
-from rayconv.data.on_device import OnDeviceSource
+from rayconv.data.fashion_mnist import DEBIAN_DIR, FILES, PAD, fashion_mnist_arrays, load_fashion_mnist, read_ahead
+from rayconv.data.on_device import OnDeviceSource, channel_stats
 from rayconv.data.registry import make_source
 from rayconv.errors import DataError
 
@@ -74,6 +74,28 @@ def test_a_malformed_file_is_named(small, tmp_path):
     (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(b"\0\0\x08\x01\0\0\0\x09" + bytes(3))  # 9 said, 3 there
     with pytest.raises(DataError, match="t10k-labels-idx1-ubyte is not an idx file"):
         fashion_mnist_arrays(str(tmp_path))
+
+
+def test_files_read_ahead_are_read_once_and_again_when_they_change(small, tmp_path):
+    """An actor reads its files on a thread (``read_ahead``) while it imports; its build's source then
+    takes those arrays and statistics (the same objects: no second read); a file changed since is read
+    anew; a folder that lacks the files is reported by the load, not by the read-ahead."""
+    for f in small.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    read_ahead(str(tmp_path))
+    first = fashion_mnist_arrays(str(tmp_path))
+    src = load_fashion_mnist(str(tmp_path), seed=0)
+    assert np.shares_memory(src.host["train"].numpy(), first["train"][0])
+    assert fashion_mnist_arrays(str(tmp_path))["train"][0] is first["train"][0]
+    assert (src.mean, src.std) == tuple(map(list, channel_stats(first["train"][0])))
+    images = FILES["test"][0]
+    write_idx(tmp_path / "replacement", np.full((10, 28, 28), 7, dtype=np.uint8), gz=False)
+    (tmp_path / "replacement").replace(tmp_path / images)   # (as a copy or a download replaces a file)
+    again = fashion_mnist_arrays(str(tmp_path))
+    assert again["test"][0] is not first["test"][0] and (again["test"][0] == 7).all()
+    read_ahead(str(tmp_path / "absent"))   # (nothing raised here)
+    with pytest.raises(DataError, match="lacks"):
+        load_fashion_mnist(str(tmp_path / "absent"), seed=0)
 
 
 def test_plain_and_gzipped_files_read_alike(small):
