@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Callable
 
 import torch
 import torchvision
@@ -22,10 +23,10 @@ from rayconv.actor.cuda_graph import sgd_step
 BATCH = 512
 
 
-def main() -> None:
-    timing, size = sys.argv[1], int(sys.argv[2])
-    tag = f"[cudnn.benchmark {timing}, {size} px]"
-    torch.backends.cudnn.benchmark = timing == "on"
+def resnet18_step(size: int, dtype: torch.dtype = torch.float32) -> tuple[Callable[[], None], torch.Tensor]:
+    """(one training step of resnet18 as this module's docstring gives it, on random labels; its images'
+    buffer, (512, 3, S, S) of ``dtype``, channels_last, filled with random values: write a batch into it
+    before a call)."""
     dev = torch.device("cuda")
     model = torchvision.models.resnet18(num_classes=10).to(dev).to(memory_format=torch.channels_last)
     decay = [p for p in model.parameters() if p.dim() > 1]
@@ -33,7 +34,7 @@ def main() -> None:
     opt = torch.optim.SGD([{"params": decay, "weight_decay": 5e-4}, {"params": no_decay, "weight_decay": 0.0}],
                           lr=0.1, momentum=0.9, nesterov=True)
     lr = {torch.float32: torch.tensor(0.1, device=dev)}
-    x = torch.randn(BATCH, 3, size, size, device=dev).contiguous(memory_format=torch.channels_last)
+    x = torch.randn(BATCH, 3, size, size, device=dev).to(dtype).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (BATCH,), device=dev)
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
 
@@ -44,6 +45,14 @@ def main() -> None:
         sgd_step(opt, lr)
         opt.zero_grad(set_to_none=True)
 
+    return step, x
+
+
+def main() -> None:
+    timing, size = sys.argv[1], int(sys.argv[2])
+    tag = f"[cudnn.benchmark {timing}, {size} px]"
+    torch.backends.cudnn.benchmark = timing == "on"
+    step, _ = resnet18_step(size)
     t0 = time.perf_counter()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
