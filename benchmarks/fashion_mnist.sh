@@ -26,13 +26,9 @@ $PY -u -m rayconv.bench.accuracy_anchor --data-dir "$DATA" $RECIPE --compile "$A
   2>&1 | grep -v "^anchor .* epoch" | tail -4
 ADDRESS=(--address local)
 if [ "${RUNNING:-0}" = 1 ]; then
-  PORT=${PORT:-6391}; TMPD=$(mktemp -d /tmp/ray-fm-XXXXXX)
-  RAY=(ray); command -v ray > /dev/null || RAY=("$PY" -m ray.scripts.scripts)
-  stop_cluster() { pgrep -f -- "$TMPD" | xargs -r kill 2>/dev/null; sleep 2; pgrep -f -- "$TMPD" | xargs -r kill -9 2>/dev/null; rm -rf "$TMPD"; }
-  trap stop_cluster EXIT
-  "${RAY[@]}" start --head --port "$PORT" --temp-dir "$TMPD" --dashboard-port $((PORT + 2000)) \
-    --ray-client-server-port $((PORT + 13700)) --min-worker-port $((PORT + 14600)) --max-worker-port $((PORT + 15599)) \
-    --include-dashboard false > "$OUT_DIR/ray_start.log" 2>&1 || { echo "ray start failed:"; tail -5 "$OUT_DIR/ray_start.log"; }
+  PORT=${PORT:-6391}
+  source "$(dirname "$0")/ray_head.sh"
+  start_head "$PORT" "$OUT_DIR/ray_start.log"
   ADDRESS=(--address "127.0.0.1:$PORT")
 fi
 if [ "${WARM:-0}" = 1 ] && [ "${RUNNING:-0}" = 1 ]; then

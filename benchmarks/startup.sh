@@ -28,13 +28,8 @@ else
   RAYCONV=(--device cpu --steps 5)
   CPUS=2
 fi
-RAY=(ray); command -v ray > /dev/null || RAY=("$PY" -m ray.scripts.scripts)   # (Ray on PYTHONPATH without its script)
-TMPD=$(mktemp -d /tmp/ray-startup-XXXXXX)
-stop_cluster() { pgrep -f -- "$TMPD" | xargs -r kill 2>/dev/null; sleep 2; pgrep -f -- "$TMPD" | xargs -r kill -9 2>/dev/null; rm -rf "$TMPD"; }
-trap stop_cluster EXIT
-"${RAY[@]}" start --head --port "$PORT" --temp-dir "$TMPD" --dashboard-port $((PORT + 2000)) \
-  --ray-client-server-port $((PORT + 13700)) --min-worker-port $((PORT + 14600)) --max-worker-port $((PORT + 15599)) \
-  --num-cpus "$CPUS" --include-dashboard false > "$OUT_DIR/ray_start.log" 2>&1 || { echo "ray start failed:"; tail -5 "$OUT_DIR/ray_start.log"; exit 1; }
+source "$(dirname "$0")/ray_head.sh"
+start_head "$PORT" "$OUT_DIR/ray_start.log" --num-cpus "$CPUS" || exit 1
 
 first_step() {  # summary.json's first_step, how Ray was reached, the slowest phase; then the whole record
   $PY -c "import json,sys; s=json.load(open(sys.argv[1]))['startup']; print(s['phases']['first_step'], 's; Ray', s['ray'] + '; slowest', s['slowest']['phase'], s['slowest']['s']); print('  startup', json.dumps({k: s.get(k) for k in ('phases', 'actor_setup_s', 'actor_process')}))" "$1"
@@ -46,7 +41,7 @@ for i in $(seq "$REPEAT"); do
   RAY_ADDRESS=127.0.0.1:$PORT $PY -m rayconv.run "${RAYCONV[@]}" "${KEEP[@]}" --no-progress --out "$OUT_DIR/cluster-$i" \
     > "$OUT_DIR/cluster-$i.log" 2>&1 && echo "rayconv on the running cluster $i: $(first_step "$OUT_DIR/cluster-$i/summary.json")"
 done
-stop_cluster
+stop_head
 if [ "$SELF" = 1 ]; then
   for i in $(seq "$REPEAT"); do
     rm -rf "$OUT_DIR/self-$i"

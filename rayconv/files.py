@@ -1,4 +1,5 @@
-"""Files that are never half-written: atomic replace, fsync of a file and its folder, sha256.
+"""Files that are never half-written: atomic replace, fsync of a file and its folder, sha256; and where
+rayconv keeps what it caches across runs (``cache_dir``).
 
 Every output (checkpoints, ``metrics.parquet``, ``summary.json``, ``model.pt``, shards) goes through
 these, so an interrupted run leaves the previous complete file, never a partial one."""
@@ -76,3 +77,9 @@ def _write_synced(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def cache_dir() -> Path:
+    """The folder of what rayconv keeps across runs (the planner's measurements, torchvision's model
+    names): ``$RAYCONV_CACHE_DIR``, else ``~/.cache/rayconv``. Not made here."""
+    return Path(os.environ.get("RAYCONV_CACHE_DIR") or Path.home() / ".cache" / "rayconv")

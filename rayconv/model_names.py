@@ -12,13 +12,12 @@ another torchvision version) nothing is refused here: the model's own check does
 from __future__ import annotations
 
 import json
-import os
 from importlib import metadata
 from pathlib import Path
 from typing import Optional
 
 from rayconv.errors import ConfigError
-from rayconv.files import write_json
+from rayconv.files import cache_dir, write_json
 from rayconv.user_model import SPEC_FORM, is_user_model
 
 RAYCONV_MODELS = ("convnet", "convnet_bn", "convnet2col", "alexnet2012")
@@ -38,8 +37,7 @@ def _listing() -> Optional[Path]:
         version = metadata.version("torchvision")
     except metadata.PackageNotFoundError:
         return None
-    root = Path(os.environ.get("RAYCONV_CACHE_DIR") or Path.home() / ".cache" / "rayconv")
-    return root / f"torchvision-{version}-models.json"
+    return cache_dir() / f"torchvision-{version}-models.json"
 
 
 def remember(torchvision_names: list[str]) -> None:

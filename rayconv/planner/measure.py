@@ -29,7 +29,6 @@ import datetime
 import hashlib
 import json
 import math
-import os
 import platform
 import statistics
 import time
@@ -45,7 +44,7 @@ from rayconv.cluster.tasks import run_on_device, run_on_devices
 from rayconv.config import Config
 from rayconv.data.registry import make_source
 from rayconv.errors import LayoutError
-from rayconv.files import atomic_write
+from rayconv.files import atomic_write, cache_dir
 from rayconv.models import run_model, to_layers
 from rayconv.user_model import model_label
 from rayconv.parallel.filter_split.exchanges import Gather, Scatter
@@ -245,10 +244,6 @@ def fit_links(probe: dict, world: int, name: str) -> Links:
 
 
 # ---------------------------------------------------------------------- cache
-def cache_dir() -> Path:
-    return Path(os.environ.get("RAYCONV_CACHE_DIR") or Path.home() / ".cache" / "rayconv")
-
-
 class Measurements:
     """Profile, layer times and links of one (model, data shape, device, precision), cached on disk."""
 
