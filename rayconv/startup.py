@@ -13,7 +13,8 @@ device) and their CUDA-graph capture are placed on the driver's clock from what 
                 ray (connected or started; ``ray`` says which), imports (the driver's modules: after ray
                 where the actors start first, ``driver.prestart``; else before it), data
                 (the driver's checks: the data's metadata, the model, the plan; before ray where the
-                actors cannot start during them, ``driver.early``), actors_alive (their processes
+                actors cannot start during them, ``driver.early``; ``model_checked`` before it where an actor
+                checked the model: the driver's wait for that actor's imports and check), actors_alive (their processes
                 started and imported), actors_warmed_up (the slowest actor's wait for its warm-up:
                 torch._dynamo and torchvision imported, the CUDA context made), model_built,
                 optimizer_built, data_on_device (the slowest actor's, inside its setup), actors_set_up,
@@ -44,6 +45,7 @@ from typing import Any, Optional
 PHASES = {
     "imports": "driver imports",
     "data": "data, model and plan checks",
+    "model_checked": "the model's check by an actor, after its imports",
     "ray": "Ray",
     "actors_alive": "actors starting",
     "actors_warmed_up": "actors importing torch._dynamo and torchvision, making the CUDA context",

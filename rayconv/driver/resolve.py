@@ -249,6 +249,7 @@ def check_before_ray(cfg: Config, resume: Optional[Checkpoint], warm: Optional[W
     if warm is not None:
         try:
             reference, routing = warm.with_data(*data), warm.routing(cfg, mesh)
+            startup.mark("model_checked")   # (the wait for the actor's imports, apart from the driver's own checks)
         except ActorCheckLost:
             warm = None
     if warm is None:

@@ -166,6 +166,8 @@ def test_the_actors_check_a_torchvision_model_for_the_driver(head, tmp_path):
     _finish(_command(head, tmp_path / "a", *tv))
     a = _summary(tmp_path / "a")
     assert a["startup"]["model_check"] == "actor" and "process_started" in a["startup"]["actor_process"]
+    phases = list(a["startup"]["phases"])
+    assert phases.index("imports") < phases.index("model_checked") < phases.index("data")   # (the actor's part named)
     _finish(_command(head, tmp_path / "b", *tv, "--keep-actors-s", "3"))
     b = _summary(tmp_path / "b")
     assert b["startup"]["model_check"] == "kept actor" and "renewed" in b["startup"]["actor_process"]
