@@ -17,7 +17,8 @@ import torch
 
 from rayconv.data.registry import make_source
 from rayconv.flags import parse_args
-from step_kernels import ms_per_call, resnet18_step   # (this folder: the script's own is on sys.path)
+from stage_times import as_graph   # (this folder: the script's own is on sys.path)
+from step_kernels import ms_per_call, resnet18_step
 
 
 def main() -> None:
@@ -44,23 +45,15 @@ def main() -> None:
     torch.cuda.synchronize()
     print(f"augmentation GPU span {begin.elapsed_time(end) / 50:.3f} ms/batch")
     step, images = resnet18_step(64, torch.bfloat16)   # (its images' buffer: each batch is copied in)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    print(f"step graph alone {ms_per_call(graph.replay, 300):.3f} ms")
+    replay = as_graph(step)
+    print(f"step graph alone {ms_per_call(replay, 300):.3f} ms")
 
     def serial() -> None:
         images.copy_(batch())
-        graph.replay()
+        replay()
 
     print(f"augmentation, copy and step one after the other {ms_per_call(serial, 300):.3f} ms")
+    side = torch.cuda.Stream()   # (the next batch's augmentation)
     ahead: list = [None]
 
     def overlapped() -> None:
@@ -74,7 +67,7 @@ def main() -> None:
         with torch.cuda.stream(side):
             nxt = batch()
         nxt.record_stream(main_stream)
-        graph.replay()
+        replay()
         main_stream.wait_stream(side)
         ahead[0] = nxt
 

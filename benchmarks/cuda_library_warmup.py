@@ -1,7 +1,7 @@
 """What setting up cuDNN and cuBLAS ahead saves a first training step: a fresh process (torch and
 torchvision imported, the CUDA context made) runs resnet18's first step at 64 px (batch 512, bf16
 autocast, channels_last), either at once (``cold``) or after the tiny convolution, batch norm and linear
-layer a rayconv actor's warm-up runs (``warm``, ``actor._cuda_libraries``'s operations). Each line: the
+layer a rayconv actor's warm-up runs (``warm``: ``build.set_up_cuda_libraries``). Each line: the
 warm-up's seconds and the first step's.
 
     for i in 1 2 3; do python benchmarks/cuda_library_warmup.py cold; python benchmarks/cuda_library_warmup.py warm; done
@@ -15,6 +15,8 @@ import time
 import torch
 import torchvision
 
+from rayconv.actor.build import set_up_cuda_libraries
+
 F = torch.nn.functional
 
 
@@ -25,14 +27,7 @@ def main() -> None:
     torch.cuda.synchronize()
     t = time.perf_counter()
     if warm:
-        x = torch.zeros(2, 8, 8, 8, device=dev, requires_grad=True).contiguous(memory_format=torch.channels_last)
-        w = torch.zeros(8, 8, 3, 3, device=dev, requires_grad=True)
-        scale, shift = torch.ones(8, device=dev, requires_grad=True), torch.zeros(8, device=dev, requires_grad=True)
-        fc = torch.zeros(4, 8 * 6 * 6, device=dev, requires_grad=True)
-        with torch.autocast("cuda", torch.bfloat16):
-            y = F.batch_norm(F.conv2d(x, w), None, None, scale, shift, training=True).relu()
-            F.linear(y.flatten(1), fc).sum().backward()
-        torch.cuda.synchronize()
+        assert set_up_cuda_libraries(dev, "bf16")
     warm_s = time.perf_counter() - t
     model = torchvision.models.resnet18(num_classes=10).to(dev).to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

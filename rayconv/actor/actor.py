@@ -59,9 +59,9 @@ def _import_training_modules() -> None:
     """Bind the actor's training modules in this module, in the actor's own process (its ``__init__``,
     after it imported torch): the driver only names ``Actor`` to Ray, so it can start the actors before
     it imports torch itself (``driver.prestart``), and their imports run meanwhile."""
-    global train, report, state, comm, build_actor, _pick_device, read_ahead
+    global train, report, state, comm, build_actor, _pick_device, read_ahead, set_up_cuda_libraries
     from rayconv.actor import report, state, step as train
-    from rayconv.actor.build import _pick_device, build_actor
+    from rayconv.actor.build import _pick_device, build_actor, set_up_cuda_libraries
     from rayconv.data.registry import read_ahead
     from rayconv.parallel import comm
 
@@ -304,7 +304,7 @@ def _warm_up(cuda: Optional[threading.Thread], torchvision: bool, stamps: dict[s
              imported: threading.Event, precision: Optional[str]) -> None:
     """Import torch._dynamo (and torchvision for one of its models), then set ``imported``; wait for the
     CUDA context (``cuda``: the thread making it through the driver API, or None), have torch take it and
-    set up the CUDA libraries the first step uses (``_cuda_libraries``), ahead of ``build``;
+    set up the CUDA libraries the first step uses (``build.set_up_cuda_libraries``), ahead of ``build``;
     ``stamps["warmed_up"]``: when all were done (wall clock). A failure here is left for ``build`` to
     meet and report."""
     try:
@@ -319,7 +319,7 @@ def _warm_up(cuda: Optional[threading.Thread], torchvision: bool, stamps: dict[s
         cuda.join()
         device = _cuda_context()
         if device is not None:
-            _cuda_libraries(device, precision)
+            set_up_cuda_libraries(device, precision)
     stamps["warmed_up"] = time.time()
 
 
@@ -350,30 +350,6 @@ def _cuda_context() -> Optional[torch.device]:
         return device
     except Exception:  # noqa: BLE001 - build reports it
         return None
-
-
-def _cuda_libraries(device: torch.device, precision: Optional[str]) -> bool:
-    """cuDNN's and cuBLAS's one-time set-up in this process (their libraries loaded, their handles made),
-    by a tiny convolution, batch norm and linear layer, forward and backward, in ``--precision``'s
-    autocast dtype, on the GPU Ray assigned this actor: otherwise the first training step pays it, after
-    ``build``. Draws no random numbers (the model is built from the seed later) and keeps nothing: the
-    handles go back to torch's pool, for the thread that steps. Returns whether it ran; a failure is left
-    for ``build``."""
-    F = torch.nn.functional
-    try:
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision or "")
-        x = torch.zeros(2, 8, 8, 8, device=device, requires_grad=True).contiguous(memory_format=torch.channels_last)
-        w = torch.zeros(8, 8, 3, 3, device=device, requires_grad=True)
-        scale, shift = (torch.ones(8, device=device, requires_grad=True),
-                        torch.zeros(8, device=device, requires_grad=True))
-        fc = torch.zeros(4, 8 * 6 * 6, device=device, requires_grad=True)
-        with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
-            y = F.batch_norm(F.conv2d(x, w), None, None, scale, shift, training=True).relu()
-            F.linear(y.flatten(1), fc).sum().backward()
-        torch.cuda.synchronize(device)
-        return True
-    except Exception:  # noqa: BLE001 - build reports it
-        return False
 
 
 def _process_started() -> Optional[float]:

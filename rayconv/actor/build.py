@@ -185,6 +185,30 @@ def _precision(cfg: Config, device: torch.device) -> tuple[torch.dtype, Optional
     return dtype, autocast, autocast if cuda_autocast else dtype
 
 
+def set_up_cuda_libraries(device: torch.device, precision: Optional[str]) -> bool:
+    """cuDNN's and cuBLAS's one-time set-up in this process (their libraries loaded, their handles made),
+    by a tiny convolution, batch norm and linear layer, forward and backward, on ``device`` in
+    ``--precision``'s autocast dtype (``AUTOCAST``): an actor's warm-up runs it before ``build``, so that
+    the first training step does not pay it. Draws no random numbers (the model is built from the seed
+    later) and keeps nothing: the handles go back to torch's pool, for the thread that steps. Returns
+    whether it ran; a failure is left for ``build``."""
+    F = torch.nn.functional
+    try:
+        dtype = AUTOCAST.get(precision or "")
+        x = torch.zeros(2, 8, 8, 8, device=device, requires_grad=True).contiguous(memory_format=torch.channels_last)
+        w = torch.zeros(8, 8, 3, 3, device=device, requires_grad=True)
+        scale, shift = (torch.ones(8, device=device, requires_grad=True),
+                        torch.zeros(8, device=device, requires_grad=True))
+        fc = torch.zeros(4, 8 * 6 * 6, device=device, requires_grad=True)
+        with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
+            y = F.batch_norm(F.conv2d(x, w), None, None, scale, shift, training=True).relu()
+            F.linear(y.flatten(1), fc).sum().backward()
+        torch.cuda.synchronize(device)
+        return True
+    except Exception:  # noqa: BLE001 - build reports it
+        return False
+
+
 def _step_mode(cfg: Config, device: torch.device, mesh: Mesh, part: nn.Module
                ) -> tuple[bool, bool, Optional[StepGraph], dict[torch.dtype, torch.Tensor]]:
     """(compiled, whole-step CUDA graphs, the ``StepGraph`` or None, the device learning rates a

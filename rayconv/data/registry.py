@@ -17,8 +17,7 @@ import torch
 
 from rayconv.config import Config, ConfigError
 from rayconv.data.digits import load_digits
-from rayconv.data import fashion_mnist
-from rayconv.data.fashion_mnist import load_fashion_mnist
+from rayconv.data.fashion_mnist import load_fashion_mnist, read_ahead as read_fashion_mnist_ahead
 from rayconv.data.imagefolder import ImageFolderSource
 from rayconv.data.raw_shards import RawShardSource
 from rayconv.data.shard_files import folder_encoding
@@ -78,7 +77,7 @@ def read_ahead(cfg: Config) -> None:
     finds them read: an actor calls it on a thread of its own while it imports and the driver checks.
     Other sources read their files lazily: nothing to do. A failure is left for ``make_source`` to report."""
     if cfg.data == "fashion-mnist":
-        fashion_mnist.read_ahead(cfg.data_dir)
+        read_fashion_mnist_ahead(cfg.data_dir)
 
 
 def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:

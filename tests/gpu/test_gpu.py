@@ -312,20 +312,19 @@ def test_overlapped_gather_on_nccl_eager_and_captured():
         dist.destroy_process_group()
 
 
-def test_the_actors_cuda_library_set_up_runs_and_draws_no_random_numbers(monkeypatch):
+def test_the_actors_cuda_library_set_up_runs_and_draws_no_random_numbers():
     """An actor's warm-up sets up cuDNN and cuBLAS on its own thread before ``build``
-    (``actor._cuda_libraries``): it runs through (its failures are swallowed, so a silent one would only
+    (``build.set_up_cuda_libraries``): it runs through (its failures are swallowed, so a silent one would only
     show as a slower first step) and leaves the CPU's and the GPU's random streams as they were, so the
     model built from the seed afterwards is the one every layout builds."""
     import threading
 
-    from rayconv.actor import actor as actor_module
+    from rayconv.actor.build import set_up_cuda_libraries
 
-    monkeypatch.setattr(actor_module, "torch", torch, raising=False)   # (bound by the actor's __init__)
     cpu, gpu = torch.get_rng_state(), torch.cuda.get_rng_state()
     for precision in ("bf16", "fp32"):
         ran = []
-        thread = threading.Thread(target=lambda: ran.append(actor_module._cuda_libraries(torch.device("cuda", 0), precision)))
+        thread = threading.Thread(target=lambda: ran.append(set_up_cuda_libraries(torch.device("cuda", 0), precision)))
         thread.start()
         thread.join()
         assert ran == [True], precision
