@@ -28,7 +28,7 @@ ADDRESS=(--address local)
 if [ "${RUNNING:-0}" = 1 ]; then
   PORT=${PORT:-6391}
   source "$(dirname "$0")/ray_head.sh"
-  start_head "$PORT" "$OUT_DIR/ray_start.log"
+  start_head "$PORT" "$OUT_DIR/ray_start.log" || exit 1   # (the anchor has run: its anchor.json stays)
   ADDRESS=(--address "127.0.0.1:$PORT")
 fi
 if [ "${WARM:-0}" = 1 ] && [ "${RUNNING:-0}" = 1 ]; then
