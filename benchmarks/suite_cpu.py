@@ -97,15 +97,14 @@ def main(argv: list[str]) -> int:
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not command:
         p.error("give the command after --, e.g. -- python -m pytest -q tests")
-    with open("/proc/self/stat") as f:
-        me = int(f.read().rsplit(")", 1)[1].split()[19])
-    token = f"{TOKEN}={os.getpid()}-{time.time_ns()}"
+    me = _read(str(os.getpid()))[0]
+    value = f"{os.getpid()}-{time.time_ns()}"
     seen: dict = {}
     stop = threading.Event()
-    t = threading.Thread(target=sample, args=(stop, a.every_s, me, token.encode(), seen), daemon=True)
+    t = threading.Thread(target=sample, args=(stop, a.every_s, me, f"{TOKEN}={value}".encode(), seen), daemon=True)
     t0 = time.monotonic()
     t.start()
-    rc = subprocess.call(command, env={**os.environ, TOKEN: token.split("=", 1)[1]})
+    rc = subprocess.call(command, env={**os.environ, TOKEN: value})
     wall = time.monotonic() - t0
     stop.set()
     t.join()
