@@ -97,7 +97,7 @@ class Actor:
         # context and cuDNN's and cuBLAS's set-up. ``build`` waits for it before it starts, so no import
         # runs in two threads at once; ``check_model`` waits for the imports only (``_imported``).
         self._imported = threading.Event()
-        self._warm = threading.Thread(target=_warm_up, args=(cuda, is_torchvision_model(cfg.get("model")), self.stamps,
+        self._warm = threading.Thread(target=_warm_up, args=(cuda, first_imports(cfg.get("model")), self.stamps,
                                                              self._imported, cfg.get("precision")),
                                       name="rayconv-warm-up", daemon=True)
         self._warm.start()
@@ -300,17 +300,24 @@ class Actor:
         comm.destroy()
 
 
-def _warm_up(cuda: Optional[threading.Thread], torchvision: bool, stamps: dict[str, float],
+def first_imports(model: object) -> tuple[str, ...]:
+    """The modules an actor of ``--model model`` imports before it builds anything: torch (``__init__``),
+    torch._dynamo (``torch.optim``'s optimizers import it) and, for one of torchvision's models,
+    torchvision (``_warm_up``). A local cluster rayconv starts has its workers import them as they start
+    (``cluster.connect``'s ``preload``)."""
+    return ("torch", "torch._dynamo") + (("torchvision",) if is_torchvision_model(model) else ())
+
+
+def _warm_up(cuda: Optional[threading.Thread], modules: tuple[str, ...], stamps: dict[str, float],
              imported: threading.Event, precision: Optional[str]) -> None:
-    """Import torch._dynamo (and torchvision for one of its models), then set ``imported``; wait for the
+    """Import ``modules`` (``first_imports``: those not imported yet), then set ``imported``; wait for the
     CUDA context (``cuda``: the thread making it through the driver API, or None), have torch take it and
     set up the CUDA libraries the first step uses (``build.set_up_cuda_libraries``), ahead of ``build``;
     ``stamps["warmed_up"]``: when all were done (wall clock). A failure here is left for ``build`` to
     meet and report."""
     try:
-        importlib.import_module("torch._dynamo")
-        if torchvision:
-            importlib.import_module("torchvision")
+        for name in modules:
+            importlib.import_module(name)
     except Exception:  # noqa: BLE001 - build reports it
         pass
     finally:

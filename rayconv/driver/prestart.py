@@ -28,12 +28,13 @@ from typing import Optional
 import ray
 
 from rayconv import startup
+from rayconv.actor.actor import first_imports
 from rayconv.cluster.connect import available_devices, connect
 from rayconv.config import Config
 from rayconv.driver.early import EarlyActors, needs_devices
 from rayconv.errors import CheckpointError, ConfigError
 from rayconv.mesh import Mesh
-from rayconv.model_names import check_known, is_torchvision_model
+from rayconv.model_names import check_known
 from rayconv.outputs.checkpoint import Checkpoint, find_checkpoint, list_checkpoints
 from rayconv.user_model import is_user_model, model_label
 
@@ -76,16 +77,10 @@ def connect_run(cfg: Config) -> None:
     clock = startup.current()
     if clock is not None and "ray" in clock.phases and ray.is_initialized():
         return
-    how = connect(cfg.address, min_cpus=cluster_cpus(cfg), preload=actor_imports(cfg))
+    how = connect(cfg.address, min_cpus=cluster_cpus(cfg), preload=first_imports(cfg.model))
     startup.mark("ray")
     if clock is not None:
         clock.ray = how
-
-
-def actor_imports(cfg: Config) -> tuple[str, ...]:
-    """What each of ``cfg``'s actors imports before anything else (``actor.Actor``): torch, torch._dynamo
-    (``torch.optim``'s optimizers import it) and, for one of its models, torchvision."""
-    return ("torch", "torch._dynamo") + (("torchvision",) if is_torchvision_model(cfg.model) else ())
 
 
 def cluster_cpus(cfg: Config) -> Optional[int]:

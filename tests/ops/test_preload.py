@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from rayconv.config import Config
-from rayconv.driver.prestart import actor_imports
+from rayconv.actor.actor import first_imports
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,5 +52,5 @@ def test_a_cluster_rayconv_starts_preloads_and_one_it_joins_is_left_as_it_is(ray
 
 
 def test_the_actors_first_imports_include_torchvision_for_its_models_only():
-    assert actor_imports(Config(model="resnet18")) == ("torch", "torch._dynamo", "torchvision")
-    assert actor_imports(Config(model="convnet")) == ("torch", "torch._dynamo")
+    assert first_imports("resnet18") == ("torch", "torch._dynamo", "torchvision")
+    assert first_imports("convnet") == ("torch", "torch._dynamo")
