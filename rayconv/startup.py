@@ -16,7 +16,7 @@ device) and their CUDA-graph capture are placed on the driver's clock from what 
                 actors cannot start during them, ``driver.early``; ``model_checked`` before it where an actor
                 checked the model: the driver's wait for that actor's imports and check), actors_alive (their processes
                 started and imported), actors_warmed_up (the slowest actor's wait for its warm-up:
-                torch._dynamo and torchvision imported, the CUDA context made), model_built,
+                torch._dynamo where the part is compiled and torchvision imported, the CUDA context made), model_built,
                 optimizer_built, data_on_device (the slowest actor's, inside its setup), actors_set_up,
                 first_step, graphs_captured (CUDA)
     slowest     {"phase", "s"}: the longest stretch between two consecutive marks up to the first step

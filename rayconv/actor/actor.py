@@ -93,12 +93,13 @@ class Actor:
         self._sigterm = signal.getsignal(signal.SIGTERM)   # Ray's, restored by ``renew``
         self._begin(cfg, run_name, role)
         # What ``build`` needs first and costs seconds, done while the driver still checks and plans:
-        # torch._dynamo's import (torch.optim's first optimizer imports it) and, on a GPU, the CUDA
+        # torch._dynamo's import where the part is compiled, torchvision's, and on a GPU the CUDA
         # context and cuDNN's and cuBLAS's set-up. ``build`` waits for it before it starts, so no import
         # runs in two threads at once; ``check_model`` waits for the imports only (``_imported``).
         self._imported = threading.Event()
-        self._warm = threading.Thread(target=_warm_up, args=(cuda, first_imports(cfg.get("model")), self.stamps,
-                                                             self._imported, cfg.get("precision")),
+        modules = first_imports(cfg.get("model"), cfg.get("device"), cfg.get("compile"))
+        self._warm = threading.Thread(target=_warm_up, args=(cuda, modules, self.stamps, self._imported,
+                                                             cfg.get("precision")),
                                       name="rayconv-warm-up", daemon=True)
         self._warm.start()
         self.stamps["alive"] = time.time()
@@ -300,12 +301,15 @@ class Actor:
         comm.destroy()
 
 
-def first_imports(model: object) -> tuple[str, ...]:
-    """The modules an actor of ``--model model`` imports before it builds anything: torch (``__init__``),
-    torch._dynamo (``torch.optim``'s optimizers import it) and, for one of torchvision's models,
-    torchvision (``_warm_up``). A local cluster rayconv starts has its workers import them as they start
+def first_imports(model: object, device: str, compile: str) -> tuple[str, ...]:
+    """The modules an actor of ``--model model --device device --compile compile`` imports before it
+    builds anything: torch (``__init__``); torch._dynamo where its part may be compiled (``--compile on``,
+    or auto off the CPU: ``build``'s rule); torchvision for one of torchvision's models (which imports
+    torch._dynamo too). A local cluster rayconv starts has its workers import them as they start
     (``cluster.connect``'s ``preload``)."""
-    return ("torch", "torch._dynamo") + (("torchvision",) if is_torchvision_model(model) else ())
+    compiles = compile == "on" or (compile == "auto" and device != "cpu")
+    return (("torch",) + (("torch._dynamo",) if compiles else ())
+            + (("torchvision",) if is_torchvision_model(model) else ()))
 
 
 def _warm_up(cuda: Optional[threading.Thread], modules: tuple[str, ...], stamps: dict[str, float],

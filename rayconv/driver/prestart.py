@@ -77,7 +77,7 @@ def connect_run(cfg: Config) -> None:
     clock = startup.current()
     if clock is not None and "ray" in clock.phases and ray.is_initialized():
         return
-    how = connect(cfg.address, min_cpus=cluster_cpus(cfg), preload=first_imports(cfg.model))
+    how = connect(cfg.address, min_cpus=cluster_cpus(cfg), preload=first_imports(cfg.model, cfg.device, cfg.compile))
     startup.mark("ray")
     if clock is not None:
         clock.ray = how

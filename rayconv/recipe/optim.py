@@ -12,6 +12,7 @@ subclasses of ``_BatchNorm``).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional
 
 import torch
@@ -98,8 +99,33 @@ def make_optimizer(groups: list[dict[str, Any]], opt: str, lr: float, momentum: 
     if momentum < 0:
         raise ConfigError(f"--momentum must be >= 0 (got {momentum})")
     if opt == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
+        return AdamW(groups, lr=lr, weight_decay=weight_decay)
     if opt == "sgd_nesterov" and momentum == 0:
         raise ConfigError("--opt sgd_nesterov needs --momentum > 0")
-    return torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay,
-                           nesterov=opt == "sgd_nesterov")  # (lars: heavy-ball momentum)
+    return SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay,
+               nesterov=opt == "sgd_nesterov")  # (lars: heavy-ball momentum)
+
+
+class _Eager:
+    """torch.optim's own methods without the wrappers that keep torch.compile from tracing into them
+    (``torch._disable_dynamo``; ``_use_grad_for_differentiable`` around ``step``). Each wrapper imports
+    torch._dynamo at its first call, about 1 s of CPU in every actor's process, and rayconv never
+    compiles an optimizer. The step runs under ``torch.no_grad``, the grad mode that wrapper sets for an
+    optimizer that is not ``differentiable``; the arithmetic, state and ``state_dict`` are torch's."""
+
+    add_param_group = inspect.unwrap(torch.optim.Optimizer.add_param_group)
+    zero_grad = inspect.unwrap(torch.optim.Optimizer.zero_grad)
+    state_dict = inspect.unwrap(torch.optim.Optimizer.state_dict)
+    load_state_dict = inspect.unwrap(torch.optim.Optimizer.load_state_dict)
+
+
+class SGD(_Eager, torch.optim.SGD):
+    """``torch.optim.SGD`` (``_Eager``)."""
+
+    step = torch.no_grad()(inspect.unwrap(torch.optim.SGD.step))
+
+
+class AdamW(_Eager, torch.optim.AdamW):
+    """``torch.optim.AdamW`` (``_Eager``)."""
+
+    step = torch.no_grad()(inspect.unwrap(torch.optim.AdamW.step))

@@ -51,6 +51,10 @@ def test_a_cluster_rayconv_starts_preloads_and_one_it_joins_is_left_as_it_is(ray
     assert _connect_in_a_fresh_process(ray.get_runtime_context().gcs_address) == ["connected", False]
 
 
-def test_the_actors_first_imports_include_torchvision_for_its_models_only():
-    assert first_imports("resnet18") == ("torch", "torch._dynamo", "torchvision")
-    assert first_imports("convnet") == ("torch", "torch._dynamo")
+def test_the_actors_first_imports_follow_the_model_and_whether_the_part_is_compiled():
+    assert first_imports("resnet18", "cuda", "auto") == ("torch", "torch._dynamo", "torchvision")
+    assert first_imports("convnet", "cuda", "auto") == ("torch", "torch._dynamo")
+    assert first_imports("convnet", "auto", "auto") == ("torch", "torch._dynamo")   # (before the cluster says)
+    assert first_imports("convnet", "cuda", "off") == ("torch",)
+    assert first_imports("convnet", "cpu", "auto") == ("torch",)
+    assert first_imports("convnet", "cpu", "on") == ("torch", "torch._dynamo")
