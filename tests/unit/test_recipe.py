@@ -284,7 +284,7 @@ def test_the_optimizers_step_and_save_as_torch_optims_own(opt: str) -> None:
 
 
 def test_the_optimizers_do_not_import_torch_dynamo() -> None:
-    # torch.optim's guards import torch._dynamo (about 1 s of CPU) in every actor's process; rayconv's
+    # torch.optim's guards import torch._dynamo (nearly as costly as torch) in every actor's process; rayconv's
     # optimizers build, step, zero and save without it.
     code = ("import sys, torch\n"
             "from rayconv.recipe.optim import make_optimizer, param_groups\n"
