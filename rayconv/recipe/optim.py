@@ -109,9 +109,10 @@ def make_optimizer(groups: list[dict[str, Any]], opt: str, lr: float, momentum: 
 class _Eager:
     """torch.optim's own methods without the wrappers that keep torch.compile from tracing into them
     (``torch._disable_dynamo``; ``_use_grad_for_differentiable`` around ``step``). Each wrapper imports
-    torch._dynamo at its first call (an import nearly as costly as torch's own, in every actor's process), and rayconv never
-    compiles an optimizer. The step runs under ``torch.no_grad``, the grad mode that wrapper sets for an
-    optimizer that is not ``differentiable``; the arithmetic, state and ``state_dict`` are torch's."""
+    torch._dynamo at its first call, an import nearly as costly as torch's own in every actor's process,
+    and rayconv never compiles an optimizer. The step runs under ``torch.no_grad``, the grad mode that
+    wrapper sets for an optimizer that is not ``differentiable``; the arithmetic, state and
+    ``state_dict`` are torch's."""
 
     add_param_group = inspect.unwrap(torch.optim.Optimizer.add_param_group)
     zero_grad = inspect.unwrap(torch.optim.Optimizer.zero_grad)
