@@ -314,7 +314,7 @@ def first_imports(model: object, device: str, compile: str) -> tuple[str, ...]:
 
 def _warm_up(cuda: Optional[threading.Thread], modules: tuple[str, ...], stamps: dict[str, float],
              imported: threading.Event, precision: Optional[str]) -> None:
-    """Import ``modules`` (``first_imports``: those not imported yet), then set ``imported``; wait for the
+    """Import ``modules`` (``first_imports``; torch is imported already), then set ``imported``; wait for the
     CUDA context (``cuda``: the thread making it through the driver API, or None), have torch take it and
     set up the CUDA libraries the first step uses (``build.set_up_cuda_libraries``), ahead of ``build``;
     ``stamps["warmed_up"]``: when all were done (wall clock). A failure here is left for ``build`` to

@@ -102,9 +102,9 @@ class ActorState:
     data_decode: Optional[dict[str, Any]] = None  # the one-time decode of data held on the device
     # the whole model's state_dict keys and shapes as built (``outputs.export.state_keys``): the export's check
     model_keys: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
-    # seconds from the build's start to its model built (on the device), its optimizer built
-    # and its data on the device, and the whole build's (``setup``,
-    # set by the caller): the run's start-up record (``rayconv.startup``)
+    # seconds from the build's start to its model built (on the device), its optimizer built and its data
+    # on the device, and the whole build's (``setup``, set by the caller): the run's start-up record
+    # (``rayconv.startup``)
     startup: dict[str, float] = field(default_factory=dict)
 
     def report(self) -> dict[str, Any]:
