@@ -30,6 +30,7 @@ os.makedirs(os.environ["RAYCONV_CACHE_DIR"])
 
 def local_ray(num_cpus: int, **kw):
     """Start a fresh local Ray cluster (no dashboard unless asked), yield, shut it down."""
+    _shut_two_nodes()   # (a two-node module may have run before this one in the process)
     if ray.is_initialized():
         ray.shutdown()
     ray.init(num_cpus=num_cpus, **{"include_dashboard": False, "namespace": "rayconv", "log_to_driver": False,
@@ -141,27 +142,36 @@ def silent_address():
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "own_cluster: the module starts a Ray cluster of its own (run after the others)")
+    config.addinivalue_line("markers", "own_cluster: the module starts a Ray cluster of its own (run before the others)")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Run the modules marked ``own_cluster`` after every other one (a stable sort: each keeps its
-    order), first among them those with a test that uses the shared ``ray_cluster`` (still up from the
-    modules before). Each of them shuts the shared cluster down to start its own, and the next module
-    that asks for the shared one starts it again: ordered so, no module asks for it after one has.
+    """Order the modules so that each test process starts as few Ray clusters as it can, longest work
+    first (pytest-xdist hands the modules out in this order: ``--no-loadscope-reorder`` in
+    pyproject.toml):
 
-    The users of ``two_nodes`` sit next to each other, so that one two-node cluster serves them all:
-    last among the ``ray_cluster`` users (their ``two_nodes`` tests last in the module), then first
-    among the rest."""
+    1. the modules marked ``own_cluster``, each of which starts a cluster of its own: first those that
+       never use the shared ``ray_cluster``, then those that do (the users of ``two_nodes`` first, next
+       to each other), each with its tests on the shared cluster last, so that the shared cluster they
+       start is up for the modules after them;
+    2. the modules on the shared ``ray_cluster``: once it is up, it serves every one of them;
+    3. the modules without a cluster, small pieces that even out the two processes' ends.
+
+    Within 2 and 3, modules with more tests marked ``slow`` come first (stable: otherwise in the
+    collected order). A module's tests stay together, in their order but for the shared cluster's last."""
     shared = {item.module for item in items if "ray_cluster" in item.fixturenames}
     two = {item.module for item in items if "two_nodes" in item.fixturenames}
+    own = {item.module for item in items if item.get_closest_marker("own_cluster") is not None}
+    slow: dict[object, int] = {}
+    for item in items:
+        slow[item.module] = slow.get(item.module, 0) + (item.get_closest_marker("slow") is not None)
+    order = {m: i for i, m in reversed(list(enumerate(item.module for item in items)))}
 
-    def group(item) -> tuple[int, bool]:
-        if item.get_closest_marker("own_cluster") is None:
-            return (0, False)
-        if item.module in shared:
-            return (2, "two_nodes" in item.fixturenames) if item.module in two else (1, False)
-        return (3, False) if item.module in two else (4, False)
+    def group(item) -> tuple[int, ...]:
+        m = item.module
+        if m in own:
+            return (0, 0 if m not in shared else (1 if m in two else 2), order[m], "ray_cluster" in item.fixturenames)
+        return (1, -slow[m]) if m in shared else (2, -slow[m])
 
     items.sort(key=group)
     _TWO_NODES["pending"] = {m.__name__ for m in two}

@@ -164,9 +164,9 @@ class ActorGroup:
     def hand_over(self) -> "ActorGroup":
         """A new ActorGroup holding these actors and the placement group; this one is left empty (its
         ``kill`` does nothing), for ``pool.keep``."""
-        other = ActorGroup(self.actors, self.roles, self.pg, self.info, self.first_bundle, self.owns_pg, key=self.key,
-                           names=self.names)
-        self.actors, self.pg, self.owns_pg = [], None, False
+        other = ActorGroup(self.actors, self.roles, self.pg, self.info, self.first_bundle, self.owns_pg,
+                           starting=self.starting, key=self.key, names=self.names)
+        self.actors, self.pg, self.owns_pg, self.starting = [], None, False, None
         return other
 
     def kill(self) -> None:

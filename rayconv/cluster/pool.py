@@ -14,10 +14,11 @@ process and placement group for the next trial: ``TuneConfig(reuse_actors=True)`
 is kept at a time; a run that needs other actors stops it first (its resources are the cluster's again),
 as does whatever else of rayconv asks the cluster for resources (a placement group, a task that measures
 a device, ``rayconv.prepare``'s tasks), ``rayconv.release_actors()``, and ``--keep-actors-s`` seconds
-of waiting (a timer thread). Only a run that ended normally
-leaves its actors; a failed, stopped or interrupted run's are killed. A command-line run on a cluster
-that outlives it (``ray start --head``, then commands with ``--address`` or none) leaves its actors on
-the cluster instead, for the next command (``cluster.across``); on a cluster it started itself they end
+of waiting (a timer thread). A run that ended normally leaves its actors, and so does a run its checks
+refused after its actors started early (``driver.early``: unused, perhaps still starting); a failed,
+stopped or interrupted run's are killed. A command-line run on a cluster that outlives it (``ray start
+--head``, then commands with ``--address`` or none) leaves its actors on the cluster instead, for the next
+command (``cluster.across``: a run that ended normally only); on a cluster it started itself they end
 with its process.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -65,11 +67,11 @@ def _cluster() -> Optional[str]:
 
 
 def keep(group: Any, key: str, keep_s: float) -> bool:
-    """Keep ``group`` (an ActorGroup of a run that ended normally) for ``keep_s`` seconds; any group
-    kept before is stopped. A group in a placement group it does not own (a Tune trial's) keeps it:
-    stopping the group leaves that placement group to its owner. False (nothing kept) when ``keep_s`` is
-    0 or the group is still starting."""
-    if keep_s <= 0 or group.starting is not None or not group.actors:
+    """Keep ``group`` (an ActorGroup of a run that ended normally, or the actors a refused run started
+    early, perhaps still starting) for ``keep_s`` seconds; any group kept before is stopped. A group in
+    a placement group it does not own (a Tune trial's) keeps it: stopping the group leaves that
+    placement group to its owner. False (nothing kept) when ``keep_s`` is 0 or the group is empty."""
+    if keep_s <= 0 or not group.actors:
         return False
     release()
     kept = group.hand_over()
@@ -103,10 +105,12 @@ def take(key: str, cfg_dict: dict[str, Any], run_name: str, roles: list[str]) ->
 
 def renew(group: Any, cfg_dict: dict[str, Any], run_name: str, roles: list[str]) -> bool:
     """Renew the actors of a kept ``group`` for the run ``run_name`` (``Actor.renew(cfg_dict, run_name,
-    role)``, in rank order, within RENEW_S seconds) and set its roles; False when one does not (gone,
-    failed: the group is then stopped, ``collect`` kills it, and the run starts its own)."""
+    role)``, in rank order, within RENEW_S seconds, plus what is left of the start-up limit of actors
+    still starting) and set its roles; False when one does not (gone, failed: the group is then
+    stopped, ``collect`` kills it, and the run starts its own)."""
+    left_s = 0.0 if group.starting is None else max(0.0, group.starting[1] - time.monotonic())
     try:
-        group.collect(group.submit_each("renew", [(cfg_dict, run_name, r) for r in roles]), timeout_s=RENEW_S)
+        group.collect(group.submit_each("renew", [(cfg_dict, run_name, r) for r in roles]), timeout_s=RENEW_S + left_s)
     except Exception as e:  # noqa: BLE001 - the group is stopped (collect kills it); the run starts its own
         import logging
 

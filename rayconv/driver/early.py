@@ -8,7 +8,10 @@ or shards) or balance pipeline stages by measured time would wait for the device
 and only when the cluster has the bundles free at once (a busy cluster's wait comes after the checks,
 as it did). Otherwise, and on any error while starting them early, the actors start after the checks
 (``cluster.group.start_group``), where that error is met again and reported. A check that refuses the
-run after they started stops them and removes their placement group (``kill``): nothing is left.
+run after they started (``REFUSALS``: a setting, the data, the model's layout, the output folder) leaves
+them unused and healthy: they are kept for the next run of this process, as a finished run's are
+(``cluster.pool``, ``--keep-actors-s``), so that the corrected run starts on them; any other failure
+stops them and removes their placement group (``kill``): nothing is left.
 """
 
 from __future__ import annotations
@@ -17,13 +20,16 @@ import time
 from typing import Optional
 
 from rayconv.actor.actor import Actor
+from rayconv.cluster import across, pool
 from rayconv.cluster.group import (ActorGroup, actors_env, create_actors, given_group, in_given_group, reserve,
                                    reuse_kept)
 from rayconv.config import Config
-from rayconv.errors import ClusterError, ConfigError, DataError
+from rayconv.errors import ClusterError, ConfigError, DataError, LayoutError, ScheduleError
 from rayconv.mesh import Mesh
 
 RESERVE_S = 2.0  # how long the early start waits for free bundles before leaving the start for later
+# A run refused by its checks (the user changes a setting, the data or the output folder and runs again)
+REFUSALS = (ConfigError, DataError, LayoutError, ScheduleError, FileExistsError)
 
 
 def needs_devices(cfg: Config) -> bool:
@@ -78,6 +84,13 @@ class EarlyActors:
             group.kill()
             return None
         return group
+
+    def keep(self, keep_s: float) -> None:
+        """Keep the actors not taken for the next run of this process (``cluster.pool.keep``, ``keep_s``
+        seconds), where the run was refused by its checks; not where they may outlive this process
+        (``cluster.across``: a command ends at its error): there ``kill`` stops them."""
+        if self.group is not None and not across.enabled() and pool.keep(self.group, self.group.key, keep_s):
+            self.group = None
 
     def kill(self) -> None:
         """Stop the actors not taken and remove their placement group (safe to repeat)."""

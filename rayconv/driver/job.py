@@ -25,7 +25,7 @@ from rayconv.cluster.group import ActorGroup, start_group
 from rayconv.config import Config
 from rayconv.data.source import Sharding
 from rayconv.driver import elastic
-from rayconv.driver.early import EarlyActors
+from rayconv.driver.early import REFUSALS, EarlyActors
 from rayconv.driver.finish import export, finish, finish_evaluation, held_decode, recording_stop, writing_into
 from rayconv.driver.loop import Run, train
 from rayconv.driver.progress import log_header
@@ -56,8 +56,11 @@ def train_run(cfg: Config, log=print, on_step=None, on_eval=None, early: Optiona
     early = early or EarlyActors()   # started once the layout is known, while the slower checks run (early.py)
     try:
         return _train(cfg, early, log, on_step, on_eval)
+    except REFUSALS:
+        early.keep(cfg.keep_actors_s)   # (unused: the corrected run of this process takes them)
+        raise
     finally:
-        early.kill()        # (a refusal after they started: nothing is left on the cluster)
+        early.kill()        # (any other failure before the run took them: nothing is left on the cluster)
 
 
 def _train(cfg: Config, early: EarlyActors, log, on_step, on_eval) -> dict[str, Any]:

@@ -84,13 +84,13 @@ def test_imagefolder_without_data_dir(tmp_path, capsys):
 # ---------------------------------------------------------------------- on the test cluster
 def test_unknown_model(ray_cluster, tmp_path, capsys, monkeypatch):
     """Refused by the check that runs while the run's actors start (``driver.early``; this machine's
-    listing of torchvision's models, which would refuse it before Ray, left out): one line, and
-    nothing left on the cluster: their placement group reserved and removed, their actors gone, every
-    CPU free again."""
+    listing of torchvision's models, which would refuse it before Ray, left out): one line; with
+    ``--keep-actors-s 0`` nothing is left on the cluster: their placement group reserved and removed,
+    their actors gone, every CPU free again."""
     monkeypatch.setenv("RAYCONV_CACHE_DIR", str(tmp_path / "no-listing"))
     out = tmp_path / "unknown-model"
     before = set(ray.util.placement_group_table())
-    line = run_failing([*BASE, "--model", "resnet1000", "--out", str(out)], capsys)
+    line = run_failing([*BASE, "--model", "resnet1000", "--keep-actors-s", "0", "--out", str(out)], capsys)
     assert "--model" in line and "resnet1000" in line and "resnet18" in line  # suggests close names
     assert not out.exists()
     pgs = [pg for k, pg in ray.util.placement_group_table().items()
@@ -104,6 +104,30 @@ def test_unknown_model(ray_cluster, tmp_path, capsys, monkeypatch):
     for role in ("dp0", "dp1"):
         with pytest.raises(ValueError):
             ray.get_actor(f"{pgs[0]['name']}/{role}", namespace="rayconv")
+
+
+def test_the_corrected_run_takes_the_refused_runs_actors(ray_cluster, tmp_path, capsys, monkeypatch):
+    """A run refused while its actors start keeps them, unused, as a finished run's are kept
+    (``--keep-actors-s``): the corrected run of the same process trains on those processes, and once
+    it ends and its actors are released every CPU is free again."""
+    from rayconv.api import release_actors
+    from rayconv.cluster import pool
+
+    monkeypatch.setenv("RAYCONV_CACHE_DIR", str(tmp_path / "no-listing"))
+    run_failing([*BASE, "--model", "resnet1000", "--out", str(tmp_path / "refused")], capsys)
+    kept = pool.kept_group()
+    assert kept is not None and len(kept.actors) == 2, "the refused run's actors were not kept"
+    pids = ray.get([a.whereami.remote() for a in kept.actors])
+    assert main([*BASE, "--out", str(tmp_path / "corrected")]) == 0
+    assert "2 actors kept from this process's previous run, reused" in capsys.readouterr().out
+    # (the corrected run, ended, keeps its actors in turn: the same processes)
+    assert [i["pid"] for i in ray.get([a.whereami.remote() for a in pool.kept_group().actors])] == \
+        [p["pid"] for p in pids]
+    release_actors()
+    deadline = time.monotonic() + 10   # (ray.kill ends the processes asynchronously)
+    while ray.available_resources().get("CPU") != 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU") == 4
 
 
 def test_unknown_model_leaves_an_existing_empty_folder_empty(ray_cluster, tmp_path, capsys):

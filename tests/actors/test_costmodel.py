@@ -24,7 +24,7 @@ from rayconv.planner.links import Links, LinkSpeed
 from rayconv.planner.memory import GIB
 from rayconv.planner.profile import Profile
 
-pytestmark = pytest.mark.own_cluster  # (conftest runs such modules last)
+pytestmark = pytest.mark.own_cluster  # (conftest runs such modules first)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -30,7 +30,7 @@ from support.helpers import wait_until
 from rayconv.config import Config
 from rayconv.driver.job import train_run
 
-pytestmark = [pytest.mark.own_cluster,  # (conftest runs such modules last)
+pytestmark = [pytest.mark.own_cluster,  # (conftest runs such modules first)
               pytest.mark.slow]     # (every test needs its own cluster with the dashboard)
 
 REPO = Path(__file__).resolve().parents[2]

@@ -23,7 +23,7 @@ from rayconv.errors import DataError
 from rayconv.files import folder_lock
 from support.shard_folder import make_prepared
 
-pytestmark = pytest.mark.own_cluster  # (conftest runs such modules last)
+pytestmark = pytest.mark.own_cluster  # (conftest runs such modules first)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from rayconv.config import Config
 from rayconv.driver.job import train_run
 from rayconv.mesh import Mesh
 
-pytestmark = pytest.mark.own_cluster  # (conftest runs such modules last)
+pytestmark = pytest.mark.own_cluster  # (conftest runs such modules first)
 
 
 @pytest.mark.slow
