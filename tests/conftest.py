@@ -162,15 +162,16 @@ def pytest_collection_modifyitems(config, items):
     shared = {item.module for item in items if "ray_cluster" in item.fixturenames}
     two = {item.module for item in items if "two_nodes" in item.fixturenames}
     own = {item.module for item in items if item.get_closest_marker("own_cluster") is not None}
-    slow: dict[object, int] = {}
-    for item in items:
+    slow: dict[object, int] = {}    # module -> its tests marked slow
+    first: dict[object, int] = {}   # module -> where its first test was collected
+    for i, item in enumerate(items):
         slow[item.module] = slow.get(item.module, 0) + (item.get_closest_marker("slow") is not None)
-    order = {m: i for i, m in reversed(list(enumerate(item.module for item in items)))}
+        first.setdefault(item.module, i)
 
     def group(item) -> tuple[int, ...]:
         m = item.module
         if m in own:
-            return (0, 0 if m not in shared else (1 if m in two else 2), order[m], "ray_cluster" in item.fixturenames)
+            return (0, 0 if m not in shared else (1 if m in two else 2), first[m], "ray_cluster" in item.fixturenames)
         return (1, -slow[m]) if m in shared else (2, -slow[m])
 
     items.sort(key=group)
