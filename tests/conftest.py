@@ -151,13 +151,13 @@ def _compile_bytecode() -> None:
     """Write rayconv's and the tests' helper modules' bytecode beside their sources, as ``pip install``
     does for an installed package. Every process the tests start (actors, loader workers, commands)
     imports them; where ``PYTHONDONTWRITEBYTECODE`` is set (as on CI machines) an editable checkout has
-    none, and each of those processes would compile the sources again (a tenth of a second of CPU each)."""
+    none, and each of those processes would compile the sources again."""
     import compileall
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     for d in (root / "rayconv", root / "tests" / "support"):
-        compileall.compile_dir(d, quiet=1, workers=1)
+        compileall.compile_dir(d, quiet=1)
 
 
 def pytest_collection_modifyitems(config, items):
