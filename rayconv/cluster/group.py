@@ -279,9 +279,10 @@ def reserve(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float) -> Any:
     """The run's placement group ``rayconv/<run>``, one bundle per actor (PACK), ready within ``timeout_s``
     seconds; detached where its actors may be kept on the cluster for the next command (``across``).
     Raises ClusterError (nothing stays reserved)."""
-    pool.release()   # (actors a previous run kept, not the ones this run needs: their resources are the cluster's)
-    across.sweep()   # (placement groups of commands that died before their actors existed)
     bundle = actor_bundle(cfg)
+    # (groups a previous run kept, not the ones this run needs: stopped where this run does not fit beside them)
+    pool.make_room({r: v * mesh.world_size for r, v in bundle.items()})
+    across.sweep()   # (placement groups of commands that died before their actors existed)
     name = f"rayconv/{run_name}"
     deadline = time.monotonic() + timeout_s
     try:
@@ -292,6 +293,8 @@ def reserve(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float) -> Any:
         raise ClusterError(f"Ray refused the placement group of run {run_name}: {first_line(e)}") from None
     try:
         ready = pg.ready()
+        if pool.kept_group() is not None and not ray.wait([ready], timeout=min(timeout_s, across.KEPT_WAIT_S))[0]:
+            pool.release()   # (kept groups that the free resources seemed to leave room beside: a node's)
         # actors kept on the cluster for another command hold resources: stopped when this one waits
         across.make_room(ready, timeout_s)
         ray.get(ready, timeout=max(0.0, deadline - time.monotonic()))

@@ -10,16 +10,19 @@ groups left, torch.compile's caches reset) before the new run's ``build``. This 
 "The same actors": the same actor class, count, bundle (CPUs, GPU share), runtime environment (a
 user's modules by the content hash of their upload, a pickled model) and cluster connection; for the
 actors of a Ray Tune trial, also the trial's placement group (``rayconv.tune`` reuses the trial's
-process and placement group for the next trial: ``TuneConfig(reuse_actors=True)``, ``Trial.reset_config``). One group
-is kept at a time; a run that needs other actors stops it first (its resources are the cluster's again),
-as does whatever else of rayconv asks the cluster for resources (a placement group, a task that measures
-a device, ``rayconv.prepare``'s tasks), ``rayconv.release_actors()``, and ``--keep-actors-s`` seconds
-of waiting (a timer thread). A run that ended normally leaves its actors, and so does a run its checks
-refused after its actors started early (``driver.early``: unused, perhaps still starting); a failed,
-stopped or interrupted run's are killed. A command-line run on a cluster that outlives it (``ray start
---head``, then commands with ``--address`` or none) leaves its actors on the cluster instead, for the next
-command (``cluster.across``: a run that ended normally only); on a cluster it started itself they end
-with its process.
+process and placement group for the next trial: ``TuneConfig(reuse_actors=True)``, ``Trial.reset_config``).
+Several groups are kept side by side (a loop over layouts of 1, 2 and 4 actors, trials of several
+sizes), each for ``--keep-actors-s`` seconds from its run's end (a timer thread): a run that needs other
+actors leaves them kept while its placement group fits beside them, and otherwise stops them, the
+longest unused first, until the cluster's free resources hold it (``make_room``; all of them where the
+group still waits a moment later, as a PACK group that must fit one node may). Whatever else of rayconv
+asks the cluster for resources (a task that measures a device, ``rayconv.prepare``'s tasks) and
+``rayconv.release_actors()`` stop them all. A run that ended normally leaves its actors, and so does a
+run its checks refused after its actors started early (``driver.early``: unused, perhaps still
+starting); a failed, stopped or interrupted run's are killed. A command-line run on a cluster that
+outlives it (``ray start --head``, then commands with ``--address`` or none) leaves its actors on the
+cluster instead, for the next command (``cluster.across``: a run that ended normally only); on a
+cluster it started itself they end with its process.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from rayconv.cluster.watch import code_hash
 RENEW_S = 30.0  # how long kept actors may take to renew before new ones are started instead
 
 
-@dataclass
+@dataclass(eq=False)   # (told apart by identity)
 class _Kept:
     group: Any      # the ActorGroup
     key: str
@@ -47,7 +50,7 @@ class _Kept:
 
 
 _LOCK = threading.Lock()
-_KEPT: dict[str, Optional[_Kept]] = {"now": None}
+_KEPT: list[_Kept] = []   # the kept groups, the longest unused first
 
 
 def actors_key(actor_cls: type, world_size: int, bundle: dict[str, float], env: Optional[dict[str, Any]],
@@ -68,39 +71,70 @@ def _cluster() -> Optional[str]:
 
 def keep(group: Any, key: str, keep_s: float) -> bool:
     """Keep ``group`` (an ActorGroup of a run that ended normally, or the actors a refused run started
-    early, perhaps still starting) for ``keep_s`` seconds; any group kept before is stopped. A group in
-    a placement group it does not own (a Tune trial's) keeps it: stopping the group leaves that
+    early, perhaps still starting) for ``keep_s`` seconds, beside any kept before. A group in a
+    placement group it does not own (a Tune trial's) keeps it: stopping the group leaves that
     placement group to its owner. False (nothing kept) when ``keep_s`` is 0 or the group is empty."""
     if keep_s <= 0 or not group.actors:
         return False
-    release()
-    kept = group.hand_over()
-    timer = threading.Timer(keep_s, _expire, args=(kept,))
-    timer.daemon = True
+    kept = _Kept(group.hand_over(), key, _cluster() or "", None)
+    kept.timer = threading.Timer(keep_s, _expire, args=(kept,))
+    kept.timer.daemon = True
     with _LOCK:
-        _KEPT["now"] = _Kept(kept, key, _cluster() or "", timer)
-    timer.start()
+        _KEPT.append(kept)
+    kept.timer.start()
     return True
 
 
 def take(key: str, cfg_dict: dict[str, Any], run_name: str, roles: list[str]) -> Optional[Any]:
-    """The kept group when it matches ``key`` on this cluster, its actors renewed for the run
-    ``run_name`` (``Actor.renew(cfg_dict, run_name, role)``, in rank order) and its roles set; else None,
-    with any kept group stopped (its resources free for the run's own). A kept actor that does not
-    renew (gone, failed) makes it None too: the run starts its own."""
+    """The kept group that matches ``key`` on this cluster (the last kept of several), its actors renewed
+    for the run ``run_name`` (``Actor.renew(cfg_dict, run_name, role)``, in rank order) and its roles
+    set; else None. The other kept groups stay kept; those of another cluster connection are dropped. A
+    kept actor that does not renew (gone, failed) makes it None too, its group stopped: the run starts
+    its own."""
+    here = _cluster()
     with _LOCK:
-        kept, _KEPT["now"] = _KEPT["now"], None
-    if kept is None:
+        gone = [k for k in _KEPT if k.cluster != here]
+        match = next((k for k in reversed(_KEPT) if k.cluster == here and k.key == key
+                      and len(k.group.actors) == len(roles)), None)
+        _KEPT[:] = [k for k in _KEPT if k not in gone and k is not match]
+    for k in gone:
+        if k.timer is not None:
+            k.timer.cancel()
+    if match is None:
         return None
-    if kept.timer is not None:
-        kept.timer.cancel()
-    if kept.key != key or kept.cluster != _cluster() or len(kept.group.actors) != len(roles):
-        _stop(kept)
+    if match.timer is not None:
+        match.timer.cancel()
+    if not renew(match.group, cfg_dict, run_name, roles):
+        _stop(match)
         return None
-    if not renew(kept.group, cfg_dict, run_name, roles):
-        _stop(kept)
-        return None
-    return kept.group
+    return match.group
+
+
+def make_room(need: dict[str, float]) -> None:
+    """Stop kept groups, the longest unused first, until the cluster's free resources
+    (``ray.available_resources``, plus what the stopped groups' placement groups held) hold ``need``
+    (e.g. {"CPU": 4}: a run's placement group in all)."""
+    if not ray.is_initialized():
+        return
+    with _LOCK:
+        kept = list(_KEPT)
+    if not kept:
+        return
+    free = dict(ray.available_resources())
+    for k in kept:
+        if all(free.get(r, 0.0) + 1e-9 >= v for r, v in need.items() if v):
+            return
+        with _LOCK:
+            if k not in _KEPT:
+                continue
+            _KEPT.remove(k)
+        if k.timer is not None:
+            k.timer.cancel()
+        _stop(k)
+        if k.group.owns_pg and k.group.pg is not None:
+            for bundle in k.group.pg.bundle_specs:
+                for r, v in bundle.items():
+                    free[r] = free.get(r, 0.0) + v
 
 
 def renew(group: Any, cfg_dict: dict[str, Any], run_name: str, roles: list[str]) -> bool:
@@ -122,27 +156,33 @@ def renew(group: Any, cfg_dict: dict[str, Any], run_name: str, roles: list[str])
 
 
 def release() -> None:
-    """Stop the kept actors, if any, and remove their placement group (safe to repeat): the
-    cluster's resources are free again."""
+    """Stop every kept group and remove their placement groups (safe to repeat): the cluster's
+    resources are free again."""
     with _LOCK:
-        kept, _KEPT["now"] = _KEPT["now"], None
-    if kept is not None:
-        if kept.timer is not None:
-            kept.timer.cancel()
-        _stop(kept)
+        kept, _KEPT[:] = list(_KEPT), []
+    for k in kept:
+        if k.timer is not None:
+            k.timer.cancel()
+        _stop(k)
 
 
 def kept_group() -> Optional[Any]:
-    """The ActorGroup kept now, or None."""
-    kept = _KEPT["now"]
-    return None if kept is None else kept.group
+    """The ActorGroup kept last, or None."""
+    with _LOCK:
+        return _KEPT[-1].group if _KEPT else None
+
+
+def kept_groups() -> list[Any]:
+    """The ActorGroups kept now, the longest unused first."""
+    with _LOCK:
+        return [k.group for k in _KEPT]
 
 
 def _expire(kept: _Kept) -> None:
     with _LOCK:
-        if _KEPT["now"] is not kept:
+        if kept not in _KEPT:
             return
-        _KEPT["now"] = None
+        _KEPT.remove(kept)
     _stop(kept)
 
 

@@ -1,5 +1,6 @@
 """Actors kept from a finished run (``--keep-actors-s``, ``cluster.pool``) serve the next run of the
-same process that needs the same actors, exactly as new ones would; other runs get their own."""
+same process that needs the same actors, exactly as new ones would; other runs get their own, beside
+the kept ones while the cluster has room for both."""
 
 from __future__ import annotations
 
@@ -48,10 +49,18 @@ def test_kept_actors_train_the_next_run_exactly_and_other_runs_get_their_own(ray
     d = _run(sgd_config(tmp_path, "d", dp=2, steps=STEPS, eval_every=STEPS), seen, "d")
     assert not seen["d"][1] and not set(seen["d"][0]) & set(seen["a"][0])
     assert_same_state(torch.load(tmp_path / "d" / "model.pt", weights_only=True), model_a, atol=0.0)
-    # A run of one actor stops the two kept (their placement group removed); with --keep-actors-s 0
-    # it leaves nothing: every CPU is free again.
-    _run(sgd_config(tmp_path, "e", dp=1, steps=2, eval_every=2, keep_actors_s=0), seen, "e")
-    assert not seen["e"][1] and _pg_state(d["run_name"]) == "REMOVED"
+    # A run of one actor fits beside the two kept (3 of the 4 CPUs): they stay kept, and so do its own;
+    # the next run of two takes d's actors again.
+    e = _run(sgd_config(tmp_path, "e", dp=1, steps=2, eval_every=2), seen, "e")
+    assert not seen["e"][1] and not set(seen["e"][0]) & set(seen["d"][0])
+    assert [len(g.actors) for g in pool.kept_groups()] == [2, 1]
+    _run(sgd_config(tmp_path, "f", dp=2, steps=STEPS, eval_every=STEPS), seen, "f")
+    assert seen["f"] == (seen["d"][0], True)
+    assert [len(g.actors) for g in pool.kept_groups()] == [1, 2]
+    # A run that needs all 4 CPUs stops both kept groups (their placement groups removed), the longest
+    # unused first; with --keep-actors-s 0 it leaves nothing: every CPU is free again.
+    _run(sgd_config(tmp_path, "g", dp=2, num_cpus_per_actor=2, steps=2, eval_every=2, keep_actors_s=0), seen, "g")
+    assert not seen["g"][1] and _pg_state(d["run_name"]) == _pg_state(e["run_name"]) == "REMOVED"
     assert pool.kept_group() is None
     deadline = time.monotonic() + 10   # (ray.kill ends the processes asynchronously)
     while ray.available_resources().get("CPU") != 4 and time.monotonic() < deadline:

@@ -1,5 +1,5 @@
 """Each metrics row times its own step, also next to evaluations and checkpoints (two steps in flight),
-the progress line's images/s is a rate over several steps, and input stall and top-5 accuracy are reported."""
+a progress line per step, and input stall and top-5 accuracy are reported."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_rows_time_their_own_step_across_evaluation_and_checkpoint_boundaries(ra
     cfg = Config(model="resnet18", data="synthetic", image_size=32, synthetic_samples=128, global_batch_size=16,
                  dp=1, steps=7, eval_every=2, checkpoint_every=3, log_every=1, device="cpu", progress=False,
                  out=str(out)).validate()
-    summary = train_run(cfg, log=lines.append)
+    train_run(cfg, log=lines.append)
     rows = pq.read_table(out / "metrics.parquet").to_pylist()
     train = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(7))
@@ -34,11 +34,9 @@ def test_rows_time_their_own_step_across_evaluation_and_checkpoint_boundaries(ra
         assert r["images_per_s"] * r["step_ms"] / 1e3 == pytest.approx(16)
         assert 0 <= r["input_stall_ms"] <= r["step_ms"]
         assert r["input_stall_fraction"] == pytest.approx(r["input_stall_ms"] / r["step_ms"])
-    # The progress lines' images/s: over the last steps' wall-clock, never one step's rate.
+    # A progress line per step with its images/s (the window's rate: tests/unit/test_run_folder.py).
     printed = [float(m.group(1)) for m in (re.search(r"loss \S+ lr \S+\s+(\d+) images/s", x) for x in lines) if m]
-    assert len(printed) == 7
-    assert max(printed) < 4 * summary["images_per_s"], (printed, summary["images_per_s"])
-    assert printed[-1] > summary["images_per_s"] / 4, (printed, summary["images_per_s"])
+    assert len(printed) == 7 and all(x > 0 for x in printed), lines
     # Top-5 accuracy at every evaluation (1000 classes), at least the top-1 accuracy.
     evals = [r for r in rows if r["kind"] == "eval"]
     assert evals and all(r["test_accuracy"] <= r["test_top5_accuracy"] <= 1 for r in evals)

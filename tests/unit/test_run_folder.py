@@ -223,3 +223,19 @@ def test_end_line_gives_the_whole_run_from_its_origin():
                                               "run 8.7 s, ended 29.7 s after the command -> /r")
     summary["startup"]["origin"] = "fit call"
     assert ", ended 29.7 s after rayconv.fit was called -> " in done_line(summary, Path("/r"))
+
+
+def test_the_progress_rate_is_over_the_window_without_the_first_step_once_four_more_came():
+    """Progress.rate: images over the wall-clock of the last RATE_WINDOW results; the attempt's first
+    (compiling) result counts until 4 more came back, then it is left out; never one result's rate."""
+    from rayconv.driver.progress import RATE_WINDOW, Progress
+
+    p = Progress(Config(device="cpu", progress=False), total_steps=100, start=0, log=lambda *_: None)
+    assert p.rate(16, 4.0, first=True) == pytest.approx(16 / 4.0)
+    assert p.rate(16, 0.5, first=False) == pytest.approx(32 / 4.5)   # (not 16 / 0.5, this result's own)
+    for _ in range(3):
+        rate = p.rate(16, 0.5, first=False)
+    assert rate == pytest.approx(64 / 2.0)   # the first left out: four results of 0.5 s
+    for _ in range(RATE_WINDOW):
+        rate = p.rate(16, 0.25, first=False)
+    assert rate == pytest.approx(64.0)   # the window slid past the slower results
