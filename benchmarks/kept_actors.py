@@ -4,6 +4,12 @@ turn, each one's wall time from ``rayconv.fit``'s call to its summary and its st
 imports and is not counted; run 1 starts new actors (the anchor); the rest reuse run 1's.
 
     python benchmarks/kept_actors.py [--runs 3] [--dp 2] [--steps 16] [--device cpu]
+    python benchmarks/kept_actors.py --cycle 1,2 [--runs 6]   # layouts of 1 and 2 actors in turn
+
+With ``--cycle``, the runs go through those data-parallel sizes in turn, RUNS runs twice: first each
+with ``--keep-actors-s 0`` (the anchor: every run starts its actors), then with the actors kept (the
+groups of each size side by side where the cluster has room); the last line gives the second's total
+wall time over the first's.
 
 A local Ray cluster of its own (``ray.init`` with ``--num-cpus``, no dashboard) is started here and
 shut down at the end. Prints one line per run and a last line: the mean of the reused runs over the
@@ -26,7 +32,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=16, help="steps per run")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--num-cpus", type=int, default=4, help="CPUs of the local cluster")
+    p.add_argument("--cycle", default="", help="data-parallel sizes the runs go through in turn, e.g. 1,2")
     a = p.parse_args(argv)
+    if a.cycle:
+        return cycle(a, [int(x) for x in a.cycle.split(",")])
     import ray
 
     import rayconv
@@ -51,6 +60,40 @@ def main(argv=None) -> int:
     if len(walls) > 2:
         reused = sum(walls[2:]) / len(walls[2:])
         print(f"RESULT kept actors: {reused:.2f} s a run against {walls[1]:.2f} s on new ones ({reused / walls[1]:.2f}x)")
+    return 0
+
+
+def cycle(a, sizes: list[int]) -> int:
+    """The runs through ``sizes`` in turn, with and without kept actors (see the module's docstring)."""
+    import ray
+
+    import rayconv
+
+    ray.init(num_cpus=a.num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=True,
+             logging_level="WARNING")
+    totals = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="kept-actors-") as tmp:
+            rayconv.fit(model="convnet", data="digits", dp=1, steps=2, eval_every=2, device=a.device,
+                        progress=False, tensorboard="off", out=str(Path(tmp) / "first"), keep_actors_s=0,
+                        log=lambda *_: None)   # (the driver's own first imports, not counted)
+            for keep_s in (0, 60):
+                t0 = time.perf_counter()
+                for i in range(a.runs):
+                    dp = sizes[i % len(sizes)]
+                    s = rayconv.fit(model="convnet", data="digits", dp=dp, steps=a.steps, eval_every=a.steps,
+                                    device=a.device, progress=False, tensorboard="off",
+                                    out=str(Path(tmp) / f"k{keep_s}-{i}"), keep_actors_s=keep_s, log=lambda *_: None)
+                    renewed = "renewed" in s["startup"].get("actor_process", {})
+                    print(f"keep {keep_s} run {i} dp {dp}: step 0 {s['startup']['phases']['first_step']:.2f} s after "
+                          f"the call, {'kept actors' if renewed else 'new actors'}", flush=True)
+                totals[keep_s] = time.perf_counter() - t0
+                rayconv.release_actors()
+    finally:
+        rayconv.release_actors()
+        ray.shutdown()
+    print(f"RESULT cycle {a.cycle}, {a.runs} runs: {totals[60]:.2f} s with kept actors against {totals[0]:.2f} s "
+          f"starting new ones ({totals[60] / totals[0]:.2f}x)")
     return 0
 
 
