@@ -217,6 +217,7 @@ def in_given_group(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, give
                      cfg.to_dict(), run_name, [mesh.role(r) for r in range(mesh.world_size)])
     if kept is not None:
         return kept
+    pool.release()   # (groups kept in this placement group hold the bundles the new actors need)
     return create_actors(actor_cls, cfg, mesh, run_name, pg, timeout_s, first_bundle=first, wait=wait, env=env)
 
 
