@@ -4,6 +4,7 @@ the kept ones while the cluster has room for both."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -80,3 +81,34 @@ def test_a_run_with_dp_left_to_the_cluster_reuses_the_actors_it_is_given_again(r
     assert_same_state(torch.load(tmp_path / "g" / "model.pt", weights_only=True),
                       torch.load(tmp_path / "f" / "model.pt", weights_only=True), atol=0.0)
     pool.release()
+
+
+@pytest.mark.slow
+def test_a_run_in_a_given_placement_group_gets_the_bundles_a_kept_group_held(ray_cluster, tmp_path):
+    # As in a Tune trial's process (its placement group given: the process's bundle, then the actors'):
+    # a run of one actor keeps it in the group's last bundle; the next run, of two, needs that bundle
+    # too, so the kept actor is stopped for it instead of the run waiting out its start-up limit.
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    def two_runs(cfgs: list) -> list:
+        from rayconv.driver.job import train_run as run
+
+        seen = []
+        for cfg in cfgs:
+            run(cfg, log=lambda *_: None, on_step=lambda g, k: k or seen.append([i["pid"] for i in g.info]))
+        return seen
+
+    cfgs = [sgd_config(tmp_path, name, dp=dp, steps=2, eval_every=2, max_wait=60) for name, dp in (("one", 1), ("two", 2))]
+
+    pg = placement_group([{"CPU": 1}] * 3, strategy="PACK")
+    ray.get(pg.ready(), timeout=30)
+    try:
+        task = ray.remote(num_cpus=1)(two_runs).options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True))
+        one, two = ray.get(task.remote(cfgs), timeout=240)
+    finally:
+        remove_placement_group(pg)
+    assert len(one) == 1 and len(two) == 2 and one[0] not in two
+    for name in ("one", "two"):
+        assert json.loads((tmp_path / name / "summary.json").read_text())["status"] == "finished"
