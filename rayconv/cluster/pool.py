@@ -98,8 +98,7 @@ def take(key: str, cfg_dict: dict[str, Any], run_name: str, roles: list[str]) ->
                       and len(k.group.actors) == len(roles)), None)
         _KEPT[:] = [k for k in _KEPT if k not in gone and k is not match]
     for k in gone:
-        if k.timer is not None:
-            k.timer.cancel()
+        _stop(k)   # (their timers: the actors live on the other cluster, left to it)
     if match is None:
         return None
     if match.timer is not None:
@@ -128,8 +127,6 @@ def make_room(need: dict[str, float]) -> None:
             if k not in _KEPT:
                 continue
             _KEPT.remove(k)
-        if k.timer is not None:
-            k.timer.cancel()
         _stop(k)
         if k.group.owns_pg and k.group.pg is not None:
             for bundle in k.group.pg.bundle_specs:
@@ -161,8 +158,6 @@ def release() -> None:
     with _LOCK:
         kept, _KEPT[:] = list(_KEPT), []
     for k in kept:
-        if k.timer is not None:
-            k.timer.cancel()
         _stop(k)
 
 
@@ -187,5 +182,8 @@ def _expire(kept: _Kept) -> None:
 
 
 def _stop(kept: _Kept) -> None:
+    """End ``kept``'s wait (its timer) and stop its actors where they live on this process's cluster."""
+    if kept.timer is not None:
+        kept.timer.cancel()
     if kept.cluster and kept.cluster == _cluster():
         kept.group.kill()
