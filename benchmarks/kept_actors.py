@@ -40,17 +40,13 @@ def main(argv=None) -> int:
 
     import rayconv
 
-    ray.init(num_cpus=a.num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=True,
-             logging_level="WARNING")
+    _start_ray(a)
     walls = []
     try:
         with tempfile.TemporaryDirectory(prefix="kept-actors-") as tmp:
             for i in range(a.runs + 1):
                 t0 = time.perf_counter()
-                s = rayconv.fit(model="convnet", data="digits", dp=a.dp, steps=a.steps, eval_every=a.steps,
-                                device=a.device, progress=False, tensorboard="off", out=str(Path(tmp) / f"run{i}"),
-                                keep_actors_s=0 if i == 0 else 60,
-                                log=lambda *_: None)
+                s = _fit(a, Path(tmp) / f"run{i}", a.dp, a.steps, keep_s=0 if i == 0 else 60)
                 walls.append(time.perf_counter() - t0)
                 print(f"run {i}: {walls[-1]:.2f} s, step 0 {s['startup']['phases']['first_step']:.2f} s after the call, "
                       f"{'kept actors' if i > 1 else 'new actors'}, test accuracy {s['test_accuracy']:.4f}", flush=True)
@@ -63,27 +59,38 @@ def main(argv=None) -> int:
     return 0
 
 
+def _start_ray(a) -> None:
+    """A local Ray cluster of ``a.num_cpus`` CPUs, no dashboard, for this process."""
+    import ray
+
+    ray.init(num_cpus=a.num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=True,
+             logging_level="WARNING")
+
+
+def _fit(a, out: Path, dp: int, steps: int, keep_s: float) -> dict:
+    """One quiet run of the digits ConvNet on ``a.device`` into ``out``; its summary."""
+    import rayconv
+
+    return rayconv.fit(model="convnet", data="digits", dp=dp, steps=steps, eval_every=steps, device=a.device,
+                       progress=False, tensorboard="off", out=str(out), keep_actors_s=keep_s, log=lambda *_: None)
+
+
 def cycle(a, sizes: list[int]) -> int:
     """The runs through ``sizes`` in turn, with and without kept actors (see the module's docstring)."""
     import ray
 
     import rayconv
 
-    ray.init(num_cpus=a.num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=True,
-             logging_level="WARNING")
+    _start_ray(a)
     totals = {}
     try:
         with tempfile.TemporaryDirectory(prefix="kept-actors-") as tmp:
-            rayconv.fit(model="convnet", data="digits", dp=1, steps=2, eval_every=2, device=a.device,
-                        progress=False, tensorboard="off", out=str(Path(tmp) / "first"), keep_actors_s=0,
-                        log=lambda *_: None)   # (the driver's own first imports, not counted)
+            _fit(a, Path(tmp) / "first", 1, 2, keep_s=0)   # (the driver's own first imports, not counted)
             for keep_s in (0, 60):
                 t0 = time.perf_counter()
                 for i in range(a.runs):
                     dp = sizes[i % len(sizes)]
-                    s = rayconv.fit(model="convnet", data="digits", dp=dp, steps=a.steps, eval_every=a.steps,
-                                    device=a.device, progress=False, tensorboard="off",
-                                    out=str(Path(tmp) / f"k{keep_s}-{i}"), keep_actors_s=keep_s, log=lambda *_: None)
+                    s = _fit(a, Path(tmp) / f"k{keep_s}-{i}", dp, a.steps, keep_s)
                     renewed = "renewed" in s["startup"].get("actor_process", {})
                     print(f"keep {keep_s} run {i} dp {dp}: step 0 {s['startup']['phases']['first_step']:.2f} s after "
                           f"the call, {'kept actors' if renewed else 'new actors'}", flush=True)
