@@ -42,30 +42,45 @@ def local_ray(num_cpus: int, **kw):
 _SHARED: dict[str, object] = {"gcs": None}
 
 
-def _cpus_free(n: int, wait_s: float = 3.0) -> bool:
-    """Whether all ``n`` CPUs of the connected cluster are free within ``wait_s`` seconds, once the
-    actors kept for reuse are stopped: a run that just ended releases its placement group
-    asynchronously, a moment after its actors are killed."""
+def _cpus_free(n: int, wait_s: float = 3.0, keep: bool = False) -> bool:
+    """Whether all ``n`` CPUs of the connected cluster are free within ``wait_s`` seconds (a run that just
+    ended releases its placement group asynchronously, a moment after its actors are killed), once the
+    actors kept for reuse (``--keep-actors-s``) are stopped; with ``keep``, the CPUs those kept actors
+    hold count as free and they stay kept, for the module's runs to take."""
     from rayconv.cluster import pool
 
-    pool.release()   # (the actors the last run of the previous module kept: ``--keep-actors-s``)
+    if not keep:
+        pool.release()
     deadline = time.monotonic() + wait_s
-    while ray.available_resources().get("CPU") != n:
+    while ray.available_resources().get("CPU", 0.0) + (_kept_cpus() if keep else 0.0) != n:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)
     return True
 
 
+def _kept_cpus() -> float:
+    """The CPUs that the placement groups of this process's kept actors hold."""
+    from rayconv.cluster import pool
+
+    return sum(b.get("CPU", 0.0) for g in pool.kept_groups() if g.owns_pg and g.pg is not None for b in g.pg.bundle_specs)
+
+
 @pytest.fixture(scope="module")
-def ray_cluster():
+def ray_cluster(request):
     """A local Ray cluster with 4 logical CPUs (enough for dp=4 on a 2-core machine), no dashboard.
 
     One cluster serves every module that asks for it in turn (starting one costs seconds of the 2
     cores): a module reuses it when it is still connected and all 4 CPUs are free (within a few
-    seconds: a run's placement group is released a moment after it ends), and starts a fresh one otherwise (after a module that ran its own cluster, or one that left something holding CPUs).
+    seconds: a run's placement group is released a moment after it ends), and starts a fresh one
+    otherwise (after a module that ran its own cluster, or one that left something holding CPUs). The
+    actors the previous module's runs kept are stopped first, unless the module is marked
+    ``takes_kept_actors``: its runs are rayconv runs of this process only, which take kept actors of
+    their size and stop the others where they need the room, so those stay kept for them (each actor
+    not started again saves seconds of a core: Ray's worker and torch's import).
     ``pytest_sessionfinish`` shuts it down."""
-    if ray.is_initialized() and _SHARED["gcs"] == ray.get_runtime_context().gcs_address and _cpus_free(4):
+    keep = request.node.get_closest_marker("takes_kept_actors") is not None
+    if ray.is_initialized() and _SHARED["gcs"] == ray.get_runtime_context().gcs_address and _cpus_free(4, keep=keep):
         yield
         return
     _shut_two_nodes()   # (a pytest-xdist worker may run a two-node module, then this one)
@@ -143,6 +158,8 @@ def silent_address():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "own_cluster: the module starts a Ray cluster of its own (run before the others)")
+    config.addinivalue_line("markers", "takes_kept_actors: the module's runs may take the actors the previous "
+                            "module's runs kept on the shared cluster (only rayconv runs of the test process)")
     if not hasattr(config, "workerinput"):   # (once: in pytest-xdist's controller, or the only process)
         _compile_bytecode()
 
@@ -169,14 +186,17 @@ def pytest_collection_modifyitems(config, items):
        never use the shared ``ray_cluster``, then those that do (the users of ``two_nodes`` first, next
        to each other), each with its tests on the shared cluster last, so that the shared cluster they
        start is up for the modules after them;
-    2. the modules on the shared ``ray_cluster``: once it is up, it serves every one of them;
+    2. the modules on the shared ``ray_cluster``: once it is up, it serves every one of them; those marked
+       ``takes_kept_actors`` last, next to each other, so that each can take the actors the one before
+       it kept;
     3. the modules without a cluster, small pieces that even out the two processes' ends.
 
-    Within 2 and 3, modules with more tests marked ``slow`` come first (stable: otherwise in the
+    Within 2 (each part) and 3, modules with more tests marked ``slow`` come first (stable: otherwise in the
     collected order). A module's tests stay together, in their order but for the shared cluster's last."""
     shared = {item.module for item in items if "ray_cluster" in item.fixturenames}
     two = {item.module for item in items if "two_nodes" in item.fixturenames}
     own = {item.module for item in items if item.get_closest_marker("own_cluster") is not None}
+    takes = {item.module for item in items if item.get_closest_marker("takes_kept_actors") is not None}
     slow: dict[object, int] = {}    # module -> its tests marked slow
     first: dict[object, int] = {}   # module -> where its first test was collected
     for i, item in enumerate(items):
@@ -187,7 +207,7 @@ def pytest_collection_modifyitems(config, items):
         m = item.module
         if m in own:
             return (0, 0 if m not in shared else (1 if m in two else 2), first[m], "ray_cluster" in item.fixturenames)
-        return (1, -slow[m]) if m in shared else (2, -slow[m])
+        return (1, m in takes, -slow[m]) if m in shared else (2, -slow[m])
 
     items.sort(key=group)
     _TWO_NODES["pending"] = {m.__name__ for m in two}

@@ -23,6 +23,8 @@ from rayconv.driver.job import train_run
 from rayconv.parallel.batchnorm import DeferredBatchNorm, defer_batchnorm
 from rayconv.run import main
 
+pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's kept actors stay for its runs)
+
 STEPS = 3  # global batch 96 of the 1438 digits
 
 

@@ -19,6 +19,8 @@ from rayconv.driver.job import train_run
 from rayconv.run import main
 from support.shard_folder import make_prepared
 
+pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's kept actors stay for its runs)
+
 
 @pytest.fixture(scope="module")
 def prepared(ray_cluster, tmp_path_factory) -> Path:

@@ -21,6 +21,8 @@ from rayconv.config import Config
 from rayconv.driver.job import train_run
 from rayconv.run import main
 
+pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's kept actors stay for its runs)
+
 STEPS = 8  # 2k with k = 4; checkpoints every 2 steps
 
 

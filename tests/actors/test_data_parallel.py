@@ -9,6 +9,8 @@ from support.helpers import assert_same_state, reference_sgd, slow_among
 from rayconv.config import Config
 from rayconv.driver.job import train_run
 
+pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's kept actors stay for its runs)
+
 # 1438 train digits, global batch 102: 14 full steps + a last partial batch of 10 per epoch.
 # dp=4 splits 102 as 26,26,25,25 and the last batch as 3,3,2,2: uneven shards are weighted exactly.
 STEPS = 16

@@ -12,6 +12,8 @@ import pytest
 from support.helpers import sgd_config, slow_among
 from rayconv.driver.job import train_run
 
+pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's kept actors stay for its runs)
+
 STEPS = 40
 LAYOUTS = {
     "dp2": dict(dp=2),

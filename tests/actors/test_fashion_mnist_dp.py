@@ -16,6 +16,8 @@ from rayconv.data.fashion_mnist import FILES
 from rayconv.driver.job import train_run
 from rayconv.models import ConvNet
 
+pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's kept actors stay for its runs)
+
 STEPS = 2
 
 

@@ -23,6 +23,8 @@ from rayconv.driver.job import train_run
 from rayconv.mesh import Mesh
 from rayconv.run import main
 
+pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's kept actors stay for its runs)
+
 STEPS = 6
 INJECT = 2      # the step whose update stage 1's overflow skips
 STOP_AFTER = 2  # the resume starts after step 2 (3 steps done; its checkpoint is step-3)

@@ -16,6 +16,8 @@ from rayconv.data.imagefolder import ImageFolderSource
 from rayconv.models import ConvNet
 from rayconv.run import main
 
+pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's kept actors stay for its runs)
+
 CLASSES = ("red", "green", "blue")
 TRAIN_PER_CLASS, VAL_PER_CLASS = 6, 2
 N_VAL = len(CLASSES) * VAL_PER_CLASS

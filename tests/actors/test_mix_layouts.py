@@ -12,6 +12,8 @@ from support.helpers import assert_same_state, reference_mix_sgd, reference_sgd,
 from rayconv.driver.job import train_run
 from rayconv.recipe.mix import draw_mix
 
+pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's kept actors stay for its runs)
+
 STEPS = 3
 MIX = dict(mixup_alpha=0.4, cutmix_alpha=1.0, seed=0)
 LAYOUTS = {"dp2": dict(dp=2), "pp2-1f1b-m2": dict(pp=2, schedule="1f1b", num_microbatches=2), "fs2": dict(fs=2)}

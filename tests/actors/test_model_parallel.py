@@ -11,6 +11,8 @@ from support.helpers import assert_same_state, reference_sgd, sgd_config, slow_a
 from rayconv.config import Config
 from rayconv.driver.job import train_run
 
+pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's kept actors stay for its runs)
+
 STEPS = 4  # global batch 96 of the 1438 digits: 4 full steps
 
 

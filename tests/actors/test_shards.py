@@ -28,6 +28,8 @@ from rayconv.data.shard_writer import shard_listing
 from rayconv.data.shards import ShardSource
 from rayconv.files import sha256_file
 
+pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's kept actors stay for its runs)
+
 CLASSES = ("cat", "dog")
 SIZE = 40   # --size: the shorter side of the re-encoded images
 

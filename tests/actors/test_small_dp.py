@@ -20,6 +20,8 @@ from rayconv.data.small import HeldSource
 from rayconv.driver.job import train_run
 from rayconv.models import build_model
 
+pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's kept actors stay for its runs)
+
 STEPS = 2
 
 

@@ -13,6 +13,8 @@ import pytest
 from rayconv.config import Config
 from rayconv.driver.job import train_run
 
+pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's kept actors stay for its runs)
+
 
 @pytest.mark.slow
 def test_rows_time_their_own_step_across_evaluation_and_checkpoint_boundaries(ray_cluster, tmp_path):

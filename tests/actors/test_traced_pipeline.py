@@ -19,6 +19,8 @@ from rayconv.errors import LayoutError
 from rayconv.data.registry import make_source
 from rayconv.models import run_model, to_layers
 
+pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's kept actors stay for its runs)
+
 FIXTURE = Path(__file__).parents[1] / "support" / "fixtures" / "blocks.py"
 MODEL = f"{FIXTURE}:blocknet"
 STEPS = 2

@@ -28,6 +28,8 @@ from rayconv.planner.measure import Measurements
 from rayconv.planner.search import plan_config
 from rayconv.run import main
 
+pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's kept actors stay for its runs)
+
 FIXTURE = Path(__file__).resolve().parents[1] / "support" / "fixtures" / "resnetish.py"
 MODEL = "models/greynet.py:build"
 GREYNET = ("from resnetish import ResNetish\n\n\n"  # (the module beside the file, imported by name)
