@@ -52,18 +52,11 @@ def _cpus_free(n: int, wait_s: float = 3.0, keep: bool = False) -> bool:
     if not keep:
         pool.release()
     deadline = time.monotonic() + wait_s
-    while ray.available_resources().get("CPU", 0.0) + (_kept_cpus() if keep else 0.0) != n:
+    while ray.available_resources().get("CPU", 0.0) + (pool.kept_resources().get("CPU", 0.0) if keep else 0.0) != n:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)
     return True
-
-
-def _kept_cpus() -> float:
-    """The CPUs that the placement groups of this process's kept actors hold."""
-    from rayconv.cluster import pool
-
-    return sum(b.get("CPU", 0.0) for g in pool.kept_groups() if g.owns_pg and g.pg is not None for b in g.pg.bundle_specs)
 
 
 @pytest.fixture(scope="module")

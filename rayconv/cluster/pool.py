@@ -128,10 +128,22 @@ def make_room(need: dict[str, float]) -> None:
                 continue
             _KEPT.remove(k)
         _stop(k)
-        if k.group.owns_pg and k.group.pg is not None:
-            for bundle in k.group.pg.bundle_specs:
-                for r, v in bundle.items():
-                    free[r] = free.get(r, 0.0) + v
+        _add(free, _held(k.group))
+
+
+def _held(group: Any) -> dict[str, float]:
+    """The resources a kept ``group``'s own placement group holds (none for a group in a placement group
+    it does not own: a Tune trial's, left to its owner)."""
+    held: dict[str, float] = {}
+    if group.owns_pg and group.pg is not None:
+        for bundle in group.pg.bundle_specs:
+            _add(held, bundle)
+    return held
+
+
+def _add(total: dict[str, float], more: dict[str, float]) -> None:
+    for r, v in more.items():
+        total[r] = total.get(r, 0.0) + v
 
 
 def renew(group: Any, cfg_dict: dict[str, Any], run_name: str, roles: list[str]) -> bool:
@@ -171,6 +183,14 @@ def kept_groups() -> list[Any]:
     """The ActorGroups kept now, the longest unused first."""
     with _LOCK:
         return [k.group for k in _KEPT]
+
+
+def kept_resources() -> dict[str, float]:
+    """The resources the placement groups of the groups kept now hold, in all (e.g. {"CPU": 3.0})."""
+    total: dict[str, float] = {}
+    for g in kept_groups():
+        _add(total, _held(g))
+    return total
 
 
 def _expire(kept: _Kept) -> None:

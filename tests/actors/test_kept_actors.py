@@ -55,6 +55,7 @@ def test_kept_actors_train_the_next_run_exactly_and_other_runs_get_their_own(ray
     e = _run(sgd_config(tmp_path, "e", dp=1, steps=2, eval_every=2), seen, "e")
     assert not seen["e"][1] and not set(seen["e"][0]) & set(seen["d"][0])
     assert [len(g.actors) for g in pool.kept_groups()] == [2, 1]
+    assert pool.kept_resources()["CPU"] == 3.0   # (the two groups' placement groups: 2 + 1 bundles of 1 CPU)
     _run(sgd_config(tmp_path, "f", dp=2, steps=STEPS, eval_every=STEPS), seen, "f")
     assert seen["f"] == (seen["d"][0], True)
     assert [len(g.actors) for g in pool.kept_groups()] == [1, 2]
