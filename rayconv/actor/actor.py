@@ -123,8 +123,15 @@ class Actor:
         ``cluster.pool``): the previous run's state dropped (model, optimizer, data and its loader
         processes, device memory), its gradient hooks and process groups left, torch.compile's caches
         reset and SIGTERM Ray's again; then as ``__init__(cfg, run_name, role)`` leaves a new actor."""
-        self._warm.join()
         self.stamps = {"renewed": time.time()}
+        self.rest()
+        self._begin(cfg, run_name, role)
+
+    def rest(self) -> None:
+        """Drop the previous run's state (as ``renew`` does first) and wait, unused, in its placement
+        group: an actor of a kept group that a smaller run takes leaves its spare actors so
+        (``cluster.pool.take``), until ``renew`` or the group's end."""
+        self._warm.join()
         self.shutdown()
         self.rss.stop()
         self.a = None
@@ -137,7 +144,6 @@ class Actor:
             signal.signal(signal.SIGTERM, self._sigterm)
         except (ValueError, TypeError):   # (off the main thread; or a handler Python did not install)
             pass
-        self._begin(cfg, run_name, role)
 
     def keep(self, key: str, keep_s: float, entry: str) -> Optional[str]:
         """Kept on the cluster after its run ended, for the next command's ``claim`` of ``key`` within

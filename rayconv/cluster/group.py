@@ -15,13 +15,11 @@ every node.
 from __future__ import annotations
 
 import logging
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import ray
-from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
 from ray.util.placement_group import (get_current_placement_group, placement_group, placement_group_table,
                                       remove_placement_group)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -31,7 +29,7 @@ from rayconv.cluster.connect import ALL_GPUS_VISIBLE_ENV, NAMESPACE, exception_s
 from rayconv.config import Config
 from rayconv.errors import CallTimeout, ClusterError
 from rayconv.mesh import Mesh
-from rayconv.user_model import actor_runtime_env
+from rayconv.user_model import actor_runtime_env, with_uploads
 
 LOST_GRACE_S = 2.0  # after an actor error, how long to look for a lost actor that caused it
 
@@ -79,6 +77,11 @@ class ActorGroup:
     reused: bool = False   # kept from a previous run (of this process: ``pool.take``; or ``across``)
     names: list[str] = field(default_factory=list)   # the actors' names (namespace ``rayconv``), rank order
     across: bool = False   # kept on the cluster by a previous command (``across.claim``)
+    # actors of this placement group the run does not use (a kept group larger than the run: ``park``),
+    # with their ``names`` and ``info``; they rejoin ``actors`` when the group is kept again (``hand_over``)
+    spare: list[Any] = field(default_factory=list)
+    spare_names: list[str] = field(default_factory=list)
+    spare_info: list[dict[str, Any]] = field(default_factory=list)
 
     def call(self, method: str, *args, ranks: Optional[Sequence[int]] = None, timeout_s: Optional[float] = None):
         """Call ``method(*args)`` on the actors (all, or ``ranks``); results in rank order (see ``call_each``)."""
@@ -161,17 +164,28 @@ class ActorGroup:
     def __exit__(self, *exc) -> None:
         self.kill()
 
+    def park(self, n: int) -> None:
+        """Use the first ``n`` actors (rank order: the bundles first_bundle .. first_bundle + n - 1) and
+        set the others aside as ``spare``, each told to ``rest`` (drop its previous run's state)."""
+        assert not self.spare and 0 < n <= len(self.actors)
+        self.spare, self.spare_names, self.spare_info = self.actors[n:], self.names[n:], self.info[n:]
+        self.actors, self.names, self.info = self.actors[:n], self.names[:n], self.info[:n]
+        for a in self.spare:
+            a.rest.remote()
+
     def hand_over(self) -> "ActorGroup":
-        """A new ActorGroup holding these actors and the placement group; this one is left empty (its
-        ``kill`` does nothing), for ``pool.keep``."""
-        other = ActorGroup(self.actors, self.roles, self.pg, self.info, self.first_bundle, self.owns_pg,
-                           starting=self.starting, key=self.key, names=self.names)
+        """A new ActorGroup holding these actors (the spare ones back among them, in rank order) and the
+        placement group; this one is left empty (its ``kill`` does nothing), for ``pool.keep``."""
+        other = ActorGroup(self.actors + self.spare, self.roles, self.pg, self.info + self.spare_info,
+                           self.first_bundle, self.owns_pg, starting=self.starting, key=self.key,
+                           names=self.names + self.spare_names)
         self.actors, self.pg, self.owns_pg, self.starting = [], None, False, None
+        self.spare, self.spare_names, self.spare_info = [], [], []
         return other
 
     def kill(self) -> None:
-        """Stop every actor and release the placement group (safe to repeat)."""
-        for a in self.actors:
+        """Stop every actor (the spare ones too) and release the placement group (safe to repeat)."""
+        for a in self.actors + self.spare:
             try:
                 ray.kill(a)
             except Exception:  # noqa: BLE001 - already dead
@@ -235,7 +249,8 @@ def reuse_kept(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str,
                env: Optional[dict[str, Any]]) -> Optional[ActorGroup]:
     """The actors a previous run of this process left (``pool``, ``--keep-actors-s``), or a previous
     command left on the cluster (``across``), renewed for this run, when they are the ones it needs
-    (``env``: ``actors_env(cfg, mesh)``); else None (and any kept by this process are stopped)."""
+    (``env``: ``actors_env(cfg, mesh)``); failing those, where the run does not fit beside the kept
+    groups, the first actors of a larger kept group (``pool.take_larger``); else None."""
     key = pool.actors_key(actor_cls, mesh.world_size, actor_bundle(cfg), env)
     roles = [mesh.role(r) for r in range(mesh.world_size)]
     group = pool.take(key, cfg.to_dict(), run_name, roles)
@@ -247,7 +262,8 @@ def reuse_kept(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str,
         logging.getLogger("rayconv").info("rayconv: no kept actors looked up on the cluster (%s)", exception_summary(e))
         return None
     if claimed is None:
-        return None
+        return pool.take_larger(key, {r: v * mesh.world_size for r, v in actor_bundle(cfg).items()}, cfg.to_dict(),
+                                run_name, roles)
     actors, names, pg, info = claimed
     group = ActorGroup(actors, list(roles), pg, info, key=key, names=names, across=True)
     return group if pool.renew(group, cfg.to_dict(), run_name, roles) else None
@@ -363,21 +379,6 @@ def create_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: A
         actor_group.wait_started()
     return actor_group
 
-
-def with_uploads(env: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """``env`` with the local paths of its ``py_modules`` uploaded to the cluster and replaced by their
-    ``gcs://`` URIs (named by content: uploaded once, fetched by each node that starts an actor).
-    Ray uploads local paths itself only for the job's runtime environment (``ray.init``); an actor's
-    must name URIs, so this does what ``ray.init`` does (Ray's ``upload_py_modules_if_needed``).
-    Raises ClusterError when the upload fails."""
-    if not env or not env.get("py_modules"):
-        return env
-    try:
-        with tempfile.TemporaryDirectory(prefix="rayconv-upload-") as scratch:
-            return upload_py_modules_if_needed(dict(env), include_gitignore=True, scratch_dir=scratch,
-                                               logger=logging.getLogger("rayconv"))
-    except Exception as e:  # noqa: BLE001 - any failure to upload is reported in one line
-        raise ClusterError(f"could not ship {', '.join(env['py_modules'])} to the cluster: {first_line(e)}") from None
 
 
 def _wait_names_free(names: list[str], timeout_s: float) -> None:

@@ -13,9 +13,11 @@ actors of a Ray Tune trial, also the trial's placement group (``rayconv.tune`` r
 process and placement group for the next trial: ``TuneConfig(reuse_actors=True)``, ``Trial.reset_config``).
 Several groups are kept side by side (a loop over layouts of 1, 2 and 4 actors, trials of several
 sizes), each for ``--keep-actors-s`` seconds from its run's end (a timer thread): a run that needs other
-actors leaves them kept while its placement group fits beside them, and otherwise stops them, the
-longest unused first, until the cluster's free resources hold it (``make_room``; all of them where the
-group still waits a moment later, as a PACK group that must fit one node may). Whatever else of rayconv
+actors leaves them kept while its placement group fits beside them; where it does not, it takes the
+first actors of the smallest larger kept group of its kind on one node (``take_larger``: the others rest
+in that group's placement group until it is kept again), and otherwise stops kept groups, the longest
+unused first, until the cluster's free resources hold it (``make_room``; all of them where the group
+still waits a moment later, as a PACK group that must fit one node may). Whatever else of rayconv
 asks the cluster for resources (a task that measures a device, ``rayconv.prepare``'s tasks) and
 ``rayconv.release_actors()`` stop them all. A run that ended normally leaves its actors, and so does a
 run its checks refused after its actors started early (``driver.early``: unused, perhaps still
@@ -107,6 +109,41 @@ def take(key: str, cfg_dict: dict[str, Any], run_name: str, roles: list[str]) ->
         _stop(match)
         return None
     return match.group
+
+
+def take_larger(key: str, need: dict[str, float], cfg_dict: dict[str, Any], run_name: str,
+                roles: list[str]) -> Optional[Any]:
+    """Where the cluster's free resources do not hold ``need`` (the run's placement group in all) and no
+    kept group is the run's size: the smallest kept group of more such actors (``key`` but for the
+    count), all on one node and in a placement group of its own, with its first ``len(roles)`` actors
+    renewed for the run and the others resting in it as ``spare`` (``ActorGroup.park``) until it is kept
+    again; else None. Such a run holds the larger group's resources while it runs, instead of those
+    being freed for new actors of its size (which would cost each a process start)."""
+    free = ray.available_resources()
+    if all(free.get(r, 0.0) + 1e-9 >= v for r, v in need.items() if v):
+        return None   # (new actors fit beside the kept ones)
+    here, kind = _cluster(), _kind(key)
+    with _LOCK:
+        match = min((k for k in _KEPT if k.cluster == here and _kind(k.key) == kind and k.group.owns_pg
+                     and len(k.group.actors) > len(roles) and len({i.get("node_id") for i in k.group.info}) == 1),
+                    key=lambda k: len(k.group.actors), default=None)
+        if match is not None:
+            _KEPT.remove(match)
+    if match is None:
+        return None
+    if match.timer is not None:
+        match.timer.cancel()
+    match.group.park(len(roles))
+    if not renew(match.group, cfg_dict, run_name, roles):
+        _stop(match)
+        return None
+    return match.group
+
+
+def _kind(key: str) -> str:
+    """``key`` (``actors_key``) without its count of actors."""
+    parts = json.loads(key)
+    return json.dumps(parts[:1] + parts[2:])
 
 
 def make_room(need: dict[str, float]) -> None:

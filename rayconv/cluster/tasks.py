@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayconv.cluster import across, pool
 from rayconv.cluster.connect import ALL_GPUS_VISIBLE_ENV, exception_summary, visible_index
-from rayconv.cluster.group import with_uploads
+from rayconv.user_model import with_uploads
 from rayconv.errors import ClusterError
 from rayconv.user_model import actor_runtime_env
 

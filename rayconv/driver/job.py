@@ -114,8 +114,10 @@ def start_actors(run: Run, ckpt: Optional[Checkpoint], started: Optional[ActorGr
             run.log(f"rayconv: {len(actor_group.actors)} actors kept on the cluster by a previous command, reused "
                     "(--keep-actors-s)")
         elif actor_group.reused:
-            run.log(f"rayconv: {len(actor_group.actors)} actors kept from this process's previous run, reused "
-                    "(--keep-actors-s)")
+            n, spare = len(actor_group.actors), len(actor_group.spare)
+            run.log(f"rayconv: {n} actors kept from this process's previous run, reused (--keep-actors-s)" if not spare
+                    else f"rayconv: {n} of the {n + spare} actors kept from this process's previous run, reused; the "
+                    f"other {spare} wait in its placement group until this run ends (--keep-actors-s 0: not kept)")
         change_mark = run.elastic.mark if run.elastic else (lambda phase: None)   # (a change's phases)
         change_mark("actors_alive")
         run.actor_reports = build_actors(actor_group, s.mesh, s.routing, s.sharding, run.call_timeout_s, s.cfg)

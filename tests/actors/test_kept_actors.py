@@ -1,6 +1,7 @@
 """Actors kept from a finished run (``--keep-actors-s``, ``cluster.pool``) serve the next run of the
 same process that needs the same actors, exactly as new ones would; other runs get their own, beside
-the kept ones while the cluster has room for both."""
+the kept ones while the cluster has room for both, and a smaller run that has no room takes the first
+actors of a larger kept group."""
 
 from __future__ import annotations
 
@@ -68,6 +69,28 @@ def test_kept_actors_train_the_next_run_exactly_and_other_runs_get_their_own(ray
     while ray.available_resources().get("CPU") != 4 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray.available_resources().get("CPU") == 4
+
+
+def test_a_run_that_does_not_fit_beside_a_larger_kept_group_takes_its_first_actors(ray_cluster, tmp_path):
+    # Four kept actors hold the cluster's 4 CPUs: a run of two takes the first two (the same processes,
+    # single-device SGD still), the other two rest in the placement group and are kept with them again,
+    # so the next run of four takes all four and trains as the first did, to the bit.
+    pool.release()
+    seen: dict = {}
+    logged: list[str] = []
+    _run(sgd_config(tmp_path, "four", dp=4, steps=2, eval_every=2), seen, "four")
+    two = sgd_config(tmp_path, "two", dp=2, steps=3, eval_every=3)
+    train_run(two, log=logged.append, on_step=lambda g, k: k or seen.setdefault("two", ([i["pid"] for i in g.info],
+                                                                                    g.reused, len(g.spare))))
+    assert seen["two"] == (seen["four"][0][:2], True, 2)
+    assert any("2 of the 4 actors kept from this process's previous run, reused" in line for line in logged), logged
+    assert_same_state(torch.load(tmp_path / "two" / "model.pt", weights_only=True), reference_sgd(two, 3), atol=1e-10)
+    assert [len(g.actors) for g in pool.kept_groups()] == [4] and not pool.kept_groups()[0].spare
+    _run(sgd_config(tmp_path, "again", dp=4, steps=2, eval_every=2), seen, "again")
+    assert seen["again"] == (seen["four"][0], True)
+    assert_same_state(torch.load(tmp_path / "again" / "model.pt", weights_only=True),
+                      torch.load(tmp_path / "four" / "model.pt", weights_only=True), atol=0.0)
+    pool.release()
 
 
 @pytest.mark.slow
