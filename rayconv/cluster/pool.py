@@ -125,11 +125,19 @@ def take_larger(key: str, need: dict[str, float], cfg_dict: dict[str, Any], run_
     here, kind = _cluster(), _kind(key)
     with _LOCK:
         match = min((k for k in _KEPT if k.cluster == here and _kind(k.key) == kind and k.group.owns_pg
-                     and len(k.group.actors) > len(roles) and len({i.get("node_id") for i in k.group.info}) == 1),
-                    key=lambda k: len(k.group.actors), default=None)
-        if match is not None:
-            _KEPT.remove(match)
-    if match is None:
+                     and len(k.group.actors) > len(roles)), key=lambda k: len(k.group.actors), default=None)
+        if match is None:
+            return None
+        place = _KEPT.index(match)
+        _KEPT.remove(match)
+    try:
+        match.group.wait_started()   # (a refused run's actors, started early: where they run)
+    except Exception:  # noqa: BLE001 - they did not start (``collect`` killed them): the run starts its own
+        _stop(match)
+        return None
+    if len({i.get("node_id") for i in match.group.info}) != 1:   # (ranks over nodes: not cut)
+        with _LOCK:
+            _KEPT.insert(min(place, len(_KEPT)), match)
         return None
     if match.timer is not None:
         match.timer.cancel()

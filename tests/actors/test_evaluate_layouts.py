@@ -16,11 +16,11 @@ pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's 
 
 STEPS = 40
 LAYOUTS = {
+    "dp2-pp2": dict(dp=2, pp=2, num_microbatches=2),   # (first: the runs after it take two of its four actors)
     "dp2": dict(dp=2),
     "pp2-1f1b-m2": dict(pp=2, schedule="1f1b", num_microbatches=2),
     "fs2": dict(fs=2),
     "plan-krizhevsky2014-dp2": dict(dp=2, plan="krizhevsky2014"),
-    "dp2-pp2": dict(dp=2, pp=2, num_microbatches=2),   # (last: the runs before it reuse one pair of actors)
 }
 
 

@@ -25,9 +25,9 @@ FIXTURE = Path(__file__).parents[1] / "support" / "fixtures" / "blocks.py"
 MODEL = f"{FIXTURE}:blocknet"
 STEPS = 2
 
-LAYOUTS = {
-    "pp2-1f1b-m4": dict(pp=2, schedule="1f1b", num_microbatches=4),
+LAYOUTS = {   # (the larger first: the runs after it take two of its four actors)
     "dp2-pp2-1f1b-m4": dict(dp=2, pp=2, schedule="1f1b", num_microbatches=4),
+    "pp2-1f1b-m4": dict(pp=2, schedule="1f1b", num_microbatches=4),
 }
 
 
