@@ -129,8 +129,8 @@ class Actor:
 
     def rest(self) -> None:
         """Drop the previous run's state (as ``renew`` does first) and wait, unused, in its placement
-        group: an actor of a kept group that a smaller run takes leaves its spare actors so
-        (``cluster.pool.take``), until ``renew`` or the group's end."""
+        group until ``renew`` or the group's end: the spare actors of a kept group whose first actors a
+        smaller run took (``cluster.pool.take_larger``, ``ActorGroup.park``)."""
         self._warm.join()
         self.shutdown()
         self.rss.stop()

@@ -380,7 +380,6 @@ def create_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: A
     return actor_group
 
 
-
 def _wait_names_free(names: list[str], timeout_s: float) -> None:
     """Wait until no live actor holds one of ``names`` (actors of a previous attempt of this run that
     were just killed release their names asynchronously)."""

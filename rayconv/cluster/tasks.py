@@ -19,9 +19,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayconv.cluster import across, pool
 from rayconv.cluster.connect import ALL_GPUS_VISIBLE_ENV, exception_summary, visible_index
-from rayconv.user_model import with_uploads
 from rayconv.errors import ClusterError
-from rayconv.user_model import actor_runtime_env
+from rayconv.user_model import actor_runtime_env, with_uploads
 
 
 def _on_device(fn, gpu: bool, *args) -> Any:
