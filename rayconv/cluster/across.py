@@ -203,8 +203,9 @@ def make_room_for(need: dict[str, float]) -> None:
     (``ray.available_resources``) do not hold ``need`` (e.g. {"GPU": 1, "CPU": 1}: a task's)."""
     if not (ray.is_initialized() and cluster_outlives_process()):
         return
-    free = ray.available_resources()
-    if any(free.get(k, 0.0) + 1e-9 < v for k, v in need.items() if v) and stop_kept():
+    from rayconv.cluster.pool import fits
+
+    if not fits(ray.available_resources(), need) and stop_kept():
         _log.info("rayconv: stopped the actors kept on the cluster for lack of resources")
 
 

@@ -262,8 +262,7 @@ def reuse_kept(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str,
         logging.getLogger("rayconv").info("rayconv: no kept actors looked up on the cluster (%s)", exception_summary(e))
         return None
     if claimed is None:
-        return pool.take_larger(key, {r: v * mesh.world_size for r, v in actor_bundle(cfg).items()}, cfg.to_dict(),
-                                run_name, roles)
+        return pool.take_larger(key, group_need(cfg, mesh), cfg.to_dict(), run_name, roles)
     actors, names, pg, info = claimed
     group = ActorGroup(actors, list(roles), pg, info, key=key, names=names, across=True)
     return group if pool.renew(group, cfg.to_dict(), run_name, roles) else None
@@ -273,6 +272,11 @@ def actor_bundle(cfg: Config) -> dict[str, float]:
     """What one actor of ``cfg`` (device resolved) reserves: on GPUs 1 CPU and ``--gpus-per-actor`` of a
     GPU, on CPU ``--num-cpus-per-actor`` CPUs."""
     return {"CPU": 1, "GPU": cfg.gpus_per_actor} if cfg.device == "cuda" else {"CPU": cfg.num_cpus_per_actor}
+
+
+def group_need(cfg: Config, mesh: Mesh) -> dict[str, float]:
+    """What the run's placement group reserves in all: ``actor_bundle(cfg)`` once per actor of ``mesh``."""
+    return {r: v * mesh.world_size for r, v in actor_bundle(cfg).items()}
 
 
 def given_group(cfg: Config, mesh: Mesh) -> Optional[tuple[Any, int]]:
@@ -298,7 +302,7 @@ def reserve(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float) -> Any:
     Raises ClusterError (nothing stays reserved)."""
     bundle = actor_bundle(cfg)
     # (groups a previous run kept, not the ones this run needs: stopped where this run does not fit beside them)
-    pool.make_room({r: v * mesh.world_size for r, v in bundle.items()})
+    pool.make_room(group_need(cfg, mesh))
     across.sweep()   # (placement groups of commands that died before their actors existed)
     name = f"rayconv/{run_name}"
     deadline = time.monotonic() + timeout_s

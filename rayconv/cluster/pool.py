@@ -103,12 +103,18 @@ def take(key: str, cfg_dict: dict[str, Any], run_name: str, roles: list[str]) ->
         _stop(k)   # (their timers: the actors live on the other cluster, left to it)
     if match is None:
         return None
-    if match.timer is not None:
-        match.timer.cancel()
-    if not renew(match.group, cfg_dict, run_name, roles):
-        _stop(match)
+    return _renewed(match, cfg_dict, run_name, roles)
+
+
+def _renewed(kept: _Kept, cfg_dict: dict[str, Any], run_name: str, roles: list[str]) -> Optional[Any]:
+    """``kept``'s group, taken out of the pool (its timer stopped) and renewed for the run ``run_name``
+    (``renew``); None when it does not renew, its group then stopped."""
+    if kept.timer is not None:
+        kept.timer.cancel()
+    if not renew(kept.group, cfg_dict, run_name, roles):
+        _stop(kept)
         return None
-    return match.group
+    return kept.group
 
 
 def take_larger(key: str, need: dict[str, float], cfg_dict: dict[str, Any], run_name: str,
@@ -119,8 +125,7 @@ def take_larger(key: str, need: dict[str, float], cfg_dict: dict[str, Any], run_
     renewed for the run and the others resting in it as ``spare`` (``ActorGroup.park``) until it is kept
     again; else None. Such a run holds the larger group's resources while it runs, instead of those
     being freed for new actors of its size (which would cost each a process start)."""
-    free = ray.available_resources()
-    if all(free.get(r, 0.0) + 1e-9 >= v for r, v in need.items() if v):
+    if fits(ray.available_resources(), need):
         return None   # (new actors fit beside the kept ones)
     here, kind = _cluster(), _kind(key)
     with _LOCK:
@@ -139,13 +144,8 @@ def take_larger(key: str, need: dict[str, float], cfg_dict: dict[str, Any], run_
         with _LOCK:
             _KEPT.insert(min(place, len(_KEPT)), match)
         return None
-    if match.timer is not None:
-        match.timer.cancel()
     match.group.park(len(roles))
-    if not renew(match.group, cfg_dict, run_name, roles):
-        _stop(match)
-        return None
-    return match.group
+    return _renewed(match, cfg_dict, run_name, roles)
 
 
 def _kind(key: str) -> str:
@@ -166,7 +166,7 @@ def make_room(need: dict[str, float]) -> None:
         return
     free = dict(ray.available_resources())
     for k in kept:
-        if all(free.get(r, 0.0) + 1e-9 >= v for r, v in need.items() if v):
+        if fits(free, need):
             return
         with _LOCK:
             if k not in _KEPT:
@@ -174,6 +174,11 @@ def make_room(need: dict[str, float]) -> None:
             _KEPT.remove(k)
         _stop(k)
         _add(free, _held(k.group))
+
+
+def fits(free: dict[str, float], need: dict[str, float]) -> bool:
+    """Whether the resources ``free`` (e.g. ``ray.available_resources()``) hold ``need`` (e.g. {"CPU": 4})."""
+    return all(free.get(r, 0.0) + 1e-9 >= v for r, v in need.items() if v)
 
 
 def _held(group: Any) -> dict[str, float]:
