@@ -4,7 +4,6 @@ all-gather is under way before the layer computes piece i."""
 
 from __future__ import annotations
 
-import socket
 
 import torch
 import torch.distributed as dist
@@ -17,13 +16,7 @@ from rayconv.parallel.filter_split.exchanges import ExchangeSpec, Gather, overla
 SIZES = [3, 2]  # input channels per actor (uneven: the gather pads and trims)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, chunks: int, results) -> None:
+def _worker(rank: int, init_method: str, chunks: int, results) -> None:
     # Bytes launched when a pass waits for an exchange: forward all-gathers, backward reduce-scatters.
     waits: dict[str, list[int]] = {"forward": [], "backward": []}
     forward = [False]
@@ -37,7 +30,7 @@ def _worker(rank: int, port: int, chunks: int, results) -> None:
         return wait(self)
 
     comm.Pending.wait = observed_wait
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     try:
         torch.manual_seed(0)
         full_x = torch.randn(7, sum(SIZES), 6, 6, dtype=torch.float64)
@@ -71,10 +64,11 @@ def _worker(rank: int, port: int, chunks: int, results) -> None:
         dist.destroy_process_group()
 
 
-def test_overlapped_gather_equals_one_gather_and_runs_ahead():
+def test_overlapped_gather_equals_one_gather_and_runs_ahead(tmp_path):
+    # (a file rendezvous: a TCP port picked here could be taken by another process before rank 0 listens)
     with mp.Manager() as manager:
         shared = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), 3, shared), nprocs=2, join=True)
+        mp.spawn(_worker, args=(f"file://{tmp_path / 'rendezvous'}", 3, shared), nprocs=2, join=True)
         results = {rank: dict(shared[rank]) for rank in (0, 1)}
     for rank in (0, 1):
         r = results[rank]
