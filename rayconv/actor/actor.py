@@ -175,12 +175,9 @@ class Actor:
         return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
 
-    def free_address(self) -> str:
-        """host:port for the process-group rendezvous (called on rank 0)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"{ray.util.get_node_ip_address()}:{port}"
+    def open_rendezvous(self) -> str:
+        """host:port of the process-group rendezvous this actor (rank 0) opens (``comm.open_rendezvous``)."""
+        return comm.open_rendezvous(ray.util.get_node_ip_address(), self.cfg.collective_timeout_s)
 
     def check_model(self, cfg: dict[str, Any], mesh: tuple[int, int, int], num_classes: int,
                     sample_shape: tuple[int, ...], data_channels: int, check: bool = True) -> Routing:

@@ -80,11 +80,10 @@ class Probe:
 
             torch.cuda.set_device(visible_index(ray.get_gpu_ids()[0]))
 
-    def free_address(self) -> str:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"{ray.util.get_node_ip_address()}:{port}"
+    def open_rendezvous(self, timeout_s: float) -> str:
+        from rayconv.parallel import comm
+
+        return comm.open_rendezvous(ray.util.get_node_ip_address(), timeout_s)
 
     def run(self, fn, *args) -> Any:
         return fn(*args)
@@ -92,9 +91,10 @@ class Probe:
 
 def run_on_devices(fn, world: int, gpu: bool, args: Sequence[Any] = (), timeout_s: float = 300.0) -> list[Any]:
     """``fn(rank, world, master, *args)`` at once in ``world`` actors, one per GPU (``gpu``) or CPU, packed
-    in one placement group as the training actors are (``master``: a free host:port on rank 0's node for
-    a process-group rendezvous); their results in rank order. Raises ClusterError naming the error or
-    the timeout; the actors and the reservation are released in every case."""
+    in one placement group as the training actors are (``master``: the host:port on rank 0's node of
+    a process-group rendezvous opened there by ``comm.open_rendezvous``, which ``fn`` joins with
+    ``comm.join_world``); their results in rank order. Raises ClusterError naming the error or the
+    timeout; the actors and the reservation are released in every case."""
     pool.release()   # (actors kept for reuse would hold what these need)
     bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
     pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
@@ -113,7 +113,7 @@ def run_on_devices(fn, world: int, gpu: bool, args: Sequence[Any] = (), timeout_
                                  runtime_env={"env_vars": env} if env else None,
                                  scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)
                                  ).remote(gpu) for r in range(world)]
-        master = ray.get(actors[0].free_address.remote(), timeout=timeout_s)
+        master = ray.get(actors[0].open_rendezvous.remote(timeout_s), timeout=timeout_s)
         return ray.get([a.run.remote(fn, r, world, master, *args) for r, a in enumerate(actors)], timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         raise ClusterError(f"{fn.__name__} did not finish within {timeout_s:g} s on the cluster") from None

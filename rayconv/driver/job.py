@@ -145,7 +145,7 @@ def build_actors(actor_group: ActorGroup, mesh: Mesh, routing: Routing, sharding
     """Each actor's ``build``: process groups (rank 0's address the rendezvous), its part of the model
     cut from the routing, the optimizer, the train sharding it reads by, under ``cfg`` (None: the
     settings the actors were started with). Returns their reports in rank order."""
-    master = actor_group.call("free_address", ranks=[0], timeout_s=timeout_s)[0]
+    master = actor_group.call("open_rendezvous", ranks=[0], timeout_s=timeout_s)[0]
     settings = None if cfg is None else cfg.to_dict()
     return actor_group.call_each("build", [(r, master, routing, sharding, settings) for r in range(mesh.world_size)],
                                  timeout_s=timeout_s)

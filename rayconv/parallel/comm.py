@@ -67,15 +67,42 @@ class Groups:
         return self.ranks[axis].index(self.rank)
 
 
+def open_rendezvous(host: str, timeout_s: float) -> str:
+    """Open a process group's rendezvous in this process (rank 0's, on node address ``host``) and
+    return its "host:port": a TCPStore listening on a port the OS picks (port 0), so no other process
+    can take the port between its choice and its use. The store waits here for this process's
+    ``join_world``; ``timeout_s`` bounds every wait on it."""
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    address = f"{host}:{store.port}"
+    _opened.clear()   # (at most one rendezvous per process: a new run's replaces an unjoined one)
+    _opened[address] = store
+    return address
+
+
+_opened: dict[str, dist.TCPStore] = {}
+
+
+def join_world(master: str, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+    """Join the world process group of ``world_size`` ranks through the rendezvous at ``master``
+    (``open_rendezvous``: opened in this process for rank 0, connected to for the others). Blocks until
+    all have joined or ``timeout_s`` passes (then raises from torch.distributed)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = _opened.pop(master, None)
+    if store is None:
+        host, port = master.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
 def init_process_groups(mesh: Mesh, rank: int, master: str, backend: str, timeout_s: float) -> Groups:
-    """Join the world process group at ``master`` ("host:port") and make every mesh subgroup.
+    """Join the world process group at ``master`` (``join_world``) and make every mesh subgroup.
 
     Called at once by all ``mesh.world_size`` actors; blocks until all have joined or ``timeout_s``
     passes (then raises RuntimeError from torch.distributed).
     """
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend=backend, init_method=f"tcp://{master}", rank=rank,
-                            world_size=mesh.world_size, timeout=timeout)
+    join_world(master, rank, mesh.world_size, backend, timeout_s)
     groups = Groups(rank=rank, mesh=mesh, world=dist.group.WORLD)
     for axis in AXES:
         for ranks in mesh.groups(axis):
@@ -87,6 +114,8 @@ def init_process_groups(mesh: Mesh, rank: int, master: str, backend: str, timeou
 
 
 def destroy() -> None:
+    """Leave the process groups and close an unjoined rendezvous of this process."""
+    _opened.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -46,6 +46,7 @@ from rayconv.data.registry import make_source
 from rayconv.errors import LayoutError
 from rayconv.files import atomic_write, cache_dir
 from rayconv.models import run_model, to_layers
+from rayconv.parallel import comm
 from rayconv.user_model import model_label
 from rayconv.parallel.filter_split.exchanges import Gather, Scatter
 from rayconv.parallel.filter_split.layers import SlicedDropout
@@ -195,8 +196,7 @@ def sharded_costs(cfg_dict: dict, batch: int, fs: int) -> list[float]:
 def link_probe(rank: int, world: int, master: str, backend: str, sizes_mb: Sequence[float]) -> dict:
     """Median times (ms) of all-reduce, all-gather (each rank gives size / world) and a one-way send of
     each size (MB) between ``world`` processes (run by ``cluster.tasks.run_on_devices``)."""
-    dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    comm.join_world(master, rank, world, backend, 60.0)
     dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     sync = torch.cuda.synchronize if backend == "nccl" else (lambda: None)
     out: dict[str, list] = {"sizes_mb": list(sizes_mb), "allreduce": [], "allgather": [], "p2p": []}

@@ -1,5 +1,6 @@
 """Pieces of a parallel part without Ray: filter split's sharded dropout masks, compiled segments ending
-at exchanges and bucket sizes and compiling only the full step's shapes, data-parallel gradient buckets in a one-rank gloo group."""
+at exchanges and bucket sizes and compiling only the full step's shapes, data-parallel gradient buckets
+in a one-rank gloo group, the process-group rendezvous."""
 
 from __future__ import annotations
 
@@ -99,3 +100,33 @@ def test_gradient_sync_buckets_keep_channels_last_gradients(tmp_path):
         if sync is not None:
             sync.close()  # else its hooks keep the gloo group (and its threads) alive until exit
         dist.destroy_process_group()
+
+
+def test_the_rendezvous_holds_its_port_from_the_moment_its_address_is_given():
+    """``comm.open_rendezvous`` hands out an address whose port is already bound (no other process can
+    take it before rank 0 joins), and rank 0's ``join_world`` uses that store: a one-rank gloo group
+    forms through it."""
+    import errno
+    import socket
+
+    import torch.distributed as dist
+
+    from rayconv.parallel import comm
+
+    address = comm.open_rendezvous("127.0.0.1", 30.0)
+    host, port = address.rsplit(":", 1)
+    with socket.socket() as s:
+        try:
+            s.bind(("", int(port)))
+            bound_by_another = False
+        except OSError as e:
+            bound_by_another = e.errno == errno.EADDRINUSE
+    assert bound_by_another, f"{address}'s port was free after open_rendezvous returned"
+    try:
+        comm.join_world(address, 0, 1, "gloo", 30.0)
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.ones(3))
+        assert address not in comm._opened   # (rank 0 joined through its own store)
+    finally:
+        comm.destroy()
