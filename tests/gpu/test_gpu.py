@@ -243,24 +243,20 @@ def test_crossing_sends_of_1f1b_complete_eagerly_and_in_a_graph():
     assert r.stdout.count("PAIRED-OK") == 2, r.stdout
 
 
-def test_overlapped_gather_on_nccl_eager_and_captured():
+def test_overlapped_gather_on_nccl_eager_and_captured(tmp_path):
     """filter_split.overlapped_gather on a one-rank NCCL group (one GPU): the pieces' asynchronous
     all-gathers and reduce-scatters, waited on the compute stream, give the plain layer's output and
     gradients, eagerly and replayed from a CUDA graph (float64)."""
     import copy
     import os
-    import socket
 
     import torch.distributed as dist
     from torch import nn
 
     from rayconv.parallel.filter_split.exchanges import ExchangeSpec, overlapped_gather
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1,
                             device_id=torch.device("cuda", 0))
     try:
         group = dist.new_group([0])
