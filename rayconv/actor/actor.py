@@ -29,7 +29,6 @@ import gc
 import importlib
 import os
 import signal
-import socket
 import sys
 import threading
 import time

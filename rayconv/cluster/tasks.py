@@ -10,7 +10,6 @@ a process-group rendezvous between them measures the links a run would use.
 
 from __future__ import annotations
 
-import socket
 from typing import Any, Optional, Sequence
 
 import ray

@@ -67,6 +67,10 @@ class Groups:
         return self.ranks[axis].index(self.rank)
 
 
+# The rendezvous this process opened and has not joined yet: address -> rank 0's store.
+_opened: dict[str, dist.TCPStore] = {}
+
+
 def open_rendezvous(host: str, timeout_s: float) -> str:
     """Open a process group's rendezvous in this process (rank 0's, on node address ``host``) and
     return its "host:port": a TCPStore listening on a port the OS picks (port 0), so no other process
@@ -78,9 +82,6 @@ def open_rendezvous(host: str, timeout_s: float) -> str:
     _opened.clear()   # (at most one rendezvous per process: a new run's replaces an unjoined one)
     _opened[address] = store
     return address
-
-
-_opened: dict[str, dist.TCPStore] = {}
 
 
 def join_world(master: str, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
