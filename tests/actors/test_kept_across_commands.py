@@ -12,36 +12,21 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import ray
 
+from support.ray_head import own_head
+
 pytestmark = [pytest.mark.own_cluster, pytest.mark.slow]   # (each command is a fresh process: seconds)
 
 REPO = Path(__file__).resolve().parents[2]
-PORT_FLAGS = ("--port", "--ray-client-server-port", "--node-manager-port", "--object-manager-port",
-              "--metrics-export-port", "--runtime-env-agent-port", "--dashboard-agent-listen-port",
-              "--dashboard-agent-grpc-port")
 RUN = ["--data", "digits", "--model", "convnet", "--dp", "1", "--device", "cpu", "--steps", "3",
        "--eval-every", "3", "--global-batch-size", "32", "--no-progress", "--loader-workers", "0"]
-
-
-def _free_port(taken: range = range(0), chosen: tuple[int, ...] = ()) -> int:
-    """A port free now, outside ``taken`` (the head's worker ports) and not among ``chosen``."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in taken and port not in chosen:
-            return port
 
 
 @pytest.fixture(scope="module")
@@ -50,42 +35,14 @@ def head():
     connected to it (to look at its actors and placement groups)."""
     if ray.is_initialized():
         ray.shutdown()
-    low = _free_port() // 100 * 100 % 50000 + 10000   # (a range of worker ports of its own)
-    ports: dict[str, int] = {}
-    for flag in PORT_FLAGS:   # (none inside the workers' range, none twice)
-        ports[flag] = _free_port(range(low, low + 100), tuple(ports.values()))
-    temp_dir = tempfile.mkdtemp(prefix="rck-", dir="/tmp")   # (short: Ray's socket paths are limited)
-    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--num-cpus", "2",
-           "--include-dashboard", "false", "--temp-dir", temp_dir, "--min-worker-port", str(low),
-           "--max-worker-port", str(low + 99), *[f"{flag}={port}" for flag, port in ports.items()]]
-    log = Path(temp_dir) / "ray-start.log"
-    # on SIGTERM the head stops its processes at once instead of first draining the node for up to 30 s
-    # (a wait for work to move elsewhere: there is none to move at the module's end)
-    env = {**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
-    with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    address = f"127.0.0.1:{ports['--port']}"
-    try:
-        deadline = time.monotonic() + 120
-        while not (Path(temp_dir) / "ray_current_cluster").exists():
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the Ray head did not start within 120 s"
-            time.sleep(0.5)
+    with own_head("--num-cpus", "2", "--include-dashboard", "false", worker_ports=100, prefix="rck-") as ports:
+        address = f"127.0.0.1:{ports['--port']}"
         ray.init(address=address, namespace="rayconv", log_to_driver=False, configure_logging=True,
                  logging_level="WARNING")
-        yield address
-    finally:
-        ray.shutdown()
-        os.killpg(proc.pid, signal.SIGTERM)   # (the whole instance: docs/operations.md, a shared host)
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        shutil.rmtree(temp_dir, ignore_errors=True)
+            yield address
+        finally:
+            ray.shutdown()
 
 
 def _command(address: str, out: Path, *flags: str) -> subprocess.Popen:

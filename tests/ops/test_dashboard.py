@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import tempfile
 import os
 import socket
 import subprocess
@@ -27,6 +26,7 @@ import ray
 import rayconv
 
 from support.helpers import wait_until
+from support.ray_head import own_head
 from rayconv.config import Config
 from rayconv.driver.job import train_run
 
@@ -37,19 +37,6 @@ REPO = Path(__file__).resolve().parents[2]
 # (gauge, role) pairs a dp=2 run exports (dp1 reports the loss too: every replica's last stage does)
 WANT = {("images_per_s", "dp0"), ("images_per_s", "dp1"), ("images_per_s", "driver"),
         ("step_ms", "dp0"), ("loss", "dp1"), ("loss", "driver"), ("step", "driver")}
-
-
-# Every port `ray start --head` would otherwise take at a fixed default (GCS 6379, dashboard 8265, its
-# agent 52365, Ray client 10001, ...) or pick at random among what another Ray instance may then take.
-PORT_FLAGS = ("--port", "--dashboard-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
-              "--metrics-export-port", "--runtime-env-agent-port", "--ray-client-server-port",
-              "--node-manager-port", "--object-manager-port")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(url: str):
@@ -64,48 +51,26 @@ def dashboard():
     every 0.5 s. This process connects to it as a driver."""
     if ray.is_initialized():
         ray.shutdown()
-    ports = {flag: free_port() for flag in PORT_FLAGS}
-    # A Ray temp folder of its own: the job server finds "its" cluster through <temp dir>/ray_current_cluster,
-    # which in the shared /tmp/ray names the newest cluster on the machine, maybe another one.
-    temp_dir = tempfile.mkdtemp(prefix="rc-", dir="/tmp")
-    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--num-cpus", "4",
-           "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--temp-dir", temp_dir,
-           *[f"{flag}={port}" for flag, port in ports.items()]]
-    env = {**os.environ, "RAY_metrics_report_interval_ms": "500",  # inherited by the raylet and workers
+    env = {"RAY_metrics_report_interval_ms": "500",  # inherited by the raylet and workers
            # the dashboard's modules start as processes: on a loaded 2-core machine 30 s (the default) is short
-           "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": "180",
-           # on SIGTERM the head stops its processes at once instead of first draining the node for up
-           # to 30 s (a wait for work to move elsewhere: there is none to move at the module's end)
-           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
-    log = Path(temp_dir) / "ray-start.log"
-    with log.open("w") as f:
-        head = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+           "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": "180"}
     old = os.environ.get("RAY_metrics_report_interval_ms")
     os.environ["RAY_metrics_report_interval_ms"] = "500"  # this process's gauges (the driver's) too
-    address = f"127.0.0.1:{ports['--port']}"
     try:
-        deadline = time.monotonic() + 120
-        while not (Path(temp_dir) / "ray_current_cluster").exists():  # written once the head is up
-            assert head.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the Ray head did not start within 120 s"
-            time.sleep(0.5)
-        ctx = ray.init(address=address, namespace="rayconv", log_to_driver=False, configure_logging=True,
-                       logging_level="WARNING")
-        port = ports["--dashboard-port"]
-        yield {"url": f"http://127.0.0.1:{port}", "port": port, "dashboard_url": ctx.dashboard_url,
-               "metrics_port": ports["--metrics-export-port"], "address": address}
+        # (a Ray temp folder of its own: the job server finds "its" cluster through <temp dir>/ray_current_cluster,
+        # which in the shared /tmp/ray names the newest cluster on the machine, maybe another one)
+        with own_head("--num-cpus", "4", "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
+                      env=env) as ports:
+            address = f"127.0.0.1:{ports['--port']}"
+            ctx = ray.init(address=address, namespace="rayconv", log_to_driver=False, configure_logging=True,
+                           logging_level="WARNING")
+            try:
+                port = ports["--dashboard-port"]
+                yield {"url": f"http://127.0.0.1:{port}", "port": port, "dashboard_url": ctx.dashboard_url,
+                       "metrics_port": ports["--metrics-export-port"], "address": address}
+            finally:
+                ray.shutdown()
     finally:
-        ray.shutdown()
-        head.send_signal(signal.SIGTERM)  # ray start --block stops the head's processes
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-        try:  # whatever is left of the head's own process group (a shutdown that hung)
-            os.killpg(head.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        shutil.rmtree(temp_dir, ignore_errors=True)
         if old is None:
             os.environ.pop("RAY_metrics_report_interval_ms", None)
         else:
