@@ -2,8 +2,9 @@
 
 Every collective and point-to-point operation of rayconv's training code goes through here, except
 those ``nn.SyncBatchNorm`` makes inside its own forward and backward (``--sync-batchnorm``); outside
-the actors, the planner's link measurement (``planner/measure.py``) and the bench's anchor
-(``bench/anchor.py``) run process groups of their own.
+the actors, the planner's link measurement (``planner/measure.py``, which meets through
+``open_rendezvous`` and ``join_world`` too) and the bench's anchor (``bench/anchor.py``, under torchrun)
+run process groups of their own.
 
 Actors join one process group (NCCL on GPUs, gloo on CPU) and make one subgroup per mesh group
 (torch requires every rank to create every subgroup, in the same order). Groups are passed
