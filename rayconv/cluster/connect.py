@@ -27,8 +27,9 @@ ALL_GPUS_VISIBLE_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 # the job while ray.init is still busy, where a one-actor run's actor then lands, has torch imported by
 # the time the actor is asked for. On fewer cores that import takes the cores Ray's own start needs.
 PRELOAD_MIN_CORES = 8
-# Seconds ``probe`` gives a cluster address to accept a connection, then to complete gRPC's handshake.
+# Seconds ``probe`` gives a cluster address to accept a connection, then to answer a gRPC call.
 PROBE_TIMEOUT_S = 5.0
+PROBE_METHOD = "/rayconv.Probe/Handshake"   # (no such method: a gRPC server answers UNIMPLEMENTED)
 
 
 def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] = None,
@@ -131,9 +132,11 @@ def cluster_origin() -> str:
 def probe(address: Optional[str]) -> None:
     """Fail fast, in one line, on a ``host:port`` cluster address where no Ray GCS answers: nobody
     listening (Ray itself retries for minutes), or something other than Ray (Ray's GCS client then
-    logs its RPC errors for as long). The GCS is a gRPC server, so it must complete gRPC's HTTP/2
-    handshake (``grpc.channel_ready_future``); each of the two gets ``PROBE_TIMEOUT_S`` seconds. Raises
-    ConfigError: the address is the user's to change."""
+    logs its RPC errors for as long). The GCS is a gRPC server, so it must answer a gRPC call: one to a
+    method it does not have, which a gRPC server refuses at once (UNIMPLEMENTED) and anything else
+    leaves unanswered. (A call, not ``grpc.channel_ready_future``: closing a channel whose connectivity
+    was watched waits 0.2 s for the watcher.) The connection and the call get ``PROBE_TIMEOUT_S``
+    seconds each. Raises ConfigError: the address is the user's to change."""
     timeout_s = PROBE_TIMEOUT_S
     if not address or "://" in address or address == "auto" or ":" not in address:
         return
@@ -151,10 +154,11 @@ def probe(address: Optional[str]) -> None:
 
     channel = grpc.insecure_channel(address)
     try:
-        grpc.channel_ready_future(channel).result(timeout=timeout_s)
-    except grpc.FutureTimeoutError:
-        raise ConfigError(f"something answers at {address} but not a Ray cluster (no gRPC handshake within "
-                          f"{timeout_s:g} s): {hint}") from None
+        channel.unary_unary(PROBE_METHOD)(b"", timeout=timeout_s, wait_for_ready=True)
+    except grpc.RpcError as e:
+        if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+            raise ConfigError(f"something answers at {address} but not a Ray cluster (no gRPC answer within "
+                              f"{timeout_s:g} s): {hint}") from None
     finally:
         channel.close()
 
