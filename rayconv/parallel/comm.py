@@ -68,8 +68,9 @@ class Groups:
         return self.ranks[axis].index(self.rank)
 
 
-# The rendezvous this process opened and has not joined yet: address -> rank 0's store.
-_opened: dict[str, dist.TCPStore] = {}
+# The rendezvous this process opened and has not joined yet (its address, rank 0's store), or None: one
+# at most, a new run's replacing an unjoined one.
+_opened: Optional[tuple[str, dist.TCPStore]] = None
 
 
 def open_rendezvous(host: str, timeout_s: float) -> str:
@@ -77,11 +78,11 @@ def open_rendezvous(host: str, timeout_s: float) -> str:
     return its "host:port": a TCPStore listening on a port the OS picks (port 0), so no other process
     can take the port between its choice and its use. The store waits here for this process's
     ``join_world``; ``timeout_s`` bounds every wait on it."""
+    global _opened
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     address = f"{host}:{store.port}"
-    _opened.clear()   # (at most one rendezvous per process: a new run's replaces an unjoined one)
-    _opened[address] = store
+    _opened = (address, store)
     return address
 
 
@@ -89,9 +90,11 @@ def join_world(master: str, rank: int, world_size: int, backend: str, timeout_s:
     """Join the world process group of ``world_size`` ranks through the rendezvous at ``master``
     (``open_rendezvous``: opened in this process for rank 0, connected to for the others). Blocks until
     all have joined or ``timeout_s`` passes (then raises from torch.distributed)."""
+    global _opened
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = _opened.pop(master, None)
-    if store is None:
+    if _opened is not None and _opened[0] == master:
+        store, _opened = _opened[1], None
+    else:
         host, port = master.rsplit(":", 1)
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
@@ -117,7 +120,8 @@ def init_process_groups(mesh: Mesh, rank: int, master: str, backend: str, timeou
 
 def destroy() -> None:
     """Leave the process groups and close an unjoined rendezvous of this process."""
-    _opened.clear()
+    global _opened
+    _opened = None
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -4,7 +4,6 @@ all-gather is under way before the layer computes piece i."""
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

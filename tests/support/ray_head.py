@@ -1,5 +1,5 @@
 """A Ray head of a test module's own: ``ray start --head --block``, every port a free one, its own temp
-folder, ended by its process group (never ``ray stop``: the host's other Ray instances live on).
+folder, ended by its own process group, so that the host's other Ray instances live on.
 
 A port is picked free and closed, and ``ray start`` binds it a moment later; another process of a busy
 machine may take it in between. ``ray start`` then exits at once, and ``own_head`` starts it again on
