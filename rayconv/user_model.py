@@ -363,6 +363,7 @@ def with_uploads(env: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
 
     from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
 
+    from rayconv.cluster.connect import first_line   # (Ray's error, without its "System error:" prefix)
     from rayconv.errors import ClusterError
 
     try:
@@ -370,4 +371,4 @@ def with_uploads(env: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
             return upload_py_modules_if_needed(dict(env), include_gitignore=True, scratch_dir=scratch,
                                                logger=logging.getLogger("rayconv"))
     except Exception as e:  # noqa: BLE001 - any failure to upload is reported in one line
-        raise ClusterError(f"could not ship {', '.join(env['py_modules'])} to the cluster: {_first_line(e)}") from None
+        raise ClusterError(f"could not ship {', '.join(env['py_modules'])} to the cluster: {first_line(e)}") from None
