@@ -2,18 +2,19 @@
 # Start-up where rayconv starts Ray itself, with and without Ray's workers preloading the actor's first
 # imports (`cluster.connect`'s `preload`, on PRELOAD_MIN_CORES cores or more), against the plain script,
 # in REPEAT rounds of three commands each (plain, preload, no preload), so that the machine's drift
-# falls on all three alike. "No preload" runs a copy of rayconv (under $OUT_DIR/nopreload, first on
-# PYTHONPATH, which the local cluster's workers inherit) whose PRELOAD_MIN_CORES no machine reaches.
+# falls on all three alike. "No preload" runs a copy of rayconv whose PRELOAD_MIN_CORES no machine
+# reaches, from its folder ($OUT_DIR/nopreload: the command's own folder comes first on sys.path, and a
+# local cluster's workers take the driver's folder and PYTHONPATH).
 #   bash benchmarks/startup_preload.sh OUT_DIR [DATA_DIR]      # one GPU: resnet18, Fashion-MNIST, 64 px, bf16
 set -uo pipefail
-OUT_DIR=${1:?usage: startup_preload.sh OUT_DIR [DATA_DIR]}
-DATA=${2:-/usr/share/datasets/fashion-mnist}
+mkdir -p "${1:?usage: startup_preload.sh OUT_DIR [DATA_DIR]}"
+OUT_DIR=$(realpath "$1"); DATA=$(realpath "${2:-/usr/share/datasets/fashion-mnist}")
 PY=${PY:-python3}; REPEAT=${REPEAT:-3}
 mkdir -p "$OUT_DIR/nopreload"
 cp -r rayconv "$OUT_DIR/nopreload/"
 sed -i 's/^PRELOAD_MIN_CORES = .*/PRELOAD_MIN_CORES = 1 << 30/' "$OUT_DIR/nopreload/rayconv/cluster/connect.py"
 grep -q '^PRELOAD_MIN_CORES = 1 << 30' "$OUT_DIR/nopreload/rayconv/cluster/connect.py" || { echo "PRELOAD_MIN_CORES not found"; exit 1; }
-PYTHONPATH="$OUT_DIR/nopreload:${PYTHONPATH:-}" $PY -c "import rayconv.cluster.connect as c; assert c.PRELOAD_MIN_CORES > 1e6, c.__file__" \
+(cd "$OUT_DIR/nopreload" && PYTHONPATH="$OUT_DIR/nopreload:${PYTHONPATH:-}" $PY -c "import rayconv.cluster.connect as c; assert c.PRELOAD_MIN_CORES > 1e6, c.__file__") \
   || { echo "the copy without the preload is not the rayconv imported"; exit 1; }
 ANCHOR=(--model resnet18 --data fashion-mnist --data-dir "$DATA" --image-size 64 --precision bf16 --device cuda
         --global-batch-size 512 --lr 0.4)
@@ -25,8 +26,8 @@ for i in $(seq "$REPEAT"); do
   echo "plain script $i: $($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['first_step_s'])" "$OUT_DIR/anchor-$i.json") s"
   for arm in preload nopreload; do
     rm -rf "$OUT_DIR/$arm-$i"
-    extra=(); [ "$arm" = nopreload ] && extra=(env "PYTHONPATH=$OUT_DIR/nopreload:${PYTHONPATH:-}")
-    env -u RAY_ADDRESS "${extra[@]}" $PY -m rayconv.run "${RAYCONV[@]}" --out "$OUT_DIR/$arm-$i" > "$OUT_DIR/$arm-$i.log" 2>&1 \
+    where=$PWD; extra=(); [ "$arm" = nopreload ] && where=$OUT_DIR/nopreload && extra=(env "PYTHONPATH=$OUT_DIR/nopreload:${PYTHONPATH:-}")
+    (cd "$where" && env -u RAY_ADDRESS "${extra[@]}" $PY -m rayconv.run "${RAYCONV[@]}" --out "$OUT_DIR/$arm-$i") > "$OUT_DIR/$arm-$i.log" 2>&1 \
       && echo "$arm $i: $(step0 "$OUT_DIR/$arm-$i/summary.json")"
   done
 done
