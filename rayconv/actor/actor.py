@@ -307,8 +307,7 @@ def first_imports(model: object, device: str, compile: str) -> tuple[str, ...]:
     """The modules an actor of ``--model model --device device --compile compile`` imports before it
     builds anything: torch (``__init__``); torch._dynamo where its part may be compiled (``--compile on``,
     or auto off the CPU: ``build``'s rule); torchvision for one of torchvision's models (which imports
-    torch._dynamo too). A local cluster rayconv starts has its workers import them as they start
-    (``cluster.connect``'s ``preload``)."""
+    torch._dynamo too)."""
     compiles = compile == "on" or (compile == "auto" and device != "cpu")
     return (("torch",) + (("torch._dynamo",) if compiles else ())
             + (("torchvision",) if is_torchvision_model(model) else ()))

@@ -22,23 +22,16 @@ from rayconv.errors import ClusterError, ConfigError
 NAMESPACE = "rayconv"
 # Actors and tasks with this see every GPU of their node (and select theirs by ``visible_index``).
 ALL_GPUS_VISIBLE_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
-# A local cluster that ``connect`` starts on a machine of at least this many cores has each Python worker
-# import ``preload`` (Ray's ``preload_python_modules``) as soon as it starts: the worker Ray starts for
-# the job while ray.init is still busy, where a one-actor run's actor then lands, has torch imported by
-# the time the actor is asked for. On fewer cores that import takes the cores Ray's own start needs.
-PRELOAD_MIN_CORES = 8
 # Seconds ``probe`` gives a cluster address to accept a connection, then to answer a gRPC call.
 PROBE_TIMEOUT_S = 5.0
 PROBE_METHOD = "/rayconv.Probe/Handshake"   # (no such method: a gRPC server answers UNIMPLEMENTED)
 
 
-def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] = None,
-            preload: tuple[str, ...] = ()) -> str:
+def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] = None) -> str:
     """Connect to the cluster at ``address``, else to RAY_ADDRESS or a running local cluster
     (``ray start --head``), else start a local one (dashboard on 127.0.0.1). A local one started
     here gets at least ``min_cpus`` logical CPUs, so that a layout with more CPU actors than cores
-    (``--dp 2 --fs 2`` on a 2-core laptop) still runs, oversubscribed, and on ``PRELOAD_MIN_CORES`` or
-    more its workers import the modules ``preload`` names when they start. Raises ConfigError for an address
+    (``--dp 2 --fs 2`` on a 2-core laptop) still runs, oversubscribed. Raises ConfigError for an address
     where no Ray cluster answers, ClusterError when Ray cannot connect. Returns how: "reused" (this
     process was connected already: the connection is kept, and a cluster it started runs until the
     process exits, Ray's own atexit), "connected" or "started" (a local cluster of this process)."""
@@ -53,8 +46,6 @@ def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] 
     # cluster (a local one starting: seconds), so that the first actors are asked for sooner.
     threading.Thread(target=_import_ahead, name="rayconv-import-ahead", daemon=True).start()
     extra: dict[str, Any] = {"num_cpus": min_cpus} if min_cpus and min_cpus > (os.cpu_count() or 1) else {}
-    if preload and (os.cpu_count() or 1) >= PRELOAD_MIN_CORES:
-        extra["_system_config"] = {"preload_python_modules": list(preload)}
     try:
         try:
             ray.init(**kw, **extra)

@@ -28,7 +28,6 @@ from typing import Optional
 import ray
 
 from rayconv import startup
-from rayconv.actor.actor import first_imports
 from rayconv.cluster.connect import available_devices, connect
 from rayconv.config import Config
 from rayconv.driver.early import EarlyActors, needs_devices
@@ -77,7 +76,7 @@ def connect_run(cfg: Config) -> None:
     clock = startup.current()
     if clock is not None and "ray" in clock.phases and ray.is_initialized():
         return
-    how = connect(cfg.address, min_cpus=cluster_cpus(cfg), preload=first_imports(cfg.model, cfg.device, cfg.compile))
+    how = connect(cfg.address, min_cpus=cluster_cpus(cfg))
     startup.mark("ray")
     if clock is not None:
         clock.ray = how
