@@ -340,9 +340,7 @@ def _driver_api_context() -> None:
     driver API numbers the visible devices as torch does) made through the CUDA driver API (libcuda by
     ctypes: ``cuInit``, ``cuDevicePrimaryCtxRetain``), without torch: torch's runtime takes that context at
     its first CUDA call (``_cuda_context``). ctypes lets go of the interpreter during each call, so the
-    imports in the actor's main thread go on meanwhile (a fresh process against the context made by
-    torch after or beside its imports: benchmarks/cuda_context_overlap.py, its figures in RESULTS.md).
-    A failure is left for torch's own first CUDA call."""
+    imports in the actor's main thread go on meanwhile. A failure is left for torch's own first CUDA call."""
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
         device, context = ctypes.c_int(), ctypes.c_void_p()
