@@ -61,7 +61,7 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # pragma: no cover - platforms without directory fds
@@ -72,7 +72,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_synced(path: Path, data: bytes) -> None:
+def write_synced(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()

@@ -58,9 +58,9 @@ def _import_training_modules() -> None:
     """Bind the actor's training modules in this module, in the actor's own process (its ``__init__``,
     after it imported torch): the driver only names ``Actor`` to Ray, so it can start the actors before
     it imports torch itself (``driver.prestart``), and their imports run meanwhile."""
-    global train, report, state, comm, build_actor, _pick_device, read_ahead, set_up_cuda_libraries
+    global train, report, state, comm, build_actor, pick_device, read_ahead, set_up_cuda_libraries
     from rayconv.actor import report, state, step as train
-    from rayconv.actor.build import _pick_device, build_actor, set_up_cuda_libraries
+    from rayconv.actor.build import pick_device, build_actor, set_up_cuda_libraries
     from rayconv.data.registry import read_ahead
     from rayconv.parallel import comm
 
@@ -352,7 +352,7 @@ def _driver_api_context() -> None:
 
 def _cuda_context() -> Optional[torch.device]:
     """torch's first CUDA call on the GPU Ray assigned this actor (``connect.assigned_gpu_index``, as
-    ``build._pick_device``), which takes the context ``_driver_api_context`` made (or makes it); returns
+    ``build.pick_device``), which takes the context ``_driver_api_context`` made (or makes it); returns
     that device. A failure (None) is left for ``build``."""
     try:
         device = torch.device("cuda", assigned_gpu_index())

@@ -124,7 +124,7 @@ def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, r
     t0 = time.perf_counter()
     mesh = routing.mesh
     coord = mesh.coord(rank)
-    device = _pick_device(cfg)
+    device = pick_device(cfg)
     backend = "nccl" if device.type == "cuda" else "gloo"
     groups = comm.init_process_groups(mesh, rank, master, backend, cfg.collective_timeout_s)
     source = make_source(cfg)
@@ -166,7 +166,7 @@ def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, r
         startup={"model_built": built_s, "optimizer_built": optimizer_s, "data_on_device": data_s})
 
 
-def _pick_device(cfg: Config) -> torch.device:
+def pick_device(cfg: Config) -> torch.device:
     if cfg.device != "cuda":
         return torch.device("cpu")
     index = assigned_gpu_index()

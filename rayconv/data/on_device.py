@@ -84,7 +84,7 @@ class OnDeviceSource(Source):
         self.seed, self.augment, self.random_erase = seed, augment, random_erase
         self.pad, self.flip = (pad, flip) if augment == "pad-crop" else (0, augment == "resized-crop")
         self.auto_augment = aa.make_transform(auto_augment) if auto_augment else None
-        self.augmentation = _words(augment, self.pad, self.flip, random_erase, auto_augment)
+        self.augmentation = augment_words(augment, self.pad, self.flip, random_erase, auto_augment)
         if mean is None or std is None:
             mean, std = channel_stats(train[0])
         self.mean, self.std = list(mean), list(std)
@@ -201,7 +201,8 @@ class OnDeviceSource(Source):
         self.host["val"], self.targets["val"] = self.host["train"], self.targets["train"]   # (not augmented)
 
 
-def _words(augment: str, pad: int, flip: bool, random_erase: float, auto_augment: Optional[str]) -> str:
+def augment_words(augment: str, pad: int, flip: bool, random_erase: float,
+                  auto_augment: Optional[str]) -> str:
     """The augmentation in words, for ``Source.describe``."""
     text = {"pad-crop": f"pad {pad} + random crop" + (" + flip" if flip else ""),
             "resized-crop": "RandomResizedCrop(0.08-1) + flip", "none": "none"}[augment]

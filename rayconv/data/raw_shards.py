@@ -40,7 +40,7 @@ from rayconv.data import decode as dec
 from rayconv.data.augment import erase, random_crop_flip, resize, resized_crop_flip
 from rayconv.data.augment_graph import ReplayedAugment
 from rayconv.data.folders import SPLITS
-from rayconv.data.on_device import OnDeviceSource, _words, pad_for
+from rayconv.data.on_device import OnDeviceSource, augment_words, pad_for
 from rayconv.data.raw_gather import RowGather
 from rayconv.data.raw_reader import CHECK_S, ReaderProcess
 from rayconv.data.shard_files import OpenShard, encoding, read_manifest
@@ -101,7 +101,7 @@ class RawShardSource(Source):
         self._params: dict = {}
         self._ahead: dict = {}   # (OnDeviceSource's next-epoch tables, drawn on its pool)
         self._pool = None
-        self.augmentation = _words(augment, self.pad, self.flip, random_erase, auto_augment).replace(
+        self.augmentation = augment_words(augment, self.pad, self.flip, random_erase, auto_augment).replace(
             " (on the device)", f" (raw pixels {self.stored}x{self.stored}, no decode)")
         self.shards: dict[str, list[OpenShard]] = {}
         self.starts: dict[str, np.ndarray] = {}

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rayconv.errors import CheckpointError, ConfigError
-from rayconv.files import _fsync_dir, _write_synced, sha256
+from rayconv.files import fsync_dir, write_synced, sha256
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -68,18 +68,18 @@ def write_checkpoint(out: Path, step: int, shards: list[bytes], manifest: dict[s
     tmp.mkdir()
     files = []
     for name, data in [*((f"rank-{r}.pt", b) for r, b in enumerate(shards)), *(extra or {}).items()]:
-        _write_synced(tmp / name, data)
+        write_synced(tmp / name, data)
         files.append({"name": name, "bytes": len(data), "sha256": sha256(data)})
-    _write_synced(tmp / MANIFEST, (json.dumps({**manifest, "format": FORMAT, "step": step, "files": files},
+    write_synced(tmp / MANIFEST, (json.dumps({**manifest, "format": FORMAT, "step": step, "files": files},
                                               indent=2) + "\n").encode())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     old = None
     if final.exists():  # the same step written again (a run resumed from an older checkpoint)
         old = root / f"step-{step}.old"
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
     os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     if keep > 0:

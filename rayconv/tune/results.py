@@ -80,13 +80,13 @@ def table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "(no trials)"
     keys = list(rows[0])
-    cells = [[_cell(r.get(k)) for k in keys] for r in rows]
+    cells = [[cell_text(r.get(k)) for k in keys] for r in rows]
     widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
     line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
     return "\n".join([line(keys), *(line(c) for c in cells)])
 
 
-def _cell(v: Any) -> str:
+def cell_text(v: Any) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):

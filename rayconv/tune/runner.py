@@ -152,7 +152,8 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
     table.write(search_dir, rows, best, metric)
     log(table.table(rows))
     if best:
-        test = f", test_accuracy {table._cell(best['test_accuracy'])}" if metric != "test_accuracy" else ""
+        test = (f", test_accuracy {table.cell_text(best['test_accuracy'])}" if metric != "test_accuracy"
+                else "")
         log(f"best: {best['trial']} ({metric} {best[metric]:.4f}{test}) -> {best['folder']}")
     unfinished = [r for r in rows if r["status"] in ("not run", "interrupted")]
     if unfinished:

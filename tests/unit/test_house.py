@@ -1,6 +1,8 @@
 """The code's own rules, read from the source with ``ast`` (nothing imported): no import circle among
-rayconv's modules, no module over 400 lines, and no measured figure in a docstring or help string
-(measured figures live in benchmarks/RESULTS.md only)."""
+rayconv's modules, no module over 400 lines, no module importing another module's underscored name, every
+module named in docs/architecture.md's code map, and no measured figure in a docstring or help string
+(measured figures live in benchmarks/RESULTS.md only, a report of at most 400 lines whose prose names no
+commit: git holds the history)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,11 @@ import ast
 import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "rayconv"
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "rayconv"
 MAX_LINES = 400
+RESULTS = REPO / "benchmarks" / "RESULTS.md"
+ARCHITECTURE = REPO / "docs" / "architecture.md"
 
 
 def modules(root: Path = PACKAGE) -> dict[str, Path]:
@@ -25,8 +30,6 @@ def modules(root: Path = PACKAGE) -> dict[str, Path]:
 def imported(name: str, path: Path, tree: ast.AST, known: dict[str, Path]) -> set[str]:
     """The package's own modules that module ``name`` imports, at the top or inside a function (an
     import of one's own parent package is left out: it runs first whatever the child does)."""
-    is_package = path.name == "__init__.py"
-
     def owner(dotted: str):  # the module that defines a dotted name: the longest known prefix
         while dotted and dotted not in known:
             dotted = dotted.rpartition(".")[0]
@@ -37,14 +40,18 @@ def imported(name: str, path: Path, tree: ast.AST, known: dict[str, Path]) -> se
         if isinstance(node, ast.Import):
             targets += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                here = name.split(".") if is_package else name.split(".")[:-1]
-                here = here[: len(here) - (node.level - 1)]
-                base = ".".join(here + ([node.module] if node.module else []))
-            targets += [f"{base}.{a.name}" for a in node.names]
+            targets += [f"{absolute(name, path, node)}.{a.name}" for a in node.names]
     own = {owner(t) for t in targets} - {None, name}
     return {m for m in own if not name.startswith(m + ".")}
+
+
+def absolute(name: str, path: Path, node: ast.ImportFrom) -> str:
+    """The dotted module an ``ImportFrom`` of module ``name`` (file ``path``) reads from."""
+    if not node.level:
+        return node.module or ""
+    here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    here = here[: len(here) - (node.level - 1)]
+    return ".".join(here + ([node.module] if node.module else []))
 
 
 def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
@@ -142,3 +149,163 @@ def test_no_measured_figure_in_a_docstring_or_help_string():
             prose = re.sub(r"``.*?``", "", text, flags=re.S)
             found += [f"{path.relative_to(PACKAGE.parent)}:{line}: {m.group(0)!r}" for m in FIGURE.finditer(prose)]
     assert not found, "measured figures belong in benchmarks/RESULTS.md: " + "; ".join(found)
+
+
+# --- no module reaches for another module's underscored name ------------------------------------------
+
+def underscored_imports(root: Path = PACKAGE) -> list[str]:
+    """``file:line: module._name`` for every use of another module's underscored name (``_x``, not
+    ``__x__``): ``from m import _x`` and ``m._x`` where ``m`` is bound to a module of the package by an
+    import (``import pkg.m as m``, ``from pkg import m``), at the top or inside a function."""
+    known = modules(root)
+    private = re.compile(r"_(?!_)\w*$")
+    found = []
+    for name, path in known.items():
+        tree = ast.parse(path.read_text())
+        bound: dict[str, str] = {}  # a local name -> the package's module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in known:
+                        top = a.name.partition(".")[0]  # ``import pkg.m`` binds ``pkg``
+                        bound[a.asname or top] = a.name if a.asname else top
+            elif isinstance(node, ast.ImportFrom):
+                base = absolute(name, path, node)
+                for a in node.names:
+                    if f"{base}.{a.name}" in known:
+                        bound[a.asname or a.name] = f"{base}.{a.name}"
+                    elif base in known and base != name and private.match(a.name):
+                        found.append(f"{path.relative_to(root.parent)}:{node.lineno}: {base}.{a.name}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and private.match(node.attr):
+                chain, value = [], node.value
+                while isinstance(value, ast.Attribute):
+                    chain.append(value.attr)
+                    value = value.value
+                if isinstance(value, ast.Name) and value.id in bound:
+                    owner = ".".join([bound[value.id], *reversed(chain)])
+                    if owner in known and owner != name:
+                        found.append(f"{path.relative_to(root.parent)}:{node.lineno}: {owner}.{node.attr}")
+    return sorted(set(found))
+
+
+def test_the_underscore_check_finds_both_forms(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("_hidden = 1\npublic = 2\n__all__ = []\nprint(_hidden)\n")
+    (pkg / "sub" / "b.py").write_text("from pkg.a import public, __all__\nimport pkg.a\n"
+                                      "def f():\n    from .. import a\n    return a.public, pkg.a.public\n")
+    assert underscored_imports(pkg) == []
+    (pkg / "sub" / "b.py").write_text("from ..a import _hidden\nimport pkg.a as m\n"
+                                      "def f():\n    from pkg import a\n    return a._hidden, m._hidden\n")
+    assert underscored_imports(pkg) == ["pkg/sub/b.py:1: pkg.a._hidden", "pkg/sub/b.py:5: pkg.a._hidden"]
+
+
+def test_no_module_imports_another_modules_underscored_name():
+    found = underscored_imports()
+    assert not found, "an underscored name is its module's own; make it public or keep it in its module: " + \
+        "; ".join(found)
+
+
+# --- every module in architecture.md's code map ---------------------------------------------------------
+
+def code_map(text: str) -> dict[str, str]:
+    """The code map's entries: the first word of each unindented line of the ```text block under "## The
+    code map" (``rayconv/config.py``, ``data/``) -> that line with its indented continuation lines."""
+    section = text.split("## The code map", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"^```text\n(.*?)^```$", section, re.M | re.S)
+    entries: dict[str, str] = {}
+    key = None
+    for line in (block.group(1) if block else "").splitlines():
+        if line and not line[0].isspace():
+            key = line.split()[0].rstrip(",")
+            entries[key] = line
+        elif key:
+            entries[key] += "\n" + line
+    return entries
+
+
+def named(word: str, text: str) -> bool:
+    return re.search(rf"(?<![\w./-]){re.escape(word)}(?![\w-])", text) is not None
+
+
+def in_code_map(rel: Path, entries: dict[str, str]) -> bool:
+    """Whether the module at ``rel`` (relative to the package) is named in the code map: a top module by
+    its file or stem on a ``rayconv/`` line, a module of a folder by its stem in that folder's entry (and
+    each subfolder between), a ``__main__`` by its ``python -m`` command, an ``__init__`` by its folder."""
+    *folders, file = rel.parts
+    stem = file[: -len(".py")]
+    if not folders:
+        top = "\n".join(v for k, v in entries.items() if k.startswith("rayconv/"))
+        return named(stem, top) or named(f"rayconv/{file}", top)
+    text = entries.get(folders[0] + "/")
+    if text is None or not all(named(sub + "/", text) or named(sub, text) for sub in folders[1:]):
+        return False
+    if stem == "__init__":
+        return True
+    if stem == "__main__":
+        return f"python -m rayconv.{'.'.join(folders)}" in text
+    return named(stem, text)
+
+
+def test_the_code_map_check():
+    entries = code_map("## The code map\n\n```text\nrayconv/api.py  the API\n"
+                       "rayconv/run.py, plan.py   commands\n"
+                       "data/     source (the interface), raw_shards\n          order; pipeline/ (p2p)\n"
+                       "bench/    `python -m rayconv.bench`: table\n```\n\n## Next\n```text\nother/ x\n```\n")
+    assert set(entries) == {"rayconv/api.py", "rayconv/run.py", "data/", "bench/"}
+    for rel in ("api.py", "plan.py", "data/source.py", "data/order.py", "data/__init__.py",
+                "data/pipeline/p2p.py", "bench/__main__.py", "bench/table.py"):
+        assert in_code_map(Path(rel), entries), rel
+    for rel in ("config.py", "data/raw.py", "data/shards.py", "data/sub/order.py", "other/x.py",
+                "tune/__main__.py", "data/__main__.py"):
+        assert not in_code_map(Path(rel), entries), rel
+
+
+def test_every_module_is_named_in_the_code_map():
+    entries = code_map(ARCHITECTURE.read_text())
+    missing = [str(p.relative_to(PACKAGE.parent)) for p in sorted(PACKAGE.rglob("*.py"))
+               if not in_code_map(p.relative_to(PACKAGE), entries)]
+    assert not missing, "modules docs/architecture.md's code map does not name: " + ", ".join(missing)
+
+
+# --- RESULTS.md: a report of the current figures ------------------------------------------------------
+
+# A commit in prose: 7 to 40 hex digits with at least one digit and one letter, as a word of its own.
+COMMIT = re.compile(r"(?<![\w.-])(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![\w-])")
+
+
+def prose(markdown: str) -> str:
+    """Markdown less what may name a commit as a path: link targets and any word with a ``/`` in it (a
+    results folder ``benchmarks/results/h200x1-2026-12-05-4d23441/`` names the commit it measured)."""
+    return re.sub(r"\S*/\S*", " ", re.sub(r"\]\([^)]*\)", "]", markdown))
+
+
+def test_the_commit_pattern():
+    for text in ("measured at 4d23441 on", "(at e997f78)", "commit 9d0ec36d1a2b3c4d5e6f708192a3b4c5d6e7f809",
+                 "a86e2f5, then"):
+        assert COMMIT.search(prose(text)), text
+    for text in ("[rows](results/h200x1-2026-12-05-4d23441/)", "`results/cpu2-2026-12-05-a9a694d/`",
+                 "1,280,000 images", "2026-12-05", "the faceted decade", "1234567 steps", "deadbeef",
+                 "0x7f3a9c2",
+                 "clean_clone_d96a702.txt"):
+        assert not COMMIT.search(prose(text)), text
+
+
+def test_results_is_a_report_of_at_most_400_lines_naming_no_commit():
+    text = RESULTS.read_text()
+    lines = text.count("\n")
+    assert lines <= MAX_LINES, f"benchmarks/RESULTS.md has {lines} lines (at most {MAX_LINES})"
+    commits = sorted({m.group(0) for m in COMMIT.finditer(prose(text))})
+    assert not commits, ("benchmarks/RESULTS.md names commits in its prose (link the results folder "
+                         "instead): " + ", ".join(commits))
+
+
+def test_results_links_resolve():
+    """Every relative link of RESULTS.md (its results folders and files) exists."""
+    text = re.sub(r"^```.*?^```$", "", RESULTS.read_text(), flags=re.M | re.S)
+    missing = [t for t in re.findall(r"\]\(([^)\s#]+)[^)]*\)", text)
+               if not t.startswith(("http://", "https://")) and not (RESULTS.parent / t).exists()]
+    assert not missing, "benchmarks/RESULTS.md links to what does not exist: " + ", ".join(missing)

@@ -9,7 +9,7 @@ import pytest
 from rayconv.parallel.pipeline import SCHEDULE_NAMES, Action, Post, Schedule, ScheduleError, bubble_fraction, check_exchanges, p2p_posts, format_grid, forward_only, interleaved_1f1b, gpipe, make_schedule, one_f_one_b, peak_in_flight, timeline, validate
 from rayconv.parallel.pipeline.simulate import simulate
 from rayconv.parallel.pipeline.p2p import _round_posts  # the exchange model itself
-from rayconv.parallel.pipeline.nccl_model import _counterparts, _events, _messages, _replay
+from rayconv.parallel.pipeline.nccl_model import counterparts, host_events, action_messages, replay
 
 SIZES = [(1, 1), (1, 4), (2, 1), (2, 2), (2, 4), (2, 8), (3, 2), (4, 4), (4, 8), (4, 2)]
 
@@ -239,8 +239,8 @@ def _batches_with(sched, stage, peer):
     out = []
     for posts in p2p_posts(sched, stage):
         for post in posts:
-            msgs = [_messages(sched, stage, sched.programs[stage][j])[1] for j in post.sends] + \
-                   [_messages(sched, stage, sched.programs[stage][j])[0] for j in post.recvs]
+            msgs = [action_messages(sched, stage, sched.programs[stage][j])[1] for j in post.sends] + \
+                   [action_messages(sched, stage, sched.programs[stage][j])[0] for j in post.recvs]
             mine = {m for m in msgs if peer in (m[2], m[3])}
             if mine:
                 out.append(mine)
@@ -268,8 +268,8 @@ def test_gpipe_posts_its_last_activation_apart_from_its_first_gradient():
     activation (F3) before it can send B0's gradient, so as one NCCL group it can never complete (NCCL
     runs a group as one unit); the plan posts them as two batches."""
     sched = gpipe(2, 4)
-    round_events = _events(sched, tuple(tuple((p,) for p in _round_posts(sched, s)) for s in range(2)))
-    stuck = _replay(round_events, _counterparts(sched, round_events))
+    round_events = host_events(sched, tuple(tuple((p,) for p in _round_posts(sched, s)) for s in range(2)))
+    stuck = replay(round_events, counterparts(sched, round_events))
     assert [s for s, _ in stuck] == [0, 1]
     assert [op[1][:2] for op in round_events[0][stuck[0][1]][1]] == [("act", 3), ("grad", 0)]
     plan = p2p_posts(sched, 0)
@@ -281,10 +281,10 @@ def test_the_exchange_model_runs_a_batch_as_one_unit():
     """A batch's send goes through only once the peer has posted the counterpart of every operation
     in it: the same exchange, replayed with each operation as a unit of its own, completes."""
     sched = one_f_one_b(2, 1)
-    round_events = _events(sched, tuple(tuple((p,) for p in _round_posts(sched, s)) for s in range(2)))
-    assert _replay(round_events, _counterparts(sched, round_events))  # stage 0: [send act0, recv grad0]
-    per_op = _events(sched, None)
-    assert _replay(per_op, _counterparts(sched, per_op)) == []
+    round_events = host_events(sched, tuple(tuple((p,) for p in _round_posts(sched, s)) for s in range(2)))
+    assert replay(round_events, counterparts(sched, round_events))  # stage 0: [send act0, recv grad0]
+    per_op = host_events(sched, None)
+    assert replay(per_op, counterparts(sched, per_op)) == []
 
 
 def test_validate_rejects_a_schedule_that_receives_micro_batches_out_of_send_order():

@@ -5,9 +5,9 @@
 from __future__ import annotations
 
 from rayconv.errors import ScheduleError
-from rayconv.parallel.pipeline.nccl_model import _counterparts, _events, _replay
-from rayconv.parallel.pipeline.p2p import _stage_posts
-from rayconv.parallel.pipeline.schedules import Schedule, _check_programs
+from rayconv.parallel.pipeline.nccl_model import counterparts, host_events, replay
+from rayconv.parallel.pipeline.p2p import stage_posts
+from rayconv.parallel.pipeline.schedules import Schedule, check_programs
 from rayconv.parallel.pipeline.simulate import simulate
 
 __all__ = ["validate", "check_exchanges"]
@@ -51,9 +51,9 @@ def check_exchanges(schedule: Schedule, paired: bool = True) -> None:
             micro-batch's data); or if the batches deadlock (the message names what each stuck
             stage waits for).
     """
-    _check_programs(schedule)
-    events = _events(schedule, _stage_posts(schedule) if paired else None)
-    stuck = _replay(events, _counterparts(schedule, events))
+    check_programs(schedule)
+    events = host_events(schedule, stage_posts(schedule) if paired else None)
+    stuck = replay(events, counterparts(schedule, events))
     if stuck:
         def waits(s: int, j: int) -> str:
             return ", ".join(f"{op[0]} {op[1][0]}{op[1][1]} {'to' if op[0] == 'send' else 'from'} stage "

@@ -10,9 +10,9 @@ run fused; NCCL documentation, "Group Calls" and "Point-to-point communication")
 batches must mirror each other: a stage whose batch holds "send activation, receive gradient" waits
 forever on a peer that must use that activation before it can send the gradient.
 
-Here: what each action receives and sends (``_messages``), a stage's batches and computes in host
-order (``_events``), the k-th-send-meets-k-th-receive pairing (``_counterparts``) and the replay
-itself (``_replay``). ``p2p.py`` builds the batches the pipeline posts with this model and
+Here: what each action receives and sends (``action_messages``), a stage's batches and computes in host
+order (``host_events``), the k-th-send-meets-k-th-receive pairing (``counterparts``) and the replay
+itself (``replay``). ``p2p.py`` builds the batches the pipeline posts with this model and
 ``checks.check_exchanges`` replays them, raising on a deadlock or on a receive that would match
 another micro-batch's message.
 """
@@ -25,7 +25,8 @@ from rayconv.parallel.pipeline.schedules import FORWARD, Action, Schedule
 from rayconv.errors import ScheduleError
 
 
-def _messages(schedule: Schedule, stage: int, action: Action) -> tuple[Optional[tuple], Optional[tuple]]:
+def action_messages(schedule: Schedule, stage: int,
+                    action: Action) -> tuple[Optional[tuple], Optional[tuple]]:
     """What ``action`` on ``stage`` receives before it runs and sends after it, each as
     ``(kind, microbatch, source stage, destination stage, source virtual stage)`` or None. Kinds:
     ``"act"`` (a forward's output, sent to the next virtual stage), ``"grad"`` (a backward's input
@@ -42,13 +43,13 @@ def _messages(schedule: Schedule, stage: int, action: Action) -> tuple[Optional[
     return recv, send
 
 
-def _events(schedule: Schedule, plans: Optional[tuple]) -> list[list[tuple]]:
+def host_events(schedule: Schedule, plans: Optional[tuple]) -> list[list[tuple]]:
     """Per stage, its events in host order: ``("batch", [ops], posts index, batch index)`` and
     ``("compute", action index)``. An op is ``[kind, message, matched]``, kind "send" or "recv". With
     ``plans`` None: every operation alone, each send right after its action (the unpaired pattern)."""
     events: list[list[tuple]] = []
     for s, prog in enumerate(schedule.programs):
-        msgs = [_messages(schedule, s, a) for a in prog]
+        msgs = [action_messages(schedule, s, a) for a in prog]
         ev: list[tuple] = []
         if plans is not None:
             for i, posts in enumerate(plans[s]):
@@ -70,7 +71,7 @@ def _events(schedule: Schedule, plans: Optional[tuple]) -> list[list[tuple]]:
     return events
 
 
-def _counterparts(schedule: Schedule, events: list[list[tuple]]) -> dict[int, list]:
+def counterparts(schedule: Schedule, events: list[list[tuple]]) -> dict[int, list]:
     """``id(op) -> the op it matches``: the k-th send from a to b with the k-th receive b posts from a.
     Raises ScheduleError when those are different messages, or their counts differ."""
     sent: dict[tuple[int, int], list] = {}
@@ -102,7 +103,7 @@ def _counterparts(schedule: Schedule, events: list[list[tuple]]) -> dict[int, li
     return peer
 
 
-def _replay(events: list[list[tuple]], peer: dict[int, list]) -> list[tuple[int, int]]:
+def replay(events: list[list[tuple]], peer: dict[int, list]) -> list[tuple[int, int]]:
     """Run ``events`` under ``check_exchanges``'s model (marking matched ops). Returns, for each stage
     that cannot finish, ``(stage, event index of its first batch not completed)``; empty if all finish."""
     P = len(events)

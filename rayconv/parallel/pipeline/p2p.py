@@ -15,8 +15,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from rayconv.parallel.pipeline.nccl_model import _counterparts, _events, _messages, _replay
-from rayconv.parallel.pipeline.schedules import BACKWARD, FORWARD, Schedule, _interleaved_chunk, _interleaved_warmup
+from rayconv.parallel.pipeline.nccl_model import counterparts, host_events, action_messages, replay
+from rayconv.parallel.pipeline.schedules import (BACKWARD, FORWARD, Schedule, interleaved_chunk,
+                                                 interleaved_warmup)
 from rayconv.errors import ScheduleError
 
 __all__ = ["Post", "p2p_posts"]
@@ -50,11 +51,11 @@ def p2p_posts(schedule: Schedule, stage: int) -> list[tuple[Post, ...]]:
     the last activation, receive the first gradient", whose peer must use that activation before it
     can send the gradient) is split, the operations its peer's batch matches first.
     """
-    return [tuple(posts) for posts in _stage_posts(schedule)[stage]]
+    return [tuple(posts) for posts in stage_posts(schedule)[stage]]
 
 
 @functools.lru_cache(maxsize=32)
-def _stage_posts(schedule: Schedule) -> tuple[tuple[tuple[Post, ...], ...], ...]:
+def stage_posts(schedule: Schedule) -> tuple[tuple[tuple[Post, ...], ...], ...]:
     """Every stage's ``p2p_posts``: its ``_round_posts``, batches split until neighbours' batches
     mirror; then, while ``check_exchanges``'s model still deadlocks, each stuck batch that talks to
     several stages split into one batch per stage (sends first) and mirrored again. What cannot be
@@ -63,9 +64,9 @@ def _stage_posts(schedule: Schedule) -> tuple[tuple[tuple[Post, ...], ...], ...]
     by_stage = _StagePosts(schedule)
     by_stage.mirror()
     while True:
-        events = _events(schedule, by_stage.frozen())
+        events = host_events(schedule, by_stage.frozen())
         try:
-            stuck = _replay(events, _counterparts(schedule, events))
+            stuck = replay(events, counterparts(schedule, events))
         except ScheduleError:
             break
         if not by_stage.split_by_peer(events, stuck):
@@ -78,12 +79,14 @@ _Op = tuple[str, int, tuple]  # ("send" or "recv", index of the action in the st
 
 
 class _StagePosts:
-    """The stages' batches while ``_stage_posts`` splits them: ``plans[s][i]`` is the list of batches stage ``s``
+    """The stages' batches while ``stage_posts`` splits them: ``plans[s][i]`` is the list of batches stage
+    ``s``
     posts before action ``i``, starting from ``_round_posts`` (an empty round is no batch)."""
 
     def __init__(self, schedule: Schedule):
         P = schedule.num_stages
-        self.msgs = [[_messages(schedule, s, a) for a in prog] for s, prog in enumerate(schedule.programs)]
+        self.msgs = [[action_messages(schedule, s, a) for a in prog]
+                     for s, prog in enumerate(schedule.programs)]
         self.by_stage = [[[p] if p.sends or p.recvs else [] for p in _round_posts(schedule, s)] for s in range(P)]
         # Every pair of stages (lower first) that exchanges a message.
         self.pairs = sorted({tuple(sorted((s, self.peer(s, m))))
@@ -154,14 +157,14 @@ class _StagePosts:
         return mended
 
     def frozen(self) -> tuple[tuple[tuple[Post, ...], ...], ...]:
-        """The batches as nested tuples (what ``_events`` reads and ``_stage_posts`` returns)."""
+        """The batches as nested tuples (what ``host_events`` reads and ``stage_posts`` returns)."""
         return tuple(tuple(tuple(posts) for posts in stage) for stage in self.by_stage)
 
 
 def _round_posts(schedule: Schedule, stage: int) -> list[Post]:
     """The rounds of ``p2p_posts`` before mirroring: one batch (maybe empty) per action and one after."""
     prog = schedule.programs[stage]
-    msgs = [_messages(schedule, stage, a) for a in prog]
+    msgs = [action_messages(schedule, stage, a) for a in prog]
     if schedule.num_chunks == 1 or not schedule.training:
         return [Post((i - 1,) if i > 0 and msgs[i - 1][1] is not None else (),
                      (i,) if i < len(prog) and msgs[i][0] is not None else ()) for i in range(len(prog) + 1)]
@@ -186,12 +189,12 @@ class _InterleavedRounds:
         self.sends: list[list[int]] = [[] for _ in range(len(prog) + 1)]
         self.recvs: list[list[int]] = [[] for _ in range(len(prog) + 1)]
         self.all_warmup = M == P
-        self.warmup = _interleaved_warmup(P, M, V, stage)
+        self.warmup = interleaved_warmup(P, M, V, stage)
         self.remaining = self.total - self.warmup
 
     def chunk(self, k: int, forward: bool) -> int:
         """The model chunk of the stage's k-th forward (or backward)."""
-        return _interleaved_chunk(k, self.P, self.V, forward)
+        return interleaved_chunk(k, self.P, self.V, forward)
 
     def take(self, kind: str, c: int) -> tuple[int, ...]:
         """The next action of chunk ``c`` of ``kind`` that receives its input."""

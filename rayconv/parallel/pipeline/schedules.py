@@ -149,14 +149,14 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     return Schedule("1f1b", num_stages, num_microbatches, tuple(programs))
 
 
-def _interleaved_chunk(k: int, P: int, V: int, forward: bool) -> int:
+def interleaved_chunk(k: int, P: int, V: int, forward: bool) -> int:
     """Interleaved 1F1B: the model chunk of a stage's k-th forward (or backward). Micro-batches pass
     each chunk in groups of P; backwards visit the chunks in reverse (Megatron-LM's ``get_model_chunk_id``)."""
     c = (k % (P * V)) // P
     return c if forward else V - 1 - c
 
 
-def _interleaved_warmup(P: int, M: int, V: int, stage: int) -> int:
+def interleaved_warmup(P: int, M: int, V: int, stage: int) -> int:
     """Interleaved 1F1B: forwards ``stage`` runs before its first backward (all of them when M == P)."""
     return M * V if M == P else min(M * V, (P - stage - 1) * 2 + (V - 1) * P)
 
@@ -188,11 +188,11 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int = 2
     total = M * V
 
     def action(kind: str, k: int) -> Action:
-        return Action(kind, (k // (P * V)) * P + k % P, _interleaved_chunk(k, P, V, kind == FORWARD))
+        return Action(kind, (k // (P * V)) * P + k % P, interleaved_chunk(k, P, V, kind == FORWARD))
 
     programs: list[tuple[Action, ...]] = []
     for s in range(P):
-        warmup = _interleaved_warmup(P, M, V, s)
+        warmup = interleaved_warmup(P, M, V, s)
         prog = [action(FORWARD, k) for k in range(warmup)]
         for k in range(total - warmup):
             prog.append(action(FORWARD, warmup + k))
@@ -237,7 +237,7 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks:
     return _BUILDERS[name](num_stages, num_microbatches)
 
 
-def _check_programs(schedule: Schedule) -> None:
+def check_programs(schedule: Schedule) -> None:
     """Structural checks: stage count, exactly one F and one B per micro-batch, F before B."""
     P, M = schedule.num_stages, schedule.num_microbatches
     if P < 1 or M < 1:
@@ -282,7 +282,7 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
     Raises:
         ScheduleError: if the programs are malformed (see ``validate``).
     """
-    _check_programs(schedule)
+    check_programs(schedule)
     peaks: list[int] = []
     for prog in schedule.programs:
         live = peak = 0

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from rayconv.parallel.pipeline.schedules import BACKWARD, FORWARD, Action, Schedule, _check_programs
+from rayconv.parallel.pipeline.schedules import BACKWARD, FORWARD, Action, Schedule, check_programs
 from rayconv.errors import ScheduleError
 
 __all__ = ["timeline", "simulate", "bubble_fraction", "format_grid"]
@@ -65,7 +65,7 @@ def timeline(schedule: Schedule, forward: Optional[Sequence[float]] = None,
         ScheduleError: if the programs are malformed (see ``validate``) or the schedule deadlocks
             (the message names each stage's stuck action).
     """
-    _check_programs(schedule)
+    check_programs(schedule)
     P = schedule.num_stages
     VP = P * schedule.num_chunks
     fwd = [1] * P if forward is None else list(forward)
