@@ -75,7 +75,7 @@ def warmup_steps(warmup: int, sharding, graphs: bool = False) -> int:
     ``warmup`` but at most ``WARMUP_EPOCH_MAX``, the whole first epoch (with whole-step CUDA graphs,
     ``graphs``, the first two). A partial batch's first step pays its shape's one-time set-up (it runs
     eagerly: cuDNN's plans for each convolution of the new shape, the batch's augmentation captured
-    again: seconds on a GPU, RESULTS.md), and under CUDA graphs the second is captured
+    again: seconds on a GPU), and under CUDA graphs the second is captured
     (``actor.cuda_graph.StepGraph``): inside the timed steps otherwise; the later epochs' ends, which
     recur, are timed."""
     spe = sharding.steps_per_epoch
