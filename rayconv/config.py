@@ -355,4 +355,6 @@ class Config(OperationsSettings, OutputSettings, ClusterSettings, ExecutionSetti
         return dataclasses.asdict(self)
 
     def to_json(self, path: Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """Write the settings to ``path`` (a Path, or a ``storage.Location``), whole or absent."""
+        from rayconv.files import write_json
+        write_json(path, self.to_dict())

@@ -20,7 +20,11 @@ os.umask(_UMASK)
 
 
 def atomic_write(path: Path, write) -> None:
-    """Call ``write(tmp_path)`` then rename over ``path`` (same folder, so the rename is atomic)."""
+    """Call ``write(tmp_path)`` then rename over ``path`` (same folder, so the rename is atomic); a
+    ``storage.Location`` in an object store uploads the file as one object (``Location.write_with``)."""
+    if hasattr(path, "write_with"):
+        path.write_with(write)
+        return
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)

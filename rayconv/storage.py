@@ -17,11 +17,15 @@ Errors: ``StorageError`` (a ``ConfigError``: exit status 2), one line naming the
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets as _random
+import shutil
+import tempfile
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 from rayconv.errors import ConfigError
 
@@ -124,12 +128,66 @@ class Location:
         infos = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
         return sorted(i.base_name for i in infos)
 
-    def mkdir(self) -> None:
-        self.fs.create_dir(self.path, recursive=True)
+    def is_file(self) -> bool:
+        import pyarrow.fs as pafs
+        return self.fs.get_file_info(self.path).type == pafs.FileType.File
+
+    def iterdir(self) -> list["Location"]:
+        """What lies directly under this location, as Locations (as ``Path.iterdir``)."""
+        return [self / name for name in self.listdir()]
+
+    @property
+    def parent(self) -> "Location":
+        parts = urllib.parse.urlsplit(self.uri)
+        path = parts.path.rstrip("/").rsplit("/", 1)[0]
+        uri = urllib.parse.urlunsplit(parts._replace(path=path)) if path else \
+            urllib.parse.urlunsplit(parts._replace(path=""))
+        return Location(uri, self.fs, self.path.rstrip("/").rsplit("/", 1)[0])
+
+    def absolute(self) -> "Location":
+        return self
+
+    resolve = absolute
+
+    def mkdir(self, parents: bool = True, exist_ok: bool = True) -> None:
+        """Make the folder (an object store's prefix needs none: nothing is written there)."""
+        if self.local is not None:
+            self.local.mkdir(parents=parents, exist_ok=exist_ok)
 
     def read_bytes(self) -> bytes:
         with self.fs.open_input_stream(self.path) as f:
             return f.read()
+
+    def read_text(self) -> str:
+        return self.read_bytes().decode()
+
+    def write_text(self, text: str) -> None:
+        self.write_bytes(text.encode())
+
+    def write_with(self, write: Callable[[str], None]) -> None:
+        """Whole or absent: ``write(tmp_path)`` writes a local file, which then replaces this one
+        (a rename on the local disk; one upload to an object store, visible only once complete)."""
+        if self.local is not None:
+            from rayconv.files import atomic_write
+            atomic_write(self.local, write)
+            return
+        with tempfile.TemporaryDirectory(prefix="rayconv-upload-") as tmp:
+            f = os.path.join(tmp, self.name or "object")
+            write(f)
+            self.upload(f)
+
+    def upload(self, local_file: str | os.PathLike) -> None:
+        """This object <- the local file, streamed (an S3 multipart upload is visible only once
+        complete; on an error it is aborted, so nothing half-written appears)."""
+        stream = self.fs.open_output_stream(self.path)
+        try:
+            with open(local_file, "rb") as src:
+                shutil.copyfileobj(src, stream, 8 << 20)
+        except BaseException:
+            if hasattr(stream, "abort"):   # (pyarrow >= 16: drop the upload instead of completing it)
+                stream.abort()
+            raise
+        stream.close()
 
     def write_bytes(self, data: bytes) -> None:
         """Write the whole object or nothing: a local file through a temporary name and a rename, an
@@ -139,8 +197,20 @@ class Location:
             self.local.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(self.local, lambda tmp: Path(tmp).write_bytes(data))
             return
-        with self.fs.open_output_stream(self.path) as f:
-            f.write(data)
+        stream = self.fs.open_output_stream(self.path)
+        try:
+            stream.write(data)
+        except BaseException:
+            if hasattr(stream, "abort"):
+                stream.abort()
+            raise
+        stream.close()
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        if missing_ok or self.exists():
+            self.delete()
+        else:
+            raise FileNotFoundError(self.uri)
 
     def delete(self) -> None:
         """Remove this file or folder (and what it holds); nothing when it does not exist."""
@@ -182,3 +252,120 @@ def locate(where: str | os.PathLike, *, flag: str = "path") -> Location:
         raise StorageError(f"{flag} {s}: cannot be opened ({first}); give a local path or a URI such as "
                            "s3://bucket/prefix, gs://bucket/prefix or file:///abs/path") from None
     return Location(s, fs, path)
+
+
+# ---------------------------------------------------------------------- where a run writes
+Place = Union[Path, Location]   # a run's folder: a Path on this node's disk, else a Location
+
+
+def place(where: str | os.PathLike | Location, *, flag: str = "path") -> Place:
+    """Where ``where`` names, as the code that writes there takes it: a ``Path`` for a plain path or a
+    ``file://`` URI (this node's disk, written as ever), a ``Location`` for any other file system (an
+    object store: ``Location`` has ``Path``'s methods that rayconv's writers use, and is no
+    ``os.PathLike``, so that ``open()`` or ``Path()`` of it fails instead of making a local folder
+    named ``s3:``). Raises StorageError as ``locate``."""
+    loc = where if isinstance(where, Location) else locate(where, flag=flag)
+    return loc.local if loc.local is not None else loc
+
+
+def remove(p: Place) -> None:
+    """Delete a file or folder (and what it holds) on the disk or in a store; nothing if absent."""
+    if isinstance(p, Location):
+        p.delete()
+    elif p.is_dir():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
+
+
+def describe(p: Place) -> str:
+    """How the console and summary.json name a run's folder: a local path in full, a URI as given."""
+    return str(p.absolute()) if isinstance(p, Path) else p.uri
+
+
+# ---------------------------------------------------------------------- checks before a run
+ACCESS_DENIED = ("ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "AccessDenied",
+                 "InvalidAccessKeyId", "SignatureDoesNotMatch", "EXPIRED_TOKEN", "Forbidden", "403")
+NO_BUCKET = ("NO_SUCH_BUCKET", "NoSuchBucket", "does not exist", "not found")
+UNREACHABLE = ("NETWORK_CONNECTION", "curlCode", "Could not connect", "Couldn't connect", "resolve host",
+               "Connection refused", "timed out", "Timeout")
+
+
+def _endpoint(loc: Location) -> str:
+    query = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(_endpoint_from_env(loc.uri)).query))
+    return query.get("endpoint_override") or "the storage's default endpoint"
+
+
+def one_line(e: BaseException, loc: Location, flag: str, doing: str = "cannot be written") -> StorageError:
+    """A storage error ``e`` (pyarrow's OSError, an AWS error code in its text) at ``loc`` as one line
+    saying what to change: wrong credentials, a missing bucket, an unreachable endpoint, else ``doing``
+    with the error's first line."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    bucket = loc.path.split("/", 1)[0]
+    if any(k in text for k in UNREACHABLE):
+        why = (f"cannot reach the storage endpoint {_endpoint(loc)}: check AWS_ENDPOINT_URL (or the URI's "
+               "endpoint_override) and the network")
+    elif any(k in text for k in ACCESS_DENIED):
+        why = ("access denied: check the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+               "AWS_PROFILE or the node's role) and that they may read and write there")
+    elif loc.remote and any(k in text for k in NO_BUCKET) and "bucket" in text.lower():
+        why = f"the bucket {bucket} does not exist: create it, or name another"
+    else:
+        why = f"{doing} ({first})"
+    return StorageError(f"{flag} {loc.uri}: {why}")
+
+
+@contextlib.contextmanager
+def storage_errors(loc: Location, flag: str, doing: str = "cannot be read") -> Iterator[None]:
+    """For the body: an OSError from the store becomes ``one_line``'s StorageError."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except OSError as e:
+        raise one_line(e, loc, flag, doing) from None
+
+
+def check_writable(where: str | os.PathLike | Location, flag: str = "--out") -> Location:
+    """Check, before the run starts, that ``where`` can be written: on the local disk, that the
+    nearest existing folder above it is a folder this process may write into (nothing is made); in a
+    store, that the bucket exists and that a small probe object can be written under the prefix and
+    deleted again. Returns the Location. Raises StorageError (one line: wrong credentials, a missing
+    bucket, an unreachable endpoint, a place that cannot be written)."""
+    loc = where if isinstance(where, Location) else locate(where, flag=flag)
+    if loc.local is not None:
+        p = loc.local
+        while not p.exists() and p != p.parent:
+            p = p.parent
+        if not p.is_dir() and p != loc.local:
+            raise StorageError(f"{flag} {loc.uri}: {p} is a file, not a folder: choose another place")
+        if p.is_dir() and not os.access(p, os.W_OK | os.X_OK):
+            raise StorageError(f"{flag} {loc.uri}: {p} cannot be written (permission denied): choose a "
+                               "folder you may write into")
+        return loc
+    import pyarrow.fs as pafs
+    with storage_errors(loc, flag, "cannot be written"):
+        bucket = loc.path.split("/", 1)[0]
+        if loc.fs.get_file_info(bucket).type == pafs.FileType.NotFound:
+            raise StorageError(f"{flag} {loc.uri}: the bucket {bucket} does not exist: create it, or name "
+                               "another")
+        probe = loc / f".rayconv-probe-{_random.token_hex(4)}"
+        probe.write_bytes(b"")
+        probe.delete()
+    return loc
+
+
+def check_readable(where: str | os.PathLike | Location, flag: str) -> Location:
+    """Check, before the run starts, that ``where`` (a store's URI) exists and can be read; a local path
+    is left to the caller's own messages. Raises StorageError (one line)."""
+    loc = where if isinstance(where, Location) else locate(where, flag=flag)
+    if loc.local is None:
+        with storage_errors(loc, flag):
+            bucket = loc.path.split("/", 1)[0]
+            if not loc.exists():
+                import pyarrow.fs as pafs
+                if loc.fs.get_file_info(bucket).type == pafs.FileType.NotFound:
+                    raise StorageError(f"{flag} {loc.uri}: the bucket {bucket} does not exist: name another")
+                raise StorageError(f"{flag} {loc.uri}: nothing is stored there: give a run folder's URI")
+    return loc

@@ -6,6 +6,9 @@ Written at each evaluation whose validation top-1 exceeds every earlier one (tie
 both files into ``best.tmp/``, then the folders swapped by renames (``best`` -> ``best.old``,
 ``best.tmp`` -> ``best``), so ``best/`` always holds a model.pt and the best.json that describes it; a
 run continued in the same folder (``--resume``, a recovery) starts from the best recorded there.
+In an object store (no rename) both files go to ``best.tmp/``, then ``best/best.json`` is deleted
+before ``best/``'s files are replaced by server-side copies, best.json last: a ``best/`` with its
+best.json always describes its model.pt, and while it has none, ``best.tmp/`` holds both.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from rayconv.files import write_json
+from rayconv.storage import Location, Place
 
 
 @dataclass
@@ -35,19 +39,22 @@ class Best:
         return {"best_step": self.step, "best_val_accuracy": self.val_accuracy}
 
 
-def load_best(out: Path) -> Best:
-    """The best recorded in ``out`` (``best/``, or ``best.old/`` when a swap was cut short), else none."""
-    for folder in ("best", "best.old"):
-        meta = Path(out) / folder / "best.json"
+def load_best(out: Place) -> Best:
+    """The best recorded in ``out`` (``best/``, or ``best.old/`` / ``best.tmp/`` when a swap was cut
+    short), else none."""
+    for folder in ("best", "best.old", "best.tmp") if isinstance(out, Location) else ("best", "best.old"):
+        meta = (out if isinstance(out, Location) else Path(out)) / folder / "best.json"
         if meta.is_file() and (meta.parent / "model.pt").is_file():
             d = json.loads(meta.read_text())
             return Best(int(d["step"]), float(d["val_accuracy"]))
     return Best()
 
 
-def write_best(out: Path, step: int, val_accuracy: float, write_model: Callable[[Path], None]) -> Path:
-    """``out/best/`` <- ``write_model(path)``'s model.pt and best.json, swapped in by renames (module
-    docstring); returns the folder."""
+def write_best(out: Place, step: int, val_accuracy: float, write_model: Callable[[Place], None]) -> Place:
+    """``out/best/`` <- ``write_model(path)``'s model.pt and best.json, swapped in by renames (in a
+    store: by copies; module docstring); returns the folder."""
+    if isinstance(out, Location):
+        return _write_best_in_store(out, step, val_accuracy, write_model)
     out = Path(out)
     final, tmp, old = out / "best", out / "best.tmp", out / "best.old"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -59,4 +66,16 @@ def write_best(out: Path, step: int, val_accuracy: float, write_model: Callable[
         os.rename(final, old)
     os.rename(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_best_in_store(out: Location, step: int, val_accuracy: float,
+                         write_model: Callable[[Place], None]) -> Location:
+    final, tmp = out / "best", out / "best.tmp"
+    write_model(tmp / "model.pt")
+    write_json(tmp / "best.json", {"step": step, "val_accuracy": val_accuracy})
+    (final / "best.json").unlink(missing_ok=True)
+    for name in ("model.pt", "best.json"):   # (server-side copies: no bytes through this process)
+        out.fs.copy_file((tmp / name).path, (final / name).path)
+    tmp.delete()
     return final

@@ -7,7 +7,6 @@ stopped before it had anything to show.
 
 from __future__ import annotations
 
-import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +21,7 @@ from rayconv.outputs.export import assemble, export_model
 from rayconv.planner.search import compare
 from rayconv.signals import stopped_by
 from rayconv.startup import after
+from rayconv.storage import Place, describe, remove
 
 
 def finish(run: Run, actor_group: ActorGroup) -> dict[str, Any]:
@@ -47,7 +47,7 @@ def finish(run: Run, actor_group: ActorGroup) -> dict[str, Any]:
     return summary
 
 
-def done_line(summary: dict[str, Any], out: Path) -> str:
+def done_line(summary: dict[str, Any], out: Place) -> str:
     """The line a finished run ends with: final train loss, test accuracy, images/s ("n/a" where the
     run has none: no step timed, no evaluation), wall time (from the run's checks, and from the command
     where the start-up clock says), the output folder."""
@@ -146,7 +146,7 @@ def summarize(run: Run, memory: list[dict[str, Any]], status: str = "finished") 
         "startup": {**run.startup.record(), "ended": round(run.startup.elapsed(), 4),
                     **(held_decode(run.actor_reports) or {})},
         **run.target.summary(run.wall),
-        "run_name": s.run_name,
+        "run_name": s.run_name, "out": describe(s.out),   # (a URI as given: none carries a secret)
         "resumed_from": str(s.resume.path) if s.resume is not None else None, "failures_recovered": run.failures,
         "layout_changes": run.layout_changes,   # --elastic: step, from, to, why, seconds_lost, steps_redone
         "actors": [{**report, **m} for report, m in zip(run.actor_reports, memory)],
@@ -194,8 +194,9 @@ def recording_stop(run: Run, only: type = BaseException) -> Iterator[None]:
 
 
 @contextmanager
-def writing_into(out: Path, log=print) -> Iterator[Path]:
-    """Make the output folder ``out`` for the body. If the body raises, nothing half-written stays
+def writing_into(out: Place, log=print) -> Iterator[Place]:
+    """Make the output folder ``out`` (a Path, or a ``storage.Location``: a prefix in a store) for the
+    body. If the body raises, nothing half-written stays
     behind, but results are never deleted: a folder holding a checkpoint (to resume from) or
     metrics.parquet (the steps' record) keeps everything; otherwise (config.json at most: the
     settings, which the same command gives again) the folder is removed (if made here) or emptied,
@@ -209,10 +210,10 @@ def writing_into(out: Path, log=print) -> Iterator[Path]:
         if list_checkpoints(out) or (out / "metrics.parquet").exists():
             pass
         elif made:
-            shutil.rmtree(out, ignore_errors=True)
+            remove(out)
             log(f"rayconv: {out} removed: the run stopped before any result or checkpoint was written")
         else:  # the folder was empty when this run began
             for p in out.iterdir():
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
+                remove(p)
             log(f"rayconv: {out} left empty: the run stopped before any result or checkpoint was written")
         raise

@@ -35,6 +35,7 @@ from rayconv.errors import CheckpointError, ConfigError
 from rayconv.mesh import Mesh
 from rayconv.model_names import check_known
 from rayconv.outputs.checkpoint import Checkpoint, find_checkpoint, list_checkpoints
+from rayconv.storage import Place, check_writable, is_uri, place
 from rayconv.user_model import is_user_model, model_label
 
 
@@ -57,8 +58,7 @@ def start_first(cfg: Config, log=print) -> EarlyActors:
     if not can_start_first(cfg):
         return early
     check_known(cfg.model)   # (a torchvision model's name, where this machine listed them: the actors check the rest)
-    check_job_output(cfg.out)
-    out = Path(cfg.out).absolute()
+    out = output_place(cfg)
     check_output_folder(out, None)
     connect_run(cfg)
     try:
@@ -151,7 +151,19 @@ def with_output_folder(cfg: Config, resume: Optional[Checkpoint] = None) -> Conf
     return dataclasses.replace(cfg, out=str(out))
 
 
-def check_output_folder(out: Path, resume: Optional[Checkpoint]) -> None:
+def output_place(cfg: Config) -> Place:
+    """The run's output folder (``cfg.out``, named: ``with_output_folder``) as the run's writers take
+    it: a local path in full (``Path``), or a ``storage.Location`` for a URI (``s3://bucket/runs/r1``),
+    checked writable before Ray starts (``storage.check_writable``). Raises ConfigError (a relative
+    folder under a Ray job), StorageError (one line: a secret in the URI, wrong credentials, a missing
+    bucket, an unreachable endpoint, a place that cannot be written)."""
+    check_job_output(cfg.out)
+    out = place(cfg.out, flag="--out")
+    check_writable(cfg.out if isinstance(out, Path) else out, "--out")
+    return out.absolute()
+
+
+def check_output_folder(out: Place, resume: Optional[Checkpoint]) -> None:
     """Refuse an output folder where writing would lose something. Raises CheckpointError (a resumed
     run's folder holds newer checkpoints) or FileExistsError (a file, or a folder holding files)."""
     if resume is not None and out.resolve() == resume.run_dir.resolve():
@@ -183,14 +195,14 @@ def check_job_output(out: str) -> None:
     ``--working-dir`` (or the job supervisor's folder), which nobody looks into and Ray deletes; an
     absolute ``--out`` is where the user says. Raises ConfigError."""
     job = ray_job()
-    if job is not None and not Path(out).is_absolute():
+    if job is not None and not is_uri(out) and not Path(out).is_absolute():
         where = f"Ray job {job}" if job else "a Ray job"
         raise ConfigError(f"the output folder {out} is relative: under {where} it would be made in the job's "
                           f"working folder {Path.cwd()} (with --working-dir, Ray's temporary copy of it): give an "
                           "absolute --out, e.g. --out /shared/runs/NAME")
 
 
-def new_run_name(out: Path) -> str:
+def new_run_name(out: Place) -> str:
     """The run's name on the cluster (placement group ``rayconv/<name>``, actors ``rayconv/<name>/<role>``,
     the gauges' ``run`` tag): the output folder's name and a random suffix, e.g. ``r1-3f9a2c``, so that
     runs whose folders share a name (``/tmp/a/run``, ``/tmp/b/run``) can share a cluster."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import sys
 from collections import deque
-from pathlib import Path
 from typing import Optional
 
 from tqdm import tqdm
@@ -26,6 +25,7 @@ from rayconv.driver.resolve import ResolvedRun
 from rayconv.mesh import Mesh
 from rayconv.parallel.routing import Routing
 from rayconv.parallel.pipeline.simulate import bubble_fraction, format_grid
+from rayconv.storage import describe
 
 RATE_WINDOW = 20  # steps: the progress line's images/s is over the wall-clock of the last 20
 
@@ -65,7 +65,7 @@ def run_line(resolved: ResolvedRun) -> str:
     return (f"rayconv: {cfg.model} on {cfg.data} ({train} / {source.test_size} test images, "
             f"{source.num_classes} classes), layout {mesh.describe()}"
             f"{' plan ' + cfg.plan if cfg.plan != 'none' else ''} on {cfg.device}, {work} -> "
-            f"{Path(resolved.out).absolute()}; {f'Ray job {job}, ' if job else ''}Ray run name {resolved.run_name}")
+            f"{describe(resolved.out)}; {f'Ray job {job}, ' if job else ''}Ray run name {resolved.run_name}")
 
 
 def images_line(resolved: ResolvedRun) -> str:

@@ -18,7 +18,6 @@ import dataclasses
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 import ray
@@ -34,7 +33,7 @@ from rayconv.data.small import HeldSource, decide_auto, held_bytes
 from rayconv.data.source import Sharding, Source
 from rayconv.driver.early import needs_devices
 from rayconv.driver.lr import check_schedule, total_steps
-from rayconv.driver.prestart import (check_job_output, check_output_folder, connect_run, new_run_name,
+from rayconv.driver.prestart import (check_output_folder, connect_run, new_run_name, output_place,
                                      resolve_layout, with_output_folder)
 
 from rayconv import startup
@@ -47,6 +46,7 @@ from rayconv.user_model import is_user_model, resolve
 from rayconv.models.weights import init_file
 from rayconv.outputs.checkpoint import Checkpoint, check_resumable, load_checkpoint
 from rayconv.parallel.routing import Routing, checked_routing, make_routing
+from rayconv.storage import Place
 from rayconv.planner.layer_timing import measured_costs
 from rayconv.planner.memory import GIB, gpu_share_problem
 from rayconv.planner.search import choose_layout, memory_check, predicted_peak_gib
@@ -64,7 +64,7 @@ class ResolvedRun:
     sharding: Sharding
     total_steps: int
     eval_every: int            # steps between test evaluations
-    out: Path                  # the output folder (made by the driver when the run starts)
+    out: Place                 # the output folder (made when the run starts; a storage.Location in a store)
     run_name: str              # on the cluster: placement group, actor names, the gauges' tag
     resume: Optional[Checkpoint]
     predicted: Optional[dict[str, Any]]  # --layout auto: the planner's prediction, for summary.json
@@ -88,8 +88,7 @@ def resolve_run(cfg: Config, log=print, on_layout=None, run_name: Optional[str] 
     cfg.validate()  # (a Config made in Python: refused here, before Ray starts)
     resume = load_checkpoint(cfg.resume) if cfg.resume else None
     cfg = with_output_folder(cfg, resume)
-    check_job_output(cfg.out)
-    out = Path(cfg.out).absolute()  # (the header, the summary and the messages name it in full)
+    out = output_place(cfg)  # (a local folder in full: the header, the summary and the messages name it)
     check_output_folder(out, resume)
     check_named(cfg, resume)
     predicted = None

@@ -6,13 +6,16 @@ under ``model`` or ``state_dict`` (torchvision's reference checkpoints); a ``mod
 key (a DDP-wrapped model's) is dropped. Keys and shapes are checked against the model before anything
 is copied, the first mismatch named. ``--init-skip-head`` leaves the classifier (the model's last
 ``nn.Linear``, its weight and bias) as built, for a new number of classes. Like ``--data-dir``, PATH
-must be readable on every node of the cluster (each actor builds its part from it).
+must be readable on every node of the cluster (each actor builds its part from it): a local path, or a
+URI (``s3://bucket/runs/r1/model.pt``, ``storage.locate``) read with each node's own credentials.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -23,13 +26,19 @@ INIT_TAKES = ("--init takes a run's model.pt or run folder, a torchvision weight
               "torch.save(model.state_dict(), PATH) (not a whole pickled model, not an image)")
 
 
-def init_file(path: str) -> Path:
-    """The weights file of ``--init path`` (``model.pt`` inside a run folder). Raises ConfigError."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "model.pt"
-    if not p.is_file():
-        raise ConfigError(f"--init {path}: no such file (give a model.pt, a run folder or a state_dict file)")
+def init_file(path: str) -> Any:
+    """The weights file of ``--init path`` (``model.pt`` inside a run folder): a Path, or a
+    ``storage.Location`` for a URI. Raises ConfigError (StorageError: a store that cannot be read)."""
+    from rayconv.storage import check_readable, is_uri, place, storage_errors
+    p = place(path, flag="--init") if is_uri(path) else Path(path)
+    if not isinstance(p, Path):
+        check_readable(p, "--init")
+    with storage_errors(p, "--init") if not isinstance(p, Path) else contextlib.nullcontext():
+        if p.is_dir():
+            p = p / "model.pt"
+        if not p.is_file():
+            raise ConfigError(f"--init {path}: no such file (give a model.pt, a run folder or a state_dict "
+                              "file)")
     return p
 
 
@@ -37,7 +46,8 @@ def read_state(path: str) -> dict[str, torch.Tensor]:
     """The state_dict of ``--init path`` on the CPU (see the module docstring). Raises ConfigError."""
     p = init_file(path)
     try:
-        obj = torch.load(p, map_location="cpu", weights_only=True)
+        obj = torch.load(p if isinstance(p, Path) else io.BytesIO(p.read_bytes()), map_location="cpu",
+                         weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the user's to replace
         # (torch's own message advises weights_only=False, which would run the file's code: not ours to give)
         raise ConfigError(f"--init {path}: cannot be read as a state_dict or checkpoint ({type(e).__name__} from "

@@ -9,6 +9,12 @@ fsynced: a crash mid-write leaves the previous checkpoint as it was. Everything 
 ``weights_only=True`` (by the actors; this module handles the files as bytes and imports no torch, so
 that ``python -m rayconv.run --resume`` reads a checkpoint's settings before torch is loaded).
 
+A run folder in an object store (``--out s3://bucket/runs/r1``: a ``storage.Location``, which these
+functions take wherever they take a Path) has no rename: there the files go straight into
+``step-<k>/``, the manifest last, and a ``step-<k>/`` without a manifest is incomplete (never listed,
+never resumed; ``remove_partial`` deletes it). A checkpoint written again at its step loses its
+manifest first.
+
 Assembling the actors' parts into one ``model.pt`` is ``export.py``'s; joining a checkpoint's rank
 files into the whole state that another layout's actors cut their parts from is ``reshard.py``'s
 (``whole_state`` reads it without Ray).
@@ -25,17 +31,22 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rayconv.errors import CheckpointError, ConfigError
-from rayconv.files import fsync_dir, write_synced, sha256
+from rayconv.files import fsync_dir, sha256, write_synced
+from rayconv.storage import Location, Place, check_readable, place, remove, storage_errors
 
 FORMAT = 1
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
-_OTHER_LAYOUT: set[Path] = set()  # checkpoint folders check_resumable found saved under another layout
+_OTHER_LAYOUT: set[Any] = set()  # checkpoint folders check_resumable found saved under another layout
 
 
-def list_checkpoints(out: Path) -> list[Path]:
+def _place(p: str | Path | Location) -> Place:
+    return p if isinstance(p, (Path, Location)) else place(p, flag="--resume")
+
+
+def list_checkpoints(out: Place) -> list[Place]:
     """Complete checkpoints of a run folder (``step-<k>`` with a manifest), oldest first."""
-    root = Path(out) / "checkpoints"
+    root = _place(out) / "checkpoints"
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir()
@@ -43,24 +54,30 @@ def list_checkpoints(out: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(out: Path) -> Optional[Path]:
+def latest_checkpoint(out: Place) -> Optional[Place]:
     found = list_checkpoints(out)
     return found[-1] if found else None
 
 
-def remove_partial(out: Path) -> None:
-    """Delete unfinished ``step-<k>.tmp`` folders (a write that was interrupted)."""
-    root = Path(out) / "checkpoints"
+def remove_partial(out: Place) -> None:
+    """Delete unfinished checkpoints: ``step-<k>.tmp`` folders on a disk, ``step-<k>`` without a
+    manifest in a store (a write that was interrupted)."""
+    root = _place(out) / "checkpoints"
     if root.is_dir():
-        for p in root.glob("step-*.tmp"):
-            shutil.rmtree(p, ignore_errors=True)
+        for p in root.iterdir():
+            if p.name.endswith(".tmp") or (isinstance(p, Location) and STEP_DIR.match(p.name)
+                                           and not (p / MANIFEST).is_file()):
+                remove(p)
 
 
-def write_checkpoint(out: Path, step: int, shards: list[bytes], manifest: dict[str, Any],
-                     extra: Optional[dict[str, bytes]] = None, keep: int = 0) -> Path:
+def write_checkpoint(out: Place, step: int, shards: list[bytes], manifest: dict[str, Any],
+                     extra: Optional[dict[str, bytes]] = None, keep: int = 0) -> Place:
     """Write ``checkpoints/step-<step>/`` atomically: ``rank-<r>.pt`` from ``shards[r]``, the ``extra``
-    files, then ``manifest.json`` listing them; rename the folder into place; keep the newest ``keep``
-    checkpoints (0: all). Returns the checkpoint folder."""
+    files, then ``manifest.json`` listing them; rename the folder into place (in a store: written in
+    place, the manifest last); keep the newest ``keep`` checkpoints (0: all). Returns the checkpoint
+    folder."""
+    if isinstance(out, Location):
+        return _write_in_store(out, step, shards, manifest, extra, keep)
     root = Path(out) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
@@ -88,11 +105,30 @@ def write_checkpoint(out: Path, step: int, shards: list[bytes], manifest: dict[s
     return final
 
 
+def _write_in_store(out: Location, step: int, shards: list[bytes], manifest: dict[str, Any],
+                    extra: Optional[dict[str, bytes]], keep: int) -> Location:
+    """``write_checkpoint`` into an object store: each object one PUT, the manifest last (module
+    docstring)."""
+    final = out / "checkpoints" / f"step-{step}"
+    with storage_errors(final, "--out", "cannot be written"):
+        (final / MANIFEST).unlink(missing_ok=True)   # (the same step written again: incomplete until done)
+        files = []
+        for name, data in [*((f"rank-{r}.pt", b) for r, b in enumerate(shards)), *(extra or {}).items()]:
+            (final / name).write_bytes(data)
+            files.append({"name": name, "bytes": len(data), "sha256": sha256(data)})
+        whole = {**manifest, "format": FORMAT, "step": step, "files": files}
+        (final / MANIFEST).write_bytes((json.dumps(whole, indent=2) + "\n").encode())
+        if keep > 0:
+            for p in list_checkpoints(out)[:-keep]:
+                remove(p)
+    return final
+
+
 @dataclass
 class Checkpoint:
     """A verified checkpoint: its folder, manifest and file contents (sizes and sha256 checked)."""
 
-    path: Path
+    path: Place
     manifest: dict[str, Any]
     files: dict[str, bytes]
     _whole: Optional[bytes] = field(default=None, repr=False)
@@ -103,7 +139,7 @@ class Checkpoint:
         return int(self.manifest["step"])
 
     @property
-    def run_dir(self) -> Path:
+    def run_dir(self) -> Place:
         return self.path.parent.parent
 
     @property
@@ -122,10 +158,19 @@ class Checkpoint:
         return self._whole
 
 
-def find_checkpoint(path: str | Path) -> Path:
-    """The checkpoint folder that ``--resume path`` means: ``path`` itself if it holds a manifest, else
-    the newest complete checkpoint of the run folder ``path``. Raises CheckpointError."""
-    p = Path(path)
+def find_checkpoint(path: str | Path | Location) -> Place:
+    """The checkpoint folder that ``--resume path`` means: ``path`` (a local path, or a URI:
+    ``s3://bucket/runs/r1``) itself if it holds a manifest, else the newest complete checkpoint of the
+    run folder ``path``. Raises CheckpointError, StorageError (a store that cannot be read)."""
+    p = _place(path)
+    if isinstance(p, Location):
+        check_readable(p, "--resume")
+        with storage_errors(p, "--resume"):
+            return _find(p, path)
+    return _find(p, path)
+
+
+def _find(p: Place, path: Any) -> Place:
     if not p.exists():
         raise CheckpointError(f"--resume {path}: no such folder: give a run folder (with checkpoints/) "
                               "or one of its checkpoints/step-<k> folders")
@@ -148,18 +193,25 @@ def saved_config(resume: str) -> dict[str, Any]:
     Raises CheckpointError (no such checkpoint) or ConfigError (its manifest cannot be read)."""
     ckpt = find_checkpoint(resume)
     try:
-        return dict(json.loads((ckpt / MANIFEST).read_text())["config"])
+        return dict(json.loads(_read(ckpt / MANIFEST).decode())["config"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"--resume {resume}: {ckpt / MANIFEST} cannot be read ({e}): "
                           "resume from another checkpoint") from None
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Find, read and verify a checkpoint (every listed file present, of its size and sha256).
-    Raises CheckpointError naming the file at fault."""
+def _read(f: Place) -> bytes:
+    if isinstance(f, Location):
+        with storage_errors(f, "--resume"):
+            return f.read_bytes()
+    return f.read_bytes()
+
+
+def load_checkpoint(path: str | Path | Location) -> Checkpoint:
+    """Find, read and verify a checkpoint (every listed file present, of its size and sha256), on
+    the disk or in a store (a URI). Raises CheckpointError naming the file at fault, StorageError."""
     ckpt = find_checkpoint(path)
     try:
-        manifest = json.loads((ckpt / MANIFEST).read_text())
+        manifest = json.loads(_read(ckpt / MANIFEST).decode())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} cannot be read ({e}): resume from another "
                               "checkpoint") from None
@@ -171,7 +223,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         f = ckpt / entry["name"]
         if not f.is_file():
             raise CheckpointError(f"checkpoint file {f} is missing: resume from another checkpoint")
-        data = f.read_bytes()
+        data = _read(f)
         if len(data) != entry["bytes"]:
             raise CheckpointError(f"checkpoint file {f} is truncated or damaged ({len(data)} bytes, the manifest "
                                   f"says {entry['bytes']}): resume from another checkpoint")
@@ -182,8 +234,9 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(ckpt, manifest, files)
 
 
-def whole_state(path: str | Path) -> dict[str, Any]:
-    """The whole state of a checkpoint (a ``step-<k>`` folder, or a run folder's newest), every file
+def whole_state(path: str | Path | Location) -> dict[str, Any]:
+    """The whole state of a checkpoint (a ``step-<k>`` folder, or a run folder's newest; a local path
+    or a URI such as ``s3://bucket/runs/r1``), every file
     verified: ``["model"]`` is the model's state_dict (``load_state_dict`` of the model's builder),
     ``["optimizer"]["state"]`` each parameter's optimizer state by its name, ``["ema"]`` the moving
     average or None (``reshard.join``). Needs no Ray. Raises CheckpointError."""

@@ -14,10 +14,16 @@ import fails: a protobuf or numpy it does not support) the run goes on without e
 console note. A run continued in a folder that already has event files
 (``--resume``) writes with ``purge_step`` at its first step, so TensorBoard hides what the earlier
 process wrote from there on; rows already written by this process are not written again.
+
+With ``--out`` in an object store (a ``storage.Location``) the writer writes into a local temporary
+folder and each event file is uploaded whole after every flush (each upload replaces the object: a
+reader sees the file as of the last flush) and at ``close``.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -50,8 +56,12 @@ class EventFiles:
     """The event files of one run folder ``out`` (see the module docstring); ``start``: the first step
     this process trains (its checkpoint's, on resume). ``enabled`` False writes nothing."""
 
-    def __init__(self, out: Path, start: int = 0, enabled: bool = True, log: Callable[[str], None] = print):
-        self.folder, self.start, self.enabled, self.log = Path(out) / "tensorboard", start, enabled, log
+    def __init__(self, out: Any, start: int = 0, enabled: bool = True, log: Callable[[str], None] = print):
+        from rayconv.storage import Location
+        self.remote = out / "tensorboard" if isinstance(out, Location) else None   # (uploaded to)
+        self.folder = Path(tempfile.mkdtemp(prefix="rayconv-tensorboard-")) if self.remote is not None and \
+            enabled else Path(out) / "tensorboard"
+        self.start, self.enabled, self.log = start, enabled, log
         self.writer: Any = None
         self.written: dict[str, int] = {}   # row kind -> last step written
 
@@ -65,7 +75,9 @@ class EventFiles:
                 self.log(f"rayconv: no TensorBoard event files ({why}): pip install tensorboard, or pass "
                          "--tensorboard off")
                 return None
-            resumed = self.folder.is_dir() and any(self.folder.glob("events.out.tfevents.*"))
+            names = self.remote.listdir() if self.remote is not None else \
+                [p.name for p in self.folder.glob("*")] if self.folder.is_dir() else []
+            resumed = any(n.startswith("events.out.tfevents.") for n in names)
             if resumed:   # (the earlier process's events from `start` on are hidden)
                 self.written = {k: max(self.written.get(k, -1), self.start - 1) for k in TAGS}
             self.writer = SummaryWriter(str(self.folder), purge_step=self.start if resumed else None)
@@ -85,6 +97,13 @@ class EventFiles:
                     writer.add_scalar(tag, float(row[name]), int(row["step"]))
             self.written[row["kind"]] = int(row["step"])
         writer.flush()
+        self._upload()
+
+    def _upload(self) -> None:
+        """--out in a store: each local event file -> one object of the same name (whole)."""
+        if self.remote is not None:
+            for f in sorted(self.folder.glob("events.out.tfevents.*")):
+                (self.remote / f.name).upload(f)
 
     def add_image_grid(self, images: Any, step: int = 0) -> None:
         """One grid of ``images`` (N, C, H, W) float, each scaled to [0, 1] by its own range, as
@@ -98,11 +117,15 @@ class EventFiles:
                          scale_each=True)
         writer.add_image("train/images", grid, step)
         writer.flush()
+        self._upload()
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+            self._upload()
+        if self.remote is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def first_images(source: Any, batch: Any, n: int) -> Optional[Any]:
