@@ -350,9 +350,12 @@ def check_writable(where: str | os.PathLike | Location, flag: str = "--out") -> 
         if loc.fs.get_file_info(bucket).type == pafs.FileType.NotFound:
             raise StorageError(f"{flag} {loc.uri}: the bucket {bucket} does not exist: create it, or name "
                                "another")
+        existed = loc.exists()
         probe = loc / f".rayconv-probe-{_random.token_hex(4)}"
         probe.write_bytes(b"")
         probe.delete()
+        if not existed:   # (pyarrow keeps the emptied prefix as a marker object: nothing is left)
+            loc.fs.delete_dir(loc.path)
     return loc
 
 
