@@ -278,6 +278,24 @@ def remove(p: Place) -> None:
         p.unlink(missing_ok=True)
 
 
+def copy_tree(src: Place, dst: Place) -> None:
+    """Copy the folder ``src`` (and what it holds) to ``dst``, each on the disk or in a store
+    (``pyarrow.fs.copy_files``: streamed, server-side within one store where it can)."""
+    import pyarrow.fs as pafs
+    s, d = (p if isinstance(p, Location) else locate(p) for p in (src, dst))
+    pafs.copy_files(s.path, d.path, source_filesystem=s.fs, destination_filesystem=d.fs)
+
+
+def rename(src: Place, dst: Place) -> None:
+    """``src`` moved to ``dst`` in the same file system: a rename on the disk; in a store (which has
+    none) a copy, then the original deleted."""
+    if isinstance(src, Path):
+        os.rename(src, dst)
+        return
+    copy_tree(src, dst)
+    src.delete()
+
+
 def describe(p: Place) -> str:
     """How the console and summary.json name a run's folder: a local path in full, a URI as given."""
     return str(p.absolute()) if isinstance(p, Path) else p.uri
@@ -370,5 +388,7 @@ def check_readable(where: str | os.PathLike | Location, flag: str) -> Location:
                 import pyarrow.fs as pafs
                 if loc.fs.get_file_info(bucket).type == pafs.FileType.NotFound:
                     raise StorageError(f"{flag} {loc.uri}: the bucket {bucket} does not exist: name another")
-                raise StorageError(f"{flag} {loc.uri}: nothing is stored there: give a run folder's URI")
+                hint = {"--resume": "give a run folder's or a checkpoint's URI",
+                        "--init": "give a model.pt's or a run folder's URI"}.get(flag, "check the URI")
+                raise StorageError(f"{flag} {loc.uri}: nothing is stored there: {hint}")
     return loc

@@ -4,7 +4,9 @@ Each trial is ``trial.Trial`` with ``trial.trial_resources`` (its placement grou
 bundles); ``--max-concurrent`` bounds the trials running at once, and Tune starts a trial only when
 its whole group fits. The search folder holds ``search.json`` (what ``--resume`` needs), ``tune/``
 (Tune's experiment state), ``trial-<k>/`` (each a normal run folder), ``logs/trial-<k>.log`` (each
-run's console lines) and ``results.csv`` / ``results.json``.
+run's console lines) and ``results.csv`` / ``results.json``. It may be a URI (``--out s3://bucket/searches/s1``,
+``storage.place``): Tune's state goes there through the same ``pyarrow.fs`` file system, each trial's run
+writes its folder there, each log is uploaded whole at each line.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Optional, Sequence
 
 from rayconv.errors import ConfigError
 from rayconv.files import write_json
+from rayconv.storage import Location, check_readable, check_writable, place
 from rayconv.tune import results as table
 from rayconv.tune.space import NOT_SEARCHED, PBT_MUTABLE, check_metric, check_space, default_metric, pbt_base
 
@@ -73,7 +76,9 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
            callbacks: Sequence[Any] = (), log=print) -> SearchResult:
     """See ``rayconv.tune.search``."""
     if resume:
-        search_dir = Path(resume)
+        search_dir = place(resume, flag="--resume")
+        if isinstance(search_dir, Location):
+            check_readable(search_dir, "--resume")
         saved = search_dir / "search.json"
         if not saved.is_file():
             raise ConfigError(f"--resume {resume}: no search.json there (not a search folder of rayconv.tune)")
@@ -92,7 +97,8 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
             raise ConfigError(f"--perturbation-interval must be >= 1 evaluation (got {perturbation_interval})")
         base = pbt_base(base, checked)
     if not resume:
-        search_dir = Path(base.pop("out", None) or new_search_dir())
+        search_dir = place(base.pop("out", None) or new_search_dir(), flag="--out")
+        check_writable(search_dir if isinstance(search_dir, Location) else str(search_dir), "--out")
         if search_dir.exists() and (not search_dir.is_dir() or any(search_dir.iterdir())):
             raise FileExistsError(f"--out {search_dir} already holds files: choose a new folder, or continue "
                                   f"that search with --resume {search_dir}")
@@ -125,8 +131,12 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
     callbacks = [CSVLoggerCallback(), JsonLoggerCallback(), *callbacks]
     trainable = tune.with_resources(tune.with_parameters(Trial, base=base_r, search_dir=str(search_dir)),
                                     trial_resources(base_r))
+    # (a search in a store: Tune writes there through the same pyarrow file system, credentials and all)
+    storage = {"storage_path": str(search_dir)} if isinstance(search_dir, Path) else \
+        {"storage_path": search_dir.path, "storage_filesystem": search_dir.fs}
     if resume:
-        tuner = tune.Tuner.restore(str(search_dir / "tune"), trainable=trainable, resume_unfinished=True,
+        tuner = tune.Tuner.restore(f"{storage['storage_path']}/tune", trainable=trainable, resume_unfinished=True,
+                                   storage_filesystem=storage.get("storage_filesystem"),
                                    resume_errored=False, restart_errored=False)
         log(f"rayconv.tune: resuming {search_dir}")
     else:
@@ -138,7 +148,7 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
                                         # (a trial's process, placement group and finished run's actors serve
                                         # the next trial; PBT restores trials from checkpoints instead)
                                         reuse_actors=scheduler != "pbt"),
-            run_config=tune.RunConfig(storage_path=str(search_dir), name="tune", verbose=0,
+            run_config=tune.RunConfig(**storage, name="tune", verbose=0,
                                       callbacks=list(callbacks), failure_config=tune.FailureConfig(max_failures=0),
                                       # (each of Tune's checkpoints is a copy of a run's: PBT needs the newest)
                                       checkpoint_config=tune.CheckpointConfig(num_to_keep=2)))

@@ -33,7 +33,6 @@ from __future__ import annotations
 import ctypes
 import json
 import queue
-import shutil
 import threading
 from pathlib import Path
 from typing import Any, Optional
@@ -47,6 +46,7 @@ from rayconv.errors import RunStopped
 from rayconv.files import write_json
 from rayconv.flags import from_mapping
 from rayconv.outputs.checkpoint import latest_checkpoint
+from rayconv.storage import Location, copy_tree, place, rename
 
 STOP_WAIT_S = 120.0  # how long cleanup waits for a stopped run to record itself
 BRANCH = "tune-branch.json"  # {"folder": the trial whose checkpoint it is, "step": its step (None: none yet)}
@@ -95,8 +95,9 @@ class Trial(tune.Trainable):
 
     def setup(self, config: dict[str, Any], base: dict[str, Any] = None, search_dir: str = ""):
         self.sample, self.base, self.search_dir = dict(config), dict(base or {}), search_dir
-        self.folder = Path(search_dir) / f"trial-{trial_index(self.trial_id)}"
-        self.log_path = Path(search_dir) / "logs" / f"{self.folder.name}.log"
+        self.folder = place(search_dir, flag="--out") / f"trial-{trial_index(self.trial_id)}"
+        self.log_path = place(search_dir, flag="--out") / "logs" / f"{self.folder.name}.log"
+        self.lines: list[str] = []   # (a search in a store: the log so far, uploaded whole at each line)
         self.results: queue.Queue = queue.Queue()
         self.go = threading.Semaphore(0)
         self.stopping = False
@@ -117,11 +118,15 @@ class Trial(tune.Trainable):
     def _move_aside(self) -> None:
         """The trial's folder renamed ``trial-<k>.stopped-<n>`` (the first free n), kept whole."""
         n = 1
-        while self.folder.with_name(f"{self.folder.name}.stopped-{n}").exists():
+        while (self.folder.parent / f"{self.folder.name}.stopped-{n}").exists():
             n += 1
-        self.folder.rename(self.folder.with_name(f"{self.folder.name}.stopped-{n}"))
+        rename(self.folder, self.folder.parent / f"{self.folder.name}.stopped-{n}")
 
     def _log(self, line: str) -> None:
+        if isinstance(self.log_path, Location):
+            self.lines.append(line)
+            self.log_path.write_text("".join(f"{x}\n" for x in self.lines))
+            return
         with open(self.log_path, "a") as f:
             f.write(line + "\n")
 
@@ -188,7 +193,7 @@ class Trial(tune.Trainable):
         newest = latest_checkpoint(self.folder) if self.folder.is_dir() else None
         if newest is not None:
             try:
-                shutil.copytree(newest, Path(checkpoint_dir) / "checkpoints" / newest.name)
+                copy_tree(newest, Path(checkpoint_dir) / "checkpoints" / newest.name)
             except OSError:   # (deleted as the run wrote a newer one: Tune asked mid-step) no branch from this
                 newest = None
         write_json(Path(checkpoint_dir) / BRANCH, {"folder": str(self.folder),
@@ -208,7 +213,7 @@ class Trial(tune.Trainable):
         if self.folder.exists():
             self._move_aside()
         step_dir = f"step-{mark['step']}"
-        shutil.copytree(src / "checkpoints" / step_dir, self.folder / "checkpoints" / step_dir)
+        copy_tree(src / "checkpoints" / step_dir, self.folder / "checkpoints" / step_dir)
         write_json(here, mark)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log(f"rayconv.tune: continues {Path(mark['folder']).name}'s checkpoint of step {mark['step']} with "
