@@ -96,3 +96,22 @@ def test_a_lost_driver_continues_from_the_bucket(cluster, tmp_path):
     got, was = whole_state(f"{r2}/checkpoints/step-{newer}"), whole_state(f"{r1}/checkpoints/step-{newer}")
     assert_same_state(got["model"], was["model"], atol=0)
     assert_same_state(model(r2), want, atol=1e-10)
+
+
+@pytest.mark.slow
+def test_a_search_in_the_bucket(cluster, tmp_path):
+    """``python -m rayconv.tune --out s3://...``: Tune's state, each trial's run folder and log, and the
+    results are in the bucket; nothing in the working folder."""
+    s3, address = cluster
+    s1 = s3.uri("searches", "s1")
+    out = run(tmp_path / "search", [sys.executable, "-m", "rayconv.tune", "--space", '{"lr": {"grid": [0.05]}}',
+                                    "--scheduler", "fifo", "--address", address, "--dp", "1", "--steps", "4",
+                                    "--eval-every", "2", "--global-batch-size", "96", "--device", "cpu",
+                                    "--no-progress", "--out", s1])
+    assert f"-> {s1}" in out, out
+    where = locate(s1)
+    assert {"search.json", "results.json", "results.csv", "tune", "trial-0", "logs"} <= set(where.listdir())
+    results = json.loads((where / "results.json").read_text())
+    assert [t["status"] for t in results["trials"]] == ["finished"], results
+    assert json.loads((where / "trial-0" / "summary.json").read_text())["out"] == f"{s1}/trial-0"
+    assert "done:" in (where / "logs" / "trial-0.log").read_text()
