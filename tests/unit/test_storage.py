@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 
 import pytest
 
-from rayconv.storage import StorageError, is_remote, locate
+from rayconv.driver.best import Best, load_best, write_best
+from rayconv.errors import CheckpointError
+from rayconv.files import atomic_write, write_json
+from rayconv.outputs.checkpoint import list_checkpoints, load_checkpoint, remove_partial, write_checkpoint
+from rayconv.outputs.tensorboard import EventFiles
+from rayconv.storage import StorageError, copy_tree, is_remote, locate, place, rename
 from tests.support.s3_server import s3_server
 
 
@@ -46,3 +52,63 @@ def test_an_unknown_scheme_is_one_line():
     with pytest.raises(StorageError, match=r"^--data-dir foo://x/y: cannot be opened") as e:
         locate("foo://x/y", flag="--data-dir")
     assert "\n" not in str(e.value)
+
+
+def test_a_uri_is_never_a_local_path(s3, tmp_path, monkeypatch):
+    """A store's place is no os.PathLike: open() or Path() of it fails instead of making a local folder
+    named s3:; a plain path and a file:// URI are this disk's Path."""
+    monkeypatch.chdir(tmp_path)
+    out = place(s3.uri("runs", "r9"), flag="--out")
+    with pytest.raises(TypeError):
+        Path(out)
+    with pytest.raises(TypeError):
+        open(out / "x", "wb")
+    assert place(f"file://{tmp_path}/a") == tmp_path / "a" and place("b") == tmp_path / "b"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_checkpoints_in_a_bucket_are_complete_only_with_their_manifest(s3):
+    out = place(s3.uri("runs", "ck"))
+    meta = {"model": "m", "layout": {"dp": 1, "pp": 1, "fs": 1}}
+    write_checkpoint(out, 2, [b"rank0"], meta, extra={"metrics.parquet": b"rows"})
+    write_checkpoint(out, 4, [b"rank0-4"], meta)
+    (out / "checkpoints" / "step-6" / "rank-0.pt").write_bytes(b"half")   # an upload cut short
+    assert [p.name for p in list_checkpoints(out)] == ["step-2", "step-4"]
+    ckpt = load_checkpoint(s3.uri("runs", "ck"))             # the newest complete, read from the URI
+    assert ckpt.step == 4 and ckpt.rank_file(0) == b"rank0-4" and ckpt.run_dir == out
+    assert load_checkpoint(f"{s3.uri('runs', 'ck')}/checkpoints/step-2").files["metrics.parquet"] == b"rows"
+    remove_partial(out)
+    assert (out / "checkpoints").listdir() == ["step-2", "step-4"]
+    write_checkpoint(out, 6, [b"x"], meta, keep=1)
+    assert [p.name for p in list_checkpoints(out)] == ["step-6"]
+    (out / "checkpoints" / "step-6" / "rank-0.pt").write_bytes(b"y")   # damaged after the manifest
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_checkpoint(s3.uri("runs", "ck"))
+
+
+def test_results_in_a_bucket_are_whole(s3):
+    out = place(s3.uri("runs", "res"))
+    write_json(out / "summary.json", {"a": 1})
+    atomic_write(out / "model.pt", lambda tmp: Path(tmp).write_bytes(b"weights"))
+    with pytest.raises(ZeroDivisionError):   # a writer that fails leaves nothing
+        atomic_write(out / "metrics.parquet", lambda tmp: (Path(tmp).write_bytes(b"half"), 1 / 0))
+    assert out.listdir() == ["model.pt", "summary.json"] and (out / "model.pt").read_bytes() == b"weights"
+    write_best(out, 3, 0.5, lambda p: p.write_bytes(b"best 3"))
+    write_best(out, 7, 0.75, lambda p: p.write_bytes(b"best 7"))
+    assert load_best(out) == Best(7, 0.75) and (out / "best" / "model.pt").read_bytes() == b"best 7"
+    assert "best.tmp" not in out.listdir()
+    copy_tree(out / "best", out / "copy")
+    rename(out / "copy", out / "moved")
+    assert (out / "moved").listdir() == ["best.json", "model.pt"] and "copy" not in out.listdir()
+
+
+def test_event_files_reach_the_bucket_at_each_flush(s3):
+    pytest.importorskip("tensorboard")
+    out = place(s3.uri("runs", "tb"))
+    events = EventFiles(out)
+    events.add_rows([{"kind": "train", "step": 0, "loss": 1.0}])
+    (name,) = (out / "tensorboard").listdir()
+    first = (out / "tensorboard" / name).read_bytes()
+    events.add_rows([{"kind": "train", "step": 0, "loss": 1.0}, {"kind": "train", "step": 1, "loss": 0.5}])
+    events.close()
+    assert len((out / "tensorboard" / name).read_bytes()) > len(first) and not events.folder.exists()
