@@ -352,15 +352,20 @@ def check_writable(where: str | os.PathLike | Location, flag: str = "--out") -> 
     deleted again. Returns the Location. Raises StorageError (one line: wrong credentials, a missing
     bucket, an unreachable endpoint, a place that cannot be written)."""
     loc = where if isinstance(where, Location) else locate(where, flag=flag)
-    if loc.local is not None:
+    if loc.local is not None:   # (a temporary file made and removed in the nearest existing folder)
         p = loc.local
         while not p.exists() and p != p.parent:
             p = p.parent
         if not p.is_dir() and p != loc.local:
             raise StorageError(f"{flag} {loc.uri}: {p} is a file, not a folder: choose another place")
-        if p.is_dir() and not os.access(p, os.W_OK | os.X_OK):
-            raise StorageError(f"{flag} {loc.uri}: {p} cannot be written (permission denied): choose a "
-                               "folder you may write into")
+        if p.is_dir():
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=".rayconv-write-check-", dir=p)
+                os.close(fd)
+                os.unlink(tmp)
+            except OSError as e:
+                raise StorageError(f"{flag} {loc.uri} cannot be written ({e.strerror or type(e).__name__} in "
+                                   f"{p}): choose a folder you can write to (nothing was written)") from None
         return loc
     import pyarrow.fs as pafs
     with storage_errors(loc, flag, "cannot be written"):

@@ -93,3 +93,8 @@ def test_the_probe_leaves_nothing_behind(s3):
     loc = check_writable(s3.uri("runs", "probed"), "--out")
     assert loc.listdir() == [] and locate(s3.uri("runs")).listdir() == []
     assert os.environ["AWS_ENDPOINT_URL"] == s3.endpoint
+
+
+def test_a_read_only_out(capsys, tmp_path, monkeypatch):
+    line = one_line(["--out", "/proc/rayconv-run"], capsys, tmp_path, monkeypatch)
+    assert "--out /proc/rayconv-run cannot be written (" in line and "in /proc)" in line, line
