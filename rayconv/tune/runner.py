@@ -4,9 +4,9 @@ Each trial is ``trial.Trial`` with ``trial.trial_resources`` (its placement grou
 bundles); ``--max-concurrent`` bounds the trials running at once, and Tune starts a trial only when
 its whole group fits. The search folder holds ``search.json`` (what ``--resume`` needs), ``tune/``
 (Tune's experiment state), ``trial-<k>/`` (each a normal run folder), ``logs/trial-<k>.log`` (each
-run's console lines) and ``results.csv`` / ``results.json``. It may be a URI (``--out s3://bucket/searches/s1``,
-``storage.place``): Tune's state goes there through the same ``pyarrow.fs`` file system, each trial's run
-writes its folder there, each log is uploaded whole at each line.
+run's console lines) and ``results.csv`` / ``results.json``. It may be a URI (``--out
+s3://bucket/searches/s1``, ``storage.place``): Tune's state goes there through the same ``pyarrow.fs``
+file system, each trial's run writes its folder there, each log is uploaded whole at each line.
 """
 
 from __future__ import annotations
@@ -135,8 +135,9 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
     storage = {"storage_path": str(search_dir)} if isinstance(search_dir, Path) else \
         {"storage_path": search_dir.path, "storage_filesystem": search_dir.fs}
     if resume:
-        tuner = tune.Tuner.restore(f"{storage['storage_path']}/tune", trainable=trainable, resume_unfinished=True,
+        tuner = tune.Tuner.restore(f"{storage['storage_path']}/tune", trainable=trainable,
                                    storage_filesystem=storage.get("storage_filesystem"),
+                                   resume_unfinished=True,
                                    resume_errored=False, restart_errored=False)
         log(f"rayconv.tune: resuming {search_dir}")
     else:

@@ -27,10 +27,10 @@ from tests.support.s3_server import s3_server
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, EVERY = 40, 4
-RUN = ["--model", "convnet", "--data", "digits", "--global-batch-size", "96", "--lr", "0.05", "--momentum", "0.9",
-       "--weight-decay", "5e-4", "--precision", "fp64", "--device", "cpu", "--no-progress", "--loader-workers", "0",
-       "--steps", str(STEPS), "--eval-every", "1000", "--checkpoint-every", str(EVERY),
-       "--keep-checkpoints", "0"]
+RUN = ["--model", "convnet", "--data", "digits", "--global-batch-size", "96", "--lr", "0.05",
+       "--momentum", "0.9", "--weight-decay", "5e-4", "--precision", "fp64", "--device", "cpu",
+       "--no-progress", "--loader-workers", "0", "--steps", str(STEPS), "--eval-every", "1000",
+       "--checkpoint-every", str(EVERY), "--keep-checkpoints", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,8 @@ def test_a_lost_driver_continues_from_the_bucket(cluster, tmp_path):
     (tmp_path / "first").mkdir()
     first = subprocess.Popen(command(address, *RUN, "--dp", "2", "--pp", "2", "--num-microbatches", "2",
                                      "--out", r1),
-                             cwd=tmp_path / "first", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             cwd=tmp_path / "first", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
     deadline = time.monotonic() + 300
     while len(list_checkpoints(locate(r1))) < 2:   # (step-4 and step-8 complete: their manifests written)
         assert first.poll() is None, first.communicate()
@@ -104,10 +105,10 @@ def test_a_search_in_the_bucket(cluster, tmp_path):
     results are in the bucket; nothing in the working folder."""
     s3, address = cluster
     s1 = s3.uri("searches", "s1")
-    out = run(tmp_path / "search", [sys.executable, "-m", "rayconv.tune", "--space", '{"lr": {"grid": [0.05]}}',
-                                    "--scheduler", "fifo", "--address", address, "--dp", "1", "--steps", "4",
-                                    "--eval-every", "2", "--global-batch-size", "96", "--device", "cpu",
-                                    "--no-progress", "--out", s1])
+    search = ["--space", '{"lr": {"grid": [0.05]}}', "--scheduler", "fifo", "--address", address,
+              "--dp", "1", "--steps", "4", "--eval-every", "2", "--global-batch-size", "96",
+              "--device", "cpu", "--no-progress", "--out", s1]
+    out = run(tmp_path / "search", [sys.executable, "-m", "rayconv.tune", *search])
     assert f"-> {s1}" in out, out
     where = locate(s1)
     assert {"search.json", "results.json", "results.csv", "tune", "trial-0", "logs"} <= set(where.listdir())
@@ -115,3 +116,5 @@ def test_a_search_in_the_bucket(cluster, tmp_path):
     assert [t["status"] for t in results["trials"]] == ["finished"], results
     assert json.loads((where / "trial-0" / "summary.json").read_text())["out"] == f"{s1}/trial-0"
     assert "done:" in (where / "logs" / "trial-0.log").read_text()
+    again = run(tmp_path / "again", [sys.executable, "-m", "rayconv.tune", "--resume", s1])   # (Tune's state)
+    assert f"resuming {s1}" in again and "finished" in again, again
