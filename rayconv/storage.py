@@ -56,8 +56,9 @@ def _refuse_secrets(uri: str, flag: str) -> None:
     parts = urllib.parse.urlsplit(uri)
     keys = {k.lower() for k, _ in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)}
     if parts.password is not None or keys & SECRET_PARAMS:
+        what = ", ".join(sorted(keys & SECRET_PARAMS)) or "user:password"
         raise StorageError(
-            f"{flag}: the URI carries a secret ({', '.join(sorted(keys & SECRET_PARAMS)) or 'user:password'}); "
+            f"{flag}: the URI carries a secret ({what}); "
             "give credentials through the storage's own chain (for S3: AWS_ACCESS_KEY_ID and "
             "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or an instance role), not in the URI")
 

@@ -61,7 +61,7 @@ def model(where) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_a_lost_driver_continues_from_the_bucket(cluster, tmp_path):
     s3, address = cluster
-    r1 = s3.uri("runs", "r1")
+    r1 = s3.uri("storage-runs", "r1")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     (tmp_path / "first").mkdir()
     first = subprocess.Popen(command(address, *RUN, "--dp", "2", "--pp", "2", "--num-microbatches", "2",
@@ -91,7 +91,7 @@ def test_a_lost_driver_continues_from_the_bucket(cluster, tmp_path):
 
     # (c) under its own layout, from the killed run's older checkpoint, into another folder: its next
     # checkpoint is the killed run's, bit for bit (read from the bucket without Ray)
-    r2 = s3.uri("runs", "r2")
+    r2 = s3.uri("storage-runs", "r2")
     older, newer = killed_at[:2]
     run(tmp_path / "third", command(address, "--resume", f"{r1}/checkpoints/step-{older}", "--out", r2))
     got, was = whole_state(f"{r2}/checkpoints/step-{newer}"), whole_state(f"{r1}/checkpoints/step-{newer}")
@@ -104,7 +104,7 @@ def test_a_search_in_the_bucket(cluster, tmp_path):
     """``python -m rayconv.tune --out s3://...``: Tune's state, each trial's run folder and log, and the
     results are in the bucket; nothing in the working folder."""
     s3, address = cluster
-    s1 = s3.uri("searches", "s1")
+    s1 = s3.uri("storage-searches", "s1")
     search = ["--space", '{"lr": {"grid": [0.05]}}', "--scheduler", "fifo", "--address", address,
               "--dp", "1", "--steps", "4", "--eval-every", "2", "--global-batch-size", "96",
               "--device", "cpu", "--no-progress", "--out", s1]

@@ -23,12 +23,12 @@ def s3():
 
 
 def test_write_read_list_delete_in_a_bucket(s3):
-    loc = locate(s3.uri("runs", "r1"), flag="--out")
+    loc = locate(s3.uri("storage-unit", "r1"), flag="--out")
     assert loc.remote and is_remote(loc.uri)
     (loc / "a.json").write_bytes(b"{}")
     assert (loc / "a.json").read_bytes() == b"{}" and loc.listdir() == ["a.json"]
     again = pickle.loads(pickle.dumps(loc / "a.json"))  # an actor resolves the URI again
-    assert again.read_bytes() == b"{}" and again.uri == s3.uri("runs", "r1", "a.json")
+    assert again.read_bytes() == b"{}" and again.uri == s3.uri("storage-unit", "r1", "a.json")
     loc.delete()
     assert not (loc / "a.json").exists()
 
@@ -58,7 +58,7 @@ def test_a_uri_is_never_a_local_path(s3, tmp_path, monkeypatch):
     """A store's place is no os.PathLike: open() or Path() of it fails instead of making a local folder
     named s3:; a plain path and a file:// URI are this disk's Path."""
     monkeypatch.chdir(tmp_path)
-    out = place(s3.uri("runs", "r9"), flag="--out")
+    out = place(s3.uri("storage-unit", "r9"), flag="--out")
     with pytest.raises(TypeError):
         Path(out)
     with pytest.raises(TypeError):
@@ -68,26 +68,27 @@ def test_a_uri_is_never_a_local_path(s3, tmp_path, monkeypatch):
 
 
 def test_checkpoints_in_a_bucket_are_complete_only_with_their_manifest(s3):
-    out = place(s3.uri("runs", "ck"))
+    out = place(s3.uri("storage-unit", "ck"))
     meta = {"model": "m", "layout": {"dp": 1, "pp": 1, "fs": 1}}
     write_checkpoint(out, 2, [b"rank0"], meta, extra={"metrics.parquet": b"rows"})
     write_checkpoint(out, 4, [b"rank0-4"], meta)
     (out / "checkpoints" / "step-6" / "rank-0.pt").write_bytes(b"half")   # an upload cut short
     assert [p.name for p in list_checkpoints(out)] == ["step-2", "step-4"]
-    ckpt = load_checkpoint(s3.uri("runs", "ck"))             # the newest complete, read from the URI
+    ckpt = load_checkpoint(s3.uri("storage-unit", "ck"))   # the newest complete, read from the URI
     assert ckpt.step == 4 and ckpt.rank_file(0) == b"rank0-4" and ckpt.run_dir == out
-    assert load_checkpoint(f"{s3.uri('runs', 'ck')}/checkpoints/step-2").files["metrics.parquet"] == b"rows"
+    older = load_checkpoint(f"{s3.uri('storage-unit', 'ck')}/checkpoints/step-2")
+    assert older.files["metrics.parquet"] == b"rows"
     remove_partial(out)
     assert (out / "checkpoints").listdir() == ["step-2", "step-4"]
     write_checkpoint(out, 6, [b"x"], meta, keep=1)
     assert [p.name for p in list_checkpoints(out)] == ["step-6"]
     (out / "checkpoints" / "step-6" / "rank-0.pt").write_bytes(b"y")   # damaged after the manifest
     with pytest.raises(CheckpointError, match="corrupt"):
-        load_checkpoint(s3.uri("runs", "ck"))
+        load_checkpoint(s3.uri("storage-unit", "ck"))
 
 
 def test_results_in_a_bucket_are_whole(s3):
-    out = place(s3.uri("runs", "res"))
+    out = place(s3.uri("storage-unit", "res"))
     write_json(out / "summary.json", {"a": 1})
     atomic_write(out / "model.pt", lambda tmp: Path(tmp).write_bytes(b"weights"))
     with pytest.raises(ZeroDivisionError):   # a writer that fails leaves nothing
@@ -104,7 +105,7 @@ def test_results_in_a_bucket_are_whole(s3):
 
 def test_event_files_reach_the_bucket_at_each_flush(s3):
     pytest.importorskip("tensorboard")
-    out = place(s3.uri("runs", "tb"))
+    out = place(s3.uri("storage-unit", "tb"))
     events = EventFiles(out)
     events.add_rows([{"kind": "train", "step": 0, "loss": 1.0}])
     (name,) = (out / "tensorboard").listdir()

@@ -47,10 +47,10 @@ def one_line(argv, capsys, tmp_path, monkeypatch) -> str:
 
 
 def test_wrong_credentials(s3, auth_checked, capsys, tmp_path, monkeypatch):
-    line = one_line(["--out", s3.uri("runs", "r1")], capsys, tmp_path, monkeypatch)
-    assert f"--out {s3.uri('runs', 'r1')}: access denied: check the credentials" in line, line
+    line = one_line(["--out", s3.uri("storage-errors", "r1")], capsys, tmp_path, monkeypatch)
+    assert f"--out {s3.uri('storage-errors', 'r1')}: access denied: check the credentials" in line, line
     assert "wrong-secret" not in line
-    line = one_line(["--resume", s3.uri("runs", "r1")], capsys, tmp_path, monkeypatch)
+    line = one_line(["--resume", s3.uri("storage-errors", "r1")], capsys, tmp_path, monkeypatch)
     assert "--resume" in line and "access denied" in line, line
 
 
@@ -63,7 +63,7 @@ def test_a_missing_bucket(s3, capsys, tmp_path, monkeypatch):
 
 
 def test_nothing_to_resume_in_the_bucket(s3, capsys, tmp_path, monkeypatch):
-    line = one_line(["--resume", s3.uri("runs", "never")], capsys, tmp_path, monkeypatch)
+    line = one_line(["--resume", s3.uri("storage-errors", "never")], capsys, tmp_path, monkeypatch)
     assert "nothing is stored there" in line, line
 
 
@@ -90,8 +90,8 @@ def test_an_out_that_cannot_be_written(capsys, tmp_path, monkeypatch):
 
 
 def test_the_probe_leaves_nothing_behind(s3):
-    loc = check_writable(s3.uri("runs", "probed"), "--out")
-    assert loc.listdir() == [] and locate(s3.uri("runs")).listdir() == []
+    loc = check_writable(s3.uri("probes", "probed"), "--out")   # (moto's buckets are one per process)
+    assert loc.listdir() == [] and locate(s3.uri("probes")).listdir() == []
     assert os.environ["AWS_ENDPOINT_URL"] == s3.endpoint
 
 
