@@ -28,7 +28,8 @@ from rayconv.startup import begin
 def fit(config: Optional[Config] = None, /, *, log=print, on_eval=None, **settings: Any) -> dict[str, Any]:
     """Train as ``config`` (a Config, or None for the defaults) with ``settings`` over it, as
     ``python -m rayconv.run`` with those flags would, and return the run's summary (summary.json's
-    content). ``log`` receives the progress lines; ``on_eval(row, total_steps)``, if given, each
+    content; its ``out`` says where the results are: a local folder in full, or the URI as given, e.g.
+    ``out="s3://bucket/runs/r1"``). ``log`` receives the progress lines; ``on_eval(row, total_steps)``, if given, each
     evaluation's metrics row (raising ``rayconv.errors.RunStopped`` in it stops the run, its folder kept
     with status interrupted: how ``rayconv.tune`` stops a trial early). With ``resume=``, the checkpoint's settings come
     first, as on the command line. Raises ConfigError / DataError / LayoutError / CheckpointError /
