@@ -40,6 +40,11 @@ class StorageError(ConfigError):
     unreachable endpoint, a place that cannot be written."""
 
 
+class StoreWriteFailed(StorageError, OSError):
+    """A write to an object store failed (``Location.write_bytes``/``upload``): one line saying why
+    (``one_line``); an OSError too, for callers that retry or report I/O errors."""
+
+
 def is_uri(where: str | os.PathLike) -> bool:
     """Whether ``where`` names a file system by scheme (``s3://...``, ``file://...``), not a plain path."""
     s = os.fspath(where)
@@ -180,15 +185,16 @@ class Location:
     def upload(self, local_file: str | os.PathLike) -> None:
         """This object <- the local file, streamed (an S3 multipart upload is visible only once
         complete; on an error it is aborted, so nothing half-written appears)."""
-        stream = self.fs.open_output_stream(self.path)
-        try:
-            with open(local_file, "rb") as src:
-                shutil.copyfileobj(src, stream, 8 << 20)
-        except BaseException:
-            if hasattr(stream, "abort"):   # (pyarrow >= 16: drop the upload instead of completing it)
-                stream.abort()
-            raise
-        stream.close()
+        with _writing(self):
+            stream = self.fs.open_output_stream(self.path)
+            try:
+                with open(local_file, "rb") as src:
+                    shutil.copyfileobj(src, stream, 8 << 20)
+            except BaseException:
+                if hasattr(stream, "abort"):   # (pyarrow >= 16: drop the upload instead of completing it)
+                    stream.abort()
+                raise
+            stream.close()
 
     def write_bytes(self, data: bytes) -> None:
         """Write the whole object or nothing: a local file through a temporary name and a rename, an
@@ -198,14 +204,15 @@ class Location:
             self.local.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(self.local, lambda tmp: Path(tmp).write_bytes(data))
             return
-        stream = self.fs.open_output_stream(self.path)
-        try:
-            stream.write(data)
-        except BaseException:
-            if hasattr(stream, "abort"):
-                stream.abort()
-            raise
-        stream.close()
+        with _writing(self):
+            stream = self.fs.open_output_stream(self.path)
+            try:
+                stream.write(data)
+            except BaseException:
+                if hasattr(stream, "abort"):
+                    stream.abort()
+                raise
+            stream.close()
 
     def unlink(self, missing_ok: bool = False) -> None:
         if missing_ok or self.exists():
@@ -221,6 +228,18 @@ class Location:
             self.fs.delete_dir(self.path)
         elif info.type != pafs.FileType.NotFound:
             self.fs.delete_file(self.path)
+
+
+@contextlib.contextmanager
+def _writing(loc: "Location") -> Iterator[None]:
+    """An OSError of a store's write as ``StoreWriteFailed`` (one line, naming the object)."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except OSError as e:
+        err = one_line(e, loc, "writing", "failed")
+        raise StoreWriteFailed(str(err)) from None
 
 
 def _has_query(uri: str) -> bool:

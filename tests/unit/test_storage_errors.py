@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from rayconv.run import main
-from rayconv.storage import check_writable, locate
+from rayconv.storage import StorageError, check_writable, locate
 from tests.support.ray_head import free_port
 from tests.support.s3_server import s3_server
 
@@ -98,3 +98,14 @@ def test_the_probe_leaves_nothing_behind(s3):
 def test_a_read_only_out(capsys, tmp_path, monkeypatch):
     line = one_line(["--out", "/proc/rayconv-run"], capsys, tmp_path, monkeypatch)
     assert "--out /proc/rayconv-run cannot be written (" in line and "in /proc)" in line, line
+
+
+def test_a_write_that_fails_mid_run_is_one_line(s3, monkeypatch):
+    """A write to the store that fails once the run is going (the endpoint gone, a token expired) is one
+    line naming the object, and an OSError for whoever retries."""
+    loc = locate(s3.uri("storage-errors", "mid"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(OSError) as e:
+        (locate(loc.uri) / "summary.json").write_bytes(b"{}")
+    assert isinstance(e.value, StorageError) and "\n" not in str(e.value)
+    assert str(e.value).startswith(f"writing {loc.uri}/summary.json: cannot reach the storage endpoint")
