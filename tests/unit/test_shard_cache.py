@@ -167,3 +167,15 @@ def test_bad_locations_are_one_line_exit_2_before_ray(s3, sets, tmp_path, capsys
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")   # (nothing listens there)
     assert "the storage cannot be read" in failing("s3://b/raw")
     assert not ray.is_initialized() and not (tmp_path / "x").exists()
+
+
+def test_stage_dir_copies_from_a_bucket(sets, tmp_path):
+    from rayconv.cluster.local_copy import copy_folder
+
+    first = copy_folder(sets["raw"], str(tmp_path / "stage"))
+    assert len(first["copied"]) == 8 and first["skipped"] == []
+    assert sorted(p.name for p in (tmp_path / "stage").iterdir()) == sorted(p.name for p in sets["local"].iterdir())
+    for p in sets["local"].iterdir():
+        assert (tmp_path / "stage" / p.name).read_bytes() == p.read_bytes(), p.name
+    again = copy_folder(sets["raw"], str(tmp_path / "stage"))
+    assert again["copied"] == [] and len(again["skipped"]) == 8
