@@ -137,10 +137,12 @@ class ShardCache:
                             f"{budget} ({_size(budget)}): raise --cache-bytes (the set is read from each node's "
                             "cache whole) or give --cache-dir a larger disk")
         with _locked(self.root / f".{self.folder.name}.lock"):   # (one fetcher of this set per node)
-            if not (self.folder / MANIFEST).is_file() or (self.folder / MANIFEST).read_bytes() != self.manifest_bytes:
-                self.folder.mkdir(exist_ok=True)
-                todo = [f for f in (order or list(self.entries)) if not self._complete(f)]
-                todo += [f for f in self.entries if f not in todo and not self._complete(f)]
+            self.folder.mkdir(exist_ok=True)
+            todo = [f for f in (order or list(self.entries)) if not self._complete(f)]
+            todo += [f for f in self.entries if f not in todo and not self._complete(f)]
+            manifest = self.folder / MANIFEST
+            if todo or not manifest.is_file() or manifest.read_bytes() != self.manifest_bytes:
+                manifest.unlink(missing_ok=True)   # (incomplete until every shard is back)
                 self._make_room(budget)
                 self._fetch(todo)
                 atomic_write(self.folder / MANIFEST, lambda tmp: Path(tmp).write_bytes(self.manifest_bytes))

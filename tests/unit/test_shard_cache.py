@@ -179,3 +179,12 @@ def test_stage_dir_copies_from_a_bucket(sets, tmp_path):
         assert (tmp_path / "stage" / p.name).read_bytes() == p.read_bytes(), p.name
     again = copy_folder(sets["raw"], str(tmp_path / "stage"))
     assert again["copied"] == [] and len(again["skipped"]) == 8
+
+
+def test_a_shard_gone_from_the_cache_is_fetched_again(sets, tmp_path):
+    first = cache.ShardCache(sets["raw"], str(tmp_path))
+    folder = first.ready()
+    (folder / "train-00002.arrow").unlink()
+    again = cache.ShardCache(sets["raw"], str(tmp_path))
+    assert again.ready() == folder and again.fetched == ["train-00002.arrow"]
+    cache.release()
