@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     p.add_argument("--shard-size", type=int, default=2000, help="images a shard (default %(default)s)")
     p.add_argument("--steps", type=int, default=40, help="steps a training run (default %(default)s)")
     p.add_argument("--batch", type=int, default=64, help="global batch size (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=2, help="pairs of local / bucket runs (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=2, help="pairs of local, bucket runs (default %(default)s)")
     a = p.parse_args(argv)
 
     import logging
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
             uri = s3.uri("raw")
             pafs.copy_files(str(local), f"{s3.bucket}/raw", source_filesystem=pafs.LocalFileSystem(),
                             destination_filesystem=fs)
-            # fill: pyarrow's copy of the bytes (the server's rate), then rayconv's cache, each into an empty folder
+            # fill: pyarrow's copy of the bytes (the server's rate), then rayconv's cache, into new folders
             (work / "copy").mkdir()
             t = time.perf_counter()
             pafs.copy_files(f"{s3.bucket}/raw", str(work / "copy"), source_filesystem=fs,
@@ -93,7 +93,8 @@ def main(argv=None) -> int:
             fill_s = time.perf_counter() - t
             cache.release()
             rows["fill"] = {"bytes": set_bytes, "copy_files_s": copy_s, "cache_fill_s": fill_s,
-                            "copy_files_MBps": set_bytes / copy_s / 1e6, "cache_MBps": set_bytes / fill_s / 1e6,
+                            "copy_files_MBps": set_bytes / copy_s / 1e6,
+                            "cache_MBps": set_bytes / fill_s / 1e6,
                             "ratio": copy_s / fill_s}
 
             def cfg(data_dir, name: str, cache_dir: Path) -> Config:
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
 
             ray.init(num_cpus=2, include_dashboard=False, namespace="rayconv", log_to_driver=False,
                      configure_logging=True, logging_level="WARNING")
-            train_run(cfg(local, "warm-up", warm_dir), log=lambda *_: None)   # (not counted: Ray's first workers)
+            train_run(cfg(local, "warm-up", warm_dir), log=lambda *_: None)   # (uncounted: new workers)
             runs: dict[str, list] = {"local": [], "bucket": []}
             for r in range(a.repeats):
                 pair = (("local", local), ("bucket", uri))

@@ -100,7 +100,7 @@ def copy_folder(src: str, dest: str) -> dict[str, Any]:
         entries = [e for split in manifest["splits"].values() for e in split["shards"]]
     else:
         manifest_bytes, entries = _read_manifest(root)
-    if isinstance(root, Path) and out.exists() and out.resolve() == root.resolve():  # (a resumed run: its data_dir is DIR already)
+    if isinstance(root, Path) and out.exists() and out.resolve() == root.resolve():  # (--data-dir is DIR)
         bad = [e["file"] for e in entries if not is_copied(out / e["file"], e)]
         if bad:
             raise DataError(f"--stage-dir {out} is --data-dir itself and {bad[0]} there does not match {MANIFEST}: "
@@ -115,7 +115,8 @@ def copy_folder(src: str, dest: str) -> dict[str, Any]:
         return _copy_locked(root, out, manifest_bytes, entries)
 
 
-def _copy_locked(root: Any, out: Path, manifest_bytes: bytes, entries: list[dict[str, Any]]) -> dict[str, Any]:
+def _copy_locked(root: Any, out: Path, manifest_bytes: bytes, entries: list[dict[str, Any]]
+                 ) -> dict[str, Any]:
     """copy_folder's work, with ``out`` locked."""
     try:
         listed = {e["file"] for e in entries}

@@ -49,7 +49,7 @@ from rayconv.storage import Location, StorageError, locate
 MANIFEST = "manifest.json"   # rayconv.data.shard_files.MANIFEST
 THREADS = 4                  # concurrent reads from the storage per fetch
 PART = 8 << 20               # bytes per range read of a large shard
-BUDGET_SHARE = 0.5           # the default --cache-bytes: this share of the cache disk's free bytes (and its own)
+BUDGET_SHARE = 0.5           # the default --cache-bytes: this share of the disk's free bytes (and its own)
 
 _HELD: dict[str, int] = {}   # cache folder -> fd holding its shared lock (this process reads it)
 
@@ -80,7 +80,7 @@ def remote_manifest(uri: str, flag: str = "--data-dir") -> tuple[Location, bytes
         manifest = json.loads(data)
         for split in manifest["splits"].values():
             for e in split["shards"]:
-                assert {"file", "bytes", "sha256", "rows"} <= set(e), "a shard entry lacks file/bytes/sha256/rows"
+                assert {"file", "bytes", "sha256", "rows"} <= set(e), "a shard entry lacks a key"
     except (ValueError, KeyError, TypeError, AttributeError, AssertionError) as e:
         raise DataError(f"{flag} {uri}: its {MANIFEST} is not a rayconv shard manifest ({e}): prepare the "
                         "folder again") from None
@@ -102,7 +102,8 @@ def shard_order(manifest: dict[str, Any], epoch_order: np.ndarray) -> list[str]:
     train = manifest["splits"]["train"]["shards"]
     shard_of = np.searchsorted(np.cumsum([int(e["rows"]) for e in train]), epoch_order, side="right")
     ids, first = np.unique(shard_of, return_index=True)
-    return [train[int(s)]["file"] for s in ids[np.argsort(first)]] + [e["file"] for e in manifest["splits"]["val"]["shards"]]
+    val = [e["file"] for e in manifest["splits"]["val"]["shards"]]
+    return [train[int(s)]["file"] for s in ids[np.argsort(first)]] + val
 
 
 class ShardCache:
@@ -114,7 +115,8 @@ class ShardCache:
         self.uri = uri
         self.location, self.manifest_bytes, self.manifest = remote_manifest(uri)
         self.root = Path(root) if root else cache_dir() / "shards"
-        key = hashlib.sha256(uri.encode()).hexdigest()[:12] + "-" + hashlib.sha256(self.manifest_bytes).hexdigest()[:16]
+        digest = hashlib.sha256
+        key = f"{digest(uri.encode()).hexdigest()[:12]}-{digest(self.manifest_bytes).hexdigest()[:16]}"
         self.folder = self.root / key
         self.entries = {e["file"]: e for split in self.manifest["splits"].values() for e in split["shards"]}
         self.set_bytes = sum(int(e["bytes"]) for e in self.entries.values()) + len(self.manifest_bytes)
@@ -130,12 +132,12 @@ class ShardCache:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise DataError(f"--cache-dir {self.root}: cannot make the cache folder ({e.strerror or e})") from None
+            raise DataError(f"--cache-dir {self.root}: cannot make the folder ({e.strerror or e})") from None
         budget = self.budget if self.budget is not None else default_budget(self.root)
         if self.set_bytes > budget:
             raise DataError(f"--data-dir {self.uri} holds {_size(self.set_bytes)}, more than --cache-bytes "
-                            f"{budget} ({_size(budget)}): raise --cache-bytes (the set is read from each node's "
-                            "cache whole) or give --cache-dir a larger disk")
+                            f"{budget} ({_size(budget)}): raise --cache-bytes (the set is read from each "
+                            "node's cache whole) or give --cache-dir a larger disk")
         with _locked(self.root / f".{self.folder.name}.lock"):   # (one fetcher of this set per node)
             self.folder.mkdir(exist_ok=True)
             todo = [f for f in (order or list(self.entries)) if not self._complete(f)]
@@ -169,8 +171,9 @@ class ShardCache:
                     shutil.rmtree(other, ignore_errors=True)
                     self.evicted.append(other.name)
         if self.used() + need > budget:
-            raise DataError(f"--cache-dir {self.root}: {_size(self.used())} held by sets in use, {_size(need)} "
-                            f"more needed for {self.uri}: raise --cache-bytes or wait for the other runs")
+            raise DataError(f"--cache-dir {self.root}: {_size(self.used())} held by sets in use, "
+                            f"{_size(need)} more needed for {self.uri}: raise --cache-bytes or wait for the "
+                            "other runs")
 
     # ------------------------------------------------------------------ fetching
     def _complete(self, name: str) -> bool:
@@ -185,8 +188,8 @@ class ShardCache:
         free = shutil.disk_usage(self.folder).free
         need = sum(int(self.entries[n]["bytes"]) for n in names)
         if need > free:
-            raise DataError(f"--cache-dir {self.root}: {_size(need)} to fetch, {_size(free)} free on its disk: "
-                            "free space there or give --cache-dir another disk")
+            raise DataError(f"--cache-dir {self.root}: {_size(need)} to fetch, {_size(free)} free on its "
+                            "disk: free space there or give --cache-dir another disk")
         with ThreadPoolExecutor(THREADS) as pool:
             # Parts of every shard in the run's order, a few threads reading them: the first shards the
             # run reads are whole first.
@@ -196,7 +199,8 @@ class ShardCache:
                 size = int(self.entries[name]["bytes"])
                 with open(tmp, "wb") as f:
                     f.truncate(size)
-                parts = [(o, min(PART, size - o)) for o in range(0, size, PART)] if size > 2 * PART else [(0, size)]
+                parts = ([(o, min(PART, size - o)) for o in range(0, size, PART)] if size > 2 * PART
+                         else [(0, size)])
                 jobs.append((name, tmp, [pool.submit(self._read_part, name, tmp, o, n) for o, n in parts]))
             for name, tmp, parts in jobs:
                 for part in parts:
@@ -212,8 +216,8 @@ class ShardCache:
             raise StorageError(f"--data-dir {self.uri}: reading {name} failed ({_first_line(e)}); the shards "
                                "fetched so far stay in the cache: run again") from None
         if len(data) != length:
-            raise DataError(f"--data-dir {self.uri}: {name} is shorter than its {MANIFEST} says: run `python -m "
-                            f"rayconv.prepare` again with --out {self.uri}")
+            raise DataError(f"--data-dir {self.uri}: {name} is shorter than its {MANIFEST} says: run "
+                            f"`python -m rayconv.prepare` again with --out {self.uri}")
         fd = os.open(tmp, os.O_WRONLY)
         try:
             os.pwrite(fd, data, offset)
@@ -226,8 +230,9 @@ class ShardCache:
         entry = self.entries[name]
         if tmp.stat().st_size != int(entry["bytes"]) or sha256_file(tmp) != entry["sha256"]:
             tmp.unlink(missing_ok=True)
-            raise DataError(f"--data-dir {self.uri}: {name} does not match its size and sha256 in {MANIFEST}: "
-                            f"run `python -m rayconv.prepare` again with --out {self.uri} (it rewrites bad shards)")
+            raise DataError(f"--data-dir {self.uri}: {name} does not match its size and sha256 in "
+                            f"{MANIFEST}: run `python -m rayconv.prepare` again with --out {self.uri} (it "
+                            "rewrites bad shards)")
         os.replace(tmp, self.folder / name)
         self.fetched.append(name)
 
@@ -293,8 +298,8 @@ def local_folder(cfg: Any, order=None) -> Optional[str]:
     started = time.perf_counter()
     cache = ShardCache(where, cfg.cache_dir, cfg.cache_bytes)
     folder = cache.ready(shard_order(cache.manifest, order(cache.manifest)) if order else None)
-    LAST.update(fetched=list(cache.fetched), evicted=list(cache.evicted), seconds=time.perf_counter() - started,
-                folder=str(folder))
+    LAST.update(fetched=list(cache.fetched), evicted=list(cache.evicted),
+                seconds=time.perf_counter() - started, folder=str(folder))
     return str(folder)
 
 
@@ -330,8 +335,8 @@ def upload_prepared(folder: Path, uri: str, log=print) -> None:
                 (dest / stale).delete()
         (dest / MANIFEST).write_bytes((folder / MANIFEST).read_bytes())
     except OSError as e:
-        raise StorageError(f"--out {uri}: uploading the shards failed ({_first_line(e)}); they stay in {folder}: "
-                           "run the same command again") from None
+        raise StorageError(f"--out {uri}: uploading the shards failed ({_first_line(e)}); they stay in "
+                           f"{folder}: run the same command again") from None
     log(f"prepare: {len(names)} shards and {MANIFEST} uploaded to {uri}")
     shutil.rmtree(folder, ignore_errors=True)
 

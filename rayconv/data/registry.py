@@ -89,7 +89,8 @@ def first_epoch_order(cfg: Config, manifest: dict) -> np.ndarray:
     """Epoch 0's train sample order of the prepared folder ``manifest`` describes, as the run takes it
     (``data.order``; the validation split's images left in: it orders the shards' fetch only)."""
     rows = tuple(int(e["rows"]) for e in manifest["splits"]["train"]["shards"])
-    order = BlockOrder(rows, cfg.shuffle_window, cfg.seed) if cfg.shuffle == "block" else ExactOrder(sum(rows), cfg.seed)
+    block = cfg.shuffle == "block"
+    order = BlockOrder(rows, cfg.shuffle_window, cfg.seed) if block else ExactOrder(sum(rows), cfg.seed)
     return order.epoch_order(0)
 
 

@@ -62,9 +62,10 @@ def folders(s3_and_ray, tmp_path_factory):
 
 def _cfg(data_dir, out, **kw) -> Config:
     # 18 train images, global batch 6: 3 steps an epoch; 4 steps cross an epoch boundary.
-    base = dict(model="convnet", data="shards", data_dir=str(data_dir), image_size=SIZE, dp=2, global_batch_size=6,
-                steps=4, lr=0.05, momentum=0.9, weight_decay=5e-4, precision="fp64", device="cpu", progress=False,
-                eval_every=4, loader_workers=0, data_on_device="off", out=str(out))
+    base = dict(model="convnet", data="shards", data_dir=str(data_dir), image_size=SIZE, dp=2,
+                global_batch_size=6, steps=4, lr=0.05, momentum=0.9, weight_decay=5e-4, precision="fp64",
+                device="cpu", progress=False, eval_every=4, loader_workers=0, data_on_device="off",
+                out=str(out))
     return Config(**{**base, **kw}).validate()
 
 
@@ -80,6 +81,8 @@ def test_dp2_from_a_bucket_equals_single_device_sgd_cold_and_warm(folders, tmp_p
     cache.release()
     warm = _cfg(folders["bucket"], tmp_path / "warm", cache_dir=str(tmp_path / "cache"), cache_bytes=budget)
     train_run(warm, log=lambda *_: None)
-    torch.testing.assert_close(torch.load(tmp_path / "warm" / "model.pt", weights_only=True), got, rtol=0, atol=0)
-    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "cache").glob("*/*")} == held   # nothing fetched again
+    again = torch.load(tmp_path / "warm" / "model.pt", weights_only=True)
+    torch.testing.assert_close(again, got, rtol=0, atol=0)
+    assert {p: p.stat().st_mtime_ns for p in held} == held   # nothing fetched again
+    assert sorted((tmp_path / "cache").glob("*/*")) == sorted(held)
     cache.release()

@@ -41,7 +41,8 @@ def src(tmp_path_factory) -> Path:
         for c in "ab":
             (root / split / c).mkdir(parents=True)
             for i in range(n):
-                Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3)).astype(np.uint8)).save(root / split / c / f"{i}.png")
+                px = rng.integers(0, 256, (SIZE, SIZE, 3)).astype(np.uint8)
+                Image.fromarray(px).save(root / split / c / f"{i}.png")
     return root
 
 
@@ -174,7 +175,8 @@ def test_stage_dir_copies_from_a_bucket(sets, tmp_path):
 
     first = copy_folder(sets["raw"], str(tmp_path / "stage"))
     assert len(first["copied"]) == 8 and first["skipped"] == []
-    assert sorted(p.name for p in (tmp_path / "stage").iterdir()) == sorted(p.name for p in sets["local"].iterdir())
+    names = sorted(p.name for p in sets["local"].iterdir())
+    assert sorted(p.name for p in (tmp_path / "stage").iterdir()) == names
     for p in sets["local"].iterdir():
         assert (tmp_path / "stage" / p.name).read_bytes() == p.read_bytes(), p.name
     again = copy_folder(sets["raw"], str(tmp_path / "stage"))
