@@ -322,9 +322,15 @@ def upload_prepared(folder: Path, uri: str, log=print) -> None:
     names = [e["file"] for split in manifest["splits"].values() for e in split["shards"]]
 
     def put(name: str) -> None:
-        with open(folder / name, "rb") as fi, dest.fs.open_output_stream((dest / name).path) as fo:
-            for block in iter(lambda: fi.read(PART), b""):
-                fo.write(block)
+        stream = dest.fs.open_output_stream((dest / name).path)
+        try:
+            with open(folder / name, "rb") as fi:
+                shutil.copyfileobj(fi, stream, PART)
+        except BaseException:
+            if hasattr(stream, "abort"):   # (pyarrow >= 16: the upload dropped, no partial object made)
+                stream.abort()
+            raise
+        stream.close()
 
     try:
         (dest / MANIFEST).delete()
