@@ -23,6 +23,10 @@ refused in one line (the sources map every shard at open). Default: half of what
 free, with what the cache already holds. The sample order never depends on the cache: the readers
 take the same rows of the same files as from a local folder.
 
+``python -m rayconv.prepare DIR --out s3://...`` prepares into a local folder of the cache
+(``staging_folder``, where a stopped prepare resumes) and then ``upload_prepared``: the manifest at the
+URI removed, the shards put (an upload that fails is aborted), the manifest put last.
+
 Errors: DataError (one line) for a shard that does not match its manifest; ``remote_manifest`` raises
 StorageError (a missing bucket, an unreachable endpoint, wrong credentials) or DataError (no manifest).
 """
