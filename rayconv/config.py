@@ -102,6 +102,11 @@ class DataSettings:
     shuffle_window: int = field(default=8, metadata={"help": "--shuffle block: shards per window, >= 1"})
     stage_dir: Optional[str] = field(default=None, metadata={"help": "--data shards: first copy the shards to "
         "this folder on each node's local disk (sha256-checked, skipped when there) and read them there"})
+    cache_bytes: Optional[int] = field(default=None, metadata={"help": "--data-dir in object storage "
+        "(s3://, gs://): bytes of shards each node's cache keeps (other sets evicted first); default: half "
+        "the cache disk's free space"})
+    cache_dir: Optional[str] = field(default=None, metadata={"help": "--data-dir in object storage: each "
+        "node's cache folder; default: shards/ in rayconv's cache ($RAYCONV_CACHE_DIR, ~/.cache/rayconv)"})
     loader_workers: Optional[int] = field(default=None, metadata={
         "help": "decode processes per actor for imagefolder data and shards decoded on the CPU; default: on "
                 "GPUs the node's CPU cores per GPU less 2 (at least 2), on CPUs 2"})

@@ -82,6 +82,8 @@ def _check_names(cfg: Any) -> None:
           f"--shuffle block permutes windows of shards: use --data shards (got --data {cfg.data}) or --shuffle exact")
     _need(cfg.stage_dir is None or cfg.data == "shards",
           f"--stage-dir copies a prepared shard folder: use --data shards (got --data {cfg.data}), or drop it")
+    _need(cfg.cache_bytes is None or cfg.cache_bytes > 0,
+          f"--cache-bytes {cfg.cache_bytes}: give a positive byte count")
     _need(cfg.opt in OPT_CHOICES, f"unknown --opt {cfg.opt!r}: choose one of {', '.join(OPT_CHOICES)}")
     _need(cfg.lr_warmup_method in WARMUP_CHOICES, f"unknown --lr-warmup-method {cfg.lr_warmup_method!r}: linear, constant")
     _need(cfg.lr_scaling in LR_SCALING_CHOICES, f"unknown --lr-scaling {cfg.lr_scaling!r}: choose none or linear")

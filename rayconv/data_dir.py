@@ -5,6 +5,11 @@ A folder written by ``python -m rayconv.prepare`` (its ``manifest.json``) is ``s
 (plain or gzipped) is ``fashion-mnist``. Anything else is refused in one line naming the --data to give.
 Plain Python (the file names are written out, ``tests/unit/test_flags.py`` checks them against the
 readers'), so that the command lines stay free of torch until their arguments are known to be good.
+
+A ``--data-dir`` URI (``s3://bucket/prefix``, ``gs://...``: ``rayconv.storage``) holds prepared shards
+(read through each node's cache: ``rayconv.data.cache``); its manifest is read here, before Ray, so a
+missing bucket, an unreachable endpoint or a prefix without a manifest is one line. A ``file://`` URI
+is the local folder it names.
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ FOLDER_KINDS = ("imagefolder", "shards", "fashion-mnist")   # the --data kinds t
 def raw_side(data_dir: Optional[str]) -> Optional[int]:
     """The stored side in pixels of a raw-pixel shard folder (its manifest's ``image_shape``), None for
     JPEG shards, no folder or a manifest that does not read (the shard checks name what is wrong)."""
+    if data_dir and is_uri(data_dir):
+        try:
+            return _raw_side_of(remote_manifest(data_dir))
+        except ConfigError:
+            return None
     path = Path(data_dir) / MANIFEST if data_dir else None
     try:
         return _raw_side(str(path), path.stat().st_mtime_ns) if path else None
@@ -34,15 +44,46 @@ def raw_side(data_dir: Optional[str]) -> Optional[int]:
 @lru_cache(maxsize=16)
 def _raw_side(path: str, mtime_ns: int) -> Optional[int]:
     try:
-        manifest = json.loads(Path(path).read_text())
-        return int(manifest["image_shape"][0]) if manifest.get("encoding") == "raw" else None
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return _raw_side_of(json.loads(Path(path).read_text()))
+    except (OSError, ValueError):
         return None
+
+
+def _raw_side_of(manifest: dict) -> Optional[int]:
+    try:
+        return int(manifest["image_shape"][0]) if manifest.get("encoding") == "raw" else None
+    except (KeyError, TypeError, IndexError, ValueError, AttributeError):
+        return None
+
+
+def is_uri(where: str) -> bool:
+    """Whether ``where`` names a file system by scheme (``rayconv.storage.is_uri``)."""
+    from rayconv.storage import is_uri as uri
+    return uri(where)
+
+
+@lru_cache(maxsize=16)
+def remote_manifest(uri: str) -> dict:
+    """The manifest of the prepared folder at ``uri`` (one read per process and URI; a ``file://`` URI's
+    folder is read as a local one). Raises ConfigError (rayconv.data.cache.remote_manifest: a missing
+    bucket, an unreachable endpoint, no manifest), as one line."""
+    from rayconv.data.cache import remote_manifest as read
+    from rayconv.errors import DataError
+    try:
+        return read(uri)[2]
+    except DataError as e:
+        raise ConfigError(str(e)) from None
 
 
 def data_of_folder(data_dir: str) -> str:
     """The ``--data`` kind of ``data_dir``: shards, imagefolder or fashion-mnist (module docstring).
     Raises ConfigError for a folder that does not exist or holds none of them."""
+    if is_uri(data_dir):
+        from rayconv.storage import is_remote, locate
+        if not is_remote(data_dir):
+            return data_of_folder(str(locate(data_dir, flag="--data-dir").local))
+        remote_manifest(data_dir)
+        return "shards"
     root = Path(data_dir)
     if not root.is_dir():
         raise ConfigError(f"--data-dir {data_dir}: no such folder (give an image folder with train/ and val/, a "
@@ -67,6 +108,10 @@ def with_data_kind(values: dict) -> dict:
         return values
     if "data" not in values:
         return {**values, "data": data_of_folder(data_dir)}
+    if is_uri(data_dir) and values["data"] in FOLDER_KINDS:
+        kind = data_of_folder(data_dir)   # (a bucket, its manifest, the endpoint: checked before Ray)
+        if values["data"] != "imagefolder" and kind != values["data"]:
+            raise ConfigError(f"--data-dir {data_dir} holds {kind} data: give --data {kind} (or drop --data)")
     if values["data"] not in FOLDER_KINDS:
         raise ConfigError(f"--data-dir {data_dir} is read by --data {', '.join(FOLDER_KINDS)}, not --data "
                           f"{values['data']}: drop --data-dir, or --data (then the folder's kind is used)")

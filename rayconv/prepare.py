@@ -15,12 +15,14 @@ cluster failed, or the disk filled during --convert (no half shard is left); 130
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from rayconv.flags import OneLineParser
 from rayconv.data.shard_convert import convert, convert_encoding
 from rayconv.data.shard_writer import ENCODINGS, RAW_MAX_SIZE, SHARD_ORDERS, prepare, resolve_encoding, write_shard
-from rayconv.errors import ClusterError, DataError
+from rayconv.errors import ClusterError, ConfigError, DataError
+from rayconv.storage import is_remote, locate
 
 
 def _on_ray(args: dict[str, tuple], address: Optional[str]) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -108,10 +110,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         if a.convert is not None:
             convert(a.convert)
             return 0
-        prepare(a.dir, a.out, a.size, a.quality, a.shard_size, fan_out=lambda args: _on_ray(args, a.address),
+        remote = is_remote(a.out)   # a bucket: prepared in a local folder, uploaded with its manifest last
+        if remote:
+            from rayconv.data.cache import staging_folder, upload_prepared
+            locate(a.out, flag="--out")   # (a URI with a secret, or one that cannot be opened: refused first)
+        out = str(staging_folder(a.out)) if remote else a.out
+        prepare(a.dir, out, a.size, a.quality, a.shard_size, fan_out=lambda args: _on_ray(args, a.address),
                 shard_order=a.shard_order, seed=a.seed, encoding=a.encoding or "jpeg")
+        if remote:
+            upload_prepared(Path(out), a.out)
         return 0
-    except DataError as e:
+    except (DataError, ConfigError) as e:   # (ConfigError: StorageError, a --out URI)
         print(f"rayconv.prepare: error: {e}", file=sys.stderr)
         return 2
     except (ClusterError, OSError) as e:   # OSError: --convert on a full disk (no half shard is left)

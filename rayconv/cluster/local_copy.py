@@ -4,7 +4,8 @@
 alive node that can host an actor of the run (a GPU for ``cuda``, ``--num-cpus-per-actor`` CPUs
 otherwise; the placement group is reserved later, so every such node gets a copy), pinned to it by a
 hard ``NodeAffinitySchedulingStrategy``. Each task (``copy_folder``) reads the folder at
-``--data-dir`` (a path that node sees) and brings DIR to an exact copy of its listed files:
+``--data-dir`` (a path that node sees, or a bucket's URI: read with that node's credentials through
+``rayconv.storage``) and brings DIR to an exact copy of its listed files:
 
 - a shard already in DIR with the manifest's byte size and sha256 is skipped; any other is copied
   to a temporary name in DIR, hashed while copied, fsynced, checked against the manifest's sha256 and
@@ -42,9 +43,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rayconv.cluster.connect import exception_summary
 from rayconv.config import Config
+from rayconv.data.cache import remote_manifest
 from rayconv.data.shards import MANIFEST
 from rayconv.errors import ClusterError, DataError
 from rayconv.files import atomic_write, folder_lock, sha256_file
+from rayconv.storage import is_remote
 
 SHARD_NAME = re.compile(r"^(train|val)-\d+\.(parquet|arrow)$")  # what prepare names its shards
 BLOCK = 1 << 22  # bytes read and written at a time
@@ -90,9 +93,14 @@ def copy_folder(src: str, dest: str) -> dict[str, Any]:
     """Make ``dest`` on this node an exact copy of the prepared folder ``src`` (module docstring).
     Returns {"node": this node's IP, "copied": [file names], "skipped": [file names], "copied_bytes"}.
     Raises DataError naming the file and ``dest``."""
-    root, out = Path(src), Path(dest)
-    manifest_bytes, entries = _read_manifest(root)
-    if out.exists() and out.resolve() == root.resolve():  # (a resumed run: its data_dir is DIR already)
+    out = Path(dest)
+    root: Any = Path(src) if not is_remote(src) else None
+    if root is None:   # a bucket: its manifest and shards read through the storage (rayconv.storage)
+        root, manifest_bytes, manifest = remote_manifest(src)
+        entries = [e for split in manifest["splits"].values() for e in split["shards"]]
+    else:
+        manifest_bytes, entries = _read_manifest(root)
+    if isinstance(root, Path) and out.exists() and out.resolve() == root.resolve():  # (--data-dir is DIR)
         bad = [e["file"] for e in entries if not is_copied(out / e["file"], e)]
         if bad:
             raise DataError(f"--stage-dir {out} is --data-dir itself and {bad[0]} there does not match {MANIFEST}: "
@@ -107,7 +115,8 @@ def copy_folder(src: str, dest: str) -> dict[str, Any]:
         return _copy_locked(root, out, manifest_bytes, entries)
 
 
-def _copy_locked(root: Path, out: Path, manifest_bytes: bytes, entries: list[dict[str, Any]]) -> dict[str, Any]:
+def _copy_locked(root: Any, out: Path, manifest_bytes: bytes, entries: list[dict[str, Any]]
+                 ) -> dict[str, Any]:
     """copy_folder's work, with ``out`` locked."""
     try:
         listed = {e["file"] for e in entries}
@@ -169,20 +178,23 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def copy_checked(src: Path, out: Path, sha256: str) -> None:
-    """Copy ``src`` into folder ``out`` under its name: through a temporary file, hashed while copied,
-    fsynced, renamed once its sha256 is ``sha256``. Raises DataError (the temporary file removed)."""
+def copy_checked(src: Any, out: Path, sha256: str) -> None:
+    """Copy ``src`` (a Path, or a ``rayconv.storage.Location`` in a bucket) into folder ``out`` under its
+    name: through a temporary file, hashed while copied, fsynced, renamed once its sha256 is ``sha256``.
+    Raises DataError (the temporary file removed)."""
     def write(tmp: str) -> None:
         h = hashlib.sha256()
-        with open(src, "rb") as fi, open(tmp, "wb") as fo:
+        opened = open(src, "rb") if isinstance(src, Path) else src.fs.open_input_stream(src.path)
+        with opened as fi, open(tmp, "wb") as fo:
             for block in iter(lambda: fi.read(BLOCK), b""):
                 h.update(block)
                 fo.write(block)
             fo.flush()
             os.fsync(fo.fileno())
         if h.hexdigest() != sha256:
+            folder = src.parent if isinstance(src, Path) else str(src).rsplit("/", 1)[0]
             raise DataError(f"--stage-dir: {src} does not match its sha256 in {MANIFEST}: run `python -m "
-                            f"rayconv.prepare` again with --out {src.parent} (it rewrites bad shards)")
+                            f"rayconv.prepare` again with --out {folder} (it rewrites bad shards)")
 
     _copy_guarded(out / src.name, write, out)
 

@@ -10,13 +10,17 @@ device (``--data-on-device``, ``rayconv/data/small.py``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
+import numpy as np
 import torch
 
 from rayconv.config import Config, ConfigError
+from rayconv.data.cache import local_folder
 from rayconv.data.digits import load_digits
+from rayconv.data.order import BlockOrder, ExactOrder
 from rayconv.data.fashion_mnist import load_fashion_mnist, read_ahead as read_fashion_mnist_ahead
 from rayconv.data.imagefolder import ImageFolderSource
 from rayconv.data.raw_shards import RawShardSource
@@ -27,6 +31,7 @@ from rayconv.data.source import Source
 from rayconv.models.channels import user_model_channels
 from rayconv.user_model import is_user_model, takes_in_channels
 from rayconv.data.synthetic import SyntheticSource
+from rayconv.storage import is_uri
 
 GREY_MODELS = ("convnet", "convnet_bn", "convnet2col")  # rayconv.models' models that take any channel count
 
@@ -80,6 +85,15 @@ def read_ahead(cfg: Config) -> None:
         read_fashion_mnist_ahead(cfg.data_dir)
 
 
+def first_epoch_order(cfg: Config, manifest: dict) -> np.ndarray:
+    """Epoch 0's train sample order of the prepared folder ``manifest`` describes, as the run takes it
+    (``data.order``; the validation split's images left in: it orders the shards' fetch only)."""
+    rows = tuple(int(e["rows"]) for e in manifest["splits"]["train"]["shards"])
+    block = cfg.shuffle == "block"
+    order = BlockOrder(rows, cfg.shuffle_window, cfg.seed) if block else ExactOrder(sum(rows), cfg.seed)
+    return order.epoch_order(0)
+
+
 def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
     """The data source named by ``cfg.data``, giving the model ``model_channels``. Raises DataError /
     ConfigError."""
@@ -91,6 +105,8 @@ def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
     elif cfg.data == "synthetic":
         src = SyntheticSource(cfg.data_image_size, cfg.num_classes or 1000, cfg.synthetic_samples, cfg.seed)
     elif cfg.data in ("imagefolder", "shards"):
+        if cfg.data_dir and is_uri(cfg.data_dir):   # a bucket: read from this node's cache (data/cache.py)
+            cfg = dataclasses.replace(cfg, data_dir=local_folder(cfg, lambda m: first_epoch_order(cfg, m)))
         if (cfg.data == "shards" or is_prepared(cfg.data_dir)) and folder_encoding(cfg.data_dir) == "raw":
             src = RawShardSource(cfg.data_dir or "", cfg.data_image_size, cfg.seed, augment=augment,
                                  random_erase=erase, auto_augment=cfg.auto_augment)   # raw pixels: no decode

@@ -1,0 +1,167 @@
+"""Issue 69's "Data from a bucket" target, CPU form: raw-pixel shards read from an S3-compatible bucket
+on loopback through rayconv's node cache (``--data-dir s3://...``) against the same shards on local disk.
+
+    python benchmarks/bucket_data.py --out benchmarks/results/bucket-data     # about 5-10 min on 2 cores
+
+In one run, one Ray cluster started here (after the S3 server, so every worker has its client
+environment): moto's S3 server (``moto.server.ThreadedMotoServer``) on a free loopback port;
+``benchmarks/make_raw_shards.py`` writes ``--images`` generated 32 x 32 images in shards of
+``--shard-size``; they are put in the bucket (``pyarrow.fs.copy_files``). Figures:
+
+* fill: the cache filled from the bucket (``rayconv.data.cache.ShardCache.ready``: fetch, size and
+  sha256 checks, renames) against ``pyarrow.fs.copy_files`` of the same bytes from the same server into
+  a local folder (the server's own rate), MB/s each and their ratio;
+* images/s: ``--repeats`` pairs of training runs, interleaved ABBA (resnet18, 32 px, ``--batch`` global,
+  ``--steps`` steps, dp1, ``--data-on-device off``: streamed from the shards), one reading the local
+  folder, one the bucket through the warm cache; each run's summary.json ``images_per_s``; the ratio
+  of the medians (target >= 0.95) and each pair's (after one uncounted local run: Ray's first workers);
+* cold cache: a run with an empty cache: its first step's time from the command's start (summary.json
+  ``startup.phases.first_step``) less the warm run's, against the time ``copy_files`` takes for the
+  shards the first ``READ_AHEAD`` batches read (``raw_shards.READ_AHEAD``; under the exact order every
+  batch reads from every shard: the window is the whole set).
+
+Writes ``report.md`` and ``rows.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def _bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python benchmarks/bucket_data.py", description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="folder of report.md and rows.json")
+    p.add_argument("--images", type=int, default=20000, help="train images (default %(default)s)")
+    p.add_argument("--shard-size", type=int, default=2000, help="images a shard (default %(default)s)")
+    p.add_argument("--steps", type=int, default=40, help="steps a training run (default %(default)s)")
+    p.add_argument("--batch", type=int, default=64, help="global batch size (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=2, help="pairs of local, bucket runs (default %(default)s)")
+    a = p.parse_args(argv)
+
+    import logging
+
+    import pyarrow.fs as pafs
+    import ray
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)   # (the S3 server's request lines)
+
+    from make_raw_shards import generate
+    from rayconv.config import Config
+    from rayconv.data import cache
+    from rayconv.data.raw_shards import READ_AHEAD
+    from rayconv.data.registry import first_epoch_order
+    from rayconv.driver.job import train_run
+    from tests.support.s3_server import s3_server
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bucket-data-"))
+    rows: dict = {"args": vars(a)}
+    try:
+        with s3_server() as s3:
+            local = work / "raw"
+            generate(str(local), a.images, 32, 10, 1000, a.shard_size, processes=2, log=lambda *_: None)
+            fs, set_bytes = s3.filesystem(), _bytes(local)
+            uri = s3.uri("raw")
+            pafs.copy_files(str(local), f"{s3.bucket}/raw", source_filesystem=pafs.LocalFileSystem(),
+                            destination_filesystem=fs)
+            # fill: pyarrow's copy of the bytes (the server's rate), then rayconv's cache, into new folders
+            (work / "copy").mkdir()
+            t = time.perf_counter()
+            pafs.copy_files(f"{s3.bucket}/raw", str(work / "copy"), source_filesystem=fs,
+                            destination_filesystem=pafs.LocalFileSystem())
+            copy_s = time.perf_counter() - t
+            warm_dir = work / "cache-warm"
+            t = time.perf_counter()
+            cache.ShardCache(uri, str(warm_dir)).ready()
+            fill_s = time.perf_counter() - t
+            cache.release()
+            rows["fill"] = {"bytes": set_bytes, "copy_files_s": copy_s, "cache_fill_s": fill_s,
+                            "copy_files_MBps": set_bytes / copy_s / 1e6,
+                            "cache_MBps": set_bytes / fill_s / 1e6,
+                            "ratio": copy_s / fill_s}
+
+            def cfg(data_dir, name: str, cache_dir: Path) -> Config:
+                return Config(model="resnet18", data="shards", data_dir=str(data_dir), image_size=32, dp=1,
+                              global_batch_size=a.batch, steps=a.steps, lr=0.1, momentum=0.9, device="cpu",
+                              data_on_device="off", progress=False, eval_every=10**6, compile="off",
+                              out=str(work / "runs" / name), cache_dir=str(cache_dir)).validate()
+
+            ray.init(num_cpus=2, include_dashboard=False, namespace="rayconv", log_to_driver=False,
+                     configure_logging=True, logging_level="WARNING")
+            train_run(cfg(local, "warm-up", warm_dir), log=lambda *_: None)   # (uncounted: new workers)
+            runs: dict[str, list] = {"local": [], "bucket": []}
+            for r in range(a.repeats):
+                pair = (("local", local), ("bucket", uri))
+                for kind, where in (pair if r % 2 == 0 else pair[::-1]):   # (ABBA: drift cancels)
+                    s = train_run(cfg(where, f"{kind}-{r}", warm_dir), log=lambda *_: None)
+                    runs[kind].append({"images_per_s": s["images_per_s"],
+                                       "first_step_s": s["startup"]["phases"]["first_step"]})
+                    cache.release()
+            rows["runs"] = runs
+            med = {k: statistics.median(x["images_per_s"] for x in v) for k, v in runs.items()}
+            pairs = [b["images_per_s"] / l["images_per_s"] for l, b in zip(runs["local"], runs["bucket"])]
+            rows["images_per_s"] = {**med, "ratio": med["bucket"] / med["local"], "pair_ratios": pairs}
+            # cold: an empty cache; the first read-ahead window's shards copied alone for the reference
+            c = cfg(uri, "cold", work / "cache-cold")
+            s = train_run(c, log=lambda *_: None)
+            cache.release()
+            manifest = json.loads((local / "manifest.json").read_text())
+            order = first_epoch_order(c, manifest)[:READ_AHEAD * a.batch]
+            window = cache.shard_order(manifest, order)
+            window = [f for f in window if f.startswith("train-")]
+            (work / "window").mkdir()
+            t = time.perf_counter()
+            for f in window:
+                pafs.copy_files(f"{s3.bucket}/raw/{f}", str(work / "window" / f), source_filesystem=fs,
+                                destination_filesystem=pafs.LocalFileSystem())
+            window_s = time.perf_counter() - t
+            warm_first = statistics.median(x["first_step_s"] for x in runs["bucket"])
+            cold_first = s["startup"]["phases"]["first_step"]
+            rows["cold"] = {"first_step_s": cold_first, "warm_first_step_s": warm_first,
+                            "added_s": cold_first - warm_first, "window_shards": len(window),
+                            "train_shards": len(manifest["splits"]["train"]["shards"]),
+                            "window_copy_files_s": window_s}
+            ray.shutdown()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    (out / "rows.json").write_text(json.dumps(rows, indent=2) + "\n")
+    f, i, c = rows["fill"], rows["images_per_s"], rows["cold"]
+    report = "\n".join([
+        f"# Data from a bucket (CPU form): {a.images} images of 32 x 32, {f['bytes'] / 1e6:.1f} MB, "
+        f"shards of {a.shard_size}", "",
+        "| figure | value |", "| --- | --- |",
+        f"| images/s, local shards (median of {a.repeats}) | {i['local']:.1f} |",
+        f"| images/s, bucket, warm cache (median of {a.repeats}) | {i['bucket']:.1f} |",
+        f"| ratio bucket / local (target >= 0.95) | {i['ratio']:.3f} (per pair: "
+        f"{', '.join(f'{x:.2f}' for x in i['pair_ratios'])}) |",
+        f"| cache fill | {f['cache_fill_s']:.2f} s, {f['cache_MBps']:.0f} MB/s |",
+        f"| pyarrow.fs.copy_files, same bytes | {f['copy_files_s']:.2f} s, {f['copy_files_MBps']:.0f} MB/s |",
+        f"| fill rate / copy_files rate | {f['ratio']:.2f} |",
+        f"| cold cache: first step at | {c['first_step_s']:.1f} s (warm: {c['warm_first_step_s']:.1f} s; "
+        f"added {c['added_s']:.1f} s) |",
+        f"| first read-ahead window ({c['window_shards']} of {c['train_shards']} train shards), copy_files | "
+        f"{c['window_copy_files_s']:.2f} s |", ""])
+    (out / "report.md").write_text(report)
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Training from prepared shards in a bucket (``--data-dir s3://...``) on a real local Ray cluster (gloo,
+float64): moto's S3 server on loopback, its client environment in this process and so in every Ray worker
+the cluster started here. The bucket's shards are read through each node's cache; the parameters equal
+single-device SGD on the local folder, with an empty cache and with a warm one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import ray
+import torch
+from PIL import Image
+
+from support.helpers import assert_same_state, reference_sgd
+from rayconv import prepare as prep
+from rayconv.config import Config
+from rayconv.data import cache
+from rayconv.data.shard_writer import on_processes
+from rayconv.driver.job import train_run
+from tests.support.s3_server import s3_server
+
+SIZE = 32
+
+
+@pytest.fixture(scope="module")
+def s3_and_ray():
+    """The S3 server, then a fresh 4-CPU Ray cluster whose workers inherit its client environment."""
+    with s3_server() as server:
+        if ray.is_initialized():
+            ray.shutdown()
+        ray.init(num_cpus=4, include_dashboard=False, namespace="rayconv", log_to_driver=False,
+                 configure_logging=True, logging_level="WARNING")
+        try:
+            yield server
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def folders(s3_and_ray, tmp_path_factory):
+    """3 classes x 6 train and 2 val PNGs prepared as raw pixels (3 a shard) here and into the bucket."""
+    root = tmp_path_factory.mktemp("src")
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 6), ("val", 2)):
+        for c in "abc":
+            (root / split / c).mkdir(parents=True)
+            for i in range(n):
+                px = rng.integers(0, 90, (SIZE, SIZE, 3)).astype(np.uint8)
+                px[..., "abc".index(c)] += 160
+                Image.fromarray(px).save(root / split / c / f"{i}.png")
+    local = tmp_path_factory.mktemp("prepared") / "raw"
+    mp = pytest.MonkeyPatch()
+    mp.setattr(prep, "_on_ray", lambda args, address: on_processes(args, 1))
+    try:
+        for out in (str(local), s3_and_ray.uri("raw")):
+            assert prep.main([str(root), "--out", out, "--size", str(SIZE), "--shard-size", "3",
+                              "--encoding", "raw"]) == 0
+    finally:
+        mp.undo()
+    return {"local": local, "bucket": s3_and_ray.uri("raw")}
+
+
+def _cfg(data_dir, out, **kw) -> Config:
+    # 18 train images, global batch 6: 3 steps an epoch; 4 steps cross an epoch boundary.
+    base = dict(model="convnet", data="shards", data_dir=str(data_dir), image_size=SIZE, dp=2,
+                global_batch_size=6, steps=4, lr=0.05, momentum=0.9, weight_decay=5e-4, precision="fp64",
+                device="cpu", progress=False, eval_every=4, loader_workers=0, data_on_device="off",
+                out=str(out))
+    return Config(**{**base, **kw}).validate()
+
+
+@pytest.mark.slow
+def test_dp2_from_a_bucket_equals_single_device_sgd_cold_and_warm(folders, tmp_path):
+    budget = 2 * sum(p.stat().st_size for p in folders["local"].iterdir())
+    cold = _cfg(folders["bucket"], tmp_path / "cold", cache_dir=str(tmp_path / "cache"), cache_bytes=budget)
+    train_run(cold, log=lambda *_: None)
+    got = torch.load(tmp_path / "cold" / "model.pt", weights_only=True)
+    assert_same_state(got, reference_sgd(_cfg(folders["local"], tmp_path / "ref", dp=1), 4), atol=1e-10)
+    held = {p: p.stat().st_mtime_ns for p in (tmp_path / "cache").glob("*/*")}
+    assert len(held) == 9 and sum(p.stat().st_size for p in held) <= budget   # 8 shards and the manifest
+    cache.release()
+    warm = _cfg(folders["bucket"], tmp_path / "warm", cache_dir=str(tmp_path / "cache"), cache_bytes=budget)
+    train_run(warm, log=lambda *_: None)
+    again = torch.load(tmp_path / "warm" / "model.pt", weights_only=True)
+    torch.testing.assert_close(again, got, rtol=0, atol=0)
+    assert {p: p.stat().st_mtime_ns for p in held} == held   # nothing fetched again
+    assert sorted((tmp_path / "cache").glob("*/*")) == sorted(held)
+    cache.release()
