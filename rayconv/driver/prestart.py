@@ -35,7 +35,8 @@ from rayconv.errors import CheckpointError, ConfigError
 from rayconv.mesh import Mesh
 from rayconv.model_names import check_known
 from rayconv.outputs.checkpoint import Checkpoint, find_checkpoint, list_checkpoints
-from rayconv.storage import Place, check_writable, is_uri, place
+from rayconv.storage import Place, is_uri, place
+from rayconv.storage_checks import check_writable
 from rayconv.user_model import is_user_model, model_label
 
 
@@ -154,7 +155,7 @@ def with_output_folder(cfg: Config, resume: Optional[Checkpoint] = None) -> Conf
 def output_place(cfg: Config) -> Place:
     """The run's output folder (``cfg.out``, named: ``with_output_folder``) as the run's writers take
     it: a local path in full (``Path``), or a ``storage.Location`` for a URI (``s3://bucket/runs/r1``),
-    checked writable before Ray starts (``storage.check_writable``). Raises ConfigError (a relative
+    checked writable before Ray starts (``storage_checks.check_writable``). Raises ConfigError (a relative
     folder under a Ray job), StorageError (one line: a secret in the URI, wrong credentials, a missing
     bucket, an unreachable endpoint, a place that cannot be written)."""
     check_job_output(cfg.out)

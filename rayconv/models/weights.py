@@ -29,7 +29,8 @@ INIT_TAKES = ("--init takes a run's model.pt or run folder, a torchvision weight
 def init_file(path: str) -> Any:
     """The weights file of ``--init path`` (``model.pt`` inside a run folder): a Path, or a
     ``storage.Location`` for a URI. Raises ConfigError (StorageError: a store that cannot be read)."""
-    from rayconv.storage import check_readable, is_uri, place, storage_errors
+    from rayconv.storage import is_uri, place, storage_errors
+    from rayconv.storage_checks import check_readable
     p = place(path, flag="--init") if is_uri(path) else Path(path)
     if not isinstance(p, Path):
         check_readable(p, "--init")

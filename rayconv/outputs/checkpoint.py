@@ -32,7 +32,8 @@ from typing import Any, Optional
 
 from rayconv.errors import CheckpointError, ConfigError
 from rayconv.files import fsync_dir, sha256, write_synced
-from rayconv.storage import Location, Place, check_readable, place, remove, storage_errors
+from rayconv.storage import Location, Place, place, remove, storage_errors
+from rayconv.storage_checks import check_readable
 
 FORMAT = 1
 MANIFEST = "manifest.json"

@@ -21,7 +21,8 @@ from typing import Any, Optional, Sequence
 
 from rayconv.errors import ConfigError
 from rayconv.files import write_json
-from rayconv.storage import Location, check_readable, check_writable, place
+from rayconv.storage import Location, place
+from rayconv.storage_checks import check_readable, check_writable
 from rayconv.tune import results as table
 from rayconv.tune.space import NOT_SEARCHED, PBT_MUTABLE, check_metric, check_space, default_metric, pbt_base
 

@@ -12,7 +12,8 @@ import pytest
 import ray
 
 from rayconv.run import main
-from rayconv.storage import StorageError, check_writable, locate
+from rayconv.storage import StorageError, locate
+from rayconv.storage_checks import check_writable
 from tests.support.ray_head import free_port
 from tests.support.s3_server import s3_server
 
