@@ -13,14 +13,15 @@ set -uo pipefail  # each part runs even when one before it failed
 OUT_DIR=${1:?usage: fashion_mnist.sh OUT_DIR [DATA_DIR]}
 DATA=${2:-/usr/share/datasets/fashion-mnist}
 PY=${PY:-python3}
-SIZE=${SIZE:-128}; EPOCHS=${EPOCHS:-30}; BATCH=${BATCH:-512}; LR=${LR:-0.4}; ERASE=${ERASE:-0.5}
+SIZE=${SIZE:-128}; EPOCHS=${EPOCHS:-30}; BATCH=${BATCH:-512}; LR=${LR:-0.2}; ERASE=${ERASE:-0.5}
+BN_MOMENTUM=${BN_MOMENTUM:-}; BN=${BN_MOMENTUM:+--bn-momentum $BN_MOMENTUM}  # e.g. BN_MOMENTUM=0.01; default: the model's own
 ANCHOR_COMPILE=${ANCHOR_COMPILE:-both}  # the anchor's modes: off (eager), on (compiled) or both; eager reaches the target sooner
 COMPILE=${COMPILE:-off}  # rayconv's --compile: off reaches the target sooner (no compile of the step or the evaluation)
 mkdir -p "$OUT_DIR"
 # the recipe, in rayconv's flags (the anchor takes the same names)
 RECIPE="--image-size $SIZE --epochs $EPOCHS --global-batch-size $BATCH --lr $LR --lr-warmup-epochs 2
   --lr-warmup-decay 0.01 --label-smoothing 0.1 --weight-decay 5e-4 --norm-weight-decay 0 --random-erase $ERASE
-  --target-accuracy 0.93"
+  $BN --target-accuracy 0.93"
 echo "== anchor: $PY -m rayconv.bench.accuracy_anchor --data-dir $DATA $RECIPE --compile $ANCHOR_COMPILE"
 $PY -u -m rayconv.bench.accuracy_anchor --data-dir "$DATA" $RECIPE --compile "$ANCHOR_COMPILE" --out "$OUT_DIR/anchor.json" \
   2>&1 | grep -v "^anchor .* epoch" | tail -4

@@ -206,6 +206,9 @@ class RecipeSettings:
         "help": "EMA decay in [0, 1], adjusted for the batch and --model-ema-steps as torchvision's train.py "
                 "does (default 0.99998, torchvision's)"})
     sync_batchnorm: bool = field(default=False, metadata={"help": "batch-norm statistics over the global batch (SyncBatchNorm, GPUs only)"})
+    bn_momentum: Optional[float] = field(default=None, metadata={
+        "help": "momentum of every batch norm's running statistics, in (0, 1] (torch's BatchNorm momentum: "
+                "the weight of each step's batch statistics; default: the model's own, 0.1 for torch's layers)"})
     seed: int = field(default=0, metadata={"help": "seed of weights, data order and augmentation"})
 
 

@@ -146,6 +146,8 @@ def _check_recipe(cfg: Any) -> None:
           f"--clip-grad-norm must be > 0 (got {cfg.clip_grad_norm}; leave it out for no clipping)")
     _need(cfg.model_ema_steps >= 1, f"--model-ema-steps must be >= 1 (got {cfg.model_ema_steps})")
     _need(0 <= cfg.model_ema_decay <= 1, f"--model-ema-decay must be in [0, 1] (got {cfg.model_ema_decay})")
+    _need(cfg.bn_momentum is None or 0 < cfg.bn_momentum <= 1,
+          f"--bn-momentum must be in (0, 1] (got {cfg.bn_momentum}; leave it out for the model's own)")
     _need(cfg.mixup_alpha >= 0, f"--mixup-alpha must be >= 0 (got {cfg.mixup_alpha}; 0: off)")
     _need(cfg.cutmix_alpha >= 0, f"--cutmix-alpha must be >= 0 (got {cfg.cutmix_alpha}; 0: off)")
     _need(0 <= cfg.random_erase <= 1, f"--random-erase must be a probability in [0, 1] (got {cfg.random_erase})")

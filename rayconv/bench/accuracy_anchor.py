@@ -100,6 +100,10 @@ def model_and_optimizer(a, compiled: bool):
     """The torchvision model (compiled or not) and Nesterov SGD without decay on norms and biases."""
     torch.manual_seed(a.seed)
     model = torchvision.models.get_model(a.model, num_classes=10).cuda().to(memory_format=torch.channels_last)
+    if a.bn_momentum is not None:   # every batch norm's running-statistics momentum (rayconv's --bn-momentum)
+        for m in model.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.momentum = a.bn_momentum
     norm_or_bias = [p for p in model.parameters() if p.ndim <= 1]
     rest = [p for p in model.parameters() if p.ndim > 1]
     opt = torch.optim.SGD([{"params": rest, "weight_decay": a.weight_decay},
@@ -184,6 +188,7 @@ def main(argv=None) -> int:
     p.add_argument("--label-smoothing", type=float, default=0.1, help="label smoothing")
     p.add_argument("--weight-decay", type=float, default=5e-4, help="weight decay of weights")
     p.add_argument("--norm-weight-decay", type=float, default=0.0, help="weight decay of batch-norm and bias parameters")
+    p.add_argument("--bn-momentum", type=float, default=None, help="batch norms' running-statistics momentum")
     p.add_argument("--random-erase", type=float, default=0.0, help="probability of erasing a rectangle")
     p.add_argument("--target-accuracy", type=float, default=0.93, help="test accuracy whose first time is reported")
     p.add_argument("--compile", choices=("off", "on", "both"), default="both", help="eager, compiled or both")

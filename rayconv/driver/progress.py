@@ -100,6 +100,8 @@ def recipe_line(resolved: ResolvedRun) -> str:
         parts.append(f"EMA every {cfg.model_ema_steps} steps, decay {cfg.model_ema_decay:g}")
     if cfg.zero_init_residual:
         parts.append("zero-init residual")
+    if cfg.bn_momentum is not None:
+        parts.append(f"batch-norm momentum {cfg.bn_momentum:g}")
     if cfg.target_accuracy is not None:
         parts.append(f"target accuracy {cfg.target_accuracy:g}")
     return "rayconv: " + ", ".join(parts)

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from rayconv.config import ConfigError
 from rayconv.models.channels import channel_mismatch, dry_forward
@@ -178,11 +179,24 @@ def run_model(cfg, source, dtype: Optional[torch.dtype] = None) -> nn.Module:
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1],
                         zero_init_residual=cfg.zero_init_residual)
+    if cfg.bn_momentum is not None:
+        set_bn_momentum(model, cfg.bn_momentum)
     if dtype is not None:
         model.to(dtype)
     if cfg.init:
         load_init(model, cfg.init, cfg.init_skip_head)
     return model
+
+
+def set_bn_momentum(model: nn.Module, momentum: float) -> int:
+    """Give every batch norm of ``model`` (``_BatchNorm``: 1-3 d, Sync) the running-statistics momentum
+    ``momentum`` (--bn-momentum): each training forward moves the running mean and variance by
+    ``momentum`` towards the batch's. Layouts copy it with the layer (filter-split, deferred, Sync).
+    Returns how many layers were set."""
+    layers = [m for m in model.modules() if isinstance(m, _BatchNorm)]
+    for m in layers:
+        m.momentum = momentum
+    return len(layers)
 
 
 def alexnet_two_column(num_classes: int = 1000) -> nn.Module:

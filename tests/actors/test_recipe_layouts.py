@@ -1,7 +1,7 @@
 """The training recipe on the mesh equals it on one device: label smoothing, Nesterov SGD, no weight
-decay on batch norm, a warm-up of the learning rate, global-norm gradient clipping and the moving
-average of the weights, all on at once, over data parallelism, 1F1B and interleaved pipelines,
-filter split and Krizhevsky 2014's per-layer plan, to 1e-10 in float64 (weights and the average's).
+decay on batch norm, a warm-up of the learning rate, global-norm gradient clipping, the moving
+average of the weights and a batch-norm momentum, all on at once, over data parallelism, 1F1B and
+interleaved pipelines, filter split and Krizhevsky 2014's per-layer plan, to 1e-10 in float64 (weights and the average's).
 The reference (``helpers.reference_recipe_sgd``) is plain torch: ``nn.CrossEntropyLoss``'s smoothing,
 ``torch.optim.SGD(nesterov=True)``, ``nn.utils.clip_grad_norm_``, ``AveragedModel`` as torchvision's
 train.py drives it.
@@ -28,7 +28,7 @@ STEPS = 7  # global batch 480 of the 1438 digits: 3 steps an epoch (the last 478
 # step clips; the EMA updates at batches 0 and 2 of each epoch, copying during the warm-up epoch.
 RECIPE = dict(model="convnet_bn", global_batch_size=480, steps=STEPS, eval_every=STEPS, label_smoothing=0.1,
               opt="sgd_nesterov", norm_weight_decay=0.0, lr_warmup_epochs=1, clip_grad_norm=0.5,
-              model_ema=True, model_ema_steps=2, model_ema_decay=0.999)
+              model_ema=True, model_ema_steps=2, model_ema_decay=0.999, bn_momentum=0.3)
 
 LAYOUTS = {
     "dp2": dict(dp=2),
@@ -46,6 +46,7 @@ OFF = {
     "lr_warmup_epochs": dict(lr_warmup_epochs=0),
     "clip_grad_norm": dict(clip_grad_norm=None),
     "model_ema_steps": dict(model_ema_steps=1),
+    "bn_momentum": dict(bn_momentum=None),
 }
 
 

@@ -124,6 +124,8 @@ def _reference_run(cfg: Config, steps: int, source) -> tuple[nn.Module, Optional
                         order=make_order(cfg, source))
     ema = _reference_ema(cfg, model, sharding.steps_per_epoch)
     bns = [m for m in model.modules() if isinstance(m, _BatchNorm)]
+    for m in bns:   # --bn-momentum: nn.BatchNorm's own update below at that momentum
+        m.momentum = m.momentum if cfg.bn_momentum is None else cfg.bn_momentum
     seen: dict[nn.Module, list[torch.Tensor]] = {m: [] for m in bns}
     record = [False]
     for m in bns:

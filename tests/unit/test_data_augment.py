@@ -219,3 +219,20 @@ def test_shards_honour_augment_and_erasing(tmp_path):
     x = policy().images("train", idx, CPU, epoch=1)
     assert not torch.equal(x, none) and torch.equal(policy().images("train", idx[[3, 1]], CPU, epoch=1), x[[3, 1]])
     assert "auto-augment ta_wide" in policy().describe()
+
+
+def test_bn_momentum_sets_every_batch_norm_of_the_run_model():
+    from types import SimpleNamespace
+
+    from rayconv.models import run_model
+
+    source = SimpleNamespace(num_classes=10, sample_shape=(3, 32, 32))
+    model = run_model(Config(model="resnet18", bn_momentum=0.01).validate(), source)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert len(norms) == 20 and {m.momentum for m in norms} == {0.01}
+    assert {m.momentum for m in run_model(Config(model="resnet18").validate(), source).modules()
+            if isinstance(m, torch.nn.BatchNorm2d)} == {0.1}   # (left out: torch's own)
+    x = torch.randn(4, 3, 32, 32) + 2.0
+    model.train()(x)   # the running mean moves 0.01 of the way from 0 to the batch's mean
+    torch.testing.assert_close(model.bn1.running_mean, 0.01 * model.conv1(x).mean((0, 2, 3)),
+                               rtol=1e-4, atol=1e-6)
