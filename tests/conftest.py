@@ -30,7 +30,7 @@ os.makedirs(os.environ["RAYCONV_CACHE_DIR"])
 
 def local_ray(num_cpus: int, **kw):
     """Start a fresh local Ray cluster (no dashboard unless asked), yield, shut it down."""
-    _shut_two_nodes()   # (a two-node module may have run before this one in the process)
+    _shut_two_nodes()
     if ray.is_initialized():
         ray.shutdown()
     ray.init(num_cpus=num_cpus, **{"include_dashboard": False, "namespace": "rayconv", "log_to_driver": False,
@@ -61,22 +61,23 @@ def _cpus_free(n: int, wait_s: float = 3.0, keep: bool = False) -> bool:
 
 @pytest.fixture(scope="module")
 def ray_cluster(request):
-    """A local Ray cluster with 4 logical CPUs (enough for dp=4 on a 2-core machine), no dashboard.
+    """A local Ray cluster with 4 logical CPUs (enough for dp=4 on a 2-core machine), no dashboard, all 4
+    CPUs free for the module.
 
-    One cluster serves every module that asks for it in turn (starting one costs seconds of the 2
-    cores): a module reuses it when it is still connected and all 4 CPUs are free (within a few
-    seconds: a run's placement group is released a moment after it ends), and starts a fresh one
-    otherwise (after a module that ran its own cluster, or one that left something holding CPUs). The
-    actors the previous module's runs kept are stopped first, unless the module is marked
-    ``takes_kept_actors``: its runs are rayconv runs of this process only, which take kept actors of
-    their size and stop the others where they need the room, so those stay kept for them (each actor
-    not started again saves seconds of a core: Ray's worker and torch's import).
-    ``pytest_sessionfinish`` shuts it down."""
+    Any module may find it already up (starting one costs seconds of the 2 cores), none needs that: a
+    module reuses the cluster this process started last when it is still connected and all 4 CPUs are
+    free (within a few seconds: a run's placement group is released a moment after it ends), and starts
+    a fresh one otherwise (a module with a cluster of its own ran before it, or one left something
+    holding CPUs). The actors this process's earlier runs kept (``--keep-actors-s``) are stopped first,
+    unless the module is marked ``takes_kept_actors``: its tests make rayconv runs of this process only,
+    which take kept actors of their size and stop the others where they need the room, so those stay kept
+    for them (each actor not started again saves seconds of a core: Ray's worker and torch's import); its
+    runs start their own where none is kept. ``pytest_sessionfinish`` shuts the cluster down."""
     keep = request.node.get_closest_marker("takes_kept_actors") is not None
     if ray.is_initialized() and _SHARED["gcs"] == ray.get_runtime_context().gcs_address and _cpus_free(4, keep=keep):
         yield
         return
-    _shut_two_nodes()   # (a pytest-xdist worker may run a two-node module, then this one)
+    _shut_two_nodes()
     if ray.is_initialized():
         ray.shutdown()
     ray.init(num_cpus=4, include_dashboard=False, namespace="rayconv", log_to_driver=False,
@@ -85,38 +86,30 @@ def ray_cluster(request):
     yield
 
 
-_TWO_NODES: dict[str, object] = {"cluster": None, "pending": set()}
+_TWO_NODES: dict[str, object] = {"cluster": None}
 
 
 @pytest.fixture(scope="module")
-def two_nodes(request):
+def two_nodes():
     """Two Ray nodes on this machine (``ray.cluster_utils.Cluster``: 2 CPUs each, told apart by the
-    custom resources ``node_a`` and ``node_b``), connected; yields the cluster.
-
-    One cluster serves the modules that ask for it (starting one costs seconds of the 2 cores): the
-    collection hook runs them next to each other, and the last of them still to run (per the collected
-    items) shuts it down at its end; ``pytest_sessionfinish`` shuts it down after a stopped run."""
-    _TWO_NODES["pending"].discard(request.module.__name__)
-    cluster = _TWO_NODES["cluster"]
-    if cluster is None or not (ray.is_initialized() and ray.get_runtime_context().gcs_address == cluster.address
-                               and _cpus_free(4)):
-        _shut_two_nodes()
-        if ray.is_initialized():
-            ray.shutdown()
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 2, "resources": {"node_a": 1}, "include_dashboard": False})
-        _TWO_NODES["cluster"] = cluster
-        cluster.add_node(num_cpus=2, resources={"node_b": 1})
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, namespace="rayconv", log_to_driver=False,
-                 configure_logging=True, logging_level="WARNING")
+    custom resources ``node_a`` and ``node_b``), connected; yields the cluster, and shuts it down at the
+    module's end (a test may have added or removed nodes)."""
+    _shut_two_nodes()
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"node_a": 1}, "include_dashboard": False})
+    _TWO_NODES["cluster"] = cluster
+    cluster.add_node(num_cpus=2, resources={"node_b": 1})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="rayconv", log_to_driver=False,
+             configure_logging=True, logging_level="WARNING")
     yield cluster
-    if not _TWO_NODES["pending"]:
-        _shut_two_nodes()
+    _shut_two_nodes()
 
 
 def _shut_two_nodes() -> None:
-    """Disconnect from and shut down the shared two-node cluster, when one is up."""
+    """Disconnect from and shut down the two-node cluster, when one is up."""
     cluster = _TWO_NODES["cluster"]
     if cluster is None:
         return
@@ -150,9 +143,8 @@ def silent_address():
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "own_cluster: the module starts a Ray cluster of its own (run before the others)")
-    config.addinivalue_line("markers", "takes_kept_actors: the module's runs may take the actors the previous "
-                            "module's runs kept on the shared cluster (only rayconv runs of the test process)")
+    config.addinivalue_line("markers", "takes_kept_actors: the module's tests make rayconv runs of the test process "
+                            "only, which may take actors that earlier runs kept on ray_cluster (none needed)")
     if not hasattr(config, "workerinput"):   # (once: in pytest-xdist's controller, or the only process)
         _compile_bytecode()
 
@@ -168,42 +160,6 @@ def _compile_bytecode() -> None:
     root = Path(__file__).resolve().parent.parent
     for d in (root / "rayconv", root / "tests" / "support"):
         compileall.compile_dir(d, quiet=1)
-
-
-def pytest_collection_modifyitems(config, items):
-    """Order the modules so that each test process starts as few Ray clusters as it can, longest work
-    first (pytest-xdist hands the modules out in this order: ``--no-loadscope-reorder`` in
-    pyproject.toml):
-
-    1. the modules marked ``own_cluster``, each of which starts a cluster of its own: first those that
-       never use the shared ``ray_cluster``, then those that do (the users of ``two_nodes`` first, next
-       to each other), each with its tests on the shared cluster last, so that the shared cluster they
-       start is up for the modules after them;
-    2. the modules on the shared ``ray_cluster``: once it is up, it serves every one of them; those marked
-       ``takes_kept_actors`` last, next to each other, so that each can take the actors the one before
-       it kept;
-    3. the modules without a cluster, small pieces that even out the two processes' ends.
-
-    Within 2 (each part) and 3, modules with more tests marked ``slow`` come first (stable: otherwise in the
-    collected order). A module's tests stay together, in their order but for the shared cluster's last."""
-    shared = {item.module for item in items if "ray_cluster" in item.fixturenames}
-    two = {item.module for item in items if "two_nodes" in item.fixturenames}
-    own = {item.module for item in items if item.get_closest_marker("own_cluster") is not None}
-    takes = {item.module for item in items if item.get_closest_marker("takes_kept_actors") is not None}
-    slow: dict[object, int] = {}    # module -> its tests marked slow
-    first: dict[object, int] = {}   # module -> where its first test was collected
-    for i, item in enumerate(items):
-        slow[item.module] = slow.get(item.module, 0) + (item.get_closest_marker("slow") is not None)
-        first.setdefault(item.module, i)
-
-    def group(item) -> tuple[int, ...]:
-        m = item.module
-        if m in own:
-            return (0, 0 if m not in shared else (1 if m in two else 2), first[m], "ray_cluster" in item.fixturenames)
-        return (1, m in takes, -slow[m]) if m in shared else (2, -slow[m])
-
-    items.sort(key=group)
-    _TWO_NODES["pending"] = {m.__name__ for m in two}
 
 
 _EXIT_STATUS: list[int] = []

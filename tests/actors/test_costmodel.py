@@ -24,8 +24,6 @@ from rayconv.planner.links import Links, LinkSpeed
 from rayconv.planner.memory import GIB
 from rayconv.planner.profile import Profile
 
-pytestmark = pytest.mark.own_cluster  # (conftest runs such modules first)
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Two layers: a "conv" (1000 parameters, 100 output elements per sample) and an FC layer (no

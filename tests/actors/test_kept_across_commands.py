@@ -22,7 +22,7 @@ import ray
 
 from support.ray_head import own_head
 
-pytestmark = [pytest.mark.own_cluster, pytest.mark.slow]   # (each command is a fresh process: seconds)
+pytestmark = pytest.mark.slow   # (each command is a fresh process: seconds)
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = ["--data", "digits", "--model", "convnet", "--dp", "1", "--device", "cpu", "--steps", "3",

@@ -12,8 +12,6 @@ from support.helpers import assert_same_state, reference_sgd
 from rayconv.config import Config
 from rayconv.driver.job import train_run
 
-pytestmark = pytest.mark.own_cluster  # (conftest runs such modules first)
-
 
 @pytest.fixture(scope="module")
 def ray_cluster8():

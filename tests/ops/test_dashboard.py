@@ -30,8 +30,7 @@ from support.ray_head import own_head
 from rayconv.config import Config
 from rayconv.driver.job import train_run
 
-pytestmark = [pytest.mark.own_cluster,  # (conftest runs such modules first)
-              pytest.mark.slow]     # (every test needs its own cluster with the dashboard)
+pytestmark = pytest.mark.slow     # (every test needs its own cluster with the dashboard)
 
 REPO = Path(__file__).resolve().parents[2]
 # (gauge, role) pairs a dp=2 run exports (dp1 reports the loss too: every replica's last stage does)

@@ -23,8 +23,6 @@ from rayconv.errors import DataError
 from rayconv.files import folder_lock
 from support.shard_folder import make_prepared
 
-pytestmark = pytest.mark.own_cluster  # (conftest runs such modules first)
-
 
 @pytest.fixture(scope="module")
 def prepared(ray_cluster, tmp_path_factory) -> Path:
@@ -151,7 +149,7 @@ def test_a_second_copy_into_a_locked_folder_waits(prepared, tmp_path):
 
 
 def test_every_node_of_two_gets_a_copy(prepared, two_nodes, tmp_path):
-    """Two Ray nodes (conftest's ``two_nodes``, shared with tests/ops/test_multinode.py): one task per node."""
+    """Two Ray nodes (conftest's ``two_nodes``): one task per node."""
     logged: list[str] = []
     cfg = Config(data="shards", data_dir=str(prepared), stage_dir=str(tmp_path / "d"), device="cpu").validate()
     staged = copy_to_nodes(cfg, log=logged.append)

@@ -3,8 +3,7 @@ resources): a dp=2 x fs=2 job places ranks by node, so each filter-split group s
 a user's ResNet-like model in a file that is not installed trains dp=2 with one actor per node (its
 module shipped to both nodes in Ray's py_modules) as single-device SGD does.
 
-The two-node cluster is conftest's ``two_nodes`` (shared with tests/ops/test_local_copy.py's two-node test; no
-``ray_cluster`` fixture)."""
+The two-node cluster is conftest's ``two_nodes``, one for the module (no ``ray_cluster`` fixture)."""
 
 from __future__ import annotations
 
@@ -20,8 +19,6 @@ from support.helpers import assert_same_state, reference_microbatch_sgd, sgd_con
 from rayconv.config import Config
 from rayconv.driver.job import train_run
 from rayconv.mesh import Mesh
-
-pytestmark = pytest.mark.own_cluster  # (conftest runs such modules first)
 
 
 @pytest.mark.slow

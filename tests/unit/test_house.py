@@ -2,7 +2,8 @@
 rayconv's modules, no module over 400 lines, no module importing another module's underscored name, every
 module named in docs/architecture.md's code map, and no measured figure in a docstring or help string
 (measured figures live in benchmarks/RESULTS.md only, a report of at most 400 lines whose prose names no
-commit: git holds the history)."""
+commit: git holds the history); and the tests' own: each test module stands alone (no hook orders the modules,
+none imports another, no test changes what a module-scoped fixture built)."""
 
 from __future__ import annotations
 
@@ -309,3 +310,158 @@ def test_results_links_resolve():
     missing = [t for t in re.findall(r"\]\(([^)\s#]+)[^)]*\)", text)
                if not t.startswith(("http://", "https://")) and not (RESULTS.parent / t).exists()]
     assert not missing, "benchmarks/RESULTS.md links to what does not exist: " + ", ".join(missing)
+
+
+# --- every test module stands alone ------------------------------------------------------------------------
+# A module passes run alone and after any other: no hook orders the modules; no module imports another
+# test module; the fixtures of conftest.py that outlive a test are the clusters, each checked (and started
+# fresh where needed) on entry; a module marked ``takes_kept_actors`` makes rayconv runs only, which take
+# kept actors or start their own, so kept actors speed it up and are never needed; and no test changes what
+# a module-scoped fixture built, so a failing test leaves nothing behind for the next.
+
+TESTS = REPO / "tests"
+CHECKED_ON_ENTRY = {"ray_cluster", "two_nodes"}   # conftest.py's fixtures wider than a test
+# calls that change their receiver (a folder's files, a list, a dict, a set), and those whose argument they change
+CHANGES = {"write_text", "write_bytes", "unlink", "mkdir", "touch", "rename", "rmdir", "chmod", "symlink_to",
+           "hardlink_to", "append", "extend", "insert", "update", "clear", "pop", "popitem", "setdefault", "add",
+           "discard", "remove", "sort", "reverse"}
+CHANGES_ARG = {"rmtree": (0,), "move": (0, 1), "copy": (1,), "copy2": (1,), "copyfile": (1,), "copytree": (1,),
+               "unlink": (0,), "rename": (0, 1), "write_bytes": (0,), "write_text": (0,)}
+
+
+def modules_of_tests() -> list[Path]:
+    return sorted(p for p in TESTS.rglob("*.py") if p.name.startswith("test_"))
+
+
+def fixture_scope(fn: ast.AST):
+    """The scope of a ``@pytest.fixture`` function ("function" when not given), None for other functions."""
+    for d in getattr(fn, "decorator_list", []):
+        call = d if isinstance(d, ast.Call) else None
+        target = call.func if call else d
+        if isinstance(target, ast.Attribute) and target.attr == "fixture":
+            kw = {k.arg: k.value for k in (call.keywords if call else [])}
+            scope = kw.get("scope")
+            return scope.value if isinstance(scope, ast.Constant) else "function"
+    return None
+
+
+def root_name(expr: ast.AST):
+    """The name an expression reaches into: ``a`` of ``a``, ``a.b``, ``a[0]``, ``a / "x"``; else None."""
+    while isinstance(expr, (ast.Attribute, ast.Subscript, ast.BinOp, ast.Starred)):
+        expr = expr.left if isinstance(expr, ast.BinOp) else expr.value
+    return expr.id if isinstance(expr, ast.Name) else None
+
+
+def fixture_changes(source: str, where: str = "") -> list[str]:
+    """``where:line: name`` for every change a test (or a function-scoped fixture) makes to what a
+    module-scoped fixture of the same module built: a changing call on it or on a path under it
+    (``(built / "x").write_text``, ``built.append``, ``shutil.rmtree(built)``), an item or attribute
+    assigned or deleted; names bound to a part of it (``out, rec = built``) count as it."""
+    tree = ast.parse(source)
+    functions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    built = {f.name for f in functions if fixture_scope(f) in ("module", "package", "session")}
+    found = []
+    for f in functions:
+        if f.name in built:
+            continue
+        roots = {a.arg for a in f.args.args} & built
+        changed = True
+        while changed:   # names bound from a root are roots
+            changed = False
+            for n in ast.walk(f):
+                if isinstance(n, ast.Assign) and root_name(n.value) in roots:
+                    for t in n.targets:
+                        for name in ([e for e in t.elts] if isinstance(t, ast.Tuple) else [t]):
+                            if isinstance(name, ast.Name) and name.id not in roots:
+                                roots.add(name.id)
+                                changed = True
+        for n in ast.walk(f):
+            hit = None
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+                if n.func.attr in CHANGES and root_name(n.func.value) in roots:
+                    hit = root_name(n.func.value)
+                elif n.func.attr in CHANGES_ARG and isinstance(n.func.value, ast.Name) \
+                        and n.func.value.id in ("shutil", "os"):
+                    args = [n.args[i] for i in CHANGES_ARG[n.func.attr] if i < len(n.args)]
+                    hit = next((root_name(a) for a in args if root_name(a) in roots), None)
+            elif isinstance(n, (ast.Assign, ast.AugAssign, ast.Delete)):
+                targets = n.targets if isinstance(n, (ast.Assign, ast.Delete)) else [n.target]
+                hit = next((root_name(t) for t in targets
+                            if isinstance(t, (ast.Subscript, ast.Attribute)) and root_name(t) in roots), None)
+            if hit:
+                found.append((n.lineno, f"{where}:{n.lineno}: {hit}"))
+    return [text for _, text in sorted(found)]
+
+
+def test_the_fixture_change_check():
+    source = ('import pytest, shutil\n'
+              '@pytest.fixture(scope="module")\ndef built(tmp_path_factory):\n    return tmp_path_factory.mktemp("b")\n'
+              '@pytest.fixture(scope="module")\ndef pair(built):\n    (built / "x").write_text("")\n    return built, []\n'
+              'def test_reads(built, pair, tmp_path):\n    shutil.copytree(built, tmp_path / "c")\n'
+              '    (tmp_path / "c" / "y").write_text("")\n    a, b = pair\n    return len(b), (a / "x").read_text()\n')
+    assert fixture_changes(source) == []
+    source += ('def test_writes(built, pair, tmp_path):\n    (built / "y").write_text("")\n    a, b = pair\n'
+               '    b.append(1)\n    shutil.rmtree(a / "x")\n    shutil.copy(tmp_path, built / "z")\n    pair[1][:] = []\n')
+    assert fixture_changes(source) == [":15: built", ":17: b", ":18: a", ":19: built", ":20: pair"]
+
+
+def test_no_test_changes_what_a_module_scoped_fixture_built():
+    found = [c for p in modules_of_tests() for c in fixture_changes(p.read_text(), str(p.relative_to(REPO)))]
+    assert not found, ("a test changes what a module-scoped fixture built (the next test would see the change, "
+                       "or a half-made one where it failed): work on a copy in tmp_path: " + "; ".join(found))
+
+
+def test_no_hook_orders_the_modules_and_no_module_imports_another():
+    found = []
+    for p in sorted(TESTS.rglob("*.py")):
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.FunctionDef) and n.name == "pytest_collection_modifyitems":
+                found.append(f"{p.relative_to(REPO)}:{n.lineno}: reorders the collected tests")
+            names = [a.name for a in n.names] if isinstance(n, ast.Import) else \
+                [n.module or ""] if isinstance(n, ast.ImportFrom) else []
+            found += [f"{p.relative_to(REPO)}:{n.lineno}: imports {m}" for m in names
+                      if m.rpartition(".")[2].startswith("test_")]
+    assert not found, "each test module runs alone and in any order: " + "; ".join(found)
+
+
+def test_conftests_wider_fixtures_are_the_clusters_checked_on_entry():
+    wider = {f.name for f in ast.parse((TESTS / "conftest.py").read_text()).body
+             if fixture_scope(f) not in (None, "function")}
+    assert wider <= CHECKED_ON_ENTRY, (f"conftest.py's {sorted(wider - CHECKED_ON_ENTRY)} outlive a test: a module "
+                                       "must get it as if no module ran before (check it on entry), then name it in "
+                                       "CHECKED_ON_ENTRY")
+
+
+STARTS_ON_RAY = {"remote", "placement_group", "own_head", "local_ray", "init", "Popen", "run", "check_output"}
+
+
+def starts_on_the_cluster(source: str, where: str = "") -> list[str]:
+    """``where:line: call`` for each actor, task, placement group, cluster or command a module marked
+    ``takes_kept_actors`` starts itself (none for a module without the mark)."""
+    tree = ast.parse(source)
+    if not any(isinstance(n, ast.Attribute) and n.attr == "takes_kept_actors" for n in ast.walk(tree)):
+        return []
+    found = []
+    for n in ast.walk(tree):
+        if not isinstance(n, ast.Call):
+            continue
+        func = n.func
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+        owner = func.value.id if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) else None
+        if name in STARTS_ON_RAY and (name not in ("run", "init") or owner in ("subprocess", "ray")):
+            found.append((n.lineno, f"{where}:{n.lineno}: {name}"))
+    return [text for _, text in sorted(found)]
+
+
+def test_the_kept_actors_check():
+    plain = "import ray, subprocess\ndef test_a():\n    ray.init()\n    subprocess.run(['x'])\n    f.remote()\n"
+    assert starts_on_the_cluster(plain) == []
+    marked = "import pytest\npytestmark = pytest.mark.takes_kept_actors\n" + plain + "    train_run(cfg)\n"
+    assert starts_on_the_cluster(marked) == [":5: init", ":6: run", ":7: remote"]
+
+
+def test_modules_taking_kept_actors_start_nothing_on_the_cluster_themselves():
+    """A module marked ``takes_kept_actors`` leaves the actors earlier runs kept on the cluster: its own
+    actors, tasks, placement groups or commands could find the cluster's CPUs held by them."""
+    found = [c for p in modules_of_tests() for c in starts_on_the_cluster(p.read_text(), str(p.relative_to(REPO)))]
+    assert not found, "takes_kept_actors: its tests make rayconv runs only (or drop the mark): " + "; ".join(found)
