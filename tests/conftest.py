@@ -143,8 +143,9 @@ def silent_address():
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "takes_kept_actors: the module's tests make rayconv runs of the test process "
-                            "only, which may take actors that earlier runs kept on ray_cluster (none needed)")
+    config.addinivalue_line("markers", "takes_kept_actors: the module's tests make rayconv runs of the test "
+                            "process only, which may take actors that earlier runs kept on ray_cluster "
+                            "(none needed)")
     if not hasattr(config, "workerinput"):   # (once: in pytest-xdist's controller, or the only process)
         _compile_bytecode()
 

@@ -321,12 +321,13 @@ def test_results_links_resolve():
 
 TESTS = REPO / "tests"
 CHECKED_ON_ENTRY = {"ray_cluster", "two_nodes"}   # conftest.py's fixtures wider than a test
-# calls that change their receiver (a folder's files, a list, a dict, a set), and those whose argument they change
+# calls that change their receiver (a folder's files, a list, a dict, a set)
 CHANGES = {"write_text", "write_bytes", "unlink", "mkdir", "touch", "rename", "rmdir", "chmod", "symlink_to",
-           "hardlink_to", "append", "extend", "insert", "update", "clear", "pop", "popitem", "setdefault", "add",
-           "discard", "remove", "sort", "reverse"}
-CHANGES_ARG = {"rmtree": (0,), "move": (0, 1), "copy": (1,), "copy2": (1,), "copyfile": (1,), "copytree": (1,),
-               "unlink": (0,), "rename": (0, 1), "write_bytes": (0,), "write_text": (0,)}
+           "hardlink_to", "append", "extend", "insert", "update", "clear", "pop", "popitem", "setdefault",
+           "add", "discard", "remove", "sort", "reverse"}
+# shutil's and os's calls that change their arguments: which ones
+CHANGES_ARG = {"rmtree": (0,), "move": (0, 1), "copy": (1,), "copy2": (1,), "copyfile": (1,),
+               "copytree": (1,), "unlink": (0,), "rename": (0, 1)}
 
 
 def modules_of_tests() -> list[Path]:
@@ -394,21 +395,37 @@ def fixture_changes(source: str, where: str = "") -> list[str]:
 
 
 def test_the_fixture_change_check():
-    source = ('import pytest, shutil\n'
-              '@pytest.fixture(scope="module")\ndef built(tmp_path_factory):\n    return tmp_path_factory.mktemp("b")\n'
-              '@pytest.fixture(scope="module")\ndef pair(built):\n    (built / "x").write_text("")\n    return built, []\n'
-              'def test_reads(built, pair, tmp_path):\n    shutil.copytree(built, tmp_path / "c")\n'
-              '    (tmp_path / "c" / "y").write_text("")\n    a, b = pair\n    return len(b), (a / "x").read_text()\n')
+    source = """import pytest, shutil
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return tmp_path_factory.mktemp("b")
+@pytest.fixture(scope="module")
+def pair(built):
+    (built / "x").write_text("")
+    return built, []
+def test_reads(built, pair, tmp_path):
+    shutil.copytree(built, tmp_path / "c")
+    (tmp_path / "c" / "y").write_text("")
+    a, b = pair
+    assert len(b) == 0 and (a / "x").read_text() == ""
+"""
     assert fixture_changes(source) == []
-    source += ('def test_writes(built, pair, tmp_path):\n    (built / "y").write_text("")\n    a, b = pair\n'
-               '    b.append(1)\n    shutil.rmtree(a / "x")\n    shutil.copy(tmp_path, built / "z")\n    pair[1][:] = []\n')
+    source += """def test_writes(built, pair, tmp_path):
+    (built / "y").write_text("")
+    a, b = pair
+    b.append(1)
+    shutil.rmtree(a / "x")
+    shutil.copy(tmp_path, built / "z")
+    pair[1][:] = []
+"""
     assert fixture_changes(source) == [":15: built", ":17: b", ":18: a", ":19: built", ":20: pair"]
 
 
 def test_no_test_changes_what_a_module_scoped_fixture_built():
     found = [c for p in modules_of_tests() for c in fixture_changes(p.read_text(), str(p.relative_to(REPO)))]
-    assert not found, ("a test changes what a module-scoped fixture built (the next test would see the change, "
-                       "or a half-made one where it failed): work on a copy in tmp_path: " + "; ".join(found))
+    assert not found, ("a test changes what a module-scoped fixture built (the next test would see the "
+                       "change, or a half-made one where it failed): work on a copy in tmp_path: "
+                       + "; ".join(found))
 
 
 def test_no_hook_orders_the_modules_and_no_module_imports_another():
@@ -427,9 +444,9 @@ def test_no_hook_orders_the_modules_and_no_module_imports_another():
 def test_conftests_wider_fixtures_are_the_clusters_checked_on_entry():
     wider = {f.name for f in ast.parse((TESTS / "conftest.py").read_text()).body
              if fixture_scope(f) not in (None, "function")}
-    assert wider <= CHECKED_ON_ENTRY, (f"conftest.py's {sorted(wider - CHECKED_ON_ENTRY)} outlive a test: a module "
-                                       "must get it as if no module ran before (check it on entry), then name it in "
-                                       "CHECKED_ON_ENTRY")
+    assert wider <= CHECKED_ON_ENTRY, (
+        f"conftest.py's {sorted(wider - CHECKED_ON_ENTRY)} outlive a test: a module must get it as if no "
+        "module ran before (check it on entry), then name it in CHECKED_ON_ENTRY")
 
 
 STARTS_ON_RAY = {"remote", "placement_group", "own_head", "local_ray", "init", "Popen", "run", "check_output"}
@@ -446,15 +463,16 @@ def starts_on_the_cluster(source: str, where: str = "") -> list[str]:
         if not isinstance(n, ast.Call):
             continue
         func = n.func
-        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
-        owner = func.value.id if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) else None
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        owner = getattr(func.value, "id", None) if isinstance(func, ast.Attribute) else None
         if name in STARTS_ON_RAY and (name not in ("run", "init") or owner in ("subprocess", "ray")):
             found.append((n.lineno, f"{where}:{n.lineno}: {name}"))
     return [text for _, text in sorted(found)]
 
 
 def test_the_kept_actors_check():
-    plain = "import ray, subprocess\ndef test_a():\n    ray.init()\n    subprocess.run(['x'])\n    f.remote()\n"
+    plain = "import ray, subprocess\ndef test_a():\n    ray.init()\n    subprocess.run(['x'])\n" \
+        "    f.remote()\n"
     assert starts_on_the_cluster(plain) == []
     marked = "import pytest\npytestmark = pytest.mark.takes_kept_actors\n" + plain + "    train_run(cfg)\n"
     assert starts_on_the_cluster(marked) == [":5: init", ":6: run", ":7: remote"]
@@ -463,5 +481,7 @@ def test_the_kept_actors_check():
 def test_modules_taking_kept_actors_start_nothing_on_the_cluster_themselves():
     """A module marked ``takes_kept_actors`` leaves the actors earlier runs kept on the cluster: its own
     actors, tasks, placement groups or commands could find the cluster's CPUs held by them."""
-    found = [c for p in modules_of_tests() for c in starts_on_the_cluster(p.read_text(), str(p.relative_to(REPO)))]
-    assert not found, "takes_kept_actors: its tests make rayconv runs only (or drop the mark): " + "; ".join(found)
+    found = [c for p in modules_of_tests()
+             for c in starts_on_the_cluster(p.read_text(), str(p.relative_to(REPO)))]
+    assert not found, "takes_kept_actors: its tests make rayconv runs only (or drop the mark): " + \
+        "; ".join(found)
