@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 from rayconv.run import main
 
-pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's kept actors stay for its runs)
-
 CASES = {
     "mesh-larger-than-cluster": (["--dp", "3", "--fs", "2"], "--dp/--pp/--fs"),
     "pp-on-uncuttable-model": (["--dp", "1", "--pp", "2", "--model", "convnext_tiny", "--data", "synthetic",
