@@ -35,6 +35,9 @@ DATA_ON_DEVICE_HELP = ("--data imagefolder and shards: on: decode both splits on
                        "(CPU actors: their node's memory divided among the actors on it; GPUs: the GPU's free memory)")
 # The side in pixels of each data set's own images (--image-size left out): digits are 8x8 scans,
 # Fashion-MNIST 28x28; synthetic, image folders and shards are cropped to 224 (ImageNet's).
+# Data whose images are never resized (--image-size refused), and data the augmentation flags reach.
+FIXED_SIZE_DATA = ("digits",)
+AUGMENTED_DATA = ("fashion-mnist", "imagefolder", "shards")
 DATA_IMAGE_SIZE = {"digits": 8, "fashion-mnist": 28, "synthetic": 224, "imagefolder": 224, "shards": 224}
 PAD_CROP_MAX_SIZE = 64  # --augment auto: pad-crop + flip up to this side in pixels, resized crops above
 CUDNN_BENCHMARK_MIN_STEPS = 10_000  # --cudnn-benchmark auto: on for runs at least this long

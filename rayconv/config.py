@@ -78,7 +78,8 @@ class DataSettings:
         "choices": DECODE_CHOICES})
     image_size: Optional[int] = field(default=None, metadata={
         "help": "side in pixels of the training images (synthetic data, the crops of imagefolder and shards "
-                "data, a resize of digits and fashion-mnist); default: the data's own, digits 8, "
+                "data, a resize of fashion-mnist; digits are never resized: refused with them); default: the "
+                "data's own, digits 8, "
                 "fashion-mnist 28, raw-pixel shards their stored side, synthetic/imagefolder/JPEG shards 224 (each "
                 "model refuses sizes it cannot take)"})
     channels: Optional[int] = field(default=None, metadata={
@@ -86,14 +87,15 @@ class DataSettings:
     augment: str = field(default="auto", metadata={
         "help": "training augmentation: pad-crop (pad by size/8, random crop, horizontal flip), resized-crop "
                 "(RandomResizedCrop + flip, Szegedy et al. 2015), none; auto: pad-crop + flip up to 64 pixels, "
-                "resized-crop above; the digits (8x8) are never augmented", "choices": AUGMENT_CHOICES})
+                "resized-crop above; fashion-mnist, imagefolder and shards data (digits and synthetic are "
+                "never augmented: pad-crop and resized-crop refused with them)", "choices": AUGMENT_CHOICES})
     auto_augment: Optional[str] = field(default=None, metadata={
         "help": "augmentation policy after the crop and flip, torchvision's: imagenet, cifar10, svhn "
                 "(AutoAugment, Cubuk et al. 2019), ra (RandAugment), ta_wide (TrivialAugmentWide); default none",
         "choices": AUTO_AUGMENT_CHOICES})
     random_erase: float = field(default=0.0, metadata={
         "help": "probability in [0, 1] of erasing a random rectangle of each training image (Zhong et al. "
-                "2020, torchvision's --random-erase; default 0)"})
+                "2020, torchvision's --random-erase; default 0; fashion-mnist, imagefolder and shards data)"})
     data_on_device: str = field(default="auto", metadata={"help": DATA_ON_DEVICE_HELP, "choices": DATA_ON_DEVICE_CHOICES})
     synthetic_samples: int = field(default=4096, metadata={"help": "train samples of synthetic data"})
     shuffle: str = field(default="exact", metadata={"choices": SHUFFLE_CHOICES, "help": "train order: exact "
@@ -302,9 +304,10 @@ class OperationsSettings:
     resume: Optional[str] = field(default=None, metadata={"help": "continue from a checkpoint: a run folder (its "
                                                                  "newest checkpoint) or a checkpoints/step-<k> folder; "
                                                                  "settings come from it, flags given override them"})
-    max_failures: int = field(default=0, metadata={"help": "actor failures (process or node lost, collective "
-                                                           "timeout) to recover from by restarting the actors and "
-                                                           "reloading the last checkpoint"})
+    max_failures: Optional[int] = field(default=None, metadata={
+        "help": "actor failures (process or node lost, collective timeout) to recover from by restarting the "
+                "actors and reloading the last checkpoint; -1: no limit (Ray Train's FailureConfig reads it "
+                "alike); default 0, with --elastic -1 (every loss recovered while --elastic MIN actors fit)"})
     max_wait: float = field(default=120.0, metadata={"help": "seconds the start-up may take: the cluster having "
                                                             "resources for all actors, then the actors starting "
                                                             "(at start and after a failure)"})
@@ -330,6 +333,14 @@ class Config(OperationsSettings, OutputSettings, ClusterSettings, ExecutionSetti
             check(self)
             object.__setattr__(self, "_validated", True)
         return self
+
+    @property
+    def failure_budget(self) -> int:
+        """Actor failures a run recovers from (-1: any number): ``max_failures``, else 0, or -1 with
+        ``elastic`` (an elastic run is meant to survive losses; below MIN it stops, ``TooFewDevices``)."""
+        if self.max_failures is not None:
+            return self.max_failures
+        return -1 if self.elastic is not None else 0
 
     @property
     def world_size(self) -> int:

@@ -15,8 +15,11 @@ from typing import Any, Optional
 from rayconv.choices import (
     DATA_CHOICES, DECODE_CHOICES, DEVICE_CHOICES, SCHEDULE_CHOICES, PLAN_CHOICES, PRECISION_CHOICES,
     LR_SCHEDULE_CHOICES, COMPILE_CHOICES, BALANCE_CHOICES, LAYOUT_CHOICES, OPT_CHOICES, WARMUP_CHOICES,
-    LR_SCALING_CHOICES, AUGMENT_CHOICES, AUTO_AUGMENT_CHOICES, SHUFFLE_CHOICES, LARS_ETA)
+    LR_SCALING_CHOICES, AUGMENT_CHOICES, AUTO_AUGMENT_CHOICES, SHUFFLE_CHOICES, LARS_ETA, AUGMENTED_DATA,
+    FIXED_SIZE_DATA, DATA_IMAGE_SIZE)
 from rayconv.errors import ConfigError
+
+SEED_LIMIT = 2**64   # --seed below it: torch.manual_seed takes [0, 2**64), numpy non-negative seeds
 
 
 def batch_split_problem(global_batch_size: int, dp: int, num_microbatches: int) -> Optional[str]:
@@ -43,6 +46,10 @@ def check(cfg: Any) -> None:
     _check_numbers(cfg)
     _check_recipe(cfg)
     _check_combinations(cfg)
+
+
+def _listed(names: tuple[str, ...]) -> str:
+    return f"{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else names[0]
 
 
 def _need(ok: bool, msg: str) -> None:
@@ -90,8 +97,16 @@ def _check_names(cfg: Any) -> None:
     _need(cfg.augment in AUGMENT_CHOICES, f"unknown --augment {cfg.augment!r}: choose one of {', '.join(AUGMENT_CHOICES)}")
     _need(cfg.auto_augment is None or cfg.auto_augment in AUTO_AUGMENT_CHOICES,
           f"unknown --auto-augment {cfg.auto_augment!r}: choose one of {', '.join(AUTO_AUGMENT_CHOICES)}")
-    _need(cfg.auto_augment is None or cfg.data in ("fashion-mnist", "imagefolder", "shards"),
+    _need(cfg.auto_augment is None or cfg.data in AUGMENTED_DATA,
           f"--auto-augment augments fashion-mnist, imagefolder and shards data, not --data {cfg.data}: drop it")
+    side = DATA_IMAGE_SIZE.get(cfg.data)
+    _need(cfg.data not in FIXED_SIZE_DATA or cfg.image_size in (None, side),
+          f"--data {cfg.data} holds {side}x{side} images, never resized: drop --image-size {cfg.image_size}, "
+          "or use data it sizes (--data fashion-mnist, synthetic, imagefolder or shards)")
+    _need(cfg.augment in ("auto", "none") or cfg.data in AUGMENTED_DATA,
+          f"--augment {cfg.augment} augments {_listed(AUGMENTED_DATA)} data, not --data {cfg.data}: drop it")
+    _need(cfg.random_erase == 0 or cfg.data in AUGMENTED_DATA,
+          f"--random-erase erases in {_listed(AUGMENTED_DATA)} data, not --data {cfg.data}: drop it")
     _need(cfg.decode in DECODE_CHOICES, f"unknown --decode {cfg.decode!r}: choose auto, cpu or gpu")
     _need(not (cfg.decode == "gpu" and cfg.device == "cpu"),
           "--decode gpu decodes on the actors' GPUs: use --decode cpu with --device cpu")
@@ -109,6 +124,9 @@ def _check_numbers(cfg: Any) -> None:
     if cfg.dp:  # (with --dp left to the cluster, these are checked once it is known)
         problem = batch_split_problem(cfg.global_batch_size, cfg.dp, cfg.num_microbatches)
         _need(problem is None, problem or "")
+    _need(0 <= cfg.seed < SEED_LIMIT, f"--seed must be in [0, 2**64) (got {cfg.seed}): torch and numpy take "
+                                        "non-negative seeds")
+    _need(cfg.synthetic_samples >= 1, f"--synthetic-samples must be >= 1 (got {cfg.synthetic_samples})")
     _need(cfg.lr > 0, f"--lr must be > 0 (got {cfg.lr})")
     _need(0 <= cfg.momentum < 1, f"--momentum must be in [0, 1) (got {cfg.momentum})")
     _need(cfg.weight_decay >= 0, f"--weight-decay must be >= 0 (got {cfg.weight_decay})")
@@ -119,7 +137,8 @@ def _check_numbers(cfg: Any) -> None:
     _need(cfg.checkpoint_every >= 0, f"--checkpoint-every must be >= 0 steps (got {cfg.checkpoint_every}; "
                                       "0 writes no checkpoints)")
     _need(cfg.keep_checkpoints >= 0, f"--keep-checkpoints must be >= 0 (got {cfg.keep_checkpoints}; 0 keeps all)")
-    _need(cfg.max_failures >= 0, f"--max-failures must be >= 0 (got {cfg.max_failures})")
+    _need(cfg.max_failures is None or cfg.max_failures >= -1,
+          f"--max-failures must be >= 0, or -1 for no limit (got {cfg.max_failures})")
     _need(cfg.max_wait > 0, f"--max-wait must be > 0 seconds (got {cfg.max_wait})")
     _need(0 < cfg.gpus_per_actor <= 1, f"--gpus-per-actor must be a share of one GPU in (0, 1], e.g. 0.25 "
                                         f"(got {cfg.gpus_per_actor})")
@@ -170,7 +189,7 @@ def _check_combinations(cfg: Any) -> None:
     _need(cfg.exchange_chunks == 1 or cfg.fs > 1 or cfg.layout == "auto",
           f"--exchange-chunks {cfg.exchange_chunks} applies to filter split's gathers: add --fs 2 (or more), "
           "or drop it")
-    _need(cfg.max_failures == 0 or cfg.checkpoint_every > 0 or cfg.resume is not None,
+    _need(not cfg.max_failures or cfg.checkpoint_every > 0 or cfg.resume is not None,
           f"--max-failures {cfg.max_failures} restarts from the last checkpoint: also set --checkpoint-every N "
           "(without checkpoints a recovery would start the run over)")
     if cfg.elastic is not None:

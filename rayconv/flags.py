@@ -96,9 +96,9 @@ def from_mapping(values: dict[str, Any]) -> Config:
     """Config from a dict; unknown keys raise ConfigError naming them, as do values of the wrong type.
     Without ``data``, a ``data_dir`` gives it (``rayconv.data_dir.with_data_kind``)."""
     known = {f.name: f for f in fields(Config)}
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}: known are {', '.join(sorted(known))}")
+    problem = unknown_settings(values)
+    if problem:
+        raise ConfigError(problem)
     values = with_data_kind(values)   # --data-dir alone: the data kind the folder holds
     if isinstance(values.get("compile"), bool):  # configs written before --compile took auto/on/off
         values = {**values, "compile": "on" if values["compile"] else "off"}
@@ -112,6 +112,18 @@ def from_mapping(values: dict[str, Any]) -> Config:
             raise ConfigError(f"setting {key} = {v!r} has the wrong type: {flag(key)} takes "
                               f"{t.replace('Optional[', '').rstrip(']')}")
     return Config(**values)
+
+
+def unknown_settings(values: dict[str, Any]) -> Optional[str]:
+    """What is wrong with the keys of ``values`` that name no setting (None when all do): each with the
+    closest setting's name (difflib, as ``closest_flags`` for flags), else where the names are listed."""
+    known = [f.name for f in fields(Config)]
+    unknown = sorted(set(values) - set(known))
+    if not unknown:
+        return None
+    close = [m for w in unknown for m in difflib.get_close_matches(w, known, n=1, cutoff=0.75)]
+    hint = f"did you mean {', '.join(close)}?" if close else "python -m rayconv.run --help lists them"
+    return f"unknown setting(s) {', '.join(unknown)} (the flags' names, - as _): {hint}"
 
 
 def read_settings(argv: Optional[list[str]] = None) -> dict[str, Any]:
@@ -131,6 +143,9 @@ def read_settings(argv: Optional[list[str]] = None) -> dict[str, Any]:
             raise ConfigError(f"--config {cfg_file} is not valid JSON ({e}): fix the file") from None
         if not isinstance(values, dict):
             raise ConfigError(f"--config {cfg_file} must hold a JSON object of settings")
+        problem = unknown_settings(values)
+        if problem:
+            raise ConfigError(f"--config {cfg_file}: {problem}")
         # A run's config.json names its output folder (and checkpoint, cluster): a re-run is a new run,
         # into a new folder, unless flags say otherwise.
         for key in NOT_RESUMED:

@@ -7,7 +7,8 @@ read without a decode; ``auto``: raw up to 64 px, ``shard_writer.resolve_encodin
 ``--convert DIR --encoding raw|jpeg --out NEW`` re-encodes a prepared folder into NEW
 (``rayconv/data/shard_convert.py``).
 
-Exit status: 0 done; 2 bad arguments or bad input (the message names the file or folder); 1 the
+Exit status: 0 done; 2 bad arguments or bad input (the message names the file or folder, an --out that
+cannot be written among them); 1 the
 cluster failed, or the disk filled during --convert (no half shard is left); 130 interrupted
 (complete shards are kept: the same command again finishes the job).
 """
@@ -22,7 +23,7 @@ from rayconv.flags import OneLineParser
 from rayconv.data.shard_convert import convert, convert_encoding
 from rayconv.data.shard_writer import ENCODINGS, RAW_MAX_SIZE, SHARD_ORDERS, prepare, resolve_encoding, write_shard
 from rayconv.errors import ClusterError, ConfigError, DataError
-from rayconv.storage import is_remote, locate
+from rayconv.storage import check_writable, is_remote, locate
 
 
 def _on_ray(args: dict[str, tuple], address: Optional[str]) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -104,6 +105,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"rayconv.prepare: error: {flag} must be in [{lo}, {hi}] (got {v})", file=sys.stderr)
             return 2
     try:
+        for flag, folder in (("--out", a.out), ("--convert", a.convert)):
+            if folder is not None and not is_remote(folder):
+                check_writable(folder, flag)   # (a read-only folder, /proc: one line before Ray)
         if a.convert is not None and a.encoding is not None:
             convert_encoding(a.convert, a.out, a.encoding, a.quality)
             return 0

@@ -2,8 +2,10 @@
 
 With no arguments it trains the small ConvNet on the embedded digits data, data parallel over every
 device of the Ray cluster (a local one is started when none is running). Errors a user can fix are
-printed as one line naming what to change, with exit status 2 (also an --elastic run left below its
-minimum); a failed actor gives exit status 1;
+printed as one line naming what to change, with exit status 2: bad settings, data and layouts, also
+those met mid-run (a file that does not decode, names it; a loss that is not finite, the training
+diverged: a lower --lr), and an --elastic run left below its minimum; a failed actor or a cluster
+that failed gives exit status 1;
 Ctrl-C exit status 130 and SIGTERM 143, the actors stopped and what the run wrote kept.
 Settings come, lowest first, from the ``--resume`` checkpoint, the ``--config`` file, the flags.
 On a cluster that outlives the command (``ray start --head``, then commands with ``--address`` or
@@ -56,13 +58,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         cfg = with_output_folder(cfg)  # named before the run starts, so that a failure's hint can name it
         start_and_train(cfg)
         return 0
-    except (ConfigError, DataError, LayoutError, FileExistsError) as e:
+    except (ConfigError, DataError, LayoutError, FileExistsError, FloatingPointError) as e:
         print(f"rayconv: error: {e}", file=sys.stderr)
+        if isinstance(e, (DataError, FloatingPointError)):   # (met mid-run: the last checkpoint to resume)
+            _resume_hint(cfg)
         return 2
     except TooFewDevices as e:   # --elastic below its minimum: one line, the resume command in it
         print(f"rayconv: error: {e}", file=sys.stderr)
         return 2
-    except (ClusterError, FloatingPointError) as e:
+    except ClusterError as e:
         print(f"rayconv: error: {e}", file=sys.stderr)
         _resume_hint(cfg)
         return 1

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import ray
 
-from rayconv.errors import ClusterError, ConfigError
+from rayconv.errors import ClusterError, ConfigError, DataError, LayoutError
 
 NAMESPACE = "rayconv"
 # Actors and tasks with this see every GPU of their node (and select theirs by ``visible_index``).
@@ -198,12 +198,27 @@ def assigned_gpu_index() -> int:
     return visible_index(ids[0]) if sees_all else 0
 
 
+def innermost(e: BaseException) -> BaseException:
+    """The innermost user-facing error in ``e`` (Ray wraps an actor's or a task's error in RayTaskError,
+    possibly several deep)."""
+    while isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None:
+        e = e.cause
+    return e
+
+
+def actor_error(line: str, e: BaseException, recoverable: bool) -> Exception:
+    """The error to raise for an actor's failure ``e``, said in ``line``: bad input the actor's own code
+    met (DataError: a file that does not decode; ConfigError, LayoutError) as its own type, which the
+    command exits 2 for; else a ClusterError (``recoverable``: restarting the actors may help)."""
+    cause = innermost(e)
+    if isinstance(cause, (DataError, ConfigError, LayoutError)):
+        return type(cause)(line)
+    return ClusterError(line, recoverable=recoverable)
+
+
 def exception_summary(e: BaseException) -> str:
-    """The one-line message of the innermost user-facing error in ``e`` (Ray wraps an actor's or a
-    task's error in RayTaskError, possibly several deep)."""
-    cause: Optional[BaseException] = e
-    while isinstance(cause, ray.exceptions.RayTaskError) and cause.cause is not None:
-        cause = cause.cause
+    """The one-line message of the innermost user-facing error in ``e`` (``innermost``)."""
+    cause = innermost(e)
     return f"{type(cause).__name__}: {cause}"
 
 

@@ -25,7 +25,8 @@ from ray.util.placement_group import (get_current_placement_group, placement_gro
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayconv.cluster import across, pool
-from rayconv.cluster.connect import ALL_GPUS_VISIBLE_ENV, NAMESPACE, exception_summary, first_line
+from rayconv.cluster.connect import (ALL_GPUS_VISIBLE_ENV, NAMESPACE, actor_error, exception_summary,
+                                     first_line)
 from rayconv.config import Config
 from rayconv.errors import CallTimeout, ClusterError
 from rayconv.mesh import Mesh
@@ -92,8 +93,8 @@ class ActorGroup:
                   timeout_s: Optional[float] = None) -> list[Any]:
         """Call ``method(*args[i])`` on actor ``ranks[i]`` (default: all, in rank order); return the results.
 
-        If any actor raises, the others may be blocked in a collective: all actors are killed and a
-        ClusterError names the failing actor's role and its error (no hang). Same after ``timeout_s``."""
+        If any actor raises, the others may be blocked in a collective: all actors are killed, an error names
+        the actor's role and its own (``connect.actor_error``; no hang). Same after ``timeout_s``."""
         return self.collect(self.submit_each(method, args, ranks), timeout_s=timeout_s)
 
     def submit(self, method: str, *args) -> "Pending":
@@ -133,16 +134,15 @@ class ActorGroup:
                                 r, err = ranks[refs.index(ref)], e2
                                 break
                 self.kill()
-                lost = _is_lost(err)
+                lost, summary = _is_lost(err), exception_summary(err)
                 what = "was lost (process or node died)" if lost else "failed"
-                summary = exception_summary(err)
                 if lost:  # Ray's explanation runs over several lines; its first says it all
                     summary = summary.splitlines()[0]
                 elif _is_collective_failure(err) and "timed out" in summary.lower():
                     summary += ("; the collective waited past --collective-timeout-s: raise it if a peer is "
                                 "only slow, not stuck")
-                raise ClusterError(f"actor {self.roles[r]} (rank {r}) {what} in {method}: {summary}",
-                                   recoverable=lost or _is_collective_failure(err)) from None
+                raise actor_error(f"actor {self.roles[r]} (rank {r}) {what} in {method}: {summary}", err,
+                                  recoverable=lost or _is_collective_failure(err)) from None
         return ray.get(refs)
 
     def wait_started(self) -> None:

@@ -9,7 +9,8 @@ ends with the weights of a run that never changed.
 Events, each one console line (step, old layout -> new, why, seconds lost until the next step is done,
 or the final export after a loss past the last step) and one row of ``layout_changes`` in summary.json:
 
-- an actor or node lost (``ClusterError``, recoverable; counted against --max-failures as before): the
+- an actor or node lost (``ClusterError``, recoverable; counted against --max-failures, no limit unless
+  given: ``Config.failure_budget``): the
   driver waits up to --elastic-wait seconds for the layout's devices, then re-plans on what is free and
   continues from the last checkpoint (``checkpoint.rank_file_for`` cuts it for the new layout);
 - a preemption with notice (an actor's SIGTERM, marked in its next step's metrics; a node draining,

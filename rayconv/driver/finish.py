@@ -14,7 +14,7 @@ from typing import Any, Iterator, Optional
 
 from rayconv.cluster.group import ActorGroup
 from rayconv.driver.loop import Run, evaluate
-from rayconv.errors import RunStopped
+from rayconv.errors import ConfigError, RunStopped
 from rayconv.files import write_json
 from rayconv.outputs.checkpoint import list_checkpoints, remove_partial
 from rayconv.outputs.export import assemble, export_model
@@ -202,7 +202,11 @@ def writing_into(out: Place, log=print) -> Iterator[Place]:
     settings, which the same command gives again) the folder is removed (if made here) or emptied,
     so that the same ``--out`` can be given again."""
     made = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:   # (checked before Ray: storage.check_writable; a mount may turn read-only since)
+        raise ConfigError(f"--out {out} cannot be made ({e.strerror or type(e).__name__}): choose a folder "
+                          "you can write to") from None
     try:
         yield out
     except BaseException:

@@ -47,7 +47,7 @@ def train_run(cfg: Config, log=print, on_step=None, on_eval=None, early: Optiona
     ``early``: the actors ``driver.prestart`` started before torch was imported (else they start once
     the layout is known, ``driver.early``).
     Raises ConfigError / DataError / LayoutError / CheckpointError before anything is written,
-    ClusterError if an actor fails more than ``cfg.max_failures`` times. A run stopped by Ctrl-C or
+    ClusterError if an actor fails more than ``cfg.failure_budget`` times. A run stopped by Ctrl-C or
     SIGTERM after a step keeps its folder: config.json, metrics.parquet of the steps done, summary.json
     with ``status`` interrupted (``finish.record_stop``). On a failure the folder is removed if this run
     made it and it holds no result yet (a checkpoint or metrics.parquet); results are never deleted.
@@ -70,15 +70,18 @@ def _train(cfg: Config, early: EarlyActors, log, on_step, on_eval) -> dict[str, 
     # SIGTERM stops the run as Ctrl-C does; a stop leaves the steps' metrics and a summary saying how
     # the run ended; on failure only results stay (checkpoints, metrics), not a bare config.json.
     with sigterm_as_interrupt(), writing_into(resolved.out, log), recording_stop(run):
-        resolved.saved_config().to_json(resolved.out / "config.json")
         log_header(resolved, log)
         run.export = lambda actor_group, path: export(run, actor_group, path)   # (--keep-best's best/model.pt)
-        ckpt = resolved.resume
+        ckpt, config_written = resolved.resume, False
         while True:
             try:
                 # (Ctrl-C is recorded before the actors are stopped: that can wait on a cluster going down too)
                 with start_actors(run, ckpt, early.take(run.resolved.mesh)) as actor_group, \
                         recording_stop(run, KeyboardInterrupt):
+                    if not config_written:   # once the actors are set up: a failed start (a --resume in place
+                        # among them) leaves the folder's config.json as it was; written whole (atomic)
+                        resolved.saved_config().to_json(resolved.out / "config.json")
+                        config_written = True
                     if resolved.cfg.evaluate_only:
                         return kept_after(run, actor_group, finish_evaluation(run, actor_group))
                     train(run, actor_group, start=ckpt.step if ckpt is not None else 0)
@@ -166,18 +169,24 @@ def launch(cfg: Config, mesh: Mesh, routing: Routing, sharding: Sharding, run_na
 
 def recover_or_raise(e: ClusterError, run: Run) -> Optional[Checkpoint]:
     """After the actors failed with ``e`` (and were stopped): the checkpoint to continue from (the
-    run's newest, else the one it resumed from, else None: the start), counted against --max-failures.
-    A loss after the last step (during the final export) continues from the last step's checkpoint:
+    run's newest, else the one it resumed from, else None: the start), counted against --max-failures
+    (``Config.failure_budget``: no limit by default with --elastic). A loss after the last step (during
+    the final export) continues from the last step's checkpoint:
     the new actors load it and export. Raises ``e`` when it is not recoverable or when no failures
     are left."""
     if isinstance(e, CallTimeout):
         e = CallTimeout(f"{e}; the limit is 2 x --collective-timeout-s + 30 s: raise "
                         "--collective-timeout-s if the work is only slow", recoverable=True)
-    if not e.recoverable or run.failures >= run.cfg.max_failures:
+    budget = run.cfg.failure_budget   # (-1: no limit; --elastic's default)
+    if not e.recoverable:
         raise e from None
+    if 0 <= budget <= run.failures:
+        raise type(e)(f"{e}; {run.failures} of --max-failures {budget} recovered: give --max-failures N "
+                      "(-1: no limit) with --checkpoint-every to recover from more", True) from None
     run.failures += 1
     latest = latest_checkpoint(run.resolved.out)
     ckpt = load_checkpoint(latest) if latest is not None else run.resolved.resume
-    run.log(f"rayconv: {e}\nrayconv: recovering ({run.failures} of --max-failures {run.cfg.max_failures}): "
+    of = "no limit" if budget < 0 else f"{budget}"
+    run.log(f"rayconv: {e}\nrayconv: recovering ({run.failures} of --max-failures {of}): "
             f"new actors, continuing from {ckpt.path if ckpt else 'the start'}")
     return ckpt

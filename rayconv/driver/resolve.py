@@ -137,7 +137,8 @@ def resolve_on_cluster(cfg: Config, log=print, resume: Optional[Checkpoint] = No
     name, image shape and training output, the layout against the model with --dp as given, 1 when
     the cluster decides it, and ``resume``'s checkpoint against the run) come before Ray, or, with
     ``on_layout`` and where the actors may start early (``driver.early.needs_devices``), right after
-    the layout is resolved and ``on_layout(cfg, mesh)`` was called (the actors start meanwhile). With
+    the layout is resolved and ``on_layout(cfg, mesh)`` was called (the actors start meanwhile); where
+    the cluster lacks the layout's devices then, before the wait for them (--max-wait). With
     --stage-dir, the shards are then copied to the nodes (``cluster.local_copy``).
     Returns (the settings with device, ``dp``, a balanced pipeline cut and a staged ``data_dir``
     resolved; mesh; source; routing; the train sharding over the mesh's replicas, which the actors read
@@ -151,11 +152,16 @@ def resolve_on_cluster(cfg: Config, log=print, resume: Optional[Checkpoint] = No
     dp_given = cfg.dp is not None
     connect_run(cfg)   # (nothing when driver.prestart connected this run)
     try:
-        cfg, mesh = resolve_layout(cfg, log)
+        cfg, mesh = resolve_layout(cfg, log, wait=not early)
     except ConfigError:
-        if early:   # (a layout the model cannot take is refused as that, not as one the cluster lacks)
-            check_before_ray(given, resume)
-        raise
+        if not early:
+            raise
+        # The cluster lacks the layout's devices now: what the model alone rules out (--pp above its layers,
+        # --fs above its channels) is refused first, as without early actors, before any wait for devices.
+        source, sharding, reference, checked = check_before_ray(given, resume)
+        startup.mark("data")
+        early = False
+        cfg, mesh = resolve_layout(cfg, log)
     if early:
         group = on_layout(cfg, mesh)
         source, sharding, reference, checked = check_before_ray(given, resume, WarmCheck.of(group, given))

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from rayconv.choices import FIXED_SIZE_DATA
 from rayconv.config import ConfigError
 from rayconv.models.channels import channel_mismatch, dry_forward
 from rayconv.models.convnet import ConvNet
@@ -45,13 +46,15 @@ def model_names() -> list[str]:
 
 
 def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: int = 224,
-                batch_norm: bool = False, zero_init_residual: bool = False) -> nn.Module:
+                batch_norm: bool = False, zero_init_residual: bool = False,
+                data: Optional[str] = None) -> nn.Module:
     """A freshly initialised model (weights from the current torch RNG state).
 
     ``alexnet`` is torchvision's single-column AlexNet (Krizhevsky et al. 2012 / "One weird trick" 2014);
     ``googlenet`` and ``inception_v3`` are built without auxiliary classifiers (``BUILD_ARGS``).
     rayconv's convnets take any channel count and images of 2 pixels and more; a torchvision model below
-    32 pixels is tried by a dry forward (``check_trainable``) and refused where it fails.
+    32 pixels is tried by a dry forward (``check_trainable``; ``data``: the --data name, for its advice) and
+    refused where it fails.
     ``zero_init_residual`` is torchvision's (the last batch norm of each residual block starts at 0;
     Goyal et al. 2017, section 5.1), for builders that take it (ResNets, ResNeXts, wide ResNets).
     A user's model (``MODULE:FUNCTION``, ``path/to/file.py:FUNCTION``, a callable given to
@@ -89,7 +92,7 @@ def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: i
                               "ResNeXts and wide ResNets do): drop the flag") from None
         raise
     if image_size < 32:  # (torchvision's models are made for 224: below 32 many reduce the image to nothing)
-        check_trainable(name, model, (in_channels, image_size, image_size))
+        check_trainable(name, model, (in_channels, image_size, image_size), data=data)
     return model
 
 
@@ -103,7 +106,7 @@ BUILD_ARGS = {"googlenet": {"aux_logits": False, "init_weights": True},
 
 
 def check_trainable(name: str, model: nn.Module, sample_shape: tuple[int, ...],
-                    data_channels: Optional[int] = None) -> tuple[int, ...]:
+                    data_channels: Optional[int] = None, data: Optional[str] = None) -> tuple[int, ...]:
     """Refuse, before any actor starts, a model whose training forward does not map a batch of
     ``sample_shape`` images (C, H, W) to one tensor of class scores (batch, classes): one that returns
     a tuple or dict, or cannot take images of that size (vision transformers are made for one size).
@@ -115,6 +118,8 @@ def check_trainable(name: str, model: nn.Module, sample_shape: tuple[int, ...],
     at every run's start). A forward that fails where the model's
     first convolution takes another channel count than ``sample_shape``'s is refused as that mismatch
     (``channels.channel_mismatch``; ``data_channels``: the data's own count, before grey is repeated).
+    The advice for a size it cannot take names one it can (224) where the data are resized (``data``:
+    the --data name; ``FIXED_SIZE_DATA`` are not: then other data or a model for small images).
     Returns the output's shape, (2, classes). Raises ConfigError naming --model and what to change."""
     lazy = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.modules.lazy.LazyModuleMixin)})
     if lazy:
@@ -142,11 +147,14 @@ def check_trainable(name: str, model: nn.Module, sample_shape: tuple[int, ...],
             raise ConfigError(mismatch) from None
         what = (str(e).strip().splitlines() or [type(e).__name__])[0]
         size = "x".join(str(d) for d in sample_shape[1:])
-        fix = "pick another --image-size or --model"
+        fixed = data in FIXED_SIZE_DATA
+        fix = (f"--data {data} is never resized: pick a model for small images (convnet, convnet_bn)" if fixed
+               else "pick another --image-size or --model")
         if tuple(sample_shape[1:]) != (224, 224):
             try:
                 attempt((sample_shape[0], 224, 224))
-                fix = "use --image-size 224, a size it takes"
+                fix = (f"{fix}, or data --image-size resizes (e.g. --data fashion-mnist --image-size 224)"
+                       if fixed else "use --image-size 224, a size it takes")
             except Exception:  # noqa: BLE001 - the first error is the one to report
                 pass
         raise ConfigError(f"--model {name} cannot take {size} images ({what}): {fix}") from None
@@ -178,7 +186,7 @@ def run_model(cfg, source, dtype: Optional[torch.dtype] = None) -> nn.Module:
     ``load_init`` raise."""
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1],
-                        zero_init_residual=cfg.zero_init_residual)
+                        zero_init_residual=cfg.zero_init_residual, data=cfg.data)
     if cfg.bn_momentum is not None:
         set_bn_momentum(model, cfg.bn_momentum)
     if dtype is not None:

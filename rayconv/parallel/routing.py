@@ -86,7 +86,8 @@ def layer_profile(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, 
                     x = m(x)
             except RuntimeError as e:
                 raise LayoutError(f"the model cannot take {tuple(sample_shape)} images ({str(e).splitlines()[0]}): "
-                                "raise --image-size or pick a model for small images (convnet)") from None
+                                  "pick a model for small images (convnet), or larger images (--image-size; "
+                                  "digits are never resized: --data fashion-mnist)") from None
             m.train(was_training)
             shapes.append(tuple(x.shape[1:]))
             if count_flops:
@@ -172,7 +173,7 @@ def checked_routing(cfg: Config, mesh: Mesh, num_classes: int, sample_shape: tup
     data = SimpleNamespace(num_classes=num_classes, sample_shape=tuple(sample_shape))
     model = run_model(cfg, data)   # (with --init: its keys and shapes checked, its weights loaded)
     if check:
-        classes = check_trainable(cfg.model, model, tuple(sample_shape), data_channels)[1]
+        classes = check_trainable(cfg.model, model, tuple(sample_shape), data_channels, cfg.data)[1]
         if classes != num_classes:
             raise ConfigError(f"--model {cfg.model} gives {classes} class scores, the data has {num_classes} "
                               "classes: build the model with the num_classes it is called with")

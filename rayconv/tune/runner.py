@@ -90,6 +90,7 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
         grace_period, reduction_factor = spec["grace_period"], spec["reduction_factor"]
         perturbation_interval = spec.get("perturbation_interval", perturbation_interval)
         synch = spec.get("synch", synch)
+        check_writable(search_dir, "--resume")   # (the search writes its trials there)
     base = dict(base or {})
     metric, mode = check_options(base, space, num_samples, scheduler, max_concurrent, metric, mode)
     checked = check_space(space, {k: v for k, v in base.items() if k != "out"})

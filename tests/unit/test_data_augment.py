@@ -124,7 +124,9 @@ def test_the_pad_scales_with_the_image_and_fashion_mnist_honours_image_size(fmni
     assert _source(fmnist, image_size=96).augment == "resized-crop"          # auto above 64 pixels
     small = _source(fmnist, image_size=16)
     assert small.sample_shape == (1, 16, 16) and small.pad == 2
-    assert make_source(Config(data="digits", augment="pad-crop").validate()).augmentation == "none"
+    assert make_source(Config(data="digits", augment="none").validate()).augmentation == "none"
+    with pytest.raises(ConfigError, match="--augment pad-crop augments .* not --data digits"):
+        Config(data="digits", augment="pad-crop").validate()
 
 
 def test_grey_data_is_expanded_for_torchvision_models(fmnist):

@@ -86,7 +86,8 @@ def test_recipe_flags_parse_and_round_trip_through_config_json(tmp_path):
             "--norm-weight-decay", "0", "--bias-weight-decay", "0", "--clip-grad-norm", "1", "--model-ema",
             "--model-ema-steps", "4", "--model-ema-decay", "0.999", "--zero-init-residual", "--mixup-alpha", "0.2",
             "--cutmix-alpha", "1", "--random-erase", "0.25", "--augment", "resized-crop", "--channels", "3",
-            "--target-accuracy", "0.9", "--precision", "fp16", "--image-size", "16", "--bn-momentum", "0.01"]
+            "--target-accuracy", "0.9", "--precision", "fp16", "--image-size", "16", "--bn-momentum", "0.01",
+            "--data", "fashion-mnist"]
     cfg = parse_args(argv)
     assert (cfg.opt, cfg.lr_scaling, cfg.lr_warmup_epochs, cfg.lr_warmup_method) == ("sgd_nesterov", "linear", 5, "constant")
     assert (cfg.norm_weight_decay, cfg.bias_weight_decay, cfg.clip_grad_norm) == (0.0, 0.0, 1.0)

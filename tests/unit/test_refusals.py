@@ -50,11 +50,29 @@ def a_file(p: Path) -> Path:
     return p
 
 
+def under_a_file(p: Path) -> Path:
+    return a_file(p) / "sub"
+
+
+def under_proc(p: Path) -> Path:
+    return Path("/proc") / f"rayconv-test-{p.parent.name}"   # (root too cannot make files there)
+
+
 # Refused before Ray is contacted: (flags, how --out is made or None, words the one line must hold)
 CASES = {
     "out holds files": ([], full_folder, ["--out", "already holds files"]),
     "out is a file": ([], a_file, ["--out", "is a file"]),
     "sync batch norm on cpu": (["--sync-batchnorm"], None, ["--sync-batchnorm", "--device cpu"]),
+    "out under a file": ([], under_a_file, ["--out", "is a file, not a folder"]),
+    "out under /proc": ([], under_proc, ["--out /proc/rayconv-test-", "cannot be written"]),
+    "a negative seed": (["--seed", "-1"], None, ["--seed", "(got -1)"]),
+    "a seed past torch's": (["--seed", str(2**64)], None, ["--seed", "2**64"]),
+    "digits resized": (["--image-size", "224"], None, ["--data digits", "never resized", "--image-size 224",
+                                                       "--data fashion-mnist"]),
+    "digits augmented": (["--augment", "resized-crop"], None,
+                         ["--augment resized-crop", "not --data digits"]),
+    "synthetic erased": (["--data", "synthetic", "--random-erase", "0.5"], None,
+                         ["--random-erase", "synthetic"]),
 }
 # Refused by ``check_before_ray`` (a run's actors start meanwhile): (flags, words the one line must hold)
 LATE = {
@@ -70,6 +88,9 @@ LATE = {
     "pipeline of an uncuttable model": (["--model", "convnext_tiny", "--data", "synthetic", "--image-size", "64",
                                          "--pp", "2"], ["convnext_tiny", "--pp 1"]),
     "stages out of range": (["--pp", "2", "--stages", "99"], ["--stages"]),
+    "a 224-pixel model on digits": (["--model", "alexnet"],   # (advice digits can follow: never --image-size)
+                                    ["alexnet", "8x8", "--data digits is never resized", "convnet",
+                                     "--data fashion-mnist --image-size 224", "!use --image-size"]),
 }
 
 
@@ -99,7 +120,7 @@ def test_refused_before_ray(case, tmp_path, capsys, silent_address):
     assert "*.JPEG" not in lines[0]
     assert not contacts and ray.is_initialized() == connected, "a cluster was contacted before the refusal"
     assert captured.out == "", "no header for a run that never started"
-    if make_out is None:
+    if make_out is None or not out.parent.is_dir():
         assert not out.exists()
     elif before is not None:
         assert sorted(out.iterdir()) == before
@@ -124,8 +145,8 @@ def test_refused_by_the_check_without_cluster(case, tmp_path):
         check_before_ray(cfg, None)
     line = str(e.value)
     assert "\n" not in line and "*.JPEG" not in line, line
-    for w in words:
-        assert sub(w) in line, line
+    for w in words:   # ("!": a word the line must not hold)
+        assert (sub(w[1:]) not in line) if w.startswith("!") else (sub(w) in line), line
     assert ray.is_initialized() == connected and not (tmp_path / "out").exists()
 
 
