@@ -51,3 +51,43 @@ def test_a_model_name_missing_from_the_listing_is_refused_before_ray(tmp_path, m
     assert rc == 2 and not contacts, "the cluster's address was reached"
     assert capsys.readouterr().err.strip() == f"rayconv: error: {built.value}"
     assert "resnet18" in str(built.value) and not (tmp_path / "x").exists()
+
+
+def test_an_out_that_cannot_be_written_is_one_line_for_tune_and_prepare(tmp_path, capsys, silent_address):
+    """rayconv.tune's and rayconv.prepare's --out under /proc or under a file: one line naming --out,
+    exit 2, before the cluster is contacted (rayconv.run's: tests/unit/test_refusals.py)."""
+    from rayconv.prepare import main as prepare
+    from rayconv.tune.__main__ import main as tune
+
+    address, contacts = silent_address
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    space = '{"lr": {"grid": [0.1]}}'
+    commands = {"rayconv.tune": lambda out: tune(["--space", space, "--out", out, "--address", address,
+                                                  "--steps", "1", "--device", "cpu"]),
+                "rayconv.prepare": lambda out: prepare([str(tmp_path), "--out", out, "--address", address])}
+    for out, said in (("/proc/rayconv-test-out", "cannot be written"), (str(blocker / "sub"), "is a file")):
+        for name, command in commands.items():
+            capsys.readouterr()
+            rc = command(out)
+            err = capsys.readouterr().err
+            assert rc == 2 and err.startswith(f"{name}: error: --out {out}") and said in err, err
+            assert len(err.strip().splitlines()) == 1, err
+    assert not contacts and blocker.read_text() == "x"
+
+
+@pytest.mark.parametrize("error, said", [
+    (FloatingPointError("loss is nan at step 3: lower --lr (now 1e+30)"), "lower --lr"),
+])
+def test_a_diverged_run_exits_2(error, said, monkeypatch, capsys, tmp_path):
+    """A loss that is not finite is the settings' (the training diverged: a lower --lr), exit status 2 as
+    docs/running.md says for bad input; its line and the run's resume hint only (the run itself:
+    tests/actors/test_bad_input.py)."""
+    from rayconv.run import main
+
+    def diverge(cfg, **kw):
+        raise error
+
+    monkeypatch.setattr("rayconv.api.start_and_train", diverge)
+    assert main(["--out", str(tmp_path / "x"), "--steps", "4"]) == 2
+    assert capsys.readouterr().err == f"rayconv: error: {error}\n" and said in str(error)

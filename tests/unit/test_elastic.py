@@ -85,3 +85,34 @@ def test_a_changes_phases_read_as_the_seconds_each_took():
     from rayconv.driver.elastic import phase_words
     got = phase_words({"devices_free": 1.0, "actors_alive": 4.5, "actors_set_up": 7.0, "first_step": 7.25})
     assert got == "stopped, devices free 1.0 s, actors started 3.5 s, set up 2.5 s, first step 0.2 s"
+
+
+def test_an_elastic_run_recovers_every_loss_by_default_and_a_spent_budget_names_max_failures(tmp_path):
+    """--elastic without --max-failures: every loss is recovered (the budget -1, Ray Train's "no limit";
+    the run stops only below MIN, above); with --max-failures N, or without --elastic (0), the loss past
+    the budget ends the run in one line naming --max-failures."""
+    from types import SimpleNamespace
+
+    from rayconv.driver.job import recover_or_raise
+    from rayconv.errors import ClusterError
+
+    lost = ClusterError("actor dp1 (rank 1) was lost (process or node died) in train_step", recoverable=True)
+
+    def run_of(cfg: Config):
+        lines: list[str] = []
+        return SimpleNamespace(cfg=cfg.validate(), failures=0, log=lines.append,
+                               resolved=SimpleNamespace(out=tmp_path, resume=None)), lines
+
+    run, lines = run_of(Config(dp=4, elastic=2, checkpoint_every=2))
+    for _ in range(5):
+        assert recover_or_raise(lost, run) is None   # (no checkpoint written yet: from the start)
+    assert run.failures == 5 and "recovering (5 of --max-failures no limit)" in lines[-1]
+    capped, _ = run_of(Config(dp=4, elastic=2, checkpoint_every=2, max_failures=1))
+    recover_or_raise(lost, capped)
+    with pytest.raises(ClusterError) as e:
+        recover_or_raise(lost, capped)
+    msg = str(e.value)
+    assert "1 of --max-failures 1 recovered: give --max-failures N" in msg and "\n" not in msg
+    plain, _ = run_of(Config(dp=4))
+    with pytest.raises(ClusterError, match="0 of --max-failures 0 recovered: give --max-failures N"):
+        recover_or_raise(lost, plain)

@@ -248,3 +248,46 @@ def test_the_data_folder_names_are_the_readers():
 
     assert data_dir.MANIFEST == shard_files.MANIFEST
     assert data_dir.FASHION_MNIST_TRAIN == fashion_mnist.FILES["train"][0]
+
+
+def test_an_unknown_setting_is_told_the_closest_one(tmp_path):
+    """A --config file's unknown key and rayconv.fit's unknown keyword: one line with the closest
+    setting (difflib, as for a flag), not every setting's name."""
+    import rayconv
+
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"model": "convnet", "no_progress": True}))
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--config", str(path)])
+    msg = str(e.value)
+    assert msg.startswith(f"--config {path}: unknown setting(s) no_progress")
+    assert msg.endswith("did you mean progress?")
+    assert "global_batch_size" not in msg, msg
+    with pytest.raises(ConfigError) as e:
+        rayconv.fit(no_progress=True)   # (refused before Ray)
+    assert str(e.value).endswith("unknown setting(s) no_progress (the flags' names, - as _): "
+                                 "did you mean progress?")
+    with pytest.raises(ConfigError, match=r"unknown setting\(s\) zzz .*--help lists them$"):
+        rayconv.fit(zzz=1)
+
+
+def test_every_number_out_of_its_range_is_refused_naming_its_flag():
+    """-1 for each numeric setting (the kind of --seed -1, which every actor failed on): refused by the
+    config check, before Ray, naming its flag; -1 is a value only where documented (--max-failures -1:
+    no limit). --seed stops at torch's limit."""
+    from dataclasses import fields
+
+    from rayconv.flags import flag
+
+    for f in fields(Config):
+        t = str(f.type)
+        if "bool" in t or not ("int" in t or "float" in t) or f.name == "max_failures":
+            continue
+        with pytest.raises(ConfigError, match=flag(f.name)):
+            Config(**{f.name: -1}).validate()
+    assert Config(max_failures=-1, checkpoint_every=5).validate().failure_budget == -1
+    with pytest.raises(ConfigError, match="--max-failures"):
+        Config(max_failures=-2).validate()
+    Config(seed=2**64 - 1).validate()
+    with pytest.raises(ConfigError, match=r"--seed must be in \[0, 2\*\*64\)"):
+        Config(seed=2**64).validate()

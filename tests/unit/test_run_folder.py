@@ -70,6 +70,25 @@ def test_resuming_a_finished_run_is_refused_before_ray(tmp_path, capsys, silent_
     assert tree(run) == before  # summary.json and the checkpoint as they were
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--seed", "-1"], ["--seed", "(got -1)"]),
+    (["--out", "/proc/rayconv-resumed"], ["--out /proc/rayconv-resumed", "cannot be written"]),
+])
+def test_a_refused_resume_rewrites_nothing(flags, words, tmp_path, capsys, silent_address):
+    """--resume in place (or into an --out that cannot be written) with a setting the config check
+    refuses: one line, exit 2, before the cluster is contacted; the run's folder, config.json among it,
+    byte for byte as it was."""
+    address, contacts = silent_address
+    run = finished_run(tmp_path / "r1")
+    Config(steps=8, dp=2, device="cpu", progress=False, out=str(run)).to_json(run / "config.json")
+    before = tree(run)
+    assert main(["--resume", str(run), "--steps", "16", "--address", address, *flags]) == 2
+    line = one_error_line(capsys)
+    assert all(w in line for w in words), line
+    assert not contacts, "a cluster was contacted before the refusal"
+    assert tree(run) == before
+
+
 def test_resume_needs_a_step_left():
     ckpt = SimpleNamespace(step=8, path=Path("/r/checkpoints/step-8"), run_dir=Path("/r"))
     with pytest.raises(CheckpointError, match=r"already at its last step \(8 of 8\)"):
