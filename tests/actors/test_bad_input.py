@@ -185,13 +185,70 @@ def test_corrupt_image_names_the_file(ray_cluster, tmp_path, capsys, workers, ou
     line = run_failing(["--steps", "2", "--device", "cpu", "--dp", "2", "--global-batch-size", "32",
                         "--no-progress", "--data", "imagefolder", "--data-dir", str(root), "--image-size", "32",
                         "--loader-workers", str(workers), "--data-on-device", on_device, "--out", str(out)],
-                       capsys, code=None)
+                       capsys)   # (bad input, exit 2, though an actor met it)
     where = "train_step" if on_device == "off" else "in build"
     assert str(bad) in line and where in line and "remove or replace" in line
     if out_exists:
         assert out.is_dir() and list(out.iterdir()) == []
     else:
         assert not out.exists()
+
+
+def test_a_diverging_loss_exits_2_naming_lr(ray_cluster, tmp_path, capsys):
+    """A loss that is not finite: the settings' (the training diverged), one line naming --lr, exit 2."""
+    out = tmp_path / "x"
+    line = run_failing([*BASE, "--steps", "6", "--lr", "1e30", "--out", str(out)], capsys)
+    assert "loss is" in line and "lower --lr (now 1e+30)" in line, line
+
+
+def test_a_layout_the_model_rules_out_is_refused_before_waiting_for_devices(ray_cluster, tmp_path, capsys,
+                                                                           monkeypatch):
+    """On a cluster that can grow (RAY_ADDRESS: the run would wait --max-wait for more devices), a layout
+    the model alone rules out (--fs above its channels; --pp above its layers, resumed) is refused as
+    that at once, never after the wait; nothing written."""
+    from rayconv.outputs.checkpoint import write_checkpoint
+
+    monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+    run = tmp_path / "r1"   # a checkpoint's manifest of a dp=1 digits run (its rank file a stand-in)
+    cfg = Config(steps=4, dp=1, device="cpu", progress=False, out=str(run)).validate()
+    manifest = {"model": "convnet", "num_classes": 10, "sample_shape": [1, 8, 8], "config": cfg.to_dict(),
+                "layout": {"dp": 1, "pp": 1, "fs": 1, "plan": "none"}}
+    write_checkpoint(run, 2, [b"rank file"], manifest)
+    before = sorted(p.name for p in run.rglob("*"))
+    for argv, words in ((["--dp", "1", "--fs", "64", "--out", str(tmp_path / "x")], ["--fs"]),
+                        (["--resume", str(run), "--steps", "4", "--dp", "1", "--pp", "20"], ["--pp"])):
+        t0 = time.monotonic()
+        line = run_failing([*BASE, "--max-wait", "30", *argv], capsys)
+        assert time.monotonic() - t0 < 30 and "after waiting" not in line, line
+        assert all(w in line for w in words), line
+    assert not (tmp_path / "x").exists() and sorted(p.name for p in run.rglob("*")) == before
+
+
+def test_a_failed_resume_in_place_keeps_the_runs_config_json(ray_cluster, tmp_path, capsys):
+    """--resume in place whose actors fail in their setup (a user's model that raises there): the run's
+    config.json stays the one of the run that trained, byte for byte (written once the actors are set up)."""
+    flag = tmp_path / "fail-on-actors"
+    model = tmp_path / "net.py"
+    model.write_text(f"""import pathlib
+
+import ray
+from torch import nn
+
+
+def Net(num_classes: int = 10, in_channels: int = 1):
+    if pathlib.Path({str(flag)!r}).exists() and ray.get_runtime_context().get_actor_id() is not None:
+        raise RuntimeError("this model fails on the actors")
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * 64, num_classes))
+""")
+    run = tmp_path / "r1"
+    flags = ["--device", "cpu", "--dp", "1", "--global-batch-size", "32", "--no-progress",
+             "--loader-workers", "0", "--model", f"{model}:Net"]
+    assert main([*flags, "--steps", "2", "--checkpoint-every", "2", "--out", str(run)]) == 0
+    before = (run / "config.json").read_bytes()
+    flag.touch()
+    line = run_failing(["--resume", str(run), "--steps", "4", "--no-progress"], capsys)   # (the model's: 2)
+    assert "this model fails on the actors" in line, line
+    assert (run / "config.json").read_bytes() == before
 
 
 def test_dp_larger_than_the_cluster(ray_cluster, tmp_path, capsys):
