@@ -23,7 +23,7 @@ from rayconv.config import Config
 from rayconv.data.shard_writer import prepare
 from rayconv.data.shards import ShardSource
 from rayconv.driver.job import train_run
-from rayconv.errors import ClusterError, DataError
+from rayconv.errors import DataError
 from rayconv.files import sha256_file
 from rayconv.run import main
 
@@ -132,7 +132,7 @@ def test_a_shard_removed_mid_run_stops_it_and_resume_continues(ray_cluster, stra
             shard.rename(away)
 
     cfg = config(data, tmp_path / "a", checkpoint_every=2, keep_checkpoints=0)
-    with pytest.raises(ClusterError, match=rf"step [234]: {shard} disappeared during the run") as e:
+    with pytest.raises(DataError, match=rf"step [234]: {shard} disappeared during the run") as e:
         train_run(cfg, log=lambda *_: None, on_step=remove_after_checkpoint)
     assert "\n" not in str(e.value)
     assert (tmp_path / "a" / "checkpoints" / "step-2").is_dir()
