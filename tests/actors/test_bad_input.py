@@ -194,6 +194,7 @@ def test_corrupt_image_names_the_file(ray_cluster, tmp_path, capsys, workers, ou
         assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_diverging_loss_exits_2_naming_lr(ray_cluster, tmp_path, capsys):
     """A loss that is not finite: the settings' (the training diverged), one line naming --lr, exit 2."""
     out = tmp_path / "x"
@@ -224,6 +225,7 @@ def test_a_layout_the_model_rules_out_is_refused_before_waiting_for_devices(ray_
     assert not (tmp_path / "x").exists() and sorted(p.name for p in run.rglob("*")) == before
 
 
+@pytest.mark.slow
 def test_a_failed_resume_in_place_keeps_the_runs_config_json(ray_cluster, tmp_path, capsys):
     """--resume in place whose actors fail in their setup (a user's model that raises there): the run's
     config.json stays the one of the run that trained, byte for byte (written once the actors are set up)."""
