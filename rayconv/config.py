@@ -314,7 +314,8 @@ class OperationsSettings:
     elastic: Optional[int] = field(default=None, metadata={"help": "the fewest actors the run may continue on: an "
                                                                    "actor or node lost (or preempted) makes it re-plan "
                                                                    "on the devices left and grow back at checkpoints; "
-                                                                   "needs --checkpoint-every (default: not elastic)"})
+                                                                   "needs --checkpoint-every; every loss is recovered "
+                                                                   "unless --max-failures N (default: not elastic)"})
     elastic_wait: float = field(default=30.0, metadata={"help": "seconds --elastic waits for a lost actor's "
                                                                "resources to come back before it re-plans on fewer"})
 
