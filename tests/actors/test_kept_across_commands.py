@@ -118,7 +118,7 @@ def _refused(proc: subprocess.Popen) -> None:
 
 
 def test_the_actors_check_a_torchvision_model_for_the_driver(head, tmp_path):
-    tv = ("--model", "resnet18", "--image-size", "32", "--steps", "2", "--eval-every", "2")
+    tv = ("--model", "resnet18", "--steps", "2", "--eval-every", "2")   # (digits: 8x8 images)
     # (vit_b_16: a transformer made for 224 px) refused by a new actor, which then stops with its group
     _refused(_command(head, tmp_path / "v", *tv, "--model", "vit_b_16"))
     assert not _run_names(tmp_path / "v") and not (tmp_path / "v").exists()
