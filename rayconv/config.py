@@ -311,11 +311,10 @@ class OperationsSettings:
     max_wait: float = field(default=120.0, metadata={"help": "seconds the start-up may take: the cluster having "
                                                             "resources for all actors, then the actors starting "
                                                             "(at start and after a failure)"})
-    elastic: Optional[int] = field(default=None, metadata={"help": "the fewest actors the run may continue on: an "
-                                                                   "actor or node lost (or preempted) makes it re-plan "
-                                                                   "on the devices left and grow back at checkpoints; "
-                                                                   "needs --checkpoint-every; every loss is recovered "
-                                                                   "unless --max-failures N (default: not elastic)"})
+    elastic: Optional[int] = field(default=None, metadata={
+        "help": "the fewest actors the run may continue on: an actor or node lost (or preempted) makes it "
+                "re-plan on the devices left and grow back at checkpoints; needs --checkpoint-every; every "
+                "loss is recovered unless --max-failures N (default: not elastic)"})
     elastic_wait: float = field(default=30.0, metadata={"help": "seconds --elastic waits for a lost actor's "
                                                                "resources to come back before it re-plans on fewer"})
 
