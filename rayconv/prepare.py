@@ -23,7 +23,8 @@ from rayconv.flags import OneLineParser
 from rayconv.data.shard_convert import convert, convert_encoding
 from rayconv.data.shard_writer import ENCODINGS, RAW_MAX_SIZE, SHARD_ORDERS, prepare, resolve_encoding, write_shard
 from rayconv.errors import ClusterError, ConfigError, DataError
-from rayconv.storage import check_writable, is_remote, locate
+from rayconv.storage import is_remote, locate
+from rayconv.storage_checks import check_writable
 
 
 def _on_ray(args: dict[str, tuple], address: Optional[str]) -> Iterator[tuple[str, dict[str, Any]]]:

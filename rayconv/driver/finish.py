@@ -204,7 +204,7 @@ def writing_into(out: Place, log=print) -> Iterator[Place]:
     made = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:   # (checked before Ray: storage.check_writable; a mount may turn read-only since)
+    except OSError as e:   # (checked before Ray: storage_checks.check_writable; a mount may turn read-only)
         raise ConfigError(f"--out {out} cannot be made ({e.strerror or type(e).__name__}): choose a folder "
                           "you can write to") from None
     try:
