@@ -68,6 +68,17 @@ def run_line(resolved: ResolvedRun) -> str:
             f"{describe(resolved.out)}; {f'Ray job {job}, ' if job else ''}Ray run name {resolved.run_name}")
 
 
+def kept_names(names: list[str], run_name: str) -> str:
+    """What the reuse line adds for kept actors named ``names`` (rank order): Ray renames no named actor,
+    so they keep the names of the run that started them, not ``rayconv/<run_name>/<role>``; the
+    line says which, and how to list them."""
+    if not names or names[0].startswith(f"rayconv/{run_name}/"):
+        return ""
+    prefix = names[0].rsplit("/", 1)[0]
+    return (f"; on the cluster they keep the names {prefix}/<role> of the run that started them "
+            f"(`ray list actors --filter \"name={names[0]}\"`)")
+
+
 def images_line(resolved: ResolvedRun) -> str:
     """The images the model sees: channels x side x side (the source's), and the augmentation (the
     source's own name for it where it tells one, else the --augment setting and what auto resolves to)."""
