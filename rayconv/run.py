@@ -23,7 +23,7 @@ from rayconv.config import Config
 from rayconv.errors import ClusterError, ConfigError, DataError, LayoutError, TooFewDevices
 from rayconv.flags import from_mapping, read_settings, resumed_settings
 from rayconv.outputs.checkpoint import latest_checkpoint, saved_config
-from rayconv.signals import stopped_by
+from rayconv.signals import quiet_exit, stopped_by
 from rayconv.startup import begin_command
 
 _IMPORTED = time.monotonic()  # the start-up clock's origin where the process's own start is unknown
@@ -68,6 +68,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         _resume_hint(cfg)
         return 1
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM during the run (rayconv.signals)
+        if argv is None:   # (the command: it exits now)
+            quiet_exit()
         by = stopped_by()
         print(f"rayconv: interrupted{' by SIGTERM' if by == 'SIGTERM' else ''}: the run and any actors it started are stopped", file=sys.stderr)
         _resume_hint(cfg)

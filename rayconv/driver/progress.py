@@ -178,6 +178,17 @@ class Progress:
         if not self.use_bar:
             self.log(f"step {step:5d} " + eval_line(ev))
 
+    def console(self, log):
+        """``log`` for the lines a run prints while the bar is shown: each written with the bar cleared
+        first and drawn again after it (tqdm's ``external_write_mode``), not onto the bar's line."""
+        if not self.use_bar:
+            return log
+
+        def write(line: str) -> None:
+            with self.bar.external_write_mode(file=sys.stdout):
+                log(line)
+        return write
+
     def close(self) -> None:
         self.bar.close()
 
