@@ -49,5 +49,6 @@ def quiet_exit() -> None:
 
 
 def stopped_by() -> str:
-    """Which signal the last interruption came from: "SIGTERM" if the handler took that first, else "SIGINT"."""
+    """Which signal the last interruption came from: "SIGTERM" if the handler took that first, else
+    "SIGINT"."""
     return "SIGTERM" if _received[:1] == [signal.SIGTERM] else "SIGINT"

@@ -176,13 +176,15 @@ def cluster_origin() -> str:
     has = cluster_size()
     if getattr(node, "head", False):
         if _HOW.get("last") == "reused":
-            return f"reusing the local cluster this process started at {address} ({has}; it stops when this process ends)"
+            return (f"reusing the local cluster this process started at {address} ({has}; it stops when this "
+                    "process ends)")
         looked = _HOW.get("stale") or ("no --address or RAY_ADDRESS, no Ray address file in "
                                        + ", ".join(str(f.parent) for f in address_files()))
         others = other_clusters()
-        elsewhere = (f"; Ray also runs on this host at {', '.join(others)}: --address joins it, or RAY_TMPDIR "
-                     "naming its --temp-dir" if others else "")
-        return f"started a local cluster at {address} ({has}; it stops when this process ends; {looked}{elsewhere})"
+        elsewhere = (f"; Ray also runs on this host at {', '.join(others)}: --address joins it, or "
+                     "RAY_TMPDIR naming its --temp-dir" if others else "")
+        return (f"started a local cluster at {address} ({has}; it stops when this process ends; "
+                f"{looked}{elsewhere})")
     how = f", named by {_HOW['source']}" if _HOW.get("source") else ""
     return f"attached to the cluster at {address} ({has}{how})"
 

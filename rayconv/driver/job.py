@@ -115,10 +115,11 @@ def start_actors(run: Run, ckpt: Optional[Checkpoint], started: Optional[ActorGr
                     f"(--keep-actors-s){kept_names(actor_group.names, s.run_name)}")
         elif actor_group.reused:
             n, spare = len(actor_group.actors), len(actor_group.spare)
-            run.log((f"rayconv: {n} actors kept from this process's previous run, reused (--keep-actors-s)" if not spare
-                     else f"rayconv: {n} of the {n + spare} actors kept from this process's previous run, reused; the "
-                     f"other {spare} wait in its placement group until this run ends (--keep-actors-s 0: not kept)")
-                    + kept_names(actor_group.names, s.run_name))
+            line = (f"rayconv: {n} actors kept from this process's previous run, reused (--keep-actors-s)"
+                    if not spare else f"rayconv: {n} of the {n + spare} actors kept from this process's "
+                    f"previous run, reused; the other {spare} wait in its placement group until this run "
+                    "ends (--keep-actors-s 0: not kept)")
+            run.log(line + kept_names(actor_group.names, s.run_name))
         change_mark = run.elastic.mark if run.elastic else (lambda phase: None)   # (a change's phases)
         change_mark("actors_alive")
         run.actor_reports = build_actors(actor_group, s.mesh, s.routing, s.sharding, run.call_timeout_s, s.cfg)

@@ -120,8 +120,9 @@ def resolve_layout(cfg: Config, log=print, wait: bool = True) -> tuple[Config, M
     devices = _actors(slots, per_actor)
     if mesh.world_size > devices:
         waited = f" after waiting {cfg.max_wait:.0f} s" if can_grow else ""
+        address = ray.get_runtime_context().gcs_address
         raise ConfigError(f"layout {mesh.describe()} needs {mesh.world_size} {unit} but the cluster "
-                          f"{ray.get_runtime_context().gcs_address} has {devices} ({cluster_size()}){waited}: "
+                          f"{address} has {devices} ({cluster_size()}){waited}: "
                           + bigger_or_smaller(mesh, devices, per_actor, kind))
     if (kind, dp) != (cfg.device, cfg.dp):  # (validated again: the batch split over dp, GPU-only features)
         cfg = dataclasses.replace(cfg, device=kind, dp=dp).validate()
@@ -133,8 +134,12 @@ def bigger_or_smaller(mesh: Mesh, devices: int, per_actor: float, kind: str) -> 
     smaller layout that fits, or a larger cluster (for CPU actors a head of more logical CPUs)."""
     inner = mesh.pp * mesh.fs
     given = (f" --pp {mesh.pp}" if mesh.pp > 1 else "") + (f" --fs {mesh.fs}" if mesh.fs > 1 else "")
-    smaller = ("" if devices < 1 else f"use at most {devices} actor(s) (e.g. --dp {devices // inner}{given}), or "
-               if inner <= devices else f"use at most {devices} actor(s) (lower --pp/--fs), or ")
+    if devices < 1:
+        smaller = ""
+    elif inner <= devices:
+        smaller = f"use at most {devices} actor(s) (e.g. --dp {devices // inner}{given}), or "
+    else:
+        smaller = f"use at most {devices} actor(s) (lower --pp/--fs), or "
     join = f"`ray start --address {ray.get_runtime_context().gcs_address}` on another machine"
     if kind == "cuda":
         return f"{smaller}add GPU nodes ({join})"

@@ -88,7 +88,8 @@ def _assumed(speed: LinkSpeed) -> str:
 
 LINK_TABLE = {
     "nvlink4": (f"NVLink 4 / NVSwitch (H100/H200 HGX), {_assumed(NVLINK4)}", NVLINK4),
-    "gloo-loopback": (f"gloo over loopback TCP between CPU processes, {_assumed(GLOO_LOOPBACK)}", GLOO_LOOPBACK),
+    "gloo-loopback": (f"gloo over loopback TCP between CPU processes, {_assumed(GLOO_LOOPBACK)}",
+                      GLOO_LOOPBACK),
 }
 
 

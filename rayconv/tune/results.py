@@ -15,7 +15,8 @@ from typing import Any, Optional
 from rayconv.files import atomic_write, write_json
 
 
-def status_of(summary: Optional[dict[str, Any]], error: Optional[BaseException], state: Optional[str] = None) -> str:
+def status_of(summary: Optional[dict[str, Any]], error: Optional[BaseException],
+              state: Optional[str] = None) -> str:
     """How a trial ended, in a few words: finished, stopped early (the scheduler ended it after an
     evaluation), interrupted (the search was: Tune's ``state`` of the trial at the search's end is not
     TERMINATED), failed: its one-line error, or not run."""

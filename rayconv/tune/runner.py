@@ -39,7 +39,7 @@ class SearchResult:
     metric: str
     rows: list[dict[str, Any]]
     best: Optional[dict[str, Any]]
-    interrupted: bool = False   # the search was stopped (Ctrl-C) before every trial ended: --resume continues it
+    interrupted: bool = False   # stopped (Ctrl-C) before every trial ended: --resume continues it
 
     @property
     def best_folder(self) -> Optional[str]:
@@ -112,7 +112,8 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
 
     from rayconv.api import release_actors
     from rayconv.cluster.connect import connect
-    from rayconv.tune.trial import END_STATES, EndStates, Trial, resolved_base, trial_resources, trial_settings
+    from rayconv.tune.trial import (END_STATES, EndStates, Trial, resolved_base, trial_resources,
+                                    trial_settings)
 
     connect(base.get("address"))
     release_actors()   # (actors a run of this process kept would hold what the trials need)
@@ -164,8 +165,10 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
         grid = tuner.fit()
     states = END_STATES.pop(str(search_dir), None)   # (None: a search made before EndStates, resumed)
     total = _grid_size(checked) * num_samples
-    ended = sum(1 for v in (states or {}).values() if v in ("TERMINATED", "ERROR")) if states is not None else \
-        grid.num_terminated + grid.num_errors
+    if states is not None:
+        ended = sum(1 for v in states.values() if v in ("TERMINATED", "ERROR"))
+    else:
+        ended = grid.num_terminated + grid.num_errors
     interrupted = ended < total
     rows = table.collect(grid, search_dir, list(checked), metric, states)
     done = [r for r in rows if r["status"] in ("finished",) or r["status"].startswith("stopped early")]
@@ -182,7 +185,7 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
     return SearchResult(search_dir, metric, rows, best, interrupted)
 
 
-CURRENT: dict[str, str] = {}   # "search_dir": the folder of the search this process runs (``__main__``'s hint)
+CURRENT: dict[str, str] = {}   # "search_dir": the folder of this process's search (``__main__``'s hint)
 
 
 class _OneLine:
@@ -201,7 +204,8 @@ class _OneLine:
                                        "(Ctrl-C again: at once)"), ()
         if text.startswith("Trial task failed") and record.exc_info:
             error = record.exc_info[1]
-            record.msg, record.args, record.exc_info = f"{record.getMessage()}: {table.error_line(error)}", (), None
+            record.msg = f"{record.getMessage()}: {table.error_line(error)}"
+            record.args, record.exc_info = (), None
         return True
 
 

@@ -46,13 +46,14 @@ def test_too_small_external_cluster_waits_then_fails(ray_cluster, tmp_path, caps
 
     address = ray.get_runtime_context().gcs_address
     t0 = time.monotonic()
-    rc = main(["--dp", "3", "--fs", "2", "--steps", "1", "--max-wait", "3", "--address", address, "--device", "cpu",
-               "--out", str(tmp_path / "o"), "--no-progress"])
+    rc = main(["--dp", "3", "--fs", "2", "--steps", "1", "--max-wait", "3", "--address", address,
+               "--device", "cpu", "--out", str(tmp_path / "o"), "--no-progress"])
     waited = time.monotonic() - t0
     captured = capsys.readouterr()
     assert rc == 2 and not (tmp_path / "o").exists()
     [wait_line] = [x for x in captured.out.splitlines() if "waiting up to 3 s (--max-wait)" in x]
-    assert f"cluster this process started at {address} (4 CPUs, 0 GPUs;" in wait_line, wait_line   # (the test's own)
+    # (the cluster is the test process's own)
+    assert f"cluster this process started at {address} (4 CPUs, 0 GPUs;" in wait_line, wait_line
     assert "needs 6 CPU slots (1 CPU each), 2 more than it has" in wait_line, wait_line
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and "after waiting 3 s" in err[0] and address in err[0], err
@@ -72,10 +73,11 @@ def test_the_wait_is_said_at_once_into_a_pipe(ray_cluster, tmp_path):
     import ray
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    proc = subprocess.Popen([sys.executable, "-m", "rayconv.run", "--dp", "3", "--fs", "2", "--max-wait", "300",
-                             "--address", ray.get_runtime_context().gcs_address, "--device", "cpu",
-                             "--out", str(tmp_path / "o")], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, env=env)
+    address = ray.get_runtime_context().gcs_address
+    proc = subprocess.Popen([sys.executable, "-m", "rayconv.run", "--dp", "3", "--fs", "2",
+                             "--max-wait", "300", "--address", address, "--device", "cpu",
+                             "--out", str(tmp_path / "o")],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:   # (within 120 s, well before the run gives up: Python's block buffer would hold it till then)
         ready = select.select([proc.stdout], [], [], 120)[0]
         line = proc.stdout.readline() if ready else ""

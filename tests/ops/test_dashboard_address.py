@@ -26,7 +26,8 @@ except OSError:
     pass   # (taken already: the same case)
 import ray
 from rayconv.cluster.connect import dashboard_url
-ray.init(num_cpus=1, include_dashboard=True, log_to_driver=False, configure_logging=True, logging_level="ERROR")
+ray.init(num_cpus=1, include_dashboard=True, log_to_driver=False, configure_logging=True,
+         logging_level="ERROR")
 
 @ray.remote(num_cpus=0)
 class Worker:
@@ -39,9 +40,11 @@ print(json.dumps({"driver": dashboard_url(), "worker": ray.get(Worker.remote().u
 
 @pytest.mark.slow
 def test_a_worker_process_names_the_clusters_dashboard():
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_TMPDIR": tempfile.mkdtemp(prefix="rc-dash-", dir="/tmp")}
+    temp_dir = tempfile.mkdtemp(prefix="rc-dash-", dir="/tmp")   # (short: Ray's socket paths are limited)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_TMPDIR": temp_dir}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300,
+                          env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     urls = json.loads(proc.stdout.strip().splitlines()[-1])
     assert urls["driver"] and not urls["driver"].endswith(":8265"), urls

@@ -332,7 +332,8 @@ def test_the_shared_host_ray_start():
         from rayconv.cluster.connect import find_cluster
         with _environ(RAY_TMPDIR=temp_dir, RAY_ADDRESS=None):
             found, how = find_cluster(None)
-        assert found.endswith(f":{ports['--port']}") and how == f"Ray's address file {address_file}", (found, how)
+        assert found.endswith(f":{ports['--port']}"), found
+        assert how == f"Ray's address file {address_file}", how
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(head.pid, signal.SIGKILL)  # the head's own process group: every process it started

@@ -49,11 +49,12 @@ sys.exit(main())
 
 
 def test_signals_after_the_first_are_quiet(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", INTERRUPTED, str(tmp_path / "out")], cwd=tmp_path, timeout=120,
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", INTERRUPTED, str(tmp_path / "out")], cwd=tmp_path,
+                          timeout=120, capture_output=True, text=True, env=env)
     assert proc.returncode == 130, proc.stderr
-    assert proc.stderr.strip().splitlines() == ["rayconv: interrupted: the run and any actors it started are stopped"], \
-        proc.stderr
+    line = "rayconv: interrupted: the run and any actors it started are stopped"
+    assert proc.stderr.strip().splitlines() == [line], proc.stderr
 
 
 BAR = """

@@ -119,7 +119,8 @@ FIGURE = re.compile(r"\b\d+(\.\d+)?x\b(?! ?\d)|\b\d[\d,.]* images/s|\b[Oo]n (an?
                     r"|\b\d+(\.\d+)? ?(ms|s) (a|per) step\b|\babout \d+(\.\d+)? ?(s|ms|seconds|minutes)\b"
                     # a link's rate as measured, reached or assumed achieved (a datasheet's rate is a source)
                     r"|\b\d+(\.\d+)? ?G[Bb](it)?/s,? (assumed|achieved|reached|measured)\b"
-                    r"|\b(assumed?s?|achieved|reached|reaches|measured|measures)( at)? \d+(\.\d+)? ?G[Bb](it)?/s")
+                    r"|\b(assumed?s?|achieved|reached|reaches|measured|measures)( at)? \d+(\.\d+)? ?"
+                    r"G[Bb](it)?/s")
 
 
 def texts(tree: ast.AST, source: str = ""):
@@ -148,11 +149,12 @@ def texts(tree: ast.AST, source: str = ""):
 
 def test_the_figure_pattern():
     for measured in ("trained at 0.98x its rate", "reached 6,900 images/s", "measured on an H200",
-                     "on 2 x H200 it failed", "a 37 ms a step", "about 4 s of CPU", "290 GB/s assumed achieved",
-                     "the table assumes 290 GB/s", "(assumed 1 GB/s, 0.1 ms)", "NCCL reached 268 GB/s"):
+                     "on 2 x H200 it failed", "a 37 ms a step", "about 4 s of CPU",
+                     "290 GB/s assumed achieved", "the table assumes 290 GB/s", "(assumed 1 GB/s, 0.1 ms)",
+                     "NCCL reached 268 GB/s"):
         assert FIGURE.search(measured), measured
-    for plain in ("a 2x2 grid", "images/s per core", "the H200 datasheet", "NVLink 4 on H100/H200", "3 x 224 x 224",
-                  "25 MB buckets", "GB/s assumed achieved"):
+    for plain in ("a 2x2 grid", "images/s per core", "the H200 datasheet", "NVLink 4 on H100/H200",
+                  "3 x 224 x 224", "25 MB buckets", "GB/s assumed achieved"):
         assert not FIGURE.search(plain), plain
 
 
