@@ -25,7 +25,7 @@ from rayconv.config import Config
 from rayconv.errors import ClusterError, ConfigError, DataError, LayoutError, TooFewDevices
 from rayconv.flags import from_mapping, read_settings, resumed_settings
 from rayconv.outputs.checkpoint import latest_checkpoint, saved_config
-from rayconv.signals import stopped_by
+from rayconv.signals import quiet_exit, stopped_by
 from rayconv.startup import begin_command
 
 _IMPORTED = time.monotonic()  # the start-up clock's origin where the process's own start is unknown
@@ -43,6 +43,7 @@ def parse_command_line(argv: Optional[list[str]] = None) -> Config:
 def main(argv: Optional[list[str]] = None) -> int:
     cfg = None
     begin_command(_IMPORTED)  # summary.json's startup: seconds since the command
+    line_buffered()
     try:
         cfg = parse_command_line(argv)
         # The driver imports Ray, then torch (seconds), only once the arguments are known to be good;
@@ -71,10 +72,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         _resume_hint(cfg)
         return 1
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM during the run (rayconv.signals)
+        if argv is None:   # (the command: it exits now)
+            quiet_exit()
         by = stopped_by()
         print(f"rayconv: interrupted{' by SIGTERM' if by == 'SIGTERM' else ''}: the run and any actors it started are stopped", file=sys.stderr)
         _resume_hint(cfg)
         return 128 + getattr(signal, by)
+
+
+def line_buffered() -> None:
+    """Each console line written out as it is printed, also into a pipe or a log file (``| tee``,
+    ``> log``), where Python would hold them back in blocks: a run that waits for devices says so at once."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)   # (a replaced stream may have none)
+        if reconfigure is not None:
+            reconfigure(line_buffering=True)
 
 
 def _resume_hint(cfg: Optional[Config]) -> None:

@@ -18,24 +18,37 @@ _received: list[int] = []  # the signals the handler took, in order
 
 @contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """For the body, SIGTERM raises KeyboardInterrupt (and is recorded for ``stopped_by``); the handler
-    before it is put back afterwards. Only the main thread can take signals: elsewhere, nothing changes."""
+    """For the body, SIGTERM raises KeyboardInterrupt (and is recorded for ``stopped_by``), as SIGINT does;
+    a second SIGINT or SIGTERM while the first one's stop is under way (GNU ``timeout`` signals the
+    process and then its group; a second Ctrl-C) lets that stop go on. The handlers before it are put
+    back afterwards. Only the main thread can take signals: elsewhere, nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
         _received.append(signum)
-        raise KeyboardInterrupt
+        if len(_received) == 1:
+            raise KeyboardInterrupt
 
     _received.clear()  # (this run's interruption is its own)
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        for sig, before in previous.items():
+            signal.signal(sig, before if before is not None else signal.SIG_DFL)
+
+
+def quiet_exit() -> None:
+    """For the rest of the process (a command that was interrupted and now exits, Ray's own atexit
+    shutdown among what is left): a further SIGINT is ignored, not raised as KeyboardInterrupt into
+    that shutdown as a traceback. Main thread only."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def stopped_by() -> str:
-    """Which signal the last interruption came from: "SIGTERM" if the handler took one, else "SIGINT"."""
-    return "SIGTERM" if _received else "SIGINT"
+    """Which signal the last interruption came from: "SIGTERM" if the handler took that first, else
+    "SIGINT"."""
+    return "SIGTERM" if _received[:1] == [signal.SIGTERM] else "SIGINT"

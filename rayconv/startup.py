@@ -183,13 +183,15 @@ def begin(origin: Optional[float], since: str) -> StartupClock:
 
 
 def begin_command(imported: float) -> StartupClock:
-    """The clock of ``rayconv.run.main``: from the process's start when it runs as the command
-    (``python -m rayconv.run``), else (or where /proc is absent) from ``imported``, the monotonic stamp
-    taken when ``rayconv.run`` was imported (called from Python: from the call)."""
+    """The clock of ``rayconv.run.main``: from the process's start (``command_origin``) when it runs as a
+    command: ``python -m rayconv.run``, the ``rayconv`` console command or a script such as
+    ``examples/*.py`` (a main call within ``EXEC_GAP_S`` of ``imported``, the monotonic stamp taken when
+    ``rayconv.run`` was imported); else, called later from Python (an interactive session, a test), from
+    the call ("main call")."""
     import sys
 
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if spec is not None and spec.name == "rayconv.run":
+    if (spec is not None and spec.name == "rayconv.run") or time.monotonic() - imported <= EXEC_GAP_S:
         import rayconv
 
         return begin(*command_origin(process_start(), rayconv.IMPORTED, imported))

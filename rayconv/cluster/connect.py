@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from pathlib import Path
 from typing import Any, Optional
 
 import ray
@@ -28,39 +29,85 @@ PROBE_METHOD = "/rayconv.Probe/Handshake"   # (no such method: a gRPC server ans
 
 
 def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] = None) -> str:
-    """Connect to the cluster at ``address``, else to RAY_ADDRESS or a running local cluster
-    (``ray start --head``), else start a local one (dashboard on 127.0.0.1). A local one started
+    """Connect to the cluster ``find_cluster`` names (``--address``, RAY_ADDRESS, Ray's address file of a
+    running ``ray start --head``), else start a local one (dashboard on 127.0.0.1). A local one started
     here gets at least ``min_cpus`` logical CPUs, so that a layout with more CPU actors than cores
     (``--dp 2 --fs 2`` on a 2-core laptop) still runs, oversubscribed. Raises ConfigError for an address
     where no Ray cluster answers, ClusterError when Ray cannot connect. Returns how: "reused" (this
     process was connected already: the connection is kept, and a cluster it started runs until the
     process exits, Ray's own atexit), "connected" or "started" (a local cluster of this process)."""
-    probe(address or os.environ.get("RAY_ADDRESS"))
     if ray.is_initialized():
         _HOW["last"] = "reused"
         return "reused"
-    kw = dict(address=address, namespace=NAMESPACE, log_to_driver=not quiet, configure_logging=True,
-              logging_level="WARNING")
+    found, source = find_cluster(address)
+    if found is not None and source.startswith("Ray's address file"):
+        try:
+            probe(found)
+        except ConfigError:   # (a head that ended without `ray stop`: its file stays) a local cluster instead
+            _HOW["stale"] = f"{source} names {found}, where no Ray answers"
+            found, source = None, ""
+    else:
+        probe(found)
+    _HOW["source"] = source
+    kw = dict(address=found or ("auto" if address == "auto" else "local"), namespace=NAMESPACE,
+              log_to_driver=not quiet, configure_logging=True, logging_level="WARNING")
     # What this process imports right after connecting (Ray's serialization context, at the first
     # placement group or actor: numpy and pyarrow), imported on a thread while ray.init waits on the
     # cluster (a local one starting: seconds), so that the first actors are asked for sooner.
     threading.Thread(target=_import_ahead, name="rayconv-import-ahead", daemon=True).start()
-    extra: dict[str, Any] = {"num_cpus": min_cpus} if min_cpus and min_cpus > (os.cpu_count() or 1) else {}
+    extra: dict[str, Any] = {"num_cpus": min_cpus} if (
+        found is None and min_cpus and min_cpus > (os.cpu_count() or 1)) else {}
     try:
-        try:
-            ray.init(**kw, **extra)
-        except ValueError as e:
-            if not extra or not any(k in str(e) for k in extra):
-                raise
-            ray.init(**kw)  # an existing cluster was found: its resources and settings are what they are
+        ray.init(**kw, **extra)
     except (ConnectionError, TimeoutError, RuntimeError, ValueError) as e:
-        where = address or os.environ.get("RAY_ADDRESS") or "a local cluster"
+        where = found or "a local cluster"
         raise ClusterError(f"cannot connect to Ray at {where} ({e}): check --address / RAY_ADDRESS, "
                            "or run `ray start --head` first") from None
     node = getattr(ray._private.worker, "_global_node", None)  # (the head node's when ray.init started it)
     _HOW["last"] = "started" if getattr(node, "head", False) else "connected"
     _HOW["outlives"] = _gcs_address() if _HOW["last"] == "connected" else None
     return _HOW["last"]
+
+
+ADDRESS_FILE = "ray_current_cluster"   # what `ray start --head` writes into its temp dir: the GCS address
+
+
+def address_files() -> list[Path]:
+    """Where ``find_cluster`` reads Ray's address file, in order: Ray's default temp dir (``ray`` under
+    RAY_TMPDIR, else under TMPDIR, else /tmp/ray: where ``ray.init()`` itself looks), then RAY_TMPDIR
+    itself (the folder ``ray start --head --temp-dir $RAY_TMPDIR`` wrote it into)."""
+    system = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    dirs = [Path(system) / "ray"] + ([Path(os.environ["RAY_TMPDIR"])] if os.environ.get("RAY_TMPDIR") else [])
+    return [d / ADDRESS_FILE for d in dirs]
+
+
+def find_cluster(address: Optional[str]) -> tuple[Optional[str], str]:
+    """(the cluster's address, how it was found) as Ray finds it, plus the ``--temp-dir`` that RAY_TMPDIR
+    names: ``address`` (``--address``; "auto" is as none here, then Ray's own "auto"), else RAY_ADDRESS,
+    else the address file of a running ``ray start --head`` (``address_files``); (None, "") when none
+    names one: the caller starts a local cluster."""
+    if address and address != "auto":
+        return address, "--address"
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
+    for path in address_files():
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text:
+            return text, f"Ray's address file {path}"
+    return None, ""
+
+
+def other_clusters() -> list[str]:
+    """The GCS addresses of the Ray clusters running on this host other than the connected one (Ray's
+    own search of the process table, the one ``ray.init(address="auto")`` falls back to)."""
+    try:
+        found = ray._private.services.find_gcs_addresses()
+    except Exception:  # noqa: BLE001 - the process table unreadable: nothing to name
+        return []
+    return sorted(set(found) - {_gcs_address()})
 
 
 def _import_ahead() -> None:
@@ -94,30 +141,58 @@ def _gcs_address() -> Optional[str]:
 
 
 def dashboard_url() -> Optional[str]:
-    """The connected cluster's Ray dashboard (``http://host:port``, as Ray's node records it), None when it
-    runs none or under Ray Client."""
-    node = getattr(ray._private.worker, "_global_node", None) if ray.is_initialized() else None
-    try:
-        url = getattr(node, "webui_url", None)
-    except Exception:  # noqa: BLE001 - not readable from this node: no line
+    """The connected cluster's Ray dashboard (``http://host:port``), None when it runs none or under Ray
+    Client: the address the dashboard recorded in the cluster's key-value store when it started, which
+    every process of the cluster reads alike; failing that, this process's node's record. (A worker
+    process's node record holds the dashboard address the raylet was given, the default port even where
+    the dashboard took another because that one was in use: a Tune trial's header would name another
+    Ray's dashboard.)"""
+    if not ray.is_initialized():
         return None
+    try:
+        url = ray._private.services.get_webui_url_from_internal_kv()
+    except Exception:  # noqa: BLE001 - no key-value store here (Ray Client): the node's record
+        url = None
+    if not url:
+        node = getattr(ray._private.worker, "_global_node", None)
+        try:
+            url = getattr(node, "webui_url", None)
+        except Exception:  # noqa: BLE001 - not readable from this node: no line
+            return None
     return (url if "://" in url else f"http://{url}") if url else None
 
 
 def cluster_origin() -> str:
-    """How this process reached the connected cluster, for the console: ``attached to the cluster at
-    HOST:PORT`` (``--address``, RAY_ADDRESS, or one started by ``ray start``), or ``started a local
-    cluster at HOST:PORT`` (it ends with this process). Told by whether this process runs the head."""
+    """How this process reached the connected cluster and what it has, for the console: ``attached to the
+    cluster at HOST:PORT`` and how it was found (``--address``, RAY_ADDRESS, Ray's address file), or
+    ``started a local cluster at HOST:PORT`` (it ends with this process), where none was found (and the
+    other Ray clusters running on this host, which ``--address`` joins); then its CPUs and GPUs. Told by
+    whether this process runs the head."""
     node = getattr(ray._private.worker, "_global_node", None)   # (set by ray.init; None under Ray Client)
     try:
         address = ray.get_runtime_context().gcs_address
     except Exception:  # noqa: BLE001 - Ray Client has no GCS client in the driver
         address = os.environ.get("RAY_ADDRESS") or "a Ray Client server"
+    has = cluster_size()
     if getattr(node, "head", False):
         if _HOW.get("last") == "reused":
-            return f"reusing the local cluster this process started at {address} (it stops when this process ends)"
-        return f"started a local cluster at {address} (it stops when this process ends)"
-    return f"attached to the cluster at {address}"
+            return (f"reusing the local cluster this process started at {address} ({has}; it stops when this "
+                    "process ends)")
+        looked = _HOW.get("stale") or ("no --address or RAY_ADDRESS, no Ray address file in "
+                                       + ", ".join(str(f.parent) for f in address_files()))
+        others = other_clusters()
+        elsewhere = (f"; Ray also runs on this host at {', '.join(others)}: --address joins it, or "
+                     "RAY_TMPDIR naming its --temp-dir" if others else "")
+        return (f"started a local cluster at {address} ({has}; it stops when this process ends; "
+                f"{looked}{elsewhere})")
+    how = f", named by {_HOW['source']}" if _HOW.get("source") else ""
+    return f"attached to the cluster at {address} ({has}{how})"
+
+
+def cluster_size() -> str:
+    """The connected cluster's logical CPUs and GPUs, e.g. ``4 CPUs, 0 GPUs``."""
+    res = ray.cluster_resources()
+    return f"{res.get('CPU', 0):g} CPUs, {res.get('GPU', 0):g} GPUs"
 
 
 def probe(address: Optional[str]) -> None:

@@ -28,7 +28,7 @@ from rayconv.driver import elastic
 from rayconv.driver.early import REFUSALS, EarlyActors
 from rayconv.driver.finish import export, finish, finish_evaluation, held_decode, recording_stop, writing_into
 from rayconv.driver.loop import Run, train
-from rayconv.driver.progress import log_header
+from rayconv.driver.progress import kept_names, log_header
 from rayconv.driver.resolve import call_timeout_s, resolve_run
 from rayconv.errors import CallTimeout, ClusterError
 from rayconv.mesh import Mesh
@@ -115,12 +115,14 @@ def start_actors(run: Run, ckpt: Optional[Checkpoint], started: Optional[ActorGr
         mark("actors_alive")
         if actor_group.across:
             run.log(f"rayconv: {len(actor_group.actors)} actors kept on the cluster by a previous command, reused "
-                    "(--keep-actors-s)")
+                    f"(--keep-actors-s){kept_names(actor_group.names, s.run_name)}")
         elif actor_group.reused:
             n, spare = len(actor_group.actors), len(actor_group.spare)
-            run.log(f"rayconv: {n} actors kept from this process's previous run, reused (--keep-actors-s)" if not spare
-                    else f"rayconv: {n} of the {n + spare} actors kept from this process's previous run, reused; the "
-                    f"other {spare} wait in its placement group until this run ends (--keep-actors-s 0: not kept)")
+            line = (f"rayconv: {n} actors kept from this process's previous run, reused (--keep-actors-s)"
+                    if not spare else f"rayconv: {n} of the {n + spare} actors kept from this process's "
+                    f"previous run, reused; the other {spare} wait in its placement group until this run "
+                    "ends (--keep-actors-s 0: not kept)")
+            run.log(line + kept_names(actor_group.names, s.run_name))
         change_mark = run.elastic.mark if run.elastic else (lambda phase: None)   # (a change's phases)
         change_mark("actors_alive")
         run.actor_reports = build_actors(actor_group, s.mesh, s.routing, s.sharding, run.call_timeout_s, s.cfg)

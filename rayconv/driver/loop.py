@@ -146,6 +146,7 @@ def train(run: Run, actor_group: ActorGroup, start: int) -> None:
     if run.elastic is not None:
         run.elastic.started(actor_group)
     att.t_last = att.t_train
+    log, run.log = run.log, att.progress.console(run.log)   # (lines printed while the bar shows: not onto it)
     try:
         in_flight: Optional[Pending] = None
         for step in range(start, total):
@@ -161,6 +162,7 @@ def train(run: Run, actor_group: ActorGroup, start: int) -> None:
                 _between_steps(run, actor_group, att, step)
     finally:
         att.progress.close()
+        run.log = log
         run.train_s += time.perf_counter() - att.t_train
 
 

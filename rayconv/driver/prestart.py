@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import secrets
 import time
@@ -28,7 +29,7 @@ from typing import Optional
 import ray
 
 from rayconv import startup
-from rayconv.cluster.connect import available_devices, connect
+from rayconv.cluster.connect import available_devices, cluster_origin, cluster_size, connect
 from rayconv.config import Config
 from rayconv.driver.early import EarlyActors, needs_devices
 from rayconv.errors import CheckpointError, ConfigError
@@ -110,19 +111,41 @@ def resolve_layout(cfg: Config, log=print, wait: bool = True) -> tuple[Config, M
     can_grow = wait and bool(cfg.address or os.environ.get("RAY_ADDRESS"))
     deadline = time.monotonic() + cfg.max_wait
     if mesh.world_size > _actors(slots, per_actor) and can_grow:
-        log(f"rayconv: layout {mesh.describe()} needs {mesh.world_size} {unit}, the cluster has "
-            f"{_actors(slots, per_actor)}: waiting up to {cfg.max_wait:.0f} s (--max-wait) for more")
+        missing = mesh.world_size - _actors(slots, per_actor)
+        log(f"rayconv: Ray: {cluster_origin()}: layout {mesh.describe()} needs {mesh.world_size} {unit}, "
+            f"{missing} more than it has: waiting up to {cfg.max_wait:.0f} s (--max-wait) for nodes to join")
     while mesh.world_size > _actors(slots, per_actor) and can_grow and time.monotonic() < deadline:
         time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
         slots = available_devices(cfg.device)[1]
     devices = _actors(slots, per_actor)
     if mesh.world_size > devices:
         waited = f" after waiting {cfg.max_wait:.0f} s" if can_grow else ""
-        raise ConfigError(f"layout {mesh.describe()} needs {mesh.world_size} {unit} but the cluster has "
-                          f"{devices}{waited}: lower --dp/--pp/--fs, or add nodes")
+        address = ray.get_runtime_context().gcs_address
+        raise ConfigError(f"layout {mesh.describe()} needs {mesh.world_size} {unit} but the cluster "
+                          f"{address} has {devices} ({cluster_size()}){waited}: "
+                          + bigger_or_smaller(mesh, devices, per_actor, kind))
     if (kind, dp) != (cfg.device, cfg.dp):  # (validated again: the batch split over dp, GPU-only features)
         cfg = dataclasses.replace(cfg, device=kind, dp=dp).validate()
     return cfg, mesh
+
+
+def bigger_or_smaller(mesh: Mesh, devices: int, per_actor: float, kind: str) -> str:
+    """What a layout of ``mesh`` that the cluster's ``devices`` actor slots cannot hold can change: a
+    smaller layout that fits, or a larger cluster (for CPU actors a head of more logical CPUs)."""
+    inner = mesh.pp * mesh.fs
+    given = (f" --pp {mesh.pp}" if mesh.pp > 1 else "") + (f" --fs {mesh.fs}" if mesh.fs > 1 else "")
+    if devices < 1:
+        smaller = ""
+    elif inner <= devices:
+        smaller = f"use at most {devices} actor(s) (e.g. --dp {devices // inner}{given}), or "
+    else:
+        smaller = f"use at most {devices} actor(s) (lower --pp/--fs), or "
+    join = f"`ray start --address {ray.get_runtime_context().gcs_address}` on another machine"
+    if kind == "cuda":
+        return f"{smaller}add GPU nodes ({join})"
+    cpus = int(math.ceil(mesh.world_size * per_actor))
+    return (f"{smaller}give the cluster more: a head of {cpus} logical CPUs (`ray start --head --num-cpus "
+            f"{cpus}`, CPUs oversubscribed), or nodes ({join})")
 
 
 def _actors(slots: int, per_actor: float) -> int:

@@ -68,6 +68,17 @@ def run_line(resolved: ResolvedRun) -> str:
             f"{describe(resolved.out)}; {f'Ray job {job}, ' if job else ''}Ray run name {resolved.run_name}")
 
 
+def kept_names(names: list[str], run_name: str) -> str:
+    """What the reuse line adds for kept actors named ``names`` (rank order): Ray renames no named actor,
+    so they keep the names of the run that started them, not ``rayconv/<run_name>/<role>``; the
+    line says which, and how to list them."""
+    if not names or names[0].startswith(f"rayconv/{run_name}/"):
+        return ""
+    prefix = names[0].rsplit("/", 1)[0]
+    return (f"; on the cluster they keep the names {prefix}/<role> of the run that started them "
+            f"(`ray list actors --filter \"name={names[0]}\"`)")
+
+
 def images_line(resolved: ResolvedRun) -> str:
     """The images the model sees: channels x side x side (the source's), and the augmentation (the
     source's own name for it where it tells one, else the --augment setting and what auto resolves to)."""
@@ -166,6 +177,17 @@ class Progress:
         self.bar.set_postfix(loss=f"{train_loss:.4f}", **({name: f"{acc:.4f}"} if acc is not None else {}))
         if not self.use_bar:
             self.log(f"step {step:5d} " + eval_line(ev))
+
+    def console(self, log):
+        """``log`` for the lines a run prints while the bar is shown: each written with the bar cleared
+        first and drawn again after it (tqdm's ``external_write_mode``), not onto the bar's line."""
+        if not self.use_bar:
+            return log
+
+        def write(line: str) -> None:
+            with self.bar.external_write_mode(file=sys.stdout):
+                log(line)
+        return write
 
     def close(self) -> None:
         self.bar.close()

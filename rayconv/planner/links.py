@@ -3,17 +3,20 @@
 ``LinkSpeed`` prices one kind of transfer as latency + bytes / bandwidth; ``Links`` holds the kinds
 a step uses (all-reduce, all-gather / reduce-scatter, point-to-point) inside a node and between nodes.
 ``planner.measure.fit_links`` fits them to timings between two actors; ``MACHINES`` (``python -m
-rayconv.plan --machine``) assumes them from ``LINK_TABLE``, whose sources are:
+rayconv.plan --machine``) assumes them from ``LINK_TABLE``: rates NCCL is assumed to achieve, below the
+links' datasheet rates, whose sources are:
 
-* NVLink 4 on H100/H200: 18 links, 900 GB/s bidirectional per GPU, about 450 GB/s each way (NVIDIA
-  H200 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/h200/ ; HGX H200 8-GPU
-  boards connect all GPUs through NVSwitch at that rate, https://www.nvidia.com/en-us/data-center/hgx/ ).
-  NCCL reaches part of it; the table assumes 290 GB/s for collectives and point-to-point (checked against
-  a measured all-reduce between two actors: benchmarks/RESULTS.md, "The link table's NVLink figure").
-* Between hosts: InfiniBand NDR, 400 Gb/s = 50 GB/s each way per ConnectX-7 adapter, one adapter per
-  GPU as in DGX/HGX H200 systems (NVIDIA ConnectX-7 datasheet,
-  https://www.nvidia.com/en-us/networking/ethernet-adapters/ ; DGX H200 user guide); assumed 40 GB/s
-  achieved per GPU for collectives that cross hosts.
+* NVLink 4 / NVSwitch on H100/H200 (``NVLINK4``): NVIDIA H200 Tensor Core GPU datasheet,
+  https://www.nvidia.com/en-us/data-center/h200/ ; HGX H200 boards connect all 8 GPUs through NVSwitch,
+  https://www.nvidia.com/en-us/data-center/hgx/ . How the assumed rate compares with a measured
+  all-reduce between two actors: benchmarks/RESULTS.md, "The link table's NVLink figure".
+* Between hosts (``IB_NDR``): InfiniBand NDR, one ConnectX-7 adapter per GPU as in DGX/HGX H200 systems
+  (NVIDIA ConnectX-7 datasheet, https://www.nvidia.com/en-us/networking/ethernet-adapters/ ; DGX H200
+  user guide).
+* gloo between CPU processes over loopback TCP (``GLOO_LOOPBACK``): a rough rate for the CPU's plans.
+
+The rates themselves are the constants below (not restated in prose); measured ones are in
+benchmarks/RESULTS.md.
 
 Imports nothing of the package: ``python -m rayconv.plan``'s argument parsing reads ``MACHINES``.
 """
@@ -76,10 +79,17 @@ class Links:
 NVLINK4 = LinkSpeed(gbps=290.0, latency_ms=0.02)
 IB_NDR = LinkSpeed(gbps=40.0, latency_ms=0.03)
 GLOO_LOOPBACK = LinkSpeed(gbps=1.0, latency_ms=0.1)
+
+
+def _assumed(speed: LinkSpeed) -> str:
+    """A table entry's rate in words, from its constant."""
+    return f"{speed.gbps:g} GB/s and {speed.latency_ms:g} ms assumed achieved"
+
+
 LINK_TABLE = {
-    "nvlink4": ("NVLink 4 / NVSwitch (H100/H200 HGX): 450 GB/s each way per GPU, 290 GB/s assumed achieved",
-                NVLINK4),
-    "gloo-loopback": ("gloo over loopback TCP between CPU processes (assumed 1 GB/s, 0.1 ms)", GLOO_LOOPBACK),
+    "nvlink4": (f"NVLink 4 / NVSwitch (H100/H200 HGX), {_assumed(NVLINK4)}", NVLINK4),
+    "gloo-loopback": (f"gloo over loopback TCP between CPU processes, {_assumed(GLOO_LOOPBACK)}",
+                      GLOO_LOOPBACK),
 }
 
 
@@ -99,8 +109,7 @@ class Machine:
 
     def links(self) -> Links:
         text, speed = LINK_TABLE[self.intra]
-        inter = (f"; between hosts InfiniBand NDR 400 Gb/s per GPU, {self.inter.gbps:g} GB/s assumed"
-                 if self.inter else "")
+        inter = f"; between hosts InfiniBand NDR, {_assumed(self.inter)} per GPU" if self.inter else ""
         return Links(self.name, speed, speed, speed, self.gpus_per_node, self.inter,
                      source=f"link table: {text}{inter}")
 

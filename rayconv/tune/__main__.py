@@ -9,7 +9,8 @@
 The search's own flags are below; every other flag is a ``python -m rayconv.run`` flag, the base
 settings of every trial (``--out``: the search folder). A bad space, an unknown flag or a trial the
 run would refuse: one line, exit 2, before any trial starts. Exit 0 when the search ended (failed
-trials are rows of its results), 1 when no trial finished, 130 on Ctrl-C (resume with --resume).
+trials are rows of its results), 1 when no trial finished, 130 on Ctrl-C (Tune stops the trials and
+saves the search: no best trial is named, and the line printed says how to continue it with --resume).
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def unknown_flags(rest: list[str], search_parser: OneLineParser) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from rayconv.run import line_buffered
+
+    line_buffered()
     search_parser = parser()
     args, rest = search_parser.parse_known_args(argv)
     try:
@@ -87,8 +91,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ClusterError as e:
         print(f"rayconv.tune: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("rayconv.tune: interrupted", file=sys.stderr)
+    except KeyboardInterrupt:   # (a second Ctrl-C: Tune's own handler took the first, below)
+        from rayconv.signals import quiet_exit
+        from rayconv.tune.runner import CURRENT
+
+        quiet_exit()
+        where = CURRENT.get("search_dir") or args.resume
+        print("rayconv.tune: interrupted" + (f": continue with `python -m rayconv.tune --resume {where}`"
+                                             if where else ""), file=sys.stderr)
+        return 130
+    if found.interrupted:   # (Ctrl-C: Tune stopped the trials and saved the search; the hint is printed)
         return 130
     return 0 if found.best is not None else 1
 

@@ -15,15 +15,19 @@ from typing import Any, Optional
 from rayconv.files import atomic_write, write_json
 
 
-def status_of(summary: Optional[dict[str, Any]], error: Optional[BaseException]) -> str:
-    """How a trial ended, in a few words: finished, stopped early (Tune ended it after an evaluation),
-    interrupted (the search was), failed: its one-line error, or not run."""
+def status_of(summary: Optional[dict[str, Any]], error: Optional[BaseException],
+              state: Optional[str] = None) -> str:
+    """How a trial ended, in a few words: finished, stopped early (the scheduler ended it after an
+    evaluation), interrupted (the search was: Tune's ``state`` of the trial at the search's end is not
+    TERMINATED), failed: its one-line error, or not run."""
     if error is not None:
         return f"failed: {error_line(error)}"
     if summary is None:
         return "not run"
     if summary.get("status") == "finished":
         return "finished"
+    if state is not None and state not in ("TERMINATED", "ERROR"):
+        return f"interrupted at step {summary.get('steps_done')}"
     if summary.get("stopped_by"):
         return f"stopped early at step {summary.get('steps_done')}"
     return str(summary.get("status", "unknown"))
@@ -45,8 +49,10 @@ def trial_number(path: Optional[str]) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
-def collect(grid, search_dir: Path, names: list[str], metric: str) -> list[dict[str, Any]]:
-    """The table's rows from a Tune ``ResultGrid``, in trial order."""
+def collect(grid, search_dir: Path, names: list[str], metric: str,
+            states: Optional[dict[int, str]] = None) -> list[dict[str, Any]]:
+    """The table's rows from a Tune ``ResultGrid``, in trial order (``states``: Tune's status of each
+    trial number at the search's end, where known)."""
     rows = []
     for result in grid:
         k = trial_number(result.path)
@@ -63,7 +69,8 @@ def collect(grid, search_dir: Path, names: list[str], metric: str) -> list[dict[
             value = summary.get(metric)
         rows.append({"trial": f"trial-{k}", **{n: config.get(n) for n in names}, metric: value,
                      "test_accuracy": (summary or {}).get("test_accuracy", metrics.get("test_accuracy")),
-                     "status": status_of(summary, result.error), "folder": str(folder) if folder.exists() else ""})
+                     "status": status_of(summary, result.error, (states or {}).get(k)),
+                     "folder": str(folder) if folder.exists() else ""})
     return sorted(rows, key=lambda r: int(r["trial"].split("-")[1]) if r["trial"].split("-")[1].isdigit() else 0)
 
 

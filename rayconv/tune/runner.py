@@ -32,12 +32,14 @@ MAX_T = 10**6  # ASHA's last rung: beyond any run's evaluations, so that trials 
 
 @dataclass
 class SearchResult:
-    """What a search found: its folder, the metric, one row per trial, the best row (or None)."""
+    """What a search found: its folder, the metric, one row per trial, the best row (or None; None too
+    for an interrupted search), whether it was interrupted."""
 
     search_dir: Path
     metric: str
     rows: list[dict[str, Any]]
     best: Optional[dict[str, Any]]
+    interrupted: bool = False   # stopped (Ctrl-C) before every trial ended: --resume continues it
 
     @property
     def best_folder(self) -> Optional[str]:
@@ -111,7 +113,8 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
 
     from rayconv.api import release_actors
     from rayconv.cluster.connect import connect
-    from rayconv.tune.trial import Trial, resolved_base, trial_resources, trial_settings
+    from rayconv.tune.trial import (END_STATES, EndStates, Trial, resolved_base, trial_resources,
+                                    trial_settings)
 
     connect(base.get("address"))
     release_actors()   # (actors a run of this process kept would hold what the trials need)
@@ -130,7 +133,8 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
     # twice in `tensorboard --logdir runs/`.
     from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
-    callbacks = [CSVLoggerCallback(), JsonLoggerCallback(), *callbacks]
+    callbacks = [CSVLoggerCallback(), JsonLoggerCallback(), EndStates(str(search_dir)), *callbacks]
+    CURRENT["search_dir"] = str(search_dir)
     trainable = tune.with_resources(tune.with_parameters(Trial, base=base_r, search_dir=str(search_dir)),
                                     trial_resources(base_r))
     # (a search in a store: Tune writes there through the same pyarrow file system, credentials and all)
@@ -157,38 +161,88 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
                                       checkpoint_config=tune.CheckpointConfig(num_to_keep=2)))
         log(f"rayconv.tune: {_grid_size(checked) * num_samples} trial(s), {scheduler}, metric {metric} ({mode}) "
             f"-> {search_dir}")
-    with _no_default_loggers():
+    END_STATES.pop(str(search_dir), None)
+    with _no_default_loggers(), one_line_tune_logs():
         grid = tuner.fit()
-    rows = table.collect(grid, search_dir, list(checked), metric)
-    best = table.best([r for r in rows if r["status"] in ("finished",) or r["status"].startswith("stopped")],
-                      metric, mode)
+    states = END_STATES.pop(str(search_dir), None)   # (None: a search made before EndStates, resumed)
+    total = _grid_size(checked) * num_samples
+    if states is not None:
+        ended = sum(1 for v in states.values() if v in ("TERMINATED", "ERROR"))
+    else:
+        ended = grid.num_terminated + grid.num_errors
+    interrupted = ended < total
+    rows = table.collect(grid, search_dir, list(checked), metric, states)
+    done = [r for r in rows if r["status"] in ("finished",) or r["status"].startswith("stopped early")]
+    best = None if interrupted else table.best(done, metric, mode)
     table.write(search_dir, rows, best, metric)
     log(table.table(rows))
     if best:
         test = (f", test_accuracy {table.cell_text(best['test_accuracy'])}" if metric != "test_accuracy"
                 else "")
         log(f"best: {best['trial']} ({metric} {best[metric]:.4f}{test}) -> {best['folder']}")
-    unfinished = [r for r in rows if r["status"] in ("not run", "interrupted")]
-    if unfinished:
-        log(f"rayconv.tune: {len(unfinished)} trial(s) not done: continue with "
+    if interrupted:
+        log(f"rayconv.tune: interrupted: {ended} of {total} trial(s) ended; continue with "
             f"`python -m rayconv.tune --resume {search_dir}`")
-    return SearchResult(search_dir, metric, rows, best)
+    return SearchResult(search_dir, metric, rows, best, interrupted)
+
+
+CURRENT: dict[str, str] = {}   # "search_dir": the folder of this process's search (``__main__``'s hint)
+
+
+class _OneLine:
+    """A logging filter for Tune's loggers during a search: a failed trial's error as one line (Tune logs
+    its whole traceback; the trial's row holds the line too), and on an interrupted search the search's
+    own words (Tune's resume hint is ``Tuner.restore``; the search prints ``--resume``'s)."""
+
+    DROP = ("Experiment has been interrupted", "Trials did not complete")
+
+    def filter(self, record) -> bool:
+        text = str(record.msg)
+        if text.startswith(self.DROP):
+            return False
+        if text.startswith("Stop signal received"):
+            record.msg, record.args = ("rayconv.tune: interrupted: stopping the trials and saving the search "
+                                       "(Ctrl-C again: at once)"), ()
+        if text.startswith("Trial task failed") and record.exc_info:
+            error = record.exc_info[1]
+            record.msg = f"{record.getMessage()}: {table.error_line(error)}"
+            record.args, record.exc_info = (), None
+        return True
+
+
+@contextlib.contextmanager
+def one_line_tune_logs():
+    """Within: ``_OneLine`` on Tune's loggers of a search's run and its controller."""
+    import logging
+
+    loggers = [logging.getLogger(n) for n in ("ray.tune.tune", "ray.tune.execution.tune_controller")]
+    one = _OneLine()
+    for lg in loggers:
+        lg.addFilter(one)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(one)
 
 
 @contextlib.contextmanager
 def _no_default_loggers():
     """Within: Tune adds no logger callbacks of its own (``TUNE_DISABLE_AUTO_CALLBACK_LOGGERS``, read when a
-    search starts); the caller's environment as it was afterwards."""
-    key = "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"
-    before = os.environ.get(key)
-    os.environ[key] = "1"
+    search starts) and prints no console output of its own (``RAY_AIR_NEW_OUTPUT=0``: its reporter of
+    verbosity 0, silent; the newer one prints its configuration box and a failed trial's error file at
+    every verbosity): the search prints its own lines. The caller's environment as it was afterwards."""
+    keys = {"TUNE_DISABLE_AUTO_CALLBACK_LOGGERS": "1", "RAY_AIR_NEW_OUTPUT": "0"}
+    before = {key: os.environ.get(key) for key in keys}
+    os.environ.update(keys)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = before
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def make_scheduler(scheduler: str, checked: dict[str, tuple[str, list]], grace_period: int, reduction_factor: int,

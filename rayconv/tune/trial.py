@@ -240,3 +240,21 @@ class Trial(tune.Trainable):
 
 class TrialFailed(RuntimeError):
     """A trial's run failed; the message is its one-line error."""
+
+
+# search folder -> {trial number: Tune's status of the trial when the search ended} (``EndStates``)
+END_STATES: dict[str, dict[int, str]] = {}
+
+
+class EndStates(tune.Callback):
+    """Records each trial's status as Tune's loop last saw it (``on_step_end``: after a Ctrl-C the loop
+    stops there, before Tune's clean-up marks the trials it stops TERMINATED): TERMINATED (finished, or
+    stopped early by the scheduler), ERROR, or RUNNING / PAUSED / PENDING (the search was interrupted),
+    into ``END_STATES`` under the search folder (a resumed search gets the callback back from Tune's saved
+    state: a copy, which records there alike)."""
+
+    def __init__(self, search_dir: str):
+        self.search_dir = search_dir
+
+    def on_step_end(self, iteration, trials, **info):
+        END_STATES[self.search_dir] = {trial_index(t.trial_id): str(t.status) for t in trials}

@@ -98,6 +98,7 @@ def test_the_next_command_reuses_the_actors_and_unclaimed_they_end(head, tmp_pat
     second = _finish(_command(head, tmp_path / "b", "--keep-actors-s", "3"))
     b = _summary(tmp_path / "b")
     assert "rayconv: 1 actors kept on the cluster by a previous command, reused (--keep-actors-s)" in second
+    assert f'(`ray list actors --filter "name=rayconv/{a["run_name"]}/dp0"`)' in second, second
     assert "renewed" in b["startup"]["actor_process"] and "process_started" not in b["startup"]["actor_process"]
     assert "process_started" in a["startup"]["actor_process"]
     # The same actors, kept again (now for 3 s: said by the command, as on a loaded machine they may end

@@ -83,7 +83,11 @@ def test_a_run_that_does_not_fit_beside_a_larger_kept_group_takes_its_first_acto
     train_run(two, log=logged.append, on_step=lambda g, k: k or seen.setdefault("two", ([i["pid"] for i in g.info],
                                                                                     g.reused, len(g.spare))))
     assert seen["two"] == (seen["four"][0][:2], True, 2)
-    assert any("2 of the 4 actors kept from this process's previous run, reused" in line for line in logged), logged
+    [line] = [x for x in logged if "2 of the 4 actors kept from this process's previous run, reused" in x]
+    # (Ray renames no named actor: the line names those the cluster lists, the first run's)
+    first = json.loads((tmp_path / "four" / "summary.json").read_text())["run_name"]
+    assert f'keep the names rayconv/{first}/<role> of the run that started them' in line, line
+    assert f'`ray list actors --filter "name=rayconv/{first}/dp0"`' in line, line
     assert_same_state(torch.load(tmp_path / "two" / "model.pt", weights_only=True), reference_sgd(two, 3), atol=1e-10)
     assert [len(g.actors) for g in pool.kept_groups()] == [4] and not pool.kept_groups()[0].spare
     _run(sgd_config(tmp_path, "again", dp=4, steps=2, eval_every=2), seen, "again")

@@ -229,7 +229,7 @@ def test_two_runs_with_the_same_folder_name_at_once(dashboard, tmp_path):
     name = out.split("Ray run name ")[1].split()[0]
     port = dashboard["address"].rsplit(":", 1)[1]   # (the GCS gives the node's IP for the host)
     for printed in (out.splitlines(), lines):   # (a run of its own command line, and this process's fit)
-        assert any(x.startswith("rayconv: Ray: attached to the cluster at ") and x.endswith(f":{port}")
+        assert any(x.startswith("rayconv: Ray: attached to the cluster at ") and f":{port} (" in x
                    for x in printed), printed[:5]
         assert f"rayconv: Ray dashboard: {dashboard['url']}" in printed, printed[:5]   # (where to watch it)
     assert name != second and name.startswith("run-") and second.startswith("run-"), (name, second)

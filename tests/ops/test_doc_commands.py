@@ -185,6 +185,8 @@ KINDS = [
     ("run here", lambda a: a[:3] == ["python", "-m", "rayconv.run"] and a[3:] == ["--help"], run_help),
     ("run here", lambda a: a[:2] == ["python", "-c"], run_python_c),
     ("run here (test_the_shared_host_ray_start)", lambda a: a[:2] == ["ray", "start"], lambda a: None),
+    ("the environment test_the_shared_host_ray_start gives the commands after the head",
+     lambda a: a == ["export", "RAY_TMPDIR=/tmp/ray-$USER"], lambda a: None),
     ("parsed", lambda a: a[:3] == ["python", "-m", "rayconv.run"], lambda a: parse_run(a[3:])),
     ("parsed", lambda a: a[:1] == ["rayconv"], lambda a: parse_run(a[1:])),
     ("parsed", lambda a: a[:3] == ["python", "-m", "rayconv.plan"], lambda a: parse_plan(a[3:])),
@@ -288,6 +290,19 @@ def _listening(port: int) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _environ(**values):
+    """Within: the environment with ``values`` set (None: unset); as it was afterwards."""
+    before = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        yield
+    finally:
+        for k, v in before.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
 def test_the_shared_host_ray_start():
     """docs/operations.md's ``ray start`` as written (its temp dir one of its own here), with ``--block``
     so that its PID owns the head's processes: Ray accepts every port (a port inside the worker range is
@@ -307,10 +322,18 @@ def test_the_shared_host_ray_start():
         head = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         deadline = time.monotonic() + 120
-        while not (_listening(ports["--port"]) and _listening(ports["--ray-client-server-port"])):
+        address_file = Path(temp_dir) / "ray_current_cluster"   # (written once the head is up)
+        while not (_listening(ports["--port"]) and _listening(ports["--ray-client-server-port"])
+                   and address_file.exists()):
             assert head.poll() is None, f"ray start exited {head.returncode}:\n{log.read_text()[-3000:]}"
             assert time.monotonic() < deadline, f"ray start did not listen within 120 s:\n{log.read_text()[-3000:]}"
             time.sleep(0.2)
+        # the commands after it, with the RAY_TMPDIR the docs export, join it (no --address)
+        from rayconv.cluster.connect import find_cluster
+        with _environ(RAY_TMPDIR=temp_dir, RAY_ADDRESS=None):
+            found, how = find_cluster(None)
+        assert found.endswith(f":{ports['--port']}"), found
+        assert how == f"Ray's address file {address_file}", how
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(head.pid, signal.SIGKILL)  # the head's own process group: every process it started

@@ -31,15 +31,29 @@ class InterruptAfterFirst(ray_tune.Callback):
 
 
 @pytest.mark.slow
-def test_search_asha_failure_resume(ray_cluster, tmp_path):
+def test_search_asha_failure_resume(ray_cluster, tmp_path, capfd):
     # lr 1e12 makes the loss overflow at the first steps: that trial fails, the others go on.
     space = {"lr": {"grid": [0.2, 1e12]}, "seed": {"grid": [0, 1]}}
     base = {"dp": 2, "steps": 40, "eval_every": 10, "global_batch_size": 96, "out": str(tmp_path / "s"),
             "metrics": False, "progress": False}
-    first = tune.search(space, base, scheduler="asha", max_concurrent=2, callbacks=[InterruptAfterFirst()])
+    lines: list[str] = []
+    first = tune.search(space, base, scheduler="asha", max_concurrent=2, callbacks=[InterruptAfterFirst()],
+                        log=lines.append)
+    # Interrupted (Tune's Ctrl-C): said so, with the command that continues it; no best trial named as if
+    # the search had ended, no trial it stopped labelled "stopped early" (the scheduler's stop).
+    assert first.interrupted and first.best is None, first.rows
+    assert lines[-1].startswith("rayconv.tune: interrupted: ") and lines[-1].endswith(
+        f"continue with `python -m rayconv.tune --resume {first.search_dir}`"), lines
+    assert not any(x.startswith("best:") for x in lines), lines
     # (trials not yet made when the search stopped are no rows yet)
-    assert len(first.rows) < 4 or any(r["status"] in ("not run", "interrupted") for r in first.rows), first.rows
+    assert len(first.rows) < 4 or any(r["status"] == "not run" or r["status"].startswith("interrupted at")
+                                      for r in first.rows), first.rows
+    assert not any(r["status"].startswith("stopped early") for r in first.rows), first.rows
     found = tune.search({}, resume=str(first.search_dir))
+    assert not found.interrupted
+    out, err = capfd.readouterr()
+    assert "Traceback" not in err and "Tuner.restore" not in err, err[-3000:]   # (a failed trial: one line)
+    assert "Error file" not in out and "errored after" not in out, out[-3000:]   # (Tune's own console: off)
     rows = {r["trial"]: r for r in found.rows}
     assert len(rows) == 4, found.rows
     failed = [r for r in rows.values() if r["lr"] == 1e12]
@@ -57,7 +71,7 @@ def test_search_asha_failure_resume(ray_cluster, tmp_path):
     tune_dir = found.search_dir / "tune"
     assert list(tune_dir.rglob("result.json")) and list(tune_dir.rglob("progress.csv"))
     assert not list(tune_dir.rglob("events.out.tfevents*"))
-    assert "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS" not in os.environ
+    assert "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS" not in os.environ and "RAY_AIR_NEW_OUTPUT" not in os.environ
 
 
 def test_the_next_trial_runs_on_the_finished_trials_process_and_actors(ray_cluster, tmp_path):
