@@ -46,6 +46,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from rayconv.data.shard_files import FORMATS
 from rayconv.errors import DataError
 from rayconv.files import atomic_write, cache_dir
 from rayconv.storage import Location, StorageError, locate
@@ -82,6 +83,7 @@ def remote_manifest(uri: str, flag: str = "--data-dir") -> tuple[Location, bytes
                            "(AWS_ENDPOINT_URL) and the credentials") from None
     try:
         manifest = json.loads(data)
+        assert manifest.get("format") in FORMATS, f"format {manifest.get('format')!r}, not one of {FORMATS}"
         for split in manifest["splits"].values():
             for e in split["shards"]:
                 assert {"file", "bytes", "sha256", "rows"} <= set(e), "a shard entry lacks a key"
@@ -138,10 +140,7 @@ class ShardCache:
         except OSError as e:
             raise DataError(f"--cache-dir {self.root}: cannot make the folder ({e.strerror or e})") from None
         budget = self.budget if self.budget is not None else default_budget(self.root)
-        if self.set_bytes > budget:
-            raise DataError(f"--data-dir {self.uri} holds {_size(self.set_bytes)}, more than --cache-bytes "
-                            f"{budget} ({_size(budget)}): raise --cache-bytes (the set is read from each "
-                            "node's cache whole) or give --cache-dir a larger disk")
+        self.check_fits(budget)
         with _locked(self.root / f".{self.folder.name}.lock"):   # (one fetcher of this set per node)
             self.folder.mkdir(exist_ok=True)
             todo = [f for f in (order or list(self.entries)) if not self._complete(f)]
@@ -157,6 +156,15 @@ class ShardCache:
         return self.folder
 
     # ------------------------------------------------------------------ budget
+    def check_fits(self, budget: int) -> None:
+        """Raise DataError (one line, saying what to change) when the set is larger than ``budget``
+        bytes: the readers map every shard at open, so a node's cache holds the set whole."""
+        if self.set_bytes > budget:
+            raise DataError(f"--data-dir {self.uri} holds {_size(self.set_bytes)}, more than --cache-bytes "
+                            f"{budget} ({_size(budget)}), and each node's cache holds the set whole: raise "
+                            "--cache-bytes to at least the set (on a disk that has the room: --cache-dir), "
+                            "or copy the set to every node's disk first (--stage-dir)")
+
     def used(self) -> int:
         """Bytes the cache's folders hold now (every set's)."""
         return sum(p.stat().st_size for p in self.root.glob("*/*") if p.is_file())

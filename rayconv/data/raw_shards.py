@@ -74,6 +74,15 @@ class _Aside:
         return self.epoch == epoch and self.dtype == dtype and (self.idx is idx or np.array_equal(self.idx, idx))
 
 
+def augmentation_words(augment: str, image_size: int, random_erase: float, auto_augment: Optional[str],
+                       stored: int) -> str:
+    """What raw shards' training samples get, in words (``Source.augmentation``); ``stored``: the
+    prepare size in pixels."""
+    pad, flip = (pad_for(image_size), True) if augment == "pad-crop" else (0, augment == "resized-crop")
+    return augment_words(augment, pad, flip, random_erase, auto_augment).replace(
+        " (on the device)", f" (raw pixels {stored}x{stored}, no decode)")
+
+
 class RawShardSource(Source):
     """A raw-pixel shard folder (``root``): labels read at open, pixels gathered per batch.
 
@@ -101,8 +110,7 @@ class RawShardSource(Source):
         self._params: dict = {}
         self._ahead: dict = {}   # (OnDeviceSource's next-epoch tables, drawn on its pool)
         self._pool = None
-        self.augmentation = augment_words(augment, self.pad, self.flip, random_erase, auto_augment).replace(
-            " (on the device)", f" (raw pixels {self.stored}x{self.stored}, no decode)")
+        self.augmentation = augmentation_words(augment, image_size, random_erase, auto_augment, self.stored)
         self.shards: dict[str, list[OpenShard]] = {}
         self.starts: dict[str, np.ndarray] = {}
         self.targets: dict[str, torch.Tensor] = {}

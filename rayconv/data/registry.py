@@ -23,6 +23,7 @@ from rayconv.data.digits import load_digits
 from rayconv.data.order import BlockOrder, ExactOrder
 from rayconv.data.fashion_mnist import load_fashion_mnist, read_ahead as read_fashion_mnist_ahead
 from rayconv.data.imagefolder import ImageFolderSource
+from rayconv.data.manifest_source import ManifestSource
 from rayconv.data.raw_shards import RawShardSource
 from rayconv.data.shard_files import folder_encoding
 from rayconv.data.shards import ShardSource, is_prepared
@@ -31,7 +32,7 @@ from rayconv.data.source import Source
 from rayconv.models.channels import user_model_channels
 from rayconv.user_model import is_user_model, takes_in_channels
 from rayconv.data.synthetic import SyntheticSource
-from rayconv.storage import is_uri
+from rayconv.storage import is_remote, is_uri
 
 GREY_MODELS = ("convnet", "convnet_bn", "convnet2col")  # rayconv.models' models that take any channel count
 
@@ -119,6 +120,21 @@ def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
         src = maybe_hold(cfg, src, decode_workers(cfg))   # --data-on-device: small data held on the device
     else:
         raise ConfigError(f"unknown --data {cfg.data!r}")
+    return checked(cfg, src)
+
+
+def check_source(cfg: Config) -> Source:
+    """The source the driver's checks read: ``make_source``'s, except that a prepared folder in object
+    storage is described from its manifest alone (``ManifestSource``: no shard fetched; the nodes whose
+    actors read the set fetch it). Raises DataError / ConfigError / StorageError."""
+    if cfg.data in ("imagefolder", "shards") and cfg.data_dir and is_remote(cfg.data_dir):
+        return checked(cfg, ManifestSource(cfg))
+    return make_source(cfg)
+
+
+def checked(cfg: Config, src: Source) -> Source:
+    """``src`` checked against ``--num-classes``, given the model's channels and the ``--val-split``
+    split. Raises ConfigError."""
     if cfg.num_classes is not None and cfg.num_classes != src.num_classes:
         raise ConfigError(f"--num-classes {cfg.num_classes} but --data {cfg.data} has {src.num_classes} classes: "
                           "drop --num-classes (it follows the data)")

@@ -38,6 +38,16 @@ __all__ = ["FORMAT", "MANIFEST", "ShardSource", "is_prepared", "read_manifest"]
 READ_AHEAD = 8   # batches whose bytes are requested from the disk ahead of their decode
 
 
+def augmentation_words(augment: str, image_size: int, random_erase: float, auto_augment: Optional[str],
+                       decode: str) -> str:
+    """What JPEG shards' training samples get, in words (``Source.augmentation``)."""
+    return {"resized-crop": "RandomResizedCrop(0.08-1) + flip",
+            "pad-crop": f"center crop, pad {pad_for(image_size)} + random crop + flip",
+            "none": "center crop"}[augment] \
+        + (f", auto-augment {auto_augment} (batched in {aa.GROUPS} groups)" if auto_augment else "") \
+        + (f", random erasing p={random_erase:g}" if random_erase > 0 else "") + f" (decode {decode})"
+
+
 class ShardSource(Source):
     """A prepared folder: labels read at once, JPEG bytes on first use, decoded per batch.
 
@@ -67,11 +77,7 @@ class ShardSource(Source):
         self.sample_shape = (3, image_size, image_size)
         self.size, self.seed, self.workers, self.decode = image_size, seed, workers, decode
         self.augment, self.random_erase, self.name = augment, random_erase, "shards"
-        self.augmentation = {"resized-crop": "RandomResizedCrop(0.08-1) + flip",
-                             "pad-crop": f"center crop, pad {pad_for(image_size)} + random crop + flip",
-                             "none": "center crop"}[augment] \
-            + (f", auto-augment {auto_augment} (batched in {aa.GROUPS} groups)" if auto_augment else "") \
-            + (f", random erasing p={random_erase:g}" if random_erase > 0 else "") + f" (decode {decode})"
+        self.augmentation = augmentation_words(augment, image_size, random_erase, auto_augment, decode)
         self.entries = {s: self.manifest["splits"][f]["shards"] for s, f in SPLITS.items()}
         self.targets: dict[str, torch.Tensor] = {}
         self.hw: dict[str, np.ndarray] = {}

@@ -95,6 +95,18 @@ def maybe_hold(cfg: Config, loader: Source, workers: int) -> Source:
     return HeldSource(loader, center, workers, cfg)
 
 
+def is_held(source: Source) -> bool:
+    """Whether ``source`` is (or, for ``ManifestSource``, describes) data held on the device."""
+    return isinstance(source, HeldSource) or bool(getattr(source, "held", False))
+
+
+def held_words(raw: bool, nbytes: int) -> str:
+    """What ``HeldSource.augmentation`` adds: the data held, ``nbytes`` of uint8 images read (``raw``
+    pixels) or decoded once."""
+    return (f"; data held on the device (--data-on-device): both splits {'read' if raw else 'decoded'} "
+            f"once, {nbytes / 2**20:.1f} MB of uint8 images")
+
+
 class HeldSource(OnDeviceSource):
     """An image folder's or a shard folder's images held on the device (``OnDeviceSource``): uint8
     (N, 3, S, S) buffers of both splits, filled by ``center`` in ``workers`` processes on the first
@@ -113,10 +125,8 @@ class HeldSource(OnDeviceSource):
         self.center, self.workers, self.decoded = center, workers, False
         if hasattr(loader, "manifest"):
             self.manifest = loader.manifest
-        mb = sum(b.nbytes for b in self.buffers.values()) / 2**20
-        done = "read" if isinstance(center, RawCenters) else "decoded"   # (raw pixels need no decode)
-        self.augmentation += (f"; data held on the device (--data-on-device): both splits {done} once, "
-                              f"{mb:.1f} MB of uint8 images")
+        nbytes = sum(b.nbytes for b in self.buffers.values())
+        self.augmentation += held_words(isinstance(center, RawCenters), nbytes)
 
     def _on(self, device: torch.device) -> dict[str, torch.Tensor]:
         if not self.decoded:

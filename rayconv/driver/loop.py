@@ -304,8 +304,8 @@ def log_images(run: Run) -> None:
     s = run.resolved
     x = first_images(s.source, s.sharding.global_batch(0, 0), run.cfg.log_images)
     if x is None:
-        run.log("rayconv: --log-images skipped: the data is held on the device, and reading it in the driver "
-                "would decode all of it here")
+        run.log("rayconv: --log-images skipped: the driver reads no images of data held on the device (it "
+                "would decode all of it here) or in object storage (it would fetch the shards here)")
         return
     run.events.add_image_grid(x)
 

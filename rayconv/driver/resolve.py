@@ -28,8 +28,8 @@ from rayconv.cluster.local_copy import copy_to_nodes
 from rayconv.cluster.tasks import gpu_free_bytes, gpu_total_bytes, run_on_device
 from rayconv.config import Config
 from rayconv.data.order import make_order
-from rayconv.data.registry import make_source
-from rayconv.data.small import HeldSource, decide_auto, held_bytes
+from rayconv.data.registry import check_source
+from rayconv.data.small import decide_auto, held_bytes, is_held
 from rayconv.data.source import Sharding, Source
 from rayconv.driver.early import needs_devices
 from rayconv.driver.lr import check_schedule, total_steps
@@ -242,7 +242,7 @@ def check_before_ray(cfg: Config, resume: Optional[Checkpoint], warm: Optional[W
         build_model(cfg.model, 1)  # raises ConfigError naming --model, before the data is read (torchvision imported)
     if cfg.dp is not None:
         memory_check(cfg)  # --max-memory-gib: refused before Ray starts
-    source = make_source(cfg)
+    source = check_source(cfg)   # (a set in a bucket: its manifest alone, no shard fetched here)
     sharding = Sharding(source.train_size, cfg.global_batch_size, cfg.dp or 1, cfg.seed, make_order(cfg, source),
                         val_split=cfg.val_split)
     sharding.val_indices()  # (raises ConfigError for a --val-split that holds out no image)
@@ -293,7 +293,7 @@ def with_data_on_device(cfg: Config, mesh: Mesh, source: Source, log=print) -> t
         log(f"rayconv: --data-on-device {cfg.data_on_device}: {chosen} (as given)")
         return cfg, source
     data_bytes = held_bytes(cfg, source.train_size + source.test_size)
-    if not isinstance(source, HeldSource):   # the augmentation, or the size alone, rules it out
+    if not is_held(source):   # the augmentation, or the size alone, rules it out
         why = (f"--augment {cfg.augmentation} needs each image's own size" if cfg.augmentation not in
                ("pad-crop", "none") else f"{data_bytes / 2**20:.1f} MB of decoded images > "
                f"{SMALL_DATA_BYTES / 2**30:g} GiB")
@@ -309,7 +309,7 @@ def with_data_on_device(cfg: Config, mesh: Mesh, source: Source, log=print) -> t
     chosen = "both splits held on the device" if held else streamed
     log(f"rayconv: --data-on-device auto: {chosen} ({why})")
     cfg = dataclasses.replace(cfg, data_on_device="on" if held else "off").validate()
-    return cfg, source if held or not isinstance(source, HeldSource) else make_source(cfg)
+    return cfg, source if held or not is_held(source) else check_source(cfg)
 
 
 def resolve_routing(cfg: Config, mesh: Mesh, checked: Routing, reference, source: Source,

@@ -131,11 +131,13 @@ class EventFiles:
 def first_images(source: Any, batch: Any, n: int) -> Optional[Any]:
     """The first ``n`` images of training batch ``batch`` (sample indices of epoch 0), augmented as the
     actors see them (a source's augmentation depends on (seed, epoch, index) alone), on the CPU; None
-    for data held on the device (its first read decodes the whole data set in this process)."""
+    for data held on the device (its first read decodes the whole data set in this process) and for a
+    set in object storage (``ManifestSource``: the driver fetches none of its shards)."""
     import torch
 
-    from rayconv.data.small import HeldSource
+    from rayconv.data.manifest_source import ManifestSource
+    from rayconv.data.small import is_held
 
-    if isinstance(source, HeldSource):
+    if is_held(source) or isinstance(source, ManifestSource):
         return None
     return source.images("train", batch[:n], torch.device("cpu"), 0)

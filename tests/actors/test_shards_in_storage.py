@@ -1,7 +1,8 @@
 """Training from prepared shards in a bucket (``--data-dir s3://...``) on a real local Ray cluster (gloo,
 float64): moto's S3 server on loopback, its client environment in this process and so in every Ray worker
-the cluster started here. The bucket's shards are read through each node's cache; the parameters equal
-single-device SGD on the local folder, with an empty cache and with a warm one."""
+the cluster started here. The bucket's shards are read through each node's cache (fetched by the actors,
+never by the driver); the parameters equal single-device SGD on the local folder, with an empty cache and
+with a warm one."""
 
 from __future__ import annotations
 
@@ -73,7 +74,9 @@ def _cfg(data_dir, out, **kw) -> Config:
 def test_dp2_from_a_bucket_equals_single_device_sgd_cold_and_warm(folders, tmp_path):
     budget = 2 * sum(p.stat().st_size for p in folders["local"].iterdir())
     cold = _cfg(folders["bucket"], tmp_path / "cold", cache_dir=str(tmp_path / "cache"), cache_bytes=budget)
+    cache.LAST.clear()
     train_run(cold, log=lambda *_: None)
+    assert cache.LAST == {}   # the driver's checks read the manifest alone: only the actors fetched
     got = torch.load(tmp_path / "cold" / "model.pt", weights_only=True)
     assert_same_state(got, reference_sgd(_cfg(folders["local"], tmp_path / "ref", dp=1), 4), atol=1e-10)
     held = {p: p.stat().st_mtime_ns for p in (tmp_path / "cache").glob("*/*")}

@@ -17,7 +17,7 @@ from rayconv import prepare as prep
 from rayconv import run
 from rayconv.config import Config
 from rayconv.data import cache
-from rayconv.data.registry import first_epoch_order, make_source
+from rayconv.data.registry import check_source, first_epoch_order, make_source
 from rayconv.data.shard_writer import on_processes
 from rayconv.errors import DataError
 from tests.support.s3_server import s3_server
@@ -71,8 +71,9 @@ def sets(s3, src, tmp_path_factory):
 
 
 def _cfg(data_dir, cache_dir, **kw) -> Config:
-    return Config(data="shards", data_dir=str(data_dir), image_size=SIZE, device="cpu", loader_workers=0,
-                  decode="cpu", data_on_device="off", cache_dir=str(cache_dir), **kw).validate()
+    base = dict(data="shards", data_dir=str(data_dir), image_size=SIZE, device="cpu", loader_workers=0,
+                decode="cpu", data_on_device="off", cache_dir=str(cache_dir))
+    return Config(**{**base, **kw}).validate()
 
 
 def test_prepare_uploads_the_shards_then_the_manifest(s3, sets):
@@ -103,6 +104,31 @@ def test_cold_then_warm_cache_gives_the_local_batches(sets, tmp_path, kind):
     for src in (cold, warm, local):
         getattr(src, "close", lambda: None)()
     cache.release()
+
+
+@pytest.mark.parametrize("kind,on_device", [("raw", "off"), ("jpeg", "off"), ("raw", "auto"), ("jpeg", "on")])
+def test_the_drivers_checks_read_the_manifest_alone(sets, tmp_path, kind, on_device):
+    from rayconv.driver.resolve import check_before_ray
+
+    cfg = _cfg(sets[kind], tmp_path / "cache", val_split=0.25, augment="pad-crop", data_on_device=on_device,
+               model="convnet", global_batch_size=4, steps=2)
+    cache.LAST.clear()
+    source, sharding = check_before_ray(cfg, None)[:2]
+    assert not list((tmp_path / "cache").rglob("*.arrow")) and cache.LAST == {}   # the driver fetched nothing
+    opened = make_source(cfg)   # what an actor opens: the set fetched into its node's cache
+    assert len(list((tmp_path / "cache").rglob("*.arrow"))) == 8
+    for attr in ("num_classes", "sample_shape", "train_size", "test_size", "manifest", "augmentation",
+                 "expanded_from", "name"):
+        assert getattr(source, attr) == getattr(opened, attr), attr
+    assert sharding.train_samples == 12 and source.describe() == opened.describe()
+    getattr(opened, "close", lambda: None)()
+    cache.release()
+
+
+def test_a_set_larger_than_cache_bytes_is_refused_by_the_driver_before_any_fetch(sets, tmp_path):
+    with pytest.raises(DataError, match=r"raise --cache-bytes .* \(--stage-dir\)$") as e:
+        check_source(_cfg(sets["raw"], tmp_path / "cache", cache_bytes=1000))
+    assert "\n" not in str(e.value) and not (tmp_path / "cache").exists()
 
 
 def test_the_cache_keeps_within_cache_bytes(s3, sets, tmp_path):
@@ -165,6 +191,7 @@ def test_bad_locations_are_one_line_exit_2_before_ray(s3, sets, tmp_path, capsys
     assert "has no manifest.json" in failing(s3.uri("nothing-here"))
     assert "has no manifest.json" in failing(s3.uri("nothing-here"), "--data", "shards")
     assert "--cache-bytes 0: give a positive byte count" in failing(sets["raw"], "--cache-bytes", "0")
+    assert "(--stage-dir)" in failing(sets["raw"], "--cache-bytes", "1000")
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")   # (nothing listens there)
     assert "the storage cannot be read" in failing("s3://b/raw")
     assert not ray.is_initialized() and not (tmp_path / "x").exists()
