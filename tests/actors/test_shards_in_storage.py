@@ -89,3 +89,26 @@ def test_dp2_from_a_bucket_equals_single_device_sgd_cold_and_warm(folders, tmp_p
     assert {p: p.stat().st_mtime_ns for p in held} == held   # nothing fetched again
     assert sorted((tmp_path / "cache").glob("*/*")) == sorted(held)
     cache.release()
+
+
+@pytest.mark.slow
+def test_a_bad_shard_found_by_an_actor_stops_the_run_in_one_line(s3_and_ray, folders, tmp_path, capsys):
+    import pyarrow.fs as pafs
+
+    from rayconv import run
+
+    s3, fs = s3_and_ray, s3_and_ray.filesystem()
+    pafs.copy_files(f"{s3.bucket}/raw", f"{s3.bucket}/bad", source_filesystem=fs, destination_filesystem=fs)
+    with fs.open_input_stream(f"{s3.bucket}/bad/train-00001.arrow") as f:
+        data = bytearray(f.read())
+    data[100] ^= 1
+    with fs.open_output_stream(f"{s3.bucket}/bad/train-00001.arrow") as f:
+        f.write(bytes(data))
+    capsys.readouterr()
+    rc = run.main(["--data-dir", s3.uri("bad"), "--model", "convnet", "--dp", "2", "--steps", "1", "--no-progress",
+                   "--device", "cpu", "--image-size", str(SIZE), "--global-batch-size", "6", "--loader-workers",
+                   "0", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out"), "--address", "auto"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1, err
+    assert "train-00001.arrow does not match its size and sha256" in err[0] and "failed in build" in err[0]
+    assert not list((tmp_path / "cache").glob("*/train-00001.arrow"))   # nothing unchecked under its name
