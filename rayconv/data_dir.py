@@ -109,25 +109,27 @@ def with_data_kind(values: dict) -> dict:
     if "data" not in values:
         values = {**values, "data": data_of_folder(data_dir)}
         if is_uri(data_dir):
-            check_cache_bytes(data_dir, values.get("cache_bytes"))
+            check_cache_bytes(data_dir, values.get("cache_bytes"), values.get("stage_dir"))
         return values
     if is_uri(data_dir) and values["data"] in FOLDER_KINDS:
         kind = data_of_folder(data_dir)   # (a bucket, its manifest, the endpoint: checked before Ray)
         if values["data"] != "imagefolder" and kind != values["data"]:
             raise ConfigError(f"--data-dir {data_dir} holds {kind} data: give --data {kind} (or drop --data)")
-        check_cache_bytes(data_dir, values.get("cache_bytes"))
+        check_cache_bytes(data_dir, values.get("cache_bytes"), values.get("stage_dir"))
     if values["data"] not in FOLDER_KINDS:
         raise ConfigError(f"--data-dir {data_dir} is read by --data {', '.join(FOLDER_KINDS)}, not --data "
                           f"{values['data']}: drop --data-dir, or --data (then the folder's kind is used)")
     return values
 
 
-def check_cache_bytes(uri: str, budget) -> None:
+def check_cache_bytes(uri: str, budget, stage_dir=None) -> None:
     """Refuse, before Ray, a set in object storage larger than a given ``--cache-bytes`` (each node's
     cache holds the set whole: ``rayconv.data.cache``). Raises ConfigError (one line saying what to
-    change); a budget not given, or not a positive int (refused by the settings' checks), is left."""
+    change); a budget not given, or not a positive int (refused by the settings' checks), is left, as is
+    a set copied to ``--stage-dir`` (read from there, not through the cache)."""
     from rayconv.storage import is_remote
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0 or not is_remote(uri):
+    bad = not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0
+    if bad or stage_dir or not is_remote(uri):
         return
     from rayconv.data.cache import ShardCache
     from rayconv.errors import DataError

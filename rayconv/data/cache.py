@@ -7,21 +7,23 @@ reads as a local prepared folder. The cache folder is keyed by the URI and the m
 (``<cache>/<sha256(uri)[:12]>-<sha256(manifest)[:16]>``), so a set is fetched once per node and reused
 by every later run and epoch, and a set prepared again (a new manifest) gets a folder of its own.
 
-What is fetched when: at the source's opening (the driver's check, then each actor), every shard the
-folder lacks, in the order the run first reads them (``shard_order``: the shards of epoch 0's sample
-order, from the seed alone, then the val shards), by ``THREADS`` threads (shards larger than
-``2 * PART`` bytes in ``PART``-byte range reads). Each shard is written to a temporary name, its size
-and sha256 checked against the manifest and renamed over its name; the manifest is written last, so a
-folder whose fetch stopped part-way is completed by the next opening, never read as complete. An
-exclusive ``flock`` on the set's lock file makes two actors of one node fetch one after the other
-(the second finds the shards there); a process that reads a set holds a shared ``flock`` on its folder,
-so that eviction (which takes both exclusively, without waiting) never removes a folder in use.
+What is fetched when: at the source's opening in each actor (the driver's checks read the manifest
+alone: ``manifest_source.ManifestSource``), every shard the folder lacks, in the order the run first
+reads them (``shard_order``: the shards of epoch 0's sample order, from the seed alone, then the val
+shards), by ``THREADS`` threads (shards larger than ``2 * PART`` bytes in ``PART``-byte range reads).
+Each shard is written to a temporary name, its size and sha256 checked against the manifest and renamed
+over its name; the manifest is written last, so a folder whose fetch stopped part-way is completed by
+the next opening, never read as complete. An exclusive ``flock`` on the set's lock file makes two
+actors of one node fetch one after the other (the second finds the shards there); a process that reads
+a set holds a shared ``flock`` on its folder, so that eviction (which takes both exclusively, without
+waiting) never removes a folder in use.
 
 ``--cache-bytes`` bounds what the cache holds: before fetching, the folders of other sets are removed
 (least recently used first, never one in use) until this set fits; a set larger than the budget is
-refused in one line (the sources map every shard at open). Default: half of what the cache's disk has
-free, with what the cache already holds. The sample order never depends on the cache: the readers
-take the same rows of the same files as from a local folder.
+refused in one line (the sources map every shard at open: nothing is streamed through a smaller cache),
+before Ray starts where ``--cache-bytes`` is given (``data_dir.check_cache_bytes``). Default: half of
+what the cache's disk has free, with what the cache already holds. The sample order never depends on
+the cache: the readers take the same rows of the same files as from a local folder.
 
 ``python -m rayconv.prepare DIR --out s3://...`` prepares into a local folder of the cache
 (``staging_folder``, where a stopped prepare resumes) and then ``upload_prepared``: the manifest at the

@@ -5,9 +5,9 @@ The driver (the head node, often without GPUs and with a small disk) only checks
 class count, the sample counts, the images' shape, the manifest (``--shuffle block``'s order) and
 whether the actors hold the data on the device (``--data-on-device auto``). The shards are fetched only
 by the nodes whose actors read them (``cache.ShardCache``, from ``registry.make_source``).
-``--cache-bytes``, where given, is checked here against the set's size (every node's cache holds
-the set whole), so that a set too large is refused before Ray starts; the default budget depends on
-each node's own disk and is checked where the set is fetched.
+``--cache-bytes``, where given and without ``--stage-dir``, is checked here against the set's size
+(every node's cache holds the set whole), so that a set too large is refused before Ray starts; the
+default budget depends on each node's own disk and is checked where the set is fetched.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class ManifestSource(Source):
 
     def __init__(self, cfg: Config):
         shards = ShardCache(cfg.data_dir or "", cfg.cache_dir, cfg.cache_bytes)   # (the manifest only)
-        if cfg.cache_bytes is not None:
+        if cfg.cache_bytes is not None and not cfg.stage_dir:   # (--stage-dir: read from there, no cache)
             shards.check_fits(cfg.cache_bytes)
         self.uri, self.manifest, self.name = shards.uri, shards.manifest, "shards"
         self.classes = list(self.manifest["classes"])

@@ -129,6 +129,8 @@ def test_a_set_larger_than_cache_bytes_is_refused_by_the_driver_before_any_fetch
     with pytest.raises(DataError, match=r"raise --cache-bytes .* \(--stage-dir\)$") as e:
         check_source(_cfg(sets["raw"], tmp_path / "cache", cache_bytes=1000))
     assert "\n" not in str(e.value) and not (tmp_path / "cache").exists()
+    staged = check_source(_cfg(sets["raw"], tmp_path / "cache", cache_bytes=1000, stage_dir=str(tmp_path / "s")))
+    assert staged.train_size == 16   # --stage-dir: the set is read from there, the cache's budget is not asked
 
 
 def test_the_cache_keeps_within_cache_bytes(s3, sets, tmp_path):
@@ -192,6 +194,8 @@ def test_bad_locations_are_one_line_exit_2_before_ray(s3, sets, tmp_path, capsys
     assert "has no manifest.json" in failing(s3.uri("nothing-here"), "--data", "shards")
     assert "--cache-bytes 0: give a positive byte count" in failing(sets["raw"], "--cache-bytes", "0")
     assert "(--stage-dir)" in failing(sets["raw"], "--cache-bytes", "1000")
+    from rayconv.data_dir import check_cache_bytes
+    check_cache_bytes(sets["raw"], 1000, str(tmp_path / "stage"))   # (--stage-dir: no cache, no refusal)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")   # (nothing listens there)
     assert "the storage cannot be read" in failing("s3://b/raw")
     assert not ray.is_initialized() and not (tmp_path / "x").exists()
