@@ -105,9 +105,10 @@ def test_a_bad_shard_found_by_an_actor_stops_the_run_in_one_line(s3_and_ray, fol
     with fs.open_output_stream(f"{s3.bucket}/bad/train-00001.arrow") as f:
         f.write(bytes(data))
     capsys.readouterr()
-    rc = run.main(["--data-dir", s3.uri("bad"), "--model", "convnet", "--dp", "2", "--steps", "1", "--no-progress",
-                   "--device", "cpu", "--image-size", str(SIZE), "--global-batch-size", "6", "--loader-workers",
-                   "0", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out"), "--address", "auto"])
+    rc = run.main(["--data-dir", s3.uri("bad"), "--model", "convnet", "--dp", "2", "--steps", "1",
+                   "--no-progress", "--device", "cpu", "--image-size", str(SIZE), "--global-batch-size", "6",
+                   "--loader-workers", "0", "--cache-dir", str(tmp_path / "cache"), "--out",
+                   str(tmp_path / "out"), "--address", "auto"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0 and len(err) == 1, err
     assert "train-00001.arrow does not match its size and sha256" in err[0] and "failed in build" in err[0]

@@ -129,8 +129,8 @@ def test_a_set_larger_than_cache_bytes_is_refused_by_the_driver_before_any_fetch
     with pytest.raises(DataError, match=r"raise --cache-bytes .* \(--stage-dir\)$") as e:
         check_source(_cfg(sets["raw"], tmp_path / "cache", cache_bytes=1000))
     assert "\n" not in str(e.value) and not (tmp_path / "cache").exists()
-    staged = check_source(_cfg(sets["raw"], tmp_path / "cache", cache_bytes=1000, stage_dir=str(tmp_path / "s")))
-    assert staged.train_size == 16   # --stage-dir: the set is read from there, the cache's budget is not asked
+    staged = _cfg(sets["raw"], tmp_path / "cache", cache_bytes=1000, stage_dir=str(tmp_path / "s"))
+    assert check_source(staged).train_size == 16   # --stage-dir: read from there, no cache budget asked
 
 
 def test_the_cache_keeps_within_cache_bytes(s3, sets, tmp_path):
