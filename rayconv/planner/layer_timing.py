@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from rayconv.config import Config
-from rayconv.data.registry import make_source
+from rayconv.data.registry import check_source
 from rayconv.models import run_model, to_layers
 
 
@@ -71,6 +71,6 @@ def measured_costs(cfg_dict: dict, micro_batch: int) -> list[float]:
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-    source = make_source(cfg)
+    source = check_source(cfg)   # (its shapes only: a set in a bucket is not fetched for them)
     return layer_times(to_layers(run_model(cfg, source)), tuple(source.sample_shape), micro_batch, device,
                        torch.bfloat16 if cfg.precision == "bf16" else None)

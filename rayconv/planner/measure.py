@@ -42,7 +42,7 @@ from torch import nn
 from rayconv.cluster.connect import available_devices, connect
 from rayconv.cluster.tasks import run_on_device, run_on_devices
 from rayconv.config import Config
-from rayconv.data.registry import make_source
+from rayconv.data.registry import check_source
 from rayconv.errors import LayoutError
 from rayconv.files import atomic_write, cache_dir
 from rayconv.models import run_model, to_layers
@@ -61,7 +61,7 @@ from rayconv.planner.profile import Profile
 def profile_of(cfg_dict: dict) -> dict:
     """The model's ``Profile`` fields (JSON-able) for the run settings ``cfg_dict``; runs on CPU."""
     cfg = Config(**cfg_dict)
-    source = make_source(cfg)
+    source = check_source(cfg)   # (its shapes only: a set in a bucket is not fetched for them)
     layers = to_layers(run_model(cfg, source))
     shapes, flops, params = layer_profile(layers, tuple(source.sample_shape))
     names = [n for n, _ in layers]
@@ -164,7 +164,7 @@ def sharded_costs(cfg_dict: dict, batch: int, fs: int) -> list[float]:
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-    source = make_source(cfg)
+    source = check_source(cfg)   # (its shapes only: a set in a bucket is not fetched for them)
     layers = to_layers(run_model(cfg, source))
     shapes, _, _ = layer_profile(layers, tuple(source.sample_shape), count_flops=False)
     part = slice_layers(layers, tuple(source.sample_shape), list(shapes), None, 0, fs, None, is_last=True)

@@ -115,6 +115,9 @@ def test_the_drivers_checks_read_the_manifest_alone(sets, tmp_path, kind, on_dev
     cache.LAST.clear()
     source, sharding = check_before_ray(cfg, None)[:2]
     assert not list((tmp_path / "cache").rglob("*.arrow")) and cache.LAST == {}   # the driver fetched nothing
+    from rayconv.planner.measure import profile_of
+    assert sum(profile_of(cfg.to_dict())["params"]) > 0   # the planner's measure takes the shapes alone too
+    assert not list((tmp_path / "cache").rglob("*.arrow")) and cache.LAST == {}
     opened = make_source(cfg)   # what an actor opens: the set fetched into its node's cache
     assert len(list((tmp_path / "cache").rglob("*.arrow"))) == 8
     for attr in ("num_classes", "sample_shape", "train_size", "test_size", "manifest", "augmentation",
