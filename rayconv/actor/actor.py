@@ -58,8 +58,9 @@ def _import_training_modules() -> None:
     """Bind the actor's training modules in this module, in the actor's own process (its ``__init__``,
     after it imported torch): the driver only names ``Actor`` to Ray, so it can start the actors before
     it imports torch itself (``driver.prestart``), and their imports run meanwhile."""
-    global train, report, state, comm, build_actor, pick_device, read_ahead, set_up_cuda_libraries
+    global train, report, state, comm, build_actor, pick_device, read_ahead, set_up_cuda_libraries, Saver
     from rayconv.actor import report, state, step as train
+    from rayconv.actor.saver import Saver
     from rayconv.actor.build import pick_device, build_actor, set_up_cuda_libraries
     from rayconv.data.registry import read_ahead
     from rayconv.parallel import comm
@@ -114,6 +115,7 @@ class Actor:
         self.a: Optional[ActorState] = None
         self.rss = RssSampler(os.getpid())   # peak RssAnon of this actor and its loader processes
         self.preempted = False   # --elastic: SIGTERM taken; the next step's result says so
+        self.saver = Saver()     # this actor's checkpoint part, written in the background (saver.py)
         if self.cfg.elastic is not None:
             self._take_sigterm()
 
@@ -224,9 +226,14 @@ class Actor:
         return self._marked(out)
 
     def _marked(self, out: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-        """A step's metrics with ``preempted`` (this actor's role) once it took SIGTERM (``_take_sigterm``)."""
+        """A step's metrics with ``preempted`` (this actor's role) once it took SIGTERM (``_take_sigterm``),
+        and ``saved`` once its checkpoint part is written (``saver.Saver.finished``: the driver's poll)."""
         if out is not None and self.preempted:
             out["preempted"] = self.role
+        if out is not None:
+            saved = self.saver.finished()
+            if saved is not None:
+                out["saved"] = saved
         return out
 
     def train_steps(self, first_step: int, steps: int, lr: float) -> Optional[dict[str, Any]]:
@@ -285,6 +292,20 @@ class Actor:
     def rank_file(self) -> bytes:
         """``state.rank_file``: this actor's rank file as ``torch.save`` bytes."""
         return state.rank_file(self.a)
+
+    def checkpoint_start(self, step: int, where: Any) -> None:
+        """Copy this actor's part of the checkpoint of ``step`` steps to host memory
+        (``state.checkpoint_part``) and return; a background thread writes it to ``where`` (the
+        checkpoint's folder: a ``storage.Location`` or a ``cluster.sink.SinkFolder``) as
+        ``rank-<rank>.pt``. Waits first for this actor's previous write, if any."""
+        self.saver.wait()
+        header, tensors, copied = state.checkpoint_part(self.a)
+        self.saver.start(step, where / f"rank-{self.a.rank}.pt", header, tensors, copied)
+
+    def checkpoint_wait(self) -> Optional[dict[str, Any]]:
+        """The last checkpoint part's result (``saver.Saver``: step and files, or step and error), once
+        written; None when this actor wrote none."""
+        return self.saver.wait()
 
     def load_rank_file(self, blob: bytes, next_step: int) -> None:
         """``state.load_rank_file``: load a shard written by ``rank_file``; ``next_step`` comes next."""

@@ -1,6 +1,6 @@
 """State in and out of an actor: its parameters and buffers (``state``, ``load_state``), the
-dimensions filter split cuts (``split_dims``), and its rank file (``rank_file``,
-``load_rank_file``: model, optimizer, loss-scale, moving-average and RNG states); ``weights`` swaps the
+dimensions filter split cuts (``split_dims``), its rank file (``rank_file``, ``checkpoint_part``: the
+part of a checkpoint it writes, ``load_rank_file``: model, optimizer, loss-scale, moving-average and RNG states); ``weights`` swaps the
 moving average in (``state``, and ``evaluate`` in ``worker.py``). Each reads the actor's
 ``build.ActorState``.
 """
@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from rayconv.actor.build import ActorState
-from rayconv.outputs.reshard import cut_part, optimizer_param_names, split_position
+from rayconv.outputs.parts import part_of, split_payload
+from rayconv.outputs.reshard import PER_LAYER, cut_part, optimizer_param_names, split_position
 
 
 def state(a: ActorState, ema: bool = False) -> dict[str, torch.Tensor]:
@@ -60,26 +61,55 @@ def split_dims(a: ActorState) -> dict[str, int]:
 
 
 def rank_file(a: ActorState) -> bytes:
-    """This actor's shard as ``torch.save`` bytes: model state (keys as in ``state()``), optimizer
-    state_dict, the fp16 loss scale's state (``loss_scale``, None without fp16), the moving
-    average's (``ema``, None without --model-ema) and RNG states, all tensors and plain types (loads
-    with ``weights_only=True``)."""
+    """This actor's shard as ``torch.save`` bytes (``rank_payload``: the whole of it, copied)."""
+    buf = io.BytesIO()
+    torch.save(rank_payload(a, copy=True), buf)
+    return buf.getvalue()
+
+
+def rank_payload(a: ActorState, copy: bool) -> dict[str, Any]:
+    """This actor's shard: model state (keys as in ``state()``), optimizer state_dict, the fp16 loss
+    scale's state (``loss_scale``, None without fp16), the moving average's (``ema``, None without
+    --model-ema) and RNG states, all tensors and plain types (loads with ``weights_only=True``).
+    ``copy`` False: the model's, optimizer's and moving average's tensors are the live ones (on the
+    device; ``checkpoint_part`` copies those it writes)."""
     np_state = np.random.get_state()
     rng = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
            "numpy_pos": int(np_state[2]), "numpy_has_gauss": int(np_state[3]),
            "numpy_cached_gaussian": float(np_state[4]), "python": _plain(random.getstate())}
     if a.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(a.device)
-    payload = {"rank": a.rank, "role": a.role, "coord": list(a.coord), "model": state(a),
-               "optimizer": _to_cpu(a.optimizer.state_dict()), "rng": rng,
-               "loss_scale": None if a.recipe.scaler is None else a.recipe.scaler.state_dict(),
-               "ema": None if a.recipe.ema is None else _to_cpu(a.recipe.ema.state_dict()),
-               # what outputs/reshard.py joins the rank files by, under another layout
-               "split_dims": split_dims(a), "optimizer_names": optimizer_names(a),
-               "part_names": list(a.parallel.names)}
-    buf = io.BytesIO()
-    torch.save(payload, buf)
-    return buf.getvalue()
+    keep = _to_cpu if copy else (lambda x: x)
+    model = _state(a) if copy else {f"{n}.{k}" if n else k: v.detach() for n, sub in zip(a.parallel.names, a.part)
+                                    if n is not None for k, v in sub.state_dict().items()}
+    return {"rank": a.rank, "role": a.role, "coord": list(a.coord), "model": model,
+            "optimizer": keep(a.optimizer.state_dict()), "rng": rng,
+            "loss_scale": None if a.recipe.scaler is None else _to_cpu(a.recipe.scaler.state_dict()),
+            "ema": None if a.recipe.ema is None else keep(a.recipe.ema.state_dict()),
+            # what outputs/reshard.py joins the rank files by, under another layout
+            "split_dims": split_dims(a), "optimizer_names": optimizer_names(a),
+            "part_names": list(a.parallel.names)}
+
+
+def checkpoint_part(a: ActorState) -> tuple[dict[str, Any], dict[str, torch.Tensor], Any]:
+    """What this actor writes of a checkpoint (``outputs.parts``): (its file's object without the
+    tensors, the tensors dealt to it copied to host memory, pinned on a GPU, and a CUDA event the
+    copies are done at, or None). Only the copies are taken here; serialising them is the caller's
+    (in the background)."""
+    names = {f"{n}.{k}" if n else k for n, sub in zip(a.parallel.names, a.part) if n is not None
+             for k, _ in sub.named_buffers()}
+    skeleton, entries = split_payload(rank_payload(a, copy=False), names,
+                                      a.routing.per_layer_plan == PER_LAYER and a.mesh.dp > 1)
+    header, mine = part_of(skeleton, entries, a.coord.dp, a.mesh.dp)
+    done = None
+    if a.device.type == "cuda":
+        host = {e: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                for e, t in mine.items()}
+        done = torch.cuda.Event()
+        done.record()
+    else:
+        host = {e: t.detach().clone() for e, t in mine.items()}
+    return header, host, done
 
 
 def optimizer_names(a: ActorState) -> list[list[str]]:

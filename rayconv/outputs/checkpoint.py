@@ -1,4 +1,4 @@
-"""Checkpoints of a run: write one atomically, find the one ``--resume`` means, read and verify it.
+"""Checkpoints of a run: find the one ``--resume`` means, read and verify it, write its manifest.
 
 ``<out>/checkpoints/step-<k>/`` holds one file per actor (``rank-<r>.pt``: its parameters and buffers
 keyed as in ``Actor.state()``, its optimizer state_dict with its parameters' names, the keys filter
@@ -14,6 +14,13 @@ functions take wherever they take a Path) has no rename: there the files go stra
 ``step-<k>/``, the manifest last, and a ``step-<k>/`` without a manifest is incomplete (never listed,
 never resumed; ``remove_partial`` deletes it). A checkpoint written again at its step loses its
 manifest first.
+
+Two forms of rank files are read (the manifest's ``format``): 2, written by the actors themselves in
+the background (``actor/saver.py``), each holding its actor's skeleton and the tensors dealt to it, one
+copy of each tensor over the data-parallel replicas (``outputs/parts.py``), straight into ``step-<k>/``
+on a disk too, where the driver then writes ``metrics.parquet`` and the manifest (``write_manifest``)
+once every actor reported its file's size and sha256; and 1, whole actor states passed through the
+driver (``write_checkpoint``). A ``step-<k>/`` without a manifest is incomplete on a disk too.
 
 Assembling the actors' parts into one ``model.pt`` is ``export.py``'s; joining a checkpoint's rank
 files into the whole state that another layout's actors cut their parts from is ``reshard.py``'s
@@ -35,7 +42,8 @@ from rayconv.files import fsync_dir, sha256, write_synced
 from rayconv.storage import Location, Place, place, remove, storage_errors
 from rayconv.storage_checks import check_readable
 
-FORMAT = 1
+FORMAT = 1          # rank files of whole actor states, written by the driver
+PART_FORMAT = 2     # rank files written by the actors, one copy of each tensor (outputs/parts.py)
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 _OTHER_LAYOUT: set[Any] = set()  # checkpoint folders check_resumable found saved under another layout
@@ -60,15 +68,49 @@ def latest_checkpoint(out: Place) -> Optional[Place]:
     return found[-1] if found else None
 
 
-def remove_partial(out: Place) -> None:
-    """Delete unfinished checkpoints: ``step-<k>.tmp`` folders on a disk, ``step-<k>`` without a
-    manifest in a store (a write that was interrupted)."""
+def remove_partial(out: Place, keep: Optional[int] = None) -> list[str]:
+    """Delete unfinished checkpoints: ``step-<k>.tmp`` folders, and ``step-<k>`` folders without a
+    manifest (parts written for a checkpoint that never completed: an interrupted write, an upload
+    that failed), but step ``keep``'s. Returns the names removed."""
     root = _place(out) / "checkpoints"
+    gone = []
     if root.is_dir():
         for p in root.iterdir():
-            if p.name.endswith(".tmp") or (isinstance(p, Location) and STEP_DIR.match(p.name)
-                                           and not (p / MANIFEST).is_file()):
+            m = STEP_DIR.match(p.name)
+            if p.name.endswith(".tmp") or (m and int(m.group(1)) != keep and not (p / MANIFEST).is_file()):
                 remove(p)
+                gone.append(p.name)
+    return gone
+
+
+def write_manifest(folder: Place, step: int, manifest: dict[str, Any], files: list[dict[str, Any]],
+                   extra: Optional[dict[str, bytes]] = None) -> None:
+    """Complete the checkpoint in ``folder`` (format 2), whose rank files the actors wrote and listed
+    in ``files`` ({name, bytes, sha256}): the ``extra`` files (each whole or absent), then
+    ``manifest.json``, last."""
+    listed = list(files)
+    for name, data in (extra or {}).items():
+        _write_whole(folder / name, data)
+        listed.append({"name": name, "bytes": len(data), "sha256": sha256(data)})
+    body = {**manifest, "format": PART_FORMAT, "step": step, "files": listed}
+    _write_whole(folder / MANIFEST, (json.dumps(body, indent=2) + "\n").encode())
+    if isinstance(folder, Path):
+        fsync_dir(folder)
+
+
+def _write_whole(f: Place, data: bytes) -> None:
+    if isinstance(f, Path):
+        write_synced(f.with_name(f.name + ".tmp"), data)
+        os.replace(f.with_name(f.name + ".tmp"), f)
+    else:
+        f.write_bytes(data)
+
+
+def prune(out: Place, keep: int) -> None:
+    """Keep the newest ``keep`` complete checkpoints of ``out`` (0: all); older ones are deleted."""
+    if keep > 0:
+        for p in list_checkpoints(out)[:-keep]:
+            remove(p)
 
 
 def write_checkpoint(out: Place, step: int, shards: list[bytes], manifest: dict[str, Any],
@@ -133,6 +175,7 @@ class Checkpoint:
     manifest: dict[str, Any]
     files: dict[str, bytes]
     _whole: Optional[bytes] = field(default=None, repr=False)
+    _payloads: Optional[list] = field(default=None, repr=False)
 
     @property
     def step(self) -> int:
@@ -147,15 +190,29 @@ class Checkpoint:
     def layout(self) -> dict[str, Any]:
         return self.manifest["layout"]
 
+    def payloads(self) -> list[dict[str, Any]]:
+        """Every rank's whole state (``actor.state.rank_payload``'s form), in rank order, made once."""
+        if self._payloads is None:
+            from rayconv.outputs.parts import payloads_of  # (torch: loaded once a run is set up)
+            self._payloads = payloads_of(self.files, self.layout)
+        return self._payloads
+
     def rank_file(self, rank: int) -> bytes:
-        return self.files[f"rank-{rank}.pt"]
+        """Rank ``rank``'s whole state as ``torch.save`` bytes (what ``load_rank_file`` reads)."""
+        if self.manifest.get("format", FORMAT) == FORMAT:
+            return self.files[f"rank-{rank}.pt"]
+        import io
+        import torch
+        buf = io.BytesIO()
+        torch.save(self.payloads()[rank], buf)
+        return buf.getvalue()
 
     def whole(self) -> bytes:
         """The rank files joined into the whole model's state (``reshard.join``) as ``torch.save``
         bytes, made once. Raises CheckpointError if they cannot be joined."""
         if self._whole is None:
             from rayconv.outputs.reshard import whole_blob  # (torch: loaded once a run is set up)
-            self._whole = whole_blob(self.files, self.layout)
+            self._whole = whole_blob(self.payloads(), self.layout)
         return self._whole
 
 
@@ -179,7 +236,7 @@ def _find(p: Place, path: Any) -> Place:
         raise CheckpointError(f"--resume {path} is a file: give a run folder or a checkpoints/step-<k> folder")
     if (p / MANIFEST).is_file():
         return p
-    if p.name.endswith(".tmp") and STEP_DIR.match(p.name[:-4]):
+    if STEP_DIR.match(p.name[:-4] if p.name.endswith(".tmp") else p.name):
         raise CheckpointError(f"--resume {path} is a checkpoint that was never finished (no {MANIFEST}): "
                               f"resume from its run folder {p.parent.parent} instead")
     newest = latest_checkpoint(p)
@@ -216,7 +273,8 @@ def load_checkpoint(path: str | Path | Location) -> Checkpoint:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} cannot be read ({e}): resume from another "
                               "checkpoint") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "files" not in manifest:
+    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, PART_FORMAT) \
+            or "files" not in manifest:
         raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} is not a rayconv checkpoint manifest (format "
                               f"{FORMAT}): resume from a folder written by --checkpoint-every")
     files: dict[str, bytes] = {}

@@ -175,10 +175,8 @@ def cut_part(whole: dict[str, Any], names: list[Optional[str]], part: nn.Sequent
     return out
 
 
-def whole_blob(files: dict[str, bytes], layout: dict[str, Any]) -> bytes:
-    """``join`` of a checkpoint's verified files (``Checkpoint.files``) as ``torch.save`` bytes."""
-    payloads = [torch.load(io.BytesIO(files[f"rank-{r}.pt"]), map_location="cpu", weights_only=True)
-                for r in range(int(layout["world_size"]))]
+def whole_blob(payloads: list[dict[str, Any]], layout: dict[str, Any]) -> bytes:
+    """``join`` of a checkpoint's rank payloads (``Checkpoint.payloads``) as ``torch.save`` bytes."""
     buf = io.BytesIO()
     torch.save(join(payloads, layout), buf)
     return buf.getvalue()

@@ -18,6 +18,7 @@ from rayconv.errors import CheckpointError
 from rayconv.mesh import Mesh
 from rayconv.models import build_model, to_layers
 from rayconv.outputs.checkpoint import Checkpoint, rank_file_for
+from rayconv.outputs.parts import deal, entries_of, part_of, rank_payloads, split_payload
 from rayconv.outputs.reshard import cut_part, join, optimizer_param_names, split_position, whole_blob
 from rayconv.parallel.routing import build_part, make_routing
 from rayconv.recipe.ema import PartEMA
@@ -187,10 +188,9 @@ def test_slices_that_do_not_cover_the_split_are_refused():
 def test_rank_files_without_names_are_one_line_naming_their_layout():
     model, layers = model_layers()
     payloads, layout = saved("dp2xpp2", model, layers)
-    files = {f"rank-{r}.pt": _bytes({k: v for k, v in p.items() if k != "optimizer_names"})
-             for r, p in enumerate(payloads)}
+    unnamed = [{k: v for k, v in p.items() if k != "optimizer_names"} for p in payloads]
     with pytest.raises(CheckpointError, match="resume with --dp 2 --pp 2 --fs 1 --plan none"):
-        whole_blob(files, layout)
+        whole_blob(unnamed, layout)
 
 
 def test_rank_file_for_sends_the_whole_state_under_another_layout():
@@ -201,3 +201,53 @@ def test_rank_file_for_sends_the_whole_state_under_another_layout():
     assert rank_file_for(ckpt, Mesh(2, 2, 1), 3) == files["rank-3.pt"]
     whole = torch.load(io.BytesIO(rank_file_for(ckpt, Mesh(1, 1, 2), 1)), weights_only=True)
     assert whole["whole"] and set(whole["model"]) == set(model.state_dict())
+
+
+@pytest.mark.parametrize("name", ["dp2xpp2", "krizhevsky2014", "pp2xfs2"])
+def test_parts_hold_each_tensor_once_and_rebuild_every_rank(name):
+    """The actors' checkpoint parts (outputs.parts): the dp replicas of a position write its tensors once
+    between them (bytes near one replica's), buffers from replica 0, the per-layer plan's dp slices each
+    its own; every rank's payload rebuilt from the files equals its own, and joins to the same whole."""
+    model, layers = model_layers()
+    payloads, layout = saved(name, model, layers)
+    buffers = {k for k, _ in model.named_buffers()}
+    per_layer = layout["plan"] == "krizhevsky2014"
+    files, written = [], 0
+    for p in payloads:
+        skeleton, entries = split_payload(p, buffers, per_layer)
+        header, mine = part_of(skeleton, entries, p["coord"][0], layout["dp"])
+        written += sum(t.numel() * t.element_size() for t in mine.values())
+        files.append(torch.load(io.BytesIO(_bytes({**header, "tensors": mine})), weights_only=True))
+    def size(ps):
+        return sum(t.numel() * t.element_size() for p in ps for _, _, t in entries_of(p))
+    one_replica = size([p for p in payloads if p["coord"][0] == 0])
+    if per_layer:   # (the FC layers' dp slices are distinct: all of them are written)
+        assert written < size(payloads)
+    else:
+        assert written == one_replica, (written, one_replica)
+    rebuilt = rank_payloads(files, layout)
+    for got, want in zip(rebuilt, payloads):
+        assert_payloads_equal(got, want)
+    for k, v in join(payloads, layout)["model"].items():
+        assert torch.equal(join(rebuilt, layout)["model"][k], v), k
+
+
+def test_deal_gives_buffers_to_replica_0_and_balances_the_rest():
+    sizes = {"a": (100, "shared"), "b": (60, "shared"), "c": (50, "shared"), "bn": (10, "buffer"), "x": (7, "own")}
+    assert deal(sizes, 2) == {"bn": 0, "a": 1, "b": 0, "c": 0}
+    assert deal(sizes, 1) == {"bn": 0, "a": 0, "b": 0, "c": 0}
+
+
+def assert_payloads_equal(got, want) -> None:
+    if isinstance(want, torch.Tensor):
+        assert torch.equal(got, want)
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys()
+        for k in want:
+            assert_payloads_equal(got[k], want[k])
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert_payloads_equal(g, w)
+    else:
+        assert got == want

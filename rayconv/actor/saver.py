@@ -1,0 +1,128 @@
+"""An actor's checkpoint writes, in the background: the part of a checkpoint it holds (``state.checkpoint_part``:
+copied to host memory at the step boundary) serialised with ``torch.save`` and streamed to its place while
+training continues, with its size and sha256 for the driver's manifest.
+
+Where a part goes: a ``storage.Location`` (a bucket, or a folder this node sees: written to a temporary
+name and renamed, so whole or absent) or a ``cluster.sink.SinkFolder`` (a writer on the driver's node,
+for a local ``--out`` that this node does not see). A write that fails is tried again (``TRIES`` in all,
+``RETRY_S`` apart, from the same host copy) and then reported as one line; a part written halfway is
+never resumed, since only the driver's manifest, written once every part is in, makes a checkpoint.
+One write at a time: ``start`` waits for the one before (the driver collects each before the next).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, BinaryIO, Iterator, Optional
+
+import torch
+
+TRIES = 3
+RETRY_S = (0.5, 2.0)   # seconds before the second and third try
+
+
+class _Hashing:
+    """A write-only file that counts and hashes what passes through to ``out``."""
+
+    def __init__(self, out: BinaryIO):
+        self.out, self.n, self.h = out, 0, hashlib.sha256()
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self.h.update(view)
+        self.out.write(view)
+        self.n += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        pass
+
+
+@contextmanager
+def open_stream(where: Any) -> Iterator[BinaryIO]:
+    """A stream to the file ``where`` (a ``Location``, or anything with a ``stream()`` context such as
+    ``SinkFolder``'s files), made whole or absent where the storage allows it (a local file through a
+    temporary name and a rename; an object by one upload)."""
+    if hasattr(where, "stream"):
+        with where.stream() as f:
+            yield f
+        return
+    if where.local is not None:
+        where.local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = where.local.with_name(f"{where.local.name}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, where.local)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return
+    with where.fs.open_output_stream(where.path) as f:
+        yield f
+
+
+def write_part(where: Any, obj: dict[str, Any]) -> dict[str, Any]:
+    """``torch.save(obj)`` streamed to ``where``; returns {name, bytes, sha256}."""
+    with open_stream(where) as f:
+        out = _Hashing(f)
+        torch.save(obj, out)
+    return {"name": where.name, "bytes": out.n, "sha256": out.h.hexdigest()}
+
+
+class Saver:
+    """One checkpoint part written at a time by a background thread; its result (``step`` and
+    ``files`` [{name, bytes, sha256}], or ``step`` and ``error``, one line) is handed over once,
+    by ``finished`` (polled with each step's metrics) or ``wait``."""
+
+    def __init__(self) -> None:
+        self._thread: Optional[threading.Thread] = None
+        self._result: Optional[dict[str, Any]] = None
+        self._handed = True
+
+    def start(self, step: int, where: Any, header: dict[str, Any], tensors: dict[str, torch.Tensor],
+              copied: Any = None) -> None:
+        """Write ``{**header, "tensors": tensors}`` to ``where`` in the background (after the CUDA
+        event ``copied``, where the host copies were made asynchronously)."""
+        self.wait()
+        self._result, self._handed = None, False
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            if copied is not None:
+                copied.synchronize()
+            error = ""
+            for i in range(TRIES):
+                if i:
+                    time.sleep(RETRY_S[min(i, len(RETRY_S)) - 1])
+                try:
+                    meta = write_part(where, {**header, "tensors": tensors})
+                    self._result = {"step": step, "files": [meta], "write_s": time.perf_counter() - t0}
+                    return
+                except Exception as e:  # noqa: BLE001 - reported in one line by the driver
+                    text = str(e).strip()
+                    error = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+            self._result = {"step": step, "error": f"{where} not written after {TRIES} tries ({error})"}
+
+        self._thread = threading.Thread(target=run, name=f"checkpoint-{step}", daemon=True)
+        self._thread.start()
+
+    def finished(self) -> Optional[dict[str, Any]]:
+        """The result of the last write if it is done and not handed over yet, else None."""
+        if self._handed or self._thread is None or self._thread.is_alive():
+            return None
+        self._handed = True
+        return self._result
+
+    def wait(self) -> Optional[dict[str, Any]]:
+        """The result of the last write (waiting for it), or None when there is none."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        self._handed = True
+        return self._result
