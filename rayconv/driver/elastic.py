@@ -34,6 +34,7 @@ import ray
 
 from rayconv.config import batch_split_problem
 from rayconv.driver.loop import Run, checkpoint
+from rayconv.driver.saving import settle
 from rayconv.driver.resolve import ResolvedRun
 from rayconv.errors import ClusterError, ConfigError, TooFewDevices
 from rayconv.layout import Layout
@@ -144,9 +145,11 @@ class Elastic:
             if not run.checkpoint_due(done):
                 checkpoint(run, actor_group, done)
                 run.metrics.write(run.resolved.out / "metrics.parquet")
+            settle(run, actor_group)   # (the checkpoint complete before these actors stop)
             raise LayoutChange(f"{run.preempted}: checkpoint of step {done} written", why=run.preempted)
         want, have = self.start.mesh.world_size, run.resolved.mesh.world_size
         if run.checkpoint_due(done) and have < want and cluster_free(run.cfg) + have >= want:
+            settle(run, actor_group)
             raise LayoutChange("the starting layout fits again", why=GROW)
 
     # ------------------------------------------------------------------ after the actors stopped

@@ -26,13 +26,14 @@ from typing import Any, Callable, Optional
 
 from rayconv import startup
 from rayconv.cluster.group import ActorGroup, Pending
+from rayconv.driver import saving
 from rayconv.driver.best import Best, load_best, write_best
 from rayconv.driver.progress import Progress
 from rayconv.driver.lr import learning_rate, peak_lr, warmup_steps
 from rayconv.driver.resolve import ResolvedRun, call_timeout_s
 from rayconv.driver.target import Target, train_seconds
 from rayconv.layout import Layout
-from rayconv.outputs.checkpoint import Checkpoint, write_checkpoint
+from rayconv.outputs.checkpoint import Checkpoint
 from rayconv.outputs.metrics import MetricsLog, actor_gauges, read_rows, reduce_step
 from rayconv.outputs.tensorboard import EventFiles, first_images, import_writers
 
@@ -160,6 +161,10 @@ def train(run: Run, actor_group: ActorGroup, start: int) -> None:
             _record(run, att, actor_group.collect(current, timeout_s=run.call_timeout_s))
             if boundary:
                 _between_steps(run, actor_group, att, step)
+        saving.settle(run, actor_group)   # (the run ends once its last checkpoint is complete)
+    except KeyboardInterrupt:   # (a stop keeps the checkpoint the actors are writing, if they can finish it)
+        saving.settle(run, actor_group, timeout_s=run.call_timeout_s, quiet=True)
+        raise
     finally:
         att.progress.close()
         run.log = log
@@ -175,6 +180,7 @@ def _record(run: Run, att: _Attempt, results: list) -> None:
     """Log the step whose metrics came back (a call that returned none is skipped). Raises
     FloatingPointError when its loss is not finite."""
     results = [x for x in results if x is not None]
+    saving.note(run, results)   # (the poll: checkpoint parts written, with the step's metrics)
     if not results:
         return
     marks = [x["preempted"] for x in results if x.get("preempted")]
@@ -227,6 +233,7 @@ def _between_steps(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) 
         run.metrics.write_soon(s.out / "metrics.parquet")
     if run.on_step is not None:
         run.metrics.wait()   # (the hook sees the file written)
+        saving.settle(run, actor_group)   # (and the checkpoint complete)
         run.on_step(actor_group, step)
     att.t_last = time.perf_counter()  # evaluation and checkpoint time is not a step's
     if run.elastic is not None:  # (a preemption's checkpoint, a grow back: may stop these actors)
@@ -310,14 +317,11 @@ def log_images(run: Run) -> None:
     run.events.add_image_grid(x)
 
 
-def checkpoint(run: Run, actor_group: ActorGroup, step: int) -> Path:
-    """Write checkpoints/step-<step>/ (``step`` steps done) atomically; prune to --keep-checkpoints."""
-    shards = actor_group.call("rank_file", timeout_s=run.call_timeout_s)
-    path = write_checkpoint(run.resolved.out, step, shards, _manifest(run, step),
-                            extra={"metrics.parquet": run.metrics.to_bytes()}, keep=run.cfg.keep_checkpoints)
-    if not run.cfg.progress:
-        run.log(f"checkpoint {path}")
-    return path
+def checkpoint(run: Run, actor_group: ActorGroup, step: int, wait: bool = False) -> Any:
+    """Start checkpoints/step-<step>/ (``step`` steps done): the actors write their parts in the
+    background; its manifest, written once all are in, completes it (``driver.saving``). ``wait``:
+    complete on return. Returns its folder."""
+    return saving.start(run, actor_group, step, _manifest(run, step), wait=wait)
 
 
 def _manifest(run: Run, step: int) -> dict[str, Any]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from dataclasses import dataclass
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
 
 from tests.support.ray_head import free_port
 
@@ -18,6 +18,19 @@ from tests.support.ray_head import free_port
 class S3Server:
     port: int
     bucket: str
+    server: Optional[Any] = field(default=None, repr=False)   # the running ThreadedMotoServer, or None
+
+    def stop(self) -> None:
+        """Stop answering (the buckets' contents stay in this process: ``start`` serves them again)."""
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def start(self) -> None:
+        from moto.server import ThreadedMotoServer
+        if self.server is None:
+            self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+            self.server.start()
 
     @property
     def endpoint(self) -> str:
@@ -44,11 +57,8 @@ class S3Server:
 def s3_server(bucket: str = "rayconv-test", set_env: bool = True) -> Iterator[S3Server]:
     """Start the server with ``bucket`` made; with ``set_env`` the client environment is set in this
     process (and restored after)."""
-    from moto.server import ThreadedMotoServer
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    s3 = S3Server(port, bucket)
+    s3 = S3Server(free_port(), bucket)
+    s3.start()
     saved = {k: os.environ.get(k) for k in s3.env}
     try:
         if set_env:
@@ -61,7 +71,7 @@ def s3_server(bucket: str = "rayconv-test", set_env: bool = True) -> Iterator[S3
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        server.stop()
+        s3.stop()
 
 
 def port_is_open(port: int) -> bool:
