@@ -179,15 +179,17 @@ def _complete(run: Any, w: Writing) -> None:
             return
         except (OSError, KeyError) as e:
             w.errors.append(f"the manifest was not written ({type(e).__name__}: {str(e).strip()[:200]})")
-    try:
-        newest = latest_checkpoint(out)
-        kept = describe(newest) if newest is not None else "none"
-    except OSError:
-        kept = "as it was (the storage cannot be listed now)"
+    newest = getattr(run, "ckpt_newest", None)   # (the last this run completed: no listing of a store that fails)
+    if newest is None:
+        try:
+            newest = latest_checkpoint(out)
+        except OSError:
+            pass
     run.log(f"rayconv: checkpoint of step {w.step} not written: {w.errors[0]}; the newest complete "
-            f"checkpoint stays {kept}")
+            f"checkpoint stays {describe(newest) if newest is not None else 'none'}")
 
 
 def _logged(run: Any, folder: Place) -> None:
+    run.ckpt_newest = folder
     if not run.cfg.progress:
         run.log(f"checkpoint {describe(folder)}")

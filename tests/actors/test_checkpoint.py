@@ -39,7 +39,8 @@ def ck_config(out: Path, **kw) -> Config:
 
 
 def shard(ckpt: Path, rank: int) -> dict:
-    return torch.load(ckpt / f"rank-{rank}.pt", weights_only=True)
+    """Rank ``rank``'s whole state, rebuilt from the parts the actors wrote (each tensor once)."""
+    return load_checkpoint(ckpt).payloads()[rank]
 
 
 def assert_same_shard(got: dict, want: dict) -> None:

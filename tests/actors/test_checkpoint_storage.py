@@ -110,28 +110,31 @@ def test_dp4_checkpoint_in_a_bucket_holds_each_tensor_once_and_resumes(s3, want,
 
 
 @pytest.mark.slow
-def test_a_server_stopped_mid_run_costs_that_checkpoint_only(s3, want, tmp_path):
-    """The server stops after the checkpoint of step 2 and before that of step 4 (and comes back after
-    it): that checkpoint is one line (after the actors' retries), step-2 stays the newest complete
-    one, and resuming the run folder continues from it to single-device SGD's parameters."""
+def test_a_server_stopped_mid_run_costs_that_checkpoint_only(s3, tmp_path):
+    """The server stops after the checkpoint of step 4 and comes back once that of step 5 (the last
+    step's) failed: that failure is one line (after the actors' retries), step-4 stays the newest
+    complete checkpoint with nothing of step 5 listed, the run ends, and resuming the bucket's run
+    continues from step 4 to single-device SGD's parameters."""
     uri = s3.uri("runs", "down")
     lines: list[str] = []
 
     def hook(actor_group, step):
-        if step == 2:    # (done 3: the checkpoint of 4 comes next)
+        if step == 3:    # (done 4: its checkpoint complete)
             s3.stop()
-        if step == 3:    # (after it: the run's results are written)
+        if step == 4:    # (done 5: its checkpoint failed and was reported)
             s3.start()
 
     try:
-        train_run(config(uri), log=lines.append, on_step=hook)
+        train_run(config(uri, steps=5), log=lines.append, on_step=hook)
     finally:
         s3.start()
-    failed = [x for x in lines if "checkpoint of step 4 not written" in x]
-    assert len(failed) == 1 and "\n" not in failed[0] and "step-2" in failed[0], lines
-    assert [p.name for p in list_checkpoints(uri)] == ["step-2"]
+    failed = [x for x in lines if "checkpoint" in x and "not written" in x]
+    assert len(failed) == 1 and "\n" not in failed[0], lines
+    assert "checkpoint of step 5 not written" in failed[0] and "step-4" in failed[0], failed
+    assert [p.name for p in list_checkpoints(uri)] == ["step-2", "step-4"]
     out = tmp_path / "again"
     assert main(["--resume", uri, "--out", str(out)]) == 0
+    want = reference_sgd(config("unused", dp=1, steps=5), 5)
     assert_same_state(torch.load(out / "model.pt", weights_only=True), want, atol=1e-10)
 
 
