@@ -6,7 +6,8 @@ own background writes (to a local folder and to an S3-compatible bucket on loopb
 Each mode is one run of resnet18 on synthetic 32 px images, dp2 on CPU (float32), ``--checkpoint-every
 10``, evaluation only at the end: ``sync`` (``RAYCONV_SYNC_CHECKPOINTS=1``: every actor's whole state
 through the driver, written before training continues, to a local folder), ``async-local`` and
-``async-s3`` (moto's server on loopback, started before Ray so that the actors inherit its endpoint).
+``async-s3`` (moto's server on loopback in a process of its own, as a bucket's server is not in the
+driver, started before Ray so that the actors inherit its endpoint).
 From metrics.parquet, each train step's driver clock (``time_s``): the interval between consecutive
 steps' results; the median interval away from checkpoints is the step; the time lost at a checkpoint is
 the sum over the ``--window`` intervals after it of (interval - median step) (a background write shows
@@ -20,9 +21,11 @@ and sha256, as the manifest lists them).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +46,8 @@ def run_mode(mode: str, out: str, args) -> dict:
     else:
         os.environ.pop(SYNC_ENV, None)
     cfg = Config(model="resnet18", data="synthetic", image_size=32, num_classes=10, dp=2,
-                 global_batch_size=args.batch, steps=args.steps, precision="fp32", device="cpu", progress=False,
+                 global_batch_size=args.batch, steps=args.steps, precision="fp32", device="cpu",
+                 progress=False,
                  eval_every=10 ** 6, out=out, checkpoint_every=args.every, keep_checkpoints=0,
                  loader_workers=0, synthetic_samples=args.batch * args.steps).validate()
     t0 = time.perf_counter()
@@ -64,7 +68,8 @@ def run_mode(mode: str, out: str, args) -> dict:
     through = parts if mode == "sync" else len(json.dumps([f for f in c.manifest["files"]
                                                            if f["name"].startswith("rank-")]))
     return {"mode": mode, "wall_s": round(wall, 2), "median_step_s": round(base, 4),
-            "lost_per_checkpoint_s": [round(x, 3) for x in lost], "median_lost_s": round(statistics.median(lost), 3),
+            "lost_per_checkpoint_s": [round(x, 3) for x in lost],
+            "median_lost_s": round(statistics.median(lost), 3),
             "rank_file_bytes": parts, "one_replica_bytes": one, "bytes_ratio": round(parts / one, 4),
             "driver_bytes_per_checkpoint": through, "checkpoints": [str(p) for p in ckpts],
             "format": c.manifest["format"]}
@@ -79,6 +84,29 @@ def _read_metrics(out: str):
     return pq.read_table(io.BytesIO(locate(out.rstrip("/") + "/metrics.parquet").read_bytes()))
 
 
+@contextlib.contextmanager
+def moto_process():
+    """moto's S3 server in a child process on a free loopback port, a bucket made, the client
+    environment set in this process (and so in the Ray cluster started after it)."""
+    from support.ray_head import free_port
+    from support.s3_server import S3Server
+    s3 = S3Server(free_port(), "rayconv-bench")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3.port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            try:
+                s3.filesystem().create_dir(s3.bucket)
+                break
+            except OSError:
+                time.sleep(0.2)
+        os.environ.update(s3.env)
+        yield s3
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=60)
@@ -88,11 +116,10 @@ def main() -> None:
     p.add_argument("--modes", default="sync,async-local,async-s3")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    from support.s3_server import s3_server
     from conftest import local_ray   # (a local Ray cluster as the tests start it)
 
     results = []
-    with tempfile.TemporaryDirectory(prefix="ckstall-") as tmp, s3_server() as s3:
+    with tempfile.TemporaryDirectory(prefix="ckstall-") as tmp, moto_process() as s3:
         for _ in local_ray(4):
             for mode in args.modes.split(","):
                 out = s3.uri("stall", mode) if mode == "async-s3" else f"{tmp}/{mode}"
@@ -100,9 +127,11 @@ def main() -> None:
                 results.append(r)
                 print(json.dumps(r), flush=True)
     sync = next((r for r in results if r["mode"] == "sync"), None)
-    print(f"\n{'mode':12} {'step s':>8} {'lost/ckpt s':>12} {'vs sync':>8} {'bytes/replica':>14} {'driver bytes':>13}")
+    print(f"\n{'mode':12} {'step s':>8} {'lost/ckpt s':>12} {'vs sync':>8} {'bytes/replica':>14} "
+          f"{'driver bytes':>13}")
     for r in results:
-        ratio = r["median_lost_s"] / sync["median_lost_s"] if sync and sync["median_lost_s"] > 0 else float("nan")
+        ok = sync is not None and sync["median_lost_s"] > 0
+        ratio = r["median_lost_s"] / sync["median_lost_s"] if ok else float("nan")
         print(f"{r['mode']:12} {r['median_step_s']:8.3f} {r['median_lost_s']:12.3f} {ratio:8.3f} "
               f"{r['bytes_ratio']:14.3f} {r['driver_bytes_per_checkpoint']:13,}")
     if args.json:

@@ -1,6 +1,6 @@
-"""An actor's checkpoint writes, in the background: the part of a checkpoint it holds (``state.checkpoint_part``:
-copied to host memory at the step boundary) serialised with ``torch.save`` and streamed to its place while
-training continues, with its size and sha256 for the driver's manifest.
+"""An actor's checkpoint writes, in the background: the part of a checkpoint it holds
+(``state.checkpoint_part``: copied to host memory at the step boundary) serialised with ``torch.save`` and
+streamed to its place while training continues, with its size and sha256 for the driver's manifest.
 
 Where a part goes: a ``storage.Location`` (a bucket, or a folder this node sees: written to a temporary
 name and renamed, so whole or absent) or a ``cluster.sink.SinkFolder`` (a writer on the driver's node,

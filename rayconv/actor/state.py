@@ -1,7 +1,7 @@
-"""State in and out of an actor: its parameters and buffers (``state``, ``load_state``), the
-dimensions filter split cuts (``split_dims``), its rank file (``rank_file``, ``checkpoint_part``: the
-part of a checkpoint it writes, ``load_rank_file``: model, optimizer, loss-scale, moving-average and RNG states); ``weights`` swaps the
-moving average in (``state``, and ``evaluate`` in ``worker.py``). Each reads the actor's
+"""State in and out of an actor: its parameters and buffers (``state``, ``load_state``), the dimensions filter
+split cuts (``split_dims``), its rank file (``rank_file``, ``checkpoint_part``: the part of a checkpoint it
+writes, ``load_rank_file``: model, optimizer, loss-scale, moving-average and RNG states); ``weights`` swaps
+the moving average in (``state``, and ``evaluate`` in ``worker.py``). Each reads the actor's
 ``build.ActorState``.
 """
 
@@ -80,7 +80,8 @@ def rank_payload(a: ActorState, copy: bool) -> dict[str, Any]:
     if a.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(a.device)
     keep = _to_cpu if copy else (lambda x: x)
-    model = _state(a) if copy else {f"{n}.{k}" if n else k: v.detach() for n, sub in zip(a.parallel.names, a.part)
+    model = _state(a) if copy else {f"{n}.{k}" if n else k: v.detach()
+                                    for n, sub in zip(a.parallel.names, a.part)
                                     if n is not None for k, v in sub.state_dict().items()}
     return {"rank": a.rank, "role": a.role, "coord": list(a.coord), "model": model,
             "optimizer": keep(a.optimizer.state_dict()), "rng": rng,

@@ -6,7 +6,8 @@ At a checkpoint's step boundary (``start``) every actor copies its part of the s
 and writes ``rank-<r>.pt`` into ``<out>/checkpoints/step-<k>/`` (``actor/saver.py``). The actors report
 each file's name, size and sha256 with a later step's metrics (``note``, the loop's poll) or when asked
 (``settle``: before the next checkpoint, before the run's end, before a layout change or a test hook);
-once all have, the driver writes ``metrics.parquet`` and then ``manifest.json``, which alone makes the
+once all have, the driver writes ``metrics.parquet`` and then ``manifest.json`` (on a thread of its own
+when the poll completes it, so that the step loop never waits on a disk), which alone makes the
 checkpoint complete (``checkpoint.write_manifest``), and prunes to --keep-checkpoints. No tensor passes
 through the driver. A write that failed (after the actors' retries) is one line; the previous checkpoint
 stays the newest complete one and the parts written are removed at the next checkpoint
@@ -24,6 +25,7 @@ written before training continues: format 1), for the benchmark's comparison
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -96,8 +98,8 @@ def start(run: Any, group: ActorGroup, step: int, manifest: dict[str, Any], wait
     out = run.resolved.out
     if os.environ.get(SYNC_ENV) == "1":
         shards = group.call("rank_file", timeout_s=run.call_timeout_s)
-        folder = write_checkpoint(out, step, shards, manifest, extra={"metrics.parquet": run.metrics.to_bytes()},
-                                  keep=run.cfg.keep_checkpoints)
+        extra = {"metrics.parquet": run.metrics.to_bytes()}
+        folder = write_checkpoint(out, step, shards, manifest, extra=extra, keep=run.cfg.keep_checkpoints)
         _logged(run, folder)
         return folder
     r = route(run, group)
@@ -128,14 +130,23 @@ def note(run: Any, results: list[dict[str, Any]]) -> None:
         if saved is not None and w is not None and saved["step"] == w.step:
             _take(w, saved)
     if w is not None and len(w.results) + len(w.errors) >= w.world_size:
-        _complete(run, w)
+        # (on a thread: an fsync of the manifest can wait behind the parts' own writes to the same disk)
+        run.writing = None
+        run.completing = threading.Thread(target=_complete, args=(run, w), name=f"manifest-{w.step}",
+                                          daemon=True)
+        run.completing.start()
 
 
-def settle(run: Any, group: Optional[ActorGroup], timeout_s: Optional[float] = None, quiet: bool = False) -> None:
+def settle(run: Any, group: Optional[ActorGroup], timeout_s: Optional[float] = None,
+           quiet: bool = False) -> None:
     """Wait for the checkpoint being written (if ``group``'s actors write it) and complete it; one being
     written by actors that are gone (a recovery) is dropped, its parts removed at the next checkpoint.
     ``quiet``: a failure to wait (the actors stopped, ``timeout_s`` passed) drops it instead of raising
     (a run being stopped)."""
+    done: Optional[threading.Thread] = getattr(run, "completing", None)
+    if done is not None:
+        done.join()
+        run.completing = None
     w: Optional[Writing] = getattr(run, "writing", None)
     if w is None:
         return
@@ -153,6 +164,7 @@ def settle(run: Any, group: Optional[ActorGroup], timeout_s: Optional[float] = N
         for saved in waited:
             if saved is not None and saved["step"] == w.step:
                 _take(w, saved)
+    run.writing = None
     _complete(run, w)
 
 
@@ -166,10 +178,11 @@ def _take(w: Writing, saved: dict[str, Any]) -> None:
 
 
 def _complete(run: Any, w: Writing) -> None:
-    run.writing = None
+    """The manifest of ``w`` once every part is in (``metrics.parquet`` first), or its failure's line."""
     out = run.resolved.out
     if not w.errors and len(w.results) < w.world_size:
-        w.errors.append(f"{w.world_size - len(w.results)} of the {w.world_size} actors' parts were not reported")
+        missing = w.world_size - len(w.results)
+        w.errors.append(f"{missing} of the {w.world_size} actors' parts were not reported")
     if not w.errors:
         try:
             files = [w.results[f"rank-{r}.pt"] for r in range(w.world_size)]
@@ -177,9 +190,9 @@ def _complete(run: Any, w: Writing) -> None:
             prune(out, run.cfg.keep_checkpoints)
             _logged(run, w.folder)
             return
-        except (OSError, KeyError) as e:
+        except Exception as e:  # noqa: BLE001 - a storage error of any kind: the one line below
             w.errors.append(f"the manifest was not written ({type(e).__name__}: {str(e).strip()[:200]})")
-    newest = getattr(run, "ckpt_newest", None)   # (the last this run completed: no listing of a store that fails)
+    newest = getattr(run, "ckpt_newest", None)   # (the last this run completed: a failing store not listed)
     if newest is None:
         try:
             newest = latest_checkpoint(out)

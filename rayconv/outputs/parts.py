@@ -129,7 +129,8 @@ def rank_payloads(files: list[dict[str, Any]], layout: dict[str, Any]) -> list[d
     for f in files:
         c = f["skeleton"]["coord"]
         own = set(f["own"])
-        by_position.setdefault((c[1], c[2]), {}).update({e: t for e, t in f["tensors"].items() if e not in own})
+        shared = {e: t for e, t in f["tensors"].items() if e not in own}
+        by_position.setdefault((c[1], c[2]), {}).update(shared)
     out = []
     for r, f in enumerate(files):
         payload, c = f["skeleton"], f["skeleton"]["coord"]
@@ -137,9 +138,9 @@ def rank_payloads(files: list[dict[str, Any]], layout: dict[str, Any]) -> list[d
         for entry, _, _ in list(entries_of(payload)):
             t: Optional[torch.Tensor] = f["tensors"].get(entry) if entry in own else shared.get(entry)
             if t is None:
-                raise CheckpointError(f"the checkpoint's rank files hold no {entry} for rank {r} "
-                                      f"({layout['roles'][r] if 'roles' in layout else r}): resume from another "
-                                      "checkpoint")
+                role = layout["roles"][r] if "roles" in layout else r
+                raise CheckpointError(f"the checkpoint's rank files hold no {entry} for rank {r} ({role}): "
+                                      "resume from another checkpoint")
             holder, key = _slot(payload, entry)
             holder[key] = t
         out.append(payload)

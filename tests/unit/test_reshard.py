@@ -233,7 +233,8 @@ def test_parts_hold_each_tensor_once_and_rebuild_every_rank(name):
 
 
 def test_deal_gives_buffers_to_replica_0_and_balances_the_rest():
-    sizes = {"a": (100, "shared"), "b": (60, "shared"), "c": (50, "shared"), "bn": (10, "buffer"), "x": (7, "own")}
+    sizes = {"a": (100, "shared"), "b": (60, "shared"), "c": (50, "shared"), "bn": (10, "buffer"),
+             "x": (7, "own")}
     assert deal(sizes, 2) == {"bn": 0, "a": 1, "b": 0, "c": 0}
     assert deal(sizes, 1) == {"bn": 0, "a": 0, "b": 0, "c": 0}
 
