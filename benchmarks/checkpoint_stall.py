@@ -11,7 +11,9 @@ driver, started before Ray so that the actors inherit its endpoint).
 From metrics.parquet, each train step's driver clock (``time_s``): the interval between consecutive
 steps' results; the median interval away from checkpoints is the step; the time lost at a checkpoint is
 the sum over the ``--window`` intervals after it of (interval - median step) (a background write shows
-in the steps after the checkpoint, a synchronous one in the first). The run's last checkpoint (at its
+in the steps after the checkpoint, a synchronous one in the first). Also the time the step loop was
+blocked in the checkpoint call itself (``blocked``: the copy to host memory and the call's round trip
+for the background writes; everything for the synchronous one). The run's last checkpoint (at its
 last step, no steps after) is left out. Prints per mode the median time lost per checkpoint, the ratio
 to ``sync``'s, the bytes of rank files per checkpoint against one replica's state, and the bytes the
 driver received per checkpoint (``sync``: the rank files; the actors' writes: their files' names, sizes
@@ -50,8 +52,22 @@ def run_mode(mode: str, out: str, args) -> dict:
                  progress=False,
                  eval_every=10 ** 6, out=out, checkpoint_every=args.every, keep_checkpoints=0,
                  loader_workers=0, synthetic_samples=args.batch * args.steps).validate()
+    import rayconv.driver.loop as loop
+    blocked, inner = [], loop.checkpoint
+
+    def timed(*a, **k):   # (the step loop blocked by the checkpoint call itself)
+        t = time.perf_counter()
+        try:
+            return inner(*a, **k)
+        finally:
+            blocked.append(time.perf_counter() - t)
+
+    loop.checkpoint = timed
     t0 = time.perf_counter()
-    train_run(cfg, log=lambda *_: None)
+    try:
+        train_run(cfg, log=lambda *_: None)
+    finally:
+        loop.checkpoint = inner
     wall = time.perf_counter() - t0
     rows = [r for r in _read_metrics(out).to_pylist() if r["kind"] == "train"]
     t = {r["step"]: r["time_s"] for r in rows}
@@ -70,6 +86,7 @@ def run_mode(mode: str, out: str, args) -> dict:
     return {"mode": mode, "wall_s": round(wall, 2), "median_step_s": round(base, 4),
             "lost_per_checkpoint_s": [round(x, 3) for x in lost],
             "median_lost_s": round(statistics.median(lost), 3),
+            "blocked_s": [round(x, 3) for x in blocked], "median_blocked_s": round(statistics.median(blocked[:-1]), 3),
             "rank_file_bytes": parts, "one_replica_bytes": one, "bytes_ratio": round(parts / one, 4),
             "driver_bytes_per_checkpoint": through, "checkpoints": [str(p) for p in ckpts],
             "format": c.manifest["format"]}
@@ -127,12 +144,14 @@ def main() -> None:
                 results.append(r)
                 print(json.dumps(r), flush=True)
     sync = next((r for r in results if r["mode"] == "sync"), None)
-    print(f"\n{'mode':12} {'step s':>8} {'lost/ckpt s':>12} {'vs sync':>8} {'bytes/replica':>14} "
-          f"{'driver bytes':>13}")
+    print(f"\n{'mode':12} {'step s':>8} {'lost/ckpt s':>12} {'vs sync':>8} {'blocked s':>10} {'vs sync':>8} "
+          f"{'bytes/replica':>14} {'driver bytes':>13}")
     for r in results:
         ok = sync is not None and sync["median_lost_s"] > 0
         ratio = r["median_lost_s"] / sync["median_lost_s"] if ok else float("nan")
+        held = r["median_blocked_s"] / sync["median_blocked_s"] if sync else float("nan")
         print(f"{r['mode']:12} {r['median_step_s']:8.3f} {r['median_lost_s']:12.3f} {ratio:8.3f} "
+              f"{r['median_blocked_s']:10.3f} {held:8.3f} "
               f"{r['bytes_ratio']:14.3f} {r['driver_bytes_per_checkpoint']:13,}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
