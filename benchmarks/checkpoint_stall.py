@@ -86,7 +86,8 @@ def run_mode(mode: str, out: str, args) -> dict:
     return {"mode": mode, "wall_s": round(wall, 2), "median_step_s": round(base, 4),
             "lost_per_checkpoint_s": [round(x, 3) for x in lost],
             "median_lost_s": round(statistics.median(lost), 3),
-            "blocked_s": [round(x, 3) for x in blocked], "median_blocked_s": round(statistics.median(blocked[:-1]), 3),
+            "blocked_s": [round(x, 3) for x in blocked],
+            "median_blocked_s": round(statistics.median(blocked[:-1]), 3),
             "rank_file_bytes": parts, "one_replica_bytes": one, "bytes_ratio": round(parts / one, 4),
             "driver_bytes_per_checkpoint": through, "checkpoints": [str(p) for p in ckpts],
             "format": c.manifest["format"]}
