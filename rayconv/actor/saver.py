@@ -63,8 +63,14 @@ def open_stream(where: Any) -> Iterator[BinaryIO]:
         finally:
             tmp.unlink(missing_ok=True)
         return
-    with where.fs.open_output_stream(where.path) as f:
-        yield f
+    stream = where.fs.open_output_stream(where.path)
+    try:
+        yield stream
+    except BaseException:
+        if hasattr(stream, "abort"):   # (pyarrow >= 16: the upload dropped, not completed half-written)
+            stream.abort()
+        raise
+    stream.close()
 
 
 def write_part(where: Any, obj: dict[str, Any]) -> dict[str, Any]:
