@@ -1,13 +1,15 @@
 """How many Ray actors each test starts: a pytest plugin, and the report of what it wrote.
 
-    PYTHONPATH=benchmarks python -m pytest -q tests -p actors_per_test     # writes $ACTORS_PER_TEST_DIR (/tmp/actors-per-test)
-    python benchmarks/actors_per_test.py [/tmp/actors-per-test]            # per test process: actors by module, the runs' sizes
+    # writes $ACTORS_PER_TEST_DIR (/tmp/actors-per-test):
+    PYTHONPATH=benchmarks python -m pytest -q tests -p actors_per_test
+    # per test process: actors by module, the runs' sizes:
+    python benchmarks/actors_per_test.py [/tmp/actors-per-test]
 
-Around each test, the plugin reads the connected cluster's actor table from its GCS (``ray._private.state.actors``:
-every actor the cluster has had, the dead ones too) and writes one JSON line per test to a file per test
-process (pytest-xdist's worker name): the actors that appeared (class and name; rayconv's are named
-``rayconv/<run>/<role>``, so each run's count of actors is its size) and whether the test changed the
-cluster connection. Actors of clusters a test starts and ends itself are not seen.
+Around each test, the plugin reads the connected cluster's actor table from its GCS
+(``ray._private.state.actors``: every actor the cluster has had, the dead ones too) and writes one JSON line
+per test to a file per test process (pytest-xdist's worker name): the actors that appeared (class and name;
+rayconv's are named ``rayconv/<run>/<role>``, so each run's count of actors is its size) and whether the test
+changed the cluster connection. Actors of clusters a test starts and ends itself are not seen.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ try:
         new = sorted(v for k, v in after.items() if after_gcs != before_gcs or k not in before)
         os.makedirs(DIR, exist_ok=True)
         with open(os.path.join(DIR, f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.jsonl"), "a") as f:
-            f.write(json.dumps({"test": item.nodeid, "new": new, "cluster_changed": after_gcs != before_gcs}) + "\n")
+            f.write(json.dumps({"test": item.nodeid, "new": new,
+                                "cluster_changed": after_gcs != before_gcs}) + "\n")
 except ImportError:   # (the report alone needs no pytest)
     pass
 

@@ -46,7 +46,9 @@ def main() -> None:
           f"exact order {exact:.1f} distinct classes per batch")
     for w in (int(x) for x in a.windows.split(",")):
         got = distinct(BlockOrder(rows, w, 0), labels, a.batch)
-        print(f"  --shuffle-window {w:5d} ({w / len(rows):5.1%} of the shards): {got:6.1f} ({got / exact:.2f}x)")
+        print(
+            f"  --shuffle-window {w:5d} ({w / len(rows):5.1%} of the shards): {got:6.1f} ({got / exact:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ actor's SIGTERM (a preemption: a checkpoint at the step boundary), the node adde
 next checkpoint), an actor's SIGKILL (a loss whose devices come back at once). For each change: the
 seconds lost (summary.json's ``layout_changes``, from the loss detected to the next step done), the
 work redone (steps redone x the median step time), one actor start-up (the run's own, from Ray
-connected to its first step done, as a change is counted to its next step done), the --elastic-wait spent where the lost devices did not come back,
-and their sum, the bound.
+connected to its first step done, as a change is counted to its next step done), the --elastic-wait spent
+where the lost devices did not come back, and their sum, the bound.
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ def main(argv=None) -> int:
                      checkpoint_every=every, elastic=2, elastic_wait=WAIT_S, max_failures=2,
                      collective_timeout_s=30, loader_workers=0).validate()
         t0 = time.monotonic()
-        summary = train_run(cfg, log=lambda line: print(f"[{time.monotonic() - t0:6.1f} s] {line}"), on_step=events)
+        summary = train_run(
+            cfg, log=lambda line: print(f"[{time.monotonic() - t0:6.1f} s] {line}"), on_step=events
+        )
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -88,18 +90,22 @@ def main(argv=None) -> int:
     step_s = statistics.median(r["step_ms"] for r in rows if r.get("step_ms")) / 1000
     phases = summary["startup"]["phases"]
     startup_s = phases["first_step"] - phases["ray"]
-    print(f"\nmedian step {step_s:.3f} s; one actor start-up {startup_s:.2f} s (Ray connected -> first step done); "
-          f"--elastic-wait {WAIT_S:g} s")
+    print(
+        f"\nmedian step {step_s:.3f} s; one actor start-up {startup_s:.2f} s (Ray connected -> first step"
+        f" done); --elastic-wait {WAIT_S:g} s"
+    )
     print(f"{'step':>4}  {'change':<12} {'why':<34} {'lost s':>7} {'redone':>6} {'bound s':>7}  within")
     within = True
     for c in summary["layout_changes"]:
         shrunk = int(c["to"][2:]) < int(c["from"][2:]) and "lost" in c["why"]
         bound = c["steps_redone"] * step_s + startup_s + (WAIT_S if shrunk else 0.0)
         within &= c["seconds_lost"] <= bound
-        print(f"{c['step']:>4}  {c['from'] + '->' + c['to']:<12} {c['why'][:34]:<34} {c['seconds_lost']:>7.2f} "
-              f"{c['steps_redone']:>6} {bound:>7.2f}  {'yes' if c['seconds_lost'] <= bound else 'no'}")
-    print(json.dumps({"step_s": round(step_s, 4), "actor_startup_s": round(startup_s, 3), "elastic_wait_s": WAIT_S,
-                      "layout_changes": summary["layout_changes"], "all_within_bound": within}))
+        print(
+            f"{c['step']:>4}  {c['from'] + '->' + c['to']:<12} {c['why'][:34]:<34} {c['seconds_lost']:>7.2f} "
+            f"{c['steps_redone']:>6} {bound:>7.2f}  {'yes' if c['seconds_lost'] <= bound else 'no'}")
+    print(json.dumps({"step_s": round(step_s, 4), "actor_startup_s": round(startup_s, 3),
+                      "elastic_wait_s": WAIT_S, "layout_changes": summary["layout_changes"],
+                      "all_within_bound": within}))
     return 0
 
 

@@ -40,7 +40,8 @@ import json  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="convnet", help="convnet (rayconv's small ConvNet) or a torchvision model")
+    p.add_argument("--model", default="convnet",
+                   help="convnet (rayconv's small ConvNet) or a torchvision model")
     p.add_argument("--data", default="digits", choices=["digits", "fashion-mnist"])
     p.add_argument("--data-dir", default=None, help="Fashion-MNIST's idx files (default: Debian's folder)")
     p.add_argument("--image-size", type=int, default=None, help="resize to S x S on the device")
@@ -65,7 +66,11 @@ def main() -> None:
         from rayconv.data.digits import digits_arrays  # (the file scikit-learn ships, read with numpy)
 
         images, labels = digits_arrays()
-        x = torch.from_numpy(((images - images.mean()) / images.std()).astype(np.float32)).unsqueeze(1).to(device)
+        x = (
+            torch.from_numpy(((images - images.mean()) / images.std()).astype(np.float32))
+            .unsqueeze(1)
+            .to(device)
+        )
     else:
         from rayconv.data.fashion_mnist import fashion_mnist_arrays  # (the idx files, read with numpy)
 

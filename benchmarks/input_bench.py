@@ -1,7 +1,7 @@
 """Decode + augment rates of rayconv's input paths, in images/s into the 224 x 224 training tensors.
 
-    python benchmarks/input_bench.py --out benchmarks/input-latest             # one GPU (about 1-2 min)
-    python benchmarks/input_bench.py --device cpu --images 64 --batch 16 --workers 1 --out /tmp/ib   # CPU check
+    python benchmarks/input_bench.py --out benchmarks/input-latest   # one GPU (about 1-2 min)
+    python benchmarks/input_bench.py --device cpu --images 64 --batch 16 --workers 1 --out /tmp/ib   # CPU
 
 No Ray, no downloads: it writes an ImageNet-like folder of ``--images`` JPEGs (500 x 375, quality 90,
 about 75 KB each: smooth colour fields plus noise, made with numpy and Pillow) into a temporary folder,
@@ -50,7 +50,8 @@ def _write_images(args: tuple[str, int, int, int, int]) -> None:
         base = (rng.random((36, 48, 3)) * 255).astype(np.uint8)
         img = np.asarray(Image.fromarray(base).resize((w, h), Image.Resampling.BICUBIC), dtype=np.float32)
         img += rng.normal(0, 8.0, img.shape).astype(np.float32)
-        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(Path(folder) / f"img{i:06d}.JPEG", quality=90)
+        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(Path(folder) / f"img{i:06d}.JPEG",
+                                                                    quality=90)
 
 
 def make_folder(root: Path, n_train: int, n_val: int, classes: int, side: int, processes: int) -> None:
@@ -98,13 +99,14 @@ def draft_loader(size: int):
 
 def parse_flags(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="where batches go (cuda: the GPU "
-                                                                             "figures too)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="where batches go (cuda: the GPU figures too)")
     p.add_argument("--images", type=int, default=4096, help="train images written and read per figure")
     p.add_argument("--batch", type=int, default=256, help="images per batch")
     p.add_argument("--size", type=int, default=224, help="training crop side in pixels")
     p.add_argument("--side", type=int, default=500, help="width of the generated JPEGs (height 3/4 of it)")
-    p.add_argument("--workers", type=int, default=os.cpu_count(), help="DataLoader processes for the CPU paths")
+    p.add_argument("--workers", type=int, default=os.cpu_count(),
+                   help="DataLoader processes for the CPU paths")
     p.add_argument("--classes", type=int, default=16, help="class folders")
     p.add_argument("--out", default="benchmarks/input-latest", help="folder for input_bench.parquet and .md")
     p.add_argument("--tmp", default=None, help="where to write the images (default: a temporary folder)")
@@ -187,7 +189,8 @@ def time_gpu_paths(a: argparse.Namespace, tmp: str, batches: list[np.ndarray], n
     for b in batches[1:]:
         dec.decode(src.jpegs("train", b), device)
     sync()
-    figs.record("nvjpeg-only", "batched nvJPEG decode alone, s256", time.perf_counter() - t0, n - len(batches[0]))
+    figs.record("nvjpeg-only", "batched nvJPEG decode alone, s256", time.perf_counter() - t0,
+                n - len(batches[0]))
 
 
 def write_tables(rows: list[dict], out: Path) -> None:

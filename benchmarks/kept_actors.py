@@ -27,7 +27,8 @@ from pathlib import Path
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--runs", type=int, default=3, help="runs counted (the first starts the actors; one uncounted run before)")
+    p.add_argument("--runs", type=int, default=3,
+                   help="runs counted (the first starts the actors; one uncounted run before)")
     p.add_argument("--dp", type=int, default=2, help="data-parallel replicas")
     p.add_argument("--steps", type=int, default=16, help="steps per run")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -48,14 +49,21 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 s = _fit(a, Path(tmp) / f"run{i}", a.dp, a.steps, keep_s=0 if i == 0 else 60)
                 walls.append(time.perf_counter() - t0)
-                print(f"run {i}: {walls[-1]:.2f} s, step 0 {s['startup']['phases']['first_step']:.2f} s after the call, "
-                      f"{'kept actors' if i > 1 else 'new actors'}, test accuracy {s['test_accuracy']:.4f}", flush=True)
+                print(
+                    f"run {i}: {walls[-1]:.2f} s, step 0 {s['startup']['phases']['first_step']:.2f} s after"
+                    f" the call, {'kept actors' if i > 1 else 'new actors'}, test accuracy"
+                    f" {s['test_accuracy']:.4f}",
+                    flush=True,
+                )
     finally:
         rayconv.release_actors()
         ray.shutdown()
     if len(walls) > 2:
         reused = sum(walls[2:]) / len(walls[2:])
-        print(f"RESULT kept actors: {reused:.2f} s a run against {walls[1]:.2f} s on new ones ({reused / walls[1]:.2f}x)")
+        print(
+            f"RESULT kept actors: {reused:.2f} s a run against {walls[1]:.2f} s on new ones"
+            f" ({reused / walls[1]:.2f}x)"
+        )
     return 0
 
 
@@ -71,8 +79,19 @@ def _fit(a, out: Path, dp: int, steps: int, keep_s: float) -> dict:
     """One quiet run of the digits ConvNet on ``a.device`` into ``out``; its summary."""
     import rayconv
 
-    return rayconv.fit(model="convnet", data="digits", dp=dp, steps=steps, eval_every=steps, device=a.device,
-                       progress=False, tensorboard="off", out=str(out), keep_actors_s=keep_s, log=lambda *_: None)
+    return rayconv.fit(
+        model="convnet",
+        data="digits",
+        dp=dp,
+        steps=steps,
+        eval_every=steps,
+        device=a.device,
+        progress=False,
+        tensorboard="off",
+        out=str(out),
+        keep_actors_s=keep_s,
+        log=lambda *_: None,
+    )
 
 
 def cycle(a, sizes: list[int]) -> int:
@@ -92,15 +111,20 @@ def cycle(a, sizes: list[int]) -> int:
                     dp = sizes[i % len(sizes)]
                     s = _fit(a, Path(tmp) / f"k{keep_s}-{i}", dp, a.steps, keep_s)
                     renewed = "renewed" in s["startup"].get("actor_process", {})
-                    print(f"keep {keep_s} run {i} dp {dp}: step 0 {s['startup']['phases']['first_step']:.2f} s after "
-                          f"the call, {'kept actors' if renewed else 'new actors'}", flush=True)
+                    print(
+                        f"keep {keep_s} run {i} dp {dp}: step 0 {s['startup']['phases']['first_step']:.2f} s"
+                        f" after the call, {'kept actors' if renewed else 'new actors'}",
+                        flush=True,
+                    )
                 totals[keep_s] = time.perf_counter() - t0
                 rayconv.release_actors()
     finally:
         rayconv.release_actors()
         ray.shutdown()
-    print(f"RESULT cycle {a.cycle}, {a.runs} runs: {totals[60]:.2f} s with kept actors against {totals[0]:.2f} s "
-          f"starting new ones ({totals[60] / totals[0]:.2f}x)")
+    print(
+        f"RESULT cycle {a.cycle}, {a.runs} runs: {totals[60]:.2f} s with kept actors against {totals[0]:.2f}"
+        f" s starting new ones ({totals[60] / totals[0]:.2f}x)"
+    )
     return 0
 
 

@@ -4,11 +4,11 @@
 
 writes ``DIR/train/<class>/<class>_<i>.JPEG`` and ``DIR/val/<class>/...`` (the layout of
 ``--data imagefolder``): RGB, ``--width`` x ``--height`` (default 500 x 375, ImageNet's most common
-size), JPEG quality 90 (``--format png``: lossless PNGs). The content is procedural: smooth colour fields at several scales, a few
-shapes and edges, and fine texture and sensor-like noise, so that a file is about as large as an
-ImageNet photo of that size (about 65 KB at the defaults) and decodes about as slowly. Each image depends only on
-(``--seed``, split, class, index): the same command writes the same bytes. Written in parallel over
-``--processes`` processes (numpy and PIL only).
+size), JPEG quality 90 (``--format png``: lossless PNGs). The content is procedural: smooth colour fields at
+several scales, a few shapes and edges, and fine texture and sensor-like noise, so that a file is about as
+large as an ImageNet photo of that size (about 65 KB at the defaults) and decodes about as slowly. Each image
+depends only on (``--seed``, split, class, index): the same command writes the same bytes. Written in parallel
+over ``--processes`` processes (numpy and PIL only).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def _banks(height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
     spatial frequencies, so that no image computes a full-size random field or sine (the dearest steps)."""
     banks = _BANKS.get((height, width))
     if banks is None:
-        noise = np.random.default_rng([height, width]).standard_normal((2 * height, 2 * width, 3), dtype=np.float32)
+        noise = np.random.default_rng([height, width]).standard_normal((2 * height, 2 * width, 3),
+                                                                       dtype=np.float32)
         yy = np.arange(height, dtype=np.float32)[:, None]
         xx = np.arange(width, dtype=np.float32)[None, :]
         stripes = np.empty((16, 8, height, width, 1), np.int16)
@@ -41,7 +42,8 @@ def _banks(height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
             theta = (a + 0.5) * np.pi / 16
             for f in range(8):
                 freq = 0.15 + 0.45 * (f + 0.5) / 8
-                wave = np.sin(np.float32(freq) * (xx * np.float32(np.cos(theta)) + yy * np.float32(np.sin(theta))))
+                wave = np.sin(
+                    np.float32(freq) * (xx * np.float32(np.cos(theta)) + yy * np.float32(np.sin(theta))))
                 stripes[a, f, ..., 0] = (14 * wave).round()
         banks = _BANKS[(height, width)] = ((noise * 9).round().astype(np.int16), stripes)
     return banks
@@ -65,7 +67,8 @@ def make_image(seed: int, split: str, cls: int, index: int, width: int, height: 
                              for c in range(3)], -1)
         field += grid
     field += base.astype(np.float32)
-    smooth = Image.fromarray(np.clip(field, 0, 255).astype(np.uint8), "RGB").resize((width, height), Image.BICUBIC)
+    smooth = Image.fromarray(np.clip(field, 0, 255).astype(np.uint8), "RGB").resize((width, height),
+                                                                                    Image.BICUBIC)
     img = np.asarray(smooth).astype(np.int16)
     # A few hard-edged shapes (objects, edges), each drawn in its bounding box only.
     for _ in range(rng.integers(2, 6)):
@@ -108,14 +111,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python benchmarks/make_images.py", description=__doc__.split("\n")[0])
     p.add_argument("out", help="folder to write (train/ and val/ inside)")
     p.add_argument("--classes", type=int, default=100, help="number of classes (default %(default)s)")
-    p.add_argument("--train-per-class", type=int, default=100, help="training images per class (default %(default)s)")
-    p.add_argument("--val-per-class", type=int, default=10, help="held-out images per class (default %(default)s)")
+    p.add_argument("--train-per-class", type=int, default=100,
+                   help="training images per class (default %(default)s)")
+    p.add_argument("--val-per-class", type=int, default=10,
+                   help="held-out images per class (default %(default)s)")
     p.add_argument("--width", type=int, default=500, help="pixels (default %(default)s)")
     p.add_argument("--height", type=int, default=375, help="pixels (default %(default)s)")
     p.add_argument("--quality", type=int, default=90, help="JPEG quality (default %(default)s)")
     p.add_argument("--format", choices=("jpeg", "png"), default="jpeg",
                    help="jpeg (default) or png (lossless, .png files)")
-    p.add_argument("--seed", type=int, default=0, help="the same seed writes the same files (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the same seed writes the same files (default %(default)s)")
     p.add_argument("--processes", type=int, default=os.cpu_count() or 1,
                    help="parallel writers (default: the CPU count, %(default)s)")
     a = p.parse_args(argv)
@@ -123,16 +129,21 @@ def main(argv=None) -> int:
         if getattr(a, name) < 1:
             p.error(f"--{name} must be at least 1")
     if a.train_per_class < 1 or a.val_per_class < 1:
-        p.error("--train-per-class and --val-per-class must be at least 1 (every class folder needs an image)")
+        p.error(
+            "--train-per-class and --val-per-class must be at least 1 (every class folder needs an image)")
     if not 1 <= a.quality <= 100:
         p.error("--quality must be within 1..100")
     jobs = [(a.out, split, c, n, a.seed, a.width, a.height, a.quality, a.format)
-            for split, n in (("train", a.train_per_class), ("val", a.val_per_class)) for c in range(a.classes)]
+            for split, n in (("train", a.train_per_class), ("val", a.val_per_class))
+            for c in range(a.classes)]
     t0 = time.perf_counter()
     with ProcessPoolExecutor(a.processes) as pool:
         total = sum(pool.map(_write_class, jobs))
     count = a.classes * (a.train_per_class + a.val_per_class)
-    print(f"{count} images, {total / count / 1e3:.0f} KB each on average, {time.perf_counter() - t0:.1f} s -> {a.out}")
+    print(
+        f"{count} images, {total / count / 1e3:.0f} KB each on average, {time.perf_counter() - t0:.1f} s ->"
+        f" {a.out}"
+    )
     return 0
 
 

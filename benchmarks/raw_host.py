@@ -13,10 +13,10 @@ running against its time alone, and how many steps found their batch read ahead.
 the reader's throughput with nothing else running: the steps' batches announced, then taken one after
 another (``_take``, no device copy, augmentation or stand-in), batches/s and images/s of the whole,
 after one untimed pass over the train split (the reader process started and the pages mapped in it:
-the steady state of epochs after the first); with ``--busy``, taken by a thread that runs small tensor operations while the
-next batch is not ready (a step thread that never idles: each operation releases and takes back the
-GIL), whose operations/s it prints too (beside a reader process they run as they do alone). ``--threads``: torch's intra-op threads (an actor's
-``--num-cpus-per-actor``).
+the steady state of epochs after the first); with ``--busy``, taken by a thread that runs small tensor
+operations while the next batch is not ready (a step thread that never idles: each operation releases and
+takes back the GIL), whose operations/s it prints too (beside a reader process they run as they do alone).
+``--threads``: torch's intra-op threads (an actor's ``--num-cpus-per-actor``).
 """
 
 from __future__ import annotations
@@ -112,7 +112,9 @@ def main() -> None:
     slow = np.argsort(images_ms)[::-1][:5]
     print("slowest images() calls (step, step in epoch, ms): " + ", ".join(
         f"({k}, {k % spe}, {images_ms[k]:.1f})" for k in slow))
-    print(f"stand-in ({args.ops} ops) alone {alone * 1e3:.3f} ms, beside the reader {med(np.array(work) * 1e3)}")
+    print(
+        f"stand-in ({args.ops} ops) alone {alone * 1e3:.3f} ms, beside the reader {med(np.array(work) * 1e3)}"
+    )
 
 
 if __name__ == "__main__":

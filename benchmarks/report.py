@@ -23,7 +23,8 @@ import pyarrow.parquet as pq
 
 from rayconv.outputs.charts import error_against_time, pyplot
 
-SPEED_PARTS = ("speed", "dp-mp", "dp-mp-2012", "dp-mp-resnet", "hybrid", "hybrid-resnet", "scale", "scale-resnet")
+SPEED_PARTS = ("speed", "dp-mp", "dp-mp-2012", "dp-mp-resnet", "hybrid", "hybrid-resnet", "scale",
+               "scale-resnet")
 PAPER_LIMIT_GIB = 6.0  # the paper's GPU (NVIDIA GeForce GTX TITAN, 6 GB)
 
 
@@ -67,9 +68,10 @@ def speed_table(run: Path) -> str:
                      r.get("recv_wait_ms"), r.get("peak_gib_max"), r.get("note") or ""])
     if not body:
         return "not measured (no speed part in this run)"
-    return table(["model", "layout", "GPUs", "global batch", "images/s", "speedup vs 1 GPU", "vs plain PyTorch",
-                  "plain PyTorch config", "vs torchrun DDP", "DDP config", "comm MB/step (max actor)",
-                  "comm MB/step (all)", "all-reduce wait ms", "receive wait ms", "peak GiB", "note"], body)
+    return table(["model", "layout", "GPUs", "global batch", "images/s", "speedup vs 1 GPU",
+                  "vs plain PyTorch", "plain PyTorch config", "vs torchrun DDP", "DDP config",
+                  "comm MB/step (max actor)", "comm MB/step (all)", "all-reduce wait ms", "receive wait ms",
+                  "peak GiB", "note"], body)
 
 
 MP_PARTS = ("mp-overlap", "mp-overlap-2012", "mp-overlap-plan", "pp-bound")
@@ -92,8 +94,8 @@ def model_parallel_table(run: Path) -> str:
     if not body:
         return "not measured (no mp-overlap or pp-bound part in this run)"
     return table(["part", "model", "layout", "global batch", "pieces per gather", "images/s",
-                  "speedup vs 1 GPU (same call)", "step ms", "compute ms (profiled, eager)", "exposed exchange ms",
-                  "receive wait ms", "ideal bubble", "peak GiB", "note"], body)
+                  "speedup vs 1 GPU (same call)", "step ms", "compute ms (profiled, eager)",
+                  "exposed exchange ms", "receive wait ms", "ideal bubble", "peak GiB", "note"], body)
 
 
 def batch_table(run: Path, plt) -> str:
@@ -137,14 +139,17 @@ def memory_table(run: Path, plt) -> str:
         return "not measured (no batch or memory part in this run)"
     body = []
     for key in dict.fromkeys((r["model"], r["layout"]) for r in rows):
-        pts = sorted((r for r in rows if (r["model"], r["layout"]) == key), key=lambda r: r["batch_per_device"])
+        pts = sorted((r for r in rows if (r["model"], r["layout"]) == key),
+                     key=lambda r: r["batch_per_device"])
         fit = [r for r in pts if r["fits"]]
         fails = [r for r in pts if not r["fits"]]
         in_six = [r for r in fit if r["peak_gib_max"] is not None and r["peak_gib_max"] <= PAPER_LIMIT_GIB]
         top = fit[-1] if fit else None
-        body.append([*key, top and top["batch_per_device"], top and top["peak_gib_max"],
-                     fails[0]["batch_per_device"] if fails else f"none up to {top and top['batch_per_device']}",
-                     in_six[-1]["batch_per_device"] if in_six else None])
+        body.append([
+            *key, top and top["batch_per_device"], top and top["peak_gib_max"],
+            fails[0]["batch_per_device"] if fails else f"none up to {top and top['batch_per_device']}",
+            in_six[-1]["batch_per_device"] if in_six else None
+        ])
     if plt is not None and any(r["peak_gib_max"] for r in rows):  # (CPU runs measure no device memory)
         fig, ax = plt.subplots(figsize=(6, 4))
         for key in dict.fromkeys((r["model"], r["layout"]) for r in rows):
@@ -177,8 +182,8 @@ def curve_table(run: Path, part: str) -> str:
         common = [abs(r["test_error"] - ref[r["step"]]) for r in pts if r["step"] in ref]
         body.append([name, pts[-1]["step"] + 1, pts[-1]["time_s"], pts[-1]["test_error"],
                      "reference" if name == "1gpu" else (max(common) if common else None)])
-    return table(["layout", "steps", "time s", "final test error", "largest difference from 1 GPU at the same step"],
-                 body)
+    return table(["layout", "steps", "time s", "final test error",
+                  "largest difference from 1 GPU at the same step"], body)
 
 
 def report(run: Path) -> Path:
@@ -186,14 +191,24 @@ def report(run: Path) -> Path:
     plt = pyplot()
     parts = [
         ("RQ1-RQ3: images/s per layout (speed, dp-mp, dp-mp-resnet, hybrid, scale)", speed_table(run)),
-        ("Model parallelism with overlapped exchanges, pipelines at their bound (mp-overlap, pp-bound)",
-         model_parallel_table(run)),
+        (
+            "Model parallelism with overlapped exchanges, pipelines at their bound (mp-overlap, pp-bound)",
+            model_parallel_table(run),
+        ),
         ("RQ4: throughput against batch per GPU (batch; figure batch.png)", batch_table(run, plt)),
-        ("RQ4: convergence against batch, digits (convergence; figure convergence/curve.png)", convergence_table(run)),
+        (
+            "RQ4: convergence against batch, digits (convergence; figure convergence/curve.png)",
+            convergence_table(run),
+        ),
         ("RQ5: memory per GPU (batch, memory; figure memory.png)", memory_table(run, plt)),
         ("Figure 1, digits in memory (curve; figure curve/curve.png)", curve_table(run, "curve")),
-        ("Figure 1, digits as 64x64 PNG files through the image-folder loader (input; figure input/curve.png)",
-         curve_table(run, "input")),
+        (
+            (
+                "Figure 1, digits as 64x64 PNG files through the image-folder loader (input; figure"
+                " input/curve.png)"
+            ),
+            curve_table(run, "input"),
+        ),
     ]
     text = f"# {run.name}\n\n" + "\n\n".join(f"## {title}\n\n{body}" for title, body in parts) + "\n"
     out = run / "report.md"

@@ -31,7 +31,8 @@ VARIANTS = {"sgd": "", "lars": "--opt lars --lr 1.0"}
 def _variant(text: str) -> tuple[str, str]:
     name, sep, flags = text.partition("=")
     if not sep or not name:
-        raise argparse.ArgumentTypeError(f"--variant {text!r}: write NAME=\"FLAGS\", e.g. lars=\"--opt lars --lr 1\"")
+        raise argparse.ArgumentTypeError(
+            f"--variant {text!r}: write NAME=\"FLAGS\", e.g. lars=\"--opt lars --lr 1\"")
     return name, flags
 
 
@@ -41,8 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", default=None, help="the four idx files (default: Debian's folder)")
     ap.add_argument("--batches", default="64,256,1024,4096", help="global batch sizes, comma-separated")
     ap.add_argument("--epochs", type=int, default=30)
-    ap.add_argument("--variant", type=_variant, action="append",
-                    help='NAME="FLAGS" added after the recipe (default: sgd="" and lars="--opt lars --lr 1.0")')
+    ap.add_argument(
+        "--variant", type=_variant, action="append",
+        help='NAME="FLAGS" added after the recipe (default: sgd="" and lars="--opt lars --lr 1.0")')
     args = ap.parse_args(argv)
     variants = args.variant or list(VARIANTS.items())
     batches = [int(b) for b in args.batches.split(",")]
@@ -60,11 +62,13 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 s = rayconv.fit(**settings, log=lambda *_: None)
             except Exception as e:  # (one bad variant leaves the others to run)
-                print(f"rq4 {name} B={batch}: failed: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
+                print(f"rq4 {name} B={batch}: failed: {type(e).__name__}: {str(e).splitlines()[0]}",
+                      flush=True)
                 continue
             row = {"variant": name, "flags": flags, "global_batch_size": batch, "epochs": settings["epochs"],
-                   "steps": s["steps"], "test_accuracy": s["test_accuracy"], "images_per_s": s["images_per_s"],
-                   "train_time_s": s["train_time_s"], "wall_s": time.perf_counter() - t0}
+                   "steps": s["steps"], "test_accuracy": s["test_accuracy"],
+                   "images_per_s": s["images_per_s"], "train_time_s": s["train_time_s"],
+                   "wall_s": time.perf_counter() - t0}
             rows.append(row)
             print(f"rq4 {name} B={batch}: top-1 {row['test_accuracy']:.4f}, {row['steps']} steps, "
                   f"{row['images_per_s']:.0f} images/s, {row['wall_s']:.1f} s", flush=True)

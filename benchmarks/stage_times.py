@@ -21,8 +21,9 @@ Prints (one line each, ms per micro-batch unless said):
   (what one GPU does, and how much a smaller batch costs per image);
 * ``EAGER_CUT``: the cut ``--balance time`` picks from eager per-layer times at the micro-batch size;
 * ``CUT k F0 B0 F1 B1 pred_step_ms pred_speedup``: per cut, the compiled stage times and the 1F1B
-  step they predict (``rayconv.parallel.pipeline.simulate.timeline``: each action starts when its stage is free and its
-  input has arrived; transfers cost ``--link-ms``), as a speedup over ``WHOLE`` at the global batch.
+  step they predict (``rayconv.parallel.pipeline.simulate.timeline``: each action starts when its stage is
+  free and its input has arrived; transfers cost ``--link-ms``), as a speedup over ``WHOLE`` at the global
+  batch.
 
 The prediction leaves out what the real pipeline adds (the exchange's launch, the optimizer step of
 each stage, the loss); it bounds what balancing alone can give.
@@ -78,12 +79,14 @@ def parse_flags() -> argparse.Namespace:
     p.add_argument("--model", default="resnet50")
     p.add_argument("--batch", type=int, default=512, help="global batch size (images)")
     p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--cuts", default="", help="comma-separated cuts k to time (default: the eager cut, then +-1, +-2)")
+    p.add_argument("--cuts", default="",
+                   help="comma-separated cuts k to time (default: the eager cut, then +-1, +-2)")
     p.add_argument("--link-ms", type=float, default=0.3, help="one activation or gradient transfer (ms)")
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--bound", action="store_true",
-                   help="only time the whole model at the global batch and its micro-batch sizes (M = 2..16) and "
-                        "print the speedup bound of a balanced pp=2 1F1B pipeline with free transfers")
+    p.add_argument(
+        "--bound", action="store_true",
+        help="only time the whole model at the global batch and its micro-batch sizes (M = 2..16) and "
+        "print the speedup bound of a balanced pp=2 1F1B pipeline with free transfers")
     return p.parse_args()
 
 
@@ -119,7 +122,8 @@ def print_bound(a: argparse.Namespace) -> None:
                 continue
             bound = ms[g] / ((m + 1) * ms[b] / 2)
             print(f"BOUND global {g} M={m} micro-batch {b}: pp=2 1F1B at most {bound:.3f}x one GPU "
-                  f"(micro-batch efficiency {ms[g] / g / (ms[b] / b):.3f}, bubble {1 / (m + 1):.3f})", flush=True)
+                  f"(micro-batch efficiency {ms[g] / g / (ms[b] / b):.3f}, bubble {1 / (m + 1):.3f})",
+                  flush=True)
 
 
 def print_eager_cut(model_name: str, mb: int) -> tuple[int, int]:
@@ -197,9 +201,10 @@ def main() -> None:
     for k in cuts:
         f_ms, b_ms, layers = time_cut(a.model, k, mb, a.reps)
         pred = max(finish for row in timeline(sched, f_ms, b_ms, a.link_ms) for _, finish in row)
-        print(f"CUT k={k} ({layers[k][0]}) F0 {f_ms[0]:.2f} B0 {b_ms[0]:.2f} F1 {f_ms[1]:.2f} B1 {b_ms[1]:.2f} "
-              f"stage0 {f_ms[0] + b_ms[0]:.2f} stage1 {f_ms[1] + b_ms[1]:.2f} pred_step_ms {pred:.2f} "
-              f"pred_speedup {ref_ms / pred:.3f}", flush=True)
+        print(
+            f"CUT k={k} ({layers[k][0]}) F0 {f_ms[0]:.2f} B0 {b_ms[0]:.2f} F1 {f_ms[1]:.2f} B1 {b_ms[1]:.2f} "
+            f"stage0 {f_ms[0] + b_ms[0]:.2f} stage1 {f_ms[1] + b_ms[1]:.2f} pred_step_ms {pred:.2f} "
+            f"pred_speedup {ref_ms / pred:.3f}", flush=True)
 
 
 if __name__ == "__main__":

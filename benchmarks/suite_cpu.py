@@ -45,13 +45,14 @@ def kind(titles: list[str]) -> str:
         named = [t.split()[0] for t in titles if t.startswith("ray::") and "IDLE" not in t]
         return f"Ray worker: {named[0].split(':')[-1][:40]}" if named else "Ray worker, never given work"
     for needle, name in (("ray-dashboard-", "Ray: dashboard modules (processes of their own)"),
-                         ("gcs_server", "Ray: GCS"), ("raylet", "Ray: raylet"), ("dashboard.py", "Ray: dashboard"),
-                         ("dashboard/agent.py", "Ray: dashboard agent"), ("runtime_env", "Ray: runtime env agent"),
-                         ("log_monitor", "Ray: log monitor"), ("monitor.py", "Ray: autoscaler monitor"),
+                         ("gcs_server", "Ray: GCS"), ("raylet", "Ray: raylet"),
+                         ("dashboard.py", "Ray: dashboard"), ("dashboard/agent.py", "Ray: dashboard agent"),
+                         ("runtime_env", "Ray: runtime env agent"), ("log_monitor", "Ray: log monitor"),
+                         ("monitor.py", "Ray: autoscaler monitor"),
                          ("multiprocessing", "multiprocessing workers (data loaders)"),
-                         ("rayconv.run", "rayconv commands"), ("rayconv.", "other rayconv modules run as commands"),
-                         ("execnet", "test processes"), ("sys.stdin.readline", "test processes"),
-                         ("pytest", "test processes")):
+                         ("rayconv.run", "rayconv commands"),
+                         ("rayconv.", "other rayconv modules run as commands"), ("execnet", "test processes"),
+                         ("sys.stdin.readline", "test processes"), ("pytest", "test processes")):
         if needle in text:
             return name
     return "other: " + (titles[0].split()[0] if titles and titles[0] else "?")
@@ -101,7 +102,8 @@ def main(argv: list[str]) -> int:
     value = f"{os.getpid()}-{time.time_ns()}"
     seen: dict = {}
     stop = threading.Event()
-    t = threading.Thread(target=sample, args=(stop, a.every_s, me, f"{TOKEN}={value}".encode(), seen), daemon=True)
+    t = threading.Thread(target=sample, args=(stop, a.every_s, me, f"{TOKEN}={value}".encode(), seen),
+                         daemon=True)
     t0 = time.monotonic()
     t.start()
     rc = subprocess.call(command, env={**os.environ, TOKEN: value})
@@ -118,7 +120,10 @@ def main(argv: list[str]) -> int:
     for k, (n, cpu) in sorted(by_kind.items(), key=lambda kv: -kv[1][1]):
         print(f"{k[:44]:44s} {n:6d} {cpu:8.1f} {cpu / n:6.2f} {100 * cpu / max(total, 1e-9):5.0f}%")
     cores = len(os.sched_getaffinity(0))
-    print(f"CPU {total:.0f} s in {wall:.0f} s of wall time on {cores} cores: {100 * total / (wall * cores):.0f}% busy")
+    print(
+        f"CPU {total:.0f} s in {wall:.0f} s of wall time on {cores} cores:"
+        f" {100 * total / (wall * cores):.0f}% busy"
+    )
     return rc
 
 

@@ -2,7 +2,7 @@
 where its trials' time went, the ratio of the two, and the configuration the search chose with its
 validation and test accuracy.
 
-    python benchmarks/tune_pack_report.py OUT      # OUT: tune_pack.sh's folder (walls.txt, packed/, sequential/)
+    python benchmarks/tune_pack_report.py OUT   # OUT: tune_pack.sh's folder (walls.txt, packed/, sequential/)
 
 Per trial, from its ``summary.json`` and ``metrics.parquet``: startup (seconds from the trial's run
 call to its actors set up: ``startup.phases.actors_set_up``), evaluation (each evaluation row's
@@ -20,7 +20,8 @@ from typing import Any, Optional
 
 
 def trial_times(folder: Path) -> Optional[dict[str, float]]:
-    """Startup, training, evaluation, end and wall seconds of one trial's run folder (None without a summary)."""
+    """Startup, training, evaluation, end and wall seconds of one trial's run folder (None without a
+    summary)."""
     path = folder / "summary.json"
     if not path.is_file():
         return None
@@ -55,8 +56,14 @@ def half(out: Path, name: str, wall: float, rc: int) -> dict[str, Any]:
         times = trial_times(Path(row["folder"])) if row.get("folder") else None
         trials.append({**row, **(times or {})})
     timed = [t for t in trials if "wall_s" in t]
-    mean = {k: sum(t[k] for t in timed) / len(timed) for k in ("startup_s", "train_s", "eval_s", "end_s", "wall_s")} \
-        if timed else {}
+    mean = (
+        {
+            k: sum(t[k] for t in timed) / len(timed)
+            for k in ("startup_s", "train_s", "eval_s", "end_s", "wall_s")
+        }
+        if timed
+        else {}
+    )
     return {"name": name, "rc": rc, "wall_s": wall, "metric": found["metric"], "best": found["best"],
             "trials": trials, "mean": mean, "trial_wall_sum_s": sum(t["wall_s"] for t in timed),
             "peak_gib": max([t["peak_gib"] for t in timed if t.get("peak_gib") is not None], default=None)}
@@ -67,15 +74,21 @@ def lines(halves: dict[str, dict[str, Any]]) -> list[str]:
     for h in halves.values():
         m, n = h["mean"], len(h["trials"])
         done = sum(1 for t in h["trials"] if t["status"] == "finished")
-        where = (f"per trial mean: startup {m['startup_s']:.1f} s, training {m['train_s']:.1f} s, evaluation "
-                 f"{m['eval_s']:.1f} s, end {m['end_s']:.1f} s (trial wall {m['wall_s']:.1f} s); trials' walls "
-                 f"sum {h['trial_wall_sum_s']:.1f} s = {h['trial_wall_sum_s'] / max(1e-9, h['wall_s']):.2f}x "
-                 "the search's wall") if m else "no trial timings"
-        if m and h["name"] == "sequential":   # (one trial at a time: the rest is Ray's start, Tune, each trial's process)
+        where = (
+            f"per trial mean: startup {m['startup_s']:.1f} s, training {m['train_s']:.1f} s, evaluation "
+            f"{m['eval_s']:.1f} s, end {m['end_s']:.1f} s (trial wall {m['wall_s']:.1f} s); trials' walls "
+            f"sum {h['trial_wall_sum_s']:.1f} s = {h['trial_wall_sum_s'] / max(1e-9, h['wall_s']):.2f}x "
+            "the search's wall"
+            if m
+            else "no trial timings"
+        )
+        # (one trial at a time: the rest is Ray's start, Tune, each trial's process)
+        if m and h["name"] == "sequential":
             where += f"; outside the trials' runs {h['wall_s'] - h['trial_wall_sum_s']:.1f} s"
         if h["peak_gib"] is not None:
             where += f"; largest actor peak GPU memory {h['peak_gib']:.2f} GiB"
-        out.append(f"{h['name']}: wall {h['wall_s']:.1f} s (rc {h['rc']}), {done}/{n} trials finished; {where}")
+        out.append(
+            f"{h['name']}: wall {h['wall_s']:.1f} s (rc {h['rc']}), {done}/{n} trials finished; {where}")
     if "packed" in halves and "sequential" in halves:
         p, s = halves["packed"]["wall_s"], halves["sequential"]["wall_s"]
         out.append(f"packed / sequential: {p:.1f} s / {s:.1f} s = {p / max(1e-9, s):.3f} (target <= 0.6)")
@@ -86,13 +99,18 @@ def lines(halves: dict[str, dict[str, Any]]) -> list[str]:
             continue
         params = ", ".join(f"{k} {b[k]}" for k in ("lr", "opt") if k in b)
         test = b.get("test_accuracy")
-        out.append(f"{h['name']}: chosen by {h['metric']}: {params} ({b['trial']}): {h['metric']} {b[h['metric']]:.4f}, "
-                   f"test_accuracy {test:.4f}" if test is not None else f"{h['name']}: chosen {params}: no test accuracy")
+        out.append(
+            f"{h['name']}: chosen by {h['metric']}: {params} ({b['trial']}): {h['metric']}"
+            f" {b[h['metric']]:.4f}, test_accuracy {test:.4f}"
+            if test is not None
+            else f"{h['name']}: chosen {params}: no test accuracy"
+        )
     for h in list(halves.values())[:1]:   # the first half's trials, one line each
         for t in h["trials"]:
             val = t.get(h["metric"])
-            out.append(f"  {h['name']} {t['trial']}: lr {t.get('lr')} opt {t.get('opt')}: {h['metric']} "
-                       f"{'-' if val is None else f'{val:.4f}'}, {t['status']}, wall {t.get('wall_s', 0):.1f} s")
+            out.append(
+                f"  {h['name']} {t['trial']}: lr {t.get('lr')} opt {t.get('opt')}: {h['metric']} "
+                f"{'-' if val is None else f'{val:.4f}'}, {t['status']}, wall {t.get('wall_s', 0):.1f} s")
     return out
 
 

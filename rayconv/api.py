@@ -29,11 +29,11 @@ def fit(config: Optional[Config] = None, /, *, log=print, on_eval=None, **settin
     """Train as ``config`` (a Config, or None for the defaults) with ``settings`` over it, as
     ``python -m rayconv.run`` with those flags would, and return the run's summary (summary.json's
     content; its ``out`` says where the results are: a local folder in full, or the URI as given, e.g.
-    ``out="s3://bucket/runs/r1"``). ``log`` receives the progress lines; ``on_eval(row, total_steps)``, if given, each
-    evaluation's metrics row (raising ``rayconv.errors.RunStopped`` in it stops the run, its folder kept
-    with status interrupted: how ``rayconv.tune`` stops a trial early). With ``resume=``, the checkpoint's settings come
-    first, as on the command line. Raises ConfigError / DataError / LayoutError / CheckpointError /
-    FileExistsError before Ray starts, ClusterError when the actors fail."""
+    ``out="s3://bucket/runs/r1"``). ``log`` receives the progress lines; ``on_eval(row, total_steps)``, if
+    given, each evaluation's metrics row (raising ``rayconv.errors.RunStopped`` in it stops the run, its
+    folder kept with status interrupted: how ``rayconv.tune`` stops a trial early). With ``resume=``, the
+    checkpoint's settings come first, as on the command line. Raises ConfigError / DataError / LayoutError /
+    CheckpointError / FileExistsError before Ray starts, ClusterError when the actors fail."""
     begin(None, "fit call")  # summary.json's startup: seconds since this call
     if config is not None and not isinstance(config, Config):
         raise ConfigError(f"rayconv.fit(config): a rayconv.Config or None, not {type(config).__name__} "

@@ -24,7 +24,8 @@ class ClusterError(RuntimeError):
 
 
 class CallTimeout(ClusterError):
-    """A call to the actors did not return within its limit (``ActorGroup.collect``); the actors were stopped."""
+    """A call to the actors did not return within its limit (``ActorGroup.collect``); the actors were
+    stopped."""
 
 
 class RunStopped(KeyboardInterrupt):

@@ -84,7 +84,10 @@ class Mesh:
         return "-".join(parts) or "dp0"
 
     def describe(self) -> str:
-        return f"dp={self.dp} x pp={self.pp} x fs={self.fs} ({self.world_size} actor{'' if self.world_size == 1 else 's'})"
+        return (
+            f"dp={self.dp} x pp={self.pp} x fs={self.fs} ({self.world_size}"
+            f" actor{'' if self.world_size == 1 else 's'})"
+        )
 
 
 def split_sizes(n: int, parts: int) -> list[int]:

@@ -21,7 +21,9 @@ from rayconv.files import cache_dir, write_json
 from rayconv.user_model import SPEC_FORM, is_user_model
 
 RAYCONV_MODELS = ("convnet", "convnet_bn", "convnet2col", "alexnet2012")
-LIST_MODELS = "`python -c 'import torchvision; print(torchvision.models.list_models(module=torchvision.models))'`"
+LIST_MODELS = (
+    "`python -c 'import torchvision; print(torchvision.models.list_models(module=torchvision.models))'`"
+)
 _WRITTEN: dict[Path, list[str]] = {}   # the listing this process found (or wrote) in each file
 
 
@@ -74,9 +76,10 @@ def unknown_model(name: str, names: list[str]) -> ConfigError:
         hint = f" (your own model file? --model {name}:FUNCTION, FUNCTION returning the nn.Module)"
     elif "." in name:  # (module.function: the user's own model, given without its colon)
         hint = f" (your own model? --model {name.rpartition('.')[0]}:{name.rpartition('.')[2]})"
-    return ConfigError(f"unknown --model {name!r}{hint}: use {', '.join(RAYCONV_MODELS)}, or any of torchvision's "
-                       f"{len(names) - len(RAYCONV_MODELS)} classification models (alexnet, resnet18, vgg16, ...; "
-                       f"{LIST_MODELS} lists them), or your own as {SPEC_FORM}")
+    return ConfigError(
+        f"unknown --model {name!r}{hint}: use {', '.join(RAYCONV_MODELS)}, or any of torchvision's "
+        f"{len(names) - len(RAYCONV_MODELS)} classification models (alexnet, resnet18, vgg16, ...; "
+        f"{LIST_MODELS} lists them), or your own as {SPEC_FORM}")
 
 
 def check_known(name: object) -> None:

@@ -8,7 +8,8 @@
     python -m rayconv.plan --model resnet18 --data shards --data-dir shards --global-batch-size 256
 
 The command line of the planner, nothing else: the cost model is ``rayconv.planner.costmodel``, the
-measurements ``rayconv.planner.measure``, the search ``rayconv.planner.search``. Exit status 2 for bad input, one line; 1 when no layout fits.
+measurements ``rayconv.planner.measure``, the search ``rayconv.planner.search``. Exit status 2 for bad input,
+one line; 1 when no layout fits.
 """
 
 from __future__ import annotations
@@ -29,28 +30,42 @@ from rayconv.planner.links import MACHINES  # (plain Python: --help and argument
 
 def parse_args(argv: Optional[list[str]] = None):
     """The planner's arguments; argparse exits 2 with one line on a bad one."""
-    p = OneLineParser(prog="python -m rayconv.plan", error_name="rayconv.plan",
-                      description="Rank rayconv's layouts by predicted images/s from measured layer and link times.")
-    p.add_argument("--model", default="convnet", help="model name, as rayconv.run's --model (default convnet)")
+    p = OneLineParser(
+        prog="python -m rayconv.plan", error_name="rayconv.plan",
+        description="Rank rayconv's layouts by predicted images/s from measured layer and link times.")
+    p.add_argument("--model", default="convnet",
+                   help="model name, as rayconv.run's --model (default convnet)")
     p.add_argument("--global-batch-size", type=int, default=64, help="images per step (default 64)")
-    p.add_argument("--gpus", type=int, default=None,
-                   help="devices to lay out (default: the cluster's GPUs, or this machine's; on CPU 2 actors)")
-    p.add_argument("--address", default=None, help="Ray cluster to measure on (layer times on one of its GPUs, "
-                                                   "links between two of its actors)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when there is a GPU")
+    p.add_argument(
+        "--gpus", type=int, default=None,
+        help="devices to lay out (default: the cluster's GPUs, or this machine's; on CPU 2 actors)")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster to measure on (layer times on one of its GPUs, "
+                        "links between two of its actors)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: cuda when there is a GPU")
     p.add_argument("--precision", default=None, choices=PRECISION_CHOICES,
                    help="default: bf16 on GPUs, fp32 on CPU")
-    p.add_argument("--data", default=None, choices=DATA_CHOICES,
-                   help="the data to plan for, as rayconv.run's --data (its image shape and classes; default: "
-                        "digits (1x8x8) for convnet, synthetic ImageNet-shaped otherwise)")
-    p.add_argument("--data-dir", default=None, help="the folder of --data imagefolder, shards or fashion-mnist, "
-                                                   "as rayconv.run's --data-dir (without --data: what it holds)")
-    p.add_argument("--image-size", type=int, default=None,
-                   help="training image side in pixels, as rayconv.run's (default: the data's own; synthetic 224)")
+    p.add_argument(
+        "--data",
+        default=None,
+        choices=DATA_CHOICES,
+        help=(
+            "the data to plan for, as rayconv.run's --data (its image shape and classes; default: "
+            "digits (1x8x8) for convnet, synthetic ImageNet-shaped otherwise)"
+        ),
+    )
+    p.add_argument("--data-dir", default=None,
+                   help="the folder of --data imagefolder, shards or fashion-mnist, "
+                        "as rayconv.run's --data-dir (without --data: what it holds)")
+    p.add_argument(
+        "--image-size", type=int, default=None,
+        help="training image side in pixels, as rayconv.run's (default: the data's own; synthetic 224)")
     p.add_argument("--remeasure", action="store_true",
                    help="measure anew, ignoring (and then replacing) the cached measurements")
-    p.add_argument("--max-memory-gib", type=float, default=None,
-                   help="keep only layouts whose predicted peak memory per device fits (6: Yadan et al.'s TITAN)")
+    p.add_argument(
+        "--max-memory-gib", type=float, default=None,
+        help="keep only layouts whose predicted peak memory per device fits (6: Yadan et al.'s TITAN)")
     p.add_argument("--machine", default="", help=f"also predict for machines not at hand, comma-separated: "
                                                  f"{', '.join(MACHINES)}, or all (assumed link table)")
     p.add_argument("--top", type=int, default=15, help="rows of each table (default 15; 0: all)")
@@ -86,14 +101,17 @@ def _plan(a) -> int:
 
     kind, slots = _devices(a)
     world = a.gpus or slots
-    given = with_data_kind({"data_dir": a.data_dir, **({"data": a.data} if a.data else {})})  # --data-dir alone
+    # --data-dir alone
+    given = with_data_kind({"data_dir": a.data_dir, **({"data": a.data} if a.data else {})})
     data = given.get("data") or ("digits" if a.model.startswith("convnet") else "synthetic")
     cfg = Config(model=a.model, data=data, data_dir=a.data_dir, image_size=a.image_size,
-                 global_batch_size=a.global_batch_size, precision=a.precision or ("bf16" if kind == "cuda" else "fp32"),
-                 device=kind, address=a.address).validate()
+                 global_batch_size=a.global_batch_size,
+                 precision=a.precision or ("bf16" if kind == "cuda" else "fp32"), device=kind,
+                 address=a.address).validate()
     use_cluster = a.address is not None
     meas = Measurements(search.plan_config(cfg), kind, use_cluster=use_cluster and kind == "cuda",
-                        log=lambda line: print(line, file=sys.stderr, flush=True))   # progress: beside the tables
+                        # progress: beside the tables
+                        log=lambda line: print(line, file=sys.stderr, flush=True))
     meas.load(remeasure=a.remeasure)
     t0 = time.perf_counter()
     where = "on the cluster" if use_cluster else "here"
@@ -108,13 +126,15 @@ def _plan(a) -> int:
                                       f"global batch {a.global_batch_size}"))
     meas.save()
     print("\n\n".join(r.table(a.top) for r in rankings))
-    print(f"\n(planned in {time.perf_counter() - t0:.2f} s"
-          f"{'; measured ' + ', '.join(meas.measured) if meas.measured else ', all measurements from the cache'}: "
-          f"{meas.path})")
+    measured = ("; measured " + ", ".join(meas.measured) if meas.measured
+                else ", all measurements from the cache")
+    print(f"\n(planned in {time.perf_counter() - t0:.2f} s{measured}: {meas.path})")
     if meas.reused:
         print(meas.reused)
-    print("(images/s are predicted by a cost model from the layer times and links above, not measured; a run with "
-          "--layout auto prints its prediction beside the images/s it measured)")
+    print(
+        "(images/s are predicted by a cost model from the layer times and links above, not measured; a run"
+        " with --layout auto prints its prediction beside the images/s it measured)"
+    )
     if a.json:
         _write_json(Path(a.json), rankings)
     return 0 if rankings[0].fits else 1

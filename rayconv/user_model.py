@@ -10,10 +10,10 @@ import block`` imports ``layers.py`` beside it); other imports must be installed
 The actors need not have the user's code installed: ``actor_runtime_env`` names, for Ray's runtime
 environment, the user's modules to ship (``py_modules``: a package's folder or a single ``.py`` file,
 uploaded once and put on every actor's ``sys.path``, on every node; for a file given by its path, the
-modules imported from its folder too: a node need not share the driver's file system) and, for a callable that cannot
-be imported by name (a lambda, a local function, one of ``__main__``), its cloudpickle in an
-environment variable. Every process then builds the model from the same string (``resolve``).
-Errors a user can fix raise ConfigError in one line naming ``--model``.
+modules imported from its folder too: a node need not share the driver's file system) and, for a callable that
+cannot be imported by name (a lambda, a local function, one of ``__main__``), its cloudpickle in an
+environment variable. Every process then builds the model from the same string (``resolve``). Errors a user
+can fix raise ConfigError in one line naming ``--model``.
 
 This module imports torch only to build a model or to check one given to ``rayconv.fit``: the driver
 names the model and sets up the actors' runtime environment (``actor_runtime_env``) before it imports
@@ -99,7 +99,8 @@ def resolve(name: str) -> Callable:
         if not hasattr(obj, attr):
             where = spec.path or spec.module
             inside = ".".join(spec.function.split(".")[:i]) or where
-            raise ConfigError(f"--model {name}: {inside} has no {attr!r}: name a function or class of {where}")
+            raise ConfigError(
+                f"--model {name}: {inside} has no {attr!r}: name a function or class of {where}")
         obj = getattr(obj, attr)
     if not callable(obj):
         raise ConfigError(f"--model {name}: {spec.function} is a {type(obj).__name__}, not callable: name a "
@@ -146,9 +147,15 @@ def _import(spec: ModelSpec) -> types.ModuleType:
         relative = ""
         if spec.path and isinstance(e, ImportError) and "no known parent package" in str(e):
             folder = Path(spec.path).resolve().parent
-            relative = f" (its folder is a package: give --model {folder.name}.{spec.module}:{spec.function} from " \
-                "the folder above it)" if (folder / "__init__.py").is_file() else " (a file given by its path " \
-                "is imported as a top-level module: import the modules beside it by name, `from layers import ...`)"
+            relative = (
+                f" (its folder is a package: give --model {folder.name}.{spec.module}:{spec.function} from "
+                "the folder above it)"
+                if (folder / "__init__.py").is_file()
+                else (
+                    " (a file given by its path is imported as a top-level module: import the modules beside"
+                    " it by name, `from layers import ...`)"
+                )
+            )
         raise ConfigError(f"--model {spec.text}: importing {spec.path or spec.module} raised "
                           f"{type(e).__name__}: {_first_line(e)}{relative}") from None
 
@@ -163,8 +170,9 @@ def _missing_advice(spec: ModelSpec, missing: str) -> str:
     folder = Path(spec.path).resolve().parent if spec.path and Path(spec.path).is_file() else None
     if folder is not None and ((folder / f"{top}.py").is_file() or (folder / top).is_dir()):
         return f" ({top} is beside {spec.path}: check that import)"
-    return (f" (install the package that provides {top}, e.g. `pip install {top}`, into the Python environment "
-            "rayconv runs in, on every node)")
+    return (
+        f" (install the package that provides {top}, e.g. `pip install {top}`, into the Python environment "
+        "rayconv runs in, on every node)")
 
 
 def build_user_model(name: str, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
@@ -180,12 +188,14 @@ def build_user_model(name: str, num_classes: int, in_channels: int, image_size: 
         if "num_classes" not in named and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
             raise ConfigError(f"--model {name}: {_label(fn)} takes no num_classes argument: rayconv calls it "
                               "as FUNCTION(num_classes=K[, in_channels=C][, image_size=S])")
-        kwargs.update({k: v for k, v in (("in_channels", in_channels), ("image_size", image_size)) if k in named})
+        kwargs.update({k: v for k, v in (("in_channels", in_channels), ("image_size", image_size))
+                       if k in named})
     try:
         model = fn(**kwargs)
     except Exception as e:  # noqa: BLE001 - the user's builder raised
         args = ", ".join(f"{k}={v}" for k, v in kwargs.items())
-        raise ConfigError(f"--model {name}: {_label(fn)}({args}) raised {type(e).__name__}: {_first_line(e)}") from None
+        raise ConfigError(
+            f"--model {name}: {_label(fn)}({args}) raised {type(e).__name__}: {_first_line(e)}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"--model {name}: {_label(fn)} returned {type(model).__name__}, not an nn.Module: "
                           "name a function or class that builds the model")
@@ -220,9 +230,11 @@ def model_name(model: Any) -> str:
         raise ConfigError(f"model={type(model).__name__}(...) is a built model: give the function or class "
                           f"that builds it (model={type(model).__name__}), which every actor calls")
     if not callable(model):
-        raise ConfigError(f"model={model!r}: give a model name, {SPEC_FORM}, or a callable returning an nn.Module")
+        raise ConfigError(
+            f"model={model!r}: give a model name, {SPEC_FORM}, or a callable returning an nn.Module")
     module, qualname = getattr(model, "__module__", None), getattr(model, "__qualname__", None)
-    if module and qualname and module != "__main__" and "<" not in qualname and _lookup(module, qualname) is model:
+    if module and qualname and module != "__main__" and "<" not in qualname and _lookup(module,
+                                                                                        qualname) is model:
         return f"{module}:{qualname}"
     name = f"{module or 'callable'}:{qualname or type(model).__name__}"
     _pickled(model, name)
@@ -258,8 +270,9 @@ def _pickled(fn: Callable, name: str) -> tuple[bytes, set[str]]:
     try:
         Recorder(buf).dump(fn)
     except Exception as e:  # noqa: BLE001 - any pickling failure is the user's to fix
-        raise ConfigError(f"model={name}: the callable cannot be pickled for the actors ({type(e).__name__}: "
-                          f"{_first_line(e)}): define it at the top level of a module and give that") from None
+        raise ConfigError(
+            f"model={name}: the callable cannot be pickled for the actors ({type(e).__name__}: "
+            f"{_first_line(e)}): define it at the top level of a module and give that") from None
     if buf.tell() > MAX_PICKLE_BYTES:
         raise ConfigError(f"model={name}: the callable pickles to {buf.tell() // 1024} KiB (over "
                           f"{MAX_PICKLE_BYTES // 1024} KiB: it holds data): define it in a module and give "
@@ -371,4 +384,5 @@ def with_uploads(env: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
             return upload_py_modules_if_needed(dict(env), include_gitignore=True, scratch_dir=scratch,
                                                logger=logging.getLogger("rayconv"))
     except Exception as e:  # noqa: BLE001 - any failure to upload is reported in one line
-        raise ClusterError(f"could not ship {', '.join(env['py_modules'])} to the cluster: {first_line(e)}") from None
+        raise ClusterError(
+            f"could not ship {', '.join(env['py_modules'])} to the cluster: {first_line(e)}") from None

@@ -52,7 +52,8 @@ def _cpus_free(n: int, wait_s: float = 3.0, keep: bool = False) -> bool:
     if not keep:
         pool.release()
     deadline = time.monotonic() + wait_s
-    while ray.available_resources().get("CPU", 0.0) + (pool.kept_resources().get("CPU", 0.0) if keep else 0.0) != n:
+    while ray.available_resources().get("CPU", 0.0) + (pool.kept_resources().get("CPU",
+                                                                                 0.0) if keep else 0.0) != n:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)
@@ -74,7 +75,11 @@ def ray_cluster(request):
     for them (each actor not started again saves seconds of a core: Ray's worker and torch's import); its
     runs start their own where none is kept. ``pytest_sessionfinish`` shuts the cluster down."""
     keep = request.node.get_closest_marker("takes_kept_actors") is not None
-    if ray.is_initialized() and _SHARED["gcs"] == ray.get_runtime_context().gcs_address and _cpus_free(4, keep=keep):
+    if (
+        ray.is_initialized()
+        and _SHARED["gcs"] == ray.get_runtime_context().gcs_address
+        and _cpus_free(4, keep=keep)
+    ):
         yield
         return
     _shut_two_nodes()

@@ -106,7 +106,9 @@ class Batches:
         announce the next epoch's batches (unless the run ends with this epoch), so that the source reads
         them while this step computes and the evaluation runs."""
         epoch, step_in_epoch = divmod(step, self.sharding.steps_per_epoch)
-        if step_in_epoch == self.sharding.steps_per_epoch - 1 and (self.epochs is None or epoch + 1 < self.epochs):
+        if step_in_epoch == self.sharding.steps_per_epoch - 1 and (
+            self.epochs is None or epoch + 1 < self.epochs
+        ):
             self._announce_epoch(epoch + 1, 0)
 
     def _announce_epoch(self, epoch: int, step_in_epoch: int) -> None:
@@ -185,7 +187,11 @@ class Batches:
 
     def _images(self, split: str, idx: np.ndarray, epoch: int) -> torch.Tensor:
         x = self.source.images(split, idx, self.device, epoch, dtype=self.input_dtype)
-        return x.contiguous(memory_format=torch.channels_last) if self.device.type == "cuda" and x.dim() == 4 else x
+        return (
+            x.contiguous(memory_format=torch.channels_last)
+            if self.device.type == "cuda" and x.dim() == 4
+            else x
+        )
 
     def _targets(self, split: str, replica: int, idx: np.ndarray, mix: Optional[StepMix]) -> torch.Tensor:
         """Replica ``replica``'s labels of samples ``idx`` (N,), or mixed with its partners' as soft
@@ -216,7 +222,9 @@ class Batches:
             idx = replica_idx[self.coord.dp]
             slices = split_slices(len(idx), n_mb)
             # (a stage that read the images may have its labels on the device already, copied with them)
-            made = self.source.device_labels(split, idx, self.device) if self.is_first and mix is None else None
+            made = (
+                self.source.device_labels(split, idx, self.device) if self.is_first and mix is None else None
+            )
             y_all = made if made is not None else self._targets(split, self.coord.dp, idx, mix)
             host = lambda m: y_all[slices[m]]  # noqa: E731
         else:

@@ -76,10 +76,10 @@ class StepGraph:
     code compiles, NCCL connects its peers); the next step of ``key`` (whatever fixes a step's shapes:
     the per-replica batch sizes of a full global batch) is captured and replayed from then on. A step of
     another key (an epoch's last, partial batch) runs eagerly once (cuDNN picks its algorithms for the
-    shape; the warm-up of ``key`` set up the rest), then is captured too, in a graph and memory pool of its own, and replayed
-    at each epoch's end; at most ``MAX_KEYS`` keys are captured, later ones stay eager. Every step of a
-    key replays the same graph, and every rank captures the same keys at the same steps (a key is the
-    global batch's split), so the graphs' collectives match across ranks.
+    shape; the warm-up of ``key`` set up the rest), then is captured too, in a graph and memory pool of its
+    own, and replayed at each epoch's end; at most ``MAX_KEYS`` keys are captured, later ones stay eager.
+    Every step of a key replays the same graph, and every rank captures the same keys at the same steps (a key
+    is the global batch's split), so the graphs' collectives match across ranks.
     """
 
     MAX_KEYS = 2
@@ -87,7 +87,8 @@ class StepGraph:
     def __init__(self, device: torch.device, key: Hashable, warmup: int = 2):
         self.device, self.key, self.warmup = device, key, warmup
         self.stream = torch.cuda.Stream(device)
-        self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = {}   # key -> (graph, what step returned)
+        # key -> (graph, what step returned)
+        self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.eager_runs: dict[Hashable, int] = {}   # key -> eager steps of that key so far
         self.static: dict[tuple, torch.Tensor] = {}
         self.capture_s: Optional[float] = None  # host seconds of the last capture, until taken
@@ -139,7 +140,8 @@ class StepGraph:
         current.wait_stream(self.stream)
         return out
 
-    def run(self, key: Hashable, step: Callable[[], object], generators: Iterable[torch.Generator] = ()) -> object:
+    def run(self, key: Hashable, step: Callable[[], object],
+            generators: Iterable[torch.Generator] = ()) -> object:
         """Run ``step()`` eagerly (warm-up, or a shape not captured yet) or replay its key's capture.
         Returns what ``step`` returned (from the capture when replaying: its tensors hold this step's
         values after the replay). Raises what capture raises (an operation a graph cannot hold)."""

@@ -73,8 +73,9 @@ class RecipeStep:
     ``skipped``: whether the last step was skipped for an overflow; ``overflow_at``: a test hook, the
     step at which this actor's gradients are made to overflow (``Actor.inject_overflow``)."""
 
-    def __init__(self, cfg: Config, parallel: ParallelPart, optimizer: torch.optim.Optimizer, groups: comm.Groups,
-                 coord: Coord, per_layer: bool, device: torch.device, steps_per_epoch: int):
+    def __init__(self, cfg: Config, parallel: ParallelPart, optimizer: torch.optim.Optimizer,
+                 groups: comm.Groups, coord: Coord, per_layer: bool, device: torch.device,
+                 steps_per_epoch: int):
         self.cfg, self.groups, self.device = cfg, groups, device
         self.steps_per_epoch = steps_per_epoch
         self.params = [p for p in parallel.part.parameters() if p.requires_grad]
@@ -94,7 +95,8 @@ class RecipeStep:
         split_ids = {id(p) for p in self.split}
         pairs = sorted(adapted_params(optimizer), key=lambda pw: id(pw[0]) not in split_ids) \
             if cfg.opt == "lars" else []
-        self.lars = ([p for p, _ in pairs], [wd for _, wd in pairs], sum(id(p) in split_ids for p, _ in pairs))
+        self.lars = ([p for p, _ in pairs], [wd for _, wd in pairs],
+                     sum(id(p) in split_ids for p, _ in pairs))
         self.lars_group = groups.axis["dp"] if per_layer else groups.axis["fs"]
         self.lars_decays = torch.tensor(self.lars[1], dtype=torch.float64, device=device)
         self.ema = PartEMA(parallel.part, ema_decay(cfg, steps_per_epoch), cfg.model_ema_steps) \
@@ -106,9 +108,9 @@ class RecipeStep:
         return None if self.scaler is None else self.scaler.scale
 
     def before_update(self, step: int) -> bool:
-        """After the data-parallel all-reduce: unscale and agree on overflow (fp16), then clip, then LARS. Returns
-        True when the step must be skipped (an overflow anywhere in the mesh; the scale is backed off).
-        Collective: over the world group under fp16, over the norm groups with clipping."""
+        """After the data-parallel all-reduce: unscale and agree on overflow (fp16), then clip, then LARS.
+        Returns True when the step must be skipped (an overflow anywhere in the mesh; the scale is backed
+        off). Collective: over the world group under fp16, over the norm groups with clipping."""
         self.skipped = False
         if self.scaler is not None:
             if self.overflow_at == step and self.params:  # (test hook; see Actor.inject_overflow)

@@ -53,7 +53,8 @@ def materialise(m: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     event, clock = m.pop("event", None), m.pop("clock", None)
     if event is not None:
         event.synchronize()
-    return {**m, "loss_sum": float(m["loss_sum"]), "correct": int(m["correct"]), **(clock.read() if clock else {})}
+    return {**m, "loss_sum": float(m["loss_sum"]), "correct": int(m["correct"]),
+            **(clock.read() if clock else {})}
 
 
 def trace(a: ActorState, train_steps: Callable[[int, int, float], object], flush: Callable[[], object],
@@ -63,7 +64,8 @@ def trace(a: ActorState, train_steps: Callable[[int, int, float], object], flush
     device kernel time (ms; NCCL kernels overlap compute, so it may exceed the wall time) and, as
     text, the profiler's table of the most expensive operators (self device time on GPUs, self CPU
     time otherwise) and cProfile's of the actor's Python functions (by own time, then by cumulative time)."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile  # (imports triton: only for a trace)
+    # (imports triton: only for a trace)
+    from torch.profiler import ProfilerActivity, profile as torch_profile
 
     cuda = a.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

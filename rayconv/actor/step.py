@@ -58,7 +58,8 @@ def train_step(a: ActorState, step: int, lr: float, profile: bool, t0: float) ->
     graph = a.step_graph
     # A profiled step runs eagerly, also where steps replay a CUDA graph, so that its waits can be timed.
     graphed = graph is not None and not profile and graph.will_replay(key)
-    mb = a.batches.train(epoch, replica_idx, a.routing.schedule.num_microbatches, clock, graph if graphed else None)
+    mb = a.batches.train(epoch, replica_idx, a.routing.schedule.num_microbatches, clock,
+                         graph if graphed else None)
     # 2. Dropout seeds and the learning rate.
     generators = seed(a, step)
     if not a.train_mode:   # (train() walks every module: at the first step and after an evaluation only)
@@ -144,7 +145,8 @@ def sgd(a: ActorState, step: int, mb: MicroBatches, global_count: int, profile: 
     commit_batchnorm(a.parallel.deferred_bn)  # (once per step, after the last micro-batch)
     if a.parallel.has_buffers and not a.cfg.sync_batchnorm:
         # Per-replica batch-norm statistics (as DDP): running stats follow dp replica 0.
-        broadcast_modules(a.parallel.replicated, a.groups.ranks["dp"][0], a.groups.axis["dp"], buffers_only=True)
+        broadcast_modules(a.parallel.replicated, a.groups.ranks["dp"][0], a.groups.axis["dp"],
+                          buffers_only=True)
     if a.device.type == "cuda":
         loss.held = loss.pair()   # (inside a captured step: a replay leaves the step's scalars ready)
     # (a replay does not run this function: it repeats the captured step's communication)

@@ -62,4 +62,5 @@ class StepClock:
 
     def read(self) -> dict[str, Optional[float]]:
         """The step's time and input stall in ms (waits for the step's end marker on CUDA)."""
-        return {"step_ms": self._ms("start", "end"), "input_stall_ms": self._ms("input_begin", "input_end") or 0.0}
+        return {"step_ms": self._ms("start", "end"),
+                "input_stall_ms": self._ms("input_begin", "input_end") or 0.0}

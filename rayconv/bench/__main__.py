@@ -3,12 +3,12 @@
 For each model and layout: start the actors, run ``--warmup`` steps (the whole first epoch when it ends
 in a partial batch, whose shape's one-time set-up is then not timed: ``bench.measure.warmup_steps``),
 then time ``--steps`` steps on synthetic ImageNet-shaped data (3 x 224 x 224, 1000 classes) and a few
-profiled steps that split the step into its costs (``bench.measure``). In the same run the anchors are measured under the same
-precision and global batch: plain PyTorch on 1 device and torchrun DDP on the layout's devices
-(``bench.anchor``), each in the fastest of its candidate configurations (eager; compiled, and for DDP
-compile(DDP) and DDP(compile), on GPUs; DDP's bucket settings), the winner named in the row.
-``--data imagefolder --data-dir DIR`` reads real JPEG files through the loader instead of synthetic
-data, so that each row's input stall shows (the anchors then do not run). Writes into ``--out``:
+profiled steps that split the step into its costs (``bench.measure``). In the same run the anchors are
+measured under the same precision and global batch: plain PyTorch on 1 device and torchrun DDP on the layout's
+devices (``bench.anchor``), each in the fastest of its candidate configurations (eager; compiled, and for DDP
+compile(DDP) and DDP(compile), on GPUs; DDP's bucket settings), the winner named in the row. ``--data
+imagefolder --data-dir DIR`` reads real JPEG files through the loader instead of synthetic data, so that each
+row's input stall shows (the anchors then do not run). Writes into ``--out``:
 
 * ``bench.parquet``: one row per (model, layout): images_per_s, step_ms (and ``step_ms_median``: a mean
   well above the median is a few slow steps, such as epoch ends), speedup over rayconv on 1
@@ -61,21 +61,26 @@ MAX_CALL_TIMEOUT_S = 7 * 24 * 3600.0  # --call-timeout-s: a week (Ray's wait tak
 
 def _add_workload(p: argparse.ArgumentParser) -> None:
     """What is measured: layouts, models, batches, steps, data."""
-    p.add_argument("--layouts", default="1gpu,dp2,fs2,pp2,plan2",
-                   help="comma-separated layout names, e.g. 1gpu, dp2, fs2, fs2c4 (each gather in 4 overlapped "
-                        "pieces), pp2 (tries 2, 4, 8 micro-batches), pp2m4, pp2m4-gpipe, pp2m4v2 (interleaved), plan2, "
-                        "dp2xfs2 (default %(default)s)")
-    p.add_argument("--models", default="alexnet,resnet50",
-                   help="comma-separated: alexnet, resnet50, any torchvision classification model, or convnet "
-                        "(default %(default)s)")
-    p.add_argument("--global-batch-size", default=None,
-                   help="comma-separated, e.g. 256,1024 (default 256; with --curve: one curve per batch size, "
-                        "default rayconv.run's)")
+    p.add_argument(
+        "--layouts", default="1gpu,dp2,fs2,pp2,plan2",
+        help="comma-separated layout names, e.g. 1gpu, dp2, fs2, fs2c4 (each gather in 4 overlapped "
+        "pieces), pp2 (tries 2, 4, 8 micro-batches), pp2m4, pp2m4-gpipe, pp2m4v2 (interleaved), plan2, "
+        "dp2xfs2 (default %(default)s)")
+    p.add_argument(
+        "--models", default="alexnet,resnet50",
+        help="comma-separated: alexnet, resnet50, any torchvision classification model, or convnet "
+        "(default %(default)s)")
+    p.add_argument(
+        "--global-batch-size", default=None,
+        help="comma-separated, e.g. 256,1024 (default 256; with --curve: one curve per batch size, "
+        "default rayconv.run's)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per layout (default %(default)s)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps first; the first compiles on GPUs; through the first epoch when it "
+    p.add_argument("--warmup", type=int, default=5,
+                   help="untimed steps first; the first compiles on GPUs; through the first epoch when it "
                         "ends in a partial batch (default %(default)s)")
-    p.add_argument("--image-size", type=int, default=224,
-                   help="images are 3 x S x S (synthetic; image folders are cropped to S) (default %(default)s)")
+    p.add_argument(
+        "--image-size", type=int, default=224,
+        help="images are 3 x S x S (synthetic; image folders are cropped to S) (default %(default)s)")
     p.add_argument("--data", default="synthetic", choices=("synthetic", "imagefolder", "shards"),
                    help="synthetic: made on the device (no input cost); imagefolder: --data-dir's JPEG files "
                         "through the real loader, so input stall shows; shards: a folder written by "
@@ -89,55 +94,68 @@ def _add_workload(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", default="auto", choices=("auto", "cpu", "gpu"),
                    help="where --data shards decodes JPEGs: cpu (--loader-workers processes), gpu (nvJPEG on "
                         "the actors' GPUs); auto: cpu (default %(default)s)")
-    p.add_argument("--data-on-device", default="auto", choices=("auto", "on", "off"),
-                   help="as rayconv.run's: small imagefolder and shards data held on the device (auto, on) or "
-                        "read through the loader (off, which the input rows measure) (default %(default)s)")
+    p.add_argument(
+        "--data-on-device", default="auto", choices=("auto", "on", "off"),
+        help="as rayconv.run's: small imagefolder and shards data held on the device (auto, on) or "
+        "read through the loader (off, which the input rows measure) (default %(default)s)")
 
 
 def _add_runtime(p: argparse.ArgumentParser) -> None:
     """How rayconv runs: precision, devices, compilation, tracing, the call limit."""
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
-                   help="bf16: bf16 autocast with fp32 weights, for rayconv and the anchors (default %(default)s)")
+    p.add_argument(
+        "--precision", default="bf16", choices=("bf16", "fp32"),
+        help="bf16: bf16 autocast with fp32 weights, for rayconv and the anchors (default %(default)s)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto: GPUs when the Ray cluster has them, else CPU actors (default %(default)s)")
-    p.add_argument("--address", default=None,
-                   help="Ray cluster to join (default: RAY_ADDRESS, a running local cluster, or a new local one)")
-    p.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
-                   help="rayconv's --compile for every layout (auto: GPU layouts); unless off, the anchors "
-                        "also time their torch.compile configurations on GPUs (on: on CPU too) and the fastest counts")
+    p.add_argument(
+        "--address", default=None,
+        help="Ray cluster to join (default: RAY_ADDRESS, a running local cluster, or a new local one)")
+    p.add_argument(
+        "--compile", default="auto", choices=("auto", "on", "off"),
+        help="rayconv's --compile for every layout (auto: GPU layouts); unless off, the anchors "
+        "also time their torch.compile configurations on GPUs (on: on CPU too) and the fastest counts")
     p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
                    help="rayconv's --cuda-graphs for every layout (auto: whole-step CUDA graphs on GPUs)")
     p.add_argument("--all-gpus-visible", action=argparse.BooleanOptionalAction, default=True,
                    help="actors see every GPU of their node (rayconv's default, as torchrun)")
-    p.add_argument("--trace", type=int, default=0, metavar="N",
-                   help="also profile N steps of each layout with torch.profiler and N more with cProfile (the "
-                        "actors' Python side): trace-<layout>.txt, device_busy")
-    p.add_argument("--call-timeout-s", type=float, default=None, metavar="S",
-                   help="stop a layout when one call to its actors takes longer than S seconds (a warm-up step, "
-                        "the first of which compiles on GPUs; a timed step; or the in-actor loop of all --steps steps), note "
-                        "why in its row and go on to the next (default 630 = 2 x rayconv.run's --collective-timeout-s "
-                        "300 + 30, as rayconv.run)")
+    p.add_argument(
+        "--trace", type=int, default=0, metavar="N",
+        help="also profile N steps of each layout with torch.profiler and N more with cProfile (the "
+        "actors' Python side): trace-<layout>.txt, device_busy")
+    p.add_argument(
+        "--call-timeout-s", type=float, default=None, metavar="S",
+        help="stop a layout when one call to its actors takes longer than S seconds (a warm-up step, "
+        "the first of which compiles on GPUs; a timed step; or the in-actor loop of all --steps steps), note "
+        "why in its row and go on to the next (default 630 = 2 x rayconv.run's --collective-timeout-s "
+        "300 + 30, as rayconv.run)")
 
 
 def _add_modes(p: argparse.ArgumentParser) -> None:
     """The anchors, the sweeps, the curve and where the results go."""
-    p.add_argument("--anchors", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time the anchors, plain PyTorch on 1 device and torchrun DDP on the layout's devices, "
-                        "each in its fastest configuration (python -m rayconv.bench.anchor) (default on)")
-    p.add_argument("--anchor-timeout", type=float, default=1800, metavar="S",
-                   help="seconds each anchor run (all its candidate configurations) may take; past it the fastest "
-                        "candidate timed so far counts (default %(default)g)")
-    p.add_argument("--sweep", choices=("batch", "memory"), default=None,
-                   help="batch: images/s and peak memory over per-device batches 16..--max-batch; memory: double "
-                        "the batch until it does not fit (default: neither, the layout table)")
-    p.add_argument("--min-batch", type=int, default=16, help="first per-device batch of a sweep (default %(default)s)")
-    p.add_argument("--max-batch", type=int, default=1024,
-                   help="largest per-device batch of --sweep batch (default %(default)s; --sweep memory: 65536)")
+    p.add_argument(
+        "--anchors", action=argparse.BooleanOptionalAction, default=True,
+        help="also time the anchors, plain PyTorch on 1 device and torchrun DDP on the layout's devices, "
+        "each in its fastest configuration (python -m rayconv.bench.anchor) (default on)")
+    p.add_argument(
+        "--anchor-timeout", type=float, default=1800, metavar="S",
+        help="seconds each anchor run (all its candidate configurations) may take; past it the fastest "
+        "candidate timed so far counts (default %(default)g)")
+    p.add_argument(
+        "--sweep", choices=("batch", "memory"), default=None,
+        help="batch: images/s and peak memory over per-device batches 16..--max-batch; memory: double "
+        "the batch until it does not fit (default: neither, the layout table)")
+    p.add_argument("--min-batch", type=int, default=16,
+                   help="first per-device batch of a sweep (default %(default)s)")
+    p.add_argument(
+        "--max-batch", type=int, default=1024,
+        help="largest per-device batch of --sweep batch (default %(default)s; --sweep memory: 65536)")
     p.add_argument("--curve", action="store_true", help="test error vs wall-clock time on digits")
-    p.add_argument("--curve-epochs", type=int, default=5, help="epochs of each --curve run (default %(default)s)")
-    p.add_argument("--target-accuracy", type=float, default=None, metavar="A",
-                   help="with --curve: each run also records the time to the first test top-1 accuracy >= A, in "
-                        "(0, 1] (rayconv.run's --target-accuracy), one row a run in bench.parquet (default: none)")
+    p.add_argument("--curve-epochs", type=int, default=5,
+                   help="epochs of each --curve run (default %(default)s)")
+    p.add_argument(
+        "--target-accuracy", type=float, default=None, metavar="A",
+        help="with --curve: each run also records the time to the first test top-1 accuracy >= A, in "
+        "(0, 1] (rayconv.run's --target-accuracy), one row a run in bench.parquet (default: none)")
     p.add_argument("--out", default="benchmarks/latest", help="folder for the results (default %(default)s)")
 
 
@@ -153,7 +171,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     try:
         args.global_batch_size = [int(b) for b in str(args.global_batch_size or 256).split(",")]
     except ValueError:
-        p.error(f"--global-batch-size {args.global_batch_size}: give comma-separated whole numbers, e.g. 256,1024")
+        p.error(
+            f"--global-batch-size {args.global_batch_size}: give comma-separated whole numbers, e.g. 256,1024"
+        )
     args.curve_batches = args.global_batch_size if given else [None]
     if args.min_batch < 1:
         p.error(f"--min-batch {args.min_batch}: give a per-device batch of at least 1")
@@ -171,8 +191,9 @@ def check(args) -> None:
                           f"{MAX_CALL_TIMEOUT_S:g} (or leave it out for the default, 630)")
     if args.target_accuracy is not None:
         if not args.curve:
-            raise ConfigError("--target-accuracy times training runs: add --curve (the layout table and sweeps "
-                              "measure throughput only)")
+            raise ConfigError(
+                "--target-accuracy times training runs: add --curve (the layout table and sweeps "
+                "measure throughput only)")
         Config(target_accuracy=args.target_accuracy).validate()  # (in (0, 1], refused as rayconv.run does)
     if args.data != "synthetic":
         make_source(Config(data=args.data, data_dir=args.data_dir, loader_workers=args.loader_workers,

@@ -44,7 +44,8 @@ def read_idx(path: Path) -> np.ndarray:
             ndim = raw[3]
             shape = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
             return np.frombuffer(raw, np.uint8, offset=4 + 4 * ndim).reshape(shape)
-    raise SystemExit(f"accuracy_anchor: {path} not found: apt-get install dataset-fashion-mnist, or --data-dir")
+    raise SystemExit(
+        f"accuracy_anchor: {path} not found: apt-get install dataset-fashion-mnist, or --data-dir")
 
 
 def load(data_dir: Path, size: int, device: torch.device):
@@ -71,7 +72,8 @@ def augment(x_u8: torch.Tensor, pad: int, erase: float, gen: torch.Generator) ->
     flip = torch.rand(b, device=dev, generator=gen) < 0.5
     cols = torch.where(flip[:, None, None], cols.flip(-1), cols)
     x = x[torch.arange(b, device=dev)[:, None, None], :, rows, cols].permute(0, 3, 1, 2)  # B x C x S x S
-    if erase > 0:  # one rectangle of 2-33% of the area, aspect 0.3-3.3, filled with 0 (the mean after normalising)
+    # one rectangle of 2-33% of the area, aspect 0.3-3.3, filled with 0 (the mean after normalising)
+    if erase > 0:
         area = torch.empty(b, device=dev).uniform_(0.02, 0.33, generator=gen) * s * s
         ratio = torch.exp(torch.empty(b, device=dev).uniform_(math.log(0.3), math.log(3.3), generator=gen))
         h = (area * ratio).sqrt().round().clamp(1, s)
@@ -174,23 +176,29 @@ def process_age_s():
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rayconv.bench.accuracy_anchor", description=__doc__.split("\n")[0],
-                                allow_abbrev=False)
-    p.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist", help="folder of the four idx files")
+    p = argparse.ArgumentParser(prog="python -m rayconv.bench.accuracy_anchor",
+                                description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist",
+                   help="folder of the four idx files")
     p.add_argument("--model", default="resnet18", help="torchvision classification model")
-    p.add_argument("--image-size", type=int, default=64, help="side in pixels the 28-pixel images are resized to")
-    p.add_argument("--pad", type=int, default=None, help="random-crop padding in pixels (default: image size / 8)")
+    p.add_argument("--image-size", type=int, default=64,
+                   help="side in pixels the 28-pixel images are resized to")
+    p.add_argument("--pad", type=int, default=None,
+                   help="random-crop padding in pixels (default: image size / 8)")
     p.add_argument("--epochs", type=int, default=15, help="epochs")
     p.add_argument("--global-batch-size", type=int, default=512, help="images per step")
     p.add_argument("--lr", type=float, default=0.4, help="peak learning rate")
     p.add_argument("--lr-warmup-epochs", type=int, default=2, help="linear warm-up epochs")
-    p.add_argument("--lr-warmup-decay", type=float, default=0.01, help="first warm-up lr as a fraction of --lr")
+    p.add_argument("--lr-warmup-decay", type=float, default=0.01,
+                   help="first warm-up lr as a fraction of --lr")
     p.add_argument("--label-smoothing", type=float, default=0.1, help="label smoothing")
     p.add_argument("--weight-decay", type=float, default=5e-4, help="weight decay of weights")
-    p.add_argument("--norm-weight-decay", type=float, default=0.0, help="weight decay of batch-norm and bias parameters")
+    p.add_argument("--norm-weight-decay", type=float, default=0.0,
+                   help="weight decay of batch-norm and bias parameters")
     p.add_argument("--bn-momentum", type=float, default=None, help="batch norms' running-statistics momentum")
     p.add_argument("--random-erase", type=float, default=0.0, help="probability of erasing a rectangle")
-    p.add_argument("--target-accuracy", type=float, default=0.93, help="test accuracy whose first time is reported")
+    p.add_argument("--target-accuracy", type=float, default=0.93,
+                   help="test accuracy whose first time is reported")
     p.add_argument("--compile", choices=("off", "on", "both"), default="both", help="eager, compiled or both")
     p.add_argument("--compile-mode", default="default", help="torch.compile mode")
     p.add_argument("--seed", type=int, default=0, help="seed")
@@ -208,7 +216,8 @@ def main(argv=None) -> int:
         r["time_to_target_since_s"] = (None if setup_s is None or r["time_to_target_wall_s"] is None
                                        else setup_s + r["time_to_target_wall_s"])
     reached = [r for r in runs if r["time_to_target_wall_s"] is not None]
-    best = min(reached, key=lambda r: r["time_to_target_wall_s"]) if reached else max(runs, key=lambda r: r["final_test_accuracy"])
+    best = min(reached, key=lambda r: r["time_to_target_wall_s"]) if reached else max(
+        runs, key=lambda r: r["final_test_accuracy"])
     result = {"settings": vars(a), "runs": runs, "best": best["mode"]}
     for r in runs:
         print(f"anchor {r['mode']}: final {r['final_test_accuracy']:.4f}, to {a.target_accuracy}: "

@@ -13,8 +13,10 @@ is the result:
   its graph split at the buckets), ``ddp(compile) bucket 25MB`` (DDP around the compiled model) and
   ``ddp(compile) bucket 100MB gradient_as_bucket_view static_graph``.
 
-    python -m rayconv.bench.anchor --model resnet50 --batch 256 --compile                     # plain PyTorch, 1 GPU
-    torchrun --nproc_per_node=2 -m rayconv.bench.anchor --model resnet50 --batch 128 --ddp --compile   # per-GPU batch
+    # plain PyTorch, 1 GPU:
+    python -m rayconv.bench.anchor --model resnet50 --batch 256 --compile
+    # DDP, 2 GPUs, --batch per GPU:
+    torchrun --nproc_per_node=2 -m rayconv.bench.anchor --model resnet50 --batch 128 --ddp --compile
 
 Prints ``CANDIDATE {json}`` per configuration (images_per_s, or ``error``) and then ``RESULT {json}``:
 the fastest one's images_per_s (all devices), step_ms, peak_gib (rank 0), ``config`` (its name) and
@@ -55,7 +57,8 @@ DDP = {
 
 
 def default_configs(ddp: bool, compiled: bool) -> list[str]:
-    """The candidates timed unless ``--configs`` names others: eager ones, and compiled ones with ``compiled``."""
+    """The candidates timed unless ``--configs`` names others: eager ones, and compiled ones with
+    ``compiled``."""
     if ddp:
         eager = ["ddp bucket 25MB", "ddp bucket 100MB gradient_as_bucket_view static_graph"]
         return eager + ([n for n in DDP if n not in eager] if compiled else [])
@@ -83,13 +86,17 @@ def main(argv=None) -> int:
                    help="comma-separated configurations to time, or auto (the list above for --ddp / plain, "
                         f"with --compile the compiled ones): plain {', '.join(PLAIN)}; DDP {', '.join(DDP)}")
     p.add_argument("--ddp", action="store_true", help="DistributedDataParallel under torchrun")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", choices=("cuda", "cpu"),
+                   default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args(argv)
     known = DDP if a.ddp else PLAIN
     names = default_configs(a.ddp, a.compile) if a.configs == "auto" else a.configs.split(",")
     unknown = [n for n in names if n not in known]
     if unknown:
-        p.error(f"--configs: unknown {unknown} for {'--ddp' if a.ddp else 'plain PyTorch'}; choose from {list(known)}")
+        p.error(
+            f"--configs: unknown {unknown} for {'--ddp' if a.ddp else 'plain PyTorch'}; choose from"
+            f" {list(known)}"
+        )
 
     rank, world = 0, 1
     if a.ddp:
@@ -108,7 +115,8 @@ def main(argv=None) -> int:
         try:
             r = time_config(a, dev, world, name, *known[name])
         except Exception as e:  # noqa: BLE001 - e.g. out of memory, a compiler error: the next one runs
-            r = {"config": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+            r = {"config": name,
+                 "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
         finally:
             torch._dynamo.reset()
             gc.collect()
@@ -129,8 +137,8 @@ def main(argv=None) -> int:
     return 0 if best is not None else 1
 
 
-def time_config(a, dev: torch.device, world: int, name: str, compile_where: Optional[str], mode: Optional[str],
-                ddp_kw: dict[str, Any]) -> dict[str, Any]:
+def time_config(a, dev: torch.device, world: int, name: str, compile_where: Optional[str],
+                mode: Optional[str], ddp_kw: dict[str, Any]) -> dict[str, Any]:
     """Build the model afresh, wrap it as ``name`` says, run ``a.warmup`` then ``a.steps`` timed steps.
     Returns {config, images_per_s (all devices), step_ms, warmup_s, peak_gib (CUDA, else None)}."""
     torch.manual_seed(0)
@@ -198,8 +206,19 @@ def run_anchor(model: str, devices: int, global_batch: int, args) -> Optional[di
             "--precision", "bf16" if args.precision == "bf16" else "fp32",
             "--device", args.device_kind, "--image-size", str(args.image_size)]
     base += ["--compile"] if compiles(args) else []
-    cmd = [sys.executable, *base] if devices == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={devices}", *base, "--ddp"]
+    cmd = (
+        [sys.executable, *base]
+        if devices == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={devices}",
+            *base,
+            "--ddp",
+        ]
+    )
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.anchor_timeout, env=env)

@@ -40,14 +40,16 @@ def main_bench(args) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     jobs = [(m, b, name) for m in args.models.split(",") for b in args.global_batch_size
             for name in args.layouts.split(",")]
-    bar = tqdm(total=len(jobs), desc="bench", unit="layout", disable=not sys.stderr.isatty())  # logs: RESULT lines
+    # logs: RESULT lines
+    bar = tqdm(total=len(jobs), desc="bench", unit="layout", disable=not sys.stderr.isatty())
     single: dict[tuple[str, int], float] = {}
     anchors: dict[tuple[str, int, int], Optional[dict[str, Any]]] = {}
     for model, gb, name in jobs:
         bar.set_postfix_str(f"{model} {name} B={gb}")
         lay = Layout.parse(name)
-        row: dict[str, Any] = {"model": model, "layout": name, "global_batch_size": gb, "image_size": args.image_size,
-                               "data": args.data, "note": "", "world_size": lay.world_size}
+        row: dict[str, Any] = {"model": model, "layout": name, "global_batch_size": gb,
+                               "image_size": args.image_size, "data": args.data, "note": "",
+                               "world_size": lay.world_size}
         best = _fastest(args, model, name, lay, gb, row)
         if best is not None:
             row.update(best)
@@ -68,12 +70,14 @@ def main_bench(args) -> list[dict[str, Any]]:
     return rows
 
 
-def _fastest(args, model: str, name: str, lay: Layout, gb: int, row: dict[str, Any]) -> Optional[dict[str, Any]]:
+def _fastest(args, model: str, name: str, lay: Layout, gb: int,
+             row: dict[str, Any]) -> Optional[dict[str, Any]]:
     """``measure`` of ``lay`` (a pipeline without micro-batches: each of ``PP_MICROBATCH_TRIES`` that
     splits the batch, the fastest kept); None if none ran, ``row["note"]`` then saying why."""
     tries = [lay]
     if lay.pp > 1 and lay.num_microbatches is None:
-        tries = [dataclasses.replace(lay, num_microbatches=m) for m in PP_MICROBATCH_TRIES if gb // lay.dp % m == 0]
+        tries = [dataclasses.replace(lay, num_microbatches=m) for m in PP_MICROBATCH_TRIES
+                 if gb // lay.dp % m == 0]
     best: Optional[dict[str, Any]] = None
     for t in tries:
         try:
@@ -118,10 +122,10 @@ def ratio(v: Optional[float]) -> str:
 
 
 def sweep_batch(args, until_largest: bool) -> list[dict[str, Any]]:
-    """Per-device batch --min-batch (16), doubling up to --max-batch for each layout (RQ4), stopping at the first that
-    does not fit. With ``until_largest`` (``--sweep memory``, RQ5) the cap is lifted to 65536 unless
-    --max-batch was given, so each layout doubles until it runs out of memory: the last row that fits is
-    its largest trainable batch (to within a factor of 2). Rows go to ``sweep_batch.parquet`` or
+    """Per-device batch --min-batch (16), doubling up to --max-batch for each layout (RQ4), stopping at the
+    first that does not fit. With ``until_largest`` (``--sweep memory``, RQ5) the cap is lifted to 65536
+    unless --max-batch was given, so each layout doubles until it runs out of memory: the last row that fits
+    is its largest trainable batch (to within a factor of 2). Rows go to ``sweep_batch.parquet`` or
     ``sweep_memory.parquet`` after every batch."""
     if until_largest and args.max_batch == 1024:
         args.max_batch = 65536
@@ -176,14 +180,26 @@ def training_curve(args) -> list[dict[str, Any]]:
             bench_rows.append(target_row(name, cfg, summary))
             write_table(bench_rows, out)
         table = pq.read_table(Path(cfg.out) / "metrics.parquet").to_pylist()
-        evals = [{"layout": name, "global_batch_size": cfg.global_batch_size, "label": label, "time_s": r["time_s"],
-                  "step": r["step"], "test_error": r["test_error"]} for r in table if r["kind"] == "eval"]
+        evals = [
+            {
+                "layout": name,
+                "global_batch_size": cfg.global_batch_size,
+                "label": label,
+                "time_s": r["time_s"],
+                "step": r["step"],
+                "test_error": r["test_error"],
+            }
+            for r in table
+            if r["kind"] == "eval"
+        ]
         rows += evals
         if evals:
-            print(f"CURVE {label}: test error {evals[-1]['test_error']:.4f} after {evals[-1]['time_s']:.1f} s "
-                  f"({evals[-1]['step'] + 1} steps)", flush=True)
+            print(
+                f"CURVE {label}: test error {evals[-1]['test_error']:.4f} after {evals[-1]['time_s']:.1f} s "
+                f"({evals[-1]['step'] + 1} steps)", flush=True)
     atomic_write(out / "curve.parquet", lambda tmp: pq.write_table(pa.Table.from_pylist(rows), tmp))
-    error_against_time(rows, "label", "test error vs time, digits (Yadan et al. 2013, Fig. 1)", out / "curve.png")
+    error_against_time(rows, "label", "test error vs time, digits (Yadan et al. 2013, Fig. 1)",
+                       out / "curve.png")
     return rows
 
 
@@ -191,13 +207,28 @@ def target_row(name: str, cfg: Config, summary: dict[str, Any]) -> dict[str, Any
     """A bench row (``BENCH_SCHEMA``) of one ``fit`` run with a target: its images/s, test accuracy and
     time to ``cfg.target_accuracy`` (``note`` says when it was not reached)."""
     reached = summary["time_to_target_s"] is not None
-    return {"model": cfg.model, "layout": name, "global_batch_size": cfg.global_batch_size,
-            "image_size": cfg.data_image_size, "data": cfg.data, "world_size": summary["layout"]["world_size"],
-            "images_per_s": summary["images_per_s"], "test_accuracy": summary["test_accuracy"],
-            **{k: summary[k] for k in ("target_accuracy", "time_to_target_s", "time_to_target_train_s",
-                                       "first_steps_s")},
-            "note": "" if reached else f"test accuracy {summary['test_accuracy']:.4f} never reached "
-                                       f"{cfg.target_accuracy:g} in {summary['steps']} steps"}
+    return {
+        "model": cfg.model,
+        "layout": name,
+        "global_batch_size": cfg.global_batch_size,
+        "image_size": cfg.data_image_size,
+        "data": cfg.data,
+        "world_size": summary["layout"]["world_size"],
+        "images_per_s": summary["images_per_s"],
+        "test_accuracy": summary["test_accuracy"],
+        **{
+            k: summary[k]
+            for k in ("target_accuracy", "time_to_target_s", "time_to_target_train_s", "first_steps_s")
+        },
+        "note": (
+            ""
+            if reached
+            else (
+                f"test accuracy {summary['test_accuracy']:.4f} never reached "
+                f"{cfg.target_accuracy:g} in {summary['steps']} steps"
+            )
+        ),
+    }
 
 
 __all__ = ["main_bench", "sweep_batch", "training_curve", "target_row", "ratio", "PP_MICROBATCH_TRIES"]

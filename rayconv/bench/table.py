@@ -19,12 +19,16 @@ _F, _I, _S, _B = pa.float64(), pa.int64(), pa.string(), pa.bool_()
 BENCH_SCHEMA = pa.schema([
     ("model", _S), ("layout", _S), ("global_batch_size", _I), ("image_size", _I), ("note", _S),
     ("images_per_s", _F), ("step_ms", _F),
-    ("step_ms_median", _F),  # the median timed step (the mean, step_ms, also counts the rare slow ones: epoch ends)
-    ("timed_step_ms", _S),   # JSON: each timed step's time (ms) as the driver's loop saw it (its collect after the last)
+    # the median timed step (the mean, step_ms, also counts the rare slow ones: epoch ends)
+    ("step_ms_median", _F),
+    # JSON: each timed step's time (ms) as the driver's loop saw it (its collect after the last)
+    ("timed_step_ms", _S),
     ("warmup_s", _F),
-    ("warmup_steps", _I),    # untimed steps before the timed ones: --warmup, or the first epoch when it ends in a partial batch
+    # untimed steps before the timed ones: --warmup, or the first epoch when it ends in a partial batch
+    ("warmup_steps", _I),
     ("first_step_s", _F),
-    ("to_first_step_s", _F),  # from the layout's start (its checks, actors starting, their setup) to step 0 done
+    # from the layout's start (its checks, actors starting, their setup) to step 0 done
+    ("to_first_step_s", _F),
     ("compiled", _B),
     ("cuda_graphs", _B), ("peak_gib_max", _F), ("peak_gib_per_actor", _S), ("params_per_actor", _S),
     ("compute_ms", _F), ("recv_wait_ms", _F), ("allreduce_wait_ms", _F), ("exchange_exposed_ms", _F),
@@ -44,10 +48,11 @@ BENCH_SCHEMA = pa.schema([
 ])
 
 # bench.md's columns
-MD_COLUMNS = ["model", "layout", "global_batch_size", "images_per_s", "to_first_step_s", "step_ms", "speedup_vs_1",
-              "vs_plain_pytorch", "vs_torchrun_ddp", "peak_gib_max", "compute_ms", "recv_wait_ms",
-              "allreduce_wait_ms", "exchange_exposed_ms", "comm_mb_per_step", "driver_idle_ms", "in_actor_step_ms",
-              "driver_overhead", "device_busy", "bubble_fraction", "input_stall_ms", "input_stall_fraction", "note"]
+MD_COLUMNS = ["model", "layout", "global_batch_size", "images_per_s", "to_first_step_s", "step_ms",
+              "speedup_vs_1", "vs_plain_pytorch", "vs_torchrun_ddp", "peak_gib_max", "compute_ms",
+              "recv_wait_ms", "allreduce_wait_ms", "exchange_exposed_ms", "comm_mb_per_step",
+              "driver_idle_ms", "in_actor_step_ms", "driver_overhead", "device_busy", "bubble_fraction",
+              "input_stall_ms", "input_stall_fraction", "note"]
 
 
 def bench_table(rows: list[dict[str, Any]]) -> pa.Table:
@@ -73,7 +78,8 @@ def write_table(rows: list[dict[str, Any]], out: Path) -> None:
 def _cell(v: Any) -> str:
     if v is None:
         return "not measured"
-    return f"{v:.3g}" if isinstance(v, float) and abs(v) < 10 else (f"{v:.0f}" if isinstance(v, float) else str(v))
+    return f"{v:.3g}" if isinstance(v, float) and abs(v) < 10 else (
+        f"{v:.0f}" if isinstance(v, float) else str(v))
 
 
 def speedup_chart(rows: list[dict[str, Any]], path: Path) -> None:

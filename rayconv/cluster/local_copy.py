@@ -103,9 +103,11 @@ def copy_folder(src: str, dest: str) -> dict[str, Any]:
     if isinstance(root, Path) and out.exists() and out.resolve() == root.resolve():  # (--data-dir is DIR)
         bad = [e["file"] for e in entries if not is_copied(out / e["file"], e)]
         if bad:
-            raise DataError(f"--stage-dir {out} is --data-dir itself and {bad[0]} there does not match {MANIFEST}: "
-                            "give --data-dir the prepared folder it was copied from")
-        return {"node": _node(), "copied": [], "skipped": sorted(e["file"] for e in entries), "copied_bytes": 0}
+            raise DataError(
+                f"--stage-dir {out} is --data-dir itself and {bad[0]} there does not match {MANIFEST}: "
+                "give --data-dir the prepared folder it was copied from")
+        return {"node": _node(), "copied": [], "skipped": sorted(e["file"] for e in entries),
+                "copied_bytes": 0}
     with contextlib.ExitStack() as held:
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -151,7 +153,9 @@ def _read_manifest(root: Path) -> tuple[bytes, list[dict[str, Any]]]:
     try:
         data = path.read_bytes()
         entries = [e for split in json.loads(data)["splits"].values() for e in split["shards"]]
-        assert all({"file", "bytes", "sha256"} <= set(e) for e in entries), "a shard entry lacks file/bytes/sha256"
+        assert all(
+            {"file", "bytes", "sha256"} <= set(e) for e in entries
+        ), "a shard entry lacks file/bytes/sha256"
     except (OSError, ValueError, KeyError, TypeError, AttributeError, AssertionError) as e:
         raise DataError(f"--stage-dir: {path} cannot be read as a shard manifest ({e}): give --data-dir a "
                         "folder written by python -m rayconv.prepare, readable on every node") from None
@@ -170,8 +174,9 @@ def check_space(out: Path, needed: int) -> None:
     """Raise DataError when ``out``'s disk has fewer than ``needed`` bytes free."""
     free = shutil.disk_usage(out).free
     if free < needed:
-        raise DataError(f"--stage-dir {out}: {_size(needed)} to copy but {_size(free)} free on its disk: free "
-                        "space there or choose another --stage-dir (nothing was copied)")
+        raise DataError(
+            f"--stage-dir {out}: {_size(needed)} to copy but {_size(free)} free on its disk: free "
+            "space there or choose another --stage-dir (nothing was copied)")
 
 
 def _size(n: int) -> str:
@@ -210,5 +215,6 @@ def _copy_guarded(path: Path, write, out: Path) -> None:
         finally:
             os.close(fd)
     except OSError as e:
-        raise DataError(f"--stage-dir {out}: copying {path.name} failed ({e.strerror or e}); nothing incomplete "
-                        "was left under its name: free space there or choose another --stage-dir") from None
+        raise DataError(
+            f"--stage-dir {out}: copying {path.name} failed ({e.strerror or e}); nothing incomplete "
+            "was left under its name: free space there or choose another --stage-dir") from None

@@ -88,7 +88,8 @@ class Probe:
         return fn(*args)
 
 
-def run_on_devices(fn, world: int, gpu: bool, args: Sequence[Any] = (), timeout_s: float = 300.0) -> list[Any]:
+def run_on_devices(fn, world: int, gpu: bool, args: Sequence[Any] = (),
+                   timeout_s: float = 300.0) -> list[Any]:
     """``fn(rank, world, master, *args)`` at once in ``world`` actors, one per GPU (``gpu``) or CPU, packed
     in one placement group as the training actors are (``master``: the host:port on rank 0's node of
     a process-group rendezvous opened there by ``comm.open_rendezvous``, which ``fn`` joins with
@@ -101,19 +102,27 @@ def run_on_devices(fn, world: int, gpu: bool, args: Sequence[Any] = (), timeout_
     try:
         try:
             ready = pg.ready()
-            across.make_room(ready, timeout_s)   # (actors kept for another command would hold what these need)
+            # (actors kept for another command would hold what these need)
+            across.make_room(ready, timeout_s)
             ray.get(ready, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise ClusterError(f"could not reserve {world} x {bundle} within {timeout_s:.0f} s for "
                                f"{fn.__name__}: free resources") from None
         env = ALL_GPUS_VISIBLE_ENV if gpu else {}
         remote = ray.remote(Probe)
-        actors = [remote.options(num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=0,
-                                 runtime_env={"env_vars": env} if env else None,
-                                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)
-                                 ).remote(gpu) for r in range(world)]
+        actors = [
+            remote.options(
+                num_cpus=1,
+                num_gpus=1 if gpu else 0,
+                max_restarts=0,
+                runtime_env={"env_vars": env} if env else None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+            ).remote(gpu)
+            for r in range(world)
+        ]
         master = ray.get(actors[0].open_rendezvous.remote(timeout_s), timeout=timeout_s)
-        return ray.get([a.run.remote(fn, r, world, master, *args) for r, a in enumerate(actors)], timeout=timeout_s)
+        return ray.get([a.run.remote(fn, r, world, master, *args) for r, a in enumerate(actors)],
+                       timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         raise ClusterError(f"{fn.__name__} did not finish within {timeout_s:g} s on the cluster") from None
     except ray.exceptions.RayError as e:

@@ -58,7 +58,8 @@ def job_alive(job: str) -> bool:
     try:
         from ray._private.worker import global_worker
 
-        jobs = global_worker.gcs_client.get_all_job_info(job_or_submission_id=job, skip_submission_job_info_field=True,
+        jobs = global_worker.gcs_client.get_all_job_info(job_or_submission_id=job,
+                                                         skip_submission_job_info_field=True,
                                                          skip_is_running_tasks_field=True, timeout=10)
     except Exception:  # noqa: BLE001 - unknown: alive
         return True

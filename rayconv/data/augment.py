@@ -38,7 +38,8 @@ def random_crop_flip(x: torch.Tensor, pad: int, offsets: torch.Tensor, flips: to
     xp = F.pad(x, (pad, pad, pad, pad)) if pad else x                         # (N, C, H+2p, W+2p)
     rows = offsets[:, :1] + torch.arange(h, device=x.device)                  # (N, H)
     cols = offsets[:, 1:] + torch.arange(w, device=x.device)                  # (N, W)
-    cols = torch.where(flips[:, None], cols.flip(1), cols)                    # mirrored crops read right to left
+    # mirrored crops read right to left
+    cols = torch.where(flips[:, None], cols.flip(1), cols)
     batch = torch.arange(n, device=x.device)[:, None, None, None]
     chan = torch.arange(c, device=x.device)[None, :, None, None]
     return xp[batch, chan, rows[:, None, :, None], cols[:, None, None, :]]    # (N, C, H, W)
@@ -103,7 +104,8 @@ def resized_crop_flip(x: torch.Tensor, boxes: torch.Tensor, flips: torch.Tensor)
     ys, xs = axis(b[:, 0], b[:, 2], height), axis(b[:, 1], b[:, 3], width)
     xs = torch.where(flips[:, None], xs.flip(1), xs)
     grid = torch.stack(torch.broadcast_tensors(xs[:, None, :], ys[:, :, None]), dim=-1)   # (N, H, W, 2)
-    out = F.grid_sample(x.to(torch.float32), grid, mode="bilinear", padding_mode="border", align_corners=False)
+    out = F.grid_sample(x.to(torch.float32), grid, mode="bilinear", padding_mode="border",
+                        align_corners=False)
     return out.round_().clamp_(0, 255).to(x.dtype)
 
 
@@ -135,8 +137,8 @@ def erase(x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
     return x.masked_fill((in_r[:, :, None] & in_c[:, None, :])[:, None], 0)
 
 
-def normalize(x: torch.Tensor, mean: Union[Sequence[float], torch.Tensor], std: Union[Sequence[float], torch.Tensor],
-              scale: float = 255.0) -> torch.Tensor:
+def normalize(x: torch.Tensor, mean: Union[Sequence[float], torch.Tensor],
+              std: Union[Sequence[float], torch.Tensor], scale: float = 255.0) -> torch.Tensor:
     """x (N, C, H, W) integer pixels -> float32 (N, C, H, W): ``(x / scale - mean[c]) / std[c]``, mean
     and std per channel (C values; float32 tensors on x's device are used without a copy) in units of
     ``scale`` (255 for uint8 images: mean and std in [0, 1])."""

@@ -66,7 +66,8 @@ class ReplayedAugment:
     @staticmethod
     def signature(key: Hashable, tensors: dict[str, torch.Tensor]) -> tuple:
         """What fixes a capture: ``key``, and each tensor's name, shape, strides, dtype and device."""
-        return (key,) + tuple((k, tuple(t.shape), t.stride(), t.dtype, t.device) for k, t in sorted(tensors.items()))
+        return (key,) + tuple((k, tuple(t.shape), t.stride(), t.dtype, t.device)
+                              for k, t in sorted(tensors.items()))
 
     def __call__(self, key: Hashable, held: dict[str, torch.Tensor], **inputs: torch.Tensor) -> torch.Tensor:
         on_gpu = [t for t in (*held.values(), *inputs.values()) if t.is_cuda]

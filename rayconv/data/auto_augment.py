@@ -5,13 +5,14 @@ classification script names them: ``imagenet``, ``cifar10``, ``svhn`` (AutoAugme
 the crop and flip and before the normalisation (the reference script's order).
 
 Batched on the device (``apply``): each training sample falls, per epoch, into one of ``GROUPS`` groups
-drawn from (seed, epoch, index) (a per-epoch table, ``group_params``, or a hash, ``sample_groups``); the transform runs once per group on the group's images, its random
-choice (sub-policy, magnitudes, signs) drawn from ``stable_seed(seed, "auto-augment", epoch, group)`` in a
-forked RNG. A sample's augmentation therefore depends on (seed, epoch, index) and its own pixels alone,
-not on the batch, the layout or the device; the transforms' per-image operations (equalize,
-autocontrast, posterize, affine warps) treat each image of a group on its own. What differs from a
-per-image draw: the samples of one group share their draw within the epoch (a batch of B holds about
-``min(B, GROUPS)`` independent draws), at the cost of ``GROUPS`` transform calls per batch rather than B.
+drawn from (seed, epoch, index) (a per-epoch table, ``group_params``, or a hash, ``sample_groups``); the
+transform runs once per group on the group's images, its random choice (sub-policy, magnitudes, signs) drawn
+from ``stable_seed(seed, "auto-augment", epoch, group)`` in a forked RNG. A sample's augmentation therefore
+depends on (seed, epoch, index) and its own pixels alone, not on the batch, the layout or the device; the
+transforms' per-image operations (equalize, autocontrast, posterize, affine warps) treat each image of a group
+on its own. What differs from a per-image draw: the samples of one group share their draw within the epoch (a
+batch of B holds about ``min(B, GROUPS)`` independent draws), at the cost of ``GROUPS`` transform calls per
+batch rather than B.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ GROUPS = 64
 
 
 def make_transform(policy: str):
-    """torchvision v2's transform for ``policy`` (one of POLICIES), bilinear. Raises ValueError for another."""
+    """torchvision v2's transform for ``policy`` (one of POLICIES), bilinear. Raises ValueError for
+    another."""
     from torchvision.transforms import v2 as T   # (torchvision's import takes seconds: only when used)
 
     bilinear = T.InterpolationMode.BILINEAR

@@ -44,4 +44,5 @@ def load_digits(seed: int = 0) -> TensorSource:
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(1234))  # fixed split, not --seed
     n_test = len(x) // 5
     te, tr = perm[:n_test], perm[n_test:]
-    return TensorSource(TensorDataset(x[tr], y[tr]), TensorDataset(x[te], y[te]), num_classes=10, name="digits")
+    return TensorSource(TensorDataset(x[tr], y[tr]), TensorDataset(x[te], y[te]), num_classes=10,
+                        name="digits")

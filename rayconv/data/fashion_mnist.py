@@ -46,14 +46,17 @@ def read_idx(path: Path, magic: int) -> np.ndarray:
         # (one read and one decompress call, each without the interpreter's lock: a read-ahead thread
         # does not wait on the imports running beside it chunk by chunk)
         raw = path.read_bytes()
-        data = bytearray(gzip.decompress(raw) if path.suffix == ".gz" else raw)   # writable: torch.from_numpy shares it
+        # writable: torch.from_numpy shares it
+        data = bytearray(gzip.decompress(raw) if path.suffix == ".gz" else raw)
     except (OSError, EOFError, zlib.error) as e:
         raise DataError(f"cannot read {path} ({e}): replace it (apt-get install --reinstall "
                         "dataset-fashion-mnist) or give --data-dir DIR with good copies") from None
     ndim = magic & 0xFF
     head = 4 + 4 * ndim
     found = int.from_bytes(data[:4], "big") if len(data) >= 4 else None
-    dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)] if len(data) >= head else []
+    dims = (
+        [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)] if len(data) >= head else []
+    )
     if found != magic or len(data) != head + int(np.prod(dims or [-1])):
         raise DataError(f"{path} is not an idx file of {ndim}-dimensional uint8 data (magic {magic:#06x}) of "
                         "the size its header gives: replace it with the Fashion-MNIST original")
@@ -83,15 +86,17 @@ def read_ahead(data_dir: Optional[str] = None) -> None:
         pass
 
 
-def _read(data_dir: Optional[str]) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], tuple[list[float], list[float]]]:
+def _read(data_dir: Optional[str]) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]],
+                                            tuple[list[float], list[float]]]:
     """(the arrays of ``fashion_mnist_arrays``, (mean, std) of the train images), read once per set of
     files (``_READ``)."""
     folder = Path(data_dir or DEBIAN_DIR)
     paths = {name: _find(folder, name) for pair in FILES.values() for name in pair}
     missing = [name for name, path in paths.items() if path is None]
     if missing:
-        raise DataError(f"--data fashion-mnist: {folder} lacks {', '.join(missing)} (or .gz): install them with "
-                        "`apt-get install dataset-fashion-mnist`, or give --data-dir DIR holding the four idx files")
+        raise DataError(
+            f"--data fashion-mnist: {folder} lacks {', '.join(missing)} (or .gz): install them with "
+            "`apt-get install dataset-fashion-mnist`, or give --data-dir DIR holding the four idx files")
     key = tuple((str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
                 for path in paths.values() for st in [os.stat(path)])
     with _READ_LOCK:
@@ -101,9 +106,11 @@ def _read(data_dir: Optional[str]) -> tuple[dict[str, tuple[np.ndarray, np.ndarr
                 x = read_idx(paths[images], IMAGE_MAGIC)[:, None]                   # (N, 1, 28, 28)
                 y = read_idx(paths[labels], LABEL_MAGIC).astype(np.int64)           # (N,)
                 if len(x) != len(y) or (len(y) and int(y.max()) >= 10):
-                    raise DataError(f"{paths[images]} holds {len(x)} images but {paths[labels]} {len(y)} labels in "
-                                    f"0..9 (largest {int(y.max()) if len(y) else None}): replace them with the "
-                                    "Fashion-MNIST originals")
+                    raise DataError(
+                        f"{paths[images]} holds {len(x)} images but {paths[labels]} {len(y)} labels in "
+                        f"0..9 (largest {int(y.max()) if len(y) else None}): replace them with the "
+                        "Fashion-MNIST originals"
+                    )
                 out[split] = (x, y)
             _READ.clear()
             _READ[key] = (out, channel_stats(out["train"][0]))
@@ -115,8 +122,9 @@ def load_fashion_mnist(data_dir: Optional[str], seed: int, image_size: Optional[
                        auto_augment: Optional[str] = None) -> OnDeviceSource:
     """Fashion-MNIST as a Source held on the device: 1 channel, 28x28 (``image_size``: resized once on
     the device), 10 classes; training samples augmented by ``augment`` (pad-crop: padded by
-    ``on_device.pad_for(S)``, ``PAD`` at 28, and mirrored), given ``auto_augment``'s policy and erased with probability ``random_erase``,
-    keyed by (``seed``, epoch, sample). Raises DataError when the files are missing or malformed."""
+    ``on_device.pad_for(S)``, ``PAD`` at 28, and mirrored), given ``auto_augment``'s policy and erased with
+    probability ``random_erase``, keyed by (``seed``, epoch, sample). Raises DataError when the files are
+    missing or malformed."""
     arrays, (mean, std) = _read(data_dir)
     size = None if image_size in (None, 28) else image_size
     return OnDeviceSource(arrays["train"], arrays["test"], num_classes=10, seed=seed, image_size=size,

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from rayconv.errors import DataError
 
-# torchvision's ImageFolder suffixes (torchvision.datasets.folder.IMG_EXTENSIONS; tests/unit/test_light_imports.py
+# torchvision's ImageFolder suffixes (torchvision.datasets.folder.IMG_EXTENSIONS;
+# tests/unit/test_light_imports.py
 # checks they are the same). Written out so that importing this module does not import torchvision.
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 SPLITS = {"train": "train", "test": "val"}   # Source's split name -> the folder's
@@ -34,8 +35,9 @@ def scan(root: Path) -> tuple[list[str], dict[str, list[tuple[str, int]]], dict[
     other than train's, or a class folder without image files."""
     def class_dirs(split_dir: Path) -> list[str]:
         if not split_dir.is_dir():
-            raise DataError(f"{split_dir} does not exist: DIR must hold train/<class>/<images> and val/<class>/<images> "
-                            "(JPEG, PNG or another format of torchvision's ImageFolder)")
+            raise DataError(
+                f"{split_dir} does not exist: DIR must hold train/<class>/<images> and val/<class>/<images> "
+                "(JPEG, PNG or another format of torchvision's ImageFolder)")
         return sorted(p.name for p in split_dir.iterdir() if p.is_dir() and not hidden(p.name))
 
     classes = class_dirs(root / "train")
@@ -93,7 +95,9 @@ def warn_skipped(split_dir: Path, log=None) -> int:
     if skipped:
         names = ", ".join(f"{b['path']} ({b['reason']})" for b in skipped[:3])
         (log or (lambda m: print(m, file=sys.stderr)))(
-            f"rayconv: warning: {split_dir}: skipped {len(skipped)} entries that are not image files (first: {names})")
+            f"rayconv: warning: {split_dir}: skipped {len(skipped)} entries that are not image files (first:"
+            f" {names})"
+        )
     return len(skipped)
 
 
@@ -106,7 +110,8 @@ def check_image_folder(path: Path) -> None:
     classes = [p for p in path.iterdir() if p.is_dir() and not hidden(p.name)]
     if not classes:
         raise DataError(f"data folder {path} has no class folders: put images in {path}/<class>/")
-    if not any(f.suffix.lower() in IMAGE_SUFFIXES and not hidden(f.name) for c in classes for f in c.iterdir()):
+    if not any(f.suffix.lower() in IMAGE_SUFFIXES and not hidden(f.name) for c in classes
+               for f in c.iterdir()):
         raise DataError(f"data folder {path} has class folders but no image files "
                         f"({', '.join(IMAGE_SUFFIXES)})")
 

@@ -18,8 +18,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from rayconv.data import auto_augment as aa
-from rayconv.data.folders import (IMAGE_SUFFIXES, check_image_folder, empty_class_folders, visible_image_folder,
-                                  warn_skipped)
+from rayconv.data.folders import (IMAGE_SUFFIXES, check_image_folder, empty_class_folders,
+                                  visible_image_folder, warn_skipped)
 from rayconv.data.on_device import pad_for
 from rayconv.data.source import Source, stable_seed
 from rayconv.errors import DataError
@@ -34,10 +34,14 @@ class CheckedImageFolder(Dataset):
         except FileNotFoundError:  # a class folder without image files (or no class folder)
             empty = empty_class_folders(Path(root))
             names = f"class folder{'s' * (len(empty) > 1)} {', '.join(empty[:5])}"
-            what = (f"{names} {'hold' if len(empty) > 1 else 'has'} no image files ({', '.join(IMAGE_SUFFIXES)})"
-                    if empty else "no class folders with image files")
-            raise DataError(f"data folder {root}: {what}: put images in every class folder or remove the empty "
-                            "ones") from None
+            what = (
+                f"{names} {'hold' if len(empty) > 1 else 'has'} no image files ({', '.join(IMAGE_SUFFIXES)})"
+                if empty
+                else "no class folders with image files"
+            )
+            raise DataError(
+                f"data folder {root}: {what}: put images in every class folder or remove the empty "
+                "ones") from None
         self.targets = torch.tensor(self.inner.targets, dtype=torch.long)
 
     def __len__(self) -> int:
@@ -117,7 +121,8 @@ class ImageFolderSource(Source):
         """Start decoding ``batches`` (this actor's, in the order it will ask for them) in
         ``workers`` background processes; ``images`` then takes them in turn."""
         ds = self.sets[split]
-        sampler = [[(int(i), stable_seed(self.seed, split, epoch, int(i))) for i in b] for b in batches if len(b)]
+        sampler = [[(int(i), stable_seed(self.seed, split, epoch, int(i))) for i in b] for b in batches
+                   if len(b)]
         # (Its own generator: creating the iterator must not draw from the global torch RNG.)
         loader = DataLoader(ds, batch_sampler=sampler, num_workers=self.workers, generator=torch.Generator(),
                             prefetch_factor=2 if self.workers else None, pin_memory=torch.cuda.is_available())

@@ -59,10 +59,10 @@ class OnDeviceSource(Source):
     ``images`` returns float32 (or ``dtype``) (len(idx), C, S, S), S = ``image_size`` or H: normalised
     by ``mean`` / ``std`` (per channel, [0, 1] units; default: the train set's own). Training samples
     get ``augment`` (``AUGMENTS``; None: pad-crop by ``pad`` pixels and mirrored where ``flip``, nothing
-    when both are off), then ``auto_augment``'s policy (``rayconv/data/auto_augment.py``), then with probability ``random_erase`` one rectangle set to 0 after the
-    normalisation; test samples are as they are. With ``image_size`` other than H the images are
-    resized once on the device to S x S (bilinear, antialiased) before any crop. Raises ConfigError for
-    an unknown ``augment``."""
+    when both are off), then ``auto_augment``'s policy (``rayconv/data/auto_augment.py``), then with
+    probability ``random_erase`` one rectangle set to 0 after the normalisation; test samples are as they are.
+    With ``image_size`` other than H the images are resized once on the device to S x S (bilinear,
+    antialiased) before any crop. Raises ConfigError for an unknown ``augment``."""
 
     def __init__(self, train: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.ndarray],
                  num_classes: int, seed: int, pad: int = 0, flip: bool = False,
@@ -135,7 +135,8 @@ class OnDeviceSource(Source):
         return cached[1]
 
     def _draw_params(self, epoch: int) -> dict[str, torch.Tensor]:
-        """The augmentation table of ``epoch`` on the CPU (see ``_epoch_params``), from (seed, epoch) alone."""
+        """The augmentation table of ``epoch`` on the CPU (see ``_epoch_params``), from (seed, epoch)
+        alone."""
         n, size = self.train_size, self.sample_shape[1]
         g = torch.Generator().manual_seed(stable_seed(self.seed, "train", epoch))
         params: dict[str, torch.Tensor] = {}

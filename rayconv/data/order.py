@@ -8,10 +8,10 @@ windows of ``window`` consecutive shards (the last window may hold fewer), and t
 window permuted together; the epoch's order is the windows' orders one after another. A run then
 reads one window of shards at a time (``window`` shards in the page cache per node suffice), and the
 samples of a window are contiguous in the order, so a global batch (consecutive samples of the order)
-no larger than a window holds samples of at most two windows. The related designs: MosaicML streaming's ``py1e`` shuffle
-(shards permuted, samples shuffled within overlapping blocks of shards) and FFCV's
-``OrderOption.QUASI_RANDOM`` (samples permuted within pages held in memory); docs/data.md, Shuffle order,
-says what the order gives up in randomness and how to choose ``window``.
+no larger than a window holds samples of at most two windows. The related designs: MosaicML streaming's
+``py1e`` shuffle (shards permuted, samples shuffled within overlapping blocks of shards) and FFCV's
+``OrderOption.QUASI_RANDOM`` (samples permuted within pages held in memory); docs/data.md, Shuffle order, says
+what the order gives up in randomness and how to choose ``window``.
 
 Both orders depend on (seed, epoch) and the data only, never on the layout or the loader processes,
 so every layout sees the same global batches and a resumed run continues the same order mid-epoch.
@@ -83,8 +83,9 @@ def make_order(cfg: Config, source: Any) -> Optional[BlockOrder]:
         return None
     manifest = getattr(source, "manifest", None)
     if not isinstance(manifest, dict):
-        raise ConfigError(f"--shuffle block permutes within windows of shards: --data {cfg.data} has no shards; "
-                          "use --data shards, or --shuffle exact")
+        raise ConfigError(
+            f"--shuffle block permutes within windows of shards: --data {cfg.data} has no shards; "
+            "use --data shards, or --shuffle exact")
     rows = tuple(int(e["rows"]) for e in manifest["splits"]["train"]["shards"])
     if sum(rows) != source.train_size:
         raise ConfigError(f"--shuffle block: the manifest's train shards hold {sum(rows)} rows, the data "

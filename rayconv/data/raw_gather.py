@@ -82,11 +82,14 @@ class RowGather:
         order = np.lexsort((start, shard))
         shard, start = shard[order], start[order]
         # (rows of one width, sorted: a range starts at a new shard or more than 4 KiB past the row before)
-        firsts = np.flatnonzero(np.r_[True, (shard[1:] != shard[:-1]) | (start[1:] > start[:-1] + self.width + 4096)])
+        firsts = np.flatnonzero(
+            np.r_[True, (shard[1:] != shard[:-1]) | (start[1:] > start[:-1] + self.width + 4096)]
+        )
         lasts = np.r_[firsts[1:], len(start)] - 1
         shard, offs, lengths = shard[firsts], start[firsts], start[lasts] + self.width - start[firsts]
         cuts = np.flatnonzero(np.r_[True, shard[1:] != shard[:-1]]).tolist() + [len(shard)]
-        return [(int(shard[a]), list(zip(offs[a:b].tolist(), lengths[a:b].tolist()))) for a, b in zip(cuts, cuts[1:])]
+        return [(int(shard[a]), list(zip(offs[a:b].tolist(), lengths[a:b].tolist())))
+                for a, b in zip(cuts, cuts[1:])]
 
     def copy(self, at: np.ndarray, out):
         """The rows at byte offsets ``at`` (from ``locate``) copied into ``out`` (a uint8 torch tensor

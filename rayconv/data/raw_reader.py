@@ -22,8 +22,8 @@ split), and DataError when the process has ended. The process ends when the acto
 closes (the actor stopped, killed or not), or at ``close``.
 
 Messages (``multiprocessing.connection.Connection``, pickled tuples): to the process ``("open", {split:
-[(path, rows, identity), ...]})``, ``("ring", split, key, path, slots, capacity, width)``, ``("batch", n, split, key,
-slot, idx, later)``, ``("drop", key)``; back ``("mapped", key)``, ``("done", n, kind, message)``.
+[(path, rows, identity), ...]})``, ``("ring", split, key, path, slots, capacity, width)``, ``("batch", n,
+split, key, slot, idx, later)``, ``("drop", key)``; back ``("mapped", key)``, ``("done", n, kind, message)``.
 """
 
 from __future__ import annotations
@@ -89,12 +89,14 @@ class _Ring:
         except OSError as e:
             os.close(fd)
             os.unlink(self.path)
-            raise DataError(f"no shared memory for the raw reader's ring ({e}): free space in {folder}") from None
+            raise DataError(
+                f"no shared memory for the raw reader's ring ({e}): free space in {folder}") from None
         os.close(fd)
         base = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.registered = False
         if pin:
-            self.registered = int(torch.cuda.cudart().cudaHostRegister(base.data_ptr(), len(self.mm), REGISTER_PORTABLE)) == 0
+            self.registered = int(torch.cuda.cudart().cudaHostRegister(base.data_ptr(), len(self.mm),
+                                                                       REGISTER_PORTABLE)) == 0
         self.pixels, self.words = _slots(base, slots, capacity, width, torch.int64)
         self.base = base
         self.copies: list[Any] = [None] * slots
@@ -144,8 +146,8 @@ def _stop(proc: subprocess.Popen, conn: Connection) -> None:
 
 class ReaderProcess:
     """A raw shard source's reader process (module docstring). ``splits``: split -> [(shard path,
-    rows, the file's identity when the actor opened it), ...]; ``width``: bytes per image; ``pin``: page-lock the rings (GPU actors). Raises DataError
-    when the process cannot start."""
+    rows, the file's identity when the actor opened it), ...]; ``width``: bytes per image; ``pin``: page-lock
+    the rings (GPU actors). Raises DataError when the process cannot start."""
 
     def __init__(self, splits: dict[str, list[tuple[str, int]]], width: int, pin: bool):
         self.width, self.pin = width, pin
@@ -179,8 +181,9 @@ class ReaderProcess:
 
     def _ended(self) -> DataError:
         code = self.proc.poll()
-        return DataError("the raw shards' reader process ended" + (f" (exit status {code})" if code is not None
-                         else "") + ": see the actor's log for its error, then run again (or --resume)")
+        return DataError("the raw shards' reader process ended" +
+                         (f" (exit status {code})" if code is not None else "") +
+                         ": see the actor's log for its error, then run again (or --resume)")
 
     def _receive(self) -> tuple:
         try:
@@ -259,7 +262,8 @@ class ReaderProcess:
                 self.arrived.pop(n, None)
 
     def copied(self, split: str, slot: int) -> None:
-        """The device copies from ``slot`` of ``split``'s ring are queued on the current stream: mark their end."""
+        """The device copies from ``slot`` of ``split``'s ring are queued on the current stream: mark their
+        end."""
         import torch
 
         ring = self.rings[split]

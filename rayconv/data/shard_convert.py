@@ -42,10 +42,12 @@ def _convert_shard(root: Path, entry: dict[str, Any]) -> dict[str, Any]:
     meta = table.schema.metadata
     table = table.select(shard_schema().names).cast(shard_schema()).replace_schema_metadata(meta)
     if table.num_rows != entry["rows"]:
-        raise DataError(f"{src} holds {table.num_rows} rows, {MANIFEST} says {entry['rows']}: prepare the folder again")
+        raise DataError(
+            f"{src} holds {table.num_rows} rows, {MANIFEST} says {entry['rows']}: prepare the folder again")
     final = root / (Path(entry["file"]).stem + SUFFIX)
     write_atomic(table, final)
-    return {"file": final.name, "rows": table.num_rows, "bytes": final.stat().st_size, "sha256": sha256_file(final)}
+    return {"file": final.name, "rows": table.num_rows, "bytes": final.stat().st_size,
+            "sha256": sha256_file(final)}
 
 
 def convert(root: str, log=print) -> dict[str, Any]:
@@ -58,7 +60,8 @@ def convert(root: str, log=print) -> dict[str, Any]:
         fmt = manifest.get("format")
         splits = manifest["splits"]
     except (OSError, ValueError, KeyError, AttributeError) as e:
-        raise DataError(f"{path} cannot be read ({e}): --convert takes a folder written by rayconv.prepare") from None
+        raise DataError(
+            f"{path} cannot be read ({e}): --convert takes a folder written by rayconv.prepare") from None
     if fmt == FORMAT:
         log(f"prepare: {dest} is already of format {FORMAT}: nothing to convert")
         return manifest
@@ -87,11 +90,13 @@ def _recode_shard(src: str, dest: str, entry: dict[str, Any], size: int, encodin
 
     path = Path(src) / entry["file"]
     if sha256_file(path) != entry["sha256"]:
-        raise DataError(f"{path} does not match {MANIFEST} (sha256): prepare the folder again from its images")
+        raise DataError(
+            f"{path} does not match {MANIFEST} (sha256): prepare the folder again from its images")
     with pa.memory_map(str(path)) as f:
         table = pa.ipc.open_file(f).read_all()
     if encoding == "raw":
-        images = [raw_pixels(Image.open(io.BytesIO(b)).convert("RGB"), size) for b in table.column("jpeg").to_pylist()]
+        images = [raw_pixels(Image.open(io.BytesIO(b)).convert("RGB"), size)
+                  for b in table.column("jpeg").to_pylist()]
         hw = [size] * len(images)
     else:
         images = []
@@ -108,7 +113,8 @@ def _recode_shard(src: str, dest: str, entry: dict[str, Any], size: int, encodin
     out = pa.table(cols, schema=schema).replace_schema_metadata({SHARD_META: json.dumps(meta)})
     final = Path(dest) / entry["file"]
     write_atomic(out, final)
-    return {"file": final.name, "rows": out.num_rows, "bytes": final.stat().st_size, "sha256": sha256_file(final)}
+    return {"file": final.name, "rows": out.num_rows, "bytes": final.stat().st_size,
+            "sha256": sha256_file(final)}
 
 
 def recoded_settings(settings: dict[str, Any], encoding: str, quality: int) -> dict[str, Any]:

@@ -49,7 +49,8 @@ from rayconv.errors import DataError
 
 MANIFEST = "manifest.json"
 FORMAT = "rayconv-shards/2"           # JPEG shards
-FORMAT_RAW = "rayconv-shards/3"       # raw-pixel shards (``encoding`` raw): older readers refuse them by format
+# raw-pixel shards (``encoding`` raw): older readers refuse them by format
+FORMAT_RAW = "rayconv-shards/3"
 FORMATS = (FORMAT, FORMAT_RAW)
 FORMAT_PARQUET = "rayconv-shards/1"   # the older format: Parquet shards, converted by --convert
 SUFFIX = ".arrow"
@@ -67,12 +68,18 @@ def convert_hint(root: Path) -> str:
 def read_manifest(root: Path) -> dict[str, Any]:
     """The manifest of a prepared folder, checked against the files present: every listed shard exists
     with its byte size, and no unlisted shard is there. Raises DataError for a folder that does not exist,
-    naming what does not match, and for a folder of the older format (Parquet shards) naming the command that converts it."""
+    naming what does not match, and for a folder of the older format (Parquet shards) naming the command that
+    converts it."""
     path = root / MANIFEST
     if not root.is_dir():
-        raise DataError(f"{root} does not exist: check --data-dir (a folder written by python -m rayconv.prepare)")
+        raise DataError(
+            f"{root} does not exist: check --data-dir (a folder written by python -m rayconv.prepare)")
     if not path.is_file():
-        raise DataError(f"{root} has no {MANIFEST}: prepare it with `python -m rayconv.prepare {root} --out {root.parent / (root.name + '-shards')}` and give that --data-dir, or read its images with --data imagefolder")
+        raise DataError(
+            f"{root} has no {MANIFEST}: prepare it with `python -m rayconv.prepare {root} --out"
+            f" {root.parent / (root.name + '-shards')}` and give that --data-dir, or read its images with"
+            " --data imagefolder"
+        )
     try:
         manifest = json.loads(path.read_text())
         if manifest.get("format") == FORMAT_PARQUET:
@@ -221,7 +228,8 @@ class OpenShard:
             os.close(fd)
 
     def will_need_mapped(self, rows: np.ndarray) -> None:
-        """As ``will_need``, through the mapping (``madvise(MADV_WILLNEED)``: no file opened), page-aligned."""
+        """As ``will_need``, through the mapping (``madvise(MADV_WILLNEED)``: no file opened),
+        page-aligned."""
         self.will_need_ranges(self.ranges(rows))
 
     def will_need_ranges(self, ranges: list[tuple[int, int]]) -> None:
@@ -253,6 +261,11 @@ class OpenShard:
         if now == self.identity:
             self.checked_at = now_s
         else:
-            what = "disappeared" if now is None else "changed (inode, size or mtime differ from when it was opened)"
-            raise DataError(f"{self.path} {what} during the run: put the file back as prepared and continue with "
-                            "--resume (the last checkpoint stays)")
+            what = (
+                "disappeared"
+                if now is None
+                else "changed (inode, size or mtime differ from when it was opened)"
+            )
+            raise DataError(
+                f"{self.path} {what} during the run: put the file back as prepared and continue with "
+                "--resume (the last checkpoint stays)")

@@ -18,7 +18,8 @@ from typing import Any, Optional
 from rayconv.data.shard_files import FORMAT, FORMAT_RAW, MANIFEST
 from rayconv.files import sha256_file
 
-SHARD_META = b"rayconv.shard"   # Arrow schema key-value metadata of a shard: its settings, inputs and skipped files
+# Arrow schema key-value metadata of a shard: its settings, inputs and skipped files
+SHARD_META = b"rayconv.shard"
 
 
 def shard_schema(raw_size: Optional[int] = None):
@@ -96,19 +97,23 @@ def write_rows(final: Path, rows: dict[str, Any], meta: dict[str, Any], skipped:
         width = raw_size * raw_size * 3
         px = np.ascontiguousarray(rows["pixels"], dtype=np.uint8)
         if px.size != len(labels) * width:
-            raise ValueError(f"pixels of shape {px.shape} for {len(labels)} images of {raw_size}x{raw_size}x3")
+            raise ValueError(
+                f"pixels of shape {px.shape} for {len(labels)} images of {raw_size}x{raw_size}x3")
         rows = {**rows, "pixels": pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(labels),
                                                                        [None, pa.py_buffer(px.reshape(-1))])}
     found, firsts, n = np.unique(labels, return_index=True, return_counts=True)
     counts = {str(found[k]): int(n[k]) for k in np.argsort(firsts, kind="stable")}
     done = {**meta, "rows": len(labels), "skipped": skipped, "counts": counts}
-    table = pa.table(rows, schema=shard_schema(raw_size)).replace_schema_metadata({SHARD_META: json.dumps(done)})
+    table = pa.table(rows, schema=shard_schema(raw_size)).replace_schema_metadata(
+        {SHARD_META: json.dumps(done)}
+    )
     write_atomic(table, final)
     return {**shard_entry(final, len(labels), sha256_file(final)), "skipped": skipped, "counts": counts,
             "resumed": False}
 
 
-def make_manifest(source: str, settings: dict[str, Any], classes: list[str], splits: dict[str, Any]) -> dict[str, Any]:
+def make_manifest(source: str, settings: dict[str, Any], classes: list[str],
+                  splits: dict[str, Any]) -> dict[str, Any]:
     """``manifest.json`` of a folder of ``settings["encoding"]`` shards (format 3 raw, 2 JPEG; raw ones
     add ``image_shape``): ``source``, ``settings``, ``classes`` and per split its images, per-class
     counts, skipped files and shard entries (``splits``)."""

@@ -159,8 +159,8 @@ def _complete(final: Path, meta: dict[str, Any], expect_sha256: Optional[str]) -
         done["settings"] = _with_defaults(done["settings"])
         sha = sha256_file(final)
         if {k: done[k] for k in meta} == meta and expect_sha256 in (None, sha):
-            return {**shard_entry(final, done["rows"], sha), "skipped": done["skipped"], "counts": done["counts"],
-                    "resumed": True}
+            return {**shard_entry(final, done["rows"], sha), "skipped": done["skipped"],
+                    "counts": done["counts"], "resumed": True}
     except (OSError, KeyError, ValueError, pa.ArrowException):
         pass  # not a complete shard of these inputs: write it again
     return None
@@ -187,17 +187,20 @@ def write_shard(root: str, out: str, name: str, inputs: list[tuple[int, str, int
                 data, h, w = encode_raw(Path(root) / rel, size), size, size
             else:
                 data, h, w = encode(Path(root) / rel, size, settings["quality"])
-        except Exception as e:  # noqa: BLE001 - Pillow raises OSError, ValueError, SyntaxError, DecompressionBombError...
+        # (Pillow raises OSError, ValueError, SyntaxError, DecompressionBombError...)
+        except Exception as e:  # noqa: BLE001 - any decoding failure skips the file
             skipped.append({"path": rel, "reason": f"cannot read or decode ({type(e).__name__}: {e})"})
             continue
         for k, v in zip(rows, (index, label, h, w, data, rel)):
             rows[k].append(v)
-    return {**write_rows(final, rows, meta, skipped, size if raw else None), "seconds": time.perf_counter() - t0}
+    return {**write_rows(final, rows, meta, skipped, size if raw else None),
+            "seconds": time.perf_counter() - t0}
 
 
 def _ours(name: str) -> bool:
     """Whether ``name`` is a file prepare writes: a shard, the manifest, or either's ``.tmp``."""
-    return re.fullmatch(r"(train|val)-\d{5}\.(arrow|parquet)(\.tmp)?|manifest\.json(\.tmp)?", name) is not None
+    return re.fullmatch(r"(train|val)-\d{5}\.(arrow|parquet)(\.tmp)?|manifest\.json(\.tmp)?",
+                        name) is not None
 
 
 def on_processes(args: dict[str, tuple], processes: int) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -222,7 +225,8 @@ def on_processes(args: dict[str, tuple], processes: int) -> Iterator[tuple[str, 
 
 def _previous_shards(dest: Path, settings: dict[str, Any]) -> dict[str, str]:
     """{shard file: sha256} of the manifest already in ``dest`` (empty without one). Raises DataError for
-    a manifest that cannot be read, one of other settings, or a ``dest`` holding files prepare did not write."""
+    a manifest that cannot be read, one of other settings, or a ``dest`` holding files prepare did not
+    write."""
     old: dict[str, str] = {}
     if (dest / MANIFEST).is_file():
         try:
@@ -230,18 +234,21 @@ def _previous_shards(dest: Path, settings: dict[str, Any]) -> dict[str, str]:
             prev = _with_defaults(manifest["settings"])
             old = {e["file"]: e["sha256"] for s in manifest["splits"].values() for e in s["shards"]}
         except (ValueError, KeyError, TypeError) as e:
-            raise DataError(f"{dest / MANIFEST} cannot be read ({e}): remove it or choose another --out") from None
+            raise DataError(
+                f"{dest / MANIFEST} cannot be read ({e}): remove it or choose another --out") from None
         if prev != settings:
-            raise DataError(f"{dest} was prepared with {prev}, not {settings}: use the same settings or another --out")
+            raise DataError(
+                f"{dest} was prepared with {prev}, not {settings}: use the same settings or another --out")
     others = sorted(p.name for p in dest.iterdir() if not _ours(p.name)) if dest.is_dir() else []
     if others:
-        raise DataError(f"--out {dest} holds files prepare did not write ({', '.join(others[:3])}): choose a new "
-                        "or empty folder")
+        raise DataError(
+            f"--out {dest} holds files prepare did not write ({', '.join(others[:3])}): choose a new "
+            "or empty folder")
     return old
 
 
-def split_summary(split: str, entries: list[dict[str, Any]], classes: list[str], skipped: list[dict[str, str]],
-                   listed: int, dest: Path, log) -> dict[str, Any]:
+def split_summary(split: str, entries: list[dict[str, Any]], classes: list[str],
+                  skipped: list[dict[str, str]], listed: int, dest: Path, log) -> dict[str, Any]:
     """The manifest's entry for one split; logs one warning line when files were skipped."""
     per_class = {c: sum(e["counts"].get(str(i), 0) for e in entries) for i, c in enumerate(classes)}
     bad = skipped + [x for e in entries for x in e["skipped"]]
@@ -278,8 +285,9 @@ def _rate_line(results: dict[str, dict[str, Any]], inputs: dict[str, int], wall_
     bad = [x["path"] for n in written for x in results[n]["skipped"]]
     not_encoded = (f" ({len(bad)} not: {', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''} did not decode)"
                    if bad else "")
-    return (f"{images} images encoded{not_encoded} in {wall_s:.1f} s: {images / max(core_s, 1e-9):.0f} images/s "
-            f"per core ({core_s:.1f} core-seconds), {images / max(wall_s, 1e-9):.0f} images/s in all")
+    return (
+        f"{images} images encoded{not_encoded} in {wall_s:.1f} s: {images / max(core_s, 1e-9):.0f} images/s "
+        f"per core ({core_s:.1f} core-seconds), {images / max(wall_s, 1e-9):.0f} images/s in all")
 
 
 def _jobs(files: dict[str, list[tuple[str, int]]], shard_size: int, shard_order: str,
@@ -302,15 +310,16 @@ def prepare(src: str, out: str, size: int = 256, quality: int = 90, shard_size: 
     sorted, which uses none) and ``encoding`` (``resolve_encoding``: raw pixels, format 3, or JPEGs at
     ``quality``, format 2). The last log line names the images encoded and images/s per core. Raises
     DataError for bad input (nothing is written then) or an ``out`` prepared with other settings;
-    ValueError for an unknown ``shard_order`` or ``encoding``; OSError (a full disk) with no half-written shard or
-    manifest left."""
+    ValueError for an unknown ``shard_order`` or ``encoding``; OSError (a full disk) with no half-written
+    shard or manifest left."""
     t0 = time.perf_counter()
     root, dest = Path(src).resolve(), Path(out)
     if shard_order not in SHARD_ORDERS:
         raise ValueError(f"shard order {shard_order!r} is not one of {SHARD_ORDERS}")
     encoding = resolve_encoding(encoding, size)
     settings = {"size": size, "quality": quality if encoding == "jpeg" else None, "shard_size": shard_size,
-                "shard_order": shard_order, "seed": seed if shard_order == "shuffled" else None, "encoding": encoding}
+                "shard_order": shard_order, "seed": seed if shard_order == "shuffled" else None,
+                "encoding": encoding}
     classes, files, skipped = scan(root)
     old = _previous_shards(dest, settings)
     dest.mkdir(parents=True, exist_ok=True)
@@ -326,8 +335,18 @@ def prepare(src: str, out: str, size: int = 256, quality: int = 90, shard_size: 
     for stale in dest.iterdir():
         if _ours(stale.name) and stale.name != MANIFEST and stale.name not in wanted:
             stale.unlink()   # a shard of files no longer in the source folder, or of the older format
-    splits = {split: split_summary(split, [results[n] for s, n, _ in jobs if s == split], classes,
-                                    skipped[split], len(files[split]), dest, log) for split in SPLITS.values()}
+    splits = {
+        split: split_summary(
+            split,
+            [results[n] for s, n, _ in jobs if s == split],
+            classes,
+            skipped[split],
+            len(files[split]),
+            dest,
+            log,
+        )
+        for split in SPLITS.values()
+    }
     manifest = make_manifest(str(root), settings, classes, splits)
     write_manifest(dest, manifest)
     resumed = sum(1 for r in results.values() if r["resumed"])

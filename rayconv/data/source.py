@@ -66,9 +66,12 @@ class Sharding:
         if cached is None:
             n = int(self.val_split * self.train_size)
             if self.val_split > 0 and n == 0:
-                raise ConfigError(f"--val-split {self.val_split:g} holds out no image of the {self.train_size} "
-                                  f"train images: raise it to >= {1 / self.train_size:.2g} or drop it")
-            perm = np.random.default_rng([self.seed, 0x7A1]).permutation(self.train_size) if n else np.zeros(0)
+                raise ConfigError(
+                    f"--val-split {self.val_split:g} holds out no image of the {self.train_size} "
+                    f"train images: raise it to >= {1 / self.train_size:.2g} or drop it")
+            perm = (
+                np.random.default_rng([self.seed, 0x7A1]).permutation(self.train_size) if n else np.zeros(0)
+            )
             cached = np.sort(perm[:n]).astype(np.int64)
             object.__setattr__(self, "_val", cached)
         return cached
@@ -183,7 +186,8 @@ class Source:
 
 
 class TensorSource(Source):
-    """A data set held in host memory as float tensors (digits), indexed per batch and copied to the device."""
+    """A data set held in host memory as float tensors (digits), indexed per batch and copied to the
+    device."""
 
     def __init__(self, train: TensorDataset, test: TensorDataset, num_classes: int, name: str = "data"):
         self.sets = {"train": train, "test": test}

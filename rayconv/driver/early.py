@@ -21,8 +21,8 @@ from typing import Optional
 
 from rayconv.actor.actor import Actor
 from rayconv.cluster import across, pool
-from rayconv.cluster.group import (ActorGroup, actors_env, create_actors, given_group, in_given_group, reserve,
-                                   reuse_kept)
+from rayconv.cluster.group import (ActorGroup, actors_env, create_actors, given_group, in_given_group,
+                                   reserve, reuse_kept)
 from rayconv.config import Config
 from rayconv.errors import ClusterError, ConfigError, DataError, LayoutError, ScheduleError
 from rayconv.mesh import Mesh
@@ -65,7 +65,8 @@ class EarlyActors:
             if given is not None:   # a Tune trial's group: its bundles are this run's
                 self.group = in_given_group(Actor, cfg, mesh, run_name, given, cfg.max_wait, False, env)
             else:
-                self.group = reuse_kept(Actor, cfg, mesh, run_name, env)   # a previous run's (--keep-actors-s)
+                # a previous run's (--keep-actors-s)
+                self.group = reuse_kept(Actor, cfg, mesh, run_name, env)
                 if self.group is None:
                     pg = reserve(cfg, mesh, run_name, min(cfg.max_wait, RESERVE_S))
                     self.group = create_actors(Actor, cfg, mesh, run_name, pg,

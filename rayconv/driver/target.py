@@ -44,7 +44,12 @@ class Target:
     def update(self, step: int, test_accuracy: Optional[float], wall_s: float, train_s: float,
                since_s: Optional[float] = None) -> bool:
         """Record the evaluation after ``step`` if it is the first to reach the target; True then."""
-        if self.accuracy is None or self.step is not None or test_accuracy is None or test_accuracy < self.accuracy:
+        if (
+            self.accuracy is None
+            or self.step is not None
+            or test_accuracy is None
+            or test_accuracy < self.accuracy
+        ):
             return False
         self.step, self.wall_s, self.train_s, self.since_s = step, wall_s, train_s, since_s
         return True

@@ -83,12 +83,14 @@ def _trace(model: nn.Module) -> fx.Graph:
             try:
                 traced = fx.symbolic_trace(model)
             except Exception as e:  # noqa: BLE001 - any tracing failure means: cannot cut
-                raise NotCuttable(f"torch.fx cannot trace its forward ({type(e).__name__}: {_short(e)})") from None
+                raise NotCuttable(
+                    f"torch.fx cannot trace its forward ({type(e).__name__}: {_short(e)})") from None
             codes.append(traced.code)
     finally:
         model.train(was_training)
     if codes[0] != codes[1]:
-        raise NotCuttable("its traced forward differs between training and evaluation: it reads self.training")
+        raise NotCuttable(
+            "its traced forward differs between training and evaluation: it reads self.training")
     graph = traced.graph
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     if len(inputs) != 1:
@@ -162,7 +164,8 @@ def _merge_tied(model: nn.Module, pieces: list[_Piece]) -> list[_Piece]:
 
 def _join(pieces: list[_Piece], lo: int, hi: int) -> list[_Piece]:
     """``pieces`` with ``pieces[lo..hi]`` (inclusive) made one piece."""
-    merged = _Piece(nodes=[n for p in pieces[lo:hi + 1] for n in p.nodes], src=pieces[lo].src, dst=pieces[hi].dst)
+    merged = _Piece(nodes=[n for p in pieces[lo:hi + 1] for n in p.nodes], src=pieces[lo].src,
+                    dst=pieces[hi].dst)
     return [*pieces[:lo], merged, *pieces[hi + 1:]]
 
 
@@ -214,7 +217,8 @@ def _whole_call(model: nn.Module, piece: _Piece, calls) -> Optional[str]:
             n = piece.nodes[0]
             return path if n.args == (piece.src,) and not n.kwargs else None
         params = list(inspect.signature(model.get_submodule(path).forward).parameters.values())
-        one = len(params) == 1 and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD)
+        one = len(params) == 1 and params[0].kind in (params[0].POSITIONAL_ONLY,
+                                                      params[0].POSITIONAL_OR_KEYWORD)
         return path if one and piece.src in piece.nodes[0].all_input_nodes else None
     return None
 
@@ -235,7 +239,8 @@ def _build(model: nn.Module, piece: _Piece, calls) -> tuple[str, nn.Module]:
 # Functional calls that have a module form the filter split knows: name -> (module, its arguments in order)
 _FUNCTIONAL = {
     nn.functional.max_pool2d: (nn.MaxPool2d, ("kernel_size", "stride", "padding", "dilation", "ceil_mode")),
-    nn.functional.avg_pool2d: (nn.AvgPool2d, ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad")),
+    nn.functional.avg_pool2d: (nn.AvgPool2d, ("kernel_size", "stride", "padding", "ceil_mode",
+                                              "count_include_pad")),
     nn.functional.adaptive_avg_pool2d: (nn.AdaptiveAvgPool2d, ("output_size",)),
     nn.functional.adaptive_max_pool2d: (nn.AdaptiveMaxPool2d, ("output_size",)),
 }
@@ -306,7 +311,11 @@ def _check_keys(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> None:
     want = set(model.state_dict())
     if got != want:
         missing, extra = sorted(want - got), sorted(got - want)
-        what = f"its forward never reads {missing[0]}" if missing else f"a piece holds {extra[0]}, not in the model"
+        what = (
+            f"its forward never reads {missing[0]}"
+            if missing
+            else f"a piece holds {extra[0]}, not in the model"
+        )
         raise NotCuttable(what)
 
 

@@ -51,8 +51,9 @@ def read_state(path: str) -> dict[str, torch.Tensor]:
                          weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the user's to replace
         # (torch's own message advises weights_only=False, which would run the file's code: not ours to give)
-        raise ConfigError(f"--init {path}: cannot be read as a state_dict or checkpoint ({type(e).__name__} from "
-                          f"torch.load(weights_only=True)): {INIT_TAKES}") from None
+        raise ConfigError(
+            f"--init {path}: cannot be read as a state_dict or checkpoint ({type(e).__name__} from "
+            f"torch.load(weights_only=True)): {INIT_TAKES}") from None
     if isinstance(obj, dict):
         for key in ("model", "state_dict"):
             if isinstance(obj.get(key), dict):
@@ -69,8 +70,9 @@ def head_keys(model: nn.Module) -> tuple[str, ...]:
     """The state_dict keys of the model's last ``nn.Linear`` (its classifier). Raises ConfigError."""
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not linears:
-        raise ConfigError("--init-skip-head leaves the classifier (the last nn.Linear) as built, but the model "
-                          "has no nn.Linear: drop --init-skip-head")
+        raise ConfigError(
+            "--init-skip-head leaves the classifier (the last nn.Linear) as built, but the model "
+            "has no nn.Linear: drop --init-skip-head")
     prefix = f"{linears[-1]}." if linears[-1] else ""
     return tuple(k for k in model.state_dict() if k.startswith(prefix) and "." not in k[len(prefix):])
 

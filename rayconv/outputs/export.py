@@ -37,7 +37,8 @@ def state_keys(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     return [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
 
 
-def export_model(path: Path, state: dict[str, torch.Tensor], keys: Sequence[tuple[str, Sequence[int]]]) -> None:
+def export_model(path: Path, state: dict[str, torch.Tensor],
+                 keys: Sequence[tuple[str, Sequence[int]]]) -> None:
     """Check that ``state`` holds exactly the keys of ``keys`` (``state_keys`` of a freshly built model)
     with their shapes, as ``load_state_dict(strict=True)`` does, then save it in that key order atomically
     with ``torch.save``; it loads back with ``torch.load(path, weights_only=True)`` into the model.
@@ -48,8 +49,13 @@ def export_model(path: Path, state: dict[str, torch.Tensor], keys: Sequence[tupl
     mis_shaped = [f"{k} {tuple(state[k].shape)} (model {want[k]})" for k in want
                   if k in state and tuple(state[k].shape) != want[k]]
     if missing or unexpected or mis_shaped:
-        raise RuntimeError("the assembled state_dict does not load into the model: "
-                           + "; ".join(f"{what}: {', '.join(names[:5])}" for what, names in
-                                       (("missing", missing), ("unexpected", unexpected), ("shapes", mis_shaped)) if names))
+        raise RuntimeError(
+            "the assembled state_dict does not load into the model: "
+            + "; ".join(
+                f"{what}: {', '.join(names[:5])}"
+                for what, names in (("missing", missing), ("unexpected", unexpected), ("shapes", mis_shaped))
+                if names
+            )
+        )
     ordered: dict[str, Any] = {k: state[k].contiguous() for k in want}
     atomic_write(path, lambda tmp: torch.save(ordered, tmp))

@@ -28,9 +28,9 @@ from rayconv.files import atomic_write
 
 # metrics.parquet's columns: kind and layout are strings, step/epoch int64, the rest float64. (pyarrow is
 # imported when a file is written or read: every actor imports this module for its gauges.)
-COLUMNS = ("kind", "step", "epoch", "loss", "lr", "images_per_s", "step_ms", "time_s", "test_loss", "test_error",
-           "test_accuracy", "input_stall_ms", "input_stall_fraction", "test_top5_accuracy", "ema_test_accuracy",
-           "loss_scale", "val_loss", "val_accuracy", "val_top5_accuracy", "layout")
+COLUMNS = ("kind", "step", "epoch", "loss", "lr", "images_per_s", "step_ms", "time_s", "test_loss",
+           "test_error", "test_accuracy", "input_stall_ms", "input_stall_fraction", "test_top5_accuracy",
+           "ema_test_accuracy", "loss_scale", "val_loss", "val_accuracy", "val_top5_accuracy", "layout")
 
 
 @functools.cache
@@ -66,7 +66,8 @@ def reduce_step(results: Iterable[dict[str, Any]]) -> dict[str, Any]:
 
 class MetricsLog:
     """Rows of the run, kept in memory and flushed to ``metrics.parquet``; ``on_write(rows)``, if set,
-    is called after each write with the rows written (the TensorBoard event files, ``outputs.tensorboard``)."""
+    is called after each write with the rows written (the TensorBoard event files,
+    ``outputs.tensorboard``)."""
 
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
@@ -164,10 +165,14 @@ def read_rows(parquet: bytes) -> list[dict[str, Any]]:
 # output folder's name and a random suffix) and role (an actor's mesh role such as dp1.pp0.fs0, or
 # "driver" for the per-run numbers).
 GAUGES = {
-    "images_per_s": "images per second (actor: its samples / the time between its step calls; driver: images over the "
-                    "wall-clock of the last 20 steps)",
-    "step_ms": "milliseconds per step (actor: time between its step calls; driver: the step's own time, the slowest "
-               "actor's)",
+    "images_per_s": (
+        "images per second (actor: its samples / the time between its step calls; driver: images over the "
+        "wall-clock of the last 20 steps)"
+    ),
+    "step_ms": (
+        "milliseconds per step (actor: time between its step calls; driver: the step's own time, the slowest "
+        "actor's)"
+    ),
     "loss": "training loss of the last step (driver: mean over the global batch; actor: over its replica)",
     "peak_memory_gib": "peak device memory allocated, GiB (CUDA actors only)",
     "step": "last finished step",

@@ -116,7 +116,11 @@ def defer_batchnorm(module: nn.Module) -> nn.Module:
     """``module`` with every batch-norm layer that tracks running statistics (``module`` itself, or
     nested) replaced by a ``DeferredBatchNorm`` sharing its tensors; others (``track_running_stats``
     False, SyncBatchNorm) are kept as they are. Returns ``module`` or its replacement."""
-    if isinstance(module, _BatchNorm) and not isinstance(module, nn.SyncBatchNorm) and module.track_running_stats:
+    if (
+        isinstance(module, _BatchNorm)
+        and not isinstance(module, nn.SyncBatchNorm)
+        and module.track_running_stats
+    ):
         return DeferredBatchNorm(module)
     for name, child in module.named_children():
         new = defer_batchnorm(child)

@@ -235,7 +235,8 @@ def exposed_s() -> float:
     return _timing["exposed_s"]
 
 
-def all_gather_dim(t: torch.Tensor, dim: int, sizes: list[int], group: Optional[dist.ProcessGroup]) -> Pending:
+def all_gather_dim(t: torch.Tensor, dim: int, sizes: list[int],
+                   group: Optional[dist.ProcessGroup]) -> Pending:
     """Launch the concatenation of each rank's ``t`` along ``dim`` (sizes along ``dim`` may differ by
     rank): a ``Pending`` whose ``wait()`` gives the result."""
     if group is None:

@@ -56,12 +56,14 @@ class ParallelPart:
 
 
 def parallelize(routing: Routing, layers: list[tuple[str, nn.Module]], coord: Coord, groups: Groups,
-                device: torch.device, dtype: torch.dtype, sync_batchnorm: bool, bucket_mb: float) -> ParallelPart:
+                device: torch.device, dtype: torch.dtype, sync_batchnorm: bool,
+                bucket_mb: float) -> ParallelPart:
     """This actor's part of the model whose flat layers are ``layers`` (``models.to_layers``), at mesh
     coordinate ``coord``, in the order of the module docstring. Collective over the dp group (the
     broadcast). Raises LayoutError for a layer that cannot be split."""
     # 1-2. Cut and split.
-    sharded, in_sizes = build_part(routing, layers, coord.pp, coord.fs, groups.axis["fs"], coord.dp, groups.axis["dp"])
+    sharded, in_sizes = build_part(routing, layers, coord.pp, coord.fs, groups.axis["fs"], coord.dp,
+                                   groups.axis["dp"])
     replicated_at = [any(m is s for s in sharded.synced) for m in sharded.modules]
     # 3. Batch-norm mode.
     part = nn.Sequential(*batchnorm_mode(sharded.modules, sync_batchnorm, routing.schedule.num_microbatches,
@@ -73,8 +75,9 @@ def parallelize(routing: Routing, layers: list[tuple[str, nn.Module]], coord: Co
     # 5. Data-parallel sync.
     replicated = [m for m, r in zip(part, replicated_at) if r]
     sync = data_parallel(replicated, groups, bucket_mb)
-    return ParallelPart(part=part, names=sharded.names, sharded=sharded, in_sizes=in_sizes, replicated=replicated,
-                        sync=sync, deferred_bn=[m for m in part.modules() if isinstance(m, DeferredBatchNorm)],
+    return ParallelPart(part=part, names=sharded.names, sharded=sharded, in_sizes=in_sizes,
+                        replicated=replicated, sync=sync,
+                        deferred_bn=[m for m in part.modules() if isinstance(m, DeferredBatchNorm)],
                         has_buffers=any(True for m in replicated for _ in m.buffers()))
 
 

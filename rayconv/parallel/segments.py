@@ -59,7 +59,8 @@ class CompiledSegment(nn.Module):
     def __init__(self, seq: nn.Sequential, backend: Any = "inductor"):
         super().__init__()
         self._orig_mod = seq
-        object.__setattr__(self, "compiled", torch.compile(seq, dynamic=False, backend=backend))  # (not a 2nd module)
+        # (not a 2nd module)
+        object.__setattr__(self, "compiled", torch.compile(seq, dynamic=False, backend=backend))
         self.shapes: set = set()
         self.fixed = False
 

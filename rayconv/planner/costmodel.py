@@ -26,8 +26,8 @@ The step of a layout (Yadan et al. 2013, section 3; Huang et al. 2019; Narayanan
   size (of the ``fs`` shard), plus the filter split's exchanges (an all-gather of the full activation
   before each layer that needs all input channels in the forward pass, a reduce-scatter of the same
   size in the backward pass); a forward on a stage waits for the previous virtual stage's output
-  plus one point-to-point transfer (``timed_makespan``, through ``parallel.pipeline.simulate.timeline``: the unit-time
-  model of ``simulate`` with measured times in place of unit ticks).
+  plus one point-to-point transfer (``timed_makespan``, through ``parallel.pipeline.simulate.timeline``: the
+  unit-time model of ``simulate`` with measured times in place of unit ticks).
 * Data parallel: each stage's gradients (``params / fs``) are all-reduced over ``dp`` replicas in
   buckets (``planner.buckets``); only the part past the stage's last backward is exposed.
 * ``--plan krizhevsky2014`` (Krizhevsky 2014, section 4): conv layers data parallel at ``B / N``
@@ -79,21 +79,22 @@ class Prediction:
 
     def as_dict(self) -> dict:
         return {"layout": self.layout.name, **self.settings(), "step_ms": self.step_ms,
-                "images_per_s": self.images_per_s, "compute_ms": self.compute_ms, "exchange_ms": self.exchange_ms,
-                "allreduce_ms": self.allreduce_ms, "bubble_ms": self.bubble_ms, "peak_gib": self.peak_gib,
+                "images_per_s": self.images_per_s, "compute_ms": self.compute_ms,
+                "exchange_ms": self.exchange_ms, "allreduce_ms": self.allreduce_ms,
+                "bubble_ms": self.bubble_ms, "peak_gib": self.peak_gib,
                 "stages": [list(s) for s in self.stages]}
 
 
 def timed_makespan(sched: pipeline.Schedule, f_ms: Sequence[float], b_ms: Sequence[float],
                    link_ms: Sequence[float]) -> tuple[float, list[float], list[float]]:
-    """Run ``sched``'s programs with measured times (``parallel.pipeline.timeline``): an action on virtual stage
-    v (chunk c of stage s, v = c * P + s) takes ``f_ms[v]`` or ``b_ms[v]``, and starts when its stage
-    is free and its input has arrived (the previous virtual stage's forward, or the next one's
-    backward, plus ``link_ms[b]``: the transfer over the boundary b between virtual stages b and b + 1, ms).
+    """Run ``sched``'s programs with measured times (``parallel.pipeline.timeline``): an action on virtual
+    stage v (chunk c of stage s, v = c * P + s) takes ``f_ms[v]`` or ``b_ms[v]``, and starts when its stage is
+    free and its input has arrived (the previous virtual stage's forward, or the next one's backward, plus
+    ``link_ms[b]``: the transfer over the boundary b between virtual stages b and b + 1, ms).
 
-    With every time 1 and links 0 the makespan is ``len`` of ``parallel.pipeline.simulate.simulate``'s grid rows.
-    Returns (makespan ms, per stage the end of its last action, per stage its busy ms).
-    Raises pipeline.ScheduleError on a deadlock."""
+    With every time 1 and links 0 the makespan is ``len`` of ``parallel.pipeline.simulate.simulate``'s grid
+    rows. Returns (makespan ms, per stage the end of its last action, per stage its busy ms). Raises
+    pipeline.ScheduleError on a deadlock."""
     rows = pipeline.timeline(sched, f_ms, b_ms, list(link_ms) or 0)
     free = [row[-1][1] if row else 0.0 for row in rows]
     busy = [sum(end - start for start, end in row) for row in rows]
@@ -144,8 +145,11 @@ def _chunk_times(layout: Layout, prof: Profile, t: Sequence[float], links: Links
         out.f_ms.append(work * (1 - BACKWARD_SHARE) + ex)
         out.b_ms.append(work * BACKWARD_SHARE + ex)
         s, nxt = v % pp, (v + 1) % pp
-        out.link.append(links.p2p_ms(prof.out_elems[b - 1] * mb * prec.act_bytes / fs, pp_ranks[s], pp_ranks[nxt])
-                        if v + 1 < len(chunks) else 0.0)
+        out.link.append(
+            links.p2p_ms(prof.out_elems[b - 1] * mb * prec.act_bytes / fs, pp_ranks[s], pp_ranks[nxt])
+            if v + 1 < len(chunks)
+            else 0.0
+        )
     return out
 
 
@@ -158,7 +162,8 @@ def _predict_mesh(layout: Layout, prof: Profile, times: LayerTimes, links: Links
     t = list(times(mb, fs))  # one filter shard's layers
     chunks = chunks_of(list(times(mb, 1)), pp * V)  # whole layers' times, as the run's --balance time cuts
     c = _chunk_times(layout, prof, t, links, mb, prec, chunks)
-    makespan, ends, busy = timed_makespan(pipeline.make_schedule(layout.schedule, pp, M, V), c.f_ms, c.b_ms, c.link)
+    makespan, ends, busy = timed_makespan(pipeline.make_schedule(layout.schedule, pp, M, V), c.f_ms, c.b_ms,
+                                          c.link)
     # Data parallel: each stage's gradients, all-reduced as its last backward produces them.
     step = makespan
     back = [x * BACKWARD_SHARE for x in t]
@@ -190,7 +195,9 @@ def _predict_plan(layout: Layout, prof: Profile, times: LayerTimes, links: Links
     conv_t, fc_t = list(times(B // N, 1))[:k], list(times(B, N))[k:]
     compute = sum(conv_t) + sum(fc_t)
     # The batch gathered before the first FC layer (forward; reduce-scattered back), FC gathers, logits.
-    gathers = [prof.act_in(k) * B] + [prof.act_in(i) * B for i in prof.gathers if i > k] + [prof.out_elems[-1] * B]
+    gathers = (
+        [prof.act_in(k) * B] + [prof.act_in(i) * B for i in prof.gathers if i > k] + [prof.out_elems[-1] * B]
+    )
     exchange = 2 * sum(links.allgather_ms(n * prec.act_bytes, ranks) for n in gathers)
     back = [x * BACKWARD_SHARE for x in conv_t]
     sizes, ready = buckets(list(range(k)), prof.params, back, prec.param_bytes, bucket_mb)

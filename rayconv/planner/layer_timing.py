@@ -68,7 +68,9 @@ def measured_costs(cfg_dict: dict, micro_batch: int) -> list[float]:
     """``layer_times`` of the run's model on this process's device (run as a Ray task on a GPU by the
     driver's setup, ``driver.job``). Returns one time in ms per layer of ``models.to_layers``."""
     cfg = Config(**cfg_dict)
-    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     source = check_source(cfg)   # (its shapes only: a set in a bucket is not fetched for them)

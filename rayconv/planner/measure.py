@@ -125,9 +125,9 @@ def times_at(cfg_dict: dict, pairs: Sequence[tuple[int, int]]) -> dict:
     """Forward + backward ms per layer at each (batch size, fs): whole layers
     (``planner.layer_timing.measured_costs``, what ``--balance time`` measures) for fs = 1, else one actor's
     shard of the filter split (``sharded_costs``). Returns {"device": name, "times": {key: [ms, ...]}}."""
-    return {"device": device_name(cfg_dict),
-            "times": {times_key(b, fs): measured_costs(cfg_dict, b) if fs == 1 else sharded_costs(cfg_dict, b, fs)
-                      for b, fs in pairs}}
+    return {"device": device_name(cfg_dict), "times": {times_key(b, fs): measured_costs(cfg_dict, b)
+                                                       if fs == 1 else sharded_costs(cfg_dict, b, fs)
+                                                       for b, fs in pairs}}
 
 
 class LocalGather(nn.Module):
@@ -161,7 +161,9 @@ def sharded_costs(cfg_dict: dict, batch: int, fs: int) -> list[float]:
     gather is a local copy to the gathered shape and each scatter a local slice, so that the layers
     after them see the shapes they see in the run; their copy time counts to the layer after them."""
     cfg = Config(**cfg_dict)
-    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     source = check_source(cfg)   # (its shapes only: a set in a bucket is not fetched for them)
@@ -238,16 +240,18 @@ def fit_links(probe: dict, world: int, name: str) -> Links:
 
     n = world
     speeds = (fit("allreduce", 2 * (n - 1) / n), fit("allgather", (n - 1) / n), fit("p2p", 1.0))
-    return Links(name, *speeds, gpus_per_node=max(world, 8),
-                 source=f"measured between {world} actors: all-reduce {speeds[0].gbps:.1f} GB/s, all-gather "
-                        f"{speeds[1].gbps:.1f} GB/s, send/recv {speeds[2].gbps:.1f} GB/s (bus bandwidth, fitted)")
+    return Links(
+        name, *speeds, gpus_per_node=max(world, 8),
+        source=f"measured between {world} actors: all-reduce {speeds[0].gbps:.1f} GB/s, all-gather "
+        f"{speeds[1].gbps:.1f} GB/s, send/recv {speeds[2].gbps:.1f} GB/s (bus bandwidth, fitted)")
 
 
 # ---------------------------------------------------------------------- cache
 class Measurements:
     """Profile, layer times and links of one (model, data shape, device, precision), cached on disk."""
 
-    def __init__(self, cfg: Config, device: str, use_cluster: bool, log: Optional[Callable[[str], None]] = None):
+    def __init__(self, cfg: Config, device: str, use_cluster: bool,
+                 log: Optional[Callable[[str], None]] = None):
         self.cfg, self.device, self.use_cluster = cfg, device, use_cluster
         self.log = log or (lambda _: None)   # the progress of the layer times' measuring, a line each
         self.cfg_dict = {**cfg.to_dict(), "device": device}
@@ -275,7 +279,8 @@ class Measurements:
         key = json.dumps([self.cfg.model, self.cfg.data, self.cfg.data_dir, self.cfg.image_size,
                           self.cfg.num_classes, name, self.cfg.precision])
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-        self.path = cache_dir() / f"plan-{model_label(self.cfg.model)}-{digest}.json"  # (a path spec has slashes)
+        # (a path spec has slashes)
+        self.path = cache_dir() / f"plan-{model_label(self.cfg.model)}-{digest}.json"
         if self.path.is_file() and not remeasure:
             try:
                 self.state = json.loads(self.path.read_text())
@@ -291,7 +296,9 @@ class Measurements:
         """Write the cache file; when something was measured, stamped with the time (UTC) and machine."""
         assert self.path is not None
         if self.measured:
-            self.state["measured_at"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+            self.state["measured_at"] = datetime.datetime.now(datetime.timezone.utc).strftime(
+                "%Y-%m-%d %H:%M UTC"
+            )
             self.state["machine"] = platform.node()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(self.path, lambda tmp: Path(tmp).write_text(json.dumps(self.state)))
@@ -309,9 +316,12 @@ class Measurements:
         missing = [(b, fs) for b, fs in pairs if times_key(b, fs) not in self.state["times"]]
         if missing:
             keys = [times_key(b, fs) for b, fs in missing]
-            self.log(f"planner: measuring forward + backward time per layer on {self.state['device'] or self.device} "
-                     f"at {len(missing)} batch size{'s' * (len(missing) > 1)} (/fsK: a filter split's shard): "
-                     f"{', '.join(keys)}{' (one task on the cluster)' if self.use_cluster else ''}")
+            self.log(
+                "planner: measuring forward + backward time per layer on"
+                f" {self.state['device'] or self.device} at {len(missing)} batch"
+                f" size{'s' * (len(missing) > 1)} (/fsK: a filter split's shard):"
+                f" {', '.join(keys)}{' (one task on the cluster)' if self.use_cluster else ''}"
+            )
             t0 = time.perf_counter()
             if self.use_cluster:   # (one task: each would start a worker and build the model anew)
                 self.state["times"].update(self._run(times_at, (self.cfg_dict, missing))["times"])
@@ -319,7 +329,8 @@ class Measurements:
                 for k, pair in enumerate(missing, 1):
                     t = time.perf_counter()
                     self.state["times"].update(self._run(times_at, (self.cfg_dict, [pair]))["times"])
-                    self.log(f"planner: [{k}/{len(missing)}] batch {keys[k - 1]}: {time.perf_counter() - t:.1f} s")
+                    self.log(
+                        f"planner: [{k}/{len(missing)}] batch {keys[k - 1]}: {time.perf_counter() - t:.1f} s")
             self.log(f"planner: layer times measured in {time.perf_counter() - t0:.1f} s")
             self.measured.append("layer times at batch " + ", ".join(keys))
         table = self.state["times"]

@@ -53,9 +53,11 @@ def peak_gib(layout: Layout, prof: Profile, global_batch: int, precision: Union[
         return _plan_peak_bytes(layout.dp, prof, global_batch, prec) / GIB
     pp, V = layout.pp, layout.virtual_stages
     if chunks is None:
-        chunks = chunks_of([f + p for f, p in zip(prof.flops or [0.0] * prof.num_layers, prof.params)], pp * V)
+        chunks = chunks_of([f + p for f, p in zip(prof.flops or [0.0] * prof.num_layers, prof.params)],
+                           pp * V)
     mb = global_batch // layout.dp // layout.num_microbatches_or_1
-    in_flight = pipeline.peak_in_flight(pipeline.make_schedule(layout.schedule, pp, layout.num_microbatches_or_1, V))
+    in_flight = pipeline.peak_in_flight(pipeline.make_schedule(layout.schedule, pp,
+                                                               layout.num_microbatches_or_1, V))
     worst = 0.0
     for s in range(pp):
         layers = stage_layers(chunks, pp, s)
@@ -68,22 +70,28 @@ def peak_gib(layout: Layout, prof: Profile, global_batch: int, precision: Union[
 def _plan_peak_bytes(N: int, prof: Profile, global_batch: int, prec: Precision) -> float:
     """Peak bytes of one actor of the per-layer plan over ``N`` actors."""
     k = prof.first_fc or 0
-    acts = prof.saved(range(k)) * (global_batch // N) + prof.saved(range(k, prof.num_layers)) * global_batch / N \
-        + prof.act_in(k) * global_batch  # (the gathered batch)
+    acts = (
+        prof.saved(range(k)) * (global_batch // N)
+        + prof.saved(range(k, prof.num_layers)) * global_batch / N
+        + prof.act_in(k) * global_batch
+    )  # (the gathered batch)
     return (static_bytes(sum(prof.params[:k]), N, prec) + static_bytes(sum(prof.params[k:]) / N, 1, prec)
             + acts * prec.act_bytes)
 
 
 def gpu_share_problem(need_gib: float, share: float, gpu_gib: float) -> Optional[str]:
-    """What is wrong with an actor whose predicted peak is ``need_gib`` GiB taking ``share`` (``--gpus-per-actor``)
-    of a GPU of ``gpu_gib`` GiB, the share's memory being ``share x gpu_gib`` (None when it fits): actors
-    packed onto one GPU each need their own memory, which Ray's fractional GPUs do not reserve."""
+    """What is wrong with an actor whose predicted peak is ``need_gib`` GiB taking ``share``
+    (``--gpus-per-actor``) of a GPU of ``gpu_gib`` GiB, the share's memory being ``share x gpu_gib`` (None
+    when it fits): actors packed onto one GPU each need their own memory, which Ray's fractional GPUs do not
+    reserve."""
     if need_gib <= share * gpu_gib:
         return None
-    return (f"--gpus-per-actor {share:g} gives each actor {share * gpu_gib:.3g} GiB of its {gpu_gib:.3g} GiB GPU, "
-            f"but the layout's predicted peak is {need_gib:.3g} GiB per actor (parameters, gradients, momentum, "
-            f"activations): raise --gpus-per-actor to at least {min(1.0, need_gib / gpu_gib):.2g}, lower "
-            "--global-batch-size, or spread the model (--pp/--fs)")
+    return (
+        f"--gpus-per-actor {share:g} gives each actor {share * gpu_gib:.3g} GiB of its {gpu_gib:.3g} GiB GPU,"
+        f" but the layout's predicted peak is {need_gib:.3g} GiB per actor (parameters, gradients, momentum,"
+        f" activations): raise --gpus-per-actor to at least {min(1.0, need_gib / gpu_gib):.2g}, lower"
+        " --global-batch-size, or spread the model (--pp/--fs)"
+    )
 
 
 __all__ = ["GIB", "Precision", "static_bytes", "peak_gib", "gpu_share_problem"]

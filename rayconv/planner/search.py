@@ -78,7 +78,8 @@ def rank(layouts: Sequence[Layout], profile: Profile, times: LayerTimes, links: 
          bucket_mb: float = 25.0) -> tuple[list[Prediction], list[Prediction]]:
     """Predictions of ``layouts``, fastest first: (those that fit in ``max_memory_gib`` per actor,
     those that do not)."""
-    preds = [costmodel.predict(lay, profile, times, links, global_batch, precision, bucket_mb) for lay in layouts]
+    preds = [costmodel.predict(lay, profile, times, links, global_batch, precision, bucket_mb)
+             for lay in layouts]
     preds.sort(key=lambda p: (-p.images_per_s, p.peak_gib, p.layout.name))
     fits = [p for p in preds if max_memory_gib is None or p.peak_gib <= max_memory_gib]
     return fits, [p for p in preds if p not in fits]
@@ -105,13 +106,19 @@ def explain(best: Prediction, others: Sequence[Prediction], single: Optional[Pre
 def fmt_table(preds: Sequence[Prediction], single: Optional[Prediction] = None) -> str:
     """A ranked text table: layout, images/s, speedup over ``single``, step ms and its split, peak GiB."""
     w = max([len("layout")] + [len(p.layout.name) for p in preds]) + 2
-    head = (f"{'rank':>4}  {'layout':<{w}}{'images/s':>10}{'speedup':>8}{'step ms':>9}{'compute':>9}{'exchange':>9}"
-            f"{'all-red.':>9}{'bubble':>8}{'peak GiB':>9}")
+    head = (
+        f"{'rank':>4} "
+        f" {'layout':<{w}}{'images/s':>10}{'speedup':>8}{'step ms':>9}{'compute':>9}{'exchange':>9}"
+        f"{'all-red.':>9}{'bubble':>8}{'peak GiB':>9}"
+    )
     lines = [head]
     for i, p in enumerate(preds, 1):
         sp = f"{p.images_per_s / single.images_per_s:.2f}x" if single is not None else "-"
-        lines.append(f"{i:>4}  {p.layout.name:<{w}}{p.images_per_s:>10,.0f}{sp:>8}{p.step_ms:>9.2f}{p.compute_ms:>9.2f}"
-                     f"{p.exchange_ms:>9.2f}{p.allreduce_ms:>9.2f}{p.bubble_ms:>8.2f}{p.peak_gib:>9.3f}")
+        lines.append(
+            f"{i:>4} "
+            f" {p.layout.name:<{w}}{p.images_per_s:>10,.0f}{sp:>8}{p.step_ms:>9.2f}{p.compute_ms:>9.2f}"
+            f"{p.exchange_ms:>9.2f}{p.allreduce_ms:>9.2f}{p.bubble_ms:>8.2f}{p.peak_gib:>9.3f}"
+        )
     return "\n".join(lines)
 
 
@@ -140,13 +147,14 @@ class Ranking:
         if self.fits:
             lines.append("choice: " + explain(self.fits[0], self.fits[1:], self.single))
         else:
-            lines.append("choice: none fits" + (f" in {self.max_memory_gib:g} GiB per device; the smallest needs "
-                                                f"{min(p.peak_gib for p in self.too_big):.3g} GiB"
-                                                if self.too_big else ""))
+            lines.append("choice: none fits" +
+                         (f" in {self.max_memory_gib:g} GiB per device; the smallest needs "
+                          f"{min(p.peak_gib for p in self.too_big):.3g} GiB" if self.too_big else ""))
         return "\n".join(lines)
 
 
-def search(meas: Measurements, world: int, links: Links, max_memory_gib: Optional[float], title: str) -> Ranking:
+def search(meas: Measurements, world: int, links: Links, max_memory_gib: Optional[float],
+           title: str) -> Ranking:
     """Rank every layout over ``world`` devices (``candidates``) for ``meas``'s model."""
     cfg = meas.cfg
     prof = meas.profile()
@@ -170,8 +178,8 @@ def plan_config(cfg: Config) -> Config:
     keep = cfg.data != "digits" or cfg.model.startswith("convnet") or \
         (is_user_model(cfg.model) and make_source(cfg).sample_shape[0] == 1)
     data = cfg.data if keep else "synthetic"
-    return Config(**{**cfg.to_dict(), "data": data, "num_classes": (cfg.num_classes or 1000) if data == "synthetic"
-                     else cfg.num_classes})
+    return Config(**{**cfg.to_dict(), "data": data,
+                     "num_classes": (cfg.num_classes or 1000) if data == "synthetic" else cfg.num_classes})
 
 
 # ---------------------------------------------------------------------- hooks for rayconv.run
@@ -183,10 +191,11 @@ def memory_check(cfg: Config) -> None:
         return
     need = predicted_peak_gib(cfg)
     if need > cfg.max_memory_gib:
-        raise ConfigError(f"layout {Layout.from_config(cfg).name} needs {need:.3g} GiB per device (predicted: "
-                          f"parameters, gradients, momentum, activations of the micro-batches in flight) but "
-                          f"--max-memory-gib is {cfg.max_memory_gib:g}: raise it, use more devices (--dp/--pp/--fs), "
-                          f"or lower --global-batch-size (python -m rayconv.plan lists the layouts that fit)")
+        raise ConfigError(
+            f"layout {Layout.from_config(cfg).name} needs {need:.3g} GiB per device (predicted: "
+            f"parameters, gradients, momentum, activations of the micro-batches in flight) but "
+            f"--max-memory-gib is {cfg.max_memory_gib:g}: raise it, use more devices (--dp/--pp/--fs), "
+            f"or lower --global-batch-size (python -m rayconv.plan lists the layouts that fit)")
 
 
 def predicted_peak_gib(cfg: Config) -> float:
@@ -236,10 +245,10 @@ def compare(prediction: dict, summary: dict) -> dict:
     """The prediction beside the measurement, for summary.json."""
     peaks = [a.get("peak_gib") for a in summary.get("actors", [])]
     measured_peak = max(peaks) if peaks and all(p is not None for p in peaks) else None
-    return {"predicted": prediction,
-            "predicted_images_per_s": prediction["images_per_s"], "measured_images_per_s": summary.get("images_per_s"),
+    return {"predicted": prediction, "predicted_images_per_s": prediction["images_per_s"],
+            "measured_images_per_s": summary.get("images_per_s"),
             "predicted_peak_gib": prediction["peak_gib"], "measured_peak_gib": measured_peak}
 
 
-__all__ = ["candidates", "batch_sizes", "rank", "explain", "fmt_table", "Ranking", "search", "memory_check", "predicted_peak_gib",
-           "choose_layout", "compare", "plan_config", "MACHINES"]
+__all__ = ["candidates", "batch_sizes", "rank", "explain", "fmt_table", "Ranking", "search", "memory_check",
+           "predicted_peak_gib", "choose_layout", "compare", "plan_config", "MACHINES"]

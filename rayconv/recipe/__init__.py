@@ -13,11 +13,20 @@ from rayconv.recipe.clip import clip_, clip_coefficient, local_sq_norm
 from rayconv.recipe.ema import PartEMA, torchvision_ema_decay
 from rayconv.recipe.loss import cross_entropy, microbatch_loss
 from rayconv.recipe.loss_scale import DynamicLossScale, local_overflow, unscale_
-from rayconv.recipe.mix import MixDraw, cutmix_box, draw_mix, mix_images, mix_targets, partner_positions, soft_targets
+from rayconv.recipe.mix import (
+    MixDraw,
+    cutmix_box,
+    draw_mix,
+    mix_images,
+    mix_targets,
+    partner_positions,
+    soft_targets,
+)
 from rayconv.recipe.optim import NORM_CLASSES, OPTIMIZERS, group_of, make_optimizer, param_groups
 from rayconv.recipe.lr_schedule import SCHEDULES, WARMUP_METHODS, learning_rate, scaled_lr
 
-__all__ = ["DynamicLossScale", "MixDraw", "NORM_CLASSES", "OPTIMIZERS", "SCHEDULES", "PartEMA", "WARMUP_METHODS",
-           "clip_", "clip_coefficient", "cross_entropy", "cutmix_box", "draw_mix", "group_of", "learning_rate",
-           "local_overflow", "local_sq_norm", "make_optimizer", "microbatch_loss", "mix_images", "mix_targets",
-           "param_groups", "partner_positions", "scaled_lr", "soft_targets", "torchvision_ema_decay", "unscale_"]
+__all__ = ["DynamicLossScale", "MixDraw", "NORM_CLASSES", "OPTIMIZERS", "SCHEDULES", "PartEMA",
+           "WARMUP_METHODS", "clip_", "clip_coefficient", "cross_entropy", "cutmix_box", "draw_mix",
+           "group_of", "learning_rate", "local_overflow", "local_sq_norm", "make_optimizer",
+           "microbatch_loss", "mix_images", "mix_targets", "param_groups", "partner_positions", "scaled_lr",
+           "soft_targets", "torchvision_ema_decay", "unscale_"]

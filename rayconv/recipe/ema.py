@@ -60,7 +60,8 @@ class PartEMA:
             return False
         current = module.state_dict()
         if current.keys() != self.tensors.keys():
-            raise KeyError(f"module keys differ from the average's: {sorted(current.keys() ^ self.tensors.keys())}")
+            raise KeyError(
+                f"module keys differ from the average's: {sorted(current.keys() ^ self.tensors.keys())}")
         ema, cur = [], []
         with torch.no_grad():
             for k, v in current.items():
@@ -83,7 +84,8 @@ class PartEMA:
 
     def state_dict(self) -> dict[str, Any]:
         """``decay``, ``every``, ``n_averaged`` and ``tensors`` (the same tensors, not copies)."""
-        return {"decay": self.decay, "every": self.every, "n_averaged": self.n_averaged, "tensors": self.tensors}
+        return {"decay": self.decay, "every": self.every, "n_averaged": self.n_averaged,
+                "tensors": self.tensors}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from ``state_dict()``'s output, copying into the existing tensors (device kept).

@@ -34,7 +34,8 @@ def lars_param_groups(module: torch.nn.Module, weight_decay: float, norm_weight_
     ``norm_weight_decay`` / ``bias_weight_decay``, else ``weight_decay``), and the adapted group's decay
     moved to its ``lars_weight_decay`` key (the optimizer's ``weight_decay`` there 0: ``scale_`` adds it
     to the gradient before scaling). Raises ConfigError for a negative decay."""
-    groups = param_groups(module, weight_decay, weight_decay if norm_weight_decay is None else norm_weight_decay,
+    groups = param_groups(module, weight_decay,
+                          weight_decay if norm_weight_decay is None else norm_weight_decay,
                           weight_decay if bias_weight_decay is None else bias_weight_decay)
     for g in groups:
         if g["name"] == ADAPTED:
@@ -72,7 +73,8 @@ def scale_(params: Sequence[torch.Tensor], weight_decays: Sequence[float], sq: t
     w_norm, g_norm = sq.sqrt()
     wd = decay_vector if decay_vector is not None else \
         torch.tensor(list(weight_decays), dtype=torch.float64, device=sq.device)
-    ratio = torch.where((w_norm > 0) & (g_norm > 0), eta * w_norm / (g_norm + wd * w_norm), torch.ones_like(w_norm))
+    ratio = torch.where((w_norm > 0) & (g_norm > 0), eta * w_norm / (g_norm + wd * w_norm),
+                        torch.ones_like(w_norm))
     for k, p in enumerate(params):
         if p.grad is None:
             continue

@@ -47,7 +47,8 @@ def local_overflow(params: Iterable[torch.Tensor], device: torch.device | None =
     return bad.any().to(torch.float32)
 
 
-def unscale_(params: Iterable[torch.Tensor], scale: float, device: torch.device | None = None) -> torch.Tensor:
+def unscale_(params: Iterable[torch.Tensor], scale: float,
+             device: torch.device | None = None) -> torch.Tensor:
     """Divide every gradient of ``params`` by ``scale`` in place (times the float32 reciprocal, as
     ``GradScaler.unscale_``) and return ``local_overflow``'s flag for them, found by the same fused
     kernel GradScaler uses."""
@@ -73,9 +74,10 @@ class DynamicLossScale:
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000):
         if not (init_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1):
-            raise ConfigError(f"loss scaling needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 "
-                              f"and growth_interval >= 1 (got {init_scale}, {growth_factor}, {backoff_factor}, "
-                              f"{growth_interval})")
+            raise ConfigError(
+                f"loss scaling needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 "
+                f"and growth_interval >= 1 (got {init_scale}, {growth_factor}, {backoff_factor}, "
+                f"{growth_interval})")
         self.scale = _float32(init_scale)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval = growth_interval
@@ -87,7 +89,8 @@ class DynamicLossScale:
         step must be skipped (an overflow: the scale is multiplied by ``backoff_factor``); else counts
         the step and, at ``growth_interval`` in a row, multiplies the scale by ``growth_factor`` unless
         that leaves float32's range."""
-        found = bool(found_inf_global.item() if isinstance(found_inf_global, torch.Tensor) else found_inf_global)
+        found = bool(found_inf_global.item() if isinstance(found_inf_global,
+                                                           torch.Tensor) else found_inf_global)
         if found:
             self.scale = _float32(self.scale * self.backoff_factor)
             self.growth_tracker = 0
@@ -103,12 +106,15 @@ class DynamicLossScale:
     def state_dict(self) -> dict[str, Any]:
         """The state under ``GradScaler.state_dict``'s keys (``scale``, ``growth_factor``,
         ``backoff_factor``, ``growth_interval``, ``_growth_tracker``)."""
-        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval, "_growth_tracker": self.growth_tracker}
+        return {"scale": self.scale, "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
+                "_growth_tracker": self.growth_tracker}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from ``state_dict()`` (or a ``GradScaler``'s). Raises KeyError for a missing key."""
         self.scale = _float32(float(state["scale"]))
-        self.growth_factor, self.backoff_factor = float(state["growth_factor"]), float(state["backoff_factor"])
+        self.growth_factor, self.backoff_factor = float(state["growth_factor"]), float(
+            state["backoff_factor"]
+        )
         self.growth_interval = int(state["growth_interval"])
         self.growth_tracker = int(state["_growth_tracker"])

@@ -36,7 +36,8 @@ def learning_rate(step: int, total_steps: int, base_lr: float, warmup_steps: int
     if schedule not in SCHEDULES:
         raise ConfigError(f"unknown learning-rate schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
     if warmup_method not in WARMUP_METHODS:
-        raise ConfigError(f"unknown --lr-warmup-method {warmup_method!r}: use one of {', '.join(WARMUP_METHODS)}")
+        raise ConfigError(
+            f"unknown --lr-warmup-method {warmup_method!r}: use one of {', '.join(WARMUP_METHODS)}")
     if step < 0 or total_steps < 0 or warmup_steps < 0:
         raise ConfigError(f"step ({step}), total steps ({total_steps}) and warm-up steps ({warmup_steps}) "
                           "must be >= 0")
@@ -64,5 +65,6 @@ def scaled_lr(lr: float, global_batch_size: int, reference: int = 256) -> float:
     reference size below 1.
     """
     if global_batch_size < 1 or reference < 1:
-        raise ConfigError(f"batch sizes must be >= 1 (got global batch {global_batch_size}, reference {reference})")
+        raise ConfigError(
+            f"batch sizes must be >= 1 (got global batch {global_batch_size}, reference {reference})")
     return lr * global_batch_size / reference

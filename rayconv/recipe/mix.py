@@ -49,7 +49,8 @@ class MixDraw:
     box: Optional[tuple[int, int, int, int]] = None
 
 
-def cutmix_box(lam: float, r_x: int, r_y: int, height: int, width: int) -> tuple[tuple[int, int, int, int], float]:
+def cutmix_box(lam: float, r_x: int, r_y: int, height: int,
+               width: int) -> tuple[tuple[int, int, int, int], float]:
     """The cutmix box centred at pixel (``r_x``, ``r_y``) for area ratio ``1 - lam``, clipped to the
     image, and the adjusted ``lam`` (1 - the box's share of the ``height`` x ``width`` image), exactly as
     torchvision's ``transforms.v2.CutMix``: half-sides ``int(0.5 * sqrt(1 - lam) * W)`` and ``* H``."""
@@ -60,17 +61,19 @@ def cutmix_box(lam: float, r_x: int, r_y: int, height: int, width: int) -> tuple
     return (x1, y1, x2, y2), float(1.0 - (x2 - x1) * (y2 - y1) / (width * height))
 
 
-def draw_mix(seed: int, step: int, global_batch_size: int, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,
-             image_size: Optional[tuple[int, int]] = None) -> Optional[MixDraw]:
+def draw_mix(seed: int, step: int, global_batch_size: int, mixup_alpha: float = 0.0,
+             cutmix_alpha: float = 0.0, image_size: Optional[tuple[int, int]] = None) -> Optional[MixDraw]:
     """The mix of global step ``step`` of a run seeded ``seed`` (the same in every process), or None when
     both alphas are 0. With both on, mixup or cutmix with probability 1/2 each; ``lam ~ Beta(alpha,
     alpha)`` of the one chosen; a uniform permutation of the ``global_batch_size`` positions; for
     cutmix a uniform box centre over ``image_size`` = (H, W) and ``cutmix_box``. Raises ConfigError for a
     negative alpha, a negative seed or step, or cutmix without ``image_size``."""
     if mixup_alpha < 0 or cutmix_alpha < 0:
-        raise ConfigError(f"--mixup-alpha and --cutmix-alpha must be >= 0 (got {mixup_alpha}, {cutmix_alpha})")
+        raise ConfigError(
+            f"--mixup-alpha and --cutmix-alpha must be >= 0 (got {mixup_alpha}, {cutmix_alpha})")
     if seed < 0 or step < 0 or global_batch_size < 1:
-        raise ConfigError(f"seed ({seed}) and step ({step}) must be >= 0, the batch ({global_batch_size}) >= 1")
+        raise ConfigError(
+            f"seed ({seed}) and step ({step}) must be >= 0, the batch ({global_batch_size}) >= 1")
     if mixup_alpha == 0 and cutmix_alpha == 0:
         return None
     rng = np.random.default_rng([seed, step, _STREAM])
@@ -105,7 +108,8 @@ def mix_images(draw: MixDraw, images_NCHW: torch.Tensor, partner_NCHW: torch.Ten
     ``partner_positions`` (same shape and dtype). Mixup: ``(1 - lam) * partner + lam * own`` (torchvision's
     operation order); cutmix: own pixels with the box taken from the partner. A new tensor."""
     if images_NCHW.shape != partner_NCHW.shape:
-        raise ValueError(f"partner images {tuple(partner_NCHW.shape)} do not match {tuple(images_NCHW.shape)}")
+        raise ValueError(
+            f"partner images {tuple(partner_NCHW.shape)} do not match {tuple(images_NCHW.shape)}")
     if draw.kind == "mixup":
         return partner_NCHW.mul(1.0 - draw.lam).add_(images_NCHW.mul(draw.lam))
     x1, y1, x2, y2 = draw.box

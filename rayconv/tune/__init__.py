@@ -32,18 +32,19 @@ def search(space: dict[str, Any], base_settings: Optional[dict[str, Any]] = None
     (run settings by their flags' names; ``out``: the search folder, default ``runs/search-<time>``).
     ``num_samples`` samples of the space (each grid crossed in full per sample); ``scheduler`` asha
     (``grace_period`` evaluations before the first cut, ``reduction_factor``), pbt (every
-    ``perturbation_interval`` evaluations, ``synch``: all trials at once; needs ``eval_every``) or fifo; at most
-    ``max_concurrent`` trials at once (default: as many as the cluster holds); ``metric`` / ``mode``
-    rank the trials. ``resume``: a search folder whose search was interrupted, continued with its own
-    settings (Tune's ``Tuner.restore``). ``callbacks``: Tune callbacks. Returns a ``SearchResult``
-    (``rows``: one per trial; ``best``; ``best_folder``), also written as results.csv / results.json.
-    Raises ConfigError (a bad space, an unknown flag, a trial that would be refused), FileExistsError,
-    ClusterError; a trial that fails is a row of the results, the others go on."""
+    ``perturbation_interval`` evaluations, ``synch``: all trials at once; needs ``eval_every``) or fifo; at
+    most ``max_concurrent`` trials at once (default: as many as the cluster holds); ``metric`` / ``mode`` rank
+    the trials. ``resume``: a search folder whose search was interrupted, continued with its own settings
+    (Tune's ``Tuner.restore``). ``callbacks``: Tune callbacks. Returns a ``SearchResult`` (``rows``: one per
+    trial; ``best``; ``best_folder``), also written as results.csv / results.json. Raises ConfigError (a bad
+    space, an unknown flag, a trial that would be refused), FileExistsError, ClusterError; a trial that fails
+    is a row of the results, the others go on."""
     from rayconv.tune.runner import search as run
 
-    return run(space, base_settings, num_samples=num_samples, scheduler=scheduler, max_concurrent=max_concurrent,
-               metric=metric, mode=mode, grace_period=grace_period, reduction_factor=reduction_factor,
-               perturbation_interval=perturbation_interval, synch=synch, resume=resume, callbacks=callbacks, log=log)
+    return run(space, base_settings, num_samples=num_samples, scheduler=scheduler,
+               max_concurrent=max_concurrent, metric=metric, mode=mode, grace_period=grace_period,
+               reduction_factor=reduction_factor, perturbation_interval=perturbation_interval, synch=synch,
+               resume=resume, callbacks=callbacks, log=log)
 
 
 __all__ = ["search"]

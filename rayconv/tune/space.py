@@ -76,11 +76,14 @@ def check_space(space: dict[str, Any], base: dict[str, Any]) -> dict[str, tuple[
         name = str(raw).lstrip("-").replace("-", "_")
         if name not in known:
             close = [k for k in known if name in k or k in name][:3]
-            raise ConfigError(f"--space {raw}: no run flag of that name"
-                              f"{' (did you mean ' + ', '.join(flag(k) for k in close) + '?)' if close else ''}: "
-                              "python -m rayconv.run --help lists the flags")
+            raise ConfigError(
+                f"--space {raw}: no run flag of that name"
+                f"{' (did you mean ' + ', '.join(flag(k) for k in close) + '?)' if close else ''}: "
+                "python -m rayconv.run --help lists the flags"
+            )
         if name in NOT_SEARCHED:
-            raise ConfigError(f"--space {raw}: {flag(name)} is set by the search for each trial, not searched")
+            raise ConfigError(
+                f"--space {raw}: {flag(name)} is set by the search for each trial, not searched")
         if name in checked:
             raise ConfigError(f"--space names {flag(name)} twice")
         checked[name] = _distribution(name, dist, str(known[name].type))
@@ -108,7 +111,8 @@ def _distribution(name: str, dist: Any, ftype: str) -> tuple[str, list]:
             raise ConfigError(f"--space {name}: randint draws integers but {flag(name)} takes {ftype}: use "
                               "uniform or loguniform")
         if not (isinstance(low, int) and isinstance(high, int)) or high <= low:
-            raise ConfigError(f"--space {name}: randint takes integers low < high, high excluded (got {values})")
+            raise ConfigError(
+                f"--space {name}: randint takes integers low < high, high excluded (got {values})")
         return kind, [low, high]
     if "float" not in ftype:
         raise ConfigError(f"--space {name}: {kind} draws real numbers but {flag(name)} takes "
@@ -117,7 +121,8 @@ def _distribution(name: str, dist: Any, ftype: str) -> tuple[str, list]:
     if not low < high:
         raise ConfigError(f"--space {name}: {kind} takes low < high (got {values})")
     if kind == "loguniform" and low <= 0:
-        raise ConfigError(f"--space {name}: loguniform takes low > 0 (got {low}): use uniform for ranges from 0")
+        raise ConfigError(
+            f"--space {name}: loguniform takes low > 0 (got {low}): use uniform for ranges from 0")
     return kind, [float(low), float(high)]
 
 
@@ -158,14 +163,17 @@ def default_metric(base: dict[str, Any], space: dict[str, Any]) -> str:
 
 
 def check_metric(metric: str, mode: str, base: dict[str, Any], space: dict[str, Any]) -> None:
-    """Refuse a ``--metric`` the trials do not report or a ``--mode`` other than max/min. Raises ConfigError."""
+    """Refuse a ``--metric`` the trials do not report or a ``--mode`` other than max/min. Raises
+    ConfigError."""
     split = "val" if metric.startswith("val_") else "test"
     names = {f"{split}_{k}" for k in ("accuracy", "loss", "error", "top5_accuracy")} | {"train_loss"}
     if metric not in names:
-        raise ConfigError(f"--metric {metric}: choose test_accuracy, test_loss, test_error, test_top5_accuracy, "
-                          "train_loss (or val_* with --val-split)")
+        raise ConfigError(
+            f"--metric {metric}: choose test_accuracy, test_loss, test_error, test_top5_accuracy, "
+            "train_loss (or val_* with --val-split)")
     if split == "val" and default_metric(base, space) != "val_accuracy":
-        raise ConfigError(f"--metric {metric} is a validation split's: give --val-split F, or rank by test_accuracy")
+        raise ConfigError(
+            f"--metric {metric} is a validation split's: give --val-split F, or rank by test_accuracy")
     if mode not in ("max", "min"):
         raise ConfigError(f"--mode {mode}: choose max or min")
 
@@ -173,14 +181,18 @@ def check_metric(metric: str, mode: str, base: dict[str, Any], space: dict[str, 
 def pbt_base(base: dict[str, Any], space: dict[str, tuple[str, list]]) -> dict[str, Any]:
     """``base`` for a PBT search of the checked ``space``: ``checkpoint_every`` set to ``eval_every``, so
     that every evaluation Tune sees has its checkpoint, which another trial may continue. Raises
-    ConfigError: no ``PBT_MUTABLE`` dimension in the space, no ``--eval-every``, another ``--checkpoint-every``."""
+    ConfigError: no ``PBT_MUTABLE`` dimension in the space, no ``--eval-every``, another
+    ``--checkpoint-every``."""
     if not any(name in PBT_MUTABLE for name in space):
-        raise ConfigError(f"--scheduler pbt perturbs {', '.join(flag(n) for n in PBT_MUTABLE)} when a trial continues "
-                          "another's checkpoint: search at least one of them in --space")
+        raise ConfigError(
+            f"--scheduler pbt perturbs {', '.join(flag(n) for n in PBT_MUTABLE)} when a trial continues "
+            "another's checkpoint: search at least one of them in --space"
+        )
     every = base.get("eval_every")
     if not every:
-        raise ConfigError("--scheduler pbt continues trials from the checkpoint of an evaluation: give --eval-every N "
-                          "(the trials then checkpoint every N steps)")
+        raise ConfigError(
+            "--scheduler pbt continues trials from the checkpoint of an evaluation: give --eval-every N "
+            "(the trials then checkpoint every N steps)")
     if base.get("checkpoint_every") not in (None, 0, every):
         raise ConfigError(f"--scheduler pbt checkpoints at each evaluation: drop --checkpoint-every "
                           f"{base['checkpoint_every']} (or give it as --eval-every {every})")

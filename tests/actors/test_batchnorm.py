@@ -4,8 +4,8 @@ A replica's batch run as M micro-batches is normalised micro-batch by micro-batc
 (which no layout can change), but its running statistics advance once per step, from the replica's
 whole batch. So every layout below must equal, in float64, the single-device reference
 ``helpers.reference_microbatch_sgd``: the same micro-batches run one after another with gradient
-accumulation (each normalised by its own statistics: the weights), and once per step the running statistics moved
-by torch's own ``nn.BatchNorm`` arithmetic on the concatenation of dp replica 0's micro-batches (running
+accumulation (each normalised by its own statistics: the weights), and once per step the running statistics
+moved by torch's own ``nn.BatchNorm`` arithmetic on the concatenation of dp replica 0's micro-batches (running
 statistics follow replica 0, as in DDP), ``num_batches_tracked`` + 1.
 """
 

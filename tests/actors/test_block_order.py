@@ -30,10 +30,10 @@ def prepared(ray_cluster, tmp_path_factory) -> Path:
 
 def block_config(data_dir: Path, out: Path, **kw) -> Config:
     # Global batch 6: steps of 6, 6 and 4 per epoch; 5 steps cross an epoch boundary.
-    base = dict(model="convnet", data="shards", data_dir=str(data_dir), image_size=32, dp=1, global_batch_size=6,
-                steps=5, lr=0.05, momentum=0.9, weight_decay=5e-4, precision="fp64", device="cpu",
-                progress=False, eval_every=5, loader_workers=1, decode="cpu", shuffle="block", shuffle_window=2,
-                data_on_device="off", out=str(out))
+    base = dict(model="convnet", data="shards", data_dir=str(data_dir), image_size=32, dp=1,
+                global_batch_size=6, steps=5, lr=0.05, momentum=0.9, weight_decay=5e-4, precision="fp64",
+                device="cpu", progress=False, eval_every=5, loader_workers=1, decode="cpu", shuffle="block",
+                shuffle_window=2, data_on_device="off", out=str(out))
     base.update(kw)
     return Config(**base).validate()
 
@@ -51,7 +51,8 @@ def test_the_block_order_is_the_one_trained_on(prepared, tmp_path):
     assert not np.array_equal(sh.global_batch(0, 0), exact.global_batch(0, 0))
 
 
-@pytest.mark.parametrize("layout", slow_among([dict(dp=1), dict(dp=2), dict(dp=1, pp=2)], [dict(dp=1), dict(dp=2)]),
+@pytest.mark.parametrize("layout",
+                         slow_among([dict(dp=1), dict(dp=2), dict(dp=1, pp=2)], [dict(dp=1), dict(dp=2)]),
                          ids=["dp1", "dp2", "pp2"])
 def test_every_layout_equals_single_device_sgd_in_block_order(ray_cluster, prepared, tmp_path, layout):
     extra = dict(checkpoint_every=2, keep_checkpoints=0) if layout.get("dp") == 2 else {}
@@ -62,4 +63,5 @@ def test_every_layout_equals_single_device_sgd_in_block_order(ray_cluster, prepa
     if extra:  # resumed mid-epoch (step 2 of 3) on another loader worker count: bit-identical
         assert main(["--resume", str(tmp_path / "a" / "checkpoints" / "step-2"), "--out", str(tmp_path / "b"),
                      "--loader-workers", "0"]) == 0
-        torch.testing.assert_close(torch.load(tmp_path / "b" / "model.pt", weights_only=True), got, rtol=0, atol=0)
+        torch.testing.assert_close(torch.load(tmp_path / "b" / "model.pt", weights_only=True), got, rtol=0,
+                                   atol=0)

@@ -28,8 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # Two layers: a "conv" (1000 parameters, 100 output elements per sample) and an FC layer (no
 # parameters, 10 outputs), each taking 1 ms per sample forward + backward.
-PROFILE = Profile("toy", in_elems=10, out_elems=(100, 10), params=(1000, 0), first_fc=1, gathers=(1,), max_fs=2,
-                  flops=(1.0, 1.0))
+PROFILE = Profile("toy", in_elems=10, out_elems=(100, 10), params=(1000, 0), first_fc=1, gathers=(1,),
+                  max_fs=2, flops=(1.0, 1.0))
 # all-reduce: 1 ms latency + 1 ms per 4000 bus bytes; all-gather and send/recv: 1 ms per 1600 bytes.
 LINKS = Links("toy", allreduce=LinkSpeed(4e-3, 1.0), allgather=LinkSpeed(1.6e-3), p2p=LinkSpeed(1.6e-3))
 
@@ -39,7 +39,8 @@ def times(batch: int, fs: int = 1) -> list[float]:
 
 
 def test_ranking_and_cost_split_are_exact():
-    layouts = [Layout(dp=2), Layout(pp=2, num_microbatches=2), Layout(fs=2), Layout(dp=2, plan="krizhevsky2014")]
+    layouts = [Layout(dp=2), Layout(pp=2, num_microbatches=2), Layout(fs=2),
+               Layout(dp=2, plan="krizhevsky2014")]
     fits, too_big = layout_search.rank(layouts, PROFILE, times, LINKS, 8)
     assert too_big == []
     got = {p.layout.name: (p.step_ms, p.compute_ms, p.exchange_ms, p.allreduce_ms, p.bubble_ms) for p in fits}
@@ -63,7 +64,8 @@ def test_ranking_and_cost_split_are_exact():
 
 
 def test_memory_limit_keeps_only_what_fits():
-    layouts = [Layout(dp=2), Layout(pp=2, num_microbatches=2), Layout(pp=2, num_microbatches=2, schedule="gpipe")]
+    layouts = [Layout(dp=2), Layout(pp=2, num_microbatches=2),
+               Layout(pp=2, num_microbatches=2, schedule="gpipe")]
     preds = {p.layout.name: p for p in layout_search.rank(layouts, PROFILE, times, LINKS, 8)[0]}
     # GPipe holds both micro-batches on stage 0, 1F1B at most P - s = 2 there too (M = 2); dp2 holds
     # 4 whole samples' activations plus a fourth copy of the parameters (the gradient buckets).
@@ -74,8 +76,9 @@ def test_memory_limit_keeps_only_what_fits():
     assert fits[0].layout.name.startswith("pp2m2")
 
 
-@pytest.mark.parametrize("name,P,M,V", [("gpipe", 2, 4, 1), ("gpipe", 3, 2, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1),
-                                        ("1f1b", 3, 2, 1), ("1f1b", 2, 4, 2), ("1f1b", 3, 6, 2)])
+@pytest.mark.parametrize("name,P,M,V", [("gpipe", 2, 4, 1), ("gpipe", 3, 2, 1), ("1f1b", 2, 4, 1),
+                                        ("1f1b", 4, 8, 1), ("1f1b", 3, 2, 1), ("1f1b", 2, 4, 2),
+                                        ("1f1b", 3, 6, 2)])
 def test_bubble_matches_the_schedule_simulation(name, P, M, V):
     sched = pipeline.make_schedule(name, P, M, V)
     ones = [1.0] * (P * V)
@@ -92,8 +95,9 @@ def test_memory_accounting_on_the_convnet():
     prof = profile_of(Config(model="convnet", device="cpu").to_dict())
     n_params = sum(p.numel() for p in ConvNet(1, 10).parameters())
     assert sum(prof["params"]) == n_params
-    p = Profile(prof["model"], prof["in_elems"], tuple(prof["out_elems"]), tuple(prof["params"]), prof["first_fc"],
-                tuple(prof["gathers"]), prof["max_fs"], tuple(prof["flops"]), tuple(prof["saved_elems"]))
+    p = Profile(prof["model"], prof["in_elems"], tuple(prof["out_elems"]), tuple(prof["params"]),
+                prof["first_fc"], tuple(prof["gathers"]), prof["max_fs"], tuple(prof["flops"]),
+                tuple(prof["saved_elems"]))
     # conv1 saves its 1 x 8 x 8 input, its ReLU its 32 x 8 x 8 output; flatten saves nothing.
     assert prof["saved_elems"][:2] == [64, 32 * 64] and prof["saved_elems"][8] == 0
     acts = sum(prof["saved_elems"])  # per sample
@@ -118,22 +122,32 @@ def test_a_run_that_cannot_fit_is_refused_by_the_check_without_cluster(tmp_path)
     with pytest.raises(ConfigError) as e:
         check_before_ray(cfg, None)
     err = str(e.value)
-    assert len(err.splitlines()) == 1 and "needs" in err and "GiB per device" in err and "--max-memory-gib" in err
+    assert (
+        len(err.splitlines()) == 1
+        and "needs" in err
+        and "GiB per device" in err
+        and "--max-memory-gib" in err
+    )
     assert re.search(r"layout 1gpu needs 0\.00\d+ GiB per device", err)
     assert not ray.is_initialized() and not out.exists()
 
 
 @pytest.mark.slow
 def test_plan_command_on_cpu_ranks_layouts_and_caches(tmp_path):
-    env = {**os.environ, "RAYCONV_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "rayconv.plan", "--device", "cpu", "--model", "convnet", "--global-batch-size", "8",
-           "--json", str(tmp_path / "plan.json")]
-    first = subprocess.run([*cmd, "--machine", "h200x4"], capture_output=True, text=True, env=env, timeout=300)
+    env = {**os.environ, "RAYCONV_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": ROOT,
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "rayconv.plan", "--device", "cpu", "--model", "convnet",
+           "--global-batch-size", "8", "--json", str(tmp_path / "plan.json")]
+    first = subprocess.run([*cmd, "--machine", "h200x4"], capture_output=True, text=True, env=env,
+                           timeout=300)
     assert first.returncode == 0, first.stderr
     assert "planner: [1/" in first.stderr and "planner: layer times measured in" in first.stderr   # progress
     assert "predicted by a cost model" in first.stdout
     predicted = first.stdout.split("\n\n")[1]
-    assert predicted.startswith("PREDICTION for 4 x H200, one host (4 GPUs;") and "links assumed, not measured" in predicted
+    assert (
+        predicted.startswith("PREDICTION for 4 x H200, one host (4 GPUs;")
+        and "links assumed, not measured" in predicted
+    )
     assert "link table: NVLink 4" in predicted and "choice: " in predicted
     lines = first.stdout.split("\n\n")[0].splitlines()
     assert lines[2].split()[:3] == ["rank", "layout", "images/s"]
@@ -146,7 +160,9 @@ def test_plan_command_on_cpu_ranks_layouts_and_caches(tmp_path):
     ranked = json.loads((tmp_path / "plan.json").read_text())[0]["fits"]
     assert [r["layout"] for r in ranked] == names
     for r in ranked:
-        assert r["step_ms"] == pytest.approx(r["compute_ms"] + r["exchange_ms"] + r["allreduce_ms"] + r["bubble_ms"])
+        assert r["step_ms"] == pytest.approx(
+            r["compute_ms"] + r["exchange_ms"] + r["allreduce_ms"] + r["bubble_ms"]
+        )
     second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert second.returncode == 0, second.stderr
     assert "all measurements from the cache" in second.stdout
@@ -177,13 +193,18 @@ def test_layout_auto_runs_the_top_layout_and_records_the_prediction(ray2, tmp_pa
     assert name == Layout(lay["dp"], lay["pp"], lay["fs"], lay["plan"], lay["num_microbatches"],
                           lay["schedule"] or "1f1b", lay["virtual_stages"]).name and lay["world_size"] == 2
     planner = summary["planner"]
-    assert planner["predicted_images_per_s"] > 0 and planner["measured_images_per_s"] == summary["images_per_s"]
+    assert (
+        planner["predicted_images_per_s"] > 0 and planner["measured_images_per_s"] == summary["images_per_s"]
+    )
     assert planner["predicted_peak_gib"] > 0 and planner["measured_peak_gib"] is None  # (CPU: not measured)
     # The planner's progress (a line per batch size measured) and its error (predicted beside measured) show.
-    assert any(ln.startswith("planner: [1/") for ln in logs) and any(ln.startswith("planner: layer times measured in")
-                                                                     for ln in logs)
+    assert any(ln.startswith("planner: [1/") for ln in logs) and any(
+        ln.startswith("planner: layer times measured in") for ln in logs
+    )
     ratio = planner["measured_images_per_s"] / planner["predicted_images_per_s"]
-    assert f"measured {planner['measured_images_per_s']:.0f} ({ratio:.2f}x the prediction" in logs[-1], logs[-1]
+    assert f"measured {planner['measured_images_per_s']:.0f} ({ratio:.2f}x the prediction" in logs[-1], logs[
+        -1
+    ]
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["layout"] == "manual" and saved["dp"] == lay["dp"] and saved["pp"] == lay["pp"]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["planner"] == planner
@@ -217,6 +238,7 @@ def test_layout_auto_refuses_when_no_layout_fits(ray2, tmp_path, monkeypatch):
     monkeypatch.setenv("RAYCONV_CACHE_DIR", str(tmp_path / "cache"))
     cfg = Config(model="convnet", device="cpu", layout="auto", global_batch_size=16, steps=2, progress=False,
                  metrics=False, max_memory_gib=1e-6, out=str(tmp_path / "run"))
-    with pytest.raises(ConfigError, match=r"none fits in 1e-06 GiB per device; the smallest needs [\d.e-]+ GiB"):
+    with pytest.raises(ConfigError,
+                       match=r"none fits in 1e-06 GiB per device; the smallest needs [\d.e-]+ GiB"):
         train_run(cfg, log=lambda *_: None)
     assert not (tmp_path / "run").exists()

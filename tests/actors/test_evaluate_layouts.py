@@ -16,7 +16,8 @@ pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's 
 
 STEPS = 40
 LAYOUTS = {
-    "dp2-pp2": dict(dp=2, pp=2, num_microbatches=2),   # (first: the runs after it take two of its four actors)
+    # (first: the runs after it take two of its four actors)
+    "dp2-pp2": dict(dp=2, pp=2, num_microbatches=2),
     "dp2": dict(dp=2),
     "pp2-1f1b-m2": dict(pp=2, schedule="1f1b", num_microbatches=2),
     "fs2": dict(fs=2),
@@ -34,8 +35,8 @@ def trained(ray_cluster, tmp_path_factory):
 @pytest.mark.parametrize("name", slow_among(LAYOUTS, {"dp2-pp2", "dp2"}))
 def test_evaluate_only_reports_the_runs_accuracy(trained, tmp_path, name):
     cfg, summary = trained
-    ev_cfg = dataclasses.replace(cfg, init=f"{cfg.out}/model.pt", evaluate_only=True, out=str(tmp_path / name),
-                                 **LAYOUTS[name]).validate()
+    ev_cfg = dataclasses.replace(cfg, init=f"{cfg.out}/model.pt", evaluate_only=True,
+                                 out=str(tmp_path / name), **LAYOUTS[name]).validate()
     ev = train_run(ev_cfg, log=lambda *_: None)
     assert ev["steps"] == 0 and ev["evaluate_only"] and ev["layout"]["world_size"] > 1
     assert ev["test_accuracy"] == summary["test_accuracy"]

@@ -44,12 +44,12 @@ def image_root(tmp_path_factory) -> Path:
 def test_imagefolder_end_to_end(ray_cluster, image_root, tmp_path):
     out = tmp_path / "run"
     # (no --data: the folder's train/ and val/ make it imagefolder, and config.json records that)
-    rc = main(["--data-dir", str(image_root), "--image-size", "32", "--model", "convnet",
-               "--dp", "2", "--steps", "3", "--global-batch-size", "8", "--loader-workers", "0", "--data-on-device", "off",
+    rc = main(["--data-dir", str(image_root), "--image-size", "32", "--model", "convnet", "--dp", "2",
+               "--steps", "3", "--global-batch-size", "8", "--loader-workers", "0", "--data-on-device", "off",
                "--device", "cpu", "--no-progress", "--out", str(out)])
     assert rc == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.parquet", "model.pt", "summary.json",
-                                                     "tensorboard"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.parquet", "model.pt",
+                                                     "summary.json", "tensorboard"]
 
     config = json.loads((out / "config.json").read_text())
     assert config["data"] == "imagefolder" and config["data_dir"] == str(image_root) and config["dp"] == 2
@@ -102,7 +102,8 @@ def test_imagefolder_loading_is_deterministic(image_root):
     torch.manual_seed(123)
     assert torch.equal(src.images("train", idx, cpu, epoch=1), a)
     torch.manual_seed(456)
-    assert torch.equal(ImageFolderSource(str(image_root), 32, seed=0, workers=0).images("train", idx, cpu, epoch=1), a)
+    assert torch.equal(ImageFolderSource(str(image_root), 32, seed=0, workers=0).images("train", idx, cpu,
+                                                                                        epoch=1), a)
     # ...and not disturbing the caller's RNG stream.
     torch.manual_seed(7)
     want_next = torch.rand(3)
@@ -112,7 +113,8 @@ def test_imagefolder_loading_is_deterministic(image_root):
     # The augmentation is real: another epoch crops differently (so the equality above means something).
     assert not torch.equal(src.images("train", idx, cpu, epoch=2), a)
     # Decoding in a worker process gives the same images as decoding in the actor.
-    assert torch.equal(ImageFolderSource(str(image_root), 32, seed=0, workers=1).images("train", idx, cpu, epoch=1), a)
+    assert torch.equal(ImageFolderSource(str(image_root), 32, seed=0, workers=1).images("train", idx, cpu,
+                                                                                        epoch=1), a)
     # Evaluation images are not augmented.
     t = src.images("test", np.arange(N_VAL), cpu)
     assert torch.equal(src.images("test", np.arange(N_VAL), cpu, epoch=3), t)
@@ -129,10 +131,14 @@ def test_hidden_folders_and_files_are_not_data(tmp_path):
     for split in ("train", "val"):
         for name in ("cat", "dog", ".thumbnails"):
             (root / split / name).mkdir(parents=True)
-            Image.fromarray(rng.integers(0, 256, (36, 36, 3), dtype=np.uint8)).save(root / split / name / "a.png")
+            Image.fromarray(rng.integers(0, 256, (36, 36, 3), dtype=np.uint8)).save(
+                root / split / name / "a.png"
+            )
         (root / split / "cat" / "._a.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble, not a PNG")
         (root / split / "dog" / ".cache").mkdir()
-        Image.fromarray(rng.integers(0, 256, (36, 36, 3), dtype=np.uint8)).save(root / split / "dog" / ".cache" / "b.png")
+        Image.fromarray(rng.integers(0, 256, (36, 36, 3), dtype=np.uint8)).save(
+            root / split / "dog" / ".cache" / "b.png"
+        )
     src = ImageFolderSource(str(root), 32, seed=0, workers=0)
     assert src.num_classes == 2 and src.sets["train"].inner.classes == ["cat", "dog"]
     assert sorted(Path(p).relative_to(root).as_posix() for p, _ in src.sets["train"].inner.samples) == \

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's 
 
 STEPS = 3
 MIX = dict(mixup_alpha=0.4, cutmix_alpha=1.0, seed=0)
-LAYOUTS = {"dp2": dict(dp=2), "pp2-1f1b-m2": dict(pp=2, schedule="1f1b", num_microbatches=2), "fs2": dict(fs=2)}
+LAYOUTS = {"dp2": dict(dp=2), "pp2-1f1b-m2": dict(pp=2, schedule="1f1b", num_microbatches=2),
+           "fs2": dict(fs=2)}
 
 
 def test_the_steps_draw_both_kinds():

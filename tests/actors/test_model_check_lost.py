@@ -37,7 +37,8 @@ def test_a_new_actor_lost_in_the_check_leaves_it_to_the_driver(ray_cluster):
     hung = LostChecker.remote()
     try:
         with pytest.raises(ActorCheckLost):   # (no answer within the limit)
-            WarmCheck(hung, 1.0, kept=False).with_data(*DATA).routing(Config(**{**CFG.to_dict(), "seed": 1}), mesh)
+            WarmCheck(hung, 1.0, kept=False).with_data(*DATA).routing(Config(**{**CFG.to_dict(), "seed": 1}),
+                                                                      mesh)
     finally:
         ray.kill(hung)
     # check_before_ray falls back to the driver's own check, and its routing is the driver's

@@ -17,7 +17,8 @@ STEPS = 4  # global batch 96 of the 1438 digits: 4 full steps
 
 
 # (GPipe and interleaved 1F1B at 2 stages and 4 micro-batches, and the per-layer plan with micro-batches,
-# are tests/actors/test_batchnorm.py's layouts, each checked against single-device SGD there; the per-layer plan
+# are tests/actors/test_batchnorm.py's layouts, each checked against single-device SGD there; the per-layer
+# plan
 # over 4 is tests/actors/test_large_layouts.py's; an even filter split over 2 is dp2-fs2's, and interleaved
 # with as many micro-batches as stages dp2-pp2-interleaved-v2's.)
 LAYOUTS = {  # (in order of actors: a run takes the actors the run before it kept, --keep-actors-s)
@@ -75,7 +76,8 @@ def test_two_stage_cuts_match_single_device_sgd(ray_cluster, tmp_path, cut):
     assert_same_state(got, reference_sgd(cfg, STEPS), atol=1e-10)
 
 
-@pytest.mark.parametrize("name", slow_among(LAYOUTS, {"fs3-uneven", "dp2-pp2-interleaved-v2", "pp2-balanced-by-time"}))
+@pytest.mark.parametrize("name", slow_among(LAYOUTS,
+                                            {"fs3-uneven", "dp2-pp2-interleaved-v2", "pp2-balanced-by-time"}))
 def test_layout_matches_single_device_sgd(ray_cluster, tmp_path, name):
     cfg = layout_config(tmp_path, name, **LAYOUTS[name])
     summary = train_run(cfg, log=lambda *_: None)
@@ -92,7 +94,9 @@ def test_layout_matches_single_device_sgd(ray_cluster, tmp_path, name):
     assert_same_state(got, want, atol=1e-10)
     if cfg.balance == "time":  # the measured cut is written into the settings (a resume keeps it)
         saved = json.loads((tmp_path / name / "config.json").read_text())
-        assert saved["stages"] and [list(x) for x in summary["layout"]["stages"]][1][0] == int(saved["stages"])
+        assert saved["stages"] and [list(x) for x in summary["layout"]["stages"]][1][0] == int(
+            saved["stages"]
+        )
     # Each actor holds about 1/K of the parameters under pp=K or fs=K.
     params = [a["parameters"] for a in summary["actors"]]
     total = sum(v.numel() for k, v in want.items() if "running" not in k and "num_batches" not in k)

@@ -1,10 +1,10 @@
 """The training recipe on the mesh equals it on one device: label smoothing, Nesterov SGD, no weight
 decay on batch norm, a warm-up of the learning rate, global-norm gradient clipping, the moving
 average of the weights and a batch-norm momentum, all on at once, over data parallelism, 1F1B and
-interleaved pipelines, filter split and Krizhevsky 2014's per-layer plan, to 1e-10 in float64 (weights and the average's).
-The reference (``helpers.reference_recipe_sgd``) is plain torch: ``nn.CrossEntropyLoss``'s smoothing,
-``torch.optim.SGD(nesterov=True)``, ``nn.utils.clip_grad_norm_``, ``AveragedModel`` as torchvision's
-train.py drives it.
+interleaved pipelines, filter split and Krizhevsky 2014's per-layer plan, to 1e-10 in float64 (weights and the
+average's). The reference (``helpers.reference_recipe_sgd``) is plain torch: ``nn.CrossEntropyLoss``'s
+smoothing, ``torch.optim.SGD(nesterov=True)``, ``nn.utils.clip_grad_norm_``, ``AveragedModel`` as
+torchvision's train.py drives it.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ _REFERENCES: dict[tuple, tuple] = {}
 
 def cached_reference(cfg: Config, steps: int) -> tuple:
     """``reference_recipe_sgd(cfg, steps)``, computed once per (``cfg`` less ``_MESH_ONLY``, steps)."""
-    key = (steps, *((f.name, repr(getattr(cfg, f.name))) for f in dataclasses.fields(cfg) if f.name not in _MESH_ONLY))
+    key = (steps, *((f.name, repr(getattr(cfg, f.name))) for f in dataclasses.fields(cfg)
+                    if f.name not in _MESH_ONLY))
     if key not in _REFERENCES:
         _REFERENCES[key] = reference_recipe_sgd(cfg, steps)
     return _REFERENCES[key]
@@ -101,7 +102,8 @@ def test_lars_layout_matches_single_device(ray_cluster, tmp_path, name):
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a if not k.endswith("num_batches_tracked"))
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a
+               if not k.endswith("num_batches_tracked"))
 
 
 @pytest.mark.slow
@@ -123,10 +125,13 @@ def test_captured_update_equals_torch_sgd(dtype):
     decay, over three steps of the same gradients (the first makes the buffers): to rounding, as
     ``p - lr * g`` and torch's ``p + (-lr) * g`` may round apart by an ulp."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3)).to(dtype)
-    twin = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3)).to(dtype)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4),
+                                torch.nn.Linear(4, 3)).to(dtype)
+    twin = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4),
+                               torch.nn.Linear(4, 3)).to(dtype)
     twin.load_state_dict(model.state_dict())
-    opts = [make_optimizer(param_groups(m, 5e-4, norm_weight_decay=0.0), "sgd_nesterov", 0.1) for m in (model, twin)]
+    opts = [make_optimizer(param_groups(m, 5e-4, norm_weight_decay=0.0), "sgd_nesterov", 0.1)
+            for m in (model, twin)]
     assert [g["weight_decay"] for g in opts[1].param_groups] == [5e-4, 0.0]
     lr = {dtype: torch.tensor(0.1, dtype=dtype)}
     tol = dict(rtol=0, atol=1e-14 if dtype == torch.float64 else 1e-6)
@@ -139,4 +144,5 @@ def test_captured_update_equals_torch_sgd(dtype):
         for (k, a), b in zip(model.state_dict().items(), twin.state_dict().values()):
             torch.testing.assert_close(a, b, **tol, msg=lambda m: f"step {step}: {k}: {m}")
         for p, q in zip(model.parameters(), twin.parameters()):
-            torch.testing.assert_close(opts[0].state[p]["momentum_buffer"], opts[1].state[q]["momentum_buffer"], **tol)
+            torch.testing.assert_close(opts[0].state[p]["momentum_buffer"],
+                                       opts[1].state[q]["momentum_buffer"], **tol)

@@ -42,9 +42,9 @@ def folders(tmp_path_factory) -> dict[int, Path]:
 
 
 def _peaks(data: Path, out: Path) -> list[dict]:
-    cfg = Config(model="convnet", data="shards", data_dir=str(data), image_size=32, dp=2, global_batch_size=32,
-                 steps=6, eval_every=6, precision="fp32", device="cpu", progress=False, loader_workers=1,
-                 decode="cpu", data_on_device="off", out=str(out)).validate()
+    cfg = Config(model="convnet", data="shards", data_dir=str(data), image_size=32, dp=2,
+                 global_batch_size=32, steps=6, eval_every=6, precision="fp32", device="cpu", progress=False,
+                 loader_workers=1, decode="cpu", data_on_device="off", out=str(out)).validate()
     return train_run(cfg, log=lambda *_: None)["actors"]
 
 
@@ -53,9 +53,9 @@ def test_private_memory_stays_flat_when_the_data_grows_tenfold(ray_cluster, fold
     sizes = {n: sum(p.stat().st_size for p in d.iterdir()) for n, d in folders.items()}
     assert sizes[10 * N] > 8 * sizes[N] and sizes[10 * N] > 80e6
     small, big = _peaks(folders[N], tmp_path / "small"), _peaks(folders[10 * N], tmp_path / "big")
-    print("peak RssAnon MiB (actor, loader) per rank: N", [(a["peak_rss_anon_mib"], a["loader_peak_rss_anon_mib"])
-                                                          for a in small],
-          "10N", [(a["peak_rss_anon_mib"], a["loader_peak_rss_anon_mib"]) for a in big],
+    print("peak RssAnon MiB (actor, loader) per rank: N",
+          [(a["peak_rss_anon_mib"], a["loader_peak_rss_anon_mib"]) for a in small], "10N",
+          [(a["peak_rss_anon_mib"], a["loader_peak_rss_anon_mib"]) for a in big],
           f"folders {sizes[N] / 2**20:.1f} and {sizes[10 * N] / 2**20:.1f} MiB")
     for s, b in zip(small, big):
         for key in ("peak_rss_anon_mib", "loader_peak_rss_anon_mib"):

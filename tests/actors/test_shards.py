@@ -44,8 +44,8 @@ def _pixels(rng, h: int, w: int, c: int) -> np.ndarray:
 def folder(tmp_path_factory) -> Path:
     """train/<class>/ with 6 good JPEGs of various sizes each (one 80 x 120, to be downscaled) plus, in
     train/cat/: a PNG, a WebP, a grayscale JPEG and a CMYK JPEG (converted), and a truncated JPEG, random
-    bytes named .jpg, an empty file, a text file, a dangling link and a directory named like an image (skipped);
-    val/<class>/ with 2 JPEGs each."""
+    bytes named .jpg, an empty file, a text file, a dangling link and a directory named like an image
+    (skipped); val/<class>/ with 2 JPEGs each."""
     root = tmp_path_factory.mktemp("src")
     rng = np.random.default_rng(0)
     for split, n in (("train", 6), ("val", 2)):
@@ -82,21 +82,23 @@ def shards(ray_cluster, folder, tmp_path_factory) -> Path:
 def test_prepare_writes_a_checked_manifest(shards, folder):
     m = json.loads((shards / "manifest.json").read_text())
     assert m["classes"] == list(CLASSES) and m["settings"] == {"size": SIZE, "quality": 90, "shard_size": 4,
-                                                              "shard_order": "shuffled", "seed": 0, "encoding": "jpeg"}
+                                                               "shard_order": "shuffled", "seed": 0,
+                                                               "encoding": "jpeg"}
     train = m["splits"]["train"]
     assert train["per_class"] == {"cat": 10, "dog": 6} and train["images"] == 16
     assert m["splits"]["val"]["per_class"] == {"cat": 2, "dog": 2}
     reasons = {s["path"]: s["reason"] for s in train["skipped"]}
-    assert sorted(reasons) == sorted(f"train/cat/{n}" for n in
-                                     ("bad-truncated.jpg", "bad-random.jpg", "bad-zero.jpg", "notes.txt", "bad-link.jpg",
-                                      "bad-dir.jpg"))
+    assert sorted(reasons) == sorted(f"train/cat/{n}" for n in ("bad-truncated.jpg", "bad-random.jpg",
+                                                                "bad-zero.jpg", "notes.txt", "bad-link.jpg",
+                                                                "bad-dir.jpg"))
     assert reasons["train/cat/notes.txt"].startswith("not an image")
     assert reasons["train/cat/bad-dir.jpg"].startswith("a directory")
     assert "FileNotFoundError" in reasons["train/cat/bad-link.jpg"]
     assert reasons["train/cat/bad-truncated.jpg"].startswith("cannot read or decode")
     # 20 train files with an image suffix in prepare's seeded order, 4 per shard: rows are the files kept.
     order = shard_listing(scan(folder)[1]["train"], "shuffled", 0)
-    bad = {f"train/cat/bad-{n}.jpg" for n in ("truncated", "random", "zero", "link")}   # listed, do not decode
+    # listed, do not decode
+    bad = {f"train/cat/bad-{n}.jpg" for n in ("truncated", "random", "zero", "link")}
     assert len(order) == 20 and bad <= {r for _, r, _ in order}
     assert [e["rows"] for e in train["shards"]] == [sum(r not in bad for _, r, _ in order[k:k + 4])
                                                     for k in range(0, 20, 4)]
@@ -105,7 +107,8 @@ def test_prepare_writes_a_checked_manifest(shards, folder):
         assert p.stat().st_size == e["bytes"] and sha256_file(p) == e["sha256"]
     assert not list(shards.glob("*.tmp"))
     assert not list(shards.glob("*.parquet"))
-    table = pa.concat_tables([pa.ipc.open_file(p).read_all() for p in sorted(shards.glob("train-*.arrow"))]).to_pylist()
+    table = pa.concat_tables([pa.ipc.open_file(p).read_all()
+                              for p in sorted(shards.glob("train-*.arrow"))]).to_pylist()
     assert [(r["index"], r["path"]) for r in table] == [(i, r) for i, r, _ in order if r not in bad]
     by_path = {r["path"]: r for r in table}
     # CMYK, grayscale, PNG and WebP became RGB JPEGs; the 80 x 120 one was downscaled to shorter side 40.
@@ -116,7 +119,8 @@ def test_prepare_writes_a_checked_manifest(shards, folder):
         assert img.shape == (3, r["height"], r["width"]) == (3, 30, 44), name
     big = by_path["train/cat/cat0.JPEG"]
     assert (big["height"], big["width"]) == (SIZE, 60)
-    gray = decode_jpeg(torch.frombuffer(bytearray(by_path["train/cat/x-gray.jpg"]["jpeg"]), dtype=torch.uint8))
+    gray = decode_jpeg(torch.frombuffer(bytearray(by_path["train/cat/x-gray.jpg"]["jpeg"]),
+                                        dtype=torch.uint8))
     assert torch.equal(gray[0], gray[1])   # converted: three equal channels
 
 
@@ -159,12 +163,14 @@ def test_prepare_bad_input_is_one_line_and_writes_nothing(ray_cluster, folder, s
     assert "does not exist" in failing([str(tmp_path / "nowhere"), "--out", str(tmp_path / "o3")])
     # Other settings into a prepared folder: refused, the folder untouched.
     before = sorted((p.name, p.stat().st_mtime_ns) for p in shards.iterdir())
-    assert "use the same settings" in failing([str(folder), "--out", str(shards), "--size", "64", "--shard-size", "4"])
+    assert "use the same settings" in failing([str(folder), "--out", str(shards), "--size", "64",
+                                               "--shard-size", "4"])
     assert sorted((p.name, p.stat().st_mtime_ns) for p in shards.iterdir()) == before
     # A folder holding other files is not written into.
     (tmp_path / "o5").mkdir()
     (tmp_path / "o5" / "metrics.parquet").write_bytes(b"mine")
-    assert "holds files prepare did not write (metrics.parquet)" in failing([str(folder), "--out", str(tmp_path / "o5")])
+    assert "holds files prepare did not write (metrics.parquet)" in failing([str(folder), "--out",
+                                                                             str(tmp_path / "o5")])
     assert (tmp_path / "o5" / "metrics.parquet").read_bytes() == b"mine"
     assert "--quality" in failing([str(folder), "--out", str(tmp_path / "o4"), "--quality", "0"])
 
@@ -215,8 +221,9 @@ def test_a_shard_that_disappears_or_changes_while_open_is_named(shards, tmp_path
         src.images("train", mine, cpu)
     # Opened again, the folder reads as before.
     fresh = ShardSource(str(d), 32, seed=0, workers=0)
-    torch.testing.assert_close(fresh.images("train", np.arange(8), cpu),
-                               ShardSource(str(shards), 32, seed=0, workers=0).images("train", np.arange(8), cpu))
+    torch.testing.assert_close(
+        fresh.images("train", np.arange(8), cpu),
+        ShardSource(str(shards), 32, seed=0, workers=0).images("train", np.arange(8), cpu))
 
 
 @pytest.mark.slow
@@ -241,7 +248,8 @@ def test_crop_and_flip_depend_only_on_seed_epoch_index(shards):
     # Two worker processes, batches announced ahead in another grouping: the same samples.
     src = ShardSource(str(shards), 32, seed=0, workers=2, decode="cpu")
     src.prefetch("train", 1, [idx[:2], idx[2:]])
-    assert torch.equal(torch.cat([src.images("train", idx[:2], cpu, 1), src.images("train", idx[2:], cpu, 1)]), a)
+    assert torch.equal(torch.cat([src.images("train", idx[:2], cpu, 1),
+                                  src.images("train", idx[2:], cpu, 1)]), a)
     assert torch.equal(src.images("train", idx[::-1].copy(), cpu, 1), a.flip(0))
     assert not torch.equal(src.images("train", idx, cpu, epoch=2), a)   # the augmentation is real
     t = src.images("test", np.arange(4), cpu)
@@ -257,9 +265,10 @@ def test_crop_and_flip_depend_only_on_seed_epoch_index(shards):
 
 def shard_config(data_dir: Path, out: Path, **kw) -> Config:
     # 16 train images, global batch 6: steps of 6, 6 and 4 per epoch; 5 steps cross an epoch boundary.
-    base = dict(model="convnet", data="shards", data_dir=str(data_dir), image_size=32, dp=2, global_batch_size=6,
-                steps=5, lr=0.05, momentum=0.9, weight_decay=5e-4, precision="fp64", device="cpu",
-                progress=False, eval_every=5, loader_workers=1, decode="cpu", data_on_device="off", out=str(out))
+    base = dict(model="convnet", data="shards", data_dir=str(data_dir), image_size=32, dp=2,
+                global_batch_size=6, steps=5, lr=0.05, momentum=0.9, weight_decay=5e-4, precision="fp64",
+                device="cpu", progress=False, eval_every=5, loader_workers=1, decode="cpu",
+                data_on_device="off", out=str(out))
     base.update(kw)
     return Config(**base).validate()
 
@@ -291,7 +300,8 @@ def test_dp2_on_shards_equals_single_device_sgd_and_resumes_exactly(ray_cluster,
     # Resumed mid-epoch (step 2 of 3) on another loader worker count: bit-identical.
     assert main(["--resume", str(tmp_path / "a" / "checkpoints" / "step-2"), "--out", str(tmp_path / "b"),
                  "--loader-workers", "0"]) == 0
-    torch.testing.assert_close(torch.load(tmp_path / "b" / "model.pt", weights_only=True), got, rtol=0, atol=0)
+    torch.testing.assert_close(torch.load(tmp_path / "b" / "model.pt", weights_only=True), got, rtol=0,
+                               atol=0)
 
 
 def test_a_prepared_folder_given_as_imagefolder_is_read_as_shards(shards):

@@ -42,11 +42,19 @@ def test_dp2_on_held_data_matches_single_device_sgd(ray_cluster, tmp_path, data,
     train_run(cfg, log=lines.append)
     held = cfg.data_on_device != "off"
     # --data-on-device auto, resolved against the cluster: two CPU actors on one node share its memory.
-    assert any(x.startswith("rayconv: --data-on-device auto: both splits held on the device (") and
-               "of the node's memory" in x and "/ 2 actors holding a copy)" in x for x in lines) == held, lines[:6]
+    assert (
+        any(
+            x.startswith("rayconv: --data-on-device auto: both splits held on the device (")
+            and "of the node's memory" in x
+            and "/ 2 actors holding a copy)" in x
+            for x in lines
+        )
+        == held
+    ), lines[:6]
     # --data-on-device off (raw shards): the console says how the batches come, as given.
-    assert ("rayconv: --data-on-device off: each batch read from the raw shards, no decode (as given)" in lines) \
-        == (not held), lines[:6]
+    assert (
+        "rayconv: --data-on-device off: each batch read from the raw shards, no decode (as given)" in lines
+    ) == (not held), lines[:6]
     # Held data is decoded in the actors' build, before the first step, and reported apart.
     startup = json.loads((tmp_path / "run" / "summary.json").read_text())["startup"]
     assert (startup.get("decoded_images") == 20 and startup.get("decode_s", 0) > 0) == held

@@ -22,9 +22,9 @@ def test_rows_time_their_own_step_across_evaluation_and_checkpoint_boundaries(ra
     # steps, so the driver's wall time between two results is one step's or two steps' or almost none.
     out = tmp_path / "run"
     lines: list[str] = []
-    cfg = Config(model="resnet18", data="synthetic", image_size=32, synthetic_samples=128, global_batch_size=16,
-                 dp=1, steps=7, eval_every=2, checkpoint_every=3, log_every=1, device="cpu", progress=False,
-                 out=str(out)).validate()
+    cfg = Config(model="resnet18", data="synthetic", image_size=32, synthetic_samples=128,
+                 global_batch_size=16, dp=1, steps=7, eval_every=2, checkpoint_every=3, log_every=1,
+                 device="cpu", progress=False, out=str(out)).validate()
     train_run(cfg, log=lines.append)
     rows = pq.read_table(out / "metrics.parquet").to_pylist()
     train = [r for r in rows if r["kind"] == "train"]
@@ -37,7 +37,8 @@ def test_rows_time_their_own_step_across_evaluation_and_checkpoint_boundaries(ra
         assert 0 <= r["input_stall_ms"] <= r["step_ms"]
         assert r["input_stall_fraction"] == pytest.approx(r["input_stall_ms"] / r["step_ms"])
     # A progress line per step with its images/s (the window's rate: tests/unit/test_run_folder.py).
-    printed = [float(m.group(1)) for m in (re.search(r"loss \S+ lr \S+\s+(\d+) images/s", x) for x in lines) if m]
+    printed = [float(m.group(1)) for m in (re.search(r"loss \S+ lr \S+\s+(\d+) images/s", x) for x in lines)
+               if m]
     assert len(printed) == 7 and all(x > 0 for x in printed), lines
     # Top-5 accuracy at every evaluation (1000 classes), at least the top-1 accuracy.
     evals = [r for r in rows if r["kind"] == "eval"]

@@ -3,8 +3,9 @@
 (rayconv.models.traced) trains as single-device SGD does: pp=2 under 1F1B with 4 micro-batches, and
 dp2 x pp2; a model fx cannot trace trains data parallel and is refused for --pp. Filter split: a
 user's plain ConvNet (functional pooling) under fs=2 equals single-device SGD; the ResNet-like one is
-refused for --fs in one line naming its block. Batch norm under micro-batches: the reference is ``helpers.reference_microbatch_sgd``
-(each micro-batch normalised by its own statistics, running statistics once per step)."""
+refused for --fs in one line naming its block. Batch norm under micro-batches: the reference is
+``helpers.reference_microbatch_sgd`` (each micro-batch normalised by its own statistics, running statistics
+once per step)."""
 
 from __future__ import annotations
 
@@ -72,4 +73,8 @@ def test_user_model_filter_split_or_refused(ray_cluster, tmp_path):
     cfg = sgd_config(tmp_path, "fs2-blocks", model=MODEL, fs=2, steps=STEPS)
     with pytest.raises(LayoutError) as e:
         train_run(cfg, log=lambda *_: None)
-    assert "\n" not in str(e.value) and "filter split cannot divide layer" in str(e.value) and "--fs 1" in str(e.value)
+    assert (
+        "\n" not in str(e.value)
+        and "filter split cannot divide layer" in str(e.value)
+        and "--fs 1" in str(e.value)
+    )

@@ -75,7 +75,8 @@ def test_measuring_tasks_get_the_users_module(ray_cluster, tmp_path, monkeypatch
 
 
 @pytest.mark.slow
-def test_users_model_dp2_equals_single_device_sgd_and_evaluates_from_init(ray_cluster, tmp_path, monkeypatch, capsys):
+def test_users_model_dp2_equals_single_device_sgd_and_evaluates_from_init(ray_cluster, tmp_path, monkeypatch,
+                                                                          capsys):
     users_folder(tmp_path, monkeypatch)
     cfg = sgd_config(tmp_path, "r", model=MODEL, dp=2, steps=STEPS, eval_every=STEPS, loader_workers=0)
     summary = train_run(cfg, log=lambda *_: None)

@@ -27,7 +27,8 @@ GPU = torch.device("cuda", 0)
 
 @pytest.fixture(scope="module")
 def raw(tmp_path_factory):
-    root = write_folder(tmp_path_factory.mktemp("src") / "images", ".png", train=12, val=4)   # 24 train, 8 val
+    # 24 train, 8 val
+    root = write_folder(tmp_path_factory.mktemp("src") / "images", ".png", train=12, val=4)
     out = tmp_path_factory.mktemp("prepared") / "raw"
     mp = pytest.MonkeyPatch()
     mp.setattr(prep, "_on_ray", lambda args, address: on_processes(args, 1))
@@ -46,7 +47,8 @@ def _eager(source, split: str, idx: np.ndarray, epoch: int, dtype):
     rows = to_device(torch.from_numpy(idx), GPU)
     if isinstance(source, RawShardSource):
         pixels = to_device(source.uint8(split, idx), GPU)
-        return source._augment((train, dtype, epoch), pixels=pixels, **({"rows": rows} if params else {}), **params)
+        return source._augment((train, dtype, epoch), pixels=pixels, **({"rows": rows} if params else {}),
+                               **params)
     stored = source._on(GPU)
     return source._augment((split, train, dtype, epoch), images=stored[split], mean=stored["mean"],
                            std=stored["std"], rows=rows, **params)
@@ -68,7 +70,8 @@ def test_replayed_batches_equal_eager_ones_to_the_bit(raw, on_device):
             torch.testing.assert_close(x, _eager(source, "train", b, epoch, torch.bfloat16), rtol=0, atol=0)
             made = source.device_labels("train", b, GPU)
             if on_device == "off":   # (raw shards copy the batch's labels with its pixels)
-                assert made is not None and made.is_cuda and torch.equal(made.cpu(), source.labels("train", b))
+                assert made is not None and made.is_cuda and torch.equal(made.cpu(),
+                                                                         source.labels("train", b))
                 assert source.device_labels("train", b, GPU) is None   # (given once)
             kept.append((b, epoch, x))
     assert source._graphs is not None and source._graphs.captures   # (batches did replay)

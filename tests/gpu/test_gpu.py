@@ -69,7 +69,8 @@ def test_cuda_graph_defers_batchnorm_statistics(gpu_cluster, tmp_path, layout):
     """Batch norm under micro-batches in replayed CUDA graphs: running statistics advance once per step
     from the whole batch (tests/actors/test_batchnorm.py says what the reference claims)."""
     cfg = Config(model="convnet_bn", data="digits", dp=1, global_batch_size=96, steps=5, precision="fp64",
-                 device="cuda", progress=False, out=str(tmp_path / "bn"), balance="flops", **layout).validate()
+                 device="cuda", progress=False, out=str(tmp_path / "bn"), balance="flops",
+                 **layout).validate()
     summary = train_run(cfg, log=print)
     assert all(a["cuda_graphs"] for a in summary["actors"])
     got = torch.load(tmp_path / "bn" / "model.pt", weights_only=True)
@@ -84,8 +85,10 @@ def test_a_kept_gpu_actor_trains_the_next_run_as_a_new_one(gpu_cluster, tmp_path
     seen, states = [], {}
     for name in ("a", "b"):
         cfg = Config(model="convnet", data="digits", dp=1, global_batch_size=96, steps=5, precision="fp64",
-                     device="cuda", compile="on", progress=False, out=str(tmp_path / name), balance="flops").validate()
-        summary = train_run(cfg, log=print, on_step=lambda g, step: step or seen.append((g.info[0]["pid"], g.reused)))
+                     device="cuda", compile="on", progress=False, out=str(tmp_path / name),
+                     balance="flops").validate()
+        summary = train_run(cfg, log=print, on_step=lambda g, step: step or seen.append((g.info[0]["pid"],
+                                                                                         g.reused)))
         assert all(a["cuda_graphs"] for a in summary["actors"])
         states[name] = torch.load(tmp_path / name / "model.pt", weights_only=True)
     assert seen[1] == (seen[0][0], True), seen
@@ -110,11 +113,13 @@ def test_cuda_graph_replays_dropout_and_learning_rate_as_eager(gpu_cluster, tmp_
 
 
 @two_gpus
-@pytest.mark.parametrize("layout", [dict(fs=2), dict(pp=2, num_microbatches=4), dict(dp=2, plan="krizhevsky2014"),
-                                    dict(fs=2, compile="on"), dict(dp=2, plan="krizhevsky2014", compile="on")])
+@pytest.mark.parametrize("layout", [dict(fs=2), dict(pp=2, num_microbatches=4),
+                                    dict(dp=2, plan="krizhevsky2014"), dict(fs=2, compile="on"),
+                                    dict(dp=2, plan="krizhevsky2014", compile="on")])
 def test_alexnet_bf16_short_training(gpu_cluster, tmp_path, layout):
-    kw = dict(model="alexnet", data="synthetic", image_size=224, synthetic_samples=2048, global_batch_size=256,
-              steps=6, precision="bf16", device="cuda", dp=1, progress=False, out=str(tmp_path / "alex"), lr=0.01)
+    kw = dict(model="alexnet", data="synthetic", image_size=224, synthetic_samples=2048,
+              global_batch_size=256, steps=6, precision="bf16", device="cuda", dp=1, progress=False,
+              out=str(tmp_path / "alex"), lr=0.01)
     kw.update(layout)
     cfg = Config(**kw)
     summary = train_run(cfg.validate(), log=print)
@@ -206,12 +211,14 @@ def test_step_graph_captures_the_partial_batch_as_well_and_replays_as_eager():
     assert set(graph.graphs) == {(64,), (24,)}
     assert_same_state(graphed[0].state_dict(), eager[0].state_dict(), atol=1e-12)
     for p, q in zip(graphed[0].parameters(), eager[0].parameters()):
-        torch.testing.assert_close(graphed[1].state[p]["momentum_buffer"], eager[1].state[q]["momentum_buffer"],
-                                   rtol=0, atol=1e-12)
+        torch.testing.assert_close(graphed[1].state[p]["momentum_buffer"],
+                                   eager[1].state[q]["momentum_buffer"], rtol=0, atol=1e-12)
     assert len({round(float(v), 12) for v in losses}) == len(losses)   # (each step's own loss came back)
 
 
-def test_a_run_whose_epochs_end_in_a_partial_batch_replays_it_and_equals_single_device_sgd(gpu_cluster, tmp_path):
+def test_a_run_whose_epochs_end_in_a_partial_batch_replays_it_and_equals_single_device_sgd(
+    gpu_cluster, tmp_path
+):
     """Digits (1,438 train images) in global batches of 96: 15 steps an epoch, the last of 94; three
     epochs with CUDA graphs (the partial step eager, then captured, then replayed) equal single-device SGD."""
     kw = dict(model="convnet", data="digits", global_batch_size=96, steps=45, precision="fp64", device="cuda",
@@ -236,9 +243,10 @@ def test_crossing_sends_of_1f1b_complete_eagerly_and_in_a_graph():
 
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(root / "tests" / "gpu" / "nccl_crossing.py")], capture_output=True, text=True, timeout=240,
-                       env=env)
+    r = subprocess.run([
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(root / "tests" / "gpu" / "nccl_crossing.py")
+    ], capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("PAIRED-OK") == 2, r.stdout
 
@@ -320,7 +328,8 @@ def test_the_actors_cuda_library_set_up_runs_and_draws_no_random_numbers():
     cpu, gpu = torch.get_rng_state(), torch.cuda.get_rng_state()
     for precision in ("bf16", "fp32"):
         ran = []
-        thread = threading.Thread(target=lambda: ran.append(set_up_cuda_libraries(torch.device("cuda", 0), precision)))
+        thread = threading.Thread(target=lambda: ran.append(set_up_cuda_libraries(torch.device("cuda", 0),
+                                                                                  precision)))
         thread.start()
         thread.join()
         assert ran == [True], precision

@@ -1,6 +1,7 @@
-"""GPU decode of prepared shards (run on the lent GPU machine: ``pytest -m gpu tests/gpu/test_shards_gpu.py``):
-from the memory-mapped Arrow shards, nvJPEG + crop on the GPU takes the same pixels as the CPU path, batches decoded ahead on the side
-stream equal batches decoded alone, and training on shards under whole-step CUDA graphs equals eager."""
+"""GPU decode of prepared shards (run on the lent GPU machine: ``pytest -m gpu
+tests/gpu/test_shards_gpu.py``): from the memory-mapped Arrow shards, nvJPEG + crop on the GPU takes the same
+pixels as the CPU path, batches decoded ahead on the side stream equal batches decoded alone, and training on
+shards under whole-step CUDA graphs equals eager."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def shards(tmp_path_factory):
                 img.save(d / f"{i}.JPEG", quality=95)
     out = tmp_path_factory.mktemp("shards") / "s"
     prepare(str(root), str(out), size=64, shard_size=10, log=lambda *_: None, processes=2)
-    assert len(list(out.glob("*.arrow"))) == 6 and not list(out.glob("*.parquet"))   # format 2: Arrow IPC files
+    # format 2: Arrow IPC files
+    assert len(list(out.glob("*.arrow"))) == 6 and not list(out.glob("*.parquet"))
     return out
 
 
@@ -70,9 +72,10 @@ def gpu_cluster():
 def test_training_on_shards_with_cuda_graphs_equals_eager(gpu_cluster, shards, tmp_path):
     runs = {}
     for graphs in ("on", "off"):
-        cfg = Config(model="convnet", data="shards", data_dir=str(shards), image_size=32, dp=1, global_batch_size=16,
-                     steps=6, precision="fp64", device="cuda", decode="gpu", cuda_graphs=graphs, compile="off",
-                     data_on_device="off", progress=False, out=str(tmp_path / graphs)).validate()
+        cfg = Config(model="convnet", data="shards", data_dir=str(shards), image_size=32, dp=1,
+                     global_batch_size=16, steps=6, precision="fp64", device="cuda", decode="gpu",
+                     cuda_graphs=graphs, compile="off", data_on_device="off", progress=False,
+                     out=str(tmp_path / graphs)).validate()
         train_run(cfg, log=print)
         runs[graphs] = torch.load(tmp_path / graphs / "model.pt", weights_only=True)
     assert_same_state(runs["on"], runs["off"], atol=1e-10)
@@ -82,9 +85,11 @@ def test_data_on_device_auto_counts_a_gpus_free_memory(gpu_cluster, shards, tmp_
     """--data-on-device auto on a GPU: the bound is a share of the GPU's free memory (measured in a task
     on one of the cluster's GPUs); the console says which was chosen and why, and the actors hold it."""
     lines: list[str] = []
-    cfg = Config(model="convnet", data="shards", data_dir=str(shards), image_size=32, dp=1, global_batch_size=16,
-                 steps=2, device="cuda", progress=False, out=str(tmp_path / "run")).validate()
+    cfg = Config(model="convnet", data="shards", data_dir=str(shards), image_size=32, dp=1,
+                 global_batch_size=16, steps=2, device="cuda", progress=False,
+                 out=str(tmp_path / "run")).validate()
     train_run(cfg, log=lines.append)
-    said = [x for x in lines if x.startswith("rayconv: --data-on-device auto: both splits held on the device (")]
+    said = [x for x in lines
+            if x.startswith("rayconv: --data-on-device auto: both splits held on the device (")]
     assert said and "of a GPU's free memory" in said[0] and "/ 1 actor holding a copy)" in said[0], lines[:6]
     assert any("data held on the device (--data-on-device)" in x for x in lines), lines[:6]

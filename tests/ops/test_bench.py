@@ -57,8 +57,8 @@ def test_a_layout_past_its_call_limit_is_stopped_noted_and_the_bench_goes_on(ray
     # A limit no step can meet: each layout is stopped at its first step and its row says why, instead
     # of the bench waiting on it; the actors are released, so the next layout and a later run get theirs.
     out = tmp_path / "limit"
-    args = ["--models", "convnet", "--image-size", "32", "--global-batch-size", "32", "--steps", "2", "--warmup", "1",
-            "--device", "cpu", "--precision", "fp32", "--no-anchors"]
+    args = ["--models", "convnet", "--image-size", "32", "--global-batch-size", "32", "--steps", "2",
+            "--warmup", "1", "--device", "cpu", "--precision", "fp32", "--no-anchors"]
     out.mkdir()
     (out / "speedup.png").write_bytes(b"an earlier run's chart")
     rc = bench.main(args + ["--layouts", "1gpu,dp2", "--call-timeout-s", "0.001", "--out", str(out)])
@@ -106,7 +106,8 @@ def test_bench_writes_table_chart_and_anchor_ratios(ray_cluster, tmp_path):
     assert rows[3]["exchange_chunks"] == 2 and rows[3]["exchange_exposed_ms"] > 0
     assert rows[1]["exchange_chunks"] is None and rows[1]["exchange_exposed_ms"] is None
     for r in rows:  # the same steps looped inside the actors, against the driver's loop
-        assert r["in_actor_step_ms"] > 0 and r["driver_overhead"] == pytest.approx(1 - r["in_actor_step_ms"] / r["step_ms"])
+        assert r["in_actor_step_ms"] > 0 and r["driver_overhead"] == pytest.approx(
+            1 - r["in_actor_step_ms"] / r["step_ms"])
     # Communication volume (parallel/comm.py: the bytes an actor hands to torch.distributed in a step):
     # a dp=2 replica all-reduces each fp32 gradient once (convnet has no batch norm: no buffers are
     # broadcast); one device communicates nothing; pipeline stages send activations and gradients.
@@ -124,16 +125,25 @@ def test_bench_writes_table_chart_and_anchor_ratios(ray_cluster, tmp_path):
 def test_bench_sweep_stops_at_max(ray_cluster, tmp_path):
     out = tmp_path / "sweep"
     rc = bench.main(["--models", "convnet", "--layouts", "1gpu", "--image-size", "32", "--sweep", "batch",
-                     "--max-batch", "32", "--steps", "2", "--device", "cpu", "--precision", "fp32", "--no-anchors",
-                     "--out", str(out)])
+                     "--max-batch", "32", "--steps", "2", "--device", "cpu", "--precision", "fp32",
+                     "--no-anchors", "--out", str(out)])
     assert rc == 0
     rows = pq.read_table(out / "sweep_batch.parquet").to_pylist()
     assert [r["batch_per_device"] for r in rows] == [16, 32] and all(r["fits"] for r in rows)
 
 
 def test_a_failed_first_layout_keeps_the_measured_columns_of_the_rows_after_it(tmp_path):
-    rows = [{"model": "m", "layout": "1gpu", "global_batch_size": 8, "note": "out of memory"},
-            {"model": "m", "layout": "dp2", "global_batch_size": 8, "note": "", "images_per_s": 10.5, "world_size": 2}]
+    rows = [
+        {"model": "m", "layout": "1gpu", "global_batch_size": 8, "note": "out of memory"},
+        {
+            "model": "m",
+            "layout": "dp2",
+            "global_batch_size": 8,
+            "note": "",
+            "images_per_s": 10.5,
+            "world_size": 2,
+        },
+    ]
     write_table(rows, tmp_path)
     back = pq.read_table(tmp_path / "bench.parquet").to_pylist()
     assert [r["images_per_s"] for r in back] == [None, 10.5] and [r["world_size"] for r in back] == [None, 2]
@@ -145,18 +155,22 @@ def test_a_failed_first_layout_keeps_the_measured_columns_of_the_rows_after_it(t
 @pytest.mark.parametrize("limit", ["0", "-5", "nan", "inf", "1e20"])
 def test_bench_refuses_a_call_limit_it_cannot_keep(tmp_path, capsys, limit):
     assert bench.main(["--layouts", "1gpu", "--call-timeout-s", limit, "--out", str(tmp_path / "x")]) == 2
-    assert f"--call-timeout-s {float(limit):g}: give a positive number of seconds up to 604800" in capsys.readouterr().err
+    assert (
+        f"--call-timeout-s {float(limit):g}: give a positive number of seconds up to 604800"
+        in capsys.readouterr().err
+    )
     assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.slow
 def test_training_curve_writes_error_against_time(ray_cluster, tmp_path, capsys):
     out = tmp_path / "curve"
-    rc = bench.main(["--curve", "--curve-epochs", "1", "--layouts", "1gpu,dp2", "--global-batch-size", "64,256",
-                     "--device", "cpu", "--precision", "fp32", "--out", str(out)])
+    rc = bench.main(["--curve", "--curve-epochs", "1", "--layouts", "1gpu,dp2", "--global-batch-size",
+                     "64,256", "--device", "cpu", "--precision", "fp32", "--out", str(out)])
     assert rc == 0
     rows = pq.read_table(out / "curve.parquet").to_pylist()
-    assert {(r["layout"], r["global_batch_size"]) for r in rows} == {(n, b) for n in ("1gpu", "dp2") for b in (64, 256)}
+    assert {(r["layout"], r["global_batch_size"]) for r in rows} == {(n, b) for n in ("1gpu", "dp2")
+                                                                     for b in (64, 256)}
     for name in ("1gpu", "dp2"):
         for b in (64, 256):
             pts = [r for r in rows if r["layout"] == name and r["global_batch_size"] == b]
@@ -172,16 +186,16 @@ def test_training_curve_writes_error_against_time(ray_cluster, tmp_path, capsys)
 def test_bench_on_an_image_folder_reports_input_stall(ray_cluster, tmp_path):
     # A JPEG folder written by benchmarks/make_images.py, read through the real loader.
     root = tmp_path / "images"
-    subprocess.run([sys.executable, str(Path(__file__).parents[2] / "benchmarks" / "make_images.py"), str(root),
-                    "--classes", "2", "--train-per-class", "8", "--val-per-class", "1", "--width", "50",
-                    "--height", "40", "--processes", "1"], check=True)
+    subprocess.run([sys.executable, str(Path(__file__).parents[2] / "benchmarks" / "make_images.py"),
+                    str(root), "--classes", "2", "--train-per-class", "8", "--val-per-class", "1", "--width",
+                    "50", "--height", "40", "--processes", "1"], check=True)
     files = sorted((root / "train").rglob("*.JPEG"))
     assert len(files) == 16 and files[0].read_bytes()[:2] == b"\xff\xd8"
     out = tmp_path / "bench"
-    rc = bench.main(["--data", "imagefolder", "--data-dir", str(root), "--loader-workers", "0", "--data-on-device", "off",
-                     "--models", "convnet",
-                     "--layouts", "1gpu", "--image-size", "32", "--global-batch-size", "8", "--steps", "2",
-                     "--warmup", "1", "--device", "cpu", "--precision", "fp32", "--out", str(out)])
+    rc = bench.main(["--data", "imagefolder", "--data-dir", str(root), "--loader-workers", "0",
+                     "--data-on-device", "off", "--models", "convnet", "--layouts", "1gpu", "--image-size",
+                     "32", "--global-batch-size", "8", "--steps", "2", "--warmup", "1", "--device", "cpu",
+                     "--precision", "fp32", "--out", str(out)])
     assert rc == 0
     row = pq.read_table(out / "bench.parquet").to_pylist()[0]
     assert row["data"] == "imagefolder" and row["images_per_s"] > 0
@@ -216,24 +230,61 @@ def test_paper_report_tables_from_a_run_folder(tmp_path):
     import pyarrow as pa
 
     run = tmp_path / "h200x2-2026-12-01-abc1234"
-    for part, rows in {"speed": [{"model": "alexnet", "layout": "1gpu", "global_batch_size": 256, "world_size": 1,
-                                  "images_per_s": 1000.0, "plain_pytorch_config": "compile", "comm_mb_per_step": 0.0}],
-                       "dp-mp": [{"model": "alexnet", "layout": "dp2", "global_batch_size": 256, "world_size": 2,
-                                  "images_per_s": 1500.0, "torchrun_ddp_config": "ddp bucket 25MB",
-                                  "comm_mb_per_step": 233.08}]}.items():
+    for part, rows in {
+        "speed": [
+            {
+                "model": "alexnet",
+                "layout": "1gpu",
+                "global_batch_size": 256,
+                "world_size": 1,
+                "images_per_s": 1000.0,
+                "plain_pytorch_config": "compile",
+                "comm_mb_per_step": 0.0,
+            }
+        ],
+        "dp-mp": [
+            {
+                "model": "alexnet",
+                "layout": "dp2",
+                "global_batch_size": 256,
+                "world_size": 2,
+                "images_per_s": 1500.0,
+                "torchrun_ddp_config": "ddp bucket 25MB",
+                "comm_mb_per_step": 233.08,
+            }
+        ],
+    }.items():
         (run / part).mkdir(parents=True)
         pq.write_table(bench_table(rows), run / part / "bench.parquet")
     (run / "batch").mkdir()
-    pq.write_table(pa.Table.from_pylist([
-        {"model": "alexnet", "layout": "1gpu", "batch_per_device": b, "global_batch_size": b, "fits": fits,
-         "images_per_s": 100.0 * b if fits else None, "peak_gib_max": b / 8 if fits else None, "note": None}
-        for b, fits in ((16, True), (32, True), (64, True), (128, False))]), run / "batch" / "sweep_batch.parquet")
+    pq.write_table(
+        pa.Table.from_pylist(
+            [
+                {
+                    "model": "alexnet",
+                    "layout": "1gpu",
+                    "batch_per_device": b,
+                    "global_batch_size": b,
+                    "fits": fits,
+                    "images_per_s": 100.0 * b if fits else None,
+                    "peak_gib_max": b / 8 if fits else None,
+                    "note": None,
+                }
+                for b, fits in ((16, True), (32, True), (64, True), (128, False))
+            ]
+        ),
+        run / "batch" / "sweep_batch.parquet",
+    )
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, str(root / "benchmarks" / "report.py"), "report", str(run)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     text = (run / "report.md").read_text()
-    assert "| alexnet | dp2 | 2 | 256 | 1500 | 1.5 | not measured | not measured | not measured | ddp bucket 25MB | 233 |" in text
+    assert (
+        "| alexnet | dp2 | 2 | 256 | 1500 | 1.5 | not measured | not measured | not measured | ddp bucket"
+        " 25MB | 233 |"
+        in text
+    )
     assert "| alexnet | 1gpu | 1 | 256 | 1000 | 1 | not measured | compile |" in text
     # RQ5: largest that trains (64, 8 GiB), first that does not (128), largest within 6 GiB (32, 4 GiB)
     assert "| alexnet | 1gpu | 64 | 8 | 128 | 32 |" in text
@@ -249,10 +300,13 @@ def test_every_bench_flag_has_help_and_the_defaults_show(capsys):
         bench.parse_args(["--help"])
     assert e.value.code == 0
     options = capsys.readouterr().out.split("\noptions:\n", 1)[1]
-    entries = {m.group(1): m.group(2) for m in re.finditer(r"^  (--[a-z-]+)(.*?)(?=^  -|\Z)", options, re.M | re.S)}
+    entries = {m.group(1): m.group(2)
+               for m in re.finditer(r"^  (--[a-z-]+)(.*?)(?=^  -|\Z)", options, re.M | re.S)}
     assert len(entries) > 20
     for flag, text in entries.items():
-        words = re.sub(r"^[^ ]*( [A-Z_{},.a-z0-9-]+)?", "", text.strip().split("\n")[0]) + " ".join(text.split("\n")[1:])
+        words = re.sub(r"^[^ ]*( [A-Z_{},.a-z0-9-]+)?", "", text.strip().split("\n")[0]) + " ".join(
+            text.split("\n")[1:]
+        )
         assert words.strip(), f"{flag} has no help text"
     for flag in ("--global-batch-size", "--sweep", "--max-batch", "--precision", "--device"):
         assert "default" in entries[flag], f"{flag} does not show its default"

@@ -37,12 +37,15 @@ def test_main_job_as_the_readme_says(ray_cluster, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run([sys.executable, "-m", "rayconv.run", "--out", str(out)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=420)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert (
+        proc.returncode == 0
+    ), f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["model"] == "convnet" and summary["data"] == "digits"
     assert summary["test_accuracy"] >= 0.95, summary
     assert "rayconv: Ray: started a local cluster at " in proc.stdout, proc.stdout[-3000:]
-    assert "rayconv: Ray dashboard: http://127.0.0.1:" in proc.stdout, proc.stdout[-3000:]   # (as README says)
+    # (as README says)
+    assert "rayconv: Ray dashboard: http://127.0.0.1:" in proc.stdout, proc.stdout[-3000:]
     assert {"config.json", "metrics.parquet", "summary.json", "model.pt"} <= {p.name for p in out.iterdir()}
     assert f"rayconv/{summary['run_name']}" not in placement_group_names(), "the job joined the test cluster"
     # The start-up record: seconds since the command to each phase, in the order they ended (Ray
@@ -130,7 +133,8 @@ def test_main_writes_the_run_files(ray_cluster, tmp_path, capsys):
     assert summary["steps"] == 5
     # In a process already connected: the connection is reused; the clock runs from main's call.
     assert summary["startup"]["ray"] == "reused" and summary["startup"]["origin"] == "main call"
-    assert "rayconv: Ray: reusing the local cluster this process started at " in printed  # (the console agrees)
+    # (the console agrees)
+    assert "rayconv: Ray: reusing the local cluster this process started at " in printed
     assert list(summary["startup"]["phases"])[-1] == "first_step"  # (CPU: no CUDA graph captured)
 
     # model.pt: a plain state_dict that the model class alone loads, strictly.
@@ -156,7 +160,8 @@ def test_main_writes_the_run_files(ray_cluster, tmp_path, capsys):
     # win) and runs.
     out2 = tmp_path / "again"
     capsys.readouterr()
-    assert main(["--config", str(out / "config.json"), "--out", str(out2), "--steps", "2", "--dp", "1", "--pp", "2"]) == 0
+    assert main(["--config", str(out / "config.json"), "--out", str(out2), "--steps", "2", "--dp", "1",
+                 "--pp", "2"]) == 0
     _PRINTED["pp2"] = capsys.readouterr().out
     again = json.loads((out2 / "config.json").read_text())
     assert again == {**saved, "out": str(out2), "steps": 2, "dp": 1, "pp": 2}
@@ -164,7 +169,8 @@ def test_main_writes_the_run_files(ray_cluster, tmp_path, capsys):
 
 def test_a_pipeline_with_fewer_micro_batches_than_stages_says_how_to_overlap(ray_cluster, tmp_path, capsys):
     if "pp2" not in _PRINTED:
-        assert main(["--steps", "2", "--pp", "2", "--no-progress", "--device", "cpu", "--out", str(tmp_path / "m1")]) == 0
+        assert main(["--steps", "2", "--pp", "2", "--no-progress", "--device", "cpu", "--out",
+                     str(tmp_path / "m1")]) == 0
         _PRINTED["pp2"] = capsys.readouterr().out
     printed = _PRINTED["pp2"]
     assert "schedule 1f1b, 1 micro-batch:" in printed
@@ -196,4 +202,5 @@ def test_models_built_without_auxiliary_heads_train(ray_cluster, tmp_path, model
     assert rc == 0
     assert json.loads((out / "summary.json").read_text())["final_train_loss"] > 0
     state = torch.load(out / "model.pt", weights_only=True)
-    torchvision.models.get_model(model, num_classes=10, aux_logits=False, init_weights=True).load_state_dict(state)
+    torchvision.models.get_model(model, num_classes=10, aux_logits=False,
+                                 init_weights=True).load_state_dict(state)

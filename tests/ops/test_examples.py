@@ -16,7 +16,8 @@ import pytest
 from rayconv.flags import parse_args
 from support.helpers import slow_among
 
-EXAMPLES = sorted(p for p in (Path(__file__).parents[2] / "examples").glob("*.py") if not p.name.startswith("_"))
+EXAMPLES = sorted(p for p in (Path(__file__).parents[2] / "examples").glob("*.py")
+                  if not p.name.startswith("_"))
 RUN_FULLY = ("data_parallel", "hybrid_pipeline")
 
 
@@ -50,8 +51,13 @@ def test_example_passes_the_layout_its_docstring_gives(tmp_path, monkeypatch, pa
     assert cfg.steps == 3 and cfg.out == str(tmp_path / "run")
 
 
-@pytest.mark.parametrize("path", slow_among([p for p in EXAMPLES if p.stem in RUN_FULLY],
-                                             [p for p in EXAMPLES if p.stem == "hybrid_pipeline"]), ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path",
+    slow_among(
+        [p for p in EXAMPLES if p.stem in RUN_FULLY], [p for p in EXAMPLES if p.stem == "hybrid_pipeline"]
+    ),
+    ids=lambda p: p.stem,
+)
 def test_example_smoke(ray_cluster, tmp_path, monkeypatch, path):
     out = tmp_path / "run"
     assert _run(path, ["--smoke", "--out", str(out)], monkeypatch) == 0

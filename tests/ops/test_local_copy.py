@@ -151,7 +151,8 @@ def test_a_second_copy_into_a_locked_folder_waits(prepared, tmp_path):
 def test_every_node_of_two_gets_a_copy(prepared, two_nodes, tmp_path):
     """Two Ray nodes (conftest's ``two_nodes``): one task per node."""
     logged: list[str] = []
-    cfg = Config(data="shards", data_dir=str(prepared), stage_dir=str(tmp_path / "d"), device="cpu").validate()
+    cfg = Config(data="shards", data_dir=str(prepared), stage_dir=str(tmp_path / "d"),
+                 device="cpu").validate()
     staged = copy_to_nodes(cfg, log=logged.append)
     assert staged.data_dir == str(tmp_path / "d") and "2 node(s)" in logged[0], logged
     n = len(listed(prepared))  # (both nodes share this host's disk: one copies, the other finds the copies)

@@ -71,13 +71,35 @@ def test_ctrl_c_stops_cleanly(ray_cluster, tmp_path):
     out = tmp_path / "interrupted"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rayconv.run", "--address", ray.get_runtime_context().gcs_address,
-         "--steps", "100000", "--checkpoint-every", "2", "--dp", "2", "--device", "cpu", "--global-batch-size", "32",
-         "--no-progress", "--out", str(out)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "rayconv.run",
+            "--address",
+            ray.get_runtime_context().gcs_address,
+            "--steps",
+            "100000",
+            "--checkpoint-every",
+            "2",
+            "--dp",
+            "2",
+            "--device",
+            "cpu",
+            "--global-batch-size",
+            "32",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         # (SIGINT as a terminal's Ctrl-C delivers it: a suite started in the background, `cmd &` in a
         # script, hands its children SIGINT ignored, and Python then raises no KeyboardInterrupt)
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         wait_until(proc, lambda: latest_checkpoint(out) is not None and load_checkpoint(out).step >= 4,
                    "no checkpoint", poll_s=0.2)
@@ -89,7 +111,8 @@ def test_ctrl_c_stops_cleanly(ray_cluster, tmp_path):
     assert proc.returncode == 130, err
     assert "interrupted" in err and "--resume" in err
     # The placement group was removed and the actors are gone.
-    pgs = [pg for pg in ray.util.placement_group_table().values() if pg["name"].startswith(f"rayconv/{out.name}-")]
+    pgs = [pg for pg in ray.util.placement_group_table().values()
+           if pg["name"].startswith(f"rayconv/{out.name}-")]
     assert pgs and all(pg["state"] == "REMOVED" for pg in pgs), pgs
     for role in ("dp0", "dp1"):
         with pytest.raises(ValueError):
@@ -136,8 +159,11 @@ def test_killed_actor_is_recovered_from_the_last_checkpoint(ray_cluster, tmp_pat
                                torch.load(straight / "model.pt", weights_only=True), rtol=0, atol=0)
     import pyarrow.parquet as pq
     rows = pq.read_table(out / "metrics.parquet").to_pylist()
-    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(STEPS))  # replayed steps counted once
-    assert summary["test_accuracy"] == [r for r in rows if r["kind"] == "eval"][-1]["test_accuracy"] is not None
+    # replayed steps counted once
+    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(STEPS))
+    assert (
+        summary["test_accuracy"] == [r for r in rows if r["kind"] == "eval"][-1]["test_accuracy"] is not None
+    )
 
 
 @pytest.mark.slow
@@ -145,7 +171,8 @@ def test_killed_actor_without_recovery_ends_the_job(ray_cluster, tmp_path):
     out = tmp_path / "dies"
     t0 = time.monotonic()
     with pytest.raises(ClusterError) as e:
-        train_run(cfg_for(out, collective_timeout_s=30), log=lambda *_: None, on_step=kill_once(at_step=2, rank=1))
+        train_run(cfg_for(out, collective_timeout_s=30), log=lambda *_: None,
+                  on_step=kill_once(at_step=2, rank=1))
     assert time.monotonic() - t0 < 60
     assert "dp1 (rank 1)" in str(e.value) and "lost" in str(e.value) and "train_step" in str(e.value)
     # The folder stays, with its checkpoints (never deleted), and the newest one loads.
@@ -183,7 +210,9 @@ def test_start_without_resources_names_max_wait(ray_cluster, tmp_path):
     finally:
         remove_placement_group(held)
     msg = str(e.value)
-    assert "could not reserve 2 x {'CPU': 1} within 1 s (--max-wait)" in msg and "raise --max-wait" in msg, msg
+    assert (
+        "could not reserve 2 x {'CPU': 1} within 1 s (--max-wait)" in msg and "raise --max-wait" in msg
+    ), msg
     assert "stuck" not in msg and "\n" not in msg
 
 
@@ -195,7 +224,9 @@ def test_slow_actor_start_names_max_wait(ray_cluster, tmp_path):
     with pytest.raises(ClusterError) as e:
         cluster.create_actors(Actor, cfg, mesh, "slow-start", pg, timeout_s=0.3, limit_s=20)
     msg = str(e.value)
-    assert msg.startswith("the 2 actors did not start within 20 s (--max-wait;") and "raise --max-wait" in msg, msg
+    assert (
+        msg.startswith("the 2 actors did not start within 20 s (--max-wait;") and "raise --max-wait" in msg
+    ), msg
     assert "stuck" not in msg
     assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
 
@@ -209,5 +240,7 @@ def test_ray_error_at_start_is_one_line(ray_cluster, tmp_path):
     finally:
         remove_placement_group(taken)
     msg = str(e.value)
-    assert msg.startswith("Ray refused the placement group of run taken-run:") and "already exists" in msg, msg
+    assert (
+        msg.startswith("Ray refused the placement group of run taken-run:") and "already exists" in msg
+    ), msg
     assert "\n" not in msg

@@ -55,10 +55,11 @@ def reference_sgd(cfg: Config, steps: int, mix_batch=None) -> dict[str, torch.Te
     ``mix_batch(step, x, y) -> (x, y)`` changes each global batch before the step (``reference_mix_sgd``)."""
     source = reference_source(cfg)
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1]).double()
+    model = build_model(cfg.model, source.num_classes, source.sample_shape[0],
+                        source.sample_shape[1]).double()
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    sharding = Sharding(source.train_size, cfg.global_batch_size, dp=1, seed=cfg.seed, order=make_order(cfg, source),
-                        val_split=cfg.val_split)
+    sharding = Sharding(source.train_size, cfg.global_batch_size, dp=1, seed=cfg.seed,
+                        order=make_order(cfg, source), val_split=cfg.val_split)
     for step in range(steps):
         epoch, s = divmod(step, sharding.steps_per_epoch)
         idx = sharding.global_batch(epoch, s)
@@ -81,7 +82,8 @@ def reference_mix_sgd(cfg: Config, steps: int) -> dict[str, torch.Tensor]:
     source = reference_source(cfg)
 
     def mix_batch(step, x, y):
-        draw = draw_mix(cfg.seed, step, len(x), cfg.mixup_alpha, cfg.cutmix_alpha, tuple(source.sample_shape[1:]))
+        draw = draw_mix(cfg.seed, step, len(x), cfg.mixup_alpha, cfg.cutmix_alpha,
+                        tuple(source.sample_shape[1:]))
         return (mix_images(draw, x, x[draw.partner]),
                 mix_targets(draw, y, y[draw.partner], source.num_classes, torch.float64))
 
@@ -103,13 +105,14 @@ def reference_microbatch_sgd(cfg: Config, steps: int) -> tuple[dict[str, torch.T
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, test_loss / source.test_size
 
 
-def reference_recipe_sgd(cfg: Config, steps: int) -> tuple[dict[str, torch.Tensor], Optional[dict[str, torch.Tensor]]]:
+def reference_recipe_sgd(cfg: Config,
+                         steps: int) -> tuple[dict[str, torch.Tensor], Optional[dict[str, torch.Tensor]]]:
     """``reference_microbatch_sgd``'s training with torchvision's recipe written in plain torch: the
-    optimizer ``cfg.opt`` (torch's SGD, Nesterov SGD, AdamW, or LARS as ``_reference_lars_``) over ``recipe.param_groups`` (no decay on
-    norm layers or biases as asked), the learning rate of ``driver.lr`` (warm-up), cross entropy
-    with ``label_smoothing``, ``nn.utils.clip_grad_norm_`` on the whole model, and with --model-ema
-    torch's ``AveragedModel`` updated as torchvision's train.py updates its ExponentialMovingAverage.
-    Returns (state_dict, the average's state_dict or None)."""
+    optimizer ``cfg.opt`` (torch's SGD, Nesterov SGD, AdamW, or LARS as ``_reference_lars_``) over
+    ``recipe.param_groups`` (no decay on norm layers or biases as asked), the learning rate of ``driver.lr``
+    (warm-up), cross entropy with ``label_smoothing``, ``nn.utils.clip_grad_norm_`` on the whole model, and
+    with --model-ema torch's ``AveragedModel`` updated as torchvision's train.py updates its
+    ExponentialMovingAverage. Returns (state_dict, the average's state_dict or None)."""
     model, ema = _reference_run(cfg, steps, reference_source(cfg))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return state, None if ema is None else {k: v.detach().clone() for k, v in ema.module.state_dict().items()}
@@ -118,7 +121,8 @@ def reference_recipe_sgd(cfg: Config, steps: int) -> tuple[dict[str, torch.Tenso
 def _reference_run(cfg: Config, steps: int, source) -> tuple[nn.Module, Optional[AveragedModel]]:
     """The training loop of the micro-batch and recipe references (see their docstrings)."""
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, source.num_classes, source.sample_shape[0], source.sample_shape[1]).double()
+    model = build_model(cfg.model, source.num_classes, source.sample_shape[0],
+                        source.sample_shape[1]).double()
     opt = _reference_optimizer(cfg, model)
     sharding = Sharding(source.train_size, cfg.global_batch_size, dp=cfg.dp, seed=cfg.seed,
                         order=make_order(cfg, source))
@@ -129,7 +133,9 @@ def _reference_run(cfg: Config, steps: int, source) -> tuple[nn.Module, Optional
     seen: dict[nn.Module, list[torch.Tensor]] = {m: [] for m in bns}
     record = [False]
     for m in bns:
-        m.register_forward_pre_hook(lambda mod, args: seen[mod].append(args[0].detach()) if record[0] else None)
+        m.register_forward_pre_hook(
+            lambda mod, args: seen[mod].append(args[0].detach()) if record[0] else None
+        )
     for step in range(steps):
         epoch, s = divmod(step, sharding.steps_per_epoch)
         replicas = [sharding.replica_batch(epoch, s, r)[0] for r in range(cfg.dp)]
@@ -171,8 +177,11 @@ def _reference_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer
         where = group_of(model, 0.0, 0.0)
         decay = {n: 0.0 if id(p) in adapted else bwd if where[n] == "bias" else nwd
                  for n, p in model.named_parameters()}
-        return torch.optim.SGD([{"params": [p], "weight_decay": decay[n]} for n, p in model.named_parameters()],
-                               lr=cfg.lr, momentum=cfg.momentum)
+        return torch.optim.SGD(
+            [{"params": [p], "weight_decay": decay[n]} for n, p in model.named_parameters()],
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+        )
     groups = param_groups(model, cfg.weight_decay, cfg.norm_weight_decay, cfg.bias_weight_decay)
     if cfg.opt == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -209,10 +218,12 @@ def _reference_ema(cfg: Config, model: nn.Module, steps_per_epoch: int) -> Optio
     return AveragedModel(model, avg_fn=lambda avg, p, n: decay * avg + (1 - decay) * p, use_buffers=True)
 
 
-def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float = 1e-10) -> None:
+def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                      atol: float = 1e-10) -> None:
     assert got.keys() == want.keys()
     for k in want:
-        torch.testing.assert_close(got[k].double(), want[k].double(), rtol=0, atol=atol, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(got[k].double(), want[k].double(), rtol=0, atol=atol,
+                                   msg=lambda m: f"{k}: {m}")
 
 
 def slow_among(values, slow) -> list:

@@ -69,7 +69,8 @@ def own_head(*flags: str, env: Optional[dict[str, str]] = None, worker_ports: in
         cmd = [ray_cli, "start", "--head", "--block", "--temp-dir", temp_dir, *flags, *extra,
                *[f"{flag}={port}" for flag, port in ports.items()]]
         with log.open("w") as f:
-            head = subprocess.Popen(cmd, env=full_env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            head = subprocess.Popen(cmd, env=full_env, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         deadline = time.monotonic() + START_S
         try:
             while not (Path(temp_dir) / "ray_current_cluster").exists():   # written once the head is up

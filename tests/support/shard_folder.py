@@ -27,5 +27,6 @@ def make_prepared(root: Path, train_per_class: int = 8, val_per_class: int = 2, 
                 px[..., c] += 160
                 Image.fromarray(px).save(d / f"{name}{i}.jpg", quality=90)
     out = root / "shards"
-    assert prep.main([str(root / "src"), "--out", str(out), "--size", "40", "--shard-size", str(shard_size)]) == 0
+    assert prep.main([str(root / "src"), "--out", str(out), "--size", "40", "--shard-size",
+                      str(shard_size)]) == 0
     return out

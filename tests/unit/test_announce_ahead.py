@@ -1,6 +1,7 @@
-"""The next epoch's batches are announced to the source during the epoch's last step (``Batches.announce_next``),
-so that a source reads them ahead across the epoch boundary; never past the run's last epoch; a resumed
-actor announces the rest of its first epoch; every batch ``images`` is asked for was announced, in order."""
+"""The next epoch's batches are announced to the source during the epoch's last step
+(``Batches.announce_next``), so that a source reads them ahead across the epoch boundary; never past the run's
+last epoch; a resumed actor announces the rest of its first epoch; every batch ``images`` is asked for was
+announced, in order."""
 
 from __future__ import annotations
 

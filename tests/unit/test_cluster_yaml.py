@@ -52,22 +52,53 @@ def test_cluster_yaml_passes_ray_validation():
     assert prepared["available_node_types"].keys() == config["available_node_types"].keys()
 
 
-@pytest.mark.parametrize("breakage, error, match", [
-    pytest.param(lambda c: c.update(setup_command=["pip install -e ~/rayconv"]),
-                 jsonschema.ValidationError, "'setup_command' was unexpected", id="unknown-top-level-key"),
-    pytest.param(lambda c: c.update(max_workers="2"), jsonschema.ValidationError, "'2' is not of type 'integer'",
-                 id="max_workers-not-int"),
-    pytest.param(lambda c: worker_types(c)[next(iter(worker_types(c)))]["resources"].update(GPU="4"),
-                 jsonschema.ValidationError, "'4' is not of type 'integer'", id="gpu-count-not-int"),
-    pytest.param(lambda c: worker_types(c)[next(iter(worker_types(c)))].update(min_worker=1),
-                 jsonschema.ValidationError, "'min_worker' was unexpected", id="unknown-node-type-key"),
-    pytest.param(lambda c: c["docker"].update(worker_run_option=["--gpus all"]),
-                 jsonschema.ValidationError, "'worker_run_option' was unexpected", id="unknown-docker-key"),
-    pytest.param(lambda c: c.update(head_node_type="ray.head.missing"), ValueError, "must be one of `available_node_types`",
-                 id="head-type-undeclared"),
-    pytest.param(lambda c: c.update(max_workers=1), ValueError, "smaller than the sum of `min_workers`",
-                 id="max_workers-below-min_workers"),
-])
+@pytest.mark.parametrize(
+    "breakage, error, match",
+    [
+        pytest.param(
+            lambda c: c.update(setup_command=["pip install -e ~/rayconv"]),
+            jsonschema.ValidationError,
+            "'setup_command' was unexpected",
+            id="unknown-top-level-key",
+        ),
+        pytest.param(
+            lambda c: c.update(max_workers="2"),
+            jsonschema.ValidationError,
+            "'2' is not of type 'integer'",
+            id="max_workers-not-int",
+        ),
+        pytest.param(
+            lambda c: worker_types(c)[next(iter(worker_types(c)))]["resources"].update(GPU="4"),
+            jsonschema.ValidationError,
+            "'4' is not of type 'integer'",
+            id="gpu-count-not-int",
+        ),
+        pytest.param(
+            lambda c: worker_types(c)[next(iter(worker_types(c)))].update(min_worker=1),
+            jsonschema.ValidationError,
+            "'min_worker' was unexpected",
+            id="unknown-node-type-key",
+        ),
+        pytest.param(
+            lambda c: c["docker"].update(worker_run_option=["--gpus all"]),
+            jsonschema.ValidationError,
+            "'worker_run_option' was unexpected",
+            id="unknown-docker-key",
+        ),
+        pytest.param(
+            lambda c: c.update(head_node_type="ray.head.missing"),
+            ValueError,
+            "must be one of `available_node_types`",
+            id="head-type-undeclared",
+        ),
+        pytest.param(
+            lambda c: c.update(max_workers=1),
+            ValueError,
+            "smaller than the sum of `min_workers`",
+            id="max_workers-below-min_workers",
+        ),
+    ],
+)
 def test_broken_copies_are_rejected_by_the_same_validator(breakage, error, match):
     config = load()
     ray_up_validate(config)  # the intact file passes...

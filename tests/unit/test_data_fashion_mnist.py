@@ -14,7 +14,14 @@ import torch.nn.functional as F
 
 from rayconv.config import Config
 from rayconv.data.augment import normalize, random_crop_flip
-from rayconv.data.fashion_mnist import DEBIAN_DIR, FILES, PAD, fashion_mnist_arrays, load_fashion_mnist, read_ahead
+from rayconv.data.fashion_mnist import (
+    DEBIAN_DIR,
+    FILES,
+    PAD,
+    fashion_mnist_arrays,
+    load_fashion_mnist,
+    read_ahead,
+)
 from rayconv.data.on_device import OnDeviceSource, channel_stats
 from rayconv.data.registry import make_source
 from rayconv.errors import DataError
@@ -51,7 +58,8 @@ def test_the_real_files_give_the_published_split():
     assert np.bincount(y).tolist() == [6000] * 10 and np.bincount(yt).tolist() == [1000] * 10
     src = make_source(Config(data="fashion-mnist").validate())
     assert isinstance(src, OnDeviceSource)
-    assert (src.num_classes, src.sample_shape, src.train_size, src.test_size) == (10, (1, 28, 28), 60000, 10000)
+    assert (src.num_classes, src.sample_shape, src.train_size, src.test_size) == (10, (1, 28, 28), 60000,
+                                                                                  10000)
     assert src.mean[0] == pytest.approx(0.2860, abs=1e-4) and src.std[0] == pytest.approx(0.3530, abs=1e-4)
     idx = np.array([0, 9999, 7])
     got = src.images("test", idx, CPU)

@@ -44,7 +44,8 @@ def test_block_order_depends_on_seed_and_epoch_only():
 
 
 def test_exact_order_is_todays_permutation():
-    assert np.array_equal(ExactOrder(500, 3).epoch_order(2), np.random.default_rng([3, 2, 0x5EED]).permutation(500))
+    assert np.array_equal(ExactOrder(500, 3).epoch_order(2),
+                          np.random.default_rng([3, 2, 0x5EED]).permutation(500))
     a = Sharding(500, 32, 4, seed=3)
     assert np.array_equal(a.global_batch(2, 1), ExactOrder(500, 3).epoch_order(2)[32:64])
 

@@ -82,7 +82,8 @@ def test_held_data_is_augmented_per_sample_with_erasing_and_a_policy(folder):
     idx = np.array([7, 2, 9, 0])
     x = held.images("train", idx, CPU, epoch=1)
     assert not torch.equal(x, plain.images("train", idx, CPU, epoch=1))
-    assert ((x == 0).all(1).sum((1, 2)) > 0).all()                             # every image has an erased patch
+    # every image has an erased patch
+    assert ((x == 0).all(1).sum((1, 2)) > 0).all()
     assert torch.equal(make_source(cfg).images("train", idx[[3, 1]], CPU, epoch=1), x[[3, 1]])
     assert "auto-augment ta_wide" in held.describe() and "random erasing p=1" in held.describe()
 
@@ -105,7 +106,11 @@ def test_on_with_resized_crops_is_refused_in_one_line_by_the_settings_check(fold
         with pytest.raises(ConfigError) as e:
             Config(data=data, data_dir=str(root), image_size=32, device="cpu", data_on_device="on",
                    augment="resized-crop").validate()
-        assert "\n" not in str(e.value) and "--data-on-device on" in str(e.value) and "resized-crop" in str(e.value)
+        assert (
+            "\n" not in str(e.value)
+            and "--data-on-device on" in str(e.value)
+            and "resized-crop" in str(e.value)
+        )
     with pytest.raises(SystemExit):
         from rayconv.flags import parse_args
         parse_args(["--data", "imagefolder", "--data-on-device", "yes"])
@@ -179,11 +184,14 @@ def test_auto_divides_the_memory_among_the_actors_holding_a_copy():
     held, why = small.decide_auto(300 * mb, 16 * gib, 16, "the node's memory")
     assert not held and "300.0 MB of decoded images per actor > 256.0 MB" in why
     assert small.decide_auto(300 * mb, 16 * gib, 2, "the node's memory")[0]          # 2 actors: 1 GiB each
-    # The node that leaves each copy least (its CPUs taken by as many of the actors as fit); a dead one not counted.
+    # The node that leaves each copy least (its CPUs taken by as many of the actors as fit); a dead one not
+    # counted.
     nodes = [{"Alive": True, "Resources": {"CPU": 16.0, "memory": 32.0 * gib}},
              {"Alive": True, "Resources": {"CPU": 2.0, "memory": 16.0 * gib}},
              {"Alive": False, "Resources": {"CPU": 64.0, "memory": 1.0 * gib}}]
     assert node_memory_share(nodes, 16, 1) == (32 * gib, 16)    # 2 GiB a copy there, 8 GiB on the small node
     assert node_memory_share(nodes, 16, 2) == (32 * gib, 8)     # 2 CPUs an actor: 8 of them there
     assert node_memory_share(nodes, 2, 1) == (16 * gib, 2)      # 2 actors: 16 GiB a copy there, 8 GiB here
-    assert f"{small.SMALL_DATA_BYTES / gib:g} GiB and 1/{small.HOLD_SHARE} of the memory" in DATA_ON_DEVICE_HELP
+    assert (
+        f"{small.SMALL_DATA_BYTES / gib:g} GiB and 1/{small.HOLD_SHARE} of the memory" in DATA_ON_DEVICE_HELP
+    )

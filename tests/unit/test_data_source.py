@@ -61,5 +61,7 @@ def test_synthetic_images_are_made_in_the_dtype_asked_for():
     idx = np.arange(4)
     x32, x16 = src.images("train", idx, torch.device("cpu")), src.images("train", idx, torch.device("cpu"),
                                                                            dtype=torch.bfloat16)
-    assert x32.dtype == torch.float32 and x16.dtype == torch.bfloat16 and x16.shape == x32.shape == (4, 3, 8, 8)
+    assert (
+        x32.dtype == torch.float32 and x16.dtype == torch.bfloat16 and x16.shape == x32.shape == (4, 3, 8, 8)
+    )
     assert torch.equal(src.images("train", idx, torch.device("cpu"), dtype=torch.bfloat16), x16)  # same seed

@@ -28,16 +28,37 @@ def test_an_editable_install_wins_over_the_clone_folder_in_the_current_directory
     (clone / "rayconv" / "sub" / "__init__.py").write_text("")
     prefix = tmp_path / "prefix"
     installed = _installed_here(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
-                           "--no-build-isolation", "--no-index", "--ignore-installed", "--prefix", str(prefix), "-e", str(clone)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--ignore-installed",
+            "--prefix",
+            str(prefix),
+            "-e",
+            str(clone),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert _installed_here(tmp_path) == installed, "the install into the prefix removed the rayconv installed here"
+    assert (
+        _installed_here(tmp_path) == installed
+    ), "the install into the prefix removed the rayconv installed here"
     site = next(prefix.glob("lib/python*/site-packages"))
     script = tmp_path / "holder" / "script.py"              # sys.path[0]: the folder holding the clone
-    script.write_text(f"import site\nsite.addsitedir({str(site)!r})\nimport rayconv, rayconv.sub\nprint(rayconv.fit)\n")
+    script.write_text(
+        f"import site\nsite.addsitedir({str(site)!r})\nimport rayconv, rayconv.sub\nprint(rayconv.fit)\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    ran = subprocess.run([sys.executable, "-S", str(script)], capture_output=True, text=True, cwd=script.parent, env=env)
+    ran = subprocess.run([sys.executable, "-S", str(script)], capture_output=True, text=True,
+                         cwd=script.parent, env=env)
     assert ran.returncode == 0 and ran.stdout.strip() == "the regular package", ran.stderr[-2000:]
 
 
@@ -45,7 +66,11 @@ def _installed_here(cwd: Path) -> str | None:
     """Where this environment's installed rayconv distribution lives (None: not installed), read afresh
     by a subprocess run in ``cwd`` (this process caches distributions; a clone's own rayconv.egg-info in
     the current directory would be found too)."""
-    code = "import importlib.metadata as m\ntry: print(m.distribution('rayconv')._path)\nexcept m.PackageNotFoundError: print('')"
+    code = (
+        "import importlib.metadata as m\ntry: print(m.distribution('rayconv')._path)\nexcept"
+        " m.PackageNotFoundError: print('')"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env=env).stdout.strip()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd,
+                         env=env).stdout.strip()
     return out or None

@@ -16,7 +16,8 @@ from rayconv.recipe.optim import make_optimizer
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)).double()
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(),
+                         nn.Linear(4 * 6 * 6, 5)).double()
 
 
 def test_scale_is_the_trust_ratio_times_the_decayed_gradient():
@@ -74,8 +75,10 @@ def test_lars_changes_the_reference(tmp_path):
     """The layouts' LARS test can fail: the reference with LARS differs from plain SGD at the same lr,
     and from LARS with another trust coefficient, by far more than its 1e-10."""
     kw = dict(model="convnet_bn", global_batch_size=480, steps=3, lr=1.0)
-    lars = reference_recipe_sgd(sgd_config(tmp_path, "a", opt="lars", lars_trust_coefficient=0.02, **kw), 3)[0]
-    other = reference_recipe_sgd(sgd_config(tmp_path, "b", opt="lars", lars_trust_coefficient=0.01, **kw), 3)[0]
+    lars = reference_recipe_sgd(sgd_config(tmp_path, "a", opt="lars", lars_trust_coefficient=0.02, **kw),
+                                3)[0]
+    other = reference_recipe_sgd(sgd_config(tmp_path, "b", opt="lars", lars_trust_coefficient=0.01, **kw),
+                                 3)[0]
     sgd = reference_recipe_sgd(sgd_config(tmp_path, "c", opt="sgd", **kw), 3)[0]
     for name, b in (("trust coefficient", other), ("sgd", sgd)):
         diff = max(float((lars[k] - b[k]).abs().max()) for k in lars if not k.endswith("num_batches_tracked"))

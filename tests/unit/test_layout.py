@@ -21,7 +21,9 @@ def test_fields():
     assert Layout.parse("1gpu") == Layout() and Layout.parse("1") == Layout()
     assert Layout.parse("dp2xpp2m4v2-gpipe") == Layout(dp=2, pp=2, num_microbatches=4, schedule="gpipe",
                                                        virtual_stages=2)
-    assert Layout.parse("plan4") == Layout(dp=4, plan="krizhevsky2014") and Layout.parse("plan4").world_size == 4
+    assert (
+        Layout.parse("plan4") == Layout(dp=4, plan="krizhevsky2014") and Layout.parse("plan4").world_size == 4
+    )
     assert Layout.parse("fs2c4").exchange_chunks == 4
     assert Layout.parse("pp2").num_microbatches is None and Layout.parse("pp2").num_microbatches_or_1 == 1
     assert Layout.parse("pp2m4-1f1b").name == "pp2m4"  # the default schedule is not named

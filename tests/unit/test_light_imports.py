@@ -28,14 +28,17 @@ def test_a_run_of_rayconvs_own_model_does_not_import_torchvision():
     pyarrow (metrics.parquet is the driver's, written later) nor triton (torch.profiler's and the
     planner's FLOP counter): each actor's start pays every import. Nor does the driver's check of it import
     torch._dynamo (the meta device's first use and torch's FLOP counter do: seconds at every start)."""
-    code = ("import sys; from rayconv.actor import actor; "
-            "print(*(m in sys.modules for m in ('pyarrow', 'triton'))); "
-            "from rayconv.driver import job, resolve; from rayconv.data import registry as data; from rayconv import models; "
-            "from rayconv.config import Config; cfg = Config(model='convnet').validate(); "
-            "src = data.make_source(cfg); models.to_layers(models.run_model(cfg, src)); resolve.check_before_ray(cfg, None); "
-            "print('torchvision' in sys.modules, 'sklearn' in sys.modules, 'torch._dynamo' in sys.modules)")
+    code = (
+        "import sys; from rayconv.actor import actor; print(*(m in sys.modules for m in ('pyarrow',"
+        " 'triton'))); from rayconv.driver import job, resolve; from rayconv.data import registry as data;"
+        " from rayconv import models; from rayconv.config import Config; cfg ="
+        " Config(model='convnet').validate(); src = data.make_source(cfg);"
+        " models.to_layers(models.run_model(cfg, src)); resolve.check_before_ray(cfg, None);"
+        " print('torchvision' in sys.modules, 'sklearn' in sys.modules, 'torch._dynamo' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split("\n")[:2] == ["False False", "False False False"], (out.stdout, out.stderr[-2000:])
+    assert out.stdout.split("\n")[:2] == ["False False", "False False False"], (out.stdout,
+                                                                                out.stderr[-2000:])
 
 
 def test_the_actors_start_before_the_driver_imports_torch():

@@ -41,7 +41,8 @@ def test_generated_shards_read_back_as_generated(folder):
         assert np.array_equal(src.uint8(split, idx).numpy(), pixels[idx])
         assert np.array_equal(src.labels(split, idx).numpy(), labels[idx])
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert (manifest["format"], manifest["encoding"], manifest["image_shape"]) == ("rayconv-shards/3", "raw", [32, 32, 3])
+    assert (manifest["format"], manifest["encoding"], manifest["image_shape"]) == ("rayconv-shards/3", "raw",
+                                                                                   [32, 32, 3])
     train = manifest["splits"]["train"]
     assert [e["rows"] for e in train["shards"]] == [100, 100, 50] and train["images"] == 250
     assert sum(train["per_class"].values()) == 250 and all(train["per_class"].values())   # every class drawn
@@ -79,7 +80,8 @@ def test_pixels_as_one_array_write_the_bytes_of_pixels_as_prepares_list(tmp_path
     meta = {"settings": {"size": SIZE, "encoding": "raw"}, "inputs_sha256": "x"}
     base = {"index": list(range(20)), "label": labels.tolist(), "height": [SIZE] * 20, "width": [SIZE] * 20,
             "path": [None] * 20}
-    as_list = write_rows(tmp_path / "a.arrow", {**base, "pixels": [p.tobytes() for p in pixels]}, meta, [], SIZE)
+    as_list = write_rows(tmp_path / "a.arrow", {**base, "pixels": [p.tobytes() for p in pixels]}, meta, [],
+                         SIZE)
     as_array = write_rows(tmp_path / "b.arrow", {**base, "pixels": pixels}, meta, [], SIZE)
     assert as_list["sha256"] == as_array["sha256"]
     assert list(as_array["counts"]) == list(dict.fromkeys(str(k) for k in labels.tolist()))

@@ -78,7 +78,8 @@ def test_gradient_sync_buckets_keep_channels_last_gradients(tmp_path):
     sync = None
     try:
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.Flatten(), nn.Linear(16, 3))
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.Flatten(),
+                              nn.Linear(16, 3))
         model.to(memory_format=torch.channels_last)
         unused = nn.Parameter(torch.ones(5))
         params = [*model.parameters(), unused]

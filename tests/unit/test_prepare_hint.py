@@ -23,7 +23,9 @@ def test_the_hint_for_a_folder_without_manifest_names_an_out_prepare_accepts(tmp
     for split in ("train", "val"):
         for cls in ("cat", "dog"):
             (root / split / cls).mkdir(parents=True)
-            Image.fromarray(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8)).save(root / split / cls / "0.png")
+            Image.fromarray(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8)).save(
+                root / split / cls / "0.png"
+            )
     with pytest.raises(DataError) as e:
         read_manifest(root)
     msg = str(e.value)

@@ -78,20 +78,29 @@ def folders(src, tmp_path_factory) -> dict[str, Path]:
     mp = pytest.MonkeyPatch()
     mp.setattr(prep, "_on_ray", lambda args, address: on_processes(args, 1))
     try:
-        return {"raw": _prepare(src, base / "raw", "--encoding", "auto"), "jpeg": _prepare(src, base / "jpeg")}
+        return {"raw": _prepare(src, base / "raw", "--encoding", "auto"),
+                "jpeg": _prepare(src, base / "jpeg")}
     finally:
         mp.undo()
 
 
 def _rows(folder: Path, split: str = "train") -> list[dict]:
-    return [r for p in sorted(folder.glob(f"{split}-*.arrow")) for r in pa.ipc.open_file(str(p)).read_all().to_pylist()]
+    return [r for p in sorted(folder.glob(f"{split}-*.arrow"))
+            for r in pa.ipc.open_file(str(p)).read_all().to_pylist()]
 
 
 def test_auto_is_raw_up_to_64_px_and_the_manifest_says_so(folders, capsys):
     assert [resolve_encoding("auto", s) for s in (32, 64, 65)] == ["raw", "raw", "jpeg"]
-    assert [prep.default_shard_size(e, s) for e, s in (("raw", 32), ("raw", 64), ("raw", 256), ("jpeg", 32))] \
-        == [21845, 5461, 1000, 1000]                                     # 64 MiB raw shards, at least 1000 images
-    assert prep.main(["--convert", str(folders["jpeg"]), "--encoding", "raw"]) == 2     # re-encoding needs --out
+    assert [
+        prep.default_shard_size(e, s) for e, s in (("raw", 32), ("raw", 64), ("raw", 256), ("jpeg", 32))
+    ] == [
+        21845,
+        5461,
+        1000,
+        1000,
+    ]  # 64 MiB raw shards, at least 1000 images
+    # re-encoding needs --out
+    assert prep.main(["--convert", str(folders["jpeg"]), "--encoding", "raw"]) == 2
     assert "--out NEW" in capsys.readouterr().err
     m = json.loads((folders["raw"] / "manifest.json").read_text())
     assert (m["format"], m["encoding"], m["image_shape"]) == ("rayconv-shards/3", "raw", [SIZE, SIZE, 3])
@@ -117,7 +126,8 @@ def test_raw_pixels_are_the_source_and_jpeg_shards_decode_the_same_resize(src, f
         raw = np.frombuffer(r["pixels"], np.uint8).reshape(SIZE, SIZE, 3)
         source = np.asarray(Image.open(src / r["path"]).convert("RGB"))
         if source.shape[:2] == (SIZE, SIZE):
-            assert np.array_equal(raw, source), r["path"]                          # lossless: the PNG's pixels
+            # lossless: the PNG's pixels
+            assert np.array_equal(raw, source), r["path"]
         # JPEG shards: the same resize (shorter side to SIZE), JPEG-coded; the same center crop of it
         dec = decode_jpeg(torch.frombuffer(bytearray(jpeg[r["path"]]["jpeg"]), dtype=torch.uint8))
         dec = dec.permute(1, 2, 0).numpy()
@@ -155,34 +165,39 @@ def test_block_and_exact_orders_give_the_same_samples_as_jpeg_shards(folders):
         orders = {e: Sharding(s.train_size, 8, 1, 3, make_order(cfg, s)).epoch_permutation(1)
                   for e, s in sources.items()}
         assert np.array_equal(orders["raw"], orders["jpeg"])
-        assert torch.equal(sources["raw"].labels("train", orders["raw"]), sources["jpeg"].labels("train", orders["jpeg"]))
+        assert torch.equal(sources["raw"].labels("train", orders["raw"]),
+                           sources["jpeg"].labels("train", orders["jpeg"]))
 
 
 def test_streamed_batches_equal_held_ones_and_the_gather_is_read_ahead(folders):
     def cfg(on: str) -> Config:
-        return Config(data="shards", data_dir=str(folders["raw"]), image_size=SIZE, device="cpu", augment="pad-crop",
-                      random_erase=0.5, loader_workers=0, data_on_device=on).validate()
+        return Config(data="shards", data_dir=str(folders["raw"]), image_size=SIZE, device="cpu",
+                      augment="pad-crop", random_erase=0.5, loader_workers=0, data_on_device=on).validate()
 
     streamed, held = make_source(cfg("off")), make_source(cfg("on"))
     assert isinstance(streamed, RawShardSource) and isinstance(held, HeldSource)
     assert held.hold(CPU)["images"] == 24
     batches = [np.array([3, 0, 17, 9]), np.array([11, 2, 5])]
     streamed.prefetch("train", 1, batches)
-    assert all(n is not None for _, n in streamed._pending["train"])       # requested ahead of the reader process
+    # requested ahead of the reader process
+    assert all(n is not None for _, n in streamed._pending["train"])
     for b in batches:
-        torch.testing.assert_close(streamed.images("train", b, CPU, epoch=1), held.images("train", b, CPU, epoch=1),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(streamed.images("train", b, CPU, epoch=1),
+                                   held.images("train", b, CPU, epoch=1), rtol=0, atol=0)
     test = np.arange(6)
-    torch.testing.assert_close(streamed.images("test", test, CPU), held.images("test", test, CPU), rtol=0, atol=0)
+    torch.testing.assert_close(streamed.images("test", test, CPU), held.images("test", test, CPU), rtol=0,
+                               atol=0)
 
 
 def test_the_validation_split_reads_train_images_unaugmented(folders):
-    cfg = Config(data="shards", data_dir=str(folders["raw"]), image_size=SIZE, device="cpu", augment="pad-crop",
-                 random_erase=0.5, loader_workers=0, data_on_device="off", val_split=0.25).validate()
+    cfg = Config(data="shards", data_dir=str(folders["raw"]), image_size=SIZE, device="cpu",
+                 augment="pad-crop", random_erase=0.5, loader_workers=0, data_on_device="off",
+                 val_split=0.25).validate()
     source = make_source(cfg)
     plain = make_source(dataclasses.replace(cfg, augment="none", random_erase=0.0, val_split=0.0))
     idx = np.array([4, 1, 7])
-    torch.testing.assert_close(source.images("val", idx, CPU, epoch=1), plain.images("train", idx, CPU), rtol=0, atol=0)
+    torch.testing.assert_close(source.images("val", idx, CPU, epoch=1), plain.images("train", idx, CPU),
+                               rtol=0, atol=0)
     assert torch.equal(source.labels("val", idx), plain.labels("train", idx))
 
 
@@ -191,7 +206,9 @@ def test_a_long_announcement_reuses_the_ring_of_gather_buffers(folders):
     alone, and the reader process writes them into the RING buffers of one ring, made once."""
     streamed = RawShardSource(str(folders["raw"]), SIZE, seed=0, augment="pad-crop")
     alone = RawShardSource(str(folders["raw"]), SIZE, seed=0, augment="pad-crop")
-    batches = np.array_split(np.random.default_rng(1).permutation(18), 2 * RING - 4) + [np.array([4, 8, 15, 16, 17])]
+    batches = np.array_split(np.random.default_rng(1).permutation(18), 2 * RING - 4) + [
+        np.array([4, 8, 15, 16, 17])
+    ]
     streamed.prefetch("train", 2, batches)
     pointers = set()
     for b in batches:
@@ -204,8 +221,8 @@ def test_a_long_announcement_reuses_the_ring_of_gather_buffers(folders):
     assert len(pointers) == RING and len(streamed._reader.rings["train"].pixels) == RING
     streamed.prefetch("train", 2, batches)
     for b in batches:
-        torch.testing.assert_close(streamed.images("train", b, CPU, epoch=2), alone.images("train", b, CPU, epoch=2),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(streamed.images("train", b, CPU, epoch=2),
+                                   alone.images("train", b, CPU, epoch=2), rtol=0, atol=0)
 
 
 def test_read_ahead_ranges_merge_rows_closer_than_4_kib(folders):
@@ -226,15 +243,20 @@ def test_read_ahead_ranges_merge_rows_closer_than_4_kib(folders):
 
 
 def test_convert_between_encodings(folders, tmp_path):
-    raw = convert_encoding(str(folders["jpeg"]), str(tmp_path / "raw"), "raw", processes=1, log=lambda *_: None)
+    raw = convert_encoding(
+        str(folders["jpeg"]), str(tmp_path / "raw"), "raw", processes=1, log=lambda *_: None
+    )
     assert raw["encoding"] == "raw" and raw["settings"]["converted_from"] == "jpeg"
     got = RawShardSource(str(tmp_path / "raw"), SIZE, 0).uint8("train", np.arange(18)).int()
     want = RawShardSource(str(folders["raw"]), SIZE, 0).uint8("train", np.arange(18)).int()
     assert (got - want).abs().float().mean() < 3                            # the JPEGs' pixels, decoded
-    back = convert_encoding(str(tmp_path / "raw"), str(tmp_path / "jpeg"), "jpeg", processes=1, log=lambda *_: None)
+    back = convert_encoding(
+        str(tmp_path / "raw"), str(tmp_path / "jpeg"), "jpeg", processes=1, log=lambda *_: None
+    )
     assert back["format"] == "rayconv-shards/2" and "image_shape" not in back
     assert ShardSource(str(tmp_path / "jpeg"), SIZE, 0, 0).train_size == 18
-    assert prep.main(["--convert", str(folders["raw"]), "--encoding", "raw", "--out", str(tmp_path / "x")]) == 2
+    assert prep.main(["--convert", str(folders["raw"]), "--encoding", "raw", "--out",
+                      str(tmp_path / "x")]) == 2
 
 
 def test_a_jpeg_manifest_without_encoding_reads_as_jpeg(folders, tmp_path):
@@ -243,8 +265,8 @@ def test_a_jpeg_manifest_without_encoding_reads_as_jpeg(folders, tmp_path):
     manifest = json.loads((old / "manifest.json").read_text())
     del manifest["encoding"], manifest["settings"]["encoding"]
     (old / "manifest.json").write_text(json.dumps(manifest))
-    src = make_source(Config(data="shards", data_dir=str(old), image_size=SIZE, device="cpu", loader_workers=0,
-                             data_on_device="off").validate())
+    src = make_source(Config(data="shards", data_dir=str(old), image_size=SIZE, device="cpu",
+                             loader_workers=0, data_on_device="off").validate())
     assert isinstance(src, ShardSource) and src.images("test", np.arange(2), CPU).shape == (2, 3, SIZE, SIZE)
 
 
@@ -311,7 +333,9 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return (Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z") if Path(f"/proc/{pid}").exists() else True
+    return (
+        (Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z") if Path(f"/proc/{pid}").exists() else True
+    )
 
 
 def _gone_within(pid: int, seconds: float) -> bool:
@@ -354,10 +378,12 @@ def test_the_reader_process_ends_with_its_source_and_names_its_own_end(folders):
 def test_the_reader_process_ends_when_its_actor_process_dies(folders):
     """A process killed without any clean-up (SIGKILL, as Ray stops an actor) leaves no reader behind:
     the reader ends at the end of its pipe."""
-    code = (f"import os, sys, numpy as np\nfrom rayconv.data.raw_shards import RawShardSource\n"
-            f"s = RawShardSource({str(folders['raw'])!r}, {SIZE}, seed=0)\n"
-            "s.prefetch('train', 0, [np.arange(4)]); s._take('train', np.arange(4), __import__('torch').device('cpu'))\n"
-            "print(s._reader.proc.pid, flush=True)\nos.kill(os.getpid(), 9)\n")
+    code = (
+        "import os, sys, numpy as np\nfrom rayconv.data.raw_shards import RawShardSource\ns ="
+        f" RawShardSource({str(folders['raw'])!r}, {SIZE}, seed=0)\ns.prefetch('train', 0, [np.arange(4)]);"
+        " s._take('train', np.arange(4), __import__('torch').device('cpu'))\nprint(s._reader.proc.pid,"
+        " flush=True)\nos.kill(os.getpid(), 9)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == -9, out.stderr
     assert _gone_within(int(out.stdout.split()[0]), 10)

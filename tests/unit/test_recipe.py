@@ -42,9 +42,14 @@ def _torch_lrs(schedulers, optimizer, steps: int) -> list[float]:
 def test_learning_rate_is_torchs_linear_warmup_then_cosine(min_lr: float) -> None:
     base, warm, total, decay = 0.4, 5, 23, 0.01
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=base)
-    sched = torch.optim.lr_scheduler.SequentialLR(opt, [
-        torch.optim.lr_scheduler.LinearLR(opt, start_factor=decay, total_iters=warm),
-        torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total - warm, eta_min=min_lr)], milestones=[warm])
+    sched = torch.optim.lr_scheduler.SequentialLR(
+        opt,
+        [
+            torch.optim.lr_scheduler.LinearLR(opt, start_factor=decay, total_iters=warm),
+            torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total - warm, eta_min=min_lr),
+        ],
+        milestones=[warm],
+    )
     want = _torch_lrs(sched, opt, total + 1)
     got = [learning_rate(s, total, base, warm, decay, "cosine", min_lr=min_lr) for s in range(total + 1)]
     assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
@@ -57,7 +62,8 @@ def test_learning_rate_constant_warmup_and_constant_schedule() -> None:
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=base)
     sched = torch.optim.lr_scheduler.ConstantLR(opt, factor=0.25, total_iters=warm)
     want = _torch_lrs(sched, opt, total)
-    got = [learning_rate(s, total, base, warm, 0.25, "constant", warmup_method="constant") for s in range(total)]
+    got = [learning_rate(s, total, base, warm, 0.25, "constant", warmup_method="constant")
+           for s in range(total)]
     assert got == pytest.approx(want, rel=1e-15)
     assert [learning_rate(s, total, base, 0, schedule="constant") for s in range(total)] == [base] * total
 
@@ -68,7 +74,8 @@ def test_learning_rate_without_warmup_is_plain_cosine() -> None:
     want = _torch_lrs(torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total), opt, total)
     got = [learning_rate(s, total, base) for s in range(total)]
     assert got == pytest.approx(want, rel=1e-12)
-    assert got == pytest.approx([base * 0.5 * (1 + math.cos(math.pi * s / total)) for s in range(total)], rel=1e-15)
+    assert got == pytest.approx([base * 0.5 * (1 + math.cos(math.pi * s / total)) for s in range(total)],
+                                rel=1e-15)
 
 
 def test_learning_rate_refusals() -> None:
@@ -217,7 +224,8 @@ def test_cross_entropy_with_smoothing_on_indices_and_soft_targets() -> None:
     logp = logits.log_softmax(1)
     by_hand = ((1 - eps) * -logp.gather(1, y[:, None]).squeeze(1) + eps * -logp.mean(1)).mean()
     assert torch.allclose(cross_entropy(logits, y, eps), by_hand, rtol=1e-14)
-    assert torch.allclose(cross_entropy(logits, y, eps), F.cross_entropy(logits, y, label_smoothing=eps), rtol=1e-14)
+    assert torch.allclose(cross_entropy(logits, y, eps), F.cross_entropy(logits, y, label_smoothing=eps),
+                          rtol=1e-14)
     q = torch.softmax(torch.randn(7, 5, dtype=f64), 1)
     soft_by_hand = -(((1 - eps) * q + eps / 5) * logp).sum(1).mean()
     assert torch.allclose(cross_entropy(logits, q, eps), soft_by_hand, rtol=1e-14)
@@ -261,8 +269,8 @@ def test_the_optimizers_step_and_save_as_torch_optims_own(opt: str) -> None:
     twin = copy.deepcopy(model)
     ours = make_optimizer(param_groups(model, 0.01, norm_weight_decay=0.0), opt, lr=0.1, momentum=0.9)
     groups = param_groups(twin, 0.01, norm_weight_decay=0.0)
-    theirs = (torch.optim.AdamW(groups, lr=0.1, weight_decay=0.01) if opt == "adamw" else
-              torch.optim.SGD(groups, lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=opt == "sgd_nesterov"))
+    theirs = (torch.optim.AdamW(groups, lr=0.1, weight_decay=0.01) if opt == "adamw" else torch.optim.SGD(
+        groups, lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=opt == "sgd_nesterov"))
     for _ in range(3):
         x = torch.randn(4, 5, dtype=f64)
         for m, o in ((model, ours), (twin, theirs)):
@@ -284,7 +292,8 @@ def test_the_optimizers_step_and_save_as_torch_optims_own(opt: str) -> None:
 
 
 def test_the_optimizers_do_not_import_torch_dynamo() -> None:
-    # torch.optim's guards import torch._dynamo (nearly as costly as torch) in every actor's process; rayconv's
+    # torch.optim's guards import torch._dynamo (nearly as costly as torch) in every actor's process;
+    # rayconv's
     # optimizers build, step, zero and save without it.
     code = ("import sys, torch\n"
             "from rayconv.recipe.optim import make_optimizer, param_groups\n"

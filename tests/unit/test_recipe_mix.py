@@ -72,7 +72,8 @@ def test_mixup_is_torchvisions_mixup() -> None:
     params = {"labels": labels, "batch_size": B, **t.make_params([images])}
     draw = _rolled("mixup", params["lam"])
     pos = np.arange(B)
-    assert torch.equal(mix_images(draw, images, images[partner_positions(draw, pos)]), t.transform(images, params))
+    assert torch.equal(mix_images(draw, images, images[partner_positions(draw, pos)]),
+                       t.transform(images, params))
     want_y = t.transform(labels, params)
     got_y = mix_targets(draw, labels, labels[partner_positions(draw, pos)], K)
     assert got_y.dtype == want_y.dtype == torch.float32 and torch.equal(got_y, want_y)
@@ -101,7 +102,9 @@ def test_mixed_targets_make_the_mixed_loss() -> None:
     partner = partner_positions(draw, np.arange(B))
     logits = images.flatten(1)[:, :K]
     soft = mix_targets(draw, labels, labels[partner], K, torch.float64)
-    want = draw.lam * cross_entropy(logits, labels, 0.1) + (1 - draw.lam) * cross_entropy(logits, labels[partner], 0.1)
+    want = draw.lam * cross_entropy(logits, labels, 0.1) + (1 - draw.lam) * cross_entropy(logits,
+                                                                                          labels[partner],
+                                                                                          0.1)
     assert torch.allclose(cross_entropy(logits, soft, 0.1), want, rtol=1e-14)
 
 

@@ -21,7 +21,8 @@ f64 = torch.float64
 
 
 def _bn_model() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2)).to(f64)
+    return nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(),
+                         nn.LazyLinear(2)).to(f64)
 
 
 def _train_a_little(model: nn.Module, step: int) -> None:
@@ -132,10 +133,12 @@ def test_clip_over_shards_equals_clip_grad_norm_on_the_whole_model(max_norm: flo
     actors = []
     for fs in range(2):
         rows = slice(3 * fs, 3 * fs + 3)
-        actors.append({"own": [param(grads["0.weight"][rows]), param(grads["0.bias"][rows])], "rep": [], "fs": fs})
+        actors.append({"own": [param(grads["0.weight"][rows]), param(grads["0.bias"][rows])], "rep": [],
+                       "fs": fs})
     for fs in range(2):
         actors.append({"own": [], "rep": [param(grads["2.weight"]), param(grads["2.bias"])], "fs": fs})
-    total = sum(local_sq_norm(a["own"], a["rep"], count_replicated=a["fs"] == 0) for a in actors)  # all-reduce
+    # all-reduce
+    total = sum(local_sq_norm(a["own"], a["rep"], count_replicated=a["fs"] == 0) for a in actors)
     assert total.dtype == f64 and torch.allclose(total.sqrt(), norm, rtol=1e-13)
     coef = clip_coefficient(total, max_norm)
     for a in actors:
@@ -201,7 +204,8 @@ def test_loss_scale_defaults_state_dict_and_float32_ceiling() -> None:
 
 
 def test_local_overflow_and_unscale_agree_with_gradscaler() -> None:
-    ps = [nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(2, dtype=torch.float16)), nn.Parameter(torch.zeros(1))]
+    ps = [nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(2, dtype=torch.float16)),
+          nn.Parameter(torch.zeros(1))]
     for value, want in [(1.0, 0.0), (float("inf"), 1.0), (float("nan"), 1.0)]:
         ps[0].grad = torch.full((4,), 3.0)
         ps[1].grad = torch.tensor([1.0, value], dtype=torch.float16)

@@ -1,4 +1,5 @@
-"""Tests for rayconv.parallel.pipeline's schedules, exchanges and simulation (pure Python: no Ray, no torch)."""
+"""Tests for rayconv.parallel.pipeline's schedules, exchanges and simulation (pure Python: no Ray, no
+torch)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,25 @@ from fractions import Fraction
 
 import pytest
 
-from rayconv.parallel.pipeline import SCHEDULE_NAMES, Action, Post, Schedule, ScheduleError, bubble_fraction, check_exchanges, p2p_posts, format_grid, forward_only, interleaved_1f1b, gpipe, make_schedule, one_f_one_b, peak_in_flight, timeline, validate
+from rayconv.parallel.pipeline import (
+    SCHEDULE_NAMES,
+    Action,
+    Post,
+    Schedule,
+    ScheduleError,
+    bubble_fraction,
+    check_exchanges,
+    p2p_posts,
+    format_grid,
+    forward_only,
+    interleaved_1f1b,
+    gpipe,
+    make_schedule,
+    one_f_one_b,
+    peak_in_flight,
+    timeline,
+    validate,
+)
 from rayconv.parallel.pipeline.simulate import simulate
 from rayconv.parallel.pipeline.p2p import _round_posts  # the exchange model itself
 from rayconv.parallel.pipeline.nccl_model import counterparts, host_events, action_messages, replay
@@ -247,12 +266,16 @@ def _batches_with(sched, stage, peer):
     return out
 
 
-ALL_PLANS = ([make_schedule(n, P, M) for n in ("gpipe", "1f1b") for P, M in SIZES + [(5, 10)]]
-             + [interleaved_1f1b(P, M, V) for P, M, V in [(2, 2, 2), (2, 4, 2), (3, 3, 2), (3, 6, 2), (4, 8, 2)]]
-             + [forward_only(P, M, V) for P, M, V in [(2, 3, 1), (2, 3, 2), (3, 5, 2), (4, 2, 3)]])
+ALL_PLANS = (
+    [make_schedule(n, P, M) for n in ("gpipe", "1f1b") for P, M in SIZES + [(5, 10)]]
+    + [interleaved_1f1b(P, M, V) for P, M, V in [(2, 2, 2), (2, 4, 2), (3, 3, 2), (3, 6, 2), (4, 8, 2)]]
+    + [forward_only(P, M, V) for P, M, V in [(2, 3, 1), (2, 3, 2), (3, 5, 2), (4, 2, 3)]]
+)
 
 
-@pytest.mark.parametrize("sched", ALL_PLANS, ids=lambda s: f"{s.name}-{s.num_stages}-{s.num_microbatches}-{s.num_chunks}")
+@pytest.mark.parametrize(
+    "sched", ALL_PLANS, ids=lambda s: f"{s.name}-{s.num_stages}-{s.num_microbatches}-{s.num_chunks}"
+)
 def test_neighbours_batches_mirror_each_other(sched):
     """NCCL runs a group as one unit, so the k-th batch of stage a with stage b must hold exactly the
     counterparts of the k-th batch of b with a."""
@@ -273,7 +296,8 @@ def test_gpipe_posts_its_last_activation_apart_from_its_first_gradient():
     assert [s for s, _ in stuck] == [0, 1]
     assert [op[1][:2] for op in round_events[0][stuck[0][1]][1]] == [("act", 3), ("grad", 0)]
     plan = p2p_posts(sched, 0)
-    assert plan[4] == (Post((3,), ()), Post((), (4,)))  # before B0: send F3's output, then receive B0's gradient
+    # before B0: send F3's output, then receive B0's gradient
+    assert plan[4] == (Post((3,), ()), Post((), (4,)))
     check_exchanges(sched)
 
 
@@ -300,7 +324,8 @@ def test_validate_rejects_a_schedule_that_receives_micro_batches_out_of_send_ord
 # ---------------------------------------------------------------- interleaved 1F1B
 
 
-INTERLEAVED = [(2, 2, 2), (2, 4, 2), (2, 8, 2), (2, 4, 3), (3, 3, 2), (3, 6, 2), (3, 12, 3), (4, 8, 2), (4, 16, 4)]
+INTERLEAVED = [(2, 2, 2), (2, 4, 2), (2, 8, 2), (2, 4, 3), (3, 3, 2), (3, 6, 2), (3, 12, 3), (4, 8, 2),
+               (4, 16, 4)]
 
 
 @pytest.mark.parametrize("P,M,V", INTERLEAVED)
@@ -312,14 +337,15 @@ def test_interleaved_1f1b_is_valid_and_its_exchanges_complete_unbuffered(P, M, V
 
 @pytest.mark.parametrize("P,M,V", [(2, 4, 2), (2, 8, 2), (4, 8, 2), (4, 16, 4)])
 def test_interleaving_shrinks_the_bubble_by_the_chunk_count(P, M, V):
-    """Each action is 1/V of a stage's work, so the unit-time grid measures the bubble: (P - 1) / (V M + P - 1)
-    when M > P (Narayanan et al. 2021, section 2.2.2), against (P - 1) / (M + P - 1) for 1F1B."""
+    """Each action is 1/V of a stage's work, so the unit-time grid measures the bubble: (P - 1) / (V M + P -
+    1) when M > P (Narayanan et al. 2021, section 2.2.2), against (P - 1) / (M + P - 1) for 1F1B."""
     assert bubble_fraction(interleaved_1f1b(P, M, V)) == pytest.approx((P - 1) / (V * M + P - 1))
     assert bubble_fraction(one_f_one_b(P, M)) == pytest.approx((P - 1) / (M + P - 1))
 
 
 def test_interleaved_first_stage_program_follows_megatron_order():
-    # P=2, M=4, V=2: forwards in groups of P per chunk (F0 F1 on chunk 0, then on chunk 1), 4 warm-up forwards on
+    # P=2, M=4, V=2: forwards in groups of P per chunk (F0 F1 on chunk 0, then on chunk 1), 4 warm-up forwards
+    # on
     # stage 0 ((P - 1) * 2 + (V - 1) * P), backwards chunk 1 first.
     prog = " ".join(map(str, interleaved_1f1b(2, 4, 2).programs[0]))
     assert prog == "F0 F1 F0c1 F1c1 F2 B0c1 F3 B1c1 F2c1 B0 F3c1 B1 B2c1 B3c1 B2 B3"
@@ -334,7 +360,8 @@ def test_interleaved_exchanges_crossing_messages_in_one_batch():
     assert all(len(posts) <= 1 for posts in plan)  # Megatron's rounds already mirror: none is split
     names = [[str(prog[j]) for posts in plan[i:i + 1] for p in posts for j in (p.sends + p.recvs)]
              for i in range(len(plan))]
-    assert names[6] == ["F2", "B0c1", "B1c1"]   # after the pair (F2, B0c1): send both, receive B1c1's gradient
+    # after the pair (F2, B0c1): send both, receive B1c1's gradient
+    assert names[6] == ["F2", "B0c1", "B1c1"]
     assert names[8] == ["F3", "B1c1", "F2c1", "B0"]   # send both, receive F2c1's input and B0's gradient
 
 

@@ -58,10 +58,12 @@ def test_shuffled_shards_mix_classes_and_the_same_command_writes_the_same_bytes(
     flat = [r for s in shards for r in s]
     # index: the file's position in the sorted listing (a permutation of it here); path: that file.
     listing = sorted(f"train/{c}/{i:02d}.jpg" for c in CLASSES for i in range(12))
-    assert sorted(r["index"] for r in flat) == list(range(48)) and [r["index"] for r in flat] != list(range(48))
-    assert all(listing[r["index"]] == r["path"] and CLASSES[r["label"]] == r["path"].split("/")[1] for r in flat)
-    assert [r["path"] for r in rows(tmp_path / "x", "val")[0]] == sorted(f"val/{c}/{i:02d}.jpg" for c in CLASSES
-                                                                       for i in range(2))
+    assert sorted(r["index"] for r in flat) == list(range(48)) and [r["index"]
+                                                                    for r in flat] != list(range(48))
+    assert all(listing[r["index"]] == r["path"] and CLASSES[r["label"]] == r["path"].split("/")[1]
+               for r in flat)
+    assert [r["path"] for r in rows(tmp_path / "x", "val")[0]] == sorted(f"val/{c}/{i:02d}.jpg"
+                                                                         for c in CLASSES for i in range(2))
     m = json.loads((tmp_path / "x" / "manifest.json").read_text())
     assert m["settings"] == {"size": 32, "quality": 90, "shard_size": 8, "shard_order": "shuffled", "seed": 0,
                              "encoding": "jpeg"}

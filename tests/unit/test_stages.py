@@ -93,5 +93,6 @@ def test_parse_stages_errors(spec, layers, stages, match):
 def test_more_chunks_than_layers_is_a_plan_error():
     cfg = Config(model="convnet", data="digits", pp=2, dp=1, virtual_stages=7, num_microbatches=2,
                  global_batch_size=8).validate()
-    with pytest.raises(LayoutError, match="into 14 chunks but it has 12 cuttable layers: lower --virtual-stages"):
+    with pytest.raises(LayoutError,
+                       match="into 14 chunks but it has 12 cuttable layers: lower --virtual-stages"):
         make_routing(cfg, Mesh(dp=1, pp=2, fs=1), build_model("convnet", 10, 1, 8), (1, 8, 8))

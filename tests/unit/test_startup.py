@@ -18,9 +18,13 @@ def a_run() -> StartupClock:
     clock.ray = "connected"
     clock.mark("actors_set_up", 110.0)
     # two actors: the slower one (setup 1.8 s) is the one the run waited for
-    clock.mark_actors([{"startup": {"model_built": 0.5, "optimizer_built": 0.6, "data_on_device": 1.0, "setup": 1.2}},
-                       {"startup": {"model_built": 0.3, "optimizer_built": 0.9, "data_on_device": 1.5, "setup": 1.8}},
-                       {"rank": 2}])  # (a report without splits is skipped)
+    clock.mark_actors(
+        [
+            {"startup": {"model_built": 0.5, "optimizer_built": 0.6, "data_on_device": 1.0, "setup": 1.2}},
+            {"startup": {"model_built": 0.3, "optimizer_built": 0.9, "data_on_device": 1.5, "setup": 1.8}},
+            {"rank": 2},
+        ]
+    )  # (a report without splits is skipped)
     clock.mark("first_step", 111.0)
     return clock
 
@@ -33,9 +37,12 @@ def test_phases_are_in_the_order_they_ended_with_the_slowest_actors_splits_befor
     times = list(rec["phases"].values())
     assert times == sorted(times) and times[0] > 0
     # the slow actor's splits, counted back from the end of its setup (110 - (1.8 - 0.3), 110 - (1.8 - 1.5))
-    assert rec["phases"]["model_built"] == pytest.approx(8.5) and rec["phases"]["data_on_device"] == pytest.approx(9.7)
+    assert rec["phases"]["model_built"] == pytest.approx(8.5) and rec["phases"][
+        "data_on_device"
+    ] == pytest.approx(9.7)
     assert rec["phases"]["optimizer_built"] == pytest.approx(9.1)
-    assert rec["actor_setup_s"] == {"model_built": 0.3, "optimizer_built": 0.9, "data_on_device": 1.5, "setup": 1.8}
+    assert rec["actor_setup_s"] == {"model_built": 0.3, "optimizer_built": 0.9, "data_on_device": 1.5,
+                                    "setup": 1.8}
     assert rec["origin"] == "process start" and rec["ray"] == "connected"
 
 
@@ -51,7 +58,8 @@ def test_the_slowest_phase_is_the_longest_stretch_up_to_the_first_step_and_the_l
     slow_ray.mark("imports", 1.0)
     slow_ray.mark("ray", 7.0)
     slow_ray.mark("first_step", 9.0)
-    assert slow_ray.line(3) == "rayconv: step 3 done 9.0 s after rayconv.fit was called; slowest: Ray starting (6.0 s)"
+    assert slow_ray.line(
+        3) == "rayconv: step 3 done 9.0 s after rayconv.fit was called; slowest: Ray starting (6.0 s)"
 
 
 def test_a_phase_keeps_its_first_mark_and_unknown_names_are_refused():
@@ -81,7 +89,8 @@ def test_the_clock_of_a_run_is_claimed_once_and_a_new_one_begins_after():
 def test_the_commands_clock_starts_at_rayconvs_import_after_a_shells_other_commands():
     from rayconv.startup import command_origin
     assert command_origin(100.0, 100.05, 100.3) == (100.0, "process start")      # python started the process
-    assert command_origin(100.0, 230.0, 230.2) == (230.0, "rayconv import")      # `pip install ... && python ...`
+    # `pip install ... && python ...`
+    assert command_origin(100.0, 230.0, 230.2) == (230.0, "rayconv import")
     assert command_origin(None, 5.0, 5.2) == (5.2, "rayconv.run import")          # no /proc
 
 
@@ -92,10 +101,18 @@ def test_the_slowest_actors_wait_for_its_warm_up_and_its_process_stamps_are_plac
     clock.mark("actors_set_up", now_mono - 1.0)
     stamps = {"process_started": now_wall - 8.0, "init": now_wall - 7.0, "alive": now_wall - 4.5,
               "warmed_up": now_wall - 2.5, "build": now_wall - 3.0, "built": now_wall - 1.0, "renewed": None}
-    clock.mark_actors([{"startup": {"warmed_up": 0.5, "model_built": 1.0, "data_on_device": 1.5, "setup": 2.0},
-                        "stamps": stamps},
-                       {"startup": {"warmed_up": 0.0, "model_built": 0.2, "data_on_device": 0.3, "setup": 0.4},
-                        "stamps": {"renewed": now_wall - 9.0}}])
+    clock.mark_actors(
+        [
+            {
+                "startup": {"warmed_up": 0.5, "model_built": 1.0, "data_on_device": 1.5, "setup": 2.0},
+                "stamps": stamps,
+            },
+            {
+                "startup": {"warmed_up": 0.0, "model_built": 0.2, "data_on_device": 0.3, "setup": 0.4},
+                "stamps": {"renewed": now_wall - 9.0},
+            },
+        ]
+    )
     rec = clock.record()
     # the slow actor's build call began 2.0 s before the set-up ended (at 9.0 s): warmed up 0.5 s later
     assert rec["phases"]["actors_warmed_up"] == pytest.approx(7.5, abs=1e-6)
@@ -103,4 +120,6 @@ def test_the_slowest_actors_wait_for_its_warm_up_and_its_process_stamps_are_plac
     assert rec["actor_setup_s"]["warmed_up"] == 0.5
     process = rec["actor_process"]
     assert list(process) == ["process_started", "init", "alive", "build", "warmed_up", "built"]  # (by time)
-    assert process["process_started"] == pytest.approx(2.0, abs=0.05) and process["built"] == pytest.approx(9.0, abs=0.05)
+    assert process["process_started"] == pytest.approx(2.0, abs=0.05) and process["built"] == pytest.approx(
+        9.0, abs=0.05
+    )

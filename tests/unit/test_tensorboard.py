@@ -45,8 +45,8 @@ def test_rows_become_scalars_once_and_a_resume_purges_from_its_step(tmp_path):
     events.close()
     acc = read(tmp_path)
     tags = acc.Tags()["scalars"]
-    assert {"train/loss", "train/lr", "train/images_per_s", "train/input_stall_ms", "val/accuracy", "val/loss",
-            "test/accuracy", "test/loss"} <= set(tags)
+    assert {"train/loss", "train/lr", "train/images_per_s", "train/input_stall_ms", "val/accuracy",
+            "val/loss", "test/accuracy", "test/loss"} <= set(tags)
     assert "train/loss_scale" not in tags and "test/top5_accuracy" not in tags   # (null in every row)
     assert scalars(acc, "train/loss") == [(0, 1.0), (1, 0.5), (2, round(1 / 3, 6)), (3, 0.25)]
     assert scalars(acc, "val/accuracy") == [(2, 0.4), (3, 0.4)]
@@ -58,7 +58,8 @@ def test_rows_become_scalars_once_and_a_resume_purges_from_its_step(tmp_path):
     again = EventFiles(tmp_path, start=2)
     again.add_rows(rows([0, 1, 2, 3, 4], scale=2.0))
     again.close()
-    assert scalars(read(tmp_path), "train/loss") == [(0, 1.0), (1, 0.5), (2, round(2 / 3, 6)), (3, 0.5), (4, 0.4)]
+    assert scalars(read(tmp_path), "train/loss") == [(0, 1.0), (1, 0.5), (2, round(2 / 3, 6)), (3, 0.5),
+                                                     (4, 0.4)]
 
 
 def test_metrics_write_adds_the_rows_and_the_image_grid(tmp_path):
@@ -81,7 +82,8 @@ def test_without_the_package_the_run_goes_on_after_one_note(tmp_path, monkeypatc
     events = EventFiles(tmp_path, log=notes.append)
     events.add_rows(rows([0]))
     events.add_rows(rows([0, 1]))
-    assert len(notes) == 1 and "pip install tensorboard" in notes[0] and not (tmp_path / "tensorboard").exists()
+    assert len(notes) == 1 and "pip install tensorboard" in notes[0] and not (
+        tmp_path / "tensorboard").exists()
     off = EventFiles(tmp_path / "off", enabled=False, log=notes.append)
     off.add_rows(rows([0]))
     assert len(notes) == 1 and not (tmp_path / "off").exists()

@@ -21,7 +21,8 @@ def rows(steps):
 
 
 def _no_tensorboard_imported(monkeypatch):
-    loaded = [m for m in sys.modules if m == "tensorboard" or m.startswith(("tensorboard.", "torch.utils.tensorboard"))]
+    loaded = [m for m in sys.modules
+              if m == "tensorboard" or m.startswith(("tensorboard.", "torch.utils.tensorboard"))]
     for name in loaded:
         monkeypatch.delitem(sys.modules, name)
 

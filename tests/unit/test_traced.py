@@ -20,8 +20,9 @@ from rayconv.models.traced import NotCuttable, cut_problem, traced_layers
 from rayconv.outputs.export import assemble, export_model, state_keys
 from rayconv.parallel.routing import make_routing
 
-_SPEC = importlib.util.spec_from_file_location("blocks_fixture",
-                                               Path(__file__).parents[1] / "support" / "fixtures" / "blocks.py")
+_SPEC = importlib.util.spec_from_file_location(
+    "blocks_fixture",
+    Path(__file__).parents[1] / "support" / "fixtures" / "blocks.py")
 blocks = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(blocks)
 
@@ -63,7 +64,8 @@ def test_no_cut_where_a_skip_is_live():
     pos = {n: i for i, n in enumerate(nodes)}
 
     def live_after(n):
-        return sum(1 for v in nodes[:pos[n] + 1] if v.op != "get_attr" and any(pos[u] > pos[n] for u in v.users))
+        return sum(1 for v in nodes[:pos[n] + 1]
+                   if v.op != "get_attr" and any(pos[u] > pos[n] for u in v.users))
 
     assert [live_after(p.nodes[-1]) for p in pieces] == [1] * len(BLOCKNET_LAYERS)
     for block in ("layer1.0", "layer1.1"):
@@ -115,7 +117,8 @@ def test_untraceable_model_trains_data_parallel_and_is_refused_for_pp():
     assert to_layers(model) == [("", model)]
     with pytest.raises(NotCuttable, match="torch.fx cannot trace its forward"):
         traced_layers(model)
-    cfg = Config(model="convnet", data="digits", pp=2, dp=1, num_microbatches=2, global_batch_size=8).validate()
+    cfg = Config(model="convnet", data="digits", pp=2, dp=1, num_microbatches=2,
+                 global_batch_size=8).validate()
     with pytest.raises(LayoutError) as e:
         make_routing(cfg, Mesh(dp=1, pp=2, fs=1), model, (1, 8, 8))
     msg = str(e.value)
@@ -137,7 +140,8 @@ def test_forward_reading_training_is_not_cut():
         traced_layers(Drop())
 
 
-@pytest.mark.parametrize("name, shape", [("resnet18", (3, 32, 32)), ("alexnet", (3, 64, 64)), ("vgg11", (3, 32, 32))])
+@pytest.mark.parametrize("name, shape",
+                         [("resnet18", (3, 32, 32)), ("alexnet", (3, 64, 64)), ("vgg11", (3, 32, 32))])
 def test_torchvision_families_keep_their_block_list(name, shape):
     """ResNets, AlexNet and VGG take the traced view: their stem layers, blocks (features' children),
     pool, flatten and head in order, each the model's own module."""
@@ -180,7 +184,8 @@ def test_export_refuses_a_state_that_would_not_load_and_writes_nothing(tmp_path)
     first, last = keys[0][0], keys[-1][0]
     bad_states = ({k: v for k, v in good.items() if k != last}, {**good, "extra.weight": torch.zeros(1)},
                   {**good, first: torch.zeros(3, 3)})
-    for bad, word in zip(bad_states, ("missing: " + last, "unexpected: extra.weight", f"shapes: {first} (3, 3)")):
+    for bad, word in zip(bad_states,
+                         ("missing: " + last, "unexpected: extra.weight", f"shapes: {first} (3, 3)")):
         with pytest.raises(RuntimeError, match=re.escape(word)):
             export_model(tmp_path / "model.pt", bad, keys)
         with pytest.raises(RuntimeError):

@@ -21,7 +21,10 @@ def test_space_from_json_text_and_file(tmp_path):
     assert read_space(text) == read_space(str(tmp_path / "space.json"))
     checked = check_space(read_space(text), {"dp": 2})
     assert checked == {"lr": ("loguniform", [0.01, 1.0]), "opt": ("choice", ["sgd", "sgd_nesterov"])}
-    assert check_space({"global-batch-size": {"grid": [32, 64]}}, {})["global_batch_size"] == ("grid", [32, 64])
+    assert check_space({"global-batch-size": {"grid": [32, 64]}}, {})["global_batch_size"] == (
+        "grid",
+        [32, 64],
+    )
 
 
 @pytest.mark.parametrize("space, words", [
@@ -45,11 +48,13 @@ def test_bad_spaces_get_one_line(space, words):
 def test_metric_defaults_and_refusals():
     assert check_options({}, {}, 1, "asha", 2, None, None) == ("test_accuracy", "max")
     assert check_options({}, {}, 1, "fifo", None, "test_loss", None) == ("test_loss", "min")
-    for args, words in [((0, "asha", 2, None, None), "--num-samples must be >= 1"),
-                        ((1, "hyperband", 2, None, None), "--scheduler hyperband: choose asha"),
-                        ((1, "asha", 0, None, None), "--max-concurrent must be >= 1"),
-                        ((1, "asha", 2, "val_accuracy", None), "--metric val_accuracy is a validation split's"),
-                        ((1, "asha", 2, "accuracy", None), "--metric accuracy: choose")]:
+    for args, words in [
+        ((0, "asha", 2, None, None), "--num-samples must be >= 1"),
+        ((1, "hyperband", 2, None, None), "--scheduler hyperband: choose asha"),
+        ((1, "asha", 0, None, None), "--max-concurrent must be >= 1"),
+        ((1, "asha", 2, "val_accuracy", None), "--metric val_accuracy is a validation split's"),
+        ((1, "asha", 2, "accuracy", None), "--metric accuracy: choose"),
+    ]:
         with pytest.raises(ConfigError, match=words):
             check_options({}, {}, *args)
     with pytest.raises(ConfigError, match="--resume is not for a search's trials"):
@@ -74,8 +79,10 @@ def test_trial_bundles_and_gpu_share():
     assert trial_bundles(gpu) == [{}, {"CPU": 1, "GPU": 0.25}, {"CPU": 1, "GPU": 0.25}]
     assert trial_index("3f2a1_00007") == 7
     for g, words in [(0, "must be a share of one GPU in (0, 1]"), (1.5, "in (0, 1]")]:
-        with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
-                           .replace("]", r"\]")):
+        with pytest.raises(
+            ConfigError,
+            match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]"),
+        ):
             Config(gpus_per_actor=g).validate()
     with pytest.raises(ConfigError, match="drop it with --device cpu"):
         Config(gpus_per_actor=0.5, device="cpu").validate()
@@ -104,5 +111,8 @@ def test_a_misspelled_search_flag_is_told_the_search_flag(capsys):
     from rayconv.tune.__main__ import main
     assert main(["--space", '{"lr": {"grid": [0.1]}}', "--sheduler", "asha", "--num-sample", "2"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("rayconv.tune: error: unrecognized arguments: --sheduler --num-sample") and "\n" not in err
+    assert (
+        err.startswith("rayconv.tune: error: unrecognized arguments: --sheduler --num-sample")
+        and "\n" not in err
+    )
     assert "did you mean --scheduler, --num-samples?" in err

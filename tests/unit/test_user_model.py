@@ -67,9 +67,10 @@ def test_model_from_a_file_keeps_its_class_and_parameter_names():
 
 def test_image_size_is_given_where_the_function_takes_it(tmp_path):
     f = tmp_path / "sized.py"
-    f.write_text("from torch import nn\n"
-                 "def build(num_classes, image_size, in_channels=3):\n"
-                 "    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, num_classes))\n")
+    f.write_text(
+        "from torch import nn\n"
+        "def build(num_classes, image_size, in_channels=3):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, num_classes))\n")
     model = build_model(f"{f}:build", 4, in_channels=3, image_size=5)
     assert model[1].in_features == 75
 
@@ -123,7 +124,8 @@ def test_a_function_that_raises_is_refused_naming_its_call(tmp_path):
 
 def test_a_module_that_fails_to_import_is_refused(tmp_path):
     (tmp_path / "needs_sibling.py").write_text("import sibling_blocks_xyz\ndef build(num_classes): pass\n")
-    with pytest.raises(ConfigError, match="sibling_blocks_xyz.*install the package that provides sibling_blocks_xyz"):
+    with pytest.raises(ConfigError,
+                       match="sibling_blocks_xyz.*install the package that provides sibling_blocks_xyz"):
         resolve(f"{tmp_path / 'needs_sibling.py'}:build")
     (tmp_path / "broken.py").write_text("raise RuntimeError('boom')\n")
     with pytest.raises(ConfigError, match="raised RuntimeError: boom"):
@@ -143,13 +145,25 @@ def test_a_helper_module_beside_the_file_is_imported_and_shipped(tmp_path, monke
         sys.modules.pop("net_xyz", None), sys.modules.pop("layers_xyz", None)
 
 
-@pytest.mark.parametrize("source, words", [
-    ("import timm_not_installed_pkg\n", r"No module named 'timm_not_installed_pkg' \(install the package that "
-                                        r"provides timm_not_installed_pkg, e\.g\. `pip install timm_not_installed_pkg`"),
-    ("import helper_xyz.sub\n", r"'helper_xyz' is not a package \(helper_xyz is beside .*check that import\)"),
-    ("from .helper_xyz import x\n", r"no known parent package \(a file given by its path is imported as a top-level "
-                                    r"module: import the modules beside it by name"),
-])
+@pytest.mark.parametrize(
+    "source, words",
+    [
+        (
+            "import timm_not_installed_pkg\n",
+            r"No module named 'timm_not_installed_pkg' \(install the package that "
+            r"provides timm_not_installed_pkg, e\.g\. `pip install timm_not_installed_pkg`",
+        ),
+        (
+            "import helper_xyz.sub\n",
+            r"'helper_xyz' is not a package \(helper_xyz is beside .*check that import\)",
+        ),
+        (
+            "from .helper_xyz import x\n",
+            r"no known parent package \(a file given by its path is imported as a top-level "
+            r"module: import the modules beside it by name",
+        ),
+    ],
+)
 def test_an_import_that_fails_gets_the_advice_of_its_cause(tmp_path, monkeypatch, source, words):
     monkeypatch.setattr(sys, "path", list(sys.path))
     (tmp_path / "helper_xyz.py").write_text("x = 1\n")
@@ -167,7 +181,8 @@ def test_a_relative_import_in_a_package_names_the_package_spec(tmp_path, monkeyp
     (tmp_path / "pkg_xyz").mkdir()
     (tmp_path / "pkg_xyz" / "__init__.py").write_text("")
     (tmp_path / "pkg_xyz" / "net.py").write_text("from . import other\ndef build(num_classes): pass\n")
-    with pytest.raises(ConfigError, match=r"its folder is a package: give --model pkg_xyz\.net:build from the folder"):
+    with pytest.raises(ConfigError,
+                       match=r"its folder is a package: give --model pkg_xyz\.net:build from the folder"):
         resolve(f"{tmp_path / 'pkg_xyz' / 'net.py'}:build")
 
 
@@ -204,7 +219,10 @@ CLI_CASES = {
 LATE_CASES = {
     "not a module": (["--model", f"{FIXTURE}:not_a_model"], "not an nn.Module"),
     "tuple out": (["--model", f"{FIXTURE}:resnetish_tuple"], "returns tuple when training"),
-    "classes ignored": (["--model", f"{FIXTURE}:ignores_classes"], "gives 1000 class scores, the data has 10"),
+    "classes ignored": (
+        ["--model", f"{FIXTURE}:ignores_classes"],
+        "gives 1000 class scores, the data has 10",
+    ),
 }
 
 
@@ -236,20 +254,29 @@ def test_refused_before_ray(case, tmp_path, capsys, silent_address):
 
 def test_the_actors_get_the_users_file_in_py_modules():
     env = actor_runtime_env(SPEC, {"X": "1"})
-    # (with any other module imported here from the file's folder: tests/fixtures/blocks.py by an earlier test)
+    # (with any other module imported here from the file's folder: tests/fixtures/blocks.py by an earlier
+    # test)
     assert env["env_vars"] == {"X": "1"} and str(FIXTURE) in env["py_modules"]
-    assert all(Path(p).parent == FIXTURE.parent for p in env["py_modules"]) and set(env) == {"env_vars", "py_modules"}
-    assert actor_runtime_env("convnet") is None and actor_runtime_env("resnet18", {"X": "1"}) == {"env_vars": {"X": "1"}}
+    assert all(Path(p).parent == FIXTURE.parent for p in env["py_modules"]) and set(env) == {
+        "env_vars",
+        "py_modules",
+    }
+    assert actor_runtime_env("convnet") is None and actor_runtime_env("resnet18", {"X": "1"}) == {
+        "env_vars": {"X": "1"}
+    }
     # installed packages, the standard library and rayconv itself are not shipped
     assert actor_runtime_env("torchvision.models:resnet18") is None
-    assert shipped_path("json") is None and shipped_path("rayconv.models") is None and shipped_path("torch") is None
+    assert shipped_path("json") is None and shipped_path("rayconv.models") is None and shipped_path(
+        "torch") is None
 
 
 def test_a_package_is_shipped_as_its_folder(tmp_path, monkeypatch):
     pkg = tmp_path / "mymodels_pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "nets.py").write_text("from torch import nn\ndef build(num_classes): return nn.Linear(3, num_classes)\n")
+    (pkg / "nets.py").write_text(
+        "from torch import nn\ndef build(num_classes): return nn.Linear(3, num_classes)\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert isinstance(build_model("mymodels_pkg.nets:build", 5), nn.Linear)
     assert actor_runtime_env("mymodels_pkg.nets:build") == {"py_modules": [str(pkg)]}
@@ -292,7 +319,9 @@ def test_unpicklable_callables_and_built_models_are_refused():
     with pytest.raises(ConfigError, match="cannot be pickled for the actors"):
         model_name(lambda num_classes: (lock, nn.Linear(3, num_classes))[1])
     cls = resolve(SPEC)
-    with pytest.raises(ConfigError, match=r"is a built model: give the function or class that builds it \(model=ResNetish\)"):
+    with pytest.raises(
+        ConfigError, match=r"is a built model: give the function or class that builds it \(model=ResNetish\)"
+    ):
         model_name(cls())
     with pytest.raises(ConfigError, match="give a model name"):
         model_name(3)

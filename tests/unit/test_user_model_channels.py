@@ -26,7 +26,8 @@ def make(num_classes):
     return build(num_classes)
 
 def rgb(num_classes):
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, num_classes))
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8,
+    num_classes))
 
 class HeadFirst(nn.Module):
     # defines its 3-channel head before its grey stem: the stem is the first convolution called
@@ -71,11 +72,18 @@ def test_the_first_convolution_is_found_whatever_the_channels_given():
     assert first_convolution(nn.Sequential(nn.Flatten(), nn.Linear(64, 2)), (1, 8, 8)) is None
 
 
-@pytest.mark.parametrize("function, channels, words", [
-    ("build", 3, r"takes 1-channel images \(first convolution '0': Conv2d\(1, \.\.\.\)\), given 3-channel ones: "
-                 r"give --channels 1$"),
-    ("rgb", 1, r"takes 3-channel images .*given 1-channel ones: give --channels 3$"),
-])
+@pytest.mark.parametrize(
+    "function, channels, words",
+    [
+        (
+            "build",
+            3,
+            r"takes 1-channel images \(first convolution '0': Conv2d\(1, \.\.\.\)\), given 3-channel ones: "
+            r"give --channels 1$",
+        ),
+        ("rgb", 1, r"takes 3-channel images .*given 1-channel ones: give --channels 3$"),
+    ],
+)
 def test_a_channel_mismatch_is_refused_naming_channels(grey_file, function, channels, words):
     cfg = Config(model=f"{grey_file}:{function}", channels=channels, device="cpu").validate()
     with pytest.raises(ConfigError, match=words):

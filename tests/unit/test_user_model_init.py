@@ -56,10 +56,12 @@ def test_first_mismatch_is_named(tmp_path):
                                           r"for a new number of classes add --init-skip-head"):
         load_init(model, saved(tmp_path, state))
     bad = dict(state, **{"conv1.weight": torch.zeros(64, 3, 3, 3)})
-    with pytest.raises(ConfigError, match=r"'conv1.weight' has shape \(64, 3, 3, 3\), the model's \(64, 3, 7, 7\)$"):
+    with pytest.raises(ConfigError,
+                       match=r"'conv1.weight' has shape \(64, 3, 3, 3\), the model's \(64, 3, 7, 7\)$"):
         load_init(model, saved(tmp_path, bad), skip_head=True)
     with pytest.raises(ConfigError, match="has no 'layer4.1.bn2.num_batches_tracked'"):
-        load_init(model, saved(tmp_path, {k: v for k, v in state.items() if k != "layer4.1.bn2.num_batches_tracked"}))
+        load_init(model, saved(tmp_path,
+                               {k: v for k, v in state.items() if k != "layer4.1.bn2.num_batches_tracked"}))
     with pytest.raises(ConfigError, match="holds 'extra.weight', which the model has not"):
         load_init(model, saved(tmp_path, dict(state, **{"extra.weight": torch.zeros(1)})), skip_head=True)
 
@@ -77,7 +79,8 @@ def test_skip_head_keeps_the_classifier_as_built(tmp_path):
 @pytest.mark.parametrize("content, words", [
     (b"not a torch file", "cannot be read as a state_dict"),
     ([1, 2, 3], "holds no state_dict"),
-    (torch.nn.Linear(2, 2), "cannot be read as a state_dict"),   # a whole pickled model: torch's unpickler refuses it
+    # a whole pickled model: torch's unpickler refuses it
+    (torch.nn.Linear(2, 2), "cannot be read as a state_dict"),
 ])
 def test_unreadable_files_are_refused(tmp_path, content, words):
     p = tmp_path / "w.pt"
@@ -111,7 +114,12 @@ def test_combinations_are_refused(kw, words):
 def test_a_resumed_run_takes_its_weights_from_the_checkpoint():
     saved_cfg = Config(init="w.pt", init_skip_head=True, lr=0.1).to_dict()
     kept = resumed_settings(saved_cfg)
-    assert "init" not in kept and "init_skip_head" not in kept and "evaluate_only" not in kept and kept["lr"] == 0.1
+    assert (
+        "init" not in kept
+        and "init_skip_head" not in kept
+        and "evaluate_only" not in kept
+        and kept["lr"] == 0.1
+    )
 
 
 def test_float64_init_enters_a_float64_run_exactly(tmp_path):

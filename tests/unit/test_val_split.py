@@ -29,14 +29,16 @@ N, BATCH = 1438, 102
 
 def trained_indices(sh: Sharding, epoch: int, dp: int) -> np.ndarray:
     """Every replica's samples of every step of ``epoch``, in order."""
-    return np.concatenate([sh.replica_batch(epoch, s, r)[0] for s in range(sh.steps_per_epoch) for r in range(dp)])
+    return np.concatenate([sh.replica_batch(epoch, s, r)[0] for s in range(sh.steps_per_epoch)
+                           for r in range(dp)])
 
 
 def test_held_out_images_come_from_the_seed_and_never_train():
     sh = Sharding(N, BATCH, 1, seed=3, val_split=0.1)
     val = sh.val_indices()
     assert len(val) == 143 and np.array_equal(val, np.unique(val)) and val.dtype == np.int64
-    assert np.array_equal(val, Sharding(N, 64, 4, seed=3, val_split=0.1).val_indices())   # batch, dp: no matter
+    # batch, dp: no matter
+    assert np.array_equal(val, Sharding(N, 64, 4, seed=3, val_split=0.1).val_indices())
     assert not np.array_equal(val, Sharding(N, BATCH, 1, seed=4, val_split=0.1).val_indices())
     assert sh.train_samples == N - 143 and sh.steps_per_epoch == -(-(N - 143) // BATCH) == 13
     for epoch in range(2):
@@ -93,7 +95,8 @@ def test_the_sources_val_split_is_the_train_images_unaugmented():
     assert not torch.equal(held.images("train", idx, cpu, epoch=2), held.images("test", idx, cpu))
     assert torch.equal(held.labels("val", idx), torch.as_tensor(y[idx]))
     assert held._on(cpu)["val"] is held._on(cpu)["train"]   # no second copy on the device
-    tensors = TensorSource(*(torch.utils.data.TensorDataset(torch.randn(5, 1, 8, 8), torch.arange(5)),) * 2, 5)
+    tensors = TensorSource(*(torch.utils.data.TensorDataset(torch.randn(5, 1, 8, 8), torch.arange(5)),) * 2,
+                           5)
     tensors.add_val_split()
     assert torch.equal(tensors.images("val", idx[:2], cpu), tensors.images("train", idx[:2], cpu))
     synth = SyntheticSource(8, 10, 64, seed=0)
@@ -132,7 +135,8 @@ def test_eval_rows_name_the_split_and_the_target_reads_validation():
     assert all(evaluates_test(Config(), s, 30) for s in (9, 29))
     target = Target(0.5)
     ev = {**val, "test_accuracy": 0.9}
-    assert not Target(0.6).update(9, ev.get(selection_metric(cfg)), 1.0, 1.0)   # val 0.53 < 0.6: test's 0.9 ignored
+    # val 0.53 < 0.6: test's 0.9 ignored
+    assert not Target(0.6).update(9, ev.get(selection_metric(cfg)), 1.0, 1.0)
     assert target.update(9, ev.get(selection_metric(cfg)), 1.0, 1.0) and target.step == 9
 
 
@@ -150,11 +154,13 @@ def test_a_resume_with_another_split_is_refused(tmp_path):
     from rayconv.errors import CheckpointError
     from rayconv.outputs.checkpoint import Checkpoint, check_resumable
 
-    manifest = {"model": "convnet", "num_classes": 10, "sample_shape": [1, 8, 8], "config": {"val_split": 0.1},
+    manifest = {"model": "convnet", "num_classes": 10, "sample_shape": [1, 8, 8],
+                "config": {"val_split": 0.1},
                 "layout": {"dp": 1, "pp": 1, "fs": 1, "plan": "none", "stages": [["a"]]}}
     ckpt = Checkpoint(tmp_path / "checkpoints" / "step-4", manifest, {})
     mesh = type("M", (), {"dp": 1, "pp": 1, "fs": 1})()
     check_resumable(ckpt, Config(val_split=0.1), mesh, [["a"]], 10, (1, 8, 8))
-    with pytest.raises(CheckpointError, match="trained with --val-split 0.1, this run asks for --val-split 0: "
-                                              "resume with --val-split 0.1"):
+    with pytest.raises(CheckpointError,
+                       match="trained with --val-split 0.1, this run asks for --val-split 0: "
+                             "resume with --val-split 0.1"):
         check_resumable(ckpt, Config(), mesh, [["a"]], 10, (1, 8, 8))

@@ -34,8 +34,8 @@ class GradientSync:
     views that share each parameter's strides (channels_last weights included), so no layout conversion.
     """
 
-    def __init__(self, params: list[nn.Parameter], group: Optional[dist.ProcessGroup], bucket_mb: float = 25.0,
-                 first_bucket_mb: float = 1.0):
+    def __init__(self, params: list[nn.Parameter], group: Optional[dist.ProcessGroup],
+                 bucket_mb: float = 25.0, first_bucket_mb: float = 1.0):
         self.group = group
         self.params = [p for p in params if p.requires_grad]
         self.buckets: list[list[nn.Parameter]] = []

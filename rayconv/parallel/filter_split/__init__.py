@@ -11,10 +11,17 @@ per-layer plan, one concept a module:
     per_layer_plan.py  conv layers data parallel, FC layers split (``krizhevsky2014``)
 """
 
-from rayconv.parallel.filter_split.exchanges import BatchGather, ExchangeSpec, Gather, Scatter, overlapped_gather
+from rayconv.parallel.filter_split.exchanges import (
+    BatchGather,
+    ExchangeSpec,
+    Gather,
+    Scatter,
+    overlapped_gather,
+)
 from rayconv.parallel.filter_split.layers import COMM_MODULES, GatheredConv2d, GatheredLinear, SlicedDropout
 from rayconv.parallel.filter_split.per_layer_plan import krizhevsky2014
 from rayconv.parallel.filter_split.split import SlicedPart, slice_layers, whole_part
 
-__all__ = ["BatchGather", "COMM_MODULES", "ExchangeSpec", "Gather", "GatheredConv2d", "GatheredLinear", "Scatter",
-           "SlicedDropout", "SlicedPart", "krizhevsky2014", "overlapped_gather", "slice_layers", "whole_part"]
+__all__ = ["BatchGather", "COMM_MODULES", "ExchangeSpec", "Gather", "GatheredConv2d", "GatheredLinear",
+           "Scatter", "SlicedDropout", "SlicedPart", "krizhevsky2014", "overlapped_gather", "slice_layers",
+           "whole_part"]

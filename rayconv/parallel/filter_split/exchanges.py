@@ -55,7 +55,13 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dim, sizes, index, group, split_consumer):
-        ctx.dim, ctx.sizes, ctx.index, ctx.group, ctx.split_consumer = dim, sizes, index, group, split_consumer
+        ctx.dim, ctx.sizes, ctx.index, ctx.group, ctx.split_consumer = (
+            dim,
+            sizes,
+            index,
+            group,
+            split_consumer,
+        )
         return _padded_all_gather(x, dim, sizes, group)
 
     @staticmethod
@@ -86,7 +92,13 @@ class Gather(nn.Module):
 
     def __init__(self, dim: int, sizes: list[int], index: int, group, split_consumer: bool):
         super().__init__()
-        self.dim, self.sizes, self.index, self.group, self.split_consumer = dim, sizes, index, group, split_consumer
+        self.dim, self.sizes, self.index, self.group, self.split_consumer = (
+            dim,
+            sizes,
+            index,
+            group,
+            split_consumer,
+        )
 
     def forward(self, x):
         return _Gather.apply(x, self.dim, self.sizes, self.index, self.group, self.split_consumer)
@@ -186,8 +198,9 @@ def overlapped_gather(x: torch.Tensor, spec: ExchangeSpec, layer) -> torch.Tenso
     overlap of tensor-parallel communication with computation (Wang et al., "Overlap Communication with
     Dependent Computation via Decomposition in Large Deep Learning Models", ASPLOS 2023, which cuts
     along the operands; here the cut is the batch), applied to Krizhevsky et al.'s filter split.
-    ``layer`` must treat samples independently (a convolution or a fully connected layer). Results equal the unchunked gather's up to float rounding (the layer's weight
-    gradient is summed over pieces). Returns ``layer``'s output for the whole batch."""
+    ``layer`` must treat samples independently (a convolution or a fully connected layer). Results equal the
+    unchunked gather's up to float rounding (the layer's weight gradient is summed over pieces). Returns
+    ``layer``'s output for the whole batch."""
     n = x.shape[0]
     pieces = x.split(split_sizes(n, max(1, min(spec.chunks, n))), dim=0)
     flights = [_InFlight(spec) for _ in pieces]

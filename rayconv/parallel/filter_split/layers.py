@@ -16,7 +16,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from rayconv.parallel.filter_split.exchanges import BatchGather, ExchangeSpec, Gather, Scatter, overlapped_gather
+from rayconv.parallel.filter_split.exchanges import (
+    BatchGather,
+    ExchangeSpec,
+    Gather,
+    Scatter,
+    overlapped_gather,
+)
 
 
 class SlicedDropout(nn.Module):
@@ -60,7 +66,8 @@ class GatheredConv2d(nn.Conv2d):
     exchange: ExchangeSpec
 
     def forward(self, x):
-        return overlapped_gather(x, self.exchange, lambda full: self._conv_forward(full, self.weight, self.bias))
+        return overlapped_gather(x, self.exchange, lambda full: self._conv_forward(full, self.weight,
+                                                                                   self.bias))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, gather_chunks={self.exchange.chunks}"
@@ -72,7 +79,8 @@ class GatheredLinear(nn.Linear):
     exchange: ExchangeSpec
 
     def forward(self, x):
-        return overlapped_gather(x, self.exchange, lambda full: nn.functional.linear(full, self.weight, self.bias))
+        return overlapped_gather(x, self.exchange, lambda full: nn.functional.linear(full, self.weight,
+                                                                                     self.bias))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, gather_chunks={self.exchange.chunks}"

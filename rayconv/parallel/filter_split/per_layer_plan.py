@@ -25,7 +25,8 @@ def krizhevsky2014(layers: list[tuple[str, nn.Module]], in_shape: tuple[int, ...
     gathered before the first fully connected layer. Raises LayoutError without a Linear layer."""
     first_fc = next((i for i, (_, m) in enumerate(layers) if isinstance(m, nn.Linear)), None)
     if first_fc is None:
-        raise LayoutError("--plan krizhevsky2014 needs fully connected (Linear) layers to split: use --dp only")
+        raise LayoutError(
+            "--plan krizhevsky2014 needs fully connected (Linear) layers to split: use --dp only")
     part = SlicedPart()
     for name, m in layers[:first_fc]:
         part.modules.append(m)

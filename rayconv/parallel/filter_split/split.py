@@ -71,8 +71,9 @@ def _shard_module(name: str, m: nn.Module, sizes_out: list[int], index: int, in_
     prefix = f"{name}." if name else ""
     if isinstance(m, nn.Conv2d):
         groups = m.groups if in_local == m.in_channels else m.groups // len(sizes_out)
-        new: nn.Module = (GatheredConv2d if exchange else nn.Conv2d)(
-            in_local, size, m.kernel_size, m.stride, m.padding, m.dilation, groups, m.bias is not None, m.padding_mode)
+        new: nn.Module = (GatheredConv2d if exchange else nn.Conv2d)(in_local, size, m.kernel_size, m.stride,
+                                                                     m.padding, m.dilation, groups,
+                                                                     m.bias is not None, m.padding_mode)
     elif isinstance(m, nn.Linear):
         new = (GatheredLinear if exchange else nn.Linear)(m.in_features, size, m.bias is not None)
     else:  # batch norm
@@ -92,9 +93,9 @@ def _shard_module(name: str, m: nn.Module, sizes_out: list[int], index: int, in_
     return new.to(dtype=next(m.parameters()).dtype) if any(True for _ in m.parameters()) else new
 
 
-def slice_layers(layers: list[tuple[str, nn.Module]], in_shape: tuple[int, ...], out_shapes: list[tuple[int, ...]],
-                 in_sizes: Optional[list[int]], index: int, size: int, group: Optional[dist.ProcessGroup],
-                 is_last: bool, exchange_chunks: int = 1) -> SlicedPart:
+def slice_layers(layers: list[tuple[str, nn.Module]], in_shape: tuple[int, ...],
+                 out_shapes: list[tuple[int, ...]], in_sizes: Optional[list[int]], index: int, size: int,
+                 group: Optional[dist.ProcessGroup], is_last: bool, exchange_chunks: int = 1) -> SlicedPart:
     """Filter-split ``layers`` over ``size`` actors; this is actor ``index``'s part.
 
     ``exchange_chunks`` > 1: each gather in front of a dense layer is done in that many batch pieces,
@@ -118,9 +119,10 @@ def slice_layers(layers: list[tuple[str, nn.Module]], in_shape: tuple[int, ...],
                 sizes = [s * spatial for s in sizes]
             part.add(name, m)
         else:
-            raise LayoutError(f"filter split cannot divide layer {name or '<model>'} ({type(m).__name__}): "
-                            "it supports Conv2d, Linear, BatchNorm, pooling, activations, dropout and flatten "
-                            "(AlexNet, VGG, convnet); use --fs 1 for this model")
+            raise LayoutError(
+                f"filter split cannot divide layer {name or '<model>'} ({type(m).__name__}): "
+                "it supports Conv2d, Linear, BatchNorm, pooling, activations, dropout and flatten "
+                "(AlexNet, VGG, convnet); use --fs 1 for this model")
         shape = out_shape
     if is_last and sizes is not None:
         part.add(None, Gather(1, sizes, index, group, split_consumer=False))

@@ -57,7 +57,8 @@ def check_exchanges(schedule: Schedule, paired: bool = True) -> None:
     if stuck:
         def waits(s: int, j: int) -> str:
             return ", ".join(f"{op[0]} {op[1][0]}{op[1][1]} {'to' if op[0] == 'send' else 'from'} stage "
-                             f"{op[1][3] if op[0] == 'send' else op[1][2]}" for op in events[s][j][1] if not op[2])
+                             f"{op[1][3] if op[0] == 'send' else op[1][2]}" for op in events[s][j][1]
+                             if not op[2])
         raise ScheduleError(f"schedule {schedule.name!r} deadlocks when sends are not buffered "
                             f"({'paired' if paired else 'unpaired'} exchanges): "
                             + "; ".join(f"stage {s} waits on [{waits(s, j)}]" for s, j in stuck))

@@ -94,8 +94,9 @@ def counterparts(schedule: Schedule, events: list[list[tuple]]) -> dict[int, lis
                     f"{what(a[1])} but stage {key[1]} expects {what(b[1])}: messages between two stages "
                     "arrive in the order they were sent")
         if len(out) != len(inn):
-            raise ScheduleError(f"schedule {schedule.name!r}: stage {key[0]} sends {len(out)} messages to stage "
-                                f"{key[1]}, which receives {len(inn)}")
+            raise ScheduleError(
+                f"schedule {schedule.name!r}: stage {key[0]} sends {len(out)} messages to stage "
+                f"{key[1]}, which receives {len(inn)}")
     peer = {}
     for key in sent:
         for a, b in zip(sent[key], recvd[key]):

@@ -35,8 +35,8 @@ class Post:
 
 def p2p_posts(schedule: Schedule, stage: int) -> list[tuple[Post, ...]]:
     """The batches ``StageRunner.run`` posts on ``stage``: ``posts[i]`` (zero or more batches, none
-    empty, posted in order) just before action ``i`` computes, and ``posts[len(program)]`` after the last (the sends
-    left over).
+    empty, posted in order) just before action ``i`` computes, and ``posts[len(program)]`` after the last (the
+    sends left over).
 
     Rounds: without model chunks (and for ``forward_only``), each action's output is sent with the
     next action's input, so no send waits behind another action and 1F1B's crossing messages share
@@ -87,7 +87,8 @@ class _StagePosts:
         P = schedule.num_stages
         self.msgs = [[action_messages(schedule, s, a) for a in prog]
                      for s, prog in enumerate(schedule.programs)]
-        self.by_stage = [[[p] if p.sends or p.recvs else [] for p in _round_posts(schedule, s)] for s in range(P)]
+        self.by_stage = [[[p] if p.sends or p.recvs else [] for p in _round_posts(schedule, s)]
+                         for s in range(P)]
         # Every pair of stages (lower first) that exchanges a message.
         self.pairs = sorted({tuple(sorted((s, self.peer(s, m))))
                              for s in range(P) for r, t in self.msgs[s] for m in (r, t) if m})
@@ -105,7 +106,8 @@ class _StagePosts:
     @staticmethod
     def make(part: list[_Op]) -> Post:
         """The batch of operations ``part``."""
-        return Post(tuple(j for kind, j, _ in part if kind == "send"), tuple(j for kind, j, _ in part if kind == "recv"))
+        return Post(tuple(j for kind, j, _ in part if kind == "send"),
+                    tuple(j for kind, j, _ in part if kind == "recv"))
 
     def projection(self, s: int, q: int) -> list[tuple[int, int, frozenset]]:
         """Stage ``s``'s batches that talk to ``q``, in posting order: (action index, batch index, the
@@ -149,10 +151,12 @@ class _StagePosts:
         for s, j in stuck:
             _, _, i, b = events[s][j]
             o = self.ops(s, self.by_stage[s][i][b])
-            peers = sorted({self.peer(s, m) for _, _, m in o},
-                           key=lambda q: min(0 if kind == "send" else 1 for kind, _, m in o if self.peer(s, m) == q))
+            peers = sorted({self.peer(s, m) for _, _, m in o}, key=lambda q: min(0 if kind == "send" else 1
+                                                                                 for kind, _, m in o
+                                                                                 if self.peer(s, m) == q))
             if len(peers) > 1:
-                self.by_stage[s][i][b:b + 1] = [self.make([op for op in o if self.peer(s, op[2]) == q]) for q in peers]
+                self.by_stage[s][i][b:b + 1] = [self.make([op for op in o if self.peer(s, op[2]) == q])
+                                                for q in peers]
                 mended = True
         return mended
 
@@ -184,8 +188,11 @@ class _InterleavedRounds:
         self.total = M * V
         self.first, self.last = stage == 0, stage == P - 1
         # The actions of each chunk that receive their input, in program order (consumed first in, first out).
-        self.queue = {(kind, c): [i for i, a in enumerate(prog) if a.kind == kind and a.chunk == c and msgs[i][0]]
-                      for kind in (FORWARD, BACKWARD) for c in range(V)}
+        self.queue = {
+            (kind, c): [i for i, a in enumerate(prog) if a.kind == kind and a.chunk == c and msgs[i][0]]
+            for kind in (FORWARD, BACKWARD)
+            for c in range(V)
+        }
         self.sends: list[list[int]] = [[] for _ in range(len(prog) + 1)]
         self.recvs: list[list[int]] = [[] for _ in range(len(prog) + 1)]
         self.all_warmup = M == P
@@ -216,8 +223,10 @@ class _InterleavedRounds:
         self._cooldown_rounds()
         left = [i for q in self.queue.values() for i in q]
         if left:
-            raise ScheduleError(f"schedule {self.schedule.name!r}: stage {self.stage} never receives the input of "
-                                f"{', '.join(str(self.prog[i]) for i in sorted(left))}")
+            raise ScheduleError(
+                f"schedule {self.schedule.name!r}: stage {self.stage} never receives the input of "
+                f"{', '.join(str(self.prog[i]) for i in sorted(left))}"
+            )
         return [Post(tuple(self.sends[i]), tuple(self.recvs[i])) for i in range(len(self.prog) + 1)]
 
     def _warmup_rounds(self) -> None:

@@ -107,9 +107,9 @@ class StageRunner:
         with torch.autocast(self.device.type, dtype=self.autocast):
             return module(x)
 
-    def run(self, program: Sequence[Action], posts: Sequence[Sequence[Post]], inputs: Callable[[int], torch.Tensor],
-            loss: Callable[[int, torch.Tensor], torch.Tensor], mb_sizes: list[int],
-            before_last_backward: Callable[[], None], train: bool = True,
+    def run(self, program: Sequence[Action], posts: Sequence[Sequence[Post]],
+            inputs: Callable[[int], torch.Tensor], loss: Callable[[int, torch.Tensor], torch.Tensor],
+            mb_sizes: list[int], before_last_backward: Callable[[], None], train: bool = True,
             before_forward: Optional[Callable[[int], None]] = None) -> StepResult:
         """Run ``program`` (all F and B actions of this stage; only F when ``train`` is False), posting
         the batches of ``posts[i]`` (``p2p.p2p_posts`` of the program), in order, before action
@@ -150,8 +150,8 @@ class StageRunner:
         return res
 
     def _run_forward(self, i: int, a: Action, inputs: Callable[[int], torch.Tensor],
-                     loss: Callable[[int, torch.Tensor], torch.Tensor], train: bool, outbox: dict, inbox: dict,
-                     saved: dict) -> None:
+                     loss: Callable[[int, torch.Tensor], torch.Tensor], train: bool, outbox: dict,
+                     inbox: dict, saved: dict) -> None:
         """F(m) of chunk ``a.chunk``: its input (the data, or received), the chunk, then the loss (last
         virtual stage) or the output into ``outbox``; input and output kept in ``saved`` for B(m)."""
         m, c = a.microbatch, self.chunks[a.chunk]

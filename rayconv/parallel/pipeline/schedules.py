@@ -151,7 +151,8 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
 
 def interleaved_chunk(k: int, P: int, V: int, forward: bool) -> int:
     """Interleaved 1F1B: the model chunk of a stage's k-th forward (or backward). Micro-batches pass
-    each chunk in groups of P; backwards visit the chunks in reverse (Megatron-LM's ``get_model_chunk_id``)."""
+    each chunk in groups of P; backwards visit the chunks in reverse (Megatron-LM's
+    ``get_model_chunk_id``)."""
     c = (k % (P * V)) // P
     return c if forward else V - 1 - c
 
@@ -231,8 +232,9 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks:
         raise ValueError(f"unknown schedule {name!r}; allowed names: {', '.join(SCHEDULE_NAMES)}")
     if num_chunks != 1:
         if name != "1f1b":
-            raise ValueError(f"model chunks per stage (got {num_chunks}) need the 1f1b schedule (interleaved), "
-                             f"not {name}")
+            raise ValueError(
+                f"model chunks per stage (got {num_chunks}) need the 1f1b schedule (interleaved), "
+                f"not {name}")
         return interleaved_1f1b(num_stages, num_microbatches, num_chunks)
     return _BUILDERS[name](num_stages, num_microbatches)
 

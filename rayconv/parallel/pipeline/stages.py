@@ -18,8 +18,9 @@ def balance(costs: Sequence[float], num_stages: int) -> list[tuple[int, int]]:
     Raises LayoutError if there are fewer layers than stages."""
     n = len(costs)
     if num_stages > n:
-        raise LayoutError(f"--pp {num_stages} needs at least {num_stages} cuttable layers but the model has {n}: "
-                        f"lower --pp to at most {n}")
+        raise LayoutError(
+            f"--pp {num_stages} needs at least {num_stages} cuttable layers but the model has {n}: "
+            f"lower --pp to at most {n}")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
@@ -50,8 +51,9 @@ def parse_stages(spec: str, num_layers: int, num_stages: int) -> list[tuple[int,
     except ValueError:
         raise LayoutError(f"--stages {spec!r}: give comma-separated layer indices, e.g. '5,9'") from None
     if len(cuts) != num_stages - 1:
-        raise LayoutError(f"--stages {spec!r} gives {len(cuts) + 1} stages but --pp (times --virtual-stages) is "
-                        f"{num_stages}: give {num_stages - 1} cut point(s)")
+        raise LayoutError(
+            f"--stages {spec!r} gives {len(cuts) + 1} stages but --pp (times --virtual-stages) is "
+            f"{num_stages}: give {num_stages - 1} cut point(s)")
     edges = [0, *cuts, num_layers]
     if any(b <= a for a, b in zip(edges, edges[1:])):
         raise LayoutError(f"--stages {spec!r}: cut points must increase strictly within 1..{num_layers - 1}")
