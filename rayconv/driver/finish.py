@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from rayconv.cluster.group import ActorGroup
-from rayconv.driver.loop import Run, evaluate
+from rayconv.driver.loop import Run, evaluate, export
 from rayconv.errors import ConfigError, RunStopped
 from rayconv.files import write_json
 from rayconv.outputs.checkpoint import list_checkpoints, remove_partial
-from rayconv.outputs.export import assemble, export_model
 from rayconv.planner.search import compare
 from rayconv.signals import stopped_by
 from rayconv.startup import after
@@ -32,8 +31,7 @@ def finish(run: Run, actor_group: ActorGroup) -> dict[str, Any]:
     export(run, actor_group, out / "model.pt")
     if run.cfg.model_ema:
         export(run, actor_group, out / "model_ema.pt", ema=True)
-    if run.elastic is not None:   # (a change after a loss during the export: its line and row now)
-        run.elastic.settle(run)
+    run.changes.settle(run.log)   # (a layout change after a loss during the export: its line and row now)
     memory = actor_group.call("memory", timeout_s=run.call_timeout_s)
     run.metrics.write(out / "metrics.parquet")
     summary = summarize(run, memory)
@@ -77,23 +75,6 @@ def finish_evaluation(run: Run, actor_group: ActorGroup) -> dict[str, Any]:
     run.log(f"evaluated --init {cfg.init}: test top-1 {summary['test_accuracy']:.4f}, top-5 "
             f"{_fmt(summary['test_top5_accuracy'], '.4f')}, test loss {summary['test_loss']:.4f} -> {out}")
     return summary
-
-
-def export(run: Run, actor_group: ActorGroup, path: Path, ema: bool = False) -> None:
-    """``path`` <- the actors' parts (``ema``: of their moving averages) assembled into one state_dict,
-    checked against the keys and shapes of the model an actor built (as a fresh model's strict
-    ``load_state_dict`` would: the driver builds no model, and imports no torchvision), written atomically."""
-    cfg, mesh = run.cfg, run.resolved.mesh
-    # Replica 0's actors hold the whole model between them.
-    # (Under the per-layer plan every actor holds a slice of the FC layers.)
-    holders = list(range(mesh.world_size)) if cfg.plan != "none" else \
-        [mesh.rank((0, p, f)) for p in range(mesh.pp) for f in range(mesh.fs)]
-    states = actor_group.call("state", *((True,) if ema else ()), ranks=holders, timeout_s=run.call_timeout_s)
-    split_dims: dict[str, int] = {}
-    for d in actor_group.call("split_dims", ranks=holders, timeout_s=run.call_timeout_s):
-        split_dims.update(d)
-    keys = actor_group.call("model_keys", ranks=holders[:1], timeout_s=run.call_timeout_s)[0]
-    export_model(path, assemble(states, split_dims), keys)
 
 
 def held_decode(setups: list[dict[str, Any]]) -> Optional[dict[str, Any]]:

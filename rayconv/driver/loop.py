@@ -22,18 +22,21 @@ import weakref
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from rayconv import startup
 from rayconv.cluster.group import ActorGroup, Pending
 from rayconv.driver import saving
 from rayconv.driver.best import Best, load_best, write_best
+from rayconv.driver.elastic import DrainWatch, LayoutChanges, cluster_free
+from rayconv.driver.policies import CONTINUE, Decision, FixedScaling, ScalingPolicy
 from rayconv.driver.progress import Progress
 from rayconv.driver.lr import learning_rate, peak_lr, warmup_steps
 from rayconv.driver.resolve import ResolvedRun, call_timeout_s
 from rayconv.driver.target import Target, train_seconds
 from rayconv.layout import Layout
 from rayconv.outputs.checkpoint import Checkpoint
+from rayconv.outputs.export import assemble, export_model
 from rayconv.outputs.metrics import MetricsLog, actor_gauges, read_rows, reduce_step
 from rayconv.outputs.tensorboard import EventFiles, first_images, import_writers
 
@@ -46,7 +49,8 @@ class Run:
     """One run across its attempts (a recovery starts new actors and continues): the setup, and what the
     attempts gathered (metrics rows, the last evaluation, the actors' build reports, training time)."""
 
-    def __init__(self, resolved: ResolvedRun, log=print, on_step=None, on_eval=None):
+    def __init__(self, resolved: ResolvedRun, log=print, on_step=None, on_eval=None,
+                 scaling: Optional[ScalingPolicy] = None):
         self.resolved, self.cfg, self.log, self.on_step = resolved, resolved.cfg, log, on_step
         self.on_eval = on_eval  # on_eval(row, total_steps) after each evaluation (job.train_run)
         self.call_timeout_s = call_timeout_s(resolved.cfg)
@@ -61,8 +65,6 @@ class Run:
         # checkpoint time left out), over every attempt of this process: the summary's images/s.
         self.wall: dict[int, tuple[int, float]] = {}
         self.best = load_best(resolved.out) if resolved.cfg.keep_best else Best()   # --keep-best's
-        # (job.py sets it: writes the actors' weights as one model.pt, ``finish.export``)
-        self.export: Optional[Callable[[ActorGroup, Path], None]] = None
         self.events = EventFiles(resolved.out, resolved.resume.step if resolved.resume is not None else 0,
                                  enabled=resolved.cfg.tensorboard == "on", log=log)
         self.metrics.on_write = self.events.add_rows
@@ -70,11 +72,16 @@ class Run:
         weakref.finalize(self, self.events.close)   # (each write is flushed; the writer closed with the run)
         self.images_logged = not resolved.cfg.log_images   # (--log-images: once, before the first step)
         self.startup = startup.current() or startup.begin(None, "fit call")  # (rayconv.startup)
-        # --elastic (job.py sets it: ``driver.elastic.Elastic``): told of each step done and each step
-        # boundary; an actor's SIGTERM mark (its role) makes the next step a boundary; summary.json's rows.
-        self.elastic: Any = None
+        # Asked at each step boundary whether to go on (--elastic: ``policies.ElasticScaling``).
+        self.scaling: ScalingPolicy = scaling or FixedScaling(resolved.mesh)
+        # A preemption notice (an actor's SIGTERM mark: its role; a draining node): the next step is a
+        # boundary, where the scaling policy decides.
         self.preempted: Optional[str] = None
-        self.layout_changes: list[dict[str, Any]] = []
+        self.changes = LayoutChanges()   # summary.json's ``layout_changes``, and the change under way
+
+    @property
+    def layout_changes(self) -> list[dict[str, Any]]:
+        return self.changes.rows
 
     def use(self, resolved: ResolvedRun) -> None:
         """Continue on another layout (--elastic): ``resolved`` with its mesh, routing and sharding."""
@@ -135,17 +142,20 @@ class _Attempt:
     t_train: float = field(default_factory=time.perf_counter)
     t_last: float = 0.0  # when the previous result came back
     lrs: dict[int, float] = field(default_factory=dict)  # submitted steps' learning rates
+    drain: Optional[DrainWatch] = None   # (--elastic: the actors' nodes, looked at for a drain)
 
 
-def train(run: Run, actor_group: ActorGroup, start: int) -> None:
-    """Steps ``start`` .. total_steps - 1, with evaluations and checkpoints (see the module docstring).
-    Raises ClusterError (an actor failed or a call timed out) or FloatingPointError (a loss not finite)."""
+def train(run: Run, actor_group: ActorGroup, start: int) -> Decision:
+    """Steps ``start`` .. total_steps - 1, with evaluations and checkpoints (see the module docstring),
+    until the last step (``CONTINUE``) or a step boundary where the scaling policy decides a resize
+    (returned; the actors quiet, the checkpoint of a preemption not yet written). Raises ClusterError
+    (an actor failed or a call timed out) or FloatingPointError (a loss not finite)."""
     total = run.resolved.total_steps
     if not run.images_logged:
         log_images(run)
     att = _Attempt(start, Progress(run.cfg, total, start, run.log))
-    if run.elastic is not None:
-        run.elastic.started(actor_group)
+    if run.scaling.watches_cluster:
+        att.drain = DrainWatch({i["node_id"] for i in actor_group.info})
     att.t_last = att.t_train
     log, run.log = run.log, att.progress.console(run.log)   # (lines printed while the bar shows: not onto it)
     try:
@@ -159,9 +169,12 @@ def train(run: Run, actor_group: ActorGroup, start: int) -> None:
             if not boundary:  # queue the next step before waiting for this one
                 in_flight = _submit(run, actor_group, att, step + 1)
             _record(run, att, actor_group.collect(current, timeout_s=run.call_timeout_s))
-            if boundary:
-                _between_steps(run, actor_group, att, step)
+            decision = _between_steps(run, actor_group, att, step) if boundary else CONTINUE
+            if decision.action != "continue":
+                saving.settle(run, actor_group)   # (the checkpoint complete before these actors stop)
+                return decision
         saving.settle(run, actor_group)   # (the run ends once its last checkpoint is complete)
+        return CONTINUE
     except KeyboardInterrupt:   # (a stop keeps the checkpoint the actors are writing, if they can finish it)
         saving.settle(run, actor_group, timeout_s=run.call_timeout_s, quiet=True)
         raise
@@ -200,8 +213,9 @@ def _record(run: Run, att: _Attempt, results: list) -> None:
                     images_per_s=count / max(1e-9, step_ms / 1e3), step_ms=step_ms, input_stall_ms=stall,
                     input_stall_fraction=None if stall is None else stall / max(1e-9, step_ms),
                     time_s=run.train_s + now - att.t_train, loss_scale=r["loss_scale"], layout=run.layout_name)
-    if run.elastic is not None:
-        run.elastic.step_done(run, k)
+    run.changes.settle(run.log)   # (a layout change's first step done: its line and row)
+    if att.drain is not None and run.preempted is None:
+        run.preempted = att.drain.draining()
     if run.cfg.metrics:
         actor_gauges(run.resolved.run_name, "driver", images_per_s=ips, step_ms=step_ms, loss=r["loss"], step=k)
     if not math.isfinite(r["loss"]):
@@ -219,9 +233,9 @@ def _startup(run: Run, k: int, results: list) -> None:
     clock.mark_capture([x["graph_capture_s"] for x in results if x.get("graph_capture_s") is not None])
 
 
-def _between_steps(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) -> None:
+def _between_steps(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) -> Decision:
     """After ``step``, with nothing in flight: the actors' last metrics, then the evaluation, the
-    checkpoint, the metrics so far and the test hook that are due."""
+    checkpoint, the metrics so far and the test hook that are due; then the scaling policy's decision."""
     cfg, s, done = run.cfg, run.resolved, step + 1
     _record(run, att, actor_group.call("flush", timeout_s=run.call_timeout_s))
     if run.evaluation_due(done):
@@ -236,8 +250,8 @@ def _between_steps(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) 
         saving.settle(run, actor_group)   # (and the checkpoint complete)
         run.on_step(actor_group, step)
     att.t_last = time.perf_counter()  # evaluation and checkpoint time is not a step's
-    if run.elastic is not None:  # (a preemption's checkpoint, a grow back: may stop these actors)
-        run.elastic.at_boundary(run, actor_group, done)
+    free = cluster_free(cfg) if run.scaling.watches_cluster else 0
+    return run.scaling.at_boundary(done, s.total_steps, run.checkpoint_due(done), s.mesh, free, run.preempted)
 
 
 def _evaluation(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) -> None:
@@ -259,9 +273,8 @@ def _evaluation(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) -> 
         run.log(f"rayconv: {metric.replace('_', ' ')} {ev[metric]:.4f} reached --target-accuracy "
                 f"{run.target.accuracy:g} after step {step}: {run.target.wall_s:.1f} s from the start, "
                 f"{run.target.train_s:.1f} s of training")
-    if cfg.keep_best and run.export is not None and run.best.improves(ev.get("val_accuracy")):
-        export = run.export
-        write_best(s.out, step, float(ev["val_accuracy"]), lambda path: export(actor_group, path))
+    if cfg.keep_best and run.best.improves(ev.get("val_accuracy")):
+        write_best(s.out, step, float(ev["val_accuracy"]), lambda path: export(run, actor_group, path))
         run.best = Best(step, ev["val_accuracy"])
     run.metrics.add(kind="eval", step=step, epoch=step // s.sharding.steps_per_epoch,
                     time_s=run.train_s + time.perf_counter() - att.t_train, layout=run.layout_name, **run.last_eval)
@@ -322,6 +335,23 @@ def checkpoint(run: Run, actor_group: ActorGroup, step: int, wait: bool = False)
     background; its manifest, written once all are in, completes it (``driver.saving``). ``wait``:
     complete on return. Returns its folder."""
     return saving.start(run, actor_group, step, _manifest(run, step), wait=wait)
+
+
+def export(run: Run, actor_group: ActorGroup, path: Path, ema: bool = False) -> None:
+    """``path`` <- the actors' parts (``ema``: of their moving averages) assembled into one state_dict,
+    checked against the keys and shapes of the model an actor built (as a fresh model's strict
+    ``load_state_dict`` would: the driver builds no model, and imports no torchvision), written atomically."""
+    cfg, mesh = run.cfg, run.resolved.mesh
+    # Replica 0's actors hold the whole model between them.
+    # (Under the per-layer plan every actor holds a slice of the FC layers.)
+    holders = list(range(mesh.world_size)) if cfg.plan != "none" else \
+        [mesh.rank((0, p, f)) for p in range(mesh.pp) for f in range(mesh.fs)]
+    states = actor_group.call("state", *((True,) if ema else ()), ranks=holders, timeout_s=run.call_timeout_s)
+    split_dims: dict[str, int] = {}
+    for d in actor_group.call("split_dims", ranks=holders, timeout_s=run.call_timeout_s):
+        split_dims.update(d)
+    keys = actor_group.call("model_keys", ranks=holders[:1], timeout_s=run.call_timeout_s)[0]
+    export_model(path, assemble(states, split_dims), keys)
 
 
 def _manifest(run: Run, step: int) -> dict[str, Any]:

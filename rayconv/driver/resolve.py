@@ -71,6 +71,24 @@ class ResolvedRun:
     t_start: float             # time.perf_counter() when the setup began: the summary's wall time
     data_dir: Optional[str] = None  # --data-dir as given (cfg.data_dir is --stage-dir's copy when staged)
 
+    def __post_init__(self) -> None:
+        # dp is the mesh's: the settings, the routing and the sharding the actors read carry copies of it
+        copies = (self.cfg.dp, self.routing.mesh.dp, self.sharding.dp)
+        if any(dp != self.mesh.dp for dp in copies) or self.routing.mesh != self.mesh:
+            raise ValueError(f"a run's dp is its mesh's ({self.mesh}): settings, routing, sharding have {copies}")
+
+    def on_mesh(self, mesh: Mesh) -> "ResolvedRun":
+        """This run on ``mesh`` (--elastic: another dp, the same pp and fs): the settings, the routing
+        and the sharding rebuilt for its dp; the pipeline cut, the schedule and the rest stay (the
+        routing's stages do not depend on dp). Raises ConfigError for a dp the settings refuse."""
+        if mesh == self.mesh:
+            return self
+        if (mesh.pp, mesh.fs) != (self.mesh.pp, self.mesh.fs):
+            raise ValueError(f"a run changes only its dp: {self.mesh} -> {mesh}")
+        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, dp=mesh.dp).validate(), mesh=mesh,
+                                   routing=dataclasses.replace(self.routing, mesh=mesh),
+                                   sharding=dataclasses.replace(self.sharding, dp=mesh.dp))
+
     def saved_config(self) -> Config:
         """The settings config.json and a checkpoint record: the resolved ones, ``data_dir`` as given (a
         resumed run stages its copies again from there, also to nodes that have none)."""

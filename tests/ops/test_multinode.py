@@ -94,6 +94,7 @@ def test_elastic_dp4_shrinks_grows_and_loses_no_step(two_nodes, tmp_path, monkey
     import pyarrow.parquet as pq
     from ray.core.generated import autoscaler_pb2
 
+    from rayconv.cluster.nodes import draining_nodes
     from rayconv.driver import elastic
     from support.helpers import reference_sgd
 
@@ -122,6 +123,9 @@ def test_elastic_dp4_shrinks_grows_and_loses_no_step(two_nodes, tmp_path, monkey
             accepted, why = gcs.drain_node(done["added"].node_id, autoscaler_pb2.DrainNodeReason.Value(
                 "DRAIN_NODE_REASON_PREEMPTION"), "spot notice", 0)
             assert accepted, why
+            deadline = time.monotonic() + 30   # (until the cluster's status shows it, as the driver reads it)
+            while done["added"].node_id not in draining_nodes() and time.monotonic() < deadline:
+                time.sleep(0.05)
             done["drained"] = True
         elif step == 9 and "export" not in done:   # after the last step's checkpoint: the export finds it dead
             done["export"] = True

@@ -1,5 +1,6 @@
-"""--elastic without Ray: the re-plan rule, the free-device count, the refusals, and the stop below
-the minimum (one line naming the checkpoint kept and the resume command; exit status 2).
+"""--elastic without Ray: the free-device count, the refusals, the run rebuilt on another layout, and
+the stop below the minimum (one line naming the checkpoint kept and the resume command; exit status 2).
+The rules alone (plan, resize, wait, stop) are tests/unit/test_policies.py's.
 
 The elastic run itself (a node removed and added back, an actor's SIGTERM) is
 tests/ops/test_multinode.py's ``test_elastic_dp4_shrinks_grows_and_loses_no_step``."""
@@ -12,23 +13,12 @@ import pytest
 
 from rayconv import run as run_cli
 from rayconv.config import Config
-from rayconv.driver.elastic import continue_mesh, free_devices, plan_mesh
+from rayconv.cluster.nodes import free_devices
+from rayconv.driver.elastic import continue_mesh
+from rayconv.driver.policies import ElasticScaling
 from rayconv.errors import ConfigError, TooFewDevices
 from rayconv.mesh import Mesh
 from rayconv.outputs.checkpoint import write_checkpoint
-
-
-def test_plan_keeps_pp_and_fs_and_shrinks_dp_to_what_fits_and_splits_the_batch():
-    assert plan_mesh(Mesh(4, 1, 1), 2, 96, 1) == Mesh(2, 1, 1)
-    assert plan_mesh(Mesh(4, 1, 1), 3, 96, 1) == Mesh(3, 1, 1)       # (an uneven split is exact too)
-    assert plan_mesh(Mesh(4, 1, 1), 9, 96, 1) == Mesh(4, 1, 1)       # never above the starting dp
-    assert plan_mesh(Mesh(2, 2, 1), 5, 96, 4) == Mesh(2, 2, 1)
-    assert plan_mesh(Mesh(4, 2, 2), 11, 96, 1) == Mesh(2, 2, 2)
-    # 12 images over dp3 are 4 per replica, not 3 micro-batches: dp2 (6 each) is the largest that splits.
-    assert plan_mesh(Mesh(4, 1, 1), 3, 12, 3) == Mesh(2, 1, 1)
-    assert plan_mesh(Mesh(2, 2, 2), 3, 96, 1) is None                 # not even one pp2 x fs2 replica
-    assert plan_mesh(Mesh(4, 1, 1), 4, 96, 1, fits=lambda m: m.dp >= 3) == Mesh(4, 1, 1)
-    assert plan_mesh(Mesh(4, 1, 1), 2, 96, 1, fits=lambda m: m.dp >= 3) is None   # (memory)
 
 
 def test_free_devices_leave_draining_nodes_out_and_count_slots():
@@ -56,10 +46,11 @@ def test_below_the_minimum_waits_then_stops_with_one_line_and_the_checkpoint_kep
     ckpt = write_checkpoint(out, 4, [b"rank file"], {"layout": {}})
     cfg = Config(model="convnet", data="digits", device="cpu", dp=4, elastic=3, checkpoint_every=2,
                  global_batch_size=96, max_wait=0.6).validate()
+    policy = ElasticScaling(Mesh(4, 1, 1), 3, cfg.global_batch_size, cfg.num_microbatches)
     lines: list[str] = []
     t0 = time.monotonic()
     with pytest.raises(TooFewDevices) as e:
-        continue_mesh(cfg, Mesh(4, 1, 1), 3, out, lines.append, free=lambda c: 2)
+        continue_mesh(policy, cfg.max_wait, out, lines.append, free=lambda: 2)
     assert time.monotonic() - t0 >= 0.6, "it waits --max-wait before it stops"
     assert lines == ["rayconv: 2 devices free, --elastic needs 3: waiting up to 1 s (--max-wait)"]
     msg = str(e.value)
@@ -68,7 +59,7 @@ def test_below_the_minimum_waits_then_stops_with_one_line_and_the_checkpoint_kep
     assert (ckpt / "rank-0.pt").read_bytes() == b"rank file"
     # Devices that come back within the wait: the run goes on, on what the rule picks.
     seen = iter([1, 2, 3, 4])
-    assert continue_mesh(cfg, Mesh(4, 1, 1), 3, out, lines.append, free=lambda c: next(seen)) == Mesh(3, 1, 1)
+    assert continue_mesh(policy, cfg.max_wait, out, lines.append, free=lambda: next(seen)) == Mesh(3, 1, 1)
     # The command line's exit status for it is 2, its line alone on stderr.
 
     def stop(cfg):
@@ -87,13 +78,39 @@ def test_a_changes_phases_read_as_the_seconds_each_took():
     assert got == "stopped, devices free 1.0 s, actors started 3.5 s, set up 2.5 s, first step 0.2 s"
 
 
+def test_the_run_on_another_layout_is_rebuilt_with_one_dp(tmp_path):
+    """``ResolvedRun.on_mesh``: the settings, routing and sharding on the new mesh's dp, the pipeline cut
+    and the rest kept; a description whose parts disagree on dp, or a change of pp, is refused."""
+    import dataclasses
+
+    from rayconv.data.source import Sharding
+    from rayconv.driver.resolve import ResolvedRun, check_before_ray
+
+    cfg = Config(steps=10, dp=4, pp=2, device="cpu", progress=False, global_batch_size=64, num_microbatches=2,
+                 loader_workers=0, out=str(tmp_path)).validate()
+    source, _, _, routing = check_before_ray(cfg, None)
+    sharding = Sharding(source.train_size, cfg.global_batch_size, 4, cfg.seed)
+    start = ResolvedRun(cfg=cfg, mesh=routing.mesh, routing=routing, source=source, sharding=sharding, total_steps=10,
+                        eval_every=5, out=tmp_path, run_name="r-1", resume=None, predicted=None, t_start=0.0)
+    two = start.on_mesh(Mesh(2, 2, 1))
+    assert (two.cfg.dp, two.mesh, two.routing.mesh, two.sharding.dp) == (2, Mesh(2, 2, 1), Mesh(2, 2, 1), 2)
+    assert two.routing.stages == start.routing.stages and two.cfg.pp == 2 and two.total_steps == 10
+    assert start.on_mesh(Mesh(4, 2, 1)) is start and two.on_mesh(Mesh(4, 2, 1)).cfg == start.cfg
+    with pytest.raises(ValueError, match="only its dp"):
+        start.on_mesh(Mesh(4, 1, 1))
+    with pytest.raises(ValueError, match="dp is its mesh's"):
+        dataclasses.replace(start, sharding=dataclasses.replace(sharding, dp=2))
+
+
 def test_an_elastic_run_recovers_every_loss_by_default_and_a_spent_budget_names_max_failures(tmp_path):
     """--elastic without --max-failures: every loss is recovered (the budget -1, Ray Train's "no limit";
     the run stops only below MIN, above); with --max-failures N, or without --elastic (0), the loss past
     the budget ends the run in one line naming --max-failures."""
     from types import SimpleNamespace
 
-    from rayconv.driver.job import recover_or_raise
+    from rayconv.driver.early import EarlyActors
+    from rayconv.driver.job import Controller, decide_after_loss
+    from rayconv.driver.policies import FailurePolicy
     from rayconv.errors import ClusterError
 
     lost = ClusterError("actor dp1 (rank 1) was lost (process or node died) in train_step", recoverable=True)
@@ -103,16 +120,21 @@ def test_an_elastic_run_recovers_every_loss_by_default_and_a_spent_budget_names_
         return SimpleNamespace(cfg=cfg.validate(), failures=0, log=lines.append,
                                resolved=SimpleNamespace(out=tmp_path, resume=None)), lines
 
+    def recover(run) -> object:   # the controller's step after a loss, as without --elastic (a restart)
+        policy = FailurePolicy(run.cfg.failure_budget)
+        e, decision = decide_after_loss(lost, run, policy)
+        return Controller(run.cfg, EarlyActors(), run.log, None, None).after_loss(run, e, decision)
+
     run, lines = run_of(Config(dp=4, elastic=2, checkpoint_every=2))
     for _ in range(5):
-        assert recover_or_raise(lost, run) is None   # (no checkpoint written yet: from the start)
+        assert recover(run) is None   # (no checkpoint written yet: from the start)
     assert run.failures == 5 and "recovering (5 of --max-failures no limit)" in lines[-1]
     capped, _ = run_of(Config(dp=4, elastic=2, checkpoint_every=2, max_failures=1))
-    recover_or_raise(lost, capped)
+    recover(capped)
     with pytest.raises(ClusterError) as e:
-        recover_or_raise(lost, capped)
+        recover(capped)
     msg = str(e.value)
     assert "1 of --max-failures 1 recovered: give --max-failures N" in msg and "\n" not in msg
     plain, _ = run_of(Config(dp=4))
     with pytest.raises(ClusterError, match="0 of --max-failures 0 recovered: give --max-failures N"):
-        recover_or_raise(lost, plain)
+        recover(plain)
