@@ -17,10 +17,11 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
+from rayconv.actor.actor import Actor
 from rayconv.config import Config
 from rayconv.driver.job import launch
 from rayconv.driver.resolve import call_timeout_s as default_call_timeout_s, resolve_on_cluster
@@ -62,7 +63,7 @@ class _Calls:
     limit: float
     phase: str = "warm-up step 0"
 
-    def call(self, phase: str, method: str, *args: Any) -> Any:
+    def call(self, phase: str, method: Callable[..., Any], *args: Any) -> Any:
         self.phase = phase
         return self.actor_group.call(method, *args, timeout_s=self.limit)
 
@@ -125,11 +126,12 @@ def _warm_up(calls: _Calls, warmup: int, compiles: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     first_step_s = None
     for s in range(warmup):
-        calls.call(f"warm-up step {s}" + (" (compiles)" if s == 0 and compiles else ""), "train_step", s, calls.lr)
+        calls.call(f"warm-up step {s}" + (" (compiles)" if s == 0 and compiles else ""), Actor.train_step, s,
+                   calls.lr)
         if s == 0:
-            calls.call("warm-up step 0", "flush")
+            calls.call("warm-up step 0", Actor.flush)
             first_step_s = time.perf_counter() - t0
-    calls.call(f"warm-up step {max(0, warmup - 1)}", "flush")
+    calls.call(f"warm-up step {max(0, warmup - 1)}", Actor.flush)
     return {"warmup_s": time.perf_counter() - t0, "first_step_s": first_step_s}
 
 
@@ -139,20 +141,21 @@ def _timed(calls: _Calls, warmup: int, steps: int) -> dict[str, Any]:
     actor_group, lr, end = calls.actor_group, calls.lr, warmup + steps
     t0 = time.perf_counter()
     results, done_at = [], []
-    in_flight = actor_group.submit("train_step", warmup, lr)
+    in_flight = actor_group.submit(Actor.train_step, warmup, lr)
     for s in range(warmup, end):
         calls.phase = f"timed step {s}"
-        current, in_flight = in_flight, (actor_group.submit("train_step", s + 1, lr) if s + 1 < end else None)
+        queued = actor_group.submit(Actor.train_step, s + 1, lr) if s + 1 < end else None
+        current, in_flight = in_flight, queued
         results.append(actor_group.collect(current, timeout_s=calls.limit))
         done_at.append(time.perf_counter())
-    results.append(calls.call(f"timed step {end - 1}", "flush"))
+    results.append(calls.call(f"timed step {end - 1}", Actor.flush))
     elapsed = time.perf_counter() - t0
     # The same steps with no driver call between them (each actor loops by itself; one call).
     t1 = time.perf_counter()
-    calls.call(f"in-actor loop of {steps} steps", "train_steps", end, steps, lr)
+    calls.call(f"in-actor loop of {steps} steps", Actor.train_steps, end, steps, lr)
     in_actor_s = time.perf_counter() - t1
     # Peak memory of the timed steps (the profiled ones run eagerly, outside any CUDA graph).
-    memory = calls.call("memory report", "memory")
+    memory = calls.call("memory report", Actor.memory)
     gaps = np.diff([t0] + done_at)   # (each step's collect after the one before: the driver loop's step times)
     return {"results": results, "elapsed": elapsed, "in_actor_s": in_actor_s, "memory": memory,
             "median_s": float(np.median(gaps)) if len(gaps) else None, "gaps_s": gaps.tolist()}
@@ -162,14 +165,14 @@ def _profiled(calls: _Calls, first: int, n: int) -> list:
     """``n`` profiled steps (eager, synchronised around each wait): each one's per-actor split."""
     prof = []
     for s in range(first, first + n):
-        calls.call(f"profiled step {s}", "train_step", s, calls.lr, True)
-        prof.append(calls.call(f"profiled step {s}", "flush"))
+        calls.call(f"profiled step {s}", Actor.train_step, s, calls.lr, True)
+        prof.append(calls.call(f"profiled step {s}", Actor.flush))
     return prof
 
 
 def _trace(calls: _Calls, first: int, trace_steps: int, trace_to: Optional[Path]) -> Optional[float]:
     """Trace ``trace_steps`` steps of rank 0; write its table to ``trace_to``; the device's busy share."""
-    tr = calls.call("trace", "trace", first, trace_steps, calls.lr)[0]
+    tr = calls.call("trace", Actor.trace, first, trace_steps, calls.lr)[0]
     if trace_to is not None:
         kernels = "not measured" if tr["device_ms"] is None else f"{tr['device_ms']:.1f} ms"
         atomic_write(trace_to, lambda tmp: Path(tmp).write_text(

@@ -38,6 +38,7 @@ from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _in
 from ray.util.placement_group import get_placement_group, remove_placement_group
 
 from rayconv.cluster.connect import NAMESPACE, cluster_outlives_process, exception_summary
+from rayconv.cluster.pool import KeptActor
 from rayconv.cluster.watch import KV_NAMESPACE, code_hash, current_job, job_alive
 
 CLAIM_S = 10.0   # how long a kept actor may take to answer a claim or a keep before it counts as gone
@@ -148,7 +149,7 @@ def leave(group: Any, keep_s: float) -> bool:
     try:
         pg_name = ray.util.placement_group_table(group.pg)["name"]
         entry = f"kept/{_hash(group.key)}/{pg_name}"
-        codes = _answers(group.submit("keep", group.key, keep_s, entry).refs)
+        codes = _answers(group.submit(KeptActor.keep, group.key, keep_s, entry).refs)
         if codes is None or any(c != code_hash() for c in codes):
             return False
         _internal_kv_put(entry, json.dumps({"key": group.key, "actors": group.names, "pg": pg_name, "info": group.info,

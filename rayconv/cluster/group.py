@@ -25,6 +25,7 @@ from ray.util.placement_group import (get_current_placement_group, placement_gro
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayconv.cluster import across, pool
+from rayconv.cluster.calls import Method, Pending, is_collective_failure, is_lost
 from rayconv.cluster.connect import (ALL_GPUS_VISIBLE_ENV, NAMESPACE, actor_error, exception_summary,
                                      first_line)
 from rayconv.config import Config
@@ -33,32 +34,6 @@ from rayconv.mesh import Mesh
 from rayconv.user_model import actor_runtime_env, with_uploads
 
 LOST_GRACE_S = 2.0  # after an actor error, how long to look for a lost actor that caused it
-
-
-def _is_lost(e: BaseException) -> bool:
-    """An actor that is gone (process killed, node lost), rather than one that raised."""
-    return isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
-                          ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError))
-
-
-def _is_collective_failure(e: BaseException) -> bool:
-    """A torch.distributed failure inside the actor: a peer vanished, a collective timed out."""
-    cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None else e
-    import torch.distributed as dist
-
-    if isinstance(cause, getattr(dist, "DistError", ())):
-        return True
-    text = str(cause)
-    return any(w in text for w in ("gloo", "Gloo", "NCCL", "Connection closed by peer", "Connection reset"))
-
-
-@dataclass
-class Pending:
-    """A call started on some actors: method name, ranks and their result references."""
-
-    method: str
-    ranks: list[int]
-    refs: list[Any]
 
 
 @dataclass
@@ -84,12 +59,14 @@ class ActorGroup:
     spare_names: list[str] = field(default_factory=list)
     spare_info: list[dict[str, Any]] = field(default_factory=list)
 
-    def call(self, method: str, *args, ranks: Optional[Sequence[int]] = None, timeout_s: Optional[float] = None):
-        """Call ``method(*args)`` on the actors (all, or ``ranks``); results in rank order (see ``call_each``)."""
+    def call(self, method: Method, *args, ranks: Optional[Sequence[int]] = None,
+             timeout_s: Optional[float] = None):
+        """Call ``method(*args)`` (``Actor.<name>``) on the actors (all, or ``ranks``); results in rank
+        order (see ``call_each``)."""
         ranks = list(range(len(self.actors))) if ranks is None else list(ranks)
         return self.call_each(method, [args] * len(ranks), ranks=ranks, timeout_s=timeout_s)
 
-    def call_each(self, method: str, args: Sequence[Sequence[Any]], ranks: Optional[Sequence[int]] = None,
+    def call_each(self, method: Method, args: Sequence[Sequence[Any]], ranks: Optional[Sequence[int]] = None,
                   timeout_s: Optional[float] = None) -> list[Any]:
         """Call ``method(*args[i])`` on actor ``ranks[i]`` (default: all, in rank order); return the results.
 
@@ -97,14 +74,15 @@ class ActorGroup:
         the actor's role and its own (``connect.actor_error``; no hang). Same after ``timeout_s``."""
         return self.collect(self.submit_each(method, args, ranks), timeout_s=timeout_s)
 
-    def submit(self, method: str, *args) -> "Pending":
+    def submit(self, method: Method, *args) -> "Pending":
         """Start ``method(*args)`` on every actor without waiting; ``collect`` gets the results.
         Calls to one actor run in submission order, so the next step can be queued while one runs."""
         return self.submit_each(method, [args] * len(self.actors))
 
-    def submit_each(self, method: str, args: Sequence[Sequence[Any]], ranks: Optional[Sequence[int]] = None) -> "Pending":
-        ranks = list(range(len(self.actors))) if ranks is None else list(ranks)
-        return Pending(method, ranks, [getattr(self.actors[r], method).remote(*a) for r, a in zip(ranks, args)])
+    def submit_each(self, method: Method, args: Sequence[Sequence[Any]],
+                    ranks: Optional[Sequence[int]] = None) -> "Pending":
+        ranks, name = list(range(len(self.actors))) if ranks is None else list(ranks), method.__name__
+        return Pending(name, ranks, [getattr(self.actors[r], name).remote(*a) for r, a in zip(ranks, args)])
 
     def collect(self, call: "Pending", timeout_s: Optional[float] = None) -> list[Any]:
         """Results of a submitted call in rank order; on failure as ``call_each`` says."""
@@ -122,7 +100,7 @@ class ActorGroup:
                 ray.get(done[0])
             except Exception as e:  # noqa: BLE001 - re-raised with the actor's role
                 r, err = ranks[refs.index(done[0])], e
-                if not _is_lost(e):
+                if not is_lost(e):
                     # A peer that died makes the others' collectives fail first: look briefly for a
                     # lost actor, whose loss is the cause worth reporting.
                     late, _ = ray.wait(pending, num_returns=len(pending), timeout=LOST_GRACE_S)
@@ -130,19 +108,19 @@ class ActorGroup:
                         try:
                             ray.get(ref)
                         except Exception as e2:  # noqa: BLE001
-                            if _is_lost(e2):
+                            if is_lost(e2):
                                 r, err = ranks[refs.index(ref)], e2
                                 break
                 self.kill()
-                lost, summary = _is_lost(err), exception_summary(err)
+                lost, summary = is_lost(err), exception_summary(err)
                 what = "was lost (process or node died)" if lost else "failed"
                 if lost:  # Ray's explanation runs over several lines; its first says it all
                     summary = summary.splitlines()[0]
-                elif _is_collective_failure(err) and "timed out" in summary.lower():
+                elif is_collective_failure(err) and "timed out" in summary.lower():
                     summary += ("; the collective waited past --collective-timeout-s: raise it if a peer is "
                                 "only slow, not stuck")
                 raise actor_error(f"actor {self.roles[r]} (rank {r}) {what} in {method}: {summary}", err,
-                                  recoverable=lost or _is_collective_failure(err)) from None
+                                  recoverable=lost or is_collective_failure(err)) from None
         return ray.get(refs)
 
     def wait_started(self) -> None:
@@ -378,7 +356,7 @@ def create_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: A
             across.created(f"rayconv/{run_name}")
     actor_group = ActorGroup(actors, roles, pg, [], first_bundle, owns, names=names,
                              key=pool.actors_key(actor_cls, mesh.world_size, bundle, env, None if owns else pg.id.hex()))
-    actor_group.starting = (actor_group.submit("whereami"), deadline, limit_s or timeout_s)
+    actor_group.starting = (actor_group.submit(pool.KeptActor.whereami), deadline, limit_s or timeout_s)
     if wait:
         actor_group.wait_started()
     return actor_group

@@ -33,7 +33,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import ray
 
@@ -41,6 +41,17 @@ from rayconv.cluster.connect import exception_summary
 from rayconv.cluster.watch import code_hash
 
 RENEW_S = 30.0  # how long kept actors may take to renew before new ones are started instead
+
+
+class KeptActor(Protocol):
+    """The methods the cluster layer calls on the actor class it is handed (``actor.actor.Actor``): the
+    typed references ``ActorGroup.submit`` takes for its own calls."""
+
+    def whereami(self) -> dict[str, Any]: ...
+
+    def renew(self, cfg: dict[str, Any], run_name: str, role: str) -> None: ...
+
+    def keep(self, key: str, keep_s: float, entry: str) -> Optional[str]: ...
 
 
 @dataclass(eq=False)   # (told apart by identity)
@@ -203,7 +214,8 @@ def renew(group: Any, cfg_dict: dict[str, Any], run_name: str, roles: list[str])
     stopped, ``collect`` kills it, and the run starts its own)."""
     left_s = 0.0 if group.starting is None else max(0.0, group.starting[1] - time.monotonic())
     try:
-        group.collect(group.submit_each("renew", [(cfg_dict, run_name, r) for r in roles]), timeout_s=RENEW_S + left_s)
+        renewing = group.submit_each(KeptActor.renew, [(cfg_dict, run_name, r) for r in roles])
+        group.collect(renewing, timeout_s=RENEW_S + left_s)
     except Exception as e:  # noqa: BLE001 - the group is stopped (collect kills it); the run starts its own
         import logging
 

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from rayconv.actor.actor import Actor
 from rayconv.cluster.group import ActorGroup
 from rayconv.driver.loop import Run, evaluate, export
 from rayconv.errors import ConfigError, RunStopped
@@ -32,7 +33,7 @@ def finish(run: Run, actor_group: ActorGroup) -> dict[str, Any]:
     if run.cfg.model_ema:
         export(run, actor_group, out / "model_ema.pt", ema=True)
     run.changes.settle(run.log)   # (a layout change after a loss during the export: its line and row now)
-    memory = actor_group.call("memory", timeout_s=run.call_timeout_s)
+    memory = actor_group.call(Actor.memory, timeout_s=run.call_timeout_s)
     run.metrics.write(out / "metrics.parquet")
     summary = summarize(run, memory)
     write_json(out / "summary.json", summary)
@@ -70,7 +71,7 @@ def finish_evaluation(run: Run, actor_group: ActorGroup) -> dict[str, Any]:
     run.last_eval = evaluate(actor_group, run.call_timeout_s)
     run.metrics.add(kind="eval", step=0, epoch=0, time_s=time.perf_counter() - t0, **run.last_eval)
     run.metrics.write(out / "metrics.parquet")
-    summary = summarize(run, actor_group.call("memory", timeout_s=run.call_timeout_s))
+    summary = summarize(run, actor_group.call(Actor.memory, timeout_s=run.call_timeout_s))
     write_json(out / "summary.json", summary)
     run.log(f"evaluated --init {cfg.init}: test top-1 {summary['test_accuracy']:.4f}, top-5 "
             f"{_fmt(summary['test_top5_accuracy'], '.4f')}, test loss {summary['test_loss']:.4f} -> {out}")

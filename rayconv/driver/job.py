@@ -289,7 +289,7 @@ def build_run(run: Run, actor_group: ActorGroup, ckpt: Optional[Checkpoint]) -> 
     run.continue_from(ckpt)
     if ckpt is not None:
         files = [(rank_file_for(ckpt, s.mesh, r), ckpt.step) for r in range(s.mesh.world_size)]
-        actor_group.call_each("load_rank_file", files, timeout_s=run.call_timeout_s)
+        actor_group.call_each(Actor.load_rank_file, files, timeout_s=run.call_timeout_s)
         run.changes.mark("checkpoint_loaded")
 
 
@@ -298,10 +298,10 @@ def build_actors(actor_group: ActorGroup, mesh: Mesh, routing: Routing, sharding
     """Each actor's ``build``: process groups (rank 0's address the rendezvous), its part of the model
     cut from the routing, the optimizer, the train sharding it reads by, under ``cfg`` (None: the
     settings the actors were started with). Returns their reports in rank order."""
-    master = actor_group.call("open_rendezvous", ranks=[0], timeout_s=timeout_s)[0]
+    master = actor_group.call(Actor.open_rendezvous, ranks=[0], timeout_s=timeout_s)[0]
     settings = None if cfg is None else cfg.to_dict()
-    return actor_group.call_each("build", [(r, master, routing, sharding, settings) for r in range(mesh.world_size)],
-                                 timeout_s=timeout_s)
+    args = [(r, master, routing, sharding, settings) for r in range(mesh.world_size)]
+    return actor_group.call_each(Actor.build, args, timeout_s=timeout_s)
 
 
 def launch(cfg: Config, mesh: Mesh, routing: Routing, sharding: Sharding, run_name: str,

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rayconv import startup
+from rayconv.actor.actor import Actor
 from rayconv.cluster.group import ActorGroup, Pending
 from rayconv.driver import saving
 from rayconv.driver.best import Best, load_best, write_best
@@ -186,7 +187,7 @@ def train(run: Run, actor_group: ActorGroup, start: int) -> Decision:
 
 def _submit(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) -> Pending:
     att.lrs[step] = learning_rate(run.cfg, step, run.resolved.total_steps, run.resolved.sharding.steps_per_epoch)
-    return actor_group.submit("train_step", step, att.lrs[step])
+    return actor_group.submit(Actor.train_step, step, att.lrs[step])
 
 
 def _record(run: Run, att: _Attempt, results: list) -> None:
@@ -237,7 +238,7 @@ def _between_steps(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) 
     """After ``step``, with nothing in flight: the actors' last metrics, then the evaluation, the
     checkpoint, the metrics so far and the test hook that are due; then the scaling policy's decision."""
     cfg, s, done = run.cfg, run.resolved, step + 1
-    _record(run, att, actor_group.call("flush", timeout_s=run.call_timeout_s))
+    _record(run, att, actor_group.call(Actor.flush, timeout_s=run.call_timeout_s))
     if run.evaluation_due(done):
         _evaluation(run, actor_group, att, step)
     if run.checkpoint_due(done):
@@ -299,7 +300,7 @@ def evaluate(actor_group: ActorGroup, timeout_s: Optional[float] = None, ema: bo
     """Test loss, error, top-1 and top-5 accuracy over every held-out sample once (summed over
     replicas); top-5 is None below 5 classes. ``ema``: of the actors' moving average of the weights.
     ``split`` "val": --val-split's images, as ``val_loss``, ``val_accuracy``, ``val_top5_accuracy``."""
-    res = [r for r in actor_group.call("evaluate", ema, split, timeout_s=timeout_s) if r["reports"]]
+    res = [r for r in actor_group.call(Actor.evaluate, ema, split, timeout_s=timeout_s) if r["reports"]]
     return eval_figures(res, split)
 
 
@@ -346,11 +347,12 @@ def export(run: Run, actor_group: ActorGroup, path: Path, ema: bool = False) -> 
     # (Under the per-layer plan every actor holds a slice of the FC layers.)
     holders = list(range(mesh.world_size)) if cfg.plan != "none" else \
         [mesh.rank((0, p, f)) for p in range(mesh.pp) for f in range(mesh.fs)]
-    states = actor_group.call("state", *((True,) if ema else ()), ranks=holders, timeout_s=run.call_timeout_s)
+    states = actor_group.call(Actor.state, *((True,) if ema else ()), ranks=holders,
+                              timeout_s=run.call_timeout_s)
     split_dims: dict[str, int] = {}
-    for d in actor_group.call("split_dims", ranks=holders, timeout_s=run.call_timeout_s):
+    for d in actor_group.call(Actor.split_dims, ranks=holders, timeout_s=run.call_timeout_s):
         split_dims.update(d)
-    keys = actor_group.call("model_keys", ranks=holders[:1], timeout_s=run.call_timeout_s)[0]
+    keys = actor_group.call(Actor.model_keys, ranks=holders[:1], timeout_s=run.call_timeout_s)[0]
     export_model(path, assemble(states, split_dims), keys)
 
 

@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 import ray
 
+from rayconv.actor.actor import Actor
 from rayconv.cluster.group import ActorGroup
 from rayconv.cluster.sink import SinkFolder, needs_sink, start_sink
 from rayconv.outputs.checkpoint import (latest_checkpoint, prune, remove_partial, write_checkpoint,
@@ -97,7 +98,7 @@ def start(run: Any, group: ActorGroup, step: int, manifest: dict[str, Any], wait
     settle(run, group)
     out = run.resolved.out
     if os.environ.get(SYNC_ENV) == "1":
-        shards = group.call("rank_file", timeout_s=run.call_timeout_s)
+        shards = group.call(Actor.rank_file, timeout_s=run.call_timeout_s)
         extra = {"metrics.parquet": run.metrics.to_bytes()}
         folder = write_checkpoint(out, step, shards, manifest, extra=extra, keep=run.cfg.keep_checkpoints)
         _logged(run, folder)
@@ -113,7 +114,7 @@ def start(run: Any, group: ActorGroup, step: int, manifest: dict[str, Any], wait
     if isinstance(folder, Path):
         folder.mkdir(parents=True, exist_ok=True)
     world = len(group.actors)
-    group.call_each("checkpoint_start", [(step, r.target(rank, folder)) for rank in range(world)],
+    group.call_each(Actor.checkpoint_start, [(step, r.target(rank, folder)) for rank in range(world)],
                     timeout_s=run.call_timeout_s)
     run.writing = Writing(step, folder, manifest, run.metrics.to_bytes(), group, world)
     if wait:
@@ -155,7 +156,7 @@ def settle(run: Any, group: Optional[ActorGroup], timeout_s: Optional[float] = N
         return
     if len(w.results) + len(w.errors) < w.world_size:
         try:
-            waited = group.call("checkpoint_wait", timeout_s=timeout_s)
+            waited = group.call(Actor.checkpoint_wait, timeout_s=timeout_s)
         except Exception:  # noqa: BLE001 - quiet: the run is stopping anyway
             if not quiet:
                 raise

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from rayconv.actor.actor import Actor
 from rayconv.config import Config
 from rayconv.driver.job import train_run
 from rayconv.mesh import Mesh
@@ -48,9 +49,9 @@ class Recorder:
 
     def __call__(self, actor_group, step: int) -> None:
         if step == 0:
-            actor_group.call("inject_overflow", INJECT, ranks=[STAGE1])
-        self.states[step] = actor_group.call("state")
-        self.scales[step] = actor_group.call("loss_scale_state")
+            actor_group.call(Actor.inject_overflow, INJECT, ranks=[STAGE1])
+        self.states[step] = actor_group.call(Actor.state)
+        self.scales[step] = actor_group.call(Actor.loss_scale_state)
 
 
 @pytest.fixture(scope="module")
