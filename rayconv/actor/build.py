@@ -142,7 +142,9 @@ def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, r
     optimizer_s = time.perf_counter() - t0
     compiled, cuda_graphs, step_graph, lr_t = _step_mode(cfg, device, mesh, part)
     stage = coord.pp
-    runner = _stage_runner(routing, mesh, coord, groups, part, sync, parallel, compiled, device, dtype, autocast)
+    runner = _stage_runner(routing=routing, mesh=mesh, coord=coord, groups=groups, part=part, sync=sync,
+                           parallel=parallel, compiled=compiled, device=device, dtype=dtype,
+                           autocast=autocast)
     is_last = stage == mesh.pp - 1
     batches = Batches(source, sharding, mesh, coord, device, input_dtype, parallel.sharded.batch_gather,
                       mix=(cfg.mixup_alpha, cfg.cutmix_alpha), epochs=run_epochs(cfg, sharding.steps_per_epoch))
@@ -234,7 +236,7 @@ def _step_mode(cfg: Config, device: torch.device, mesh: Mesh, part: nn.Module
     return compiled, cuda_graphs, step_graph, lr_t
 
 
-def _stage_runner(routing: Routing, mesh: Mesh, coord: Coord, groups: comm.Groups, part: nn.Sequential,
+def _stage_runner(*, routing: Routing, mesh: Mesh, coord: Coord, groups: comm.Groups, part: nn.Sequential,
                   sync: GradientSync, parallel: ParallelPart, compiled: bool, device: torch.device,
                   dtype: torch.dtype, autocast: Optional[torch.dtype]) -> StageRunner:
     """The stage's model chunks (one, or V under interleaved 1F1B: virtual stages stage, stage + P, ...),

@@ -44,8 +44,8 @@ RENEW_S = 30.0  # how long kept actors may take to renew before new ones are sta
 
 
 class KeptActor(Protocol):
-    """The methods the cluster layer calls on the actor class it is handed (``actor.actor.Actor``): the
-    typed references ``ActorGroup.submit`` takes for its own calls."""
+    """The methods the cluster layer calls on the actor class it is handed (``actor.actor.Actor``, from
+    ``actor.lifecycle``): the typed references ``ActorGroup.submit`` takes for its own calls."""
 
     def whereami(self) -> dict[str, Any]: ...
 

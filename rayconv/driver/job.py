@@ -152,6 +152,8 @@ class Controller:
                 self.to(State.CHECKPOINT)
                 checkpoint(run, actor_group, done, wait=True)
                 run.metrics.write(run.resolved.out / "metrics.parquet")
+            run.log(f"rayconv: step {done}: {decision.why}: the actors stop after the checkpoint of step "
+                    f"{done}; the run continues on the layout --elastic picks")
             return None, decision
 
     def after_loss(self, run: Run, e: ClusterError, decision: Decision) -> Optional[Checkpoint]:
