@@ -1,6 +1,7 @@
 """Ray plumbing, below the parallel code: connecting to a cluster (``connect``), the actors of one run
 and their placement group (``group``: handed the actor class, it imports none), short jobs on the
-cluster's devices (``tasks``); free slots and draining nodes (``nodes``); a command's actors kept on the cluster for the next command (``across``), each
+cluster's devices (``tasks``); free slots and draining nodes (``nodes``); one call to the actors
+(``calls``); a command's actors kept on the cluster for the next command (``across``), each
 watching itself there (``watch``, imported by the actor). The face re-exports no name of a submodule (``connect`` stays the module,
 so ``rayconv.cluster.connect.connect`` is the function).
 

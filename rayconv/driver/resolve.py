@@ -75,7 +75,8 @@ class ResolvedRun:
         # dp is the mesh's: the settings, the routing and the sharding the actors read carry copies of it
         copies = (self.cfg.dp, self.routing.mesh.dp, self.sharding.dp)
         if any(dp != self.mesh.dp for dp in copies) or self.routing.mesh != self.mesh:
-            raise ValueError(f"a run's dp is its mesh's ({self.mesh}): settings, routing, sharding have {copies}")
+            raise ValueError(f"a run's dp is its mesh's ({self.mesh}): settings, routing, sharding have "
+                             f"{copies}")
 
     def on_mesh(self, mesh: Mesh) -> "ResolvedRun":
         """This run on ``mesh`` (--elastic: another dp, the same pp and fs): the settings, the routing
