@@ -12,7 +12,8 @@ loss past the last step) and one row of ``layout_changes`` in summary.json (``La
 
 - an actor or node lost (``ClusterError``, recoverable; counted against --max-failures, no limit unless
   given: ``Config.failure_budget``): the driver waits up to --elastic-wait seconds for the layout's
-  devices, then re-plans on what is free and continues from the last checkpoint (``checkpoint.rank_file_for`` cuts it for the new layout);
+  devices, then re-plans on what is free and continues from the last checkpoint
+  (``checkpoint.rank_file_for`` cuts it for the new layout);
 - a preemption with notice (an actor's SIGTERM, marked in its next step's metrics; a node draining,
   looked for every ``DRAIN_POLL_S`` by ``DrainWatch``): the driver writes a checkpoint at the step
   boundary, so no finished step is lost, stops the actors and re-plans (not counted as a failure);

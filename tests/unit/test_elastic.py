@@ -91,7 +91,8 @@ def test_the_run_on_another_layout_is_rebuilt_with_one_dp(tmp_path):
     source, _, _, routing = check_before_ray(cfg, None)
     sharding = Sharding(source.train_size, cfg.global_batch_size, 4, cfg.seed)
     start = ResolvedRun(cfg=cfg, mesh=routing.mesh, routing=routing, source=source, sharding=sharding,
-                        total_steps=10, eval_every=5, out=tmp_path, run_name="r-1", resume=None, predicted=None, t_start=0.0)
+                        total_steps=10, eval_every=5, out=tmp_path, run_name="r-1", resume=None, predicted=None,
+                        t_start=0.0)
     two = start.on_mesh(Mesh(2, 2, 1))
     assert (two.cfg.dp, two.mesh, two.routing.mesh, two.sharding.dp) == (2, Mesh(2, 2, 1), Mesh(2, 2, 1), 2)
     assert two.routing.stages == start.routing.stages and two.cfg.pp == 2 and two.total_steps == 10
