@@ -44,8 +44,8 @@ class OneLineParser(argparse.ArgumentParser):
         self.error_name = error_name or self.prog
 
     def error(self, message: str):
-        self.exit(
-            2, f"{self.error_name}: error: {message}{self._suggestion(message)} (--help lists the flags)\n")
+        self.exit(2, f"{self.error_name}: error: {message}{self._suggestion(message)} "
+                     "(--help lists the flags)\n")
 
     def _suggestion(self, message: str) -> str:
         """``; did you mean --steps?`` for an unrecognized flag close to a known one (difflib), else ''."""

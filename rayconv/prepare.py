@@ -21,14 +21,8 @@ from typing import Any, Iterator, Optional
 
 from rayconv.flags import OneLineParser
 from rayconv.data.shard_convert import convert, convert_encoding
-from rayconv.data.shard_writer import (
-    ENCODINGS,
-    RAW_MAX_SIZE,
-    SHARD_ORDERS,
-    prepare,
-    resolve_encoding,
-    write_shard,
-)
+from rayconv.data.shard_writer import (ENCODINGS, RAW_MAX_SIZE, SHARD_ORDERS, prepare, resolve_encoding,
+                                       write_shard)
 from rayconv.errors import ClusterError, ConfigError, DataError
 from rayconv.storage import is_remote, locate
 from rayconv.storage_checks import check_writable
@@ -106,12 +100,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if (a.convert is None) == (a.dir is None) or (a.dir is not None and a.out is None):
         print("rayconv.prepare: error: give DIR --out SHARDS, or --convert SHARDS alone", file=sys.stderr)
         return 2
-    if (
-        a.convert is not None
-        and (a.encoding is None) != (a.out is None)
-        or a.encoding == "auto"
-        and a.dir is None
-    ):
+    if a.convert is not None and (a.encoding is None) != (a.out is None) \
+            or a.encoding == "auto" and a.dir is None:
         print("rayconv.prepare: error: --convert SHARDS alone rewrites the Parquet format; re-encoding takes "
               "--convert SHARDS --encoding raw|jpeg --out NEW", file=sys.stderr)
         return 2

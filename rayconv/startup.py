@@ -158,15 +158,12 @@ class StartupClock:
     def record(self) -> dict[str, Any]:
         """summary.json's ``startup`` (see the module docstring)."""
         slow = self.slowest()
-        return {
-            "origin": self.since,
-            "ray": self.ray,
-            "model_check": self.model_check,
-            "phases": {k: round(v, 4) for k, v in self.ordered()},
-            "slowest": {"phase": slow[0], "s": round(slow[1], 4)} if slow else None,
-            "actor_setup_s": {k: round(v, 4) for k, v in self.actors.items()},
-            "actor_process": {k: round(v, 4) for k, v in sorted(self.timeline.items(), key=lambda kv: kv[1])},
-        }
+        return {"origin": self.since, "ray": self.ray, "model_check": self.model_check,
+                "phases": {k: round(v, 4) for k, v in self.ordered()},
+                "slowest": {"phase": slow[0], "s": round(slow[1], 4)} if slow else None,
+                "actor_setup_s": {k: round(v, 4) for k, v in self.actors.items()},
+                "actor_process": {k: round(v, 4)
+                                  for k, v in sorted(self.timeline.items(), key=lambda kv: kv[1])}}
 
 
 def after(origin: str) -> str:

@@ -69,19 +69,12 @@ class _Aside:
     event that ends its making."""
 
     def __init__(self, idx: np.ndarray, epoch: int, dtype, x: torch.Tensor, labels: torch.Tensor, event):
-        self.idx, self.epoch, self.dtype, self.x, self.labels, self.event = (
-            idx,
-            epoch,
-            dtype,
-            x,
-            labels,
-            event,
-        )
+        (self.idx, self.epoch, self.dtype, self.x, self.labels,
+         self.event) = idx, epoch, dtype, x, labels, event
 
     def serves(self, idx: np.ndarray, epoch: int, dtype) -> bool:
-        return (
-            self.epoch == epoch and self.dtype == dtype and (self.idx is idx or np.array_equal(self.idx, idx))
-        )
+        return self.epoch == epoch and self.dtype == dtype and (self.idx is idx
+                                                                or np.array_equal(self.idx, idx))
 
 
 def augmentation_words(augment: str, image_size: int, random_erase: float, auto_augment: Optional[str],
@@ -263,12 +256,8 @@ class RawShardSource(Source):
         pin = device.type == "cuda"
         rows = torch.from_numpy(idx)
         labels = self.targets[split][rows]
-        return (
-            None,
-            self.uint8(split, idx, pin),
-            (rows.pin_memory() if pin else rows),
-            (labels.pin_memory() if pin else labels),
-        )
+        return (None, self.uint8(split, idx, pin), (rows.pin_memory() if pin else rows),
+                (labels.pin_memory() if pin else labels))
 
     # ------------------------------------------------------------------ Source
     def images(self, split, idx, device, epoch=0, dtype=None):

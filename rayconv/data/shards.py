@@ -180,11 +180,8 @@ class ShardSource(Source):
             raise
         if len(pending["queue"]) > READ_AHEAD:
             self.read_ahead(split, pending["queue"][READ_AHEAD])
-        x = (
-            self._take_gpu(split, pending, device)
-            if self._use_gpu(device)
-            else self._take_cpu(split, pending)
-        )
+        x = (self._take_gpu(split, pending, device) if self._use_gpu(device)
+             else self._take_cpu(split, pending))
         if not pending["queue"]:
             self._pending.pop(split, None)   # the last announced batch: the loader and its workers go with it
         x = x.to(device, non_blocking=True)
@@ -197,18 +194,10 @@ class ShardSource(Source):
     def _erase(self, x: torch.Tensor, epoch: int, idx: np.ndarray) -> torch.Tensor:
         """``x`` with each sample's RandomErasing rectangle (``augment.erase_params``, from (seed, epoch,
         index) alone) set to 0."""
-        boxes = torch.cat(
-            [
-                erase_params(
-                    1,
-                    self.size,
-                    self.size,
-                    self.random_erase,
-                    torch.Generator().manual_seed(stable_seed(self.seed, "erase", epoch, int(i))),
-                )
-                for i in idx
-            ]
-        )
+        boxes = torch.cat([erase_params(1, self.size, self.size, self.random_erase,
+                                        torch.Generator().manual_seed(stable_seed(self.seed, "erase", epoch,
+                                                                                  int(i))))
+                           for i in idx])
         boxes = boxes.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else boxes
         return erase(x, boxes)
 

@@ -62,11 +62,8 @@ def run_line(resolved: ResolvedRun) -> str:
         f"global batch {cfg.global_batch_size}, {n} step{'s' if n != 1 else ''}"
     job = ray_job()
     held = len(resolved.sharding.val_indices())
-    train = (
-        f"{resolved.sharding.train_samples} train + {held} validation"
-        if held
-        else f"{source.train_size} train"
-    )
+    train = (f"{resolved.sharding.train_samples} train + {held} validation" if held
+             else f"{source.train_size} train")
     return (f"rayconv: {cfg.model} on {cfg.data} ({train} / {source.test_size} test images, "
             f"{source.num_classes} classes), layout {mesh.describe()}"
             f"{' plan ' + cfg.plan if cfg.plan != 'none' else ''} on {cfg.device}, {work} -> "
@@ -104,14 +101,9 @@ def recipe_line(resolved: ResolvedRun) -> str:
     warm = warmup_steps(cfg, resolved.sharding.steps_per_epoch)
     scaled = f" (--lr {cfg.lr:g} per 256 images)" if cfg.lr_scaling == "linear" else ""
     lars = f" (trust coefficient {cfg.lars_trust_coefficient:g})" if cfg.opt == "lars" else ""
-    parts = [
-        f"optimizer {cfg.opt}{lars}, lr {peak_lr(cfg):.4g}{scaled} {cfg.lr_schedule}"
-        + (
-            f" after {warm} warm-up steps ({cfg.lr_warmup_method} from x{cfg.lr_warmup_decay:g})"
-            if warm
-            else ""
-        )
-    ]
+    parts = [f"optimizer {cfg.opt}{lars}, lr {peak_lr(cfg):.4g}{scaled} {cfg.lr_schedule}"
+             + (f" after {warm} warm-up steps ({cfg.lr_warmup_method} from x{cfg.lr_warmup_decay:g})"
+                if warm else "")]
     parts.append(f"weight decay {cfg.weight_decay:g}" + "".join(
         f", {name} {v:g}" for name, v in (("norms", cfg.norm_weight_decay), ("biases", cfg.bias_weight_decay))
         if v is not None))

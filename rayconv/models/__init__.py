@@ -237,11 +237,8 @@ def to_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """
     if isinstance(model, nn.Sequential):
         return [(n, m) for n, m in model.named_children()]
-    if (
-        all(hasattr(model, a) for a in ("features", "avgpool", "classifier"))
-        and isinstance(model.features, nn.Sequential)
-        and type(model).forward in _features_forward()
-    ):
+    if all(hasattr(model, a) for a in ("features", "avgpool", "classifier")) \
+            and isinstance(model.features, nn.Sequential) and type(model).forward in _features_forward():
         out = [(f"features.{n}", m) for n, m in model.features.named_children()]
         out += [("avgpool", model.avgpool), ("flatten", nn.Flatten(1))]
         cls = model.classifier

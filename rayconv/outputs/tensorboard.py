@@ -29,22 +29,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 TAGS = {  # row field -> tag, per row kind
-    "train": {
-        "loss": "train/loss",
-        "lr": "train/lr",
-        "images_per_s": "train/images_per_s",
-        "input_stall_ms": "train/input_stall_ms",
-        "loss_scale": "train/loss_scale",
-    },
-    "eval": {
-        "val_accuracy": "val/accuracy",
-        "val_loss": "val/loss",
-        "val_top5_accuracy": "val/top5_accuracy",
-        "test_accuracy": "test/accuracy",
-        "test_loss": "test/loss",
-        "test_top5_accuracy": "test/top5_accuracy",
-        "ema_test_accuracy": "test/ema_accuracy",
-    },
+    "train": {"loss": "train/loss", "lr": "train/lr", "images_per_s": "train/images_per_s",
+              "input_stall_ms": "train/input_stall_ms", "loss_scale": "train/loss_scale"},
+    "eval": {"val_accuracy": "val/accuracy", "val_loss": "val/loss", "val_top5_accuracy": "val/top5_accuracy",
+             "test_accuracy": "test/accuracy", "test_loss": "test/loss",
+             "test_top5_accuracy": "test/top5_accuracy", "ema_test_accuracy": "test/ema_accuracy"},
 }
 
 
@@ -80,15 +69,12 @@ class EventFiles:
         if self.writer is None and self.enabled:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # (needs the tensorboard package)
-            except (
-                Exception
-            ) as e:  # noqa: BLE001 - absent, or broken (its protobuf or numpy): the run goes on
+            # absent, or broken (its protobuf or numpy): the run goes on
+            except Exception as e:  # noqa: BLE001
                 self.enabled = False
                 why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                self.log(
-                    f"rayconv: no TensorBoard event files ({why}): pip install tensorboard, or pass "
-                    "--tensorboard off"
-                )
+                self.log(f"rayconv: no TensorBoard event files ({why}): pip install tensorboard, or pass "
+                         "--tensorboard off")
                 return None
             names = self.remote.listdir() if self.remote is not None else \
                 [p.name for p in self.folder.glob("*")] if self.folder.is_dir() else []

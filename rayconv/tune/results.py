@@ -71,9 +71,8 @@ def collect(grid, search_dir: Path, names: list[str], metric: str,
                      "test_accuracy": (summary or {}).get("test_accuracy", metrics.get("test_accuracy")),
                      "status": status_of(summary, result.error, (states or {}).get(k)),
                      "folder": str(folder) if folder.exists() else ""})
-    return sorted(
-        rows, key=lambda r: int(r["trial"].split("-")[1]) if r["trial"].split("-")[1].isdigit() else 0
-    )
+    return sorted(rows,
+                  key=lambda r: int(r["trial"].split("-")[1]) if r["trial"].split("-")[1].isdigit() else 0)
 
 
 def best(rows: list[dict[str, Any]], metric: str, mode: str) -> Optional[dict[str, Any]]:

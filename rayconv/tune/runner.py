@@ -91,11 +91,8 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
                 f"--resume {resume}: no search.json there (not a search folder of rayconv.tune)")
         spec = json.loads(saved.read_text())
         space, base = spec["space"], spec["base"]
-        num_samples, scheduler, max_concurrent = (
-            spec["num_samples"],
-            spec["scheduler"],
-            spec["max_concurrent"],
-        )
+        num_samples, scheduler, max_concurrent = (spec["num_samples"], spec["scheduler"],
+                                                  spec["max_concurrent"])
         metric, mode = spec["metric"], spec["mode"]
         grace_period, reduction_factor = spec["grace_period"], spec["reduction_factor"]
         perturbation_interval = spec.get("perturbation_interval", perturbation_interval)
@@ -159,28 +156,17 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
         sched = make_scheduler(scheduler, checked, grace_period, reduction_factor, perturbation_interval,
                                synch)
         tuner = tune.Tuner(
-            trainable,
-            param_space=to_tune(checked),
-            tune_config=tune.TuneConfig(
-                metric=metric,
-                mode=mode,
-                num_samples=num_samples,
-                scheduler=sched,
-                max_concurrent_trials=max_concurrent,
-                # (a trial's process, placement group and finished run's actors serve
-                # the next trial; PBT restores trials from checkpoints instead)
-                reuse_actors=scheduler != "pbt",
-            ),
-            run_config=tune.RunConfig(
-                **storage,
-                name="tune",
-                verbose=0,
-                callbacks=list(callbacks),
-                failure_config=tune.FailureConfig(max_failures=0),
-                # (each of Tune's checkpoints is a copy of a run's: PBT needs the newest)
-                checkpoint_config=tune.CheckpointConfig(num_to_keep=2)
-            ),
-        )
+            trainable, param_space=to_tune(checked),
+            tune_config=tune.TuneConfig(metric=metric, mode=mode, num_samples=num_samples, scheduler=sched,
+                                        max_concurrent_trials=max_concurrent,
+                                        # (a trial's process, placement group and finished run's actors serve
+                                        # the next trial; PBT restores trials from checkpoints instead)
+                                        reuse_actors=scheduler != "pbt"),
+            run_config=tune.RunConfig(**storage, name="tune", verbose=0, callbacks=list(callbacks),
+                                      failure_config=tune.FailureConfig(max_failures=0),
+                                      # (each of Tune's checkpoints is a copy of a run's: PBT needs the
+                                      # newest)
+                                      checkpoint_config=tune.CheckpointConfig(num_to_keep=2)))
         log(f"rayconv.tune: {_grid_size(checked) * num_samples} trial(s), {scheduler}, metric {metric} "
             f"({mode}) -> {search_dir}")
     END_STATES.pop(str(search_dir), None)
