@@ -183,32 +183,12 @@ def test_corrupt_image_names_the_file(ray_cluster, tmp_path, capsys, workers, ou
     if out_exists:
         out.mkdir()
     # 9 train files and a global batch of 32: step 1 decodes all of them, over both replicas.
-    line = run_failing(
-        [
-            "--steps",
-            "2",
-            "--device",
-            "cpu",
-            "--dp",
-            "2",
-            "--global-batch-size",
-            "32",
-            "--no-progress",
-            "--data",
-            "imagefolder",
-            "--data-dir",
-            str(root),
-            "--image-size",
-            "32",
-            "--loader-workers",
-            str(workers),
-            "--data-on-device",
-            on_device,
-            "--out",
-            str(out),
-        ],
-        capsys,
-    )  # (bad input, exit 2, though an actor met it)
+    # (bad input, exit 2, though an actor met it)
+    line = run_failing(["--steps", "2", "--device", "cpu", "--dp", "2", "--global-batch-size", "32",
+                        "--no-progress", "--data", "imagefolder", "--data-dir", str(root),
+                        "--image-size", "32", "--loader-workers", str(workers), "--data-on-device", on_device,
+                        "--out", str(out)],
+                       capsys)
     where = "train_step" if on_device == "off" else "in build"
     assert str(bad) in line and where in line and "remove or replace" in line
     if out_exists:
@@ -346,9 +326,7 @@ def test_address_where_something_else_answers(tmp_path, capfd, silent_address, m
     err = capfd.readouterr().err
     assert rc == 2, err
     assert err.strip().splitlines() == [err.strip()], err
-    assert (
-        err.startswith(f"rayconv: error: something answers at {address} but not a Ray cluster")
+    assert err.startswith(f"rayconv: error: something answers at {address} but not a Ray cluster") \
         and "--address" in err
-    )
     assert held, "the listener was never contacted"
     assert not out.exists()

@@ -16,20 +16,8 @@ CASES = {
         "--num-microbatches",
     ),
     "fs-more-than-channels": (
-        [
-            "--dp",
-            "1",
-            "--fs",
-            "4",
-            "--model",
-            "convnet",
-            "--num-classes",
-            "3",
-            "--data",
-            "synthetic",
-            "--image-size",
-            "32",
-        ],
+        ["--dp", "1", "--fs", "4", "--model", "convnet", "--num-classes", "3", "--data", "synthetic",
+         "--image-size", "32"],
         "--fs",
     ),
     "fs-on-unsplittable-model": (

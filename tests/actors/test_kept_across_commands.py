@@ -49,14 +49,9 @@ def head():
 def _command(address: str, out: Path, *flags: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     env.pop("RAY_ADDRESS", None)
-    return subprocess.Popen(
-        [sys.executable, "-m", "rayconv.run", "--address", address, *RUN, "--out", str(out), *flags],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    return subprocess.Popen([sys.executable, "-m", "rayconv.run", "--address", address, *RUN, "--out",
+                             str(out), *flags],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float = 120) -> str:
@@ -107,9 +102,8 @@ def test_the_next_command_reuses_the_actors_and_unclaimed_they_end(head, tmp_pat
     b = _summary(tmp_path / "b")
     assert "rayconv: 1 actors kept on the cluster by a previous command, reused (--keep-actors-s)" in second
     assert f'(`ray list actors --filter "name=rayconv/{a["run_name"]}/dp0"`)' in second, second
-    assert (
-        "renewed" in b["startup"]["actor_process"] and "process_started" not in b["startup"]["actor_process"]
-    )
+    assert "renewed" in b["startup"]["actor_process"] \
+        and "process_started" not in b["startup"]["actor_process"]
     assert "process_started" in a["startup"]["actor_process"]
     # The same actors, kept again (now for 3 s: said by the command, as on a loaded machine they may end
     # before this process could look at them)
@@ -156,9 +150,8 @@ def test_a_killed_command_leaves_no_actor_nor_placement_group(head, tmp_path):
     while not any("step 0 done" in line for line in lines):   # (training: the actors are in use)
         assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
         lines.append(proc.stdout.readline())
-    run_name = json.loads((tmp_path / "k" / "config.json").read_text()).get("run_name") or _run_name_of(
-        tmp_path / "k"
-    )
+    run_name = json.loads((tmp_path / "k" / "config.json").read_text()).get("run_name") \
+        or _run_name_of(tmp_path / "k")
     assert _alive(run_name)
     proc.kill()   # SIGKILL: nothing of the driver's runs
     proc.wait()

@@ -57,8 +57,8 @@ def dashboard():
     old = os.environ.get("RAY_metrics_report_interval_ms")
     os.environ["RAY_metrics_report_interval_ms"] = "500"  # this process's gauges (the driver's) too
     try:
-        # (a Ray temp folder of its own: the job server finds "its" cluster through <temp
-        # dir>/ray_current_cluster,
+        # (a Ray temp folder of its own: the job server finds "its" cluster through
+        # <temp dir>/ray_current_cluster,
         # which in the shared /tmp/ray names the newest cluster on the machine, maybe another one)
         with own_head("--num-cpus", "4", "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
                       env=env) as ports:
@@ -107,10 +107,9 @@ def chromium() -> str | None:
 
 def actors_page_dom(url: str) -> str:
     """The dashboard's Actors page at ``url`` as a real headless browser renders it (its DOM)."""
-    return subprocess.run([
-        chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=20000",
-        "--dump-dom", f"{url}/#/actors"
-    ], capture_output=True, text=True, timeout=120).stdout
+    return subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu",
+                           "--virtual-time-budget=20000", "--dump-dom", f"{url}/#/actors"],
+                          capture_output=True, text=True, timeout=120).stdout
 
 
 # The Actors page as rendered during a dp=2 run, and that run's name: the gauges test's run records
@@ -206,31 +205,11 @@ def test_two_runs_with_the_same_folder_name_at_once(dashboard, tmp_path):
     The first, stopped by SIGTERM, keeps its folder (metrics, summary: interrupted)."""
     one = tmp_path / "one" / "run"
     first = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rayconv.run",
-            "--address",
-            dashboard["address"],
-            "--steps",
-            "100000",
-            "--dp",
-            "1",
-            "--device",
-            "cpu",
-            "--global-batch-size",
-            "32",
-            "--no-progress",
-            "--no-metrics",
-            "--out",
-            str(one),
-        ],
-        cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+        [sys.executable, "-m", "rayconv.run", "--address", dashboard["address"], "--steps", "100000", "--dp",
+         "1", "--device", "cpu", "--global-batch-size", "32", "--no-progress", "--no-metrics", "--out",
+         str(one)],
+        cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(first,
                    lambda: any(s == "ALIVE" for s in rayconv_actors(dashboard["url"], "run-").values()),

@@ -29,9 +29,8 @@ def image_tree(root: Path) -> Path:
     for split in ("train", "val"):
         for c in ("cat", "dog"):
             (root / split / c).mkdir(parents=True)
-            Image.fromarray(rng.integers(0, 256, (36, 36, 3), dtype=np.uint8)).save(
-                root / split / c / "a.png"
-            )
+            Image.fromarray(rng.integers(0, 256, (36, 36, 3),
+                                         dtype=np.uint8)).save(root / split / c / "a.png")
     return root
 
 
@@ -103,14 +102,8 @@ LATE = {
     "stages out of range": (["--pp", "2", "--stages", "99"], ["--stages"]),
     "a 224-pixel model on digits": (
         ["--model", "alexnet"],  # (advice digits can follow: never --image-size)
-        [
-            "alexnet",
-            "8x8",
-            "--data digits is never resized",
-            "convnet",
-            "--data fashion-mnist --image-size 224",
-            "!use --image-size",
-        ],
+        ["alexnet", "8x8", "--data digits is never resized", "convnet",
+         "--data fashion-mnist --image-size 224", "!use --image-size"],
     ),
 }
 
@@ -177,7 +170,7 @@ REPRESENTATIVES = {"AlexNet": "alexnet", "ConvNeXt": "convnext_tiny", "DenseNet"
                    "MaxVit": "maxvit_t", "MNASNet": "mnasnet0_5", "MobileNetV2": "mobilenet_v2",
                    "MobileNetV3": "mobilenet_v3_small", "RegNet": "regnet_x_400mf", "ResNet": "resnet18",
                    "ShuffleNetV2": "shufflenet_v2_x0_5", "SqueezeNet": "squeezenet1_1",
-                   "SwinTransformer": "swin_t", "VGG": "vgg11", "VisionTransformer": "vit_b_32",}
+                   "SwinTransformer": "swin_t", "VGG": "vgg11", "VisionTransformer": "vit_b_32"}
 # Made for 224x224 images: refused at 64 (one line naming --image-size 224).
 FIXED_SIZE = {"inception_v3", "maxvit_t", "vit_b_32"}
 
