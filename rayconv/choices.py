@@ -25,14 +25,16 @@ AUGMENT_CHOICES = ("auto", "resized-crop", "pad-crop", "none")
 SHUFFLE_CHOICES = ("exact", "block")   # rayconv/data/order.py
 AUTO_AUGMENT_CHOICES = ("imagenet", "cifar10", "svhn", "ra", "ta_wide")   # rayconv/data/auto_augment.py
 DATA_ON_DEVICE_CHOICES = ("auto", "on", "off")   # rayconv/data/small.py
-SMALL_DATA_BYTES = 1 << 30   # --data-on-device auto holds at most this many bytes per actor (rayconv/data/small.py)
+# --data-on-device auto holds at most this many bytes per actor (rayconv/data/small.py)
+SMALL_DATA_BYTES = 1 << 30
 HOLD_SHARE = 4               # ... and at most 1/HOLD_SHARE of the memory the actor's copy shares
-DATA_ON_DEVICE_HELP = ("--data imagefolder and shards: on: decode both splits once (the loader's center crop) into "
-                       "uint8 on each actor's device and augment batches there (refused with --augment "
-                       "resized-crop, which needs each image's own size); off: the loader decodes each batch; "
-                       "auto: on with pad-crop or none when both splits as uint8 take at most "
-                       f"{SMALL_DATA_BYTES / 2**30:g} GiB and 1/{HOLD_SHARE} of the memory each actor's copy shares "
-                       "(CPU actors: their node's memory divided among the actors on it; GPUs: the GPU's free memory)")
+DATA_ON_DEVICE_HELP = ("--data imagefolder and shards: on: decode both splits once (the loader's center "
+                       "crop) into uint8 on each actor's device and augment batches there (refused with "
+                       "--augment resized-crop, which needs each image's own size); off: the loader decodes "
+                       "each batch; auto: on with pad-crop or none when both splits as uint8 take at most "
+                       f"{SMALL_DATA_BYTES / 2**30:g} GiB and 1/{HOLD_SHARE} of the memory each actor's copy "
+                       "shares (CPU actors: their node's memory divided among the actors on it; GPUs: the "
+                       "GPU's free memory)")
 # The side in pixels of each data set's own images (--image-size left out): digits are 8x8 scans,
 # Fashion-MNIST 28x28; synthetic, image folders and shards are cropped to 224 (ImageNet's).
 # Data whose images are never resized (--image-size refused), and data the augmentation flags reach.

@@ -63,42 +63,56 @@ def _check_names(cfg: Any) -> None:
     _need(cfg.device in DEVICE_CHOICES, f"unknown --device {cfg.device!r}: choose auto, cpu or cuda")
     _need(cfg.schedule in SCHEDULE_CHOICES, f"unknown --schedule {cfg.schedule!r}: choose gpipe or 1f1b")
     _need(cfg.plan in PLAN_CHOICES, f"unknown --plan {cfg.plan!r}: choose one of {', '.join(PLAN_CHOICES)}")
-    _need(cfg.precision in PRECISION_CHOICES, f"unknown --precision {cfg.precision!r}: choose fp32, bf16, fp16 or fp64")
+    _need(cfg.precision in PRECISION_CHOICES,
+          f"unknown --precision {cfg.precision!r}: choose fp32, bf16, fp16 or fp64")
     _need(cfg.layout in LAYOUT_CHOICES, f"unknown --layout {cfg.layout!r}: choose manual or auto")
     _need(cfg.balance in BALANCE_CHOICES, f"unknown --balance {cfg.balance!r}: choose auto, time or flops")
     _need(cfg.compile in COMPILE_CHOICES, f"unknown --compile {cfg.compile!r}: choose auto, on or off")
-    _need(cfg.cudnn_benchmark in COMPILE_CHOICES, f"unknown --cudnn-benchmark {cfg.cudnn_benchmark!r}: choose auto, on or off")
-    _need(cfg.cuda_graphs in COMPILE_CHOICES, f"unknown --cuda-graphs {cfg.cuda_graphs!r}: choose auto, on or off")
+    _need(cfg.cudnn_benchmark in COMPILE_CHOICES,
+          f"unknown --cudnn-benchmark {cfg.cudnn_benchmark!r}: choose auto, on or off")
+    _need(cfg.cuda_graphs in COMPILE_CHOICES,
+          f"unknown --cuda-graphs {cfg.cuda_graphs!r}: choose auto, on or off")
     _need(not (cfg.cuda_graphs == "on" and cfg.device == "cpu"),
-          "--cuda-graphs on needs GPUs (CUDA graphs): drop it on CPU (--device cpu, or a cluster without GPUs)")
+          "--cuda-graphs on needs GPUs (CUDA graphs): drop it on CPU (--device cpu, or a cluster without "
+          "GPUs)")
     _need(not (cfg.cuda_graphs == "on" and (cfg.opt == "adamw" or cfg.precision == "fp16")),
           f"--cuda-graphs on captures SGD steps only (an fp16 step may be skipped, which the host decides): "
           f"drop it with {'--opt adamw' if cfg.opt == 'adamw' else '--precision fp16'} (auto steps eagerly)")
     _need(not (cfg.sync_batchnorm and cfg.device == "cpu"),
-          "--sync-batchnorm needs GPUs (torch's SyncBatchNorm is CUDA only): drop it with --device cpu (statistics per replica)")
-    _need(cfg.lr_schedule in LR_SCHEDULE_CHOICES, f"unknown --lr-schedule {cfg.lr_schedule!r}: constant or cosine")
+          "--sync-batchnorm needs GPUs (torch's SyncBatchNorm is CUDA only): drop it with --device cpu "
+          "(statistics per replica)")
+    _need(cfg.lr_schedule in LR_SCHEDULE_CHOICES,
+          f"unknown --lr-schedule {cfg.lr_schedule!r}: constant or cosine")
     _need(cfg.data != "imagefolder" or bool(cfg.data_dir),
-          "--data imagefolder needs --data-dir DIR (a folder with train/<class>/<images> and val/<class>/<images>)")
+          "--data imagefolder needs --data-dir DIR (a folder with train/<class>/<images> and "
+          "val/<class>/<images>)")
     _need(cfg.data != "shards" or bool(cfg.data_dir),
-          "--data shards needs --data-dir SHARDS (a folder written by python -m rayconv.prepare DIR --out SHARDS)")
+          "--data shards needs --data-dir SHARDS (a folder written by python -m rayconv.prepare DIR --out "
+          "SHARDS)")
     _need(not (cfg.data_on_device == "on" and cfg.augmentation == "resized-crop"),
-          "--data-on-device on holds each image's center crop, but --augment resized-crop needs each image's own "
-          "size: use --augment pad-crop or none, or --data-on-device auto or off")
+          "--data-on-device on holds each image's center crop, but --augment resized-crop needs each image's "
+          "own size: use --augment pad-crop or none, or --data-on-device auto or off")
     _need(cfg.shuffle in SHUFFLE_CHOICES, f"unknown --shuffle {cfg.shuffle!r}: choose exact or block")
     _need(cfg.shuffle != "block" or cfg.data == "shards",
-          f"--shuffle block permutes windows of shards: use --data shards (got --data {cfg.data}) or --shuffle exact")
-    _need(cfg.stage_dir is None or cfg.data == "shards",
-          f"--stage-dir copies a prepared shard folder: use --data shards (got --data {cfg.data}), or drop it")
+          f"--shuffle block permutes windows of shards: use --data shards (got --data {cfg.data}) or "
+          "--shuffle exact")
+    _need(
+        cfg.stage_dir is None or cfg.data == "shards",
+        f"--stage-dir copies a prepared shard folder: use --data shards (got --data {cfg.data}), or drop it")
     _need(cfg.cache_bytes is None or cfg.cache_bytes > 0,
           f"--cache-bytes {cfg.cache_bytes}: give a positive byte count")
     _need(cfg.opt in OPT_CHOICES, f"unknown --opt {cfg.opt!r}: choose one of {', '.join(OPT_CHOICES)}")
-    _need(cfg.lr_warmup_method in WARMUP_CHOICES, f"unknown --lr-warmup-method {cfg.lr_warmup_method!r}: linear, constant")
-    _need(cfg.lr_scaling in LR_SCALING_CHOICES, f"unknown --lr-scaling {cfg.lr_scaling!r}: choose none or linear")
-    _need(cfg.augment in AUGMENT_CHOICES, f"unknown --augment {cfg.augment!r}: choose one of {', '.join(AUGMENT_CHOICES)}")
+    _need(cfg.lr_warmup_method in WARMUP_CHOICES,
+          f"unknown --lr-warmup-method {cfg.lr_warmup_method!r}: linear, constant")
+    _need(cfg.lr_scaling in LR_SCALING_CHOICES,
+          f"unknown --lr-scaling {cfg.lr_scaling!r}: choose none or linear")
+    _need(cfg.augment in AUGMENT_CHOICES,
+          f"unknown --augment {cfg.augment!r}: choose one of {', '.join(AUGMENT_CHOICES)}")
     _need(cfg.auto_augment is None or cfg.auto_augment in AUTO_AUGMENT_CHOICES,
           f"unknown --auto-augment {cfg.auto_augment!r}: choose one of {', '.join(AUTO_AUGMENT_CHOICES)}")
     _need(cfg.auto_augment is None or cfg.data in AUGMENTED_DATA,
-          f"--auto-augment augments fashion-mnist, imagefolder and shards data, not --data {cfg.data}: drop it")
+          f"--auto-augment augments fashion-mnist, imagefolder and shards data, not --data {cfg.data}: drop "
+          "it")
     side = DATA_IMAGE_SIZE.get(cfg.data)
     _need(cfg.data not in FIXED_SIZE_DATA or cfg.image_size in (None, side),
           f"--data {cfg.data} holds {side}x{side} images, never resized: drop --image-size {cfg.image_size}, "
@@ -132,11 +146,13 @@ def _check_numbers(cfg: Any) -> None:
     _need(cfg.weight_decay >= 0, f"--weight-decay must be >= 0 (got {cfg.weight_decay})")
     _need(cfg.bucket_mb > 0, f"--bucket-mb must be > 0 (got {cfg.bucket_mb})")
     _need(cfg.collective_timeout_s > 0, "--collective-timeout-s must be > 0")
-    _need(cfg.image_size is None or cfg.image_size >= 1, f"--image-size must be >= 1 pixel (got {cfg.image_size})")
+    _need(cfg.image_size is None or cfg.image_size >= 1,
+          f"--image-size must be >= 1 pixel (got {cfg.image_size})")
     _need(cfg.loader_workers is None or cfg.loader_workers >= 0, "--loader-workers must be >= 0")
     _need(cfg.checkpoint_every >= 0, f"--checkpoint-every must be >= 0 steps (got {cfg.checkpoint_every}; "
                                       "0 writes no checkpoints)")
-    _need(cfg.keep_checkpoints >= 0, f"--keep-checkpoints must be >= 0 (got {cfg.keep_checkpoints}; 0 keeps all)")
+    _need(cfg.keep_checkpoints >= 0,
+          f"--keep-checkpoints must be >= 0 (got {cfg.keep_checkpoints}; 0 keeps all)")
     _need(cfg.max_failures is None or cfg.max_failures >= -1,
           f"--max-failures must be >= 0, or -1 for no limit (got {cfg.max_failures})")
     _need(cfg.max_wait > 0, f"--max-wait must be > 0 seconds (got {cfg.max_wait})")
@@ -152,15 +168,20 @@ def _check_numbers(cfg: Any) -> None:
 
 def _check_recipe(cfg: Any) -> None:
     """The training recipe's numbers in their ranges (torchvision's reference script takes the same)."""
-    _need(cfg.keep_actors_s >= 0, f"--keep-actors-s must be >= 0 (got {cfg.keep_actors_s:g}; 0: the actors stop at the run's end)")
-    _need(cfg.lr_warmup_epochs >= 0, f"--lr-warmup-epochs must be >= 0 (got {cfg.lr_warmup_epochs}; 0: no warm-up)")
+    _need(cfg.keep_actors_s >= 0,
+          f"--keep-actors-s must be >= 0 (got {cfg.keep_actors_s:g}; 0: the actors stop at the run's end)")
+    _need(cfg.lr_warmup_epochs >= 0,
+          f"--lr-warmup-epochs must be >= 0 (got {cfg.lr_warmup_epochs}; 0: no warm-up)")
     _need(0 < cfg.lr_warmup_decay <= 1, f"--lr-warmup-decay must be in (0, 1] (got {cfg.lr_warmup_decay})")
-    _need(cfg.lars_trust_coefficient > 0, f"--lars-trust-coefficient must be > 0 (got {cfg.lars_trust_coefficient})")
-    _need(cfg.opt == "lars" or cfg.lars_trust_coefficient == LARS_ETA, "--lars-trust-coefficient is --opt lars's: add that or drop it")
+    _need(cfg.lars_trust_coefficient > 0,
+          f"--lars-trust-coefficient must be > 0 (got {cfg.lars_trust_coefficient})")
+    _need(cfg.opt == "lars" or cfg.lars_trust_coefficient == LARS_ETA,
+          "--lars-trust-coefficient is --opt lars's: add that or drop it")
     _need(0 <= cfg.label_smoothing < 1, f"--label-smoothing must be in [0, 1) (got {cfg.label_smoothing})")
     for name in ("norm_weight_decay", "bias_weight_decay"):
         v = getattr(cfg, name)
-        _need(v is None or v >= 0, f"--{name.replace('_', '-')} must be >= 0 (got {v}; leave it out for --weight-decay)")
+        _need(v is None or v >= 0,
+              f"--{name.replace('_', '-')} must be >= 0 (got {v}; leave it out for --weight-decay)")
     _need(cfg.clip_grad_norm is None or cfg.clip_grad_norm > 0,
           f"--clip-grad-norm must be > 0 (got {cfg.clip_grad_norm}; leave it out for no clipping)")
     _need(cfg.model_ema_steps >= 1, f"--model-ema-steps must be >= 1 (got {cfg.model_ema_steps})")
@@ -169,18 +190,22 @@ def _check_recipe(cfg: Any) -> None:
           f"--bn-momentum must be in (0, 1] (got {cfg.bn_momentum}; leave it out for the model's own)")
     _need(cfg.mixup_alpha >= 0, f"--mixup-alpha must be >= 0 (got {cfg.mixup_alpha}; 0: off)")
     _need(cfg.cutmix_alpha >= 0, f"--cutmix-alpha must be >= 0 (got {cfg.cutmix_alpha}; 0: off)")
-    _need(0 <= cfg.random_erase <= 1, f"--random-erase must be a probability in [0, 1] (got {cfg.random_erase})")
-    _need(cfg.channels in (None, 1, 3), f"--channels must be 1 or 3 (got {cfg.channels}; leave it out for the data's)")
+    _need(0 <= cfg.random_erase <= 1,
+          f"--random-erase must be a probability in [0, 1] (got {cfg.random_erase})")
+    _need(cfg.channels in (None, 1, 3),
+          f"--channels must be 1 or 3 (got {cfg.channels}; leave it out for the data's)")
     _need(cfg.target_accuracy is None or 0 < cfg.target_accuracy <= 1,
           f"--target-accuracy must be in (0, 1] (got {cfg.target_accuracy})")
     _need(0 <= cfg.val_split < 1, f"--val-split must be a fraction in [0, 1) (got {cfg.val_split}; 0: none)")
     for name in ("eval_test", "keep_best"):
         _need(cfg.val_split > 0 or not getattr(cfg, name),
-              f"--{name.replace('_', '-')} applies to a run with a validation split: add --val-split F, or drop it")
+              f"--{name.replace('_', '-')} applies to a run with a validation split: add --val-split F, or "
+              "drop it")
     _need(cfg.tensorboard in ("on", "off"), f"unknown --tensorboard {cfg.tensorboard!r}: choose on or off")
     _need(cfg.log_images >= 0, f"--log-images must be >= 0 (got {cfg.log_images}; 0: none)")
-    _need(cfg.log_images == 0 or cfg.tensorboard == "on",
-          "--log-images puts its grid in the TensorBoard event files: drop --tensorboard off, or --log-images")
+    _need(
+        cfg.log_images == 0 or cfg.tensorboard == "on",
+        "--log-images puts its grid in the TensorBoard event files: drop --tensorboard off, or --log-images")
 
 
 def _check_combinations(cfg: Any) -> None:
@@ -190,14 +215,16 @@ def _check_combinations(cfg: Any) -> None:
           f"--exchange-chunks {cfg.exchange_chunks} applies to filter split's gathers: add --fs 2 (or more), "
           "or drop it")
     _need(not cfg.max_failures or cfg.checkpoint_every > 0 or cfg.resume is not None,
-          f"--max-failures {cfg.max_failures} restarts from the last checkpoint: also set --checkpoint-every N "
-          "(without checkpoints a recovery would start the run over)")
+          f"--max-failures {cfg.max_failures} restarts from the last checkpoint: also set --checkpoint-every "
+          "N (without checkpoints a recovery would start the run over)")
     if cfg.elastic is not None:
-        _need(cfg.checkpoint_every > 0, f"--elastic {cfg.elastic} continues from the last checkpoint on another "
-                                        "layout: also set --checkpoint-every N")
+        _need(cfg.checkpoint_every > 0,
+              f"--elastic {cfg.elastic} continues from the last checkpoint on another "
+              "layout: also set --checkpoint-every N")
         size = cfg.dp * cfg.pp * cfg.fs if cfg.dp else None
-        _need(size is None or cfg.elastic <= size, f"--elastic {cfg.elastic} is above the layout's {size} actors: "
-                                                   f"give --elastic {size} or less")
+        _need(size is None or cfg.elastic <= size,
+              f"--elastic {cfg.elastic} is above the layout's {size} actors: "
+              f"give --elastic {size} or less")
     if cfg.virtual_stages > 1:
         _need(cfg.pp >= 2, f"--virtual-stages {cfg.virtual_stages} interleaves model chunks over pipeline "
                             "stages: set --pp 2 or more, or drop --virtual-stages")
@@ -209,12 +236,13 @@ def _check_combinations(cfg: Any) -> None:
               f"--virtual-stages {cfg.virtual_stages} takes micro-batches in groups of --pp {cfg.pp}: set "
               f"--num-microbatches to a multiple of {cfg.pp} (got {cfg.num_microbatches})")
     _need(cfg.init is not None or not (cfg.init_skip_head or cfg.evaluate_only),
-          f"--{'init-skip-head' if cfg.init_skip_head else 'evaluate-only'} applies to the weights of --init PATH: "
-          "add it, or drop the flag")
+          f"--{'init-skip-head' if cfg.init_skip_head else 'evaluate-only'} applies to the weights of --init "
+          "PATH: add it, or drop the flag")
     _need(not (cfg.init and cfg.resume), "--init starts a new run from given weights, --resume continues one "
                                          "from its checkpoint: give one of them")
-    _need(not (cfg.evaluate_only and cfg.init_skip_head), "--evaluate-only with --init-skip-head would evaluate "
-                                                          "a classifier never trained: drop --init-skip-head")
+    _need(not (cfg.evaluate_only and cfg.init_skip_head),
+          "--evaluate-only with --init-skip-head would evaluate "
+          "a classifier never trained: drop --init-skip-head")
     if cfg.plan != "none":
         _need(cfg.pp == 1 and cfg.fs == 1,
               f"--plan {cfg.plan} spreads the model over all actors itself: drop --pp/--fs and set only --dp")

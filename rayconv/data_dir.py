@@ -86,8 +86,9 @@ def data_of_folder(data_dir: str) -> str:
         return "shards"
     root = Path(data_dir)
     if not root.is_dir():
-        raise ConfigError(f"--data-dir {data_dir}: no such folder (give an image folder with train/ and val/, a "
-                          "folder written by python -m rayconv.prepare, or one holding the Fashion-MNIST idx files)")
+        raise ConfigError(f"--data-dir {data_dir}: no such folder (give an image folder with train/ and "
+                          "val/, a folder written by python -m rayconv.prepare, or one holding the "
+                          "Fashion-MNIST idx files)")
     if (root / MANIFEST).is_file():
         return "shards"
     if (root / "train").is_dir() and (root / "val").is_dir():
@@ -95,8 +96,8 @@ def data_of_folder(data_dir: str) -> str:
     if any((root / name).is_file() for name in (FASHION_MNIST_TRAIN, FASHION_MNIST_TRAIN + ".gz")):
         return "fashion-mnist"
     raise ConfigError(f"--data-dir {data_dir} holds neither train/ and val/ folders (--data imagefolder), a "
-                      f"{MANIFEST} of python -m rayconv.prepare (--data shards) nor the Fashion-MNIST idx files "
-                      "(--data fashion-mnist): give --data for what it holds, or fix the folder")
+                      f"{MANIFEST} of python -m rayconv.prepare (--data shards) nor the Fashion-MNIST idx "
+                      "files (--data fashion-mnist): give --data for what it holds, or fix the folder")
 
 
 def with_data_kind(values: dict) -> dict:

@@ -44,7 +44,8 @@ class OneLineParser(argparse.ArgumentParser):
         self.error_name = error_name or self.prog
 
     def error(self, message: str):
-        self.exit(2, f"{self.error_name}: error: {message}{self._suggestion(message)} (--help lists the flags)\n")
+        self.exit(2, f"{self.error_name}: error: {message}{self._suggestion(message)} "
+                     "(--help lists the flags)\n")
 
     def _suggestion(self, message: str) -> str:
         """``; did you mean --steps?`` for an unrecognized flag close to a known one (difflib), else ''."""
@@ -64,10 +65,9 @@ def closest_flags(unknown: list[str], known: list[str]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """An argparse parser with one flag per Config field (defaults left unset to detect what was given)."""
-    p = OneLineParser(
-        prog="python -m rayconv.run", error_name="rayconv",
-        description="Train a ConvNet with synchronous SGD across Ray actors (data parallel, pipeline, filter split).",
-        argument_default=argparse.SUPPRESS)
+    p = OneLineParser(prog="python -m rayconv.run", error_name="rayconv",
+                      description="Train a ConvNet with synchronous SGD across Ray actors (data parallel, "
+                                  "pipeline, filter split).", argument_default=argparse.SUPPRESS)
     p.add_argument("--config", help="JSON file of settings (e.g. a run's config.json); flags override it")
     for f in fields(Config):
         meta = dict(f.metadata)

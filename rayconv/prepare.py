@@ -21,7 +21,8 @@ from typing import Any, Iterator, Optional
 
 from rayconv.flags import OneLineParser
 from rayconv.data.shard_convert import convert, convert_encoding
-from rayconv.data.shard_writer import ENCODINGS, RAW_MAX_SIZE, SHARD_ORDERS, prepare, resolve_encoding, write_shard
+from rayconv.data.shard_writer import (ENCODINGS, RAW_MAX_SIZE, SHARD_ORDERS, prepare, resolve_encoding,
+                                       write_shard)
 from rayconv.errors import ClusterError, ConfigError, DataError
 from rayconv.storage import is_remote, locate
 from rayconv.storage_checks import check_writable
@@ -48,8 +49,9 @@ def _on_ray(args: dict[str, tuple], address: Optional[str]) -> Iterator[tuple[st
             for ref in pending:
                 ray.cancel(ref)
             cause = e.cause if e.cause is not None else e
-            raise DataError(f"writing {args[refs[ready[0]]][1]}/{refs[ready[0]]} failed ({type(cause).__name__}: "
-                            f"{cause}): fix that and run the same command again (complete shards are kept)") from None
+            raise DataError(f"writing {args[refs[ready[0]]][1]}/{refs[ready[0]]} failed "
+                            f"({type(cause).__name__}: {cause}): fix that and run the same command again "
+                            "(complete shards are kept)") from None
 
 
 RAW_SHARD_MIB = 64   # --shard-size's default for raw pixels: images of that many MiB a shard
@@ -64,25 +66,29 @@ def default_shard_size(encoding: str, size: int) -> int:
 def _parser() -> OneLineParser:
     p = OneLineParser(prog="python -m rayconv.prepare", error_name="rayconv.prepare",
                       description="Re-encode an ImageNet-layout folder (train/<class>/*, val/<class>/*) into "
-                                  "Arrow IPC shards of training-size JPEGs for --data shards, on the Ray cluster.")
+                                  "Arrow IPC shards of training-size JPEGs for --data shards, on the Ray "
+                                  "cluster.")
     p.add_argument("dir", nargs="?", help="the image folder, holding train/ and val/")
     p.add_argument("--out", help="the folder to write the shards and manifest.json into (required with DIR)")
     p.add_argument("--convert", metavar="SHARDS", default=None,
                    help="rewrite a prepared folder of the older Parquet format in place, then exit; with "
-                        "--encoding and --out: re-encode a prepared folder (raw <-> jpeg) into the --out folder")
+                        "--encoding and --out: re-encode a prepared folder (raw <-> jpeg) into the --out "
+                        "folder")
     p.add_argument("--encoding", choices=ENCODINGS, default=None,
-                   help=f"how images are stored: jpeg (default; re-encoded at --quality, shorter side --size), raw "
-                        f"(uint8 pixels, --size x --size: shorter side resized to --size, then the center crop; "
-                        f"no decode when read) or auto (raw up to --size {RAW_MAX_SIZE}, jpeg above)")
-    p.add_argument("--size", type=int, default=256, help="shorter side in pixels (default 256; never enlarged)")
+                   help="how images are stored: jpeg (default; re-encoded at --quality, shorter side "
+                        "--size), raw (uint8 pixels, --size x --size: shorter side resized to --size, then "
+                        f"the center crop; no decode when read) or auto (raw up to --size {RAW_MAX_SIZE}, "
+                        "jpeg above)")
+    p.add_argument("--size", type=int, default=256,
+                   help="shorter side in pixels (default 256; never enlarged)")
     p.add_argument("--quality", type=int, default=90, help="JPEG quality 1-100 (default 90)")
     p.add_argument("--shard-size", type=int, default=None,
-                   help=f"images per shard (default: 1000 JPEGs; raw pixels: as many as make {RAW_SHARD_MIB} MiB, at "
-                        "least 1000, so that a random batch touches few shards)")
+                   help=f"images per shard (default: 1000 JPEGs; raw pixels: as many as make {RAW_SHARD_MIB} "
+                        "MiB, at least 1000, so that a random batch touches few shards)")
     p.add_argument("--shard-order", choices=SHARD_ORDERS, default="shuffled",
-                   help="order of the train files in the shards: shuffled (default; a permutation seeded by --seed, "
-                        "so that each shard mixes the classes) or sorted (the listing's order, one class after "
-                        "another); val is always sorted")
+                   help="order of the train files in the shards: shuffled (default; a permutation seeded by "
+                        "--seed, so that each shard mixes the classes) or sorted (the listing's order, one "
+                        "class after another); val is always sorted")
     p.add_argument("--seed", type=int, default=0, help="seed of --shard-order shuffled (default 0)")
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, a running "
                                                    "cluster, else a new local one)")
@@ -94,7 +100,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if (a.convert is None) == (a.dir is None) or (a.dir is not None and a.out is None):
         print("rayconv.prepare: error: give DIR --out SHARDS, or --convert SHARDS alone", file=sys.stderr)
         return 2
-    if a.convert is not None and (a.encoding is None) != (a.out is None) or a.encoding == "auto" and a.dir is None:
+    if a.convert is not None and (a.encoding is None) != (a.out is None) \
+            or a.encoding == "auto" and a.dir is None:
         print("rayconv.prepare: error: --convert SHARDS alone rewrites the Parquet format; re-encoding takes "
               "--convert SHARDS --encoding raw|jpeg --out NEW", file=sys.stderr)
         return 2

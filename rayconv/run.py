@@ -75,7 +75,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if argv is None:   # (the command: it exits now)
             quiet_exit()
         by = stopped_by()
-        print(f"rayconv: interrupted{' by SIGTERM' if by == 'SIGTERM' else ''}: the run and any actors it started are stopped", file=sys.stderr)
+        print(f"rayconv: interrupted{' by SIGTERM' if by == 'SIGTERM' else ''}: the run and any actors it "
+              "started are stopped", file=sys.stderr)
         _resume_hint(cfg)
         return 128 + getattr(signal, by)
 
@@ -99,8 +100,8 @@ def _resume_hint(cfg: Optional[Config]) -> None:
         print(f"rayconv: last checkpoint {ckpt}: continue with `python -m rayconv.run --resume {cfg.out}`",
               file=sys.stderr)
     elif (Path(cfg.out) / "metrics.parquet").is_file():
-        print(f"rayconv: {Path(cfg.out).absolute()} keeps the steps' metrics but no checkpoint to resume from: "
-              "give --checkpoint-every N (steps) to make a run resumable", file=sys.stderr)
+        print(f"rayconv: {Path(cfg.out).absolute()} keeps the steps' metrics but no checkpoint to resume "
+              "from: give --checkpoint-every N (steps) to make a run resumable", file=sys.stderr)
 
 
 if __name__ == "__main__":

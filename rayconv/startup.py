@@ -14,11 +14,11 @@ device) and their CUDA-graph capture are placed on the driver's clock from what 
                 where the actors start first, ``driver.prestart``; else before it), data
                 (the driver's checks: the data's metadata, the model, the plan; before ray where the
                 actors cannot start during them, ``driver.early``; ``model_checked`` before it where an actor
-                checked the model: the driver's wait for that actor's imports and check), actors_alive (their processes
-                started and imported), actors_warmed_up (the slowest actor's wait for its warm-up:
-                torch._dynamo where the part is compiled and torchvision imported, the CUDA context made), model_built,
-                optimizer_built, data_on_device (the slowest actor's, inside its setup), actors_set_up,
-                first_step, graphs_captured (CUDA)
+                checked the model: the driver's wait for that actor's imports and check), actors_alive (their
+                processes started and imported), actors_warmed_up (the slowest actor's wait for its warm-up:
+                torch._dynamo where the part is compiled and torchvision imported, the CUDA context made),
+                model_built, optimizer_built, data_on_device (the slowest actor's, inside its setup),
+                actors_set_up, first_step, graphs_captured (CUDA)
     slowest     {"phase", "s"}: the longest stretch between two consecutive marks up to the first step
     actor_setup_s   the slowest actor's setup splits, seconds from its ``build`` call (``warmed_up``: the
                 wait for its warm-up, ``Actor.__init__``)
@@ -112,7 +112,8 @@ class StartupClock:
         self.actors["setup"] = slow["setup"]
         # its process's stamps (wall clock) on this clock: where the seconds before its setup went
         wall_origin = time.time() - (time.monotonic() - self.origin)
-        self.timeline = {k: v - wall_origin for k, v in (slowest.get("stamps") or {}).items() if v is not None}
+        self.timeline = {k: v - wall_origin for k, v in (slowest.get("stamps") or {}).items()
+                         if v is not None}
 
     def mark_capture(self, seconds: list[float]) -> None:
         """The actors' CUDA-graph capture (``seconds``: each capturing actor's) ended now."""
@@ -161,7 +162,8 @@ class StartupClock:
                 "phases": {k: round(v, 4) for k, v in self.ordered()},
                 "slowest": {"phase": slow[0], "s": round(slow[1], 4)} if slow else None,
                 "actor_setup_s": {k: round(v, 4) for k, v in self.actors.items()},
-                "actor_process": {k: round(v, 4) for k, v in sorted(self.timeline.items(), key=lambda kv: kv[1])}}
+                "actor_process": {k: round(v, 4)
+                                  for k, v in sorted(self.timeline.items(), key=lambda kv: kv[1])}}
 
 
 def after(origin: str) -> str:

@@ -10,10 +10,11 @@ step thread sends one request and takes one reply per batch, then copies the buf
 where the batch is augmented by batched tensor operations. On a GPU the copy and the augmentation run
 on a side stream, the next announced batch's as soon as this one is handed over (and a new
 announcement's first batch as it is announced: the next epoch's during the last step of this one), so
-that they overlap the step's compute instead of preceding it on the step's stream (``images``). The kernel is asked for the pages ahead: a
-split whose shards take at most 1/``RESIDENT_SHARE`` of the node's available memory once, whole, at its
-first announcement; a larger one per batch, ``READ_AHEAD`` batches on (by the reader process).
-NHWC bytes seen as NCHW (a permuted view) are already channels_last, the layout the model takes on GPUs.
+that they overlap the step's compute instead of preceding it on the step's stream (``images``). The kernel is
+asked for the pages ahead: a split whose shards take at most 1/``RESIDENT_SHARE`` of the node's available
+memory once, whole, at its first announcement; a larger one per batch, ``READ_AHEAD`` batches on (by the
+reader process). NHWC bytes seen as NCHW (a permuted view) are already channels_last, the layout the model
+takes on GPUs.
 
 Augmentation, from per-epoch tables of the whole train set drawn from (seed, epoch) alone (the tables
 of ``OnDeviceSource``, so that a raw folder streamed and held on the device, ``--data-on-device``,
@@ -68,10 +69,12 @@ class _Aside:
     event that ends its making."""
 
     def __init__(self, idx: np.ndarray, epoch: int, dtype, x: torch.Tensor, labels: torch.Tensor, event):
-        self.idx, self.epoch, self.dtype, self.x, self.labels, self.event = idx, epoch, dtype, x, labels, event
+        (self.idx, self.epoch, self.dtype, self.x, self.labels,
+         self.event) = idx, epoch, dtype, x, labels, event
 
     def serves(self, idx: np.ndarray, epoch: int, dtype) -> bool:
-        return self.epoch == epoch and self.dtype == dtype and (self.idx is idx or np.array_equal(self.idx, idx))
+        return self.epoch == epoch and self.dtype == dtype and (self.idx is idx
+                                                                or np.array_equal(self.idx, idx))
 
 
 def augmentation_words(augment: str, image_size: int, random_erase: float, auto_augment: Optional[str],
@@ -106,7 +109,9 @@ class RawShardSource(Source):
         self.seed, self.augment, self.random_erase = seed, augment, random_erase
         self.auto_augment = aa.make_transform(auto_augment) if auto_augment else None
         # The attributes OnDeviceSource's per-epoch tables read (its _epoch_params / _draw_params).
-        self.pad, self.flip = (pad_for(image_size), True) if augment == "pad-crop" else (0, augment == "resized-crop")
+        self.pad, self.flip = (
+            (pad_for(image_size), True) if augment == "pad-crop" else (0, augment == "resized-crop")
+        )
         self._params: dict = {}
         self._ahead: dict = {}   # (OnDeviceSource's next-epoch tables, drawn on its pool)
         self._pool = None
@@ -133,14 +138,16 @@ class RawShardSource(Source):
         self._graphs: Optional[ReplayedAugment] = None
         self._side = None   # (a GPU's side stream, where batches are made: ``images``)
         self._ready: dict[str, _Aside] = {}   # split -> its next announced batch, made ahead
-        self._aside_on: dict[str, tuple] = {}   # split -> (device, dtype) its batches were last made aside for
+        # split -> (device, dtype) its batches were last made aside for
+        self._aside_on: dict[str, tuple] = {}
         self._made: Optional[tuple] = None   # (split, idx, device labels) of the last images() on a GPU
 
     _epoch_params = OnDeviceSource._epoch_params
     _draw_params = OnDeviceSource._draw_params
 
     # ------------------------------------------------------------------ bytes
-    def uint8(self, split: str, idx: np.ndarray, pin: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def uint8(self, split: str, idx: np.ndarray, pin: bool = False,
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The stored pixels of samples ``idx``: uint8 (len(idx), P, P, 3), in pinned memory with
         ``pin``, or written into ``out`` (that shape, contiguous). The shards they touch are checked
         first (DataError naming one that changed); IndexError for a sample outside the split."""
@@ -210,7 +217,8 @@ class RawShardSource(Source):
         for k in range(min(READ_AHEAD, len(queue))):
             self._submit(split, queue, k)
         made = self._aside_on.get(split)
-        if made is not None:   # (on a GPU: the first announced batch made now, while the current step computes)
+        # (on a GPU: the first announced batch made now, while the current step computes)
+        if made is not None:
             self._ready[split] = self._made_aside(split, queue[0][0], made[0], epoch, made[1])
 
     def _drop_pending(self, split: str) -> None:
@@ -221,7 +229,9 @@ class RawShardSource(Source):
             self._reader.forget(n for _, n in old)
 
     def _submit(self, split: str, queue: deque, k: int) -> None:
-        later = queue[k + READ_AHEAD][0] if k + READ_AHEAD < len(queue) and not self._resident[split] else None
+        later = (
+            queue[k + READ_AHEAD][0] if k + READ_AHEAD < len(queue) and not self._resident[split] else None
+        )
         queue[k][1] = self._reader.submit(split, queue[k][0], later)
 
     def _take(self, split: str, idx: np.ndarray, device: torch.device
@@ -246,7 +256,8 @@ class RawShardSource(Source):
         pin = device.type == "cuda"
         rows = torch.from_numpy(idx)
         labels = self.targets[split][rows]
-        return None, self.uint8(split, idx, pin), (rows.pin_memory() if pin else rows), (labels.pin_memory() if pin else labels)
+        return (None, self.uint8(split, idx, pin), (rows.pin_memory() if pin else rows),
+                (labels.pin_memory() if pin else labels))
 
     # ------------------------------------------------------------------ Source
     def images(self, split, idx, device, epoch=0, dtype=None):
@@ -283,7 +294,8 @@ class RawShardSource(Source):
             x, labels = self._make(split, idx, dev, epoch, dtype)
             return _Aside(idx, epoch, dtype, x, labels, self._side.record_event())
 
-    def _make(self, split: str, idx: np.ndarray, dev: torch.device, epoch: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _make(self, split: str, idx: np.ndarray, dev: torch.device, epoch: int,
+              dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(batch ``idx`` of ``split`` augmented on ``dev``, its labels: on the device on a GPU, else
         None) on the current stream: taken from the ring (``_take``), copied and augmented (one graph
         replay on a GPU: augment_graph.py)."""

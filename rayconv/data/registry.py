@@ -3,10 +3,10 @@
 Names: ``digits`` (``rayconv/data/digits.py``; 8x8, not augmented, whatever ``--image-size`` and
 ``--augment`` say), ``fashion-mnist`` (``fashion_mnist.py``; resized on the device to ``--image-size``),
 ``synthetic`` (``synthetic.py``), ``imagefolder`` (``imagefolder.py``; a folder prepared by ``python -m
-rayconv.prepare`` is read as shards) and ``shards`` (``shards.py``; raw-pixel shards ``raw_shards.py``). ``--augment`` (resolved by
-``Config.augmentation``), ``--auto-augment`` and ``--random-erase`` reach fashion-mnist, imagefolder and shards;
-``--channels`` (``model_channels``) every source. Small image folders and shard folders are held on the
-device (``--data-on-device``, ``rayconv/data/small.py``)."""
+rayconv.prepare`` is read as shards) and ``shards`` (``shards.py``; raw-pixel shards ``raw_shards.py``).
+``--augment`` (resolved by ``Config.augmentation``), ``--auto-augment`` and ``--random-erase`` reach
+fashion-mnist, imagefolder and shards; ``--channels`` (``model_channels``) every source. Small image folders
+and shard folders are held on the device (``--data-on-device``, ``rayconv/data/small.py``)."""
 
 from __future__ import annotations
 
@@ -112,8 +112,8 @@ def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
             src = RawShardSource(cfg.data_dir or "", cfg.data_image_size, cfg.seed, augment=augment,
                                  random_erase=erase, auto_augment=cfg.auto_augment)   # raw pixels: no decode
         elif cfg.data == "shards" or is_prepared(cfg.data_dir):  # a prepared folder is read as shards
-            src = ShardSource(cfg.data_dir or "", cfg.data_image_size, cfg.seed, loader_workers(cfg), cfg.decode,
-                              augment=augment, random_erase=erase, auto_augment=cfg.auto_augment)
+            src = ShardSource(cfg.data_dir or "", cfg.data_image_size, cfg.seed, loader_workers(cfg),
+                              cfg.decode, augment=augment, random_erase=erase, auto_augment=cfg.auto_augment)
         else:
             src = ImageFolderSource(cfg.data_dir or "", cfg.data_image_size, cfg.seed, loader_workers(cfg),
                                     augment=augment, random_erase=erase, auto_augment=cfg.auto_augment)
@@ -136,8 +136,8 @@ def checked(cfg: Config, src: Source) -> Source:
     """``src`` checked against ``--num-classes``, given the model's channels and the ``--val-split``
     split. Raises ConfigError."""
     if cfg.num_classes is not None and cfg.num_classes != src.num_classes:
-        raise ConfigError(f"--num-classes {cfg.num_classes} but --data {cfg.data} has {src.num_classes} classes: "
-                          "drop --num-classes (it follows the data)")
+        raise ConfigError(f"--num-classes {cfg.num_classes} but --data {cfg.data} has {src.num_classes} "
+                          "classes: drop --num-classes (it follows the data)")
     src.set_channels(model_channels(cfg, src))
     if cfg.val_split > 0:
         src.add_val_split()   # split "val": --val-split's images, read unaugmented

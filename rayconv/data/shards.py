@@ -65,13 +65,15 @@ class ShardSource(Source):
     it launches step k, while step k - 1 still runs on the GPU."""
 
     def __init__(self, root: str, image_size: int, seed: int, workers: int, decode: str = "auto",
-                 augment: str = "resized-crop", random_erase: float = 0.0, auto_augment: Optional[str] = None):
+                 augment: str = "resized-crop", random_erase: float = 0.0,
+                 auto_augment: Optional[str] = None):
         self.root = Path(root)
-        self.auto_augment = aa.make_transform(auto_augment) if auto_augment else None   # (the policy's transform)
+        # (the policy's transform)
+        self.auto_augment = aa.make_transform(auto_augment) if auto_augment else None
         self.manifest = read_manifest(self.root)
         if encoding(self.manifest) != "jpeg":
-            raise DataError(f"{self.root} holds raw pixels, not JPEGs: read it with raw_shards.RawShardSource "
-                            "(make_source picks it)")
+            raise DataError(f"{self.root} holds raw pixels, not JPEGs: read it with "
+                            "raw_shards.RawShardSource (make_source picks it)")
         self.classes = list(self.manifest["classes"])
         self.num_classes = len(self.classes)
         self.sample_shape = (3, image_size, image_size)
@@ -110,12 +112,14 @@ class ShardSource(Source):
         return shard, np.asarray(idx) - starts[shard]
 
     def check(self, split: str, idx: np.ndarray) -> None:
-        """Raise DataError naming the first shard of samples ``idx`` that disappeared or changed since open."""
+        """Raise DataError naming the first shard of samples ``idx`` that disappeared or changed since
+        open."""
         for s in np.unique(self._locate(split, idx)[0]):
             self.shards[split][s].check()
 
     def read_ahead(self, split: str, idx: np.ndarray) -> None:
-        """Ask the kernel to read the JPEG bytes of samples ``idx`` from disk now (``OpenShard.will_need``)."""
+        """Ask the kernel to read the JPEG bytes of samples ``idx`` from disk now
+        (``OpenShard.will_need``)."""
         shard, row = self._locate(split, idx)
         for s in np.unique(shard):
             self.shards[split][s].will_need(row[shard == s])
@@ -142,8 +146,8 @@ class ShardSource(Source):
 
     def uint8_batch(self, split: str, idx: np.ndarray, epoch: int, device: torch.device) -> torch.Tensor:
         """Decoded and cropped samples ``idx``: uint8 (len(idx), 3, S, S) on ``device`` (no overlap)."""
-        return dec.transform(dec.decode(self.jpegs(split, idx), device), self.size, self.params(split, epoch, idx),
-                             self.augment)
+        return dec.transform(dec.decode(self.jpegs(split, idx), device), self.size,
+                             self.params(split, epoch, idx), self.augment)
 
     # ------------------------------------------------------------------ Source
     def _use_gpu(self, device: torch.device) -> bool:
@@ -176,12 +180,14 @@ class ShardSource(Source):
             raise
         if len(pending["queue"]) > READ_AHEAD:
             self.read_ahead(split, pending["queue"][READ_AHEAD])
-        x = self._take_gpu(split, pending, device) if self._use_gpu(device) else self._take_cpu(split, pending)
+        x = (self._take_gpu(split, pending, device) if self._use_gpu(device)
+             else self._take_cpu(split, pending))
         if not pending["queue"]:
             self._pending.pop(split, None)   # the last announced batch: the loader and its workers go with it
         x = x.to(device, non_blocking=True)
         if split == "train" and self.auto_augment is not None:
-            x = aa.apply(x, aa.sample_groups(self.seed, epoch, idx).to(device), self.auto_augment, self.seed, epoch)
+            x = aa.apply(x, aa.sample_groups(self.seed, epoch, idx).to(device), self.auto_augment, self.seed,
+                         epoch)
         x = dec.normalize(x, dtype)
         return self._erase(x, epoch, idx) if split == "train" and self.random_erase > 0 else x
 
@@ -189,7 +195,8 @@ class ShardSource(Source):
         """``x`` with each sample's RandomErasing rectangle (``augment.erase_params``, from (seed, epoch,
         index) alone) set to 0."""
         boxes = torch.cat([erase_params(1, self.size, self.size, self.random_erase,
-                                        torch.Generator().manual_seed(stable_seed(self.seed, "erase", epoch, int(i))))
+                                        torch.Generator().manual_seed(stable_seed(self.seed, "erase", epoch,
+                                                                                  int(i))))
                            for i in idx])
         boxes = boxes.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else boxes
         return erase(x, boxes)
@@ -198,12 +205,13 @@ class ShardSource(Source):
         """This batch (launched ahead, or now), after handing the next one to the decode thread."""
         idx = pending["queue"].popleft()
         launched: Optional[Future] = pending["launched"]
-        current = launched.result() if launched is not None else self._launch(split, pending["epoch"], idx, device)
+        current = launched.result() if launched is not None else self._launch(split, pending["epoch"], idx,
+                                                                              device)
         if pending["queue"]:
             if self._decoder is None:
                 self._decoder = ThreadPoolExecutor(1, thread_name_prefix="rayconv-decode")
-            pending["launched"] = self._decoder.submit(self._launch, split, pending["epoch"], pending["queue"][0],
-                                                       device)
+            pending["launched"] = self._decoder.submit(self._launch, split, pending["epoch"],
+                                                       pending["queue"][0], device)
         else:
             pending["launched"] = None
         x, event = current
@@ -239,7 +247,8 @@ class ShardSource(Source):
         pending["queue"].popleft()
         try:
             return next(pending["loader"])
-        except (RuntimeError, DataError) as e:   # a worker's error, or a worker killed (SIGBUS: a shard shrank)
+        # a worker's error, or a worker killed (SIGBUS: a shard shrank)
+        except (RuntimeError, DataError) as e:
             lines = str(e).strip().splitlines()
             if isinstance(e, DataError):
                 named = [x for x in lines if str(self.root) in x] or lines[-1:]

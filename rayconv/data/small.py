@@ -6,9 +6,10 @@ device, every image of both splits is decoded once, to exactly the image the loa
 its augmentation (its evaluation crop: for an image folder torchvision's ``Resize(S * 8 // 7)`` +
 ``CenterCrop(S)`` of the PIL image, ``imagefolder.center_transforms``; for shards libjpeg-turbo's decode
 then ``decode.center``; for raw-pixel shards the stored pixels through ``decode.center``), as uint8
-(N, 3, S, S), by ``registry.decode_workers`` processes (a DataLoader over chunks of ``CHUNK`` images). The images go to each actor's device as ``OnDeviceSource`` holds
-them: batches are augmented there by batched tensor operations from per-epoch tables drawn from
-(seed, epoch, index), normalised by ImageNet's mean and std as the loader path is.
+(N, 3, S, S), by ``registry.decode_workers`` processes (a DataLoader over chunks of ``CHUNK`` images). The
+images go to each actor's device as ``OnDeviceSource`` holds them: batches are augmented there by batched
+tensor operations from per-epoch tables drawn from (seed, epoch, index), normalised by ImageNet's mean and std
+as the loader path is.
 
 Rule (``held_on_device``): ``on`` holds the data (refused with ``--augment resized-crop``, whose crop
 needs each image's own size); ``off`` keeps the loader; ``auto`` holds it when the augmentation is
@@ -56,7 +57,8 @@ def held_on_device(cfg: Config, images: int) -> bool:
     ConfigError (one line) for an unknown ``--data-on-device``."""
     mode, augment = cfg.data_on_device, cfg.augmentation
     if mode not in DATA_ON_DEVICE_CHOICES:
-        raise ConfigError(f"unknown --data-on-device {mode!r}: choose one of {', '.join(DATA_ON_DEVICE_CHOICES)}")
+        raise ConfigError(f"unknown --data-on-device {mode!r}: choose one of "
+                          f"{', '.join(DATA_ON_DEVICE_CHOICES)}")
     if mode != "auto":
         return mode == "on"
     return augment in ("pad-crop", "none") and held_bytes(cfg, images) <= SMALL_DATA_BYTES
@@ -80,8 +82,9 @@ def decide_auto(data_bytes: int, memory_bytes: int, actors: int, memory: str) ->
     limit = hold_limit(memory_bytes, actors)
     held = data_bytes <= limit
     return held, (f"{data_bytes / 2**20:.1f} MB of decoded images per actor {'<=' if held else '>'} "
-                  f"{limit / 2**20:.1f} MB, the smaller of {SMALL_DATA_BYTES / 2**30:g} GiB and 1/{HOLD_SHARE} of "
-                  f"{memory} ({memory_bytes / 2**30:.1f} GiB) / {actors} actor{'s' * (actors != 1)} holding a copy")
+                  f"{limit / 2**20:.1f} MB, the smaller of {SMALL_DATA_BYTES / 2**30:g} GiB and "
+                  f"1/{HOLD_SHARE} of {memory} ({memory_bytes / 2**30:.1f} GiB) / {actors} "
+                  f"actor{'s' * (actors != 1)} holding a copy")
 
 
 def maybe_hold(cfg: Config, loader: Source, workers: int) -> Source:
@@ -223,12 +226,14 @@ class _FolderCenters:
         self.listing = listing
         self.sets: dict[str, CheckedImageFolder] = {}
         self.transform: Optional[Callable] = None
-        self.same: dict[tuple[int, int], bool] = {}   # image (width, height) -> PIL's calls equal the transform's
+        # image (width, height) -> PIL's calls equal the transform's
+        self.same: dict[tuple[int, int], bool] = {}
 
     def open(self, split: str) -> None:
         """List ``split``'s folder (once), or take the loader's list of it."""
         if split not in self.sets:
-            from torchvision.transforms import v2 as T   # (torchvision's import takes seconds: only when used)
+            # (torchvision's import takes seconds: only when used)
+            from torchvision.transforms import v2 as T
 
             self.transform = T.Compose(center_transforms(self.size))
             if self.listing is not None and split in self.listing:

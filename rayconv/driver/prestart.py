@@ -3,12 +3,12 @@
 ``start_first`` runs before the command and ``rayconv.fit`` import ``driver.job`` (``api.start_and_train``):
 where the run's actors can start before the driver's checks (``can_start_first``: no ``--resume``, no user's
 model or ``--init`` file, no ``--layout auto``, and ``driver.early``'s conditions), it checks the output
-folder (named by the caller: ``with_output_folder``), connects Ray (``connect_run``), resolves the device and ``dp`` (``resolve_layout``) and starts the
-actors (``driver.early.EarlyActors``), all without torch; only then does the driver import torch and
-the training code (seconds) while the actors' processes start and import theirs. ``train_run`` then
-resolves the run as it would (``driver.resolve``: the same checks, in the same order after the
-layout), reusing the connection, the run name and the actors. Where the actors cannot start first,
-``train_run`` runs as it is.
+folder (named by the caller: ``with_output_folder``), connects Ray (``connect_run``), resolves the device and
+``dp`` (``resolve_layout``) and starts the actors (``driver.early.EarlyActors``), all without torch; only then
+does the driver import torch and the training code (seconds) while the actors' processes start and import
+theirs. ``train_run`` then resolves the run as it would (``driver.resolve``: the same checks, in the same
+order after the layout), reusing the connection, the run name and the actors. Where the actors cannot start
+first, ``train_run`` runs as it is.
 
 The output folder's checks and the layout against the cluster live here so that this module imports
 neither torch nor anything that does (a test imports it in a fresh process and checks).
@@ -45,21 +45,24 @@ def can_start_first(cfg: Config) -> bool:
     """Whether ``cfg``'s actors may start before the driver imports torch: nothing the driver checks
     before the layout needs torch (no ``--resume`` checkpoint, user's model, ``--init`` file or
     ``--layout auto`` plan) and nothing after it needs the cluster's devices (``early.needs_devices``)."""
-    return not (cfg.resume or cfg.init or cfg.layout == "auto" or is_user_model(cfg.model) or needs_devices(cfg))
+    return not (
+        cfg.resume or cfg.init or cfg.layout == "auto" or is_user_model(cfg.model) or needs_devices(cfg)
+    )
 
 
 def start_first(cfg: Config, log=print) -> EarlyActors:
     """The run's actors started before torch is imported, when ``can_start_first``: the model's name
-    checked against this machine's listing of torchvision's models (``model_names.check_known``), the output folder
-    (named: ``with_output_folder``) checked, Ray connected (the start-up clock's ``ray``), the layout resolved, the actors
-    started without waiting for them. Else, or when the layout does not fit (the run refuses it after
-    its checks, as it would; or the cluster lacks the devices yet: the run waits for them as it would),
-    an ``EarlyActors`` holding none. Raises ConfigError / FileExistsError
-    (the output folder), ClusterError (Ray)."""
+    checked against this machine's listing of torchvision's models (``model_names.check_known``), the output
+    folder (named: ``with_output_folder``) checked, Ray connected (the start-up clock's ``ray``), the layout
+    resolved, the actors started without waiting for them. Else, or when the layout does not fit (the run
+    refuses it after its checks, as it would; or the cluster lacks the devices yet: the run waits for them as
+    it would), an ``EarlyActors`` holding none. Raises ConfigError / FileExistsError (the output folder),
+    ClusterError (Ray)."""
     early = EarlyActors()
     if not can_start_first(cfg):
         return early
-    check_known(cfg.model)   # (a torchvision model's name, where this machine listed them: the actors check the rest)
+    # (a torchvision model's name, where this machine listed them: the actors check the rest)
+    check_known(cfg.model)
     out = output_place(cfg)
     check_output_folder(out, None)
     connect_run(cfg)
@@ -101,8 +104,8 @@ def resolve_layout(cfg: Config, log=print, wait: bool = True) -> tuple[Config, M
     (``wait`` False: never); a local cluster cannot grow, so there the error is immediate."""
     kind, slots = available_devices(cfg.device)
     if kind != "cuda" and cfg.gpus_per_actor != 1:
-        raise ConfigError(f"--gpus-per-actor {cfg.gpus_per_actor:g} shares GPUs but the Ray cluster has none: drop "
-                          "it (CPU actors take --num-cpus-per-actor)")
+        raise ConfigError(f"--gpus-per-actor {cfg.gpus_per_actor:g} shares GPUs but the Ray cluster has "
+                          "none: drop it (CPU actors take --num-cpus-per-actor)")
     per_actor = cfg.gpus_per_actor if kind == "cuda" else cfg.num_cpus_per_actor
     unit = ("GPUs" if per_actor == 1 else f"GPU shares ({per_actor:g} GPU each)") if kind == "cuda" else \
         f"CPU slots ({per_actor} CPU each)"
@@ -194,11 +197,13 @@ def check_output_folder(out: Place, resume: Optional[Checkpoint]) -> None:
         newer = [p.name for p in list_checkpoints(out) if int(p.name.split("-")[1]) > resume.step]
         if newer:
             raise CheckpointError(f"--resume {resume.path} is older than {', '.join(newer)} of the same run: "
-                                  f"resume from the newest, or give --out NEW to branch off from step {resume.step}")
+                                  "resume from the newest, or give --out NEW to branch off from step "
+                                  f"{resume.step}")
     elif out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out} is a file: choose a folder (nothing was overwritten)")
     elif out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"--out {out} already holds files: choose a new folder (nothing was overwritten)")
+        raise FileExistsError(f"--out {out} already holds files: choose a new folder (nothing was "
+                              "overwritten)")
 
 
 def ray_job() -> Optional[str]:
@@ -222,8 +227,8 @@ def check_job_output(out: str) -> None:
     if job is not None and not is_uri(out) and not Path(out).is_absolute():
         where = f"Ray job {job}" if job else "a Ray job"
         raise ConfigError(f"the output folder {out} is relative: under {where} it would be made in the job's "
-                          f"working folder {Path.cwd()} (with --working-dir, Ray's temporary copy of it): give an "
-                          "absolute --out, e.g. --out /shared/runs/NAME")
+                          f"working folder {Path.cwd()} (with --working-dir, Ray's temporary copy of it): "
+                          "give an absolute --out, e.g. --out /shared/runs/NAME")
 
 
 def new_run_name(out: Place) -> str:

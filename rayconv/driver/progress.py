@@ -41,7 +41,8 @@ def log_header(resolved: ResolvedRun, log=print) -> None:
     log(images_line(resolved))
     log(recipe_line(resolved))
     if resolved.resume is not None:
-        log(f"rayconv: resuming from {resolved.resume.path} (step {resolved.resume.step} of {resolved.total_steps})")
+        log(f"rayconv: resuming from {resolved.resume.path} (step {resolved.resume.step} of "
+            f"{resolved.total_steps})")
     if mesh.pp > 1:
         chunks = (f", interleaved: {cfg.virtual_stages} model chunks per stage (stage s holds chunks s, s + "
                   f"{mesh.pp}, ...)" if cfg.virtual_stages > 1 else "")
@@ -61,7 +62,8 @@ def run_line(resolved: ResolvedRun) -> str:
         f"global batch {cfg.global_batch_size}, {n} step{'s' if n != 1 else ''}"
     job = ray_job()
     held = len(resolved.sharding.val_indices())
-    train = f"{resolved.sharding.train_samples} train + {held} validation" if held else f"{source.train_size} train"
+    train = (f"{resolved.sharding.train_samples} train + {held} validation" if held
+             else f"{source.train_size} train")
     return (f"rayconv: {cfg.model} on {cfg.data} ({train} / {source.test_size} test images, "
             f"{source.num_classes} classes), layout {mesh.describe()}"
             f"{' plan ' + cfg.plan if cfg.plan != 'none' else ''} on {cfg.device}, {work} -> "
@@ -100,12 +102,13 @@ def recipe_line(resolved: ResolvedRun) -> str:
     scaled = f" (--lr {cfg.lr:g} per 256 images)" if cfg.lr_scaling == "linear" else ""
     lars = f" (trust coefficient {cfg.lars_trust_coefficient:g})" if cfg.opt == "lars" else ""
     parts = [f"optimizer {cfg.opt}{lars}, lr {peak_lr(cfg):.4g}{scaled} {cfg.lr_schedule}"
-             + (f" after {warm} warm-up steps ({cfg.lr_warmup_method} from x{cfg.lr_warmup_decay:g})" if warm else "")]
+             + (f" after {warm} warm-up steps ({cfg.lr_warmup_method} from x{cfg.lr_warmup_decay:g})"
+                if warm else "")]
     parts.append(f"weight decay {cfg.weight_decay:g}" + "".join(
         f", {name} {v:g}" for name, v in (("norms", cfg.norm_weight_decay), ("biases", cfg.bias_weight_decay))
         if v is not None))
-    on = {"label smoothing": cfg.label_smoothing, "mixup alpha": cfg.mixup_alpha, "cutmix alpha": cfg.cutmix_alpha,
-          "clip grad norm": cfg.clip_grad_norm}
+    on = {"label smoothing": cfg.label_smoothing, "mixup alpha": cfg.mixup_alpha,
+          "cutmix alpha": cfg.cutmix_alpha, "clip grad norm": cfg.clip_grad_norm}
     parts += [f"{name} {v:g}" for name, v in on.items() if v]
     if cfg.model_ema:
         parts.append(f"EMA every {cfg.model_ema_steps} steps, decay {cfg.model_ema_decay:g}")
@@ -130,7 +133,8 @@ def overlap_note(cfg: Config, mesh: Mesh, routing: Routing) -> Optional[str]:
         return None
     micro = f"{cfg.num_microbatches} micro-batch{'es' if cfg.num_microbatches > 1 else ''}"
     return (f"note: with {micro} for {mesh.pp} stages the stages mostly take turns (bubble "
-            f"{bubble_fraction(routing.schedule):.0%} of the step); --num-microbatches {better[0]} lets them overlap")
+            f"{bubble_fraction(routing.schedule):.0%} of the step); --num-microbatches {better[0]} lets them "
+            "overlap")
 
 
 class Progress:
@@ -193,8 +197,8 @@ class Progress:
         self.bar.close()
 
 
-EVAL_LINE = ("val_loss", "val_accuracy", "val_top5_accuracy", "test_loss", "test_accuracy", "test_top5_accuracy",
-             "ema_test_accuracy")
+EVAL_LINE = ("val_loss", "val_accuracy", "val_top5_accuracy", "test_loss", "test_accuracy",
+             "test_top5_accuracy", "ema_test_accuracy")
 
 
 def eval_line(ev: dict) -> str:

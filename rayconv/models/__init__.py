@@ -68,28 +68,30 @@ def build_model(name: str, num_classes: int, in_channels: int = 3, image_size: i
         return build_user_model(name, num_classes, in_channels, image_size)
     if name in RAYCONV_MODELS:
         if zero_init_residual:
-            raise ConfigError(f"--zero-init-residual applies to residual models (torchvision's resnet18, ...): "
-                              f"--model {name} has no residual blocks; drop the flag")
+            raise ConfigError("--zero-init-residual applies to residual models (torchvision's resnet18, "
+                              f"...): --model {name} has no residual blocks; drop the flag")
         if name == "alexnet2012":
             if in_channels != 3 or image_size < 63:
                 raise ConfigError("--model alexnet2012 needs 3-channel images of at least 63x63 pixels: "
                                   "use --data synthetic or imagefolder")
             return alexnet_two_column(num_classes)
         return ConvNet(in_channels=in_channels, num_classes=num_classes,
-                       batch_norm=batch_norm or name == "convnet_bn", columns=2 if name == "convnet2col" else 1)
+                       batch_norm=batch_norm or name == "convnet_bn",
+                       columns=2 if name == "convnet2col" else 1)
     names = model_names()
     if name not in names:
         raise unknown_model(name, names)
     if in_channels != 3:
-        raise ConfigError(f"--model {name} takes 3-channel images but gets {in_channels} channel(s): drop "
-                          "--channels (grey --data is then given as 3 equal channels), or use --model convnet")
+        raise ConfigError(
+            f"--model {name} takes 3-channel images but gets {in_channels} channel(s): drop "
+            "--channels (grey --data is then given as 3 equal channels), or use --model convnet")
     args = dict(BUILD_ARGS.get(name, {}), **({"zero_init_residual": True} if zero_init_residual else {}))
     try:
         model = _torchvision().models.get_model(name, weights=None, num_classes=num_classes, **args)
     except TypeError as e:
         if zero_init_residual and "zero_init_residual" in str(e):
-            raise ConfigError(f"--zero-init-residual: torchvision's {name} builder does not take it (ResNets, "
-                              "ResNeXts and wide ResNets do): drop the flag") from None
+            raise ConfigError(f"--zero-init-residual: torchvision's {name} builder does not take it "
+                              "(ResNets, ResNeXts and wide ResNets do): drop the flag") from None
         raise
     if image_size < 32:  # (torchvision's models are made for 224: below 32 many reduce the image to nothing)
         check_trainable(name, model, (in_channels, image_size, image_size), data=data)
@@ -121,11 +123,12 @@ def check_trainable(name: str, model: nn.Module, sample_shape: tuple[int, ...],
     The advice for a size it cannot take names one it can (224) where the data are resized (``data``:
     the --data name; ``FIXED_SIZE_DATA`` are not: then other data or a model for small images).
     Returns the output's shape, (2, classes). Raises ConfigError naming --model and what to change."""
-    lazy = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.modules.lazy.LazyModuleMixin)})
+    lazy = sorted({type(m).__name__ for m in model.modules()
+                   if isinstance(m, nn.modules.lazy.LazyModuleMixin)})
     if lazy:
-        raise ConfigError(f"--model {name} has lazy modules ({', '.join(lazy)}), whose parameters a first forward "
-                          "makes: give their sizes (nn.Linear(in_features, ...)), or call the model once on a "
-                          "batch of the run's image size inside the function before returning it")
+        raise ConfigError(f"--model {name} has lazy modules ({', '.join(lazy)}), whose parameters a first "
+                          "forward makes: give their sizes (nn.Linear(in_features, ...)), or call the model "
+                          "once on a batch of the run's image size inside the function before returning it")
 
     def attempt(shape: tuple[int, ...]):
         if cheap_on_cpu(model, shape):
@@ -160,10 +163,11 @@ def check_trainable(name: str, model: nn.Module, sample_shape: tuple[int, ...],
         raise ConfigError(f"--model {name} cannot take {size} images ({what}): {fix}") from None
     if not isinstance(out, torch.Tensor):
         raise ConfigError(f"--model {name} returns {type(out).__name__} when training, not a tensor of class "
-                          "scores: rayconv trains models whose forward returns the logits; pick another --model")
+                          "scores: rayconv trains models whose forward returns the logits; pick another "
+                          "--model")
     if out.dim() != 2 or out.shape[0] != 2:
-        raise ConfigError(f"--model {name} maps 2 images to a tensor of shape {tuple(out.shape)}, not (2, classes): "
-                          "pick another --model")
+        raise ConfigError(f"--model {name} maps 2 images to a tensor of shape {tuple(out.shape)}, not (2, "
+                          "classes): pick another --model")
     return tuple(out.shape)
 
 
@@ -233,8 +237,8 @@ def to_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """
     if isinstance(model, nn.Sequential):
         return [(n, m) for n, m in model.named_children()]
-    if all(hasattr(model, a) for a in ("features", "avgpool", "classifier")) and isinstance(model.features, nn.Sequential) \
-            and type(model).forward in _features_forward():
+    if all(hasattr(model, a) for a in ("features", "avgpool", "classifier")) \
+            and isinstance(model.features, nn.Sequential) and type(model).forward in _features_forward():
         out = [(f"features.{n}", m) for n, m in model.features.named_children()]
         out += [("avgpool", model.avgpool), ("flatten", nn.Flatten(1))]
         cls = model.classifier

@@ -233,7 +233,8 @@ def _find(p: Place, path: Any) -> Place:
         raise CheckpointError(f"--resume {path}: no such folder: give a run folder (with checkpoints/) "
                               "or one of its checkpoints/step-<k> folders")
     if not p.is_dir():
-        raise CheckpointError(f"--resume {path} is a file: give a run folder or a checkpoints/step-<k> folder")
+        raise CheckpointError(
+            f"--resume {path} is a file: give a run folder or a checkpoints/step-<k> folder")
     if (p / MANIFEST).is_file():
         return p
     if STEP_DIR.match(p.name[:-4] if p.name.endswith(".tmp") else p.name):
@@ -241,8 +242,9 @@ def _find(p: Place, path: Any) -> Place:
                               f"resume from its run folder {p.parent.parent} instead")
     newest = latest_checkpoint(p)
     if newest is None:
-        raise CheckpointError(f"--resume {path} holds no complete checkpoint (no checkpoints/step-<k>/{MANIFEST}): "
-                              "train with --checkpoint-every N to write some")
+        raise CheckpointError(f"--resume {path} holds no complete checkpoint (no "
+                              f"checkpoints/step-<k>/{MANIFEST}): train with --checkpoint-every N to write "
+                              "some")
     return newest
 
 
@@ -284,8 +286,8 @@ def load_checkpoint(path: str | Path | Location) -> Checkpoint:
             raise CheckpointError(f"checkpoint file {f} is missing: resume from another checkpoint")
         data = _read(f)
         if len(data) != entry["bytes"]:
-            raise CheckpointError(f"checkpoint file {f} is truncated or damaged ({len(data)} bytes, the manifest "
-                                  f"says {entry['bytes']}): resume from another checkpoint")
+            raise CheckpointError(f"checkpoint file {f} is truncated or damaged ({len(data)} bytes, the "
+                                  f"manifest says {entry['bytes']}): resume from another checkpoint")
         if sha256(data) != entry["sha256"]:
             raise CheckpointError(f"checkpoint file {f} is corrupt (sha256 differs from the manifest): "
                                   "resume from another checkpoint")
@@ -316,12 +318,13 @@ def check_resumable(ckpt: Checkpoint, cfg: Any, mesh: Any, stages: list, num_cla
                               f"--model {cfg.model}: resume with --model {m['model']} or start a new run")
     if m["num_classes"] != num_classes or list(m["sample_shape"]) != list(sample_shape):
         raise CheckpointError(f"checkpoint {ckpt.path} was trained on {m['num_classes']} classes of "
-                              f"{tuple(m['sample_shape'])} images, this run's data has {num_classes} classes of "
-                              f"{tuple(sample_shape)}: resume with the same --data/--image-size/--num-classes")
+                              f"{tuple(m['sample_shape'])} images, this run's data has {num_classes} classes "
+                              f"of {tuple(sample_shape)}: resume with the same "
+                              "--data/--image-size/--num-classes")
     val_split = m.get("config", {}).get("val_split", 0.0)
     if val_split != cfg.val_split:   # (another split would train on images held out so far, or the reverse)
-        raise CheckpointError(f"checkpoint {ckpt.path} trained with --val-split {val_split:g}, this run asks for "
-                              f"--val-split {cfg.val_split:g}: resume with --val-split {val_split:g}")
+        raise CheckpointError(f"checkpoint {ckpt.path} trained with --val-split {val_split:g}, this run asks "
+                              f"for --val-split {cfg.val_split:g}: resume with --val-split {val_split:g}")
     if same_layout(ckpt.layout, mesh, cfg.plan, stages):
         _OTHER_LAYOUT.discard(ckpt.path.resolve())
     else:

@@ -59,8 +59,8 @@ def join_tensors(pieces: list[tuple[int, dict[str, int], dict[str, torch.Tensor]
         for i, _, v in holders:
             by_index.setdefault(i, v)
         if sorted(by_index) != list(range(n)):
-            raise CheckpointError(f"the checkpoint's slices of {key} cover split indices {sorted(by_index)} only: "
-                                  "resume from another checkpoint")
+            raise CheckpointError(f"the checkpoint's slices of {key} cover split indices {sorted(by_index)} "
+                                  "only: resume from another checkpoint")
         out[key] = torch.cat([by_index[i] for i in range(n)], dim=dims[key])
     return out
 
@@ -83,7 +83,8 @@ def cut_tensors(whole: dict[str, torch.Tensor], keys: dict[str, torch.Size], spl
         if k in split_dims and v.dim() > 0:
             v = cut(v, split_dims[k], index, n)
         if v.shape != shape:
-            raise RuntimeError(f"the checkpoint's {k} has shape {tuple(v.shape)}, this part's is {tuple(shape)}")
+            raise RuntimeError(f"the checkpoint's {k} has shape {tuple(v.shape)}, this part's is "
+                               f"{tuple(shape)}")
         out[k] = v
     return out
 
@@ -103,9 +104,9 @@ def join(payloads: list[dict[str, Any]], layout: dict[str, Any]) -> dict[str, An
     saved under ``layout`` (its manifest's). Raises CheckpointError for rank files without the names
     (written before checkpoints carried them: resume with their layout)."""
     if any("optimizer_names" not in p for p in payloads):
-        raise CheckpointError("the checkpoint's rank files carry no parameter names, so they load only under the "
-                              f"layout they were saved with: resume with --dp {layout['dp']} --pp {layout['pp']} "
-                              f"--fs {layout['fs']} --plan {layout['plan']}")
+        raise CheckpointError("the checkpoint's rank files carry no parameter names, so they load only under "
+                              f"the layout they were saved with: resume with --dp {layout['dp']} --pp "
+                              f"{layout['pp']} --fs {layout['fs']} --plan {layout['plan']}")
     at = [split_position(p["coord"], layout["dp"], layout["fs"], layout["plan"]) for p in payloads]
     n = at[0][1]
     dims = [dict(p["split_dims"]) for p in payloads]
@@ -147,7 +148,8 @@ def optimizer_param_names(names: list[Optional[str]], part: nn.Sequential,
 
 
 def cut_part(whole: dict[str, Any], names: list[Optional[str]], part: nn.Sequential,
-             optimizer: torch.optim.Optimizer, split_dims: dict[str, int], index: int, n: int) -> dict[str, Any]:
+             optimizer: torch.optim.Optimizer, split_dims: dict[str, int], index: int,
+             n: int) -> dict[str, Any]:
     """One part's rank-file payload cut from the whole state: its parameters and buffers, its
     parameters' optimizer state (sliced as the parameter is; ``optimizer``'s own group layout with the
     saved groups' settings), its moving average (keyed as ``PartEMA`` keys it), the loss scale and

@@ -32,8 +32,8 @@ TAGS = {  # row field -> tag, per row kind
     "train": {"loss": "train/loss", "lr": "train/lr", "images_per_s": "train/images_per_s",
               "input_stall_ms": "train/input_stall_ms", "loss_scale": "train/loss_scale"},
     "eval": {"val_accuracy": "val/accuracy", "val_loss": "val/loss", "val_top5_accuracy": "val/top5_accuracy",
-             "test_accuracy": "test/accuracy", "test_loss": "test/loss", "test_top5_accuracy": "test/top5_accuracy",
-             "ema_test_accuracy": "test/ema_accuracy"},
+             "test_accuracy": "test/accuracy", "test_loss": "test/loss",
+             "test_top5_accuracy": "test/top5_accuracy", "ema_test_accuracy": "test/ema_accuracy"},
 }
 
 
@@ -68,8 +68,9 @@ class EventFiles:
     def _open(self) -> Any:
         if self.writer is None and self.enabled:
             try:
-                from torch.utils.tensorboard import SummaryWriter   # (needs the tensorboard package)
-            except Exception as e:  # noqa: BLE001 - absent, or broken (its protobuf or numpy): the run goes on
+                from torch.utils.tensorboard import SummaryWriter  # (needs the tensorboard package)
+            # absent, or broken (its protobuf or numpy): the run goes on
+            except Exception as e:  # noqa: BLE001
                 self.enabled = False
                 why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 self.log(f"rayconv: no TensorBoard event files ({why}): pip install tensorboard, or pass "

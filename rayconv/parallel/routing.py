@@ -49,7 +49,8 @@ class Routing:
     stages: tuple[tuple[int, int], ...]
     schedule: Schedule
     per_layer_plan: str = "none"
-    exchange_chunks: int = 1  # filter split: batch pieces of each overlapped gather (filter_split.overlapped_gather)
+    # filter split: batch pieces of each overlapped gather (filter_split.overlapped_gather)
+    exchange_chunks: int = 1
 
     def stage_in_shape(self, stage: int) -> tuple[int, ...]:
         start = self.stages[stage][0]
@@ -69,7 +70,8 @@ class Routing:
         return [stage + c * self.mesh.pp for c in range(self.schedule.num_chunks)]
 
 
-def layer_profile(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, ...], count_flops: bool = True):
+def layer_profile(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, ...],
+                  count_flops: bool = True):
     """(per-sample output shapes, forward FLOPs per sample or None without ``count_flops``, parameter
     counts), one per layer, from one eval-mode CPU forward of a batch of 1."""
     if count_flops:  # (torch's FLOP counter imports torch._dynamo and triton: seconds, only to plan)
@@ -85,9 +87,10 @@ def layer_profile(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, 
                 with counter:
                     x = m(x)
             except RuntimeError as e:
-                raise LayoutError(f"the model cannot take {tuple(sample_shape)} images ({str(e).splitlines()[0]}): "
-                                  "pick a model for small images (convnet), or larger images (--image-size; "
-                                  "digits are never resized: --data fashion-mnist)") from None
+                raise LayoutError(f"the model cannot take {tuple(sample_shape)} images "
+                                  f"({str(e).splitlines()[0]}): pick a model for small images (convnet), or "
+                                  "larger images (--image-size; digits are never resized: --data "
+                                  "fashion-mnist)") from None
             m.train(was_training)
             shapes.append(tuple(x.shape[1:]))
             if count_flops:
@@ -103,7 +106,8 @@ def build_part(routing: Routing, layers, stage: int, fs_index: int, fs_group, dp
     Stages before ``stage`` are sharded too (cheap slicing) to learn those sizes. Raises LayoutError for
     a layer that cannot be split; the driver calls it once with actor 0's coordinates to check."""
     if routing.per_layer_plan == "krizhevsky2014":
-        return krizhevsky2014(layers, routing.in_shape, list(routing.out_shapes), dp_index, routing.mesh.dp, dp_group), None
+        return krizhevsky2014(layers, routing.in_shape, list(routing.out_shapes), dp_index, routing.mesh.dp,
+                              dp_group), None
     if routing.schedule.num_chunks > 1:
         # Interleaved 1F1B: the stage's chunks, one after the other (no filter split: the settings refuse it).
         return whole_part([layer for v in routing.virtual_stages(stage)
@@ -113,8 +117,9 @@ def build_part(routing: Routing, layers, stage: int, fs_index: int, fs_group, dp
         if routing.mesh.fs == 1:
             part = whole_part(layers[start:end])
         else:
-            part = slice_layers(layers[start:end], routing.stage_in_shape(p), list(routing.out_shapes[start:end]),
-                                in_sizes, fs_index, routing.mesh.fs, fs_group, is_last=p == routing.mesh.pp - 1,
+            part = slice_layers(layers[start:end], routing.stage_in_shape(p),
+                                list(routing.out_shapes[start:end]), in_sizes, fs_index, routing.mesh.fs,
+                                fs_group, is_last=p == routing.mesh.pp - 1,
                                 exchange_chunks=routing.exchange_chunks)
         if p == stage:
             return part, in_sizes
@@ -124,8 +129,8 @@ def build_part(routing: Routing, layers, stage: int, fs_index: int, fs_group, dp
 
 def make_routing(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[int, ...],
               costs: Optional[list[float]] = None) -> Routing:
-    """the routing of ``model`` (built with the run's settings) for ``mesh``; pipeline stages balance ``costs``
-    (one per layer, e.g. measured times) when given, else forward FLOPs. Raises LayoutError."""
+    """the routing of ``model`` (built with the run's settings) for ``mesh``; pipeline stages balance
+    ``costs`` (one per layer, e.g. measured times) when given, else forward FLOPs. Raises LayoutError."""
     layers = to_layers(model)
     by_flops = mesh.pp * cfg.virtual_stages > 1 and not cfg.stages and costs is None
     shapes, flops, params = layer_profile(layers, sample_shape, count_flops=by_flops)
@@ -134,8 +139,8 @@ def make_routing(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[
                         "use --pp 1 (it trains data parallel)")
     chunks = mesh.pp * cfg.virtual_stages  # contiguous runs of layers; stage s holds s, s + P, ...
     if cfg.virtual_stages > 1 and chunks > len(layers):
-        raise LayoutError(f"--pp {mesh.pp} with --virtual-stages {cfg.virtual_stages} cuts the model into {chunks} "
-                        f"chunks but it has {len(layers)} cuttable layers: lower --virtual-stages")
+        raise LayoutError(f"--pp {mesh.pp} with --virtual-stages {cfg.virtual_stages} cuts the model into "
+                          f"{chunks} chunks but it has {len(layers)} cuttable layers: lower --virtual-stages")
     if cfg.stages:
         stages = parse_stages(cfg.stages, len(layers), chunks)
     elif costs is not None:
@@ -156,15 +161,15 @@ def make_routing(cfg: Config, mesh: Mesh, model: nn.Module, sample_shape: tuple[
         raise LayoutError(str(e)) from None
     validate(schedule)
     routing = Routing(mesh=mesh, layer_names=tuple(n for n, _ in layers), in_shape=tuple(sample_shape),
-                out_shapes=tuple(shapes), flops=tuple(flops) if flops is not None else None, params=tuple(params),
-                stages=tuple(stages),
-                schedule=schedule, per_layer_plan=cfg.plan, exchange_chunks=cfg.exchange_chunks)
+                      out_shapes=tuple(shapes), flops=tuple(flops) if flops is not None else None,
+                      params=tuple(params), stages=tuple(stages), schedule=schedule, per_layer_plan=cfg.plan,
+                      exchange_chunks=cfg.exchange_chunks)
     build_part(routing, layers, mesh.pp - 1, 0, None, 0, None)  # refuse unsplittable layers before any actor
     return routing
 
 
-def checked_routing(cfg: Config, mesh: Mesh, num_classes: int, sample_shape: tuple[int, ...], data_channels: int,
-                    check: bool = True) -> tuple[nn.Module, Routing]:
+def checked_routing(cfg: Config, mesh: Mesh, num_classes: int, sample_shape: tuple[int, ...],
+                    data_channels: int, check: bool = True) -> tuple[nn.Module, Routing]:
     """(the run's whole model as every actor builds it, ``models.run_model``; its routing for ``mesh``),
     the model first checked (``check``) to train on the data: its forward maps (C, H, W) =
     ``sample_shape`` images to ``num_classes`` scores (``check_trainable``; ``data_channels``: the data's

@@ -24,23 +24,31 @@ from rayconv.flags import OneLineParser, read_settings
 
 def parser() -> OneLineParser:
     p = OneLineParser(prog="python -m rayconv.tune", error_name="rayconv.tune", add_help=True,
-                      description="Search rayconv run flags with Ray Tune; other flags are rayconv.run's (the base settings).")
+                      description="Search rayconv run flags with Ray Tune; other flags are rayconv.run's "
+                                  "(the base settings).")
     p.add_argument("--space", help="JSON object (or a .json/.yaml file) of flag -> {grid|choice: [...]} or "
                                    "{uniform|loguniform|randint: [low, high]}")
-    p.add_argument("--num-samples", type=int, default=1, help="samples of the space (each grid crossed in full per sample)")
-    p.add_argument("--scheduler", default="asha", help="asha (early stop at evaluations), pbt (population-based "
-                                                      "training; needs --eval-every) or fifo (default asha)")
-    p.add_argument("--max-concurrent", type=int, default=None, help="trials at once (default: as many as fit)")
+    p.add_argument("--num-samples", type=int, default=1,
+                   help="samples of the space (each grid crossed in full per sample)")
+    p.add_argument("--scheduler", default="asha",
+                   help="asha (early stop at evaluations), pbt (population-based "
+                        "training; needs --eval-every) or fifo (default asha)")
+    p.add_argument("--max-concurrent", type=int, default=None,
+                   help="trials at once (default: as many as fit)")
     p.add_argument("--metric", default=None, help="what trials are ranked by (default val_accuracy with "
                                                   "--val-split, else test_accuracy)")
     p.add_argument("--mode", default=None, help="max or min (default: min for losses and errors, else max)")
-    p.add_argument("--grace-period", type=int, default=1, help="asha: evaluations before a trial can be stopped")
-    p.add_argument("--reduction-factor", type=int, default=2, help="asha: 1 in this many trials goes on at each rung")
+    p.add_argument("--grace-period", type=int, default=1,
+                   help="asha: evaluations before a trial can be stopped")
+    p.add_argument("--reduction-factor", type=int, default=2,
+                   help="asha: 1 in this many trials goes on at each rung")
     p.add_argument("--perturbation-interval", type=int, default=2,
                    help="pbt: evaluations between a trial's exploit-and-explore decisions")
-    p.add_argument("--synch", action="store_true", help="pbt: the trials wait for each other at each perturbation "
-                                                        "(each is stopped and restarted from its checkpoint there)")
-    p.add_argument("--resume", default=None, help="continue an interrupted search from its folder (its own settings)")
+    p.add_argument("--synch", action="store_true",
+                   help="pbt: the trials wait for each other at each perturbation "
+                        "(each is stopped and restarted from its checkpoint there)")
+    p.add_argument("--resume", default=None,
+                   help="continue an interrupted search from its folder (its own settings)")
     return p
 
 
@@ -73,7 +81,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         if args.resume:
             if args.space or rest:
-                raise ConfigError("--resume continues a search with its own settings: drop --space and run flags")
+                raise ConfigError("--resume continues a search with its own settings: drop --space and run "
+                                  "flags")
             space, base = {}, {}
         else:
             if not args.space:

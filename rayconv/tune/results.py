@@ -71,7 +71,8 @@ def collect(grid, search_dir: Path, names: list[str], metric: str,
                      "test_accuracy": (summary or {}).get("test_accuracy", metrics.get("test_accuracy")),
                      "status": status_of(summary, result.error, (states or {}).get(k)),
                      "folder": str(folder) if folder.exists() else ""})
-    return sorted(rows, key=lambda r: int(r["trial"].split("-")[1]) if r["trial"].split("-")[1].isdigit() else 0)
+    return sorted(rows,
+                  key=lambda r: int(r["trial"].split("-")[1]) if r["trial"].split("-")[1].isdigit() else 0)
 
 
 def best(rows: list[dict[str, Any]], metric: str, mode: str) -> Optional[dict[str, Any]]:
@@ -101,7 +102,8 @@ def cell_text(v: Any) -> str:
     return str(v)
 
 
-def write(search_dir: Path, rows: list[dict[str, Any]], best_row: Optional[dict[str, Any]], metric: str) -> None:
+def write(search_dir: Path, rows: list[dict[str, Any]], best_row: Optional[dict[str, Any]],
+          metric: str) -> None:
     """``results.csv`` (one line per trial) and ``results.json`` (the rows, the metric, the best trial),
     each written whole (``files.atomic_write``)."""
     buf = io.StringIO()

@@ -47,21 +47,24 @@ class SearchResult:
 
 
 def check_options(base: dict[str, Any], space: dict[str, Any], num_samples: int, scheduler: str,
-                  max_concurrent: Optional[int], metric: Optional[str], mode: Optional[str]) -> tuple[str, str]:
+                  max_concurrent: Optional[int], metric: Optional[str],
+                  mode: Optional[str]) -> tuple[str, str]:
     """The search's own options checked; returns (metric, mode). Raises ConfigError."""
     for key in NOT_SEARCHED:
         if key in ("out", "address"):
             continue
         if base.get(key) not in (None, False, "manual"):
-            raise ConfigError(f"--{key.replace('_', '-')} is not for a search's trials: each trial is a new run "
-                              "(resume a search with --resume SEARCH_DIR; give the layout with --dp/--pp/--fs)")
+            raise ConfigError(f"--{key.replace('_', '-')} is not for a search's trials: each trial is a new "
+                              "run (resume a search with --resume SEARCH_DIR; give the layout with "
+                              "--dp/--pp/--fs)")
     if num_samples < 1:
         raise ConfigError(f"--num-samples must be >= 1 (got {num_samples})")
     if max_concurrent is not None and max_concurrent < 1:
         raise ConfigError(f"--max-concurrent must be >= 1 (got {max_concurrent})")
     if scheduler not in SCHEDULERS:
-        raise ConfigError(f"--scheduler {scheduler}: choose asha (early stop at evaluations), pbt (population-based "
-                          "training: weak trials continue strong ones' checkpoints, perturbed) or fifo (none)")
+        raise ConfigError(f"--scheduler {scheduler}: choose asha (early stop at evaluations), pbt "
+                          "(population-based training: weak trials continue strong ones' checkpoints, "
+                          "perturbed) or fifo (none)")
     metric = metric or default_metric(base, space)
     mode = mode or ("min" if metric.endswith(("loss", "error")) else "max")
     check_metric(metric, mode, base, space)
@@ -84,10 +87,12 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
             check_readable(search_dir, "--resume")
         saved = search_dir / "search.json"
         if not saved.is_file():
-            raise ConfigError(f"--resume {resume}: no search.json there (not a search folder of rayconv.tune)")
+            raise ConfigError(
+                f"--resume {resume}: no search.json there (not a search folder of rayconv.tune)")
         spec = json.loads(saved.read_text())
         space, base = spec["space"], spec["base"]
-        num_samples, scheduler, max_concurrent = spec["num_samples"], spec["scheduler"], spec["max_concurrent"]
+        num_samples, scheduler, max_concurrent = (spec["num_samples"], spec["scheduler"],
+                                                  spec["max_concurrent"])
         metric, mode = spec["metric"], spec["mode"]
         grace_period, reduction_factor = spec["grace_period"], spec["reduction_factor"]
         perturbation_interval = spec.get("perturbation_interval", perturbation_interval)
@@ -98,7 +103,8 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
     checked = check_space(space, {k: v for k, v in base.items() if k != "out"})
     if scheduler == "pbt":
         if perturbation_interval < 1:
-            raise ConfigError(f"--perturbation-interval must be >= 1 evaluation (got {perturbation_interval})")
+            raise ConfigError(
+                f"--perturbation-interval must be >= 1 evaluation (got {perturbation_interval})")
         base = pbt_base(base, checked)
     if not resume:
         search_dir = place(base.pop("out", None) or new_search_dir(), flag="--out")
@@ -147,7 +153,8 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
                                    resume_errored=False, restart_errored=False)
         log(f"rayconv.tune: resuming {search_dir}")
     else:
-        sched = make_scheduler(scheduler, checked, grace_period, reduction_factor, perturbation_interval, synch)
+        sched = make_scheduler(scheduler, checked, grace_period, reduction_factor, perturbation_interval,
+                               synch)
         tuner = tune.Tuner(
             trainable, param_space=to_tune(checked),
             tune_config=tune.TuneConfig(metric=metric, mode=mode, num_samples=num_samples, scheduler=sched,
@@ -155,12 +162,13 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
                                         # (a trial's process, placement group and finished run's actors serve
                                         # the next trial; PBT restores trials from checkpoints instead)
                                         reuse_actors=scheduler != "pbt"),
-            run_config=tune.RunConfig(**storage, name="tune", verbose=0,
-                                      callbacks=list(callbacks), failure_config=tune.FailureConfig(max_failures=0),
-                                      # (each of Tune's checkpoints is a copy of a run's: PBT needs the newest)
+            run_config=tune.RunConfig(**storage, name="tune", verbose=0, callbacks=list(callbacks),
+                                      failure_config=tune.FailureConfig(max_failures=0),
+                                      # (each of Tune's checkpoints is a copy of a run's: PBT needs the
+                                      # newest)
                                       checkpoint_config=tune.CheckpointConfig(num_to_keep=2)))
-        log(f"rayconv.tune: {_grid_size(checked) * num_samples} trial(s), {scheduler}, metric {metric} ({mode}) "
-            f"-> {search_dir}")
+        log(f"rayconv.tune: {_grid_size(checked) * num_samples} trial(s), {scheduler}, metric {metric} "
+            f"({mode}) -> {search_dir}")
     END_STATES.pop(str(search_dir), None)
     with _no_default_loggers(), one_line_tune_logs():
         grid = tuner.fit()
@@ -245,8 +253,8 @@ def _no_default_loggers():
                 os.environ[key] = value
 
 
-def make_scheduler(scheduler: str, checked: dict[str, tuple[str, list]], grace_period: int, reduction_factor: int,
-                   perturbation_interval: int, synch: bool = False):
+def make_scheduler(scheduler: str, checked: dict[str, tuple[str, list]], grace_period: int,
+                   reduction_factor: int, perturbation_interval: int, synch: bool = False):
     """Tune's scheduler: ASHA (cuts at evaluations), PBT (every ``perturbation_interval`` evaluations a
     trial of the lowest quarter continues one of the top quarter's checkpoint with the space's
     ``PBT_MUTABLE`` dimensions perturbed: x0.8 or x1.2, a neighbouring listed value, or a new draw;
@@ -255,8 +263,8 @@ def make_scheduler(scheduler: str, checked: dict[str, tuple[str, list]], grace_p
     from ray import tune
 
     if scheduler == "asha":
-        return tune.schedulers.ASHAScheduler(time_attr="training_iteration", max_t=MAX_T, grace_period=grace_period,
-                                             reduction_factor=reduction_factor)
+        return tune.schedulers.ASHAScheduler(time_attr="training_iteration", max_t=MAX_T,
+                                             grace_period=grace_period, reduction_factor=reduction_factor)
     if scheduler == "pbt":
         domains = to_tune(checked)
         mutations = {n: (list(values) if kind in ("grid", "choice") else domains[n])
@@ -284,14 +292,15 @@ def to_tune(checked: dict[str, tuple[str, list]]) -> dict[str, Any]:
     return {name: make[kind](values) for name, (kind, values) in checked.items()}
 
 
-def _check_fits(base: dict[str, Any], checked: dict[str, tuple[str, list]], settings, cluster: dict[str, float]) -> None:
+def _check_fits(base: dict[str, Any], checked: dict[str, tuple[str, list]], settings,
+                cluster: dict[str, float]) -> None:
     """Refuse a trial whose placement group the whole cluster could not hold (Tune would wait for it
     for ever): the base layout and each listed value of the layout's dimensions. Raises ConfigError."""
     from rayconv.tune.trial import trial_bundles
 
     layout_dims = ("dp", "pp", "fs", "num_cpus_per_actor", "gpus_per_actor", "plan")
-    samples = [{}] + [{n: v} for n, (kind, values) in checked.items() if n in layout_dims and kind in ("grid", "choice")
-                      for v in values]
+    samples = [{}] + [{n: v} for n, (kind, values) in checked.items()
+                      if n in layout_dims and kind in ("grid", "choice") for v in values]
     for sample in samples:
         cfg = settings(base, sample)
         need: dict[str, float] = {}
@@ -301,6 +310,7 @@ def _check_fits(base: dict[str, Any], checked: dict[str, tuple[str, list]], sett
         short = [f"{v:g} {k}" for k, v in need.items() if v > cluster.get(k, 0) + 1e-9]
         if short:
             what = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in sample.items()) or "the base settings"
-            raise ConfigError(f"a trial with {what} needs {', '.join(short)} (layout of {cfg.world_size} actors) but "
-                              f"the cluster has {', '.join(f'{cluster.get(k, 0):g} {k}' for k in need)}: lower "
-                              "the layout, or --gpus-per-actor to pack actors onto GPUs")
+            raise ConfigError(f"a trial with {what} needs {', '.join(short)} (layout of {cfg.world_size} "
+                              "actors) but the cluster has "
+                              f"{', '.join(f'{cluster.get(k, 0):g} {k}' for k in need)}: lower the layout, "
+                              "or --gpus-per-actor to pack actors onto GPUs")

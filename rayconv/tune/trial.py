@@ -77,7 +77,8 @@ def resolved_base(base: dict[str, Any]) -> dict[str, Any]:
 
 
 def trial_resources(base: dict[str, Any]):
-    """Tune's resources for a trial of the sampled ``config``: a PlacementGroupFactory (``trial_bundles``, PACK)."""
+    """Tune's resources for a trial of the sampled ``config``: a PlacementGroupFactory (``trial_bundles``,
+    PACK)."""
     def resources(config: dict[str, Any]) -> tune.PlacementGroupFactory:
         return tune.PlacementGroupFactory(trial_bundles(trial_settings(base, config)), strategy="PACK")
     return resources
@@ -111,7 +112,8 @@ class Trial(tune.Trainable):
         folder = self.folder
         if folder.exists() and any(folder.iterdir()):
             if latest_checkpoint(folder) is not None:   # continued from its newest checkpoint
-                return from_mapping({**self.base, **self.sample, "out": str(folder), "resume": str(folder)}).validate()
+                return from_mapping({**self.base, **self.sample, "out": str(folder),
+                                     "resume": str(folder)}).validate()
             self._move_aside()
         return trial_settings(self.base, self.sample, str(folder))
 
@@ -194,10 +196,11 @@ class Trial(tune.Trainable):
         if newest is not None:
             try:
                 copy_tree(newest, Path(checkpoint_dir) / "checkpoints" / newest.name)
-            except OSError:   # (deleted as the run wrote a newer one: Tune asked mid-step) no branch from this
+            # (deleted as the run wrote a newer one: Tune asked mid-step) no branch from this
+            except OSError:
                 newest = None
-        write_json(Path(checkpoint_dir) / BRANCH, {"folder": str(self.folder),
-                                                   "step": int(newest.name.split("-")[1]) if newest else None})
+        write_json(Path(checkpoint_dir) / BRANCH,
+                   {"folder": str(self.folder), "step": int(newest.name.split("-")[1]) if newest else None})
 
     def load_checkpoint(self, checkpoint: Any) -> None:
         """Restored from Tune's checkpoint ``checkpoint`` (a folder): its own, nothing to do (the run
@@ -208,7 +211,8 @@ class Trial(tune.Trainable):
         mark = json.loads((src / BRANCH).read_text())
         here = self.folder / BRANCH
         if mark["step"] is None or mark["folder"] == str(self.folder) or (
-                here.is_file() and json.loads(here.read_text()) == mark):   # (branched before: a resumed search)
+                # (branched before: a resumed search)
+                here.is_file() and json.loads(here.read_text()) == mark):
             return
         if self.folder.exists():
             self._move_aside()
@@ -216,8 +220,8 @@ class Trial(tune.Trainable):
         copy_tree(src / "checkpoints" / step_dir, self.folder / "checkpoints" / step_dir)
         write_json(here, mark)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log(f"rayconv.tune: continues {Path(mark['folder']).name}'s checkpoint of step {mark['step']} with "
-                  + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.sample.items()))
+        self._log(f"rayconv.tune: continues {Path(mark['folder']).name}'s checkpoint of step {mark['step']} "
+                  "with " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.sample.items()))
 
     def reset_config(self, new_config: dict[str, Any]) -> bool:
         """This process (and its placement group) taken for another trial (``reuse_actors``; Tune has set
@@ -233,7 +237,8 @@ class Trial(tune.Trainable):
             return
         self.stopping = True
         if not self.waiting:   # mid-step: interrupt it where it is, as Ctrl-C does a command-line run
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread.ident), ctypes.py_object(RunStopped))
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread.ident),
+                                                       ctypes.py_object(RunStopped))
         self.go.release()
         self.thread.join(STOP_WAIT_S)
 

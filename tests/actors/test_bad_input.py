@@ -171,7 +171,8 @@ def test_one_class_folder_without_images(ray_cluster, tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers, out_exists, on_device", [(0, False, "auto"), (2, True, "off"), (2, False, "on")])
+@pytest.mark.parametrize("workers, out_exists, on_device",
+                         [(0, False, "auto"), (2, True, "off"), (2, False, "on")])
 def test_corrupt_image_names_the_file(ray_cluster, tmp_path, capsys, workers, out_exists, on_device):
     """Only an actor decoding the file finds it: the run stops with the file's path (the loader's batch
     decode in train_step, or the one-time decode of data held on the device in the actors' setup)."""
@@ -182,10 +183,12 @@ def test_corrupt_image_names_the_file(ray_cluster, tmp_path, capsys, workers, ou
     if out_exists:
         out.mkdir()
     # 9 train files and a global batch of 32: step 1 decodes all of them, over both replicas.
+    # (bad input, exit 2, though an actor met it)
     line = run_failing(["--steps", "2", "--device", "cpu", "--dp", "2", "--global-batch-size", "32",
-                        "--no-progress", "--data", "imagefolder", "--data-dir", str(root), "--image-size", "32",
-                        "--loader-workers", str(workers), "--data-on-device", on_device, "--out", str(out)],
-                       capsys)   # (bad input, exit 2, though an actor met it)
+                        "--no-progress", "--data", "imagefolder", "--data-dir", str(root),
+                        "--image-size", "32", "--loader-workers", str(workers), "--data-on-device", on_device,
+                        "--out", str(out)],
+                       capsys)
     where = "train_step" if on_device == "off" else "in build"
     assert str(bad) in line and where in line and "remove or replace" in line
     if out_exists:
@@ -255,7 +258,8 @@ def Net(num_classes: int = 10, in_channels: int = 1):
 
 def test_dp_larger_than_the_cluster(ray_cluster, tmp_path, capsys):
     out = tmp_path / "x"
-    line = run_failing(["--steps", "1", "--device", "cpu", "--dp", "8", "--no-progress", "--out", str(out)], capsys)
+    line = run_failing(["--steps", "1", "--device", "cpu", "--dp", "8", "--no-progress", "--out", str(out)],
+                       capsys)
     assert "--dp" in line and "8" in line and "4" in line  # wanted and available
     assert not out.exists()
 
@@ -322,6 +326,7 @@ def test_address_where_something_else_answers(tmp_path, capfd, silent_address, m
     err = capfd.readouterr().err
     assert rc == 2, err
     assert err.strip().splitlines() == [err.strip()], err
-    assert err.startswith(f"rayconv: error: something answers at {address} but not a Ray cluster") and "--address" in err
+    assert err.startswith(f"rayconv: error: something answers at {address} but not a Ray cluster") \
+        and "--address" in err
     assert held, "the listener was never contacted"
     assert not out.exists()

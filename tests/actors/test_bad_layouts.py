@@ -7,17 +7,28 @@ from rayconv.run import main
 
 CASES = {
     "mesh-larger-than-cluster": (["--dp", "3", "--fs", "2"], "--dp 2 --fs 2"),
-    "pp-on-uncuttable-model": (["--dp", "1", "--pp", "2", "--model", "convnext_tiny", "--data", "synthetic",
-                                "--image-size", "32"], "--pp 1"),
-    "microbatches-not-dividing": (["--dp", "1", "--pp", "2", "--num-microbatches", "5",
-                                   "--global-batch-size", "64"], "--num-microbatches"),
-    "fs-more-than-channels": (["--dp", "1", "--fs", "4", "--model", "convnet", "--num-classes", "3",
-                               "--data", "synthetic", "--image-size", "32"], "--fs"),
-    "fs-on-unsplittable-model": (["--dp", "1", "--fs", "2", "--model", "resnet18", "--data", "synthetic",
-                                  "--image-size", "32"], "--fs 1"),
+    "pp-on-uncuttable-model": (
+        ["--dp", "1", "--pp", "2", "--model", "convnext_tiny", "--data", "synthetic", "--image-size", "32"],
+        "--pp 1",
+    ),
+    "microbatches-not-dividing": (
+        ["--dp", "1", "--pp", "2", "--num-microbatches", "5", "--global-batch-size", "64"],
+        "--num-microbatches",
+    ),
+    "fs-more-than-channels": (
+        ["--dp", "1", "--fs", "4", "--model", "convnet", "--num-classes", "3", "--data", "synthetic",
+         "--image-size", "32"],
+        "--fs",
+    ),
+    "fs-on-unsplittable-model": (
+        ["--dp", "1", "--fs", "2", "--model", "resnet18", "--data", "synthetic", "--image-size", "32"],
+        "--fs 1",
+    ),
     "bad-stage-cut": (["--dp", "1", "--pp", "2", "--stages", "0"], "--stages"),
-    "image-too-small-for-model": (["--dp", "1", "--model", "alexnet", "--data", "synthetic", "--image-size", "32"],
-                                  "--image-size"),
+    "image-too-small-for-model": (
+        ["--dp", "1", "--model", "alexnet", "--data", "synthetic", "--image-size", "32"],
+        "--image-size",
+    ),
     "plan-with-pp": (["--dp", "2", "--pp", "2", "--plan", "krizhevsky2014"], "--plan"),
 }
 

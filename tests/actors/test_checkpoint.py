@@ -1,7 +1,7 @@
 """Checkpoints and resume on a real local Ray cluster: k steps + resume + k steps equals 2k steps
 straight, parameter for parameter and momentum for momentum (float64, dp=2); a --dp change under pure
-data parallelism; a dp2 x pp2 checkpoint with the recipe on continued under other layouts; and every bad resume is one
-clear error that leaves the files as they were."""
+data parallelism; a dp2 x pp2 checkpoint with the recipe on continued under other layouts; and every bad
+resume is one clear error that leaves the files as they were."""
 
 from __future__ import annotations
 
@@ -84,8 +84,13 @@ def test_checkpoint_files(straight):
     ckpt = straight / "checkpoints" / "step-6"
     m = json.loads((ckpt / "manifest.json").read_text())
     assert m["step"] == 6 and m["model"] == "convnet"
-    assert {k: m["layout"][k] for k in ("dp", "pp", "fs", "plan")} == {"dp": 2, "pp": 1, "fs": 1, "plan": "none"}
-    assert m["data"]["next_step"] == 6 and m["lr_schedule"]["next_step"] == 6 and m["lr_schedule"]["total_steps"] == 8
+    assert {k: m["layout"][k] for k in ("dp", "pp", "fs", "plan")} == {"dp": 2, "pp": 1, "fs": 1,
+                                                                       "plan": "none"}
+    assert (
+        m["data"]["next_step"] == 6
+        and m["lr_schedule"]["next_step"] == 6
+        and m["lr_schedule"]["total_steps"] == 8
+    )
     assert m["config"]["steps"] == STEPS
     assert sorted(f["name"] for f in m["files"]) == ["metrics.parquet", "rank-0.pt", "rank-1.pt"]
     for f in m["files"]:
@@ -111,11 +116,14 @@ def test_resume_equals_straight_run(straight, stopped, tmp_path, capsys):
     branch = tmp_path / "branch"
     shutil.copytree(stopped, branch)  # keep the stopped run for the other tests
     assert main(["--resume", str(branch)]) == 0  # every setting from the checkpoint; writes into it
-    assert f"rayconv: resuming from {branch / 'checkpoints' / 'step-4'} (step 4 of 8)" in capsys.readouterr().out
+    assert (
+        f"rayconv: resuming from {branch / 'checkpoints' / 'step-4'} (step 4 of 8)" in capsys.readouterr().out
+    )
     torch.testing.assert_close(torch.load(branch / "model.pt", weights_only=True),
                                torch.load(straight / "model.pt", weights_only=True), rtol=0, atol=0)
     for r in range(2):
-        assert_same_shard(shard(branch / "checkpoints" / "step-8", r), shard(straight / "checkpoints" / "step-8", r))
+        assert_same_shard(shard(branch / "checkpoints" / "step-8", r),
+                          shard(straight / "checkpoints" / "step-8", r))
     got = [r for r in pq.read_table(branch / "metrics.parquet").to_pylist() if r["kind"] == "train"]
     want = [r for r in pq.read_table(straight / "metrics.parquet").to_pylist() if r["kind"] == "train"]
     assert [r["step"] for r in got] == list(range(STEPS))

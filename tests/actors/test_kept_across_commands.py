@@ -35,7 +35,8 @@ def head():
     connected to it (to look at its actors and placement groups)."""
     if ray.is_initialized():
         ray.shutdown()
-    with own_head("--num-cpus", "2", "--include-dashboard", "false", worker_ports=100, prefix="rck-") as ports:
+    with own_head("--num-cpus", "2", "--include-dashboard", "false", worker_ports=100,
+                  prefix="rck-") as ports:
         address = f"127.0.0.1:{ports['--port']}"
         ray.init(address=address, namespace="rayconv", log_to_driver=False, configure_logging=True,
                  logging_level="WARNING")
@@ -48,8 +49,9 @@ def head():
 def _command(address: str, out: Path, *flags: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     env.pop("RAY_ADDRESS", None)
-    return subprocess.Popen([sys.executable, "-m", "rayconv.run", "--address", address, *RUN, "--out", str(out),
-                             *flags], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen([sys.executable, "-m", "rayconv.run", "--address", address, *RUN, "--out",
+                             str(out), *flags],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float = 120) -> str:
@@ -73,7 +75,8 @@ def _alive(run_name: str) -> list[str]:
 
 
 def _pg_states(run_name: str) -> list[str]:
-    return [pg["state"] for pg in ray.util.placement_group_table().values() if pg["name"] == f"rayconv/{run_name}"]
+    return [pg["state"] for pg in ray.util.placement_group_table().values()
+            if pg["name"] == f"rayconv/{run_name}"]
 
 
 def _gone(run_name: str, within_s: float) -> bool:
@@ -99,14 +102,16 @@ def test_the_next_command_reuses_the_actors_and_unclaimed_they_end(head, tmp_pat
     b = _summary(tmp_path / "b")
     assert "rayconv: 1 actors kept on the cluster by a previous command, reused (--keep-actors-s)" in second
     assert f'(`ray list actors --filter "name=rayconv/{a["run_name"]}/dp0"`)' in second, second
-    assert "renewed" in b["startup"]["actor_process"] and "process_started" not in b["startup"]["actor_process"]
+    assert "renewed" in b["startup"]["actor_process"] \
+        and "process_started" not in b["startup"]["actor_process"]
     assert "process_started" in a["startup"]["actor_process"]
     # The same actors, kept again (now for 3 s: said by the command, as on a loaded machine they may end
     # before this process could look at them)
     assert "rayconv: 1 actors stay on the cluster for 3 s, for the next command that needs them" in second
     print(f"to step 0: first command {a['startup']['phases']['first_step']:.2f} s, "
           f"second {b['startup']['phases']['first_step']:.2f} s")
-    # Unclaimed, they end after --keep-actors-s (3 s, the watchdog polls every second), their placement group removed.
+    # Unclaimed, they end after --keep-actors-s (3 s, the watchdog polls every second), their placement group
+    # removed.
     assert _gone(a["run_name"], within_s=15)
 
 
@@ -127,7 +132,8 @@ def test_the_actors_check_a_torchvision_model_for_the_driver(head, tmp_path):
     a = _summary(tmp_path / "a")
     assert a["startup"]["model_check"] == "actor" and "process_started" in a["startup"]["actor_process"]
     phases = list(a["startup"]["phases"])
-    assert phases.index("imports") < phases.index("model_checked") < phases.index("data")   # (the actor's part named)
+    # (the actor's part named)
+    assert phases.index("imports") < phases.index("model_checked") < phases.index("data")
     _finish(_command(head, tmp_path / "b", *tv, "--keep-actors-s", "3"))
     b = _summary(tmp_path / "b")
     assert b["startup"]["model_check"] == "kept actor" and "renewed" in b["startup"]["actor_process"]
@@ -144,7 +150,8 @@ def test_a_killed_command_leaves_no_actor_nor_placement_group(head, tmp_path):
     while not any("step 0 done" in line for line in lines):   # (training: the actors are in use)
         assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
         lines.append(proc.stdout.readline())
-    run_name = json.loads((tmp_path / "k" / "config.json").read_text()).get("run_name") or _run_name_of(tmp_path / "k")
+    run_name = json.loads((tmp_path / "k" / "config.json").read_text()).get("run_name") \
+        or _run_name_of(tmp_path / "k")
     assert _alive(run_name)
     proc.kill()   # SIGKILL: nothing of the driver's runs
     proc.wait()

@@ -27,7 +27,8 @@ def _run(cfg, seen: dict, name: str) -> dict:
 
 
 def _pg_state(run_name: str) -> str:
-    return next(pg["state"] for pg in ray.util.placement_group_table().values() if pg["name"] == f"rayconv/{run_name}")
+    return next(pg["state"] for pg in ray.util.placement_group_table().values()
+                if pg["name"] == f"rayconv/{run_name}")
 
 
 @pytest.mark.slow
@@ -45,7 +46,8 @@ def test_kept_actors_train_the_next_run_exactly_and_other_runs_get_their_own(ray
     c = sgd_config(tmp_path, "c", pp=2, num_microbatches=2, steps=STEPS, eval_every=STEPS)
     _run(c, seen, "c")
     assert seen["c"] == (seen["a"][0], True)
-    assert_same_state(torch.load(tmp_path / "c" / "model.pt", weights_only=True), reference_sgd(c, STEPS), atol=1e-10)
+    assert_same_state(torch.load(tmp_path / "c" / "model.pt", weights_only=True), reference_sgd(c, STEPS),
+                      atol=1e-10)
     # A kept actor that died while kept: the next run starts its own, and trains the same.
     ray.kill(pool.kept_group().actors[0])
     d = _run(sgd_config(tmp_path, "d", dp=2, steps=STEPS, eval_every=STEPS), seen, "d")
@@ -62,7 +64,8 @@ def test_kept_actors_train_the_next_run_exactly_and_other_runs_get_their_own(ray
     assert [len(g.actors) for g in pool.kept_groups()] == [1, 2]
     # A run that needs all 4 CPUs stops both kept groups (their placement groups removed), the longest
     # unused first; with --keep-actors-s 0 it leaves nothing: every CPU is free again.
-    _run(sgd_config(tmp_path, "g", dp=2, num_cpus_per_actor=2, steps=2, eval_every=2, keep_actors_s=0), seen, "g")
+    _run(sgd_config(tmp_path, "g", dp=2, num_cpus_per_actor=2, steps=2, eval_every=2, keep_actors_s=0), seen,
+         "g")
     assert not seen["g"][1] and _pg_state(d["run_name"]) == _pg_state(e["run_name"]) == "REMOVED"
     assert pool.kept_group() is None
     deadline = time.monotonic() + 10   # (ray.kill ends the processes asynchronously)
@@ -80,15 +83,20 @@ def test_a_run_that_does_not_fit_beside_a_larger_kept_group_takes_its_first_acto
     logged: list[str] = []
     _run(sgd_config(tmp_path, "four", dp=4, steps=2, eval_every=2), seen, "four")
     two = sgd_config(tmp_path, "two", dp=2, steps=3, eval_every=3)
-    train_run(two, log=logged.append, on_step=lambda g, k: k or seen.setdefault("two", ([i["pid"] for i in g.info],
-                                                                                    g.reused, len(g.spare))))
+    train_run(
+        two,
+        log=logged.append,
+        on_step=lambda g, k: k
+        or seen.setdefault("two", ([i["pid"] for i in g.info], g.reused, len(g.spare))),
+    )
     assert seen["two"] == (seen["four"][0][:2], True, 2)
     [line] = [x for x in logged if "2 of the 4 actors kept from this process's previous run, reused" in x]
     # (Ray renames no named actor: the line names those the cluster lists, the first run's)
     first = json.loads((tmp_path / "four" / "summary.json").read_text())["run_name"]
     assert f'keep the names rayconv/{first}/<role> of the run that started them' in line, line
     assert f'`ray list actors --filter "name=rayconv/{first}/dp0"`' in line, line
-    assert_same_state(torch.load(tmp_path / "two" / "model.pt", weights_only=True), reference_sgd(two, 3), atol=1e-10)
+    assert_same_state(torch.load(tmp_path / "two" / "model.pt", weights_only=True), reference_sgd(two, 3),
+                      atol=1e-10)
     assert [len(g.actors) for g in pool.kept_groups()] == [4] and not pool.kept_groups()[0].spare
     _run(sgd_config(tmp_path, "again", dp=4, steps=2, eval_every=2), seen, "again")
     assert seen["again"] == (seen["four"][0], True)
@@ -127,7 +135,8 @@ def test_a_run_in_a_given_placement_group_gets_the_bundles_a_kept_group_held(ray
             run(cfg, log=lambda *_: None, on_step=lambda g, k: k or seen.append([i["pid"] for i in g.info]))
         return seen
 
-    cfgs = [sgd_config(tmp_path, name, dp=dp, steps=2, eval_every=2, max_wait=60) for name, dp in (("one", 1), ("two", 2))]
+    cfgs = [sgd_config(tmp_path, name, dp=dp, steps=2, eval_every=2, max_wait=60)
+            for name, dp in (("one", 1), ("two", 2))]
 
     pg = placement_group([{"CPU": 1}] * 3, strategy="PACK")
     ray.get(pg.ready(), timeout=30)

@@ -84,8 +84,10 @@ def _as_format_1(src: Path, dest: Path) -> None:
         entries = []
         for e in split["shards"]:
             p = dest / (Path(e["file"]).stem + ".parquet")
-            pq.write_table(pa.ipc.open_file(src / e["file"]).read_all(), p, compression="none", row_group_size=1024)
-            entries.append({"file": p.name, "rows": e["rows"], "bytes": p.stat().st_size, "sha256": sha256_file(p)})
+            pq.write_table(pa.ipc.open_file(src / e["file"]).read_all(), p, compression="none",
+                           row_group_size=1024)
+            entries.append({"file": p.name, "rows": e["rows"], "bytes": p.stat().st_size,
+                            "sha256": sha256_file(p)})
         split["shards"] = entries
     manifest["format"] = "rayconv-shards/1"
     (dest / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
@@ -93,9 +95,10 @@ def _as_format_1(src: Path, dest: Path) -> None:
 
 def config(data_dir: Path, out: Path, **kw) -> Config:
     # 16 train images, global batch 6: steps of 6, 6 and 4 per epoch.
-    base = dict(model="convnet", data="shards", data_dir=str(data_dir), image_size=32, dp=2, global_batch_size=6,
-                steps=5, lr=0.05, momentum=0.9, precision="fp64", device="cpu", progress=False, eval_every=5,
-                loader_workers=1, decode="cpu", data_on_device="off", out=str(out))
+    base = dict(model="convnet", data="shards", data_dir=str(data_dir), image_size=32, dp=2,
+                global_batch_size=6, steps=5, lr=0.05, momentum=0.9, precision="fp64", device="cpu",
+                progress=False, eval_every=5, loader_workers=1, decode="cpu", data_on_device="off",
+                out=str(out))
     return Config(**{**base, **kw}).validate()
 
 
@@ -105,16 +108,18 @@ def test_format_1_is_refused_with_the_command_and_converted(ray_cluster, straigh
     with pytest.raises(DataError, match=f"python -m rayconv.prepare --convert {old}"):
         ShardSource(str(old), 32, seed=0, workers=0)
     capsys.readouterr()
-    assert main(["--data", "shards", "--data-dir", str(old), "--device", "cpu", "--steps", "1", "--no-progress",
-                 "--out", str(tmp_path / "x")]) == 2
+    assert main(["--data", "shards", "--data-dir", str(old), "--device", "cpu", "--steps", "1",
+                 "--no-progress", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"--convert {old}" in err[0], err
     assert prep.main(["--convert", str(old)]) == 0
     assert sorted(p.name for p in old.iterdir()) == sorted(p.name for p in straight.iterdir())
-    assert json.loads((old / "manifest.json").read_text()) == json.loads((straight / "manifest.json").read_text())
+    assert json.loads((old / "manifest.json").read_text()) == json.loads(
+        (straight / "manifest.json").read_text())
     cpu = torch.device("cpu")
-    torch.testing.assert_close(ShardSource(str(old), 32, seed=0, workers=0).images("train", np.arange(16), cpu, 1),
-                               ShardSource(str(straight), 32, seed=0, workers=0).images("train", np.arange(16), cpu, 1))
+    torch.testing.assert_close(
+        ShardSource(str(old), 32, seed=0, workers=0).images("train", np.arange(16), cpu, 1),
+        ShardSource(str(straight), 32, seed=0, workers=0).images("train", np.arange(16), cpu, 1))
     cfg = config(old, tmp_path / "run", steps=2, eval_every=2)
     assert train_run(cfg, log=lambda *_: None)["steps"] == 2
 
@@ -138,4 +143,5 @@ def test_a_shard_removed_mid_run_stops_it_and_resume_continues(ray_cluster, stra
     assert (tmp_path / "a" / "checkpoints" / "step-2").is_dir()
     away.rename(shard)
     assert main(["--resume", str(tmp_path / "a"), "--no-progress"]) == 0
-    assert_same_state(torch.load(tmp_path / "a" / "model.pt", weights_only=True), reference_sgd(cfg, 5), atol=1e-10)
+    assert_same_state(torch.load(tmp_path / "a" / "model.pt", weights_only=True), reference_sgd(cfg, 5),
+                      atol=1e-10)

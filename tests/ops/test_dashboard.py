@@ -51,12 +51,14 @@ def dashboard():
     if ray.is_initialized():
         ray.shutdown()
     env = {"RAY_metrics_report_interval_ms": "500",  # inherited by the raylet and workers
-           # the dashboard's modules start as processes: on a loaded 2-core machine 30 s (the default) is short
+           # the dashboard's modules start as processes: on a loaded 2-core machine 30 s (the default) is
+           # short
            "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": "180"}
     old = os.environ.get("RAY_metrics_report_interval_ms")
     os.environ["RAY_metrics_report_interval_ms"] = "500"  # this process's gauges (the driver's) too
     try:
-        # (a Ray temp folder of its own: the job server finds "its" cluster through <temp dir>/ray_current_cluster,
+        # (a Ray temp folder of its own: the job server finds "its" cluster through
+        # <temp dir>/ray_current_cluster,
         # which in the shared /tmp/ray names the newest cluster on the machine, maybe another one)
         with own_head("--num-cpus", "4", "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
                       env=env) as ports:
@@ -105,8 +107,9 @@ def chromium() -> str | None:
 
 def actors_page_dom(url: str) -> str:
     """The dashboard's Actors page at ``url`` as a real headless browser renders it (its DOM)."""
-    return subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=20000",
-                           "--dump-dom", f"{url}/#/actors"], capture_output=True, text=True, timeout=120).stdout
+    return subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu",
+                           "--virtual-time-budget=20000", "--dump-dom", f"{url}/#/actors"],
+                          capture_output=True, text=True, timeout=120).stdout
 
 
 # The Actors page as rendered during a dp=2 run, and that run's name: the gauges test's run records
@@ -173,9 +176,9 @@ def test_ray_job_submit(dashboard, tmp_path):
     out = tmp_path / "job"
     ray_cli = Path(sys.executable).with_name("ray")
     runtime_env = {"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}}
-    cmd = [str(ray_cli), "job", "submit", "--address", dashboard["url"], "--runtime-env-json", json.dumps(runtime_env),
-           "--", sys.executable, "-m", "rayconv.run", "--steps", "3", "--dp", "2", "--device", "cpu",
-           "--no-progress", "--out", str(out)]
+    cmd = [str(ray_cli), "job", "submit", "--address", dashboard["url"], "--runtime-env-json",
+           json.dumps(runtime_env), "--", sys.executable, "-m", "rayconv.run", "--steps", "3", "--dp", "2",
+           "--device", "cpu", "--no-progress", "--out", str(out)]
     deadline = time.monotonic() + 90
     while True:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -192,7 +195,8 @@ def test_ray_job_submit(dashboard, tmp_path):
     # tests/unit/test_run_folder.py).
     assert "; Ray job raysubmit_" in proc.stdout and f"3 steps -> {out};" in proc.stdout, proc.stdout[-3000:]
     # It ran on this cluster: its placement group is in this cluster's table.
-    assert any(pg["name"] == f"rayconv/{summary['run_name']}" for pg in ray.util.placement_group_table().values())
+    assert any(pg["name"] == f"rayconv/{summary['run_name']}"
+               for pg in ray.util.placement_group_table().values())
 
 
 def test_two_runs_with_the_same_folder_name_at_once(dashboard, tmp_path):
@@ -201,16 +205,19 @@ def test_two_runs_with_the_same_folder_name_at_once(dashboard, tmp_path):
     The first, stopped by SIGTERM, keeps its folder (metrics, summary: interrupted)."""
     one = tmp_path / "one" / "run"
     first = subprocess.Popen(
-        [sys.executable, "-m", "rayconv.run", "--address", dashboard["address"], "--steps", "100000", "--dp", "1",
-         "--device", "cpu", "--global-batch-size", "32", "--no-progress", "--no-metrics", "--out", str(one)],
+        [sys.executable, "-m", "rayconv.run", "--address", dashboard["address"], "--steps", "100000", "--dp",
+         "1", "--device", "cpu", "--global-batch-size", "32", "--no-progress", "--no-metrics", "--out",
+         str(one)],
         cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_until(first, lambda: any(s == "ALIVE" for s in rayconv_actors(dashboard["url"], "run-").values()),
+        wait_until(first,
+                   lambda: any(s == "ALIVE" for s in rayconv_actors(dashboard["url"], "run-").values()),
                    "the first run's actors did not start")
         lines: list[str] = []
         cfg = Config(model="convnet", data="digits", dp=1, global_batch_size=32, steps=2, device="cpu",
-                     progress=False, metrics=False, out=str(tmp_path / "two" / "run"), loader_workers=0).validate()
+                     progress=False, metrics=False, out=str(tmp_path / "two" / "run"),
+                     loader_workers=0).validate()
         second = train_run(cfg, log=lines.append)["run_name"]
         assert first.poll() is None, "the first run did not overlap the second"
         # SIGTERM (as `ray job stop` or a scheduler sends it) once the first run wrote its metrics (an
@@ -244,8 +251,9 @@ def test_actors_on_the_dashboard_page(dashboard, tmp_path):
     if "run" not in _PAGE:
         cfg = Config(model="convnet", data="digits", dp=2, global_batch_size=64, steps=3, device="cpu",
                      progress=False, metrics=False, out=str(tmp_path / "page"), loader_workers=0).validate()
-        _PAGE["run"] = train_run(cfg, log=lambda *_: None, on_step=lambda actor_group, step: step == 1 and record_page(
-            dashboard["url"]))["run_name"]
+        _PAGE["run"] = train_run(
+            cfg, log=lambda *_: None,
+            on_step=lambda actor_group, step: step == 1 and record_page(dashboard["url"]))["run_name"]
     assert "error" not in _PAGE, _PAGE["error"]
     run, dom = _PAGE["run"], _PAGE["dom"]
     assert f"rayconv/{run}/dp0" in dom and f"rayconv/{run}/dp1" in dom, dom[-3000:]

@@ -7,7 +7,8 @@ How each command is checked (``KINDS``; a command of no kind fails ``test_every_
   once its GCS and Ray client server listen), ``python -m rayconv.run --help``, ``python -c ...``;
 * parsed by the command's own argument parser (training and measuring runs, too long to run here):
   ``rayconv.run`` and ``rayconv`` (``rayconv.flags.parse_args``: every flag and ``Config.validate``),
-  ``rayconv.plan``, ``rayconv.prepare``, ``rayconv.bench``, ``rayconv.tune`` (its parser and its checks before Ray starts);
+  ``rayconv.plan``, ``rayconv.prepare``, ``rayconv.bench``, ``rayconv.tune`` (its parser and its checks before
+  Ray starts);
 * run by another test, named here and checked to exist: the main job (``tests/ops/test_cli.py``), the
   test command (``.ci/run``), ``ray job submit`` (``tests/ops/test_dashboard.py``, whose inner
   ``rayconv.run`` is parsed here too), a Ray head started by ``setsid`` as a process group of its own and
@@ -86,7 +87,8 @@ def parse_plan(argv: list[str]) -> None:
 def parse_prepare(argv: list[str]) -> None:
     from rayconv.prepare import _parser
     a = _parser().parse_args(argv)
-    assert (a.dir is None) != (a.convert is None) and (a.dir is None or a.out), "give DIR --out SHARDS or --convert"
+    assert (a.dir is None) != (a.convert is None) and (a.dir is None or a.out), \
+        "give DIR --out SHARDS or --convert"
 
 
 def parse_bench(argv: list[str]) -> None:
@@ -181,7 +183,8 @@ KINDS = [
     ("run by tests/ops/test_cli.py", is_main_job,
      lambda a: has_function("tests/ops/test_cli.py", "test_main_job_as_the_readme_says")),
     ("run by .ci/run", lambda a: a == ["python", "-m", "pytest", "-q", "tests"],
-     lambda a: None if a in [c[-len(a):] for c in ci_commands()] else pytest.fail(".ci/run does not run " + shlex.join(a))),
+     lambda a: None if a in [c[-len(a):] for c in ci_commands()]
+     else pytest.fail(".ci/run does not run " + shlex.join(a))),
     ("run here", lambda a: a[:3] == ["python", "-m", "rayconv.run"] and a[3:] == ["--help"], run_help),
     ("run here", lambda a: a[:2] == ["python", "-c"], run_python_c),
     ("run here (test_the_shared_host_ray_start)", lambda a: a[:2] == ["ray", "start"], lambda a: None),
@@ -195,18 +198,22 @@ KINDS = [
     ("parsed", lambda a: a[:3] == ["python", "-m", "rayconv.tune"], lambda a: parse_tune(a[3:])),
     ("install", lambda a: a[:3] == ["python3", "-m", "venv"] or a[:1] in (["."], ["pip"])
      or a[:3] == ["sudo", "apt-get", "install"], check_install),
-    ("script", lambda a: a[:1] in (["python"], ["bash"]) and a[1:2] and a[1].startswith(("benchmarks/", "docs/")),
+    ("script",
+     lambda a: a[:1] in (["python"], ["bash"]) and a[1:2] and a[1].startswith(("benchmarks/", "docs/")),
      check_script),
     ("pytest", lambda a: a[:3] == ["python", "-m", "pytest"] or a[:1] == ["pytest"], check_pytest),
     ("ray job submit", lambda a: a[:3] == ["ray", "job", "submit"], check_job_submit),
     ("TensorBoard's own viewer; the event files are read back by tests/unit/test_tensorboard.py",
      lambda a: a[:2] == ["tensorboard", "--logdir"],
-     lambda a: has_function("tests/unit/test_tensorboard.py", "test_rows_become_scalars_once_and_a_resume_purges_from_its_step")),
-    ("done by tests/actors/test_kept_across_commands.py's head: ray start --block as a process group of its "
-     "own, ended by SIGTERM to that group", lambda a: a[:3] == ["setsid", "ray", "start"] or a[:2] == ["kill", "--"],
+     lambda a: has_function("tests/unit/test_tensorboard.py",
+                            "test_rows_become_scalars_once_and_a_resume_purges_from_its_step")),
+    ("done by tests/actors/test_kept_across_commands.py's head: ray start --block as a process group of "
+     "its own, ended by SIGTERM to that group",
+     lambda a: a[:3] == ["setsid", "ray", "start"] or a[:2] == ["kill", "--"],
      lambda a: has_function("tests/actors/test_kept_across_commands.py", "head")),
-    ("needs a cloud or a running run", lambda a: a[:2] in (["ray", "up"], ["ray", "down"], ["ray", "dashboard"],
-     ["ray", "rsync-down"], ["ray", "list"]) or a[:1] == ["curl"], check_cloud),
+    ("needs a cloud or a running run",
+     lambda a: a[:2] in (["ray", "up"], ["ray", "down"], ["ray", "dashboard"], ["ray", "rsync-down"],
+                         ["ray", "list"]) or a[:1] == ["curl"], check_cloud),
 ]
 COMMANDS = commands()
 
@@ -264,16 +271,20 @@ def test_every_link_resolves():
             file, _, anchor = target.partition("#")
             dest = (path.parent / file).resolve() if file else path
             assert dest.exists(), f"{path.name}: link to {target}: no such file"
-            assert REPO in dest.parents or dest == REPO, f"{path.name}: {target} points outside the repository"
+            assert REPO in dest.parents or dest == REPO, \
+                f"{path.name}: {target} points outside the repository"
             if anchor:
-                assert anchor in anchors(dest), f"{path.name}: link to {target}: no such heading in {dest.name}"
+                assert anchor in anchors(dest), \
+                    f"{path.name}: link to {target}: no such heading in {dest.name}"
 
 
 def test_every_path_named_exists():
     """The files the docs name (scripts, tests, modules, pictures) exist."""
     for path in DOCS:
-        for name in re.findall(r"(?<![\w/.])((?:rayconv|tests|benchmarks|examples|docs)/[\w./-]*\.(?:py|sh|md|png|yaml))\b",
-                               path.read_text()):
+        for name in re.findall(
+            r"(?<![\w/.])((?:rayconv|tests|benchmarks|examples|docs)/[\w./-]*\.(?:py|sh|md|png|yaml))\b",
+            path.read_text(),
+        ):
             assert (REPO / name.split("::")[0]).exists(), f"{path.name} names {name}, which does not exist"
 
 
@@ -326,7 +337,8 @@ def test_the_shared_host_ray_start():
         while not (_listening(ports["--port"]) and _listening(ports["--ray-client-server-port"])
                    and address_file.exists()):
             assert head.poll() is None, f"ray start exited {head.returncode}:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"ray start did not listen within 120 s:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, \
+                f"ray start did not listen within 120 s:\n{log.read_text()[-3000:]}"
             time.sleep(0.2)
         # the commands after it, with the RAY_TMPDIR the docs export, join it (no --address)
         from rayconv.cluster.connect import find_cluster

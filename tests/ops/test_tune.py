@@ -85,12 +85,15 @@ def test_the_next_trial_runs_on_the_finished_trials_process_and_actors(ray_clust
             "metrics": False, "progress": False}
     found = tune.search({"lr": {"grid": [0.2, 0.05]}}, base, scheduler="fifo", max_concurrent=1)
     assert [r["status"] for r in found.rows] == ["finished", "finished"], found.rows
-    first, second = (json.loads((found.search_dir / f"trial-{k}" / "summary.json").read_text()) for k in (0, 1))
+    first, second = (json.loads((found.search_dir / f"trial-{k}" / "summary.json").read_text())
+                     for k in (0, 1))
     assert "renewed" not in first["startup"]["actor_process"], first["startup"]
     assert "renewed" in second["startup"]["actor_process"], second["startup"]
-    alone = train_run(trial_settings({**base, "device": "cpu", "keep_actors_s": 0}, {"lr": 0.05}, str(tmp_path / "alone")),
-                      log=lambda *_: None)
-    assert second["final_train_loss"] == alone["final_train_loss"] and second["test_loss"] == alone["test_loss"]
+    alone = train_run(trial_settings({**base, "device": "cpu", "keep_actors_s": 0}, {"lr": 0.05},
+                                     str(tmp_path / "alone")), log=lambda *_: None)
+    assert (
+        second["final_train_loss"] == alone["final_train_loss"] and second["test_loss"] == alone["test_loss"]
+    )
 
 
 def test_pbt_trial_continues_a_better_trials_checkpoint(ray_cluster, tmp_path):
@@ -100,23 +103,27 @@ def test_pbt_trial_continues_a_better_trials_checkpoint(ray_cluster, tmp_path):
 
     base = {"dp": 1, "steps": 20, "eval_every": 10, "global_batch_size": 96, "out": str(tmp_path / "p"),
             "metrics": False, "progress": False}
-    found = tune.search({"lr": {"grid": [0.2, 1e-4]}}, base, scheduler="pbt", perturbation_interval=1, synch=True,
-                        max_concurrent=2)
+    found = tune.search({"lr": {"grid": [0.2, 1e-4]}}, base, scheduler="pbt", perturbation_interval=1,
+                        synch=True, max_concurrent=2)
     assert [r["status"] for r in found.rows] == ["finished", "finished"], found.rows
     marks = sorted(found.search_dir.glob("trial-*/tune-branch.json"))
-    assert len(marks) == 1 and list(found.search_dir.glob("trial-*.stopped-1")), marks   # the run before it kept
+    # the run before it kept
+    assert len(marks) == 1 and list(found.search_dir.glob("trial-*.stopped-1")), marks
     for path in marks:
         mark, receiver = json.loads(path.read_text()), path.parent
-        assert mark["folder"] != str(receiver) and mark["step"] == 10, mark   # (the checkpoint of that evaluation)
+        # (the checkpoint of that evaluation)
+        assert mark["folder"] != str(receiver) and mark["step"] == 10, mark
         row = next(r for r in found.rows if r["trial"] == receiver.name)
-        assert json.loads((receiver / "config.json").read_text())["lr"] == row["lr"]   # (the settings it went on with)
+        # (the settings it went on with)
+        assert json.loads((receiver / "config.json").read_text())["lr"] == row["lr"]
         summary = json.loads((receiver / "summary.json").read_text())
         assert summary["status"] == "finished" and summary["steps_done"] == 20
         assert summary["resumed_from"].endswith(f"checkpoints/step-{mark['step']}")
         # its rows up to the branch are the donor's; its own run up to there (kept aside) scored no better
         def before(folder):
             rows = read_rows((folder / "metrics.parquet").read_bytes())
-            return [(r["kind"], r["step"], r["loss"], r["test_accuracy"]) for r in rows if r["step"] < mark["step"]]
+            return [(r["kind"], r["step"], r["loss"], r["test_accuracy"]) for r in rows
+                    if r["step"] < mark["step"]]
         donor = found.search_dir / mark["folder"].rsplit("/", 1)[-1]
         assert before(receiver) == before(donor) and before(donor)
         own = before(receiver.with_name(f"{receiver.name}.stopped-1"))   # its own run up to there

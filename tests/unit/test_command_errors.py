@@ -16,7 +16,8 @@ from rayconv.models import check_trainable
 @pytest.mark.parametrize("module, name", [("rayconv.run", "rayconv"), ("rayconv.plan", "rayconv.plan"),
                                           ("rayconv.prepare", "rayconv.prepare")])
 def test_argparse_errors_start_as_the_commands_own(module, name):
-    out = subprocess.run([sys.executable, "-m", module, "--no-such-flag"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", module, "--no-such-flag"], capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [f"{name}: error: unrecognized arguments: --no-such-flag "
                                                "(--help lists the flags)"]
@@ -30,7 +31,8 @@ def test_lazy_modules_are_refused_with_their_fix():
     assert tuple(check_trainable("net.py:Net", eager, (3, 8, 8))) == (2, 10)
 
 
-def test_a_model_name_missing_from_the_listing_is_refused_before_ray(tmp_path, monkeypatch, capsys, silent_address):
+def test_a_model_name_missing_from_the_listing_is_refused_before_ray(tmp_path, monkeypatch, capsys,
+                                                                     silent_address):
     """Where this machine listed torchvision's models (``models.model_names`` remembers the listing, per
     torchvision version), a mistyped name is refused before Ray is reached, in the line the model's own
     check gives; a listed name and, without a listing, any name go on to the cluster."""

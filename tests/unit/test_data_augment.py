@@ -55,7 +55,8 @@ def test_augmentation_does_not_depend_on_the_batch_or_the_source_instance(fmnist
     assert not torch.equal(src.images("train", idx, CPU, epoch=2), whole)          # new epoch, new draws
     plain = _source(fmnist, seed=5, augment="none", **{k: v for k, v in kw.items() if k == "image_size"})
     assert not torch.equal(plain.images("train", idx, CPU, epoch=1), whole)        # really augmented
-    assert torch.equal(src.images("test", np.arange(8), CPU), plain.images("test", np.arange(8), CPU))   # as is
+    # as is
+    assert torch.equal(src.images("test", np.arange(8), CPU), plain.images("test", np.arange(8), CPU))
 
 
 @pytest.mark.parametrize("policy", ["imagenet", "cifar10", "svhn", "ra", "ta_wide"])
@@ -176,7 +177,8 @@ def test_imagefolder_honours_augment_and_erasing(tmp_path, augment):
         for cls in ("a", "b"):
             (tmp_path / split / cls).mkdir(parents=True)
             for i in range(2):
-                Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(tmp_path / split / cls / f"{i}.png")
+                Image.fromarray(rng.integers(0, 256, (40, 48, 3),
+                                             dtype=np.uint8)).save(tmp_path / split / cls / f"{i}.png")
     aa = dict(auto_augment="ra") if augment == "none" else {}
     src = ImageFolderSource(str(tmp_path), 32, seed=0, workers=0, augment=augment, random_erase=1.0, **aa)
     x = src.images("train", np.arange(4), CPU)
@@ -205,8 +207,10 @@ def test_shards_honour_augment_and_erasing(tmp_path):
             for i in range(2):
                 Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(
                     tmp_path / "src" / split / cls / f"{i}.JPEG", quality=95)
-    prepare(str(tmp_path / "src"), str(tmp_path / "shards"), size=40, shard_size=4, log=lambda *_: None, processes=1)
-    make = lambda augment, erase=0.0: ShardSource(str(tmp_path / "shards"), 32, 0, 0, "cpu", augment, erase)  # noqa: E731
+    prepare(str(tmp_path / "src"), str(tmp_path / "shards"), size=40, shard_size=4, log=lambda *_: None,
+            processes=1)
+    make = lambda augment, erase=0.0: ShardSource(  # noqa: E731
+        str(tmp_path / "shards"), 32, 0, 0, "cpu", augment, erase)
     idx = np.arange(4)
     none = make("none").images("train", idx, CPU)
     assert torch.equal(none, make("none").images("train", idx, CPU, epoch=2))       # no randomness
@@ -215,11 +219,14 @@ def test_shards_honour_augment_and_erasing(tmp_path):
         assert x.shape == (4, 3, 32, 32) and not torch.equal(x, none)
         assert torch.equal(make(augment).images("train", idx[2:], CPU), x[2:])      # per sample
     erased = make("none", 1.0).images("train", idx, CPU)
-    assert ((erased == 0).all(1).sum((1, 2)) > 0).all() and "random erasing p=1" in make("none", 1.0).describe()
+    assert ((erased == 0).all(1).sum((1, 2)) > 0).all() \
+        and "random erasing p=1" in make("none", 1.0).describe()
     assert torch.equal(make("none", 1.0).images("train", idx[1:3], CPU), erased[1:3])
-    policy = lambda: ShardSource(str(tmp_path / "shards"), 32, 0, 0, "cpu", "none", auto_augment="ta_wide")  # noqa: E731
+    policy = lambda: ShardSource(  # noqa: E731
+        str(tmp_path / "shards"), 32, 0, 0, "cpu", "none", auto_augment="ta_wide")
     x = policy().images("train", idx, CPU, epoch=1)
-    assert not torch.equal(x, none) and torch.equal(policy().images("train", idx[[3, 1]], CPU, epoch=1), x[[3, 1]])
+    assert not torch.equal(x, none) \
+        and torch.equal(policy().images("train", idx[[3, 1]], CPU, epoch=1), x[[3, 1]])
     assert "auto-augment ta_wide" in policy().describe()
 
 

@@ -75,7 +75,8 @@ def test_missing_config_file(tmp_path):
 
 
 def test_exchange_chunks_without_filter_split_are_refused():
-    with pytest.raises(ConfigError, match="--exchange-chunks 4 applies to filter split's gathers: add --fs 2"):
+    with pytest.raises(ConfigError,
+                       match="--exchange-chunks 4 applies to filter split's gathers: add --fs 2"):
         parse_args(["--exchange-chunks", "4"])
     assert parse_args(["--exchange-chunks", "4", "--fs", "2"]).exchange_chunks == 4
 
@@ -101,14 +102,22 @@ def test_microbatches_that_do_not_split_the_batch_are_refused_before_ray_starts(
     assert parse_args(argv[:-1] + ["4"]).num_microbatches == 4
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--virtual-stages", "2"], "set --pp 2 or more"),
-    (["--pp", "2", "--virtual-stages", "2", "--schedule", "gpipe"], "use --schedule 1f1b, not gpipe"),
-    (["--pp", "2", "--fs", "2", "--virtual-stages", "2", "--num-microbatches", "2"], "does not combine with --fs"),
-    (["--pp", "2", "--virtual-stages", "2", "--num-microbatches", "3", "--global-batch-size", "96"],
-     r"set --num-microbatches to a multiple of 2 \(got 3\)"),
-    (["--pp", "2", "--virtual-stages", "0"], "--virtual-stages must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--virtual-stages", "2"], "set --pp 2 or more"),
+        (["--pp", "2", "--virtual-stages", "2", "--schedule", "gpipe"], "use --schedule 1f1b, not gpipe"),
+        (
+            ["--pp", "2", "--fs", "2", "--virtual-stages", "2", "--num-microbatches", "2"],
+            "does not combine with --fs",
+        ),
+        (
+            ["--pp", "2", "--virtual-stages", "2", "--num-microbatches", "3", "--global-batch-size", "96"],
+            r"set --num-microbatches to a multiple of 2 \(got 3\)",
+        ),
+        (["--pp", "2", "--virtual-stages", "0"], "--virtual-stages must be >= 1"),
+    ],
+)
 def test_bad_virtual_stages_are_refused_with_what_to_change(argv, match):
     with pytest.raises(ConfigError, match=match):
         parse_args(argv)
@@ -153,7 +162,8 @@ def test_config_file_types_are_checked(tmp_path):
 
 def test_config_file_of_a_resumed_run_starts_a_new_run(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"steps": 4, "out": "runs/r1", "resume": "runs/r1", "address": "10.0.0.5:6379"}))
+    path.write_text(json.dumps({"steps": 4, "out": "runs/r1", "resume": "runs/r1",
+                                "address": "10.0.0.5:6379"}))
     cfg = parse_args(["--config", str(path)])
     assert (cfg.steps, cfg.out, cfg.resume, cfg.address) == (4, None, None, None)
 
@@ -230,10 +240,13 @@ def test_data_dir_alone_gives_the_data_kind_it_holds(tmp_path):
     (fmnist / "train-images-idx3-ubyte.gz").write_bytes(b"")
     for folder, kind in ((images, "imagefolder"), (shards, "shards"), (fmnist, "fashion-mnist")):
         assert parse_args(["--data-dir", str(folder)]).data == kind
-        assert parse_args(["--data", "imagefolder", "--data-dir", str(shards)]).data == "imagefolder"  # as given
-    for argv, words in ((["--data-dir", str(other)], "give --data for what it holds"),
-                        (["--data-dir", str(tmp_path / "none")], "no such folder"),
-                        (["--data", "digits", "--data-dir", str(images)], "not --data digits: drop --data-dir")):
+        # as given
+        assert parse_args(["--data", "imagefolder", "--data-dir", str(shards)]).data == "imagefolder"
+    for argv, words in (
+        (["--data-dir", str(other)], "give --data for what it holds"),
+        (["--data-dir", str(tmp_path / "none")], "no such folder"),
+        (["--data", "digits", "--data-dir", str(images)], "not --data digits: drop --data-dir"),
+    ):
         with pytest.raises(ConfigError, match=words) as e:
             parse_args(argv)
         assert "\n" not in str(e.value)

@@ -139,7 +139,8 @@ def texts(tree: ast.AST, source: str = ""):
         if isinstance(node, ast.Call):
             helps = [k.value for k in node.keywords if k.arg in ("help", "description")]
         elif isinstance(node, ast.Dict):
-            helps = [v for k, v in zip(node.keys, node.values) if isinstance(k, ast.Constant) and k.value == "help"]
+            helps = [v for k, v in zip(node.keys, node.values)
+                     if isinstance(k, ast.Constant) and k.value == "help"]
         for h in helps:
             parts = [c.value for c in ast.walk(h) if isinstance(c, ast.Constant) and isinstance(c.value, str)]
             yield h.lineno, "".join(parts)
@@ -165,7 +166,8 @@ def test_no_measured_figure_in_a_docstring_help_string_or_comment():
         source = path.read_text()
         for line, text in texts(ast.parse(source), source):
             prose = re.sub(r"``.*?``", "", text, flags=re.S)
-            found += [f"{path.relative_to(PACKAGE.parent)}:{line}: {m.group(0)!r}" for m in FIGURE.finditer(prose)]
+            found += [f"{path.relative_to(PACKAGE.parent)}:{line}: {m.group(0)!r}"
+                      for m in FIGURE.finditer(prose)]
     assert not found, "measured figures belong in benchmarks/RESULTS.md: " + "; ".join(sorted(set(found)))
 
 

@@ -84,16 +84,18 @@ def test_recipe_flags_parse_and_round_trip_through_config_json(tmp_path):
     argv = ["--opt", "sgd_nesterov", "--lr", "0.5", "--lr-scaling", "linear", "--lr-warmup-epochs", "5",
             "--lr-warmup-method", "constant", "--lr-warmup-decay", "0.1", "--label-smoothing", "0.1",
             "--norm-weight-decay", "0", "--bias-weight-decay", "0", "--clip-grad-norm", "1", "--model-ema",
-            "--model-ema-steps", "4", "--model-ema-decay", "0.999", "--zero-init-residual", "--mixup-alpha", "0.2",
-            "--cutmix-alpha", "1", "--random-erase", "0.25", "--augment", "resized-crop", "--channels", "3",
-            "--target-accuracy", "0.9", "--precision", "fp16", "--image-size", "16", "--bn-momentum", "0.01",
-            "--data", "fashion-mnist"]
+            "--model-ema-steps", "4", "--model-ema-decay", "0.999", "--zero-init-residual", "--mixup-alpha",
+            "0.2", "--cutmix-alpha", "1", "--random-erase", "0.25", "--augment", "resized-crop", "--channels",
+            "3", "--target-accuracy", "0.9", "--precision", "fp16", "--image-size", "16", "--bn-momentum",
+            "0.01", "--data", "fashion-mnist"]
     cfg = parse_args(argv)
-    assert (cfg.opt, cfg.lr_scaling, cfg.lr_warmup_epochs, cfg.lr_warmup_method) == ("sgd_nesterov", "linear", 5, "constant")
+    assert (cfg.opt, cfg.lr_scaling, cfg.lr_warmup_epochs, cfg.lr_warmup_method) == ("sgd_nesterov", "linear",
+                                                                                     5, "constant")
     assert (cfg.norm_weight_decay, cfg.bias_weight_decay, cfg.clip_grad_norm) == (0.0, 0.0, 1.0)
     assert cfg.model_ema and cfg.zero_init_residual and cfg.model_ema_steps == 4 and cfg.channels == 3
     assert cfg.bn_momentum == 0.01 and parse_args([]).bn_momentum is None
-    assert (cfg.precision, cfg.image_size, cfg.target_accuracy, cfg.augmentation) == ("fp16", 16, 0.9, "resized-crop")
+    assert (cfg.precision, cfg.image_size, cfg.target_accuracy, cfg.augmentation) == ("fp16", 16, 0.9,
+                                                                                      "resized-crop")
     cfg.to_json(tmp_path / "config.json")
     assert from_mapping(json.loads((tmp_path / "config.json").read_text())) == cfg
     defaults = parse_args([])
@@ -120,7 +122,9 @@ def test_image_size_defaults_to_the_datas_own_and_augment_auto_follows_it():
 def test_without_warmup_the_lr_is_the_plain_cosine_and_constant():
     cfg = Config(lr=0.05)
     for step in range(0, 100, 7):
-        assert learning_rate(cfg, step, 100) == pytest.approx(0.05 * 0.5 * (1 + math.cos(math.pi * step / 100)))
+        assert learning_rate(cfg, step, 100) == pytest.approx(
+            0.05 * 0.5 * (1 + math.cos(math.pi * step / 100))
+        )
     assert learning_rate(Config(lr=0.3, lr_schedule="constant"), 42, 100) == 0.3
 
 
@@ -173,18 +177,22 @@ def test_target_records_the_first_evaluation_that_reaches_it():
     assert t.update(3, 0.9, 20.0, train_seconds(wall, 3), 26.5)  # >= counts
     assert not t.update(4, 0.95, 30.0, train_seconds(wall, 4), 36.5)  # only the first
     assert t.summary(wall) == {"target_accuracy": 0.9, "target_step": 3, "time_to_target_s": 20.0,
-                               "time_to_target_train_s": 8.0, "time_to_target_since_s": 26.5, "first_steps_s": 7.0}
+                               "time_to_target_train_s": 8.0, "time_to_target_since_s": 26.5,
+                               "first_steps_s": 7.0}
     never, none = Target(0.99), Target(None)
     never.update(4, 0.95, 30.0, 9.0)
     none.update(4, 1.0, 30.0, 9.0)
     for s in (never.summary(wall), none.summary(wall)):
-        assert s["time_to_target_s"] is None and s["time_to_target_train_s"] is None and s["target_step"] is None
+        assert (
+            s["time_to_target_s"] is None and s["time_to_target_train_s"] is None and s["target_step"] is None
+        )
 
 
 def test_metrics_rows_carry_loss_scale_and_ema_accuracy():
     base = dict(reports=True, samples=4, loss_sum=2.0, correct=1)
     assert reduce_step([base, {**base, "reports": False}])["loss_scale"] is None
-    assert reduce_step([{**base, "loss_scale": 1024.0}, {**base, "loss_scale": 1024.0}])["loss_scale"] == 1024.0
+    assert reduce_step([{**base, "loss_scale": 1024.0},
+                        {**base, "loss_scale": 1024.0}])["loss_scale"] == 1024.0
     assert {"loss_scale", "ema_test_accuracy"} <= set(SCHEMA.names)
     log = MetricsLog()
     log.add(kind="train", step=0, loss=1.0, loss_scale=65536.0)
@@ -214,7 +222,8 @@ def test_header_names_images_augmentation_and_recipe():
                             sharding=SimpleNamespace(steps_per_epoch=117))
     line = images_line(resolved)
     assert "3 x 28 x 28" in line and "1 channel" in line and "--augment auto (pad-crop)" in line
-    told = SimpleNamespace(cfg=cfg, source=SimpleNamespace(sample_shape=(1, 28, 28), augmentation="pad-crop-flip"))
+    told = SimpleNamespace(cfg=cfg,
+                           source=SimpleNamespace(sample_shape=(1, 28, 28), augmentation="pad-crop-flip"))
     assert "augmentation pad-crop-flip" in images_line(told)
     recipe = recipe_line(resolved)
     assert "lr 0.2" in recipe and "234 warm-up steps" in recipe and "label smoothing 0.1" in recipe

@@ -29,7 +29,8 @@ def image_tree(root: Path) -> Path:
     for split in ("train", "val"):
         for c in ("cat", "dog"):
             (root / split / c).mkdir(parents=True)
-            Image.fromarray(rng.integers(0, 256, (36, 36, 3), dtype=np.uint8)).save(root / split / c / "a.png")
+            Image.fromarray(rng.integers(0, 256, (36, 36, 3),
+                                         dtype=np.uint8)).save(root / split / c / "a.png")
     return root
 
 
@@ -76,21 +77,34 @@ CASES = {
 }
 # Refused by ``check_before_ray`` (a run's actors start meanwhile): (flags, words the one line must hold)
 LATE = {
-    "data-dir missing": (["--data", "imagefolder", "--data-dir", "{tmp}/nothing-here"],
-                         ["{tmp}/nothing-here/train", "does not exist", "--data-dir"]),
+    "data-dir missing": (
+        ["--data", "imagefolder", "--data-dir", "{tmp}/nothing-here"],
+        ["{tmp}/nothing-here/train", "does not exist", "--data-dir"],
+    ),
     "no train/ val/": (["--data", "imagefolder", "--data-dir", "{data}"], ["{data}/train", "does not exist"]),
-    "unknown model": (["--model", "resnet1000"],
-                      ["resnet1000", "convnet_bn", "convnet2col", "alexnet2012", "list_models"]),
-    "vit at 64 px": (["--model", "vit_b_32", "--data", "synthetic", "--image-size", "64"],
-                     ["vit_b_32", "64x64", "--image-size 224"]),
-    "3-channel model on digits": (["--model", "resnet18", "--channels", "1"], ["resnet18", "3-channel", "--data"]),
+    "unknown model": (
+        ["--model", "resnet1000"],
+        ["resnet1000", "convnet_bn", "convnet2col", "alexnet2012", "list_models"],
+    ),
+    "vit at 64 px": (
+        ["--model", "vit_b_32", "--data", "synthetic", "--image-size", "64"],
+        ["vit_b_32", "64x64", "--image-size 224"],
+    ),
+    "3-channel model on digits": (
+        ["--model", "resnet18", "--channels", "1"],
+        ["resnet18", "3-channel", "--data"],
+    ),
     "classes differ": (["--num-classes", "7"], ["--num-classes 7", "10 classes"]),
-    "pipeline of an uncuttable model": (["--model", "convnext_tiny", "--data", "synthetic", "--image-size", "64",
-                                         "--pp", "2"], ["convnext_tiny", "--pp 1"]),
+    "pipeline of an uncuttable model": (
+        ["--model", "convnext_tiny", "--data", "synthetic", "--image-size", "64", "--pp", "2"],
+        ["convnext_tiny", "--pp 1"],
+    ),
     "stages out of range": (["--pp", "2", "--stages", "99"], ["--stages"]),
-    "a 224-pixel model on digits": (["--model", "alexnet"],   # (advice digits can follow: never --image-size)
-                                    ["alexnet", "8x8", "--data digits is never resized", "convnet",
-                                     "--data fashion-mnist --image-size 224", "!use --image-size"]),
+    "a 224-pixel model on digits": (
+        ["--model", "alexnet"],  # (advice digits can follow: never --image-size)
+        ["alexnet", "8x8", "--data digits is never resized", "convnet",
+         "--data fashion-mnist --image-size 224", "!use --image-size"],
+    ),
 }
 
 
@@ -151,13 +165,12 @@ def test_refused_by_the_check_without_cluster(case, tmp_path):
 
 
 # Each kind of torchvision classification model (the class its builder returns), by its smallest member.
-REPRESENTATIVES = {
-    "AlexNet": "alexnet", "ConvNeXt": "convnext_tiny", "DenseNet": "densenet121", "EfficientNet": "efficientnet_b0",
-    "GoogLeNet": "googlenet", "Inception3": "inception_v3", "MaxVit": "maxvit_t", "MNASNet": "mnasnet0_5",
-    "MobileNetV2": "mobilenet_v2", "MobileNetV3": "mobilenet_v3_small", "RegNet": "regnet_x_400mf",
-    "ResNet": "resnet18", "ShuffleNetV2": "shufflenet_v2_x0_5", "SqueezeNet": "squeezenet1_1",
-    "SwinTransformer": "swin_t", "VGG": "vgg11", "VisionTransformer": "vit_b_32",
-}
+REPRESENTATIVES = {"AlexNet": "alexnet", "ConvNeXt": "convnext_tiny", "DenseNet": "densenet121",
+                   "EfficientNet": "efficientnet_b0", "GoogLeNet": "googlenet", "Inception3": "inception_v3",
+                   "MaxVit": "maxvit_t", "MNASNet": "mnasnet0_5", "MobileNetV2": "mobilenet_v2",
+                   "MobileNetV3": "mobilenet_v3_small", "RegNet": "regnet_x_400mf", "ResNet": "resnet18",
+                   "ShuffleNetV2": "shufflenet_v2_x0_5", "SqueezeNet": "squeezenet1_1",
+                   "SwinTransformer": "swin_t", "VGG": "vgg11", "VisionTransformer": "vit_b_32"}
 # Made for 224x224 images: refused at 64 (one line naming --image-size 224).
 FIXED_SIZE = {"inception_v3", "maxvit_t", "vit_b_32"}
 
@@ -165,8 +178,8 @@ FIXED_SIZE = {"inception_v3", "maxvit_t", "vit_b_32"}
 @pytest.mark.slow
 def test_every_torchvision_model_trains_or_is_refused():
     """All of torchvision.models.list_models(): each kind's training forward (on the meta device, the
-    way ``driver.resolve.resolve_on_cluster`` checks it) gives class scores at 64x64, or the model is refused in one line;
-    and rayconv views it as a layer list. A kind of model not seen here fails the test."""
+    way ``driver.resolve.resolve_on_cluster`` checks it) gives class scores at 64x64, or the model is refused
+    in one line; and rayconv views it as a layer list. A kind of model not seen here fails the test."""
     kinds: dict[str, list[str]] = {}
     for name in torchvision.models.list_models(module=torchvision.models):
         cls = inspect.signature(torchvision.models.get_model_builder(name)).return_annotation

@@ -66,8 +66,8 @@ def parts(name: str, model, layers, **recipe):
 
 
 def named(sharded, part) -> dict[str, torch.Tensor]:
-    return {(f"{n}.{k}" if n else k): v.detach().clone() for n, sub in zip(sharded.names, part) if n is not None
-            for k, v in sub.state_dict().items()}
+    return {(f"{n}.{k}" if n else k): v.detach().clone() for n, sub in zip(sharded.names, part)
+            if n is not None for k, v in sub.state_dict().items()}
 
 
 def optimizer_state_of(p: torch.Tensor, opt: str) -> dict[str, torch.Tensor]:
@@ -99,8 +99,9 @@ def saved(name: str, model, layers, **recipe) -> tuple[list[dict], dict]:
         for v in ema.tensors.values():
             v.mul_(3)
         ema.n_averaged = 5
-        payloads.append({"coord": list(c), "model": named(sharded, part), "split_dims": dict(sharded.split_dims),
-                         "optimizer": opt.state_dict(), "part_names": list(sharded.names),
+        payloads.append({"coord": list(c), "model": named(sharded, part),
+                         "split_dims": dict(sharded.split_dims), "optimizer": opt.state_dict(),
+                         "part_names": list(sharded.names),
                          "optimizer_names": optimizer_param_names(sharded.names, part, opt),
                          "ema": ema.state_dict(), "loss_scale": scaler_state(), "rng": {}})
     dp, pp, fs, _ = LAYOUTS[name]
@@ -142,14 +143,16 @@ def test_recut_equals_direct_cut(source, target):
 
 
 RECIPES = {  # the optimizers and groups of the recipe, each with its own state and group settings
-    "lars": dict(opt="lars", weight_decay=1e-4),  # momentum SGD, the adapted group's decay as lars_weight_decay
+    # momentum SGD, the adapted group's decay as lars_weight_decay
+    "lars": dict(opt="lars", weight_decay=1e-4),
     "nesterov-norm-bias": dict(opt="sgd_nesterov", norm_weight_decay=0.0, bias_weight_decay=0.0),
     "adamw": dict(opt="adamw"),
 }
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
-@pytest.mark.parametrize("source, target", [("dp2xpp2", "fs3"), ("krizhevsky2014", "pp2xfs2"), ("pp2xfs2", "dp1")])
+@pytest.mark.parametrize("source, target",
+                         [("dp2xpp2", "fs3"), ("krizhevsky2014", "pp2xfs2"), ("pp2xfs2", "dp1")])
 def test_recipe_state_follows_each_parameter(source, target, recipe):
     """Under the recipe's optimizers every state tensor follows its parameter, every group keeps its saved
     settings (learning rate, decay, LARS's own decay) under this part's grouping, and the moving

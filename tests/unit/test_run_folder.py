@@ -43,9 +43,13 @@ def finished_run(folder: Path, steps: int = 8) -> Path:
     of the digits run at dp=2 (its shards stand-ins: nothing here loads them)."""
     cfg = Config(steps=steps, dp=2, device="cpu", progress=False, out=str(folder))
     source, _, _, routing = check_before_ray(cfg, None)
-    manifest = {"model": cfg.model, "num_classes": source.num_classes, "sample_shape": list(source.sample_shape),
-                "layout": {"dp": 2, "pp": 1, "fs": 1, "plan": "none", "stages": [list(s) for s in routing.stages]},
-                "config": cfg.to_dict()}
+    manifest = {
+        "model": cfg.model,
+        "num_classes": source.num_classes,
+        "sample_shape": list(source.sample_shape),
+        "layout": {"dp": 2, "pp": 1, "fs": 1, "plan": "none", "stages": [list(s) for s in routing.stages]},
+        "config": cfg.to_dict(),
+    }
     write_checkpoint(folder, steps, [b"shard0", b"shard1"], manifest)
     (folder / "summary.json").write_text('{"steps": 8, "images_per_s": 1000.0}\n')
     return folder
@@ -117,7 +121,9 @@ def test_relative_out_is_refused_under_a_ray_job(tmp_path, capsys, silent_addres
     for argv in (["--out", "runs/r1"], []):  # a relative --out, and the default runs/NAME
         assert main(["--address", address, "--steps", "1", *argv]) == 2
         line = one_error_line(capsys)
-        assert "raysubmit_abc123" in line and "give an absolute --out, e.g. --out /shared/runs/NAME" in line, line
+        assert (
+            "raysubmit_abc123" in line and "give an absolute --out, e.g. --out /shared/runs/NAME" in line
+        ), line
         assert str(tmp_path) in line
     assert not contacts and not (tmp_path / "runs").exists()
     check_job_output(str(tmp_path / "r1"))  # an absolute --out is taken
@@ -138,7 +144,8 @@ def test_ray_job_is_told_by_its_environment_or_working_folder(tmp_path, monkeypa
 
 def header_setup(**kw) -> SimpleNamespace:
     cfg = Config(device="cpu", **kw)
-    return SimpleNamespace(cfg=cfg, mesh=Mesh(2, 1, 1), total_steps=230, out=Path("runs/r1"), run_name="r1-abc123",
+    return SimpleNamespace(cfg=cfg, mesh=Mesh(2, 1, 1), total_steps=230, out=Path("runs/r1"),
+                           run_name="r1-abc123",
                            source=SimpleNamespace(train_size=1438, test_size=359, num_classes=10),
                            sharding=Sharding(1438, cfg.global_batch_size, 2, cfg.seed))
 
@@ -160,7 +167,8 @@ def test_evaluate_only_header_trains_no_steps():
 
 def test_end_line_of_a_run_without_timed_steps():
     summary = {"final_train_loss": None, "test_accuracy": 0.5, "images_per_s": None, "wall_time_s": 1.0}
-    assert done_line(summary, Path("/r")) == "done: train loss n/a, test accuracy 0.5000, n/a images/s, run 1.0 s -> /r"
+    assert done_line(
+        summary, Path("/r")) == "done: train loss n/a, test accuracy 0.5000, n/a images/s, run 1.0 s -> /r"
 
 
 @pytest.fixture(scope="module")
@@ -171,9 +179,9 @@ def setup_of(tmp_path_factory):
     sharding = Sharding(source.train_size, cfg.global_batch_size, 2, cfg.seed)
 
     def make(out: Path) -> ResolvedRun:
-        return ResolvedRun(cfg=dataclasses.replace(cfg, out=str(out)), mesh=routing.mesh, routing=routing, source=source,
-                     sharding=sharding, total_steps=100, eval_every=23, out=out, run_name="r-1", resume=None,
-                     predicted=None, t_start=time.perf_counter())
+        return ResolvedRun(cfg=dataclasses.replace(cfg, out=str(out)), mesh=routing.mesh, routing=routing,
+                           source=source, sharding=sharding, total_steps=100, eval_every=23, out=out,
+                           run_name="r-1", resume=None, predicted=None, t_start=time.perf_counter())
     return make
 
 
@@ -204,7 +212,8 @@ def test_interrupted_run_keeps_its_metrics_and_says_so(setup_of, tmp_path, error
     the folder stays, with config.json, the 17 steps' metrics and a summary saying it was interrupted."""
     out, handler = tmp_path / "r", signal.getsignal(signal.SIGTERM)
     lines = stop_after(setup_of(out), 17, error)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.parquet", "summary.json", "tensorboard"], lines
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.parquet", "summary.json",
+                                                     "tensorboard"], lines
     assert [r["step"] for r in pq.read_table(out / "metrics.parquet").to_pylist()] == list(range(17))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["steps_done"] == 17 and summary["steps"] == 100
@@ -228,10 +237,12 @@ def test_failed_run_keeps_the_results_it_wrote(setup_of, tmp_path):
     """A failure after metrics.parquet was written (an evaluation): kept, brought up to the last step,
     and the summary says the run failed and why."""
     out = tmp_path / "r"
-    stop_after(setup_of(out), 30, FloatingPointError("loss is nan at step 29: lower --lr (now 0.1)"), on_disk=True)
+    stop_after(setup_of(out), 30, FloatingPointError("loss is nan at step 29: lower --lr (now 0.1)"),
+               on_disk=True)
     assert len(pq.read_table(out / "metrics.parquet").to_pylist()) == 30
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["steps_done"] == 30 and summary["error"].startswith("loss is nan")
+    assert summary["status"] == "failed" and summary["steps_done"] == 30 and summary["error"].startswith(
+        "loss is nan")
 
 
 def test_end_line_gives_the_whole_run_from_its_origin():
