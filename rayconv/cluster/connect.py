@@ -37,6 +37,9 @@ def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] 
     process was connected already: the connection is kept, and a cluster it started runs until the
     process exits, Ray's own atexit), "connected" or "started" (a local cluster of this process)."""
     if ray.is_initialized():
+        if address and address not in ("auto", "local") and not address.startswith("ray://") \
+                and address != _gcs_address():
+            probe(address)   # (an --address where no Ray answers is refused, connected or not)
         _HOW["last"] = "reused"
         return "reused"
     found, source = find_cluster(address)
