@@ -130,9 +130,9 @@ class Actor(ActorLifecycle):
 
     def evaluate(self, ema: bool = False, split: str = "test") -> dict[str, Any]:
         """Loss sum (unsmoothed cross entropy) and correct counts over this replica's share of the
-        held-out set (each sample once; ``split`` "val": --val-split's images); ``ema``: of the moving average's weights (--model-ema; the
-        model's own are restored after, ``state.weights``). Raises RuntimeError for ``ema`` without
-        --model-ema."""
+        held-out set (each sample once; ``split`` "val": --val-split's images); ``ema``: of the moving
+        average's weights (--model-ema; the model's own are restored after, ``state.weights``). Raises
+        RuntimeError for ``ema`` without --model-ema."""
         with self.code.state.weights(self.a, ema):
             return self.code.step.evaluate(self.a, split)
 

@@ -36,7 +36,8 @@ from rayconv.parallel.pipeline.runner import Chunk, StageRunner
 from rayconv.parallel.pipeline.schedules import Action
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.float32, "fp16": torch.float32, "fp64": torch.float64}
-AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --precision -> autocast dtype (parameters float32)
+# --precision -> autocast dtype (parameters float32)
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -95,12 +96,15 @@ class ActorState:
     last_start: Optional[float] = None
     last_return: Optional[float] = None
     comm_bytes: int = 0
-    gauges_at: Optional[float] = None  # perf_counter seconds when the gauges were last set (``report.report_gauges``)
-    train_mode: bool = False  # the part was last put in training mode (``part.train()``) by a step, not an evaluation
+    # perf_counter seconds when the gauges were last set (``report.report_gauges``)
+    gauges_at: Optional[float] = None
+    # the part was last put in training mode (``part.train()``) by a step, not an evaluation
+    train_mode: bool = False
     full_batch: tuple[int, ...] = ()  # per-replica sizes of a full global batch (a captured step's key)
     shapes_fixed: bool = False  # compiled segments compile no new shape (``segments.fix_shapes``)
     data_decode: Optional[dict[str, Any]] = None  # the one-time decode of data held on the device
-    # the whole model's state_dict keys and shapes as built (``outputs.export.state_keys``): the export's check
+    # the whole model's state_dict keys and shapes as built (``outputs.export.state_keys``): the export's
+    # check
     model_keys: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
     # seconds from the build's start to its model built (on the device), its optimizer built and its data
     # on the device, and the whole build's (``setup``, set by the caller): the run's start-up record
@@ -147,7 +151,8 @@ def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, r
                            autocast=autocast)
     is_last = stage == mesh.pp - 1
     batches = Batches(source, sharding, mesh, coord, device, input_dtype, parallel.sharded.batch_gather,
-                      mix=(cfg.mixup_alpha, cfg.cutmix_alpha), epochs=run_epochs(cfg, sharding.steps_per_epoch))
+                      mix=(cfg.mixup_alpha, cfg.cutmix_alpha),
+                      epochs=run_epochs(cfg, sharding.steps_per_epoch))
     recipe = RecipeStep(cfg, parallel, optimizer, groups, coord, per_layer, device, sharding.steps_per_epoch)
     # Data held on the device (--data-on-device) is decoded here, by the first stage (which reads
     # images), so that the decode is not inside the first timed step.
@@ -157,8 +162,8 @@ def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, r
         source.load(device)  # (the images held on the device: copied now, not in the first step)
     data_s = time.perf_counter() - t0
     return ActorState(
-        cfg=cfg, run_name=run_name, role=role, rank=rank, routing=routing, mesh=mesh, coord=coord, device=device,
-        groups=groups, source=source, batches=batches, parallel=parallel, part=part, sync=sync,
+        cfg=cfg, run_name=run_name, role=role, rank=rank, routing=routing, mesh=mesh, coord=coord,
+        device=device, groups=groups, source=source, batches=batches, parallel=parallel, part=part, sync=sync,
         per_layer=per_layer, dtype=dtype, autocast=autocast, input_dtype=input_dtype, optimizer=optimizer,
         recipe=recipe, compiled=compiled, cuda_graphs=cuda_graphs, step_graph=step_graph, lr_t=lr_t,
         runner=runner, program=routing.schedule.programs[stage], p2p_posts=p2p_posts(routing.schedule, stage),
@@ -197,7 +202,9 @@ def set_up_cuda_libraries(device: torch.device, precision: Optional[str]) -> boo
     F = torch.nn.functional
     try:
         dtype = AUTOCAST.get(precision or "")
-        x = torch.zeros(2, 8, 8, 8, device=device, requires_grad=True).contiguous(memory_format=torch.channels_last)
+        x = torch.zeros(2, 8, 8, 8, device=device, requires_grad=True).contiguous(
+            memory_format=torch.channels_last
+        )
         w = torch.zeros(8, 8, 3, 3, device=device, requires_grad=True)
         scale, shift = (torch.ones(8, device=device, requires_grad=True),
                         torch.zeros(8, device=device, requires_grad=True))
@@ -247,16 +254,21 @@ def _stage_runner(*, routing: Routing, mesh: Mesh, coord: Coord, groups: comm.Gr
     # Compiled segments end at the gradient bucket size, so all-reduce overlaps the backward pass.
     limit = sync.bucket_bytes if sync.group is not None else None
     virtual, last_v = routing.virtual_stages(stage), mesh.pp * routing.schedule.num_chunks - 1
-    widths = [len(part)] if len(virtual) == 1 else [routing.stages[v][1] - routing.stages[v][0] for v in virtual]
+    widths = [len(part)] if len(virtual) == 1 else [routing.stages[v][1] - routing.stages[v][0]
+                                                    for v in virtual]
     chunks, offset = [], 0
     for v, n in zip(virtual, widths):
         seq = part[offset:offset + n]
         offset += n
-        chunks.append(Chunk(compile_part(seq, limit) if compiled else seq,
-                            prev=pp_ranks[(v - 1) % mesh.pp] if v > 0 else None,
-                            next=pp_ranks[(v + 1) % mesh.pp] if v < last_v else None,
-                            in_shape=_local(routing.stage_in_shape(v), parallel.in_sizes, fs_index),
-                            out_shape=_local(routing.stage_out_shape(v), parallel.sharded.out_sizes, fs_index)))
+        chunks.append(
+            Chunk(
+                compile_part(seq, limit) if compiled else seq,
+                prev=pp_ranks[(v - 1) % mesh.pp] if v > 0 else None,
+                next=pp_ranks[(v + 1) % mesh.pp] if v < last_v else None,
+                in_shape=_local(routing.stage_in_shape(v), parallel.in_sizes, fs_index),
+                out_shape=_local(routing.stage_out_shape(v), parallel.sharded.out_sizes, fs_index),
+            )
+        )
     wire = autocast or dtype  # activations and their gradients: bf16/fp16 under autocast
     return StageRunner(chunks, groups.axis["pp"], wire_dtype=wire, device=device, autocast=autocast)
 
@@ -265,11 +277,11 @@ def _graphable(cfg) -> bool:
     """Whether this run's step can be captured as a CUDA graph. AdamW and float16 loss scaling run
     eagerly: the captured update is SGD's (``cuda_graph.sgd_step``), and skipping a step on overflow
     is a decision on the host. Raises ConfigError for ``--cuda-graphs on`` with either."""
-    eager = [flag for flag, on in (("--opt adamw", cfg.opt == "adamw"), ("--precision fp16", cfg.precision == "fp16"))
-             if on]
+    eager = [flag for flag, on in (("--opt adamw", cfg.opt == "adamw"),
+                                   ("--precision fp16", cfg.precision == "fp16")) if on]
     if eager and cfg.cuda_graphs == "on":
-        raise ConfigError(f"--cuda-graphs on does not combine with {' and '.join(eager)} (those steps run eagerly): "
-                          "use --cuda-graphs auto or off")
+        raise ConfigError(f"--cuda-graphs on does not combine with {' and '.join(eager)} (those steps run "
+                          "eagerly): use --cuda-graphs auto or off")
     return not eager
 
 

@@ -47,7 +47,8 @@ def base_config(args, model: str, layout: Layout, global_batch: int) -> Config:
                               precision=args.precision, device=args.device, address=args.address,
                               progress=False, lr=0.01, compile=args.compile,
                               cuda_graphs=args.cuda_graphs, all_gpus_visible=args.all_gpus_visible,
-                              cudnn_benchmark="on",  # (steady images/s: cuDNN's timed choice, as the anchors')
+                              # (steady images/s: cuDNN's timed choice, as the anchors')
+                              cudnn_benchmark="on",
                               epochs=BENCH_EPOCHS)
     kw.update(layout.to_config_fields())
     return Config(**kw).validate()
@@ -68,7 +69,8 @@ class _Calls:
         return self.actor_group.call(method, *args, timeout_s=self.limit)
 
 
-WARMUP_EPOCH_MAX = 1000   # the warm-up runs through the first epochs' partial batches for epochs of at most this many steps
+# the warm-up runs through the first epochs' partial batches for epochs of at most this many steps
+WARMUP_EPOCH_MAX = 1000
 
 
 def warmup_steps(warmup: int, sharding, graphs: bool = False) -> int:
@@ -99,7 +101,8 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
     started = time.monotonic()  # the row's to_first_step_s: from here to warm-up step 0 done
     cfg, mesh, _, routing, sharding = resolve_on_cluster(cfg)  # cfg resolved against the cluster (device, dp)
     limit = call_timeout_s if call_timeout_s is not None else default_call_timeout_s(cfg)
-    actor_group, reports = launch(cfg, mesh, routing, sharding, f"bench-{os.getpid()}-{time.monotonic_ns() % 10**9}")
+    actor_group, reports = launch(cfg, mesh, routing, sharding,
+                                  f"bench-{os.getpid()}-{time.monotonic_ns() % 10**9}")
     calls = _Calls(actor_group, cfg.lr, limit)
     warmup = warmup_steps(warmup, sharding, graphs=bool(reports[0].get("cuda_graphs")))
     try:
@@ -110,9 +113,11 @@ def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_
         got.update(_timed(calls, warmup, steps), warmup_steps=warmup)
         first_prof = warmup + 2 * steps
         got["prof"] = _profiled(calls, first_prof, profile_steps)
-        got["device_busy"] = _trace(calls, first_prof + profile_steps, trace_steps, trace_to) if trace_steps else None
+        got["device_busy"] = (_trace(calls, first_prof + profile_steps, trace_steps, trace_to)
+                              if trace_steps else None)
     except CallTimeout as e:
-        raise CallTimeout(f"{calls.phase}: {e}; if it is only slow, raise --call-timeout-s", recoverable=True) from e
+        raise CallTimeout(f"{calls.phase}: {e}; if it is only slow, raise --call-timeout-s",
+                          recoverable=True) from e
     except ClusterError as e:
         raise ClusterError(f"{calls.phase}: {e}", recoverable=e.recoverable) from e
     finally:
@@ -156,7 +161,8 @@ def _timed(calls: _Calls, warmup: int, steps: int) -> dict[str, Any]:
     in_actor_s = time.perf_counter() - t1
     # Peak memory of the timed steps (the profiled ones run eagerly, outside any CUDA graph).
     memory = calls.call("memory report", Actor.memory)
-    gaps = np.diff([t0] + done_at)   # (each step's collect after the one before: the driver loop's step times)
+    # (each step's collect after the one before: the driver loop's step times)
+    gaps = np.diff([t0] + done_at)
     return {"results": results, "elapsed": elapsed, "in_actor_s": in_actor_s, "memory": memory,
             "median_s": float(np.median(gaps)) if len(gaps) else None, "gaps_s": gaps.tolist()}
 
@@ -205,30 +211,27 @@ def _row(cfg: Config, mesh, routing, reports: list[dict], steps: int, got: dict[
     known = sent and all(b is not None for b in sent)
     peaks = [m["peak_gib"] for m in got["memory"]]
     stall = _mean(stalls)
-    return {
-        "images_per_s": cfg.global_batch_size * steps / elapsed, "step_ms": step_ms,
-        "step_ms_median": None if got.get("median_s") is None else got["median_s"] * 1e3,
-        "timed_step_ms": json.dumps([round(g * 1e3, 3) for g in got.get("gaps_s") or []]), "warmup_s": got["warmup_s"],
-        "warmup_steps": got["warmup_steps"],
-        "first_step_s": got["first_step_s"], "to_first_step_s": got.get("to_first_step_s"),
-        "compiled": bool(reports[0].get("compiled")),
-        "cuda_graphs": bool(reports[0].get("cuda_graphs")),
-        "peak_gib_max": max(peaks) if all(p is not None for p in peaks) else None,
-        "peak_gib_per_actor": json.dumps([None if p is None else round(p, 3) for p in peaks]),
-        "params_per_actor": json.dumps([s["parameters"] for s in reports]),
-        "compute_ms": prof_mean("compute_ms"), "recv_wait_ms": prof_mean("wait_ms"),
-        "allreduce_wait_ms": prof_mean("allreduce_ms"), "exchange_exposed_ms": prof_mean("exchange_ms"),
-        "driver_idle_ms": _mean(idle), "input_stall_ms": stall,
-        "input_stall_fraction": stall / step_ms if stall is not None else None,
-        "comm_mb_per_step": max(sent) / 2**20 if known else None,
-        "comm_mb_per_step_total": sum(sent) / 2**20 if known else None,
-        "in_actor_step_ms": got["in_actor_s"] / steps * 1e3, "driver_overhead": 1 - got["in_actor_s"] / elapsed,
-        "device_busy": got["device_busy"],
-        "bubble_fraction": bubble_fraction(routing.schedule) if mesh.pp > 1 else 0.0,
-        "num_microbatches": cfg.num_microbatches, "schedule": cfg.schedule if mesh.pp > 1 else None,
-        "virtual_stages": cfg.virtual_stages, "exchange_chunks": cfg.exchange_chunks if mesh.fs > 1 else None,
-        "world_size": mesh.world_size,
-    }
+    return {"images_per_s": cfg.global_batch_size * steps / elapsed, "step_ms": step_ms,
+            "step_ms_median": None if got.get("median_s") is None else got["median_s"] * 1e3,
+            "timed_step_ms": json.dumps([round(g * 1e3, 3) for g in got.get("gaps_s") or []]),
+            "warmup_s": got["warmup_s"], "warmup_steps": got["warmup_steps"],
+            "first_step_s": got["first_step_s"], "to_first_step_s": got.get("to_first_step_s"),
+            "compiled": bool(reports[0].get("compiled")), "cuda_graphs": bool(reports[0].get("cuda_graphs")),
+            "peak_gib_max": max(peaks) if all(p is not None for p in peaks) else None,
+            "peak_gib_per_actor": json.dumps([None if p is None else round(p, 3) for p in peaks]),
+            "params_per_actor": json.dumps([s["parameters"] for s in reports]),
+            "compute_ms": prof_mean("compute_ms"), "recv_wait_ms": prof_mean("wait_ms"),
+            "allreduce_wait_ms": prof_mean("allreduce_ms"), "exchange_exposed_ms": prof_mean("exchange_ms"),
+            "driver_idle_ms": _mean(idle), "input_stall_ms": stall,
+            "input_stall_fraction": stall / step_ms if stall is not None else None,
+            "comm_mb_per_step": max(sent) / 2**20 if known else None,
+            "comm_mb_per_step_total": sum(sent) / 2**20 if known else None,
+            "in_actor_step_ms": got["in_actor_s"] / steps * 1e3,
+            "driver_overhead": 1 - got["in_actor_s"] / elapsed, "device_busy": got["device_busy"],
+            "bubble_fraction": bubble_fraction(routing.schedule) if mesh.pp > 1 else 0.0,
+            "num_microbatches": cfg.num_microbatches, "schedule": cfg.schedule if mesh.pp > 1 else None,
+            "virtual_stages": cfg.virtual_stages,
+            "exchange_chunks": cfg.exchange_chunks if mesh.fs > 1 else None, "world_size": mesh.world_size}
 
 
 __all__ = ["measure", "base_config"]

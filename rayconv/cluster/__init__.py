@@ -2,8 +2,8 @@
 and their placement group (``group``: handed the actor class, it imports none), short jobs on the
 cluster's devices (``tasks``); free slots and draining nodes (``nodes``); one call to the actors
 (``calls``); a command's actors kept on the cluster for the next command (``across``), each
-watching itself there (``watch``, imported by the actor). The face re-exports no name of a submodule (``connect`` stays the module,
-so ``rayconv.cluster.connect.connect`` is the function).
+watching itself there (``watch``, imported by the actor). The face re-exports no name of a submodule
+(``connect`` stays the module, so ``rayconv.cluster.connect.connect`` is the function).
 
 The driver, the planner and the bench reach Ray only through here. Elsewhere Ray is asked only what a
 process learns of itself or hands to Ray directly: an actor's node, IP and GPU ids

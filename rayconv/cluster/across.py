@@ -34,7 +34,8 @@ import time
 from typing import Any, Optional
 
 import ray
-from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_list, _internal_kv_put
+from ray.experimental.internal_kv import (_internal_kv_del, _internal_kv_get, _internal_kv_list,
+                                          _internal_kv_put)
 from ray.util.placement_group import get_placement_group, remove_placement_group
 
 from rayconv.cluster.connect import NAMESPACE, cluster_outlives_process, exception_summary
@@ -116,7 +117,8 @@ def pending(pg_name: str) -> None:
     """Note that this command's placement group ``pg_name`` exists before its actors do (their
     watchdogs guard it from then on: ``created`` drops the note); nothing where not ``enabled``."""
     if enabled():
-        _internal_kv_put(f"pending/{pg_name}", json.dumps({"job": current_job(), "pg": pg_name}), namespace=KV_NAMESPACE)
+        _internal_kv_put(f"pending/{pg_name}", json.dumps({"job": current_job(), "pg": pg_name}),
+                         namespace=KV_NAMESPACE)
 
 
 @_quiet(None)
@@ -152,8 +154,9 @@ def leave(group: Any, keep_s: float) -> bool:
         codes = _answers(group.submit(KeptActor.keep, group.key, keep_s, entry).refs)
         if codes is None or any(c != code_hash() for c in codes):
             return False
-        _internal_kv_put(entry, json.dumps({"key": group.key, "actors": group.names, "pg": pg_name, "info": group.info,
-                                            "kept_at": time.time(), "keep_s": keep_s}), namespace=KV_NAMESPACE)
+        _internal_kv_put(entry, json.dumps({"key": group.key, "actors": group.names, "pg": pg_name,
+                                            "info": group.info, "kept_at": time.time(),
+                                            "keep_s": keep_s}), namespace=KV_NAMESPACE)
     except Exception as e:  # noqa: BLE001 - not kept: the caller stops them
         _log.info("rayconv: actors not kept on the cluster (%s)", exception_summary(e))
         return False

@@ -133,8 +133,9 @@ class ActorGroup:
         try:
             self.info = self.collect(call, timeout_s=max(0.0, deadline - time.monotonic()))
         except CallTimeout:
-            raise ClusterError(f"the {len(self.actors)} actors did not start within {limit_s:g} s (--max-wait; "
-                               "their processes start and import torch, slowly on a loaded machine): raise --max-wait") from None
+            raise ClusterError(f"the {len(self.actors)} actors did not start within {limit_s:g} s "
+                               "(--max-wait; their processes start and import torch, slowly on a loaded "
+                               "machine): raise --max-wait") from None
 
     def __enter__(self) -> "ActorGroup":
         return self
@@ -195,12 +196,12 @@ def start_group(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, timeout
     if kept is not None:
         return kept
     pg = reserve(cfg, mesh, run_name, timeout_s)
-    return create_actors(actor_cls, cfg, mesh, run_name, pg, max(0.0, deadline - time.monotonic()), limit_s=timeout_s,
-                         wait=wait, env=env)
+    return create_actors(actor_cls, cfg, mesh, run_name, pg, max(0.0, deadline - time.monotonic()),
+                         limit_s=timeout_s, wait=wait, env=env)
 
 
-def in_given_group(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, given: tuple[Any, int], timeout_s: float,
-                   wait: bool, env: Optional[dict[str, Any]]) -> ActorGroup:
+def in_given_group(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, given: tuple[Any, int],
+                   timeout_s: float, wait: bool, env: Optional[dict[str, Any]]) -> ActorGroup:
     """The actors of a run inside a placement group it was given (``given_group``: a Tune trial's): those
     the trial's process kept from its last run there (``pool``: Tune handed the process and its placement
     group to this trial), renewed, or new ones in its bundles (see ``create_actors``)."""
@@ -210,7 +211,8 @@ def in_given_group(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, give
     if kept is not None:
         return kept
     pool.release()   # (groups kept in this placement group hold the bundles the new actors need)
-    return create_actors(actor_cls, cfg, mesh, run_name, pg, timeout_s, first_bundle=first, wait=wait, env=env)
+    return create_actors(actor_cls, cfg, mesh, run_name, pg, timeout_s, first_bundle=first, wait=wait,
+                         env=env)
 
 
 def actors_env(cfg: Config, mesh: Mesh) -> Optional[dict[str, Any]]:
@@ -237,7 +239,8 @@ def reuse_kept(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str,
     try:
         claimed = across.claim(key, mesh.world_size)
     except Exception as e:  # noqa: BLE001 - the registry unreadable: the run starts its own
-        logging.getLogger("rayconv").info("rayconv: no kept actors looked up on the cluster (%s)", exception_summary(e))
+        logging.getLogger("rayconv").info("rayconv: no kept actors looked up on the cluster (%s)",
+                                          exception_summary(e))
         return None
     if claimed is None:
         return pool.take_larger(key, group_need(cfg, mesh), cfg.to_dict(), run_name, roles)
@@ -268,9 +271,9 @@ def given_group(cfg: Config, mesh: Mesh) -> Optional[tuple[Any, int]]:
     need, first = actor_bundle(cfg), len(bundles) - mesh.world_size
     mine = bundles[max(0, first):]
     if first < 0 or any(b.get(k, 0) + 1e-9 < v for b in mine for k, v in need.items()):
-        raise ClusterError(f"this run is inside a placement group of bundles {bundles}, which does not end in "
-                           f"{mesh.world_size} x {need} (layout {mesh.describe()}): give the group one such bundle "
-                           "per actor (rayconv.tune does), or start the run outside it")
+        raise ClusterError(f"this run is inside a placement group of bundles {bundles}, which does not end "
+                           f"in {mesh.world_size} x {need} (layout {mesh.describe()}): give the group one "
+                           "such bundle per actor (rayconv.tune does), or start the run outside it")
     return pg, first
 
 
@@ -279,7 +282,8 @@ def reserve(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float) -> Any:
     seconds; detached where its actors may be kept on the cluster for the next command (``across``).
     Raises ClusterError (nothing stays reserved)."""
     bundle = actor_bundle(cfg)
-    # (groups a previous run kept, not the ones this run needs: stopped where this run does not fit beside them)
+    # (groups a previous run kept, not the ones this run needs: stopped where this run does not fit beside
+    # them)
     pool.make_room(group_need(cfg, mesh))
     across.sweep()   # (placement groups of commands that died before their actors existed)
     name = f"rayconv/{run_name}"
@@ -292,7 +296,8 @@ def reserve(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float) -> Any:
         raise ClusterError(f"Ray refused the placement group of run {run_name}: {first_line(e)}") from None
     try:
         ready = pg.ready()
-        if pool.kept_group() is not None and not ray.wait([ready], timeout=min(timeout_s, across.KEPT_WAIT_S))[0]:
+        if (pool.kept_group() is not None
+                and not ray.wait([ready], timeout=min(timeout_s, across.KEPT_WAIT_S))[0]):
             pool.release()   # (kept groups that the free resources seemed to leave room beside: a node's)
         # actors kept on the cluster for another command hold resources: stopped when this one waits
         across.make_room(ready, timeout_s)
@@ -301,11 +306,12 @@ def reserve(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float) -> Any:
         ActorGroup([], [], pg, []).kill()  # removes the placement group
         across.created(name)
         if isinstance(e, ray.exceptions.GetTimeoutError):
-            raise ClusterError(f"could not reserve {mesh.world_size} x {bundle} within {timeout_s:g} s (--max-wait): "
-                               "the cluster is busy or too small; free resources, lower the layout or raise "
-                               "--max-wait") from None
+            raise ClusterError(f"could not reserve {mesh.world_size} x {bundle} within {timeout_s:g} s "
+                               "(--max-wait): the cluster is busy or too small; free resources, lower the "
+                               "layout or raise --max-wait") from None
         if isinstance(e, ray.exceptions.RayError):
-            raise ClusterError(f"Ray could not reserve resources for run {run_name}: {first_line(e)}") from None
+            raise ClusterError(
+                f"Ray could not reserve resources for run {run_name}: {first_line(e)}") from None
         raise
     return pg
 
@@ -342,7 +348,8 @@ def create_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: A
             actors.append(remote.options(
                 name=names[rank], namespace=NAMESPACE, num_cpus=bundle["CPU"],
                 num_gpus=bundle["GPU"] if gpu else 0, max_restarts=0, runtime_env=env,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b), **options,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
+                **options,
             ).remote(cfg.to_dict(), run_name, role, **kwargs))
             roles.append(role)
     except BaseException as e:
@@ -354,8 +361,9 @@ def create_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: A
     finally:
         if owns:
             across.created(f"rayconv/{run_name}")
-    actor_group = ActorGroup(actors, roles, pg, [], first_bundle, owns, names=names,
-                             key=pool.actors_key(actor_cls, mesh.world_size, bundle, env, None if owns else pg.id.hex()))
+    actor_group = ActorGroup(
+        actors, roles, pg, [], first_bundle, owns, names=names,
+        key=pool.actors_key(actor_cls, mesh.world_size, bundle, env, None if owns else pg.id.hex()))
     actor_group.starting = (actor_group.submit(pool.KeptActor.whereami), deadline, limit_s or timeout_s)
     if wait:
         actor_group.wait_started()
@@ -373,6 +381,7 @@ def _wait_names_free(names: list[str], timeout_s: float) -> None:
             except ValueError:
                 break
             if time.monotonic() > deadline:
-                raise ClusterError(f"an actor named {name} is still alive after {timeout_s:g} s (--max-wait): "
-                                   "the actors of a previous attempt of this run did not stop in time")
+                raise ClusterError(f"an actor named {name} is still alive after {timeout_s:g} s "
+                                   "(--max-wait): the actors of a previous attempt of this run did not stop "
+                                   "in time")
             time.sleep(0.2)

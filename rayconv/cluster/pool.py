@@ -74,8 +74,8 @@ def actors_key(actor_cls: type, world_size: int, bundle: dict[str, float], env: 
     have been started by another command, from another checkout); and ``given_pg``, the id of the
     placement group they were started in when it is not the run's own (a Tune trial's: the next trial
     that Tune runs in the same process and placement group takes them)."""
-    return json.dumps([f"{actor_cls.__module__}.{actor_cls.__qualname__}", world_size, sorted(bundle.items()), env,
-                       code_hash(), given_pg], sort_keys=True, default=str)
+    return json.dumps([f"{actor_cls.__module__}.{actor_cls.__qualname__}", world_size,
+                       sorted(bundle.items()), env, code_hash(), given_pg], sort_keys=True, default=str)
 
 
 def _cluster() -> Optional[str]:
@@ -219,7 +219,8 @@ def renew(group: Any, cfg_dict: dict[str, Any], run_name: str, roles: list[str])
     except Exception as e:  # noqa: BLE001 - the group is stopped (collect kills it); the run starts its own
         import logging
 
-        logging.getLogger("rayconv").info("kept actors did not renew (%s): starting new ones", exception_summary(e))
+        logging.getLogger("rayconv").info("kept actors did not renew (%s): starting new ones",
+                                          exception_summary(e))
         group.kill()
         return False
     group.roles, group.reused = list(roles), True

@@ -146,7 +146,8 @@ class LayoutChanges:
 
 
 PHASE_WORDS = {"devices_free": "stopped, devices free", "actors_alive": "actors started",
-               "actors_set_up": "set up", "checkpoint_loaded": "checkpoint loaded", "first_step": "first step"}
+               "actors_set_up": "set up", "checkpoint_loaded": "checkpoint loaded",
+               "first_step": "first step"}
 
 
 def phase_words(phases: dict[str, float]) -> str:

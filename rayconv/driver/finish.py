@@ -51,7 +51,8 @@ def done_line(summary: dict[str, Any], out: Place) -> str:
     run has none: no step timed, no evaluation), wall time (from the run's checks, and from the command
     where the start-up clock says), the output folder."""
     st = summary.get("startup") or {}
-    since = f", ended {st['ended']:.1f} s {after(st.get('origin', ''))}" if st.get("ended") is not None else ""
+    since = (f", ended {st['ended']:.1f} s {after(st.get('origin', ''))}" if st.get("ended") is not None
+             else "")
     return (f"done: train loss {_fmt(summary['final_train_loss'], '.4f')}, test accuracy "
             f"{_fmt(summary['test_accuracy'], '.4f')}, {_fmt(summary['images_per_s'], '.0f')} images/s, "
             f"run {summary['wall_time_s']:.1f} s{since} -> {out}")
@@ -86,14 +87,16 @@ def held_decode(setups: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     if not held:
         return None
     slowest = max(held, key=lambda d: d["decode_s"])
-    return {"decode_s": slowest["decode_s"], "decoded_images": slowest["images"], "decode_workers": slowest["workers"]}
+    return {"decode_s": slowest["decode_s"], "decoded_images": slowest["images"],
+            "decode_workers": slowest["workers"]}
 
 
 def summarize(run: Run, memory: list[dict[str, Any]], status: str = "finished") -> dict[str, Any]:
     """summary.json: ``status`` (finished, interrupted or failed) and ``steps_done`` (the steps trained,
     of ``steps``), the layout, the final loss and test figures (``ema_test_accuracy`` of the moving
     average, null without --model-ema), images/s, input stall, times, the time to --target-accuracy
-    (``driver.target``), the weights it started from (``init``; ``evaluate_only``), and per actor its setup report and peak memory (``memory``: one per rank)."""
+    (``driver.target``), the weights it started from (``init``; ``evaluate_only``), and per actor its setup
+    report and peak memory (``memory``: one per rank)."""
     cfg, s, mesh = run.cfg, run.resolved, run.resolved.mesh
     train_rows = [row for row in run.metrics.rows if row["kind"] == "train"]
     stall_ms = sum(x.get("input_stall_ms") or 0.0 for x in train_rows)
@@ -129,7 +132,8 @@ def summarize(run: Run, memory: list[dict[str, Any]], status: str = "finished") 
                     **(held_decode(run.actor_reports) or {})},
         **run.target.summary(run.wall),
         "run_name": s.run_name, "out": describe(s.out),   # (a URI as given: none carries a secret)
-        "resumed_from": str(s.resume.path) if s.resume is not None else None, "failures_recovered": run.failures,
+        "resumed_from": str(s.resume.path) if s.resume is not None else None,
+        "failures_recovered": run.failures,
         "layout_changes": run.layout_changes,   # --elastic: step, from, to, why, seconds_lost, steps_redone
         "actors": [{**report, **m} for report, m in zip(run.actor_reports, memory)],
     }
@@ -141,10 +145,10 @@ def summarize(run: Run, memory: list[dict[str, Any]], status: str = "finished") 
 def record_stop(run: Run, e: BaseException) -> None:
     """A run stopped by ``e`` before its end: its ``metrics.parquet`` (every step so far) and a
     ``summary.json`` whose ``status`` is ``interrupted`` (KeyboardInterrupt: Ctrl-C, or SIGTERM under
-    ``signals.sigterm_as_interrupt``; ``signal`` says which; a caller's ``RunStopped``: ``stopped_by``) or ``failed`` (with ``error``), once this
-    process trained a step; a failure only into a folder that already holds results (metrics.parquet
-    or a checkpoint), which ``writing_into`` keeps. What it cannot write is said, not raised: ``e``
-    is what the caller reports."""
+    ``signals.sigterm_as_interrupt``; ``signal`` says which; a caller's ``RunStopped``: ``stopped_by``) or
+    ``failed`` (with ``error``), once this process trained a step; a failure only into a folder that already
+    holds results (metrics.parquet or a checkpoint), which ``writing_into`` keeps. What it cannot write is
+    said, not raised: ``e`` is what the caller reports."""
     out, interrupted = run.resolved.out, isinstance(e, KeyboardInterrupt)
     if not run.wall or not (interrupted or (out / "metrics.parquet").exists() or list_checkpoints(out)):
         return

@@ -242,8 +242,8 @@ def kept_after(run: Run, actor_group: ActorGroup, summary: dict[str, Any]) -> di
     if across.enabled():
         n = len(actor_group.actors)
         if across.leave(actor_group, run.cfg.keep_actors_s):
-            run.log(f"rayconv: {n} actors stay on the cluster for {run.cfg.keep_actors_s:g} s, for the next command "
-                    "that needs them (--keep-actors-s 0: stopped at the end instead)")
+            run.log(f"rayconv: {n} actors stay on the cluster for {run.cfg.keep_actors_s:g} s, for the next "
+                    "command that needs them (--keep-actors-s 0: stopped at the end instead)")
     else:
         pool.keep(actor_group, actor_group.key, run.cfg.keep_actors_s)
     return summary
@@ -308,9 +308,9 @@ def build_actors(actor_group: ActorGroup, mesh: Mesh, routing: Routing, sharding
 
 def launch(cfg: Config, mesh: Mesh, routing: Routing, sharding: Sharding, run_name: str,
            timeout_s: float = 120.0) -> tuple[ActorGroup, list[dict[str, Any]]]:
-    """Start the actors of ``cfg`` (resolved, with mesh, routing and sharding as ``resolve.resolve_on_cluster`` returns
-    them) and set them up, for a caller with its own step loop (the bench). Returns (actor_group, setup
-    reports). Raises ClusterError."""
+    """Start the actors of ``cfg`` (resolved, with mesh, routing and sharding as
+    ``resolve.resolve_on_cluster`` returns them) and set them up, for a caller with its own step loop (the
+    bench). Returns (actor_group, setup reports). Raises ClusterError."""
     actor_group = start_group(Actor, cfg, mesh, run_name, timeout_s=timeout_s)
     try:
         return actor_group, build_actors(actor_group, mesh, routing, sharding, call_timeout_s(cfg))

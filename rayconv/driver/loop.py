@@ -122,7 +122,8 @@ class Run:
         return done % self.resolved.eval_every == 0 or done == self.resolved.total_steps
 
     def checkpoint_due(self, done: int) -> bool:
-        """Whether a checkpoint follows once ``done`` steps are done: every --checkpoint-every, and the last."""
+        """Whether a checkpoint follows once ``done`` steps are done: every --checkpoint-every, and the
+        last."""
         every = self.cfg.checkpoint_every
         return bool(every) and (done % every == 0 or done == self.resolved.total_steps)
 
@@ -186,7 +187,8 @@ def train(run: Run, actor_group: ActorGroup, start: int) -> Decision:
 
 
 def _submit(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) -> Pending:
-    att.lrs[step] = learning_rate(run.cfg, step, run.resolved.total_steps, run.resolved.sharding.steps_per_epoch)
+    att.lrs[step] = learning_rate(run.cfg, step, run.resolved.total_steps,
+                                  run.resolved.sharding.steps_per_epoch)
     return actor_group.submit(Actor.train_step, step, att.lrs[step])
 
 
@@ -213,12 +215,14 @@ def _record(run: Run, att: _Attempt, results: list) -> None:
     run.metrics.add(kind="train", step=k, epoch=epoch, loss=r["loss"], lr=att.lrs.pop(k),
                     images_per_s=count / max(1e-9, step_ms / 1e3), step_ms=step_ms, input_stall_ms=stall,
                     input_stall_fraction=None if stall is None else stall / max(1e-9, step_ms),
-                    time_s=run.train_s + now - att.t_train, loss_scale=r["loss_scale"], layout=run.layout_name)
+                    time_s=run.train_s + now - att.t_train, loss_scale=r["loss_scale"],
+                    layout=run.layout_name)
     run.changes.settle(run.log)   # (a layout change's first step done: its line and row)
     if att.drain is not None and run.preempted is None:
         run.preempted = att.drain.draining()
     if run.cfg.metrics:
-        actor_gauges(run.resolved.run_name, "driver", images_per_s=ips, step_ms=step_ms, loss=r["loss"], step=k)
+        actor_gauges(run.resolved.run_name, "driver", images_per_s=ips, step_ms=step_ms, loss=r["loss"],
+                     step=k)
     if not math.isfinite(r["loss"]):
         raise FloatingPointError(f"loss is {r['loss']} at step {k}: lower --lr (now {run.cfg.lr})")
     att.progress.step(k, epoch, r["loss"], run.metrics.rows[-1]["lr"], ips, run.last_eval)
@@ -270,7 +274,8 @@ def _evaluation(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) -> 
     run.last_eval = ev
     metric = selection_metric(cfg)
     since = time.monotonic() - run.startup.origin
-    if run.target.update(step, ev.get(metric), time.perf_counter() - s.t_start, train_seconds(run.wall, step), since):
+    if run.target.update(step, ev.get(metric), time.perf_counter() - s.t_start, train_seconds(run.wall, step),
+                         since):
         run.log(f"rayconv: {metric.replace('_', ' ')} {ev[metric]:.4f} reached --target-accuracy "
                 f"{run.target.accuracy:g} after step {step}: {run.target.wall_s:.1f} s from the start, "
                 f"{run.target.train_s:.1f} s of training")
@@ -278,7 +283,8 @@ def _evaluation(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) -> 
         write_best(s.out, step, float(ev["val_accuracy"]), lambda path: export(run, actor_group, path))
         run.best = Best(step, ev["val_accuracy"])
     run.metrics.add(kind="eval", step=step, epoch=step // s.sharding.steps_per_epoch,
-                    time_s=run.train_s + time.perf_counter() - att.t_train, layout=run.layout_name, **run.last_eval)
+                    time_s=run.train_s + time.perf_counter() - att.t_train, layout=run.layout_name,
+                    **run.last_eval)
     att.progress.evaluation(step, run.metrics.last("train", "loss"), run.last_eval)
     if run.on_eval is not None:
         run.on_eval({**run.metrics.rows[-1], "train_loss": run.metrics.last("train", "loss")}, s.total_steps)
@@ -310,9 +316,10 @@ def eval_figures(res: list[dict[str, Any]], split: str = "test") -> dict[str, Op
     ``test_error`` for the test split)."""
     n = sum(r["samples"] for r in res)
     correct = sum(r["correct"] for r in res)
-    top5 = None if any(r.get("correct5") is None for r in res) else sum(r["correct5"] for r in res) / max(1, n)
-    out = {f"{split}_loss": sum(r["loss_sum"] for r in res) / max(1, n), f"{split}_accuracy": correct / max(1, n),
-           f"{split}_top5_accuracy": top5}
+    top5 = (None if any(r.get("correct5") is None for r in res)
+            else sum(r["correct5"] for r in res) / max(1, n))
+    out = {f"{split}_loss": sum(r["loss_sum"] for r in res) / max(1, n),
+           f"{split}_accuracy": correct / max(1, n), f"{split}_top5_accuracy": top5}
     if split == "test":
         out["test_error"] = 1.0 - correct / max(1, n)
     return out
@@ -371,8 +378,9 @@ def _manifest(run: Run, step: int) -> dict[str, Any]:
                  "steps_per_epoch": s.sharding.steps_per_epoch, "seed": cfg.seed,
                  "global_batch_size": cfg.global_batch_size},
         "lr_schedule": {"schedule": cfg.lr_schedule, "lr": cfg.lr, "peak_lr": peak_lr(cfg),
-                        "warmup_steps": warmup_steps(cfg, s.sharding.steps_per_epoch), "total_steps": s.total_steps,
-                        "next_step": step, "next_lr": learning_rate(cfg, step, s.total_steps, s.sharding.steps_per_epoch)
+                        "warmup_steps": warmup_steps(cfg, s.sharding.steps_per_epoch),
+                        "total_steps": s.total_steps, "next_step": step,
+                        "next_lr": learning_rate(cfg, step, s.total_steps, s.sharding.steps_per_epoch)
                         if step < s.total_steps else None},
         "config": s.saved_config().to_dict(),
         "written": datetime.now().isoformat(timespec="seconds"),

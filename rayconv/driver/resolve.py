@@ -8,8 +8,9 @@ the learning-rate warm-up against the run's length, the layout against the model
 against the run) come before Ray too when nothing is to start meanwhile (``resolve_on_cluster``
 without ``on_layout``); a run (``resolve_run`` with ``on_layout``) first connects Ray and resolves the
 device and ``dp``, has its actors started (``driver.early``: their processes import torch meanwhile),
-then checks. Then the routing (``parallel.routing.make_routing``) is built for the resolved mesh. Each resolution makes a new, validated ``Config`` (``dataclasses.replace``); the result
-is one frozen ``ResolvedRun`` that the loop, the checkpoints and the summary read.
+then checks. Then the routing (``parallel.routing.make_routing``) is built for the resolved mesh. Each
+resolution makes a new, validated ``Config`` (``dataclasses.replace``); the result is one frozen
+``ResolvedRun`` that the loop, the checkpoints and the summary read.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from rayconv.driver.prestart import (check_output_folder, connect_run, new_run_n
                                      resolve_layout, with_output_folder)
 
 from rayconv import startup
-from rayconv.choices import CUDNN_BENCHMARK_MIN_STEPS  # --cudnn-benchmark auto: on for runs at least this long
+# --cudnn-benchmark auto: on for runs at least this long
+from rayconv.choices import CUDNN_BENCHMARK_MIN_STEPS
 from rayconv.errors import CheckpointError, ClusterError, ConfigError, LayoutError
 from rayconv.mesh import Mesh
 from rayconv.model_names import is_torchvision_model
@@ -119,9 +121,10 @@ def resolve_run(cfg: Config, log=print, on_layout=None, run_name: Optional[str] 
     cfg, mesh, source, routing, sharding = resolve_on_cluster(cfg, log, resume, on_layout=started)
     steps = total_steps(cfg, sharding.steps_per_epoch)
     cfg = with_cudnn_benchmark(cfg, steps)
-    return ResolvedRun(cfg=cfg, mesh=mesh, routing=routing, source=source, sharding=sharding, total_steps=steps,
-                 eval_every=cfg.eval_every or sharding.steps_per_epoch, out=out, run_name=run_name,
-                 resume=resume, predicted=predicted, t_start=t_start, data_dir=data_dir)
+    return ResolvedRun(cfg=cfg, mesh=mesh, routing=routing, source=source, sharding=sharding,
+                       total_steps=steps, eval_every=cfg.eval_every or sharding.steps_per_epoch, out=out,
+                       run_name=run_name, resume=resume, predicted=predicted, t_start=t_start,
+                       data_dir=data_dir)
 
 
 def check_named(cfg: Config, resume: Optional[Checkpoint]) -> None:
@@ -246,24 +249,26 @@ class WarmCheck:
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             if not self.kept:
                 raise ActorCheckLost() from None
-            raise ClusterError(f"the kept actor checking --model {cfg.model} was lost or stuck ({type(e).__name__}): "
-                               "run again (new actors start)", recoverable=True) from None
+            raise ClusterError(f"the kept actor checking --model {cfg.model} was lost or stuck "
+                               f"({type(e).__name__}): run again (new actors start)",
+                               recoverable=True) from None
 
 
 def check_before_ray(cfg: Config, resume: Optional[Checkpoint], warm: Optional[WarmCheck] = None
                      ) -> tuple[Source, Sharding, Any, Routing]:
     """The checks that need no cluster; returns (source, its train sharding over ``dp`` as given or 1,
-    the whole model as one device runs it (or ``warm``, which checks and routes it in one of the run's actors),
-    the routing for that ``dp``). Raises ConfigError / DataError / LayoutError / CheckpointError."""
+    the whole model as one device runs it (or ``warm``, which checks and routes it in one of the run's
+    actors), the routing for that ``dp``). Raises ConfigError / DataError / LayoutError / CheckpointError."""
     if is_user_model(cfg.model):
         resolve(cfg.model)  # the module and function found: raises ConfigError before the data is read
     elif warm is None and is_torchvision_model(cfg.model) and cfg.model not in model_names():
-        build_model(cfg.model, 1)  # raises ConfigError naming --model, before the data is read (torchvision imported)
+        # raises ConfigError naming --model, before the data is read (torchvision imported)
+        build_model(cfg.model, 1)
     if cfg.dp is not None:
         memory_check(cfg)  # --max-memory-gib: refused before Ray starts
     source = check_source(cfg)   # (a set in a bucket: its manifest alone, no shard fetched here)
-    sharding = Sharding(source.train_size, cfg.global_batch_size, cfg.dp or 1, cfg.seed, make_order(cfg, source),
-                        val_split=cfg.val_split)
+    sharding = Sharding(source.train_size, cfg.global_batch_size, cfg.dp or 1, cfg.seed,
+                        make_order(cfg, source), val_split=cfg.val_split)
     sharding.val_indices()  # (raises ConfigError for a --val-split that holds out no image)
     check_schedule(cfg, sharding.steps_per_epoch)
     if resume is not None:
@@ -273,7 +278,8 @@ def check_before_ray(cfg: Config, resume: Optional[Checkpoint], warm: Optional[W
     if warm is not None:
         try:
             reference, routing = warm.with_data(*data), warm.routing(cfg, mesh)
-            startup.mark("model_checked")   # (the wait for the actor's imports, apart from the driver's own checks)
+            # (the wait for the actor's imports, apart from the driver's own checks)
+            startup.mark("model_checked")
         except ActorCheckLost:
             warm = None
     if warm is None:
@@ -282,7 +288,8 @@ def check_before_ray(cfg: Config, resume: Optional[Checkpoint], warm: Optional[W
     if clock is not None:
         clock.model_check = "driver" if warm is None else warm.who
     if resume is not None:  # (a resumed run's --dp comes from its checkpoint)
-        check_resumable(resume, cfg, routing.mesh, routing.stages, source.num_classes, tuple(source.sample_shape))
+        check_resumable(resume, cfg, routing.mesh, routing.stages, source.num_classes,
+                        tuple(source.sample_shape))
     return source, sharding, reference, routing
 
 
@@ -306,7 +313,8 @@ def with_data_on_device(cfg: Config, mesh: Mesh, source: Source, log=print) -> t
     Other data: unchanged."""
     if cfg.data not in ("imagefolder", "shards"):
         return cfg, source
-    streamed = "each batch read from the raw shards, no decode" if cfg.raw_pixels else "the loader decodes each batch"
+    streamed = ("each batch read from the raw shards, no decode" if cfg.raw_pixels
+                else "the loader decodes each batch")
     if cfg.data_on_device != "auto":
         chosen = "both splits held on the device" if cfg.data_on_device == "on" else streamed
         log(f"rayconv: --data-on-device {cfg.data_on_device}: {chosen} (as given)")
@@ -359,11 +367,12 @@ def check_steps_left(resume: Checkpoint, steps: int) -> None:
     """Refuse to resume a checkpoint that has no step left to train: at or past the run's ``steps``
     (``--steps``, else ``--epochs`` x steps per epoch). Raises CheckpointError."""
     if resume.step == steps:
-        raise CheckpointError(f"--resume {resume.run_dir} is already at its last step ({resume.step} of {steps}): "
-                              "raise --steps (or --epochs) to continue it (nothing was written)")
+        raise CheckpointError(f"--resume {resume.run_dir} is already at its last step ({resume.step} of "
+                              f"{steps}): raise --steps (or --epochs) to continue it (nothing was written)")
     if resume.step > steps:
-        raise CheckpointError(f"--resume {resume.path} is at step {resume.step}, past this run's last ({steps}): "
-                              f"give --steps above {resume.step} (or more --epochs) to continue it")
+        raise CheckpointError(
+            f"--resume {resume.path} is at step {resume.step}, past this run's last ({steps}): "
+            f"give --steps above {resume.step} (or more --epochs) to continue it")
 
 
 def call_timeout_s(cfg: Config) -> float:

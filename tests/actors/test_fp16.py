@@ -35,9 +35,10 @@ STAGE1 = MESH.rank((0, 1, 0))  # replica 0's second stage
 
 
 def fp16_config(out: Path) -> Config:
-    return Config(model="convnet", data="digits", dp=2, pp=2, num_microbatches=2, global_batch_size=96, steps=STEPS,
-                  lr=0.05, precision="fp16", device="cpu", progress=False, eval_every=STEPS, checkpoint_every=3,
-                  model_ema=True, model_ema_steps=1, model_ema_decay=0.99, loader_workers=0, out=str(out)).validate()
+    return Config(model="convnet", data="digits", dp=2, pp=2, num_microbatches=2, global_batch_size=96,
+                  steps=STEPS, lr=0.05, precision="fp16", device="cpu", progress=False, eval_every=STEPS,
+                  checkpoint_every=3, model_ema=True, model_ema_steps=1, model_ema_decay=0.99,
+                  loader_workers=0, out=str(out)).validate()
 
 
 class Recorder:
@@ -105,12 +106,14 @@ def test_resume_keeps_the_scale_and_the_average(straight, tmp_path_factory):
     shutil.rmtree(branch / "checkpoints" / f"step-{STEPS}")
     for name in ("model.pt", "model_ema.pt", "summary.json"):
         (branch / name).unlink()
-    shutil.copy(branch / "checkpoints" / f"step-{STOP_AFTER + 1}" / "metrics.parquet", branch / "metrics.parquet")
+    shutil.copy(branch / "checkpoints" / f"step-{STOP_AFTER + 1}" / "metrics.parquet",
+                branch / "metrics.parquet")
     assert sorted(p.name for p in (branch / "checkpoints").iterdir()) == [f"step-{STOP_AFTER + 1}"]
     assert rank_state(branch / "checkpoints" / "step-3", 0)["loss_scale"]["scale"] == 2.0 ** 15
     assert main(["--resume", str(branch)]) == 0
     for name in ("model.pt", "model_ema.pt"):
-        assert _same(torch.load(branch / name, weights_only=True), torch.load(out / name, weights_only=True)), name
+        assert _same(torch.load(branch / name, weights_only=True),
+                     torch.load(out / name, weights_only=True)), name
     for r in range(MESH.world_size):
         got = rank_state(branch / "checkpoints" / f"step-{STEPS}", r)
         want = rank_state(out / "checkpoints" / f"step-{STEPS}", r)
@@ -121,9 +124,10 @@ def test_resume_keeps_the_scale_and_the_average(straight, tmp_path_factory):
 
 @pytest.mark.slow
 def test_resume_under_another_layout_keeps_the_scale_and_the_average(straight, tmp_path):
-    """The step-3 checkpoint (after the skipped step) continued on one actor: the rank files joined, and the loss scale's state (scale, growth tracker) and the average's
-    count arrive as the straight run holds them at its end; the parameters agree to float16 rounding
-    (float16 sums of another batch split round apart, so not bit for bit)."""
+    """The step-3 checkpoint (after the skipped step) continued on one actor: the rank files joined, and the
+    loss scale's state (scale, growth tracker) and the average's count arrive as the straight run holds them
+    at its end; the parameters agree to float16 rounding (float16 sums of another batch split round apart, so
+    not bit for bit)."""
     out, _ = straight
     resumed = tmp_path / "dp1"
     assert main(["--resume", str(out / "checkpoints" / f"step-{STOP_AFTER + 1}"), "--dp", "1", "--pp", "1",

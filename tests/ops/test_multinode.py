@@ -49,8 +49,8 @@ def test_ranks_by_node_and_fs_groups_inside_a_node(two_nodes, tmp_path):
 
 
 def test_users_model_from_a_file_trains_dp2_across_the_nodes(two_nodes, tmp_path, monkeypatch):
-    """ResNetish (tests/support/fixtures/resnetish.py) copied to a folder no worker runs in, given by a relative
-    path: each of the two actors (2 CPUs each, one per node) imports it from py_modules. Batch norm
+    """ResNetish (tests/support/fixtures/resnetish.py) copied to a folder no worker runs in, given by a
+    relative path: each of the two actors (2 CPUs each, one per node) imports it from py_modules. Batch norm
     normalises each replica's share: the reference is reference_microbatch_sgd, to 1e-10."""
     (tmp_path / "mine").mkdir()
     shutil.copy(Path(__file__).resolve().parents[1] / "support" / "fixtures" / "resnetish.py",
@@ -67,7 +67,8 @@ def _train_the_copy(tmp_path) -> None:
     seen = {}
     cfg = sgd_config(tmp_path, "users", model="mine/resnetish.py:ResNetish", dp=2, steps=2, eval_every=2,
                      num_cpus_per_actor=2, loader_workers=0)
-    summary = train_run(cfg, log=lambda *_: None, on_step=lambda actor_group, step: seen.update(info=list(actor_group.info)))
+    summary = train_run(cfg, log=lambda *_: None,
+                        on_step=lambda actor_group, step: seen.update(info=list(actor_group.info)))
     assert len({i["node_id"] for i in seen["info"]}) == 2, "one actor per node"
     want, test_loss = reference_microbatch_sgd(cfg, 2)
     assert_same_state(torch.load(tmp_path / "users" / "model.pt", weights_only=True), want, atol=1e-10)
@@ -127,7 +128,8 @@ def test_elastic_dp4_shrinks_grows_and_loses_no_step(two_nodes, tmp_path, monkey
             while done["added"].node_id not in draining_nodes() and time.monotonic() < deadline:
                 time.sleep(0.05)
             done["drained"] = True
-        elif step == 9 and "export" not in done:   # after the last step's checkpoint: the export finds it dead
+        # after the last step's checkpoint: the export finds it dead
+        elif step == 9 and "export" not in done:
             done["export"] = True
             os.kill(actor_group.info[0]["pid"], signal.SIGKILL)
 
@@ -149,14 +151,17 @@ def test_elastic_dp4_shrinks_grows_and_loses_no_step(two_nodes, tmp_path, monkey
     assert "was lost" in whys[0] and whys[1] == "actor dp1 got SIGTERM" and whys[2] == "devices came back"
     assert whys[3].endswith("is draining") and "dp0 (rank 0) was lost" in whys[4]
     assert all(c["seconds_lost"] > 0 for c in summary["layout_changes"])
-    for c in summary["layout_changes"]:   # where the seconds went: each phase done, in order, the last the step
+    # where the seconds went: each phase done, in order, the last the step
+    for c in summary["layout_changes"]:
         times = list(c["phases"].values())
         assert times == sorted(times) and c["phases"]["first_step"] == c["seconds_lost"], c
         assert {"devices_free", "actors_alive", "actors_set_up"} <= set(c["phases"]), c
     said = [x for x in lines if x.startswith("rayconv: step ") and "-> " in x]
     assert len(said) == 5 and said[0].startswith("rayconv: step 2: layout dp4 -> dp2 (actor "), said
     assert summary["layout"]["dp"] == 2 and summary["failures_recovered"] == 2
-    rows = [r for r in pq.read_table(tmp_path / "elastic" / "metrics.parquet").to_pylist() if r["kind"] == "train"]
-    assert [(r["step"], r["layout"]) for r in rows] == [(k, "dp4" if k in (0, 1, 6, 7) else "dp2") for k in range(10)]
-    assert_same_state(torch.load(tmp_path / "elastic" / "model.pt", weights_only=True), reference_sgd(cfg, 10),
-                      atol=1e-10)
+    rows = [r for r in pq.read_table(tmp_path / "elastic" / "metrics.parquet").to_pylist()
+            if r["kind"] == "train"]
+    assert [(r["step"], r["layout"]) for r in rows] == [(k, "dp4" if k in (0, 1, 6, 7) else "dp2")
+                                                        for k in range(10)]
+    assert_same_state(torch.load(tmp_path / "elastic" / "model.pt", weights_only=True),
+                      reference_sgd(cfg, 10), atol=1e-10)

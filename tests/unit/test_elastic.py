@@ -41,7 +41,8 @@ def test_elastic_refusals_are_one_line():
     Config(**base, elastic=8, checkpoint_every=2).validate()   # (dp from the cluster: checked once known)
 
 
-def test_below_the_minimum_waits_then_stops_with_one_line_and_the_checkpoint_kept(tmp_path, monkeypatch, capsys):
+def test_below_the_minimum_waits_then_stops_with_one_line_and_the_checkpoint_kept(
+        tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     ckpt = write_checkpoint(out, 4, [b"rank file"], {"layout": {}})
     cfg = Config(model="convnet", data="digits", device="cpu", dp=4, elastic=3, checkpoint_every=2,
@@ -67,7 +68,8 @@ def test_below_the_minimum_waits_then_stops_with_one_line_and_the_checkpoint_kep
 
     monkeypatch.setattr("rayconv.api.start_and_train", stop)
     capsys.readouterr()
-    assert run_cli.main(["--dp", "4", "--elastic", "3", "--checkpoint-every", "2", "--out", str(out / "x")]) == 2
+    assert run_cli.main(["--dp", "4", "--elastic", "3", "--checkpoint-every", "2", "--out",
+                         str(out / "x")]) == 2
     assert capsys.readouterr().err == f"rayconv: error: {msg}\n"
 
 
@@ -91,8 +93,8 @@ def test_the_run_on_another_layout_is_rebuilt_with_one_dp(tmp_path):
     source, _, _, routing = check_before_ray(cfg, None)
     sharding = Sharding(source.train_size, cfg.global_batch_size, 4, cfg.seed)
     start = ResolvedRun(cfg=cfg, mesh=routing.mesh, routing=routing, source=source, sharding=sharding,
-                        total_steps=10, eval_every=5, out=tmp_path, run_name="r-1", resume=None, predicted=None,
-                        t_start=0.0)
+                        total_steps=10, eval_every=5, out=tmp_path, run_name="r-1", resume=None,
+                        predicted=None, t_start=0.0)
     two = start.on_mesh(Mesh(2, 2, 1))
     assert (two.cfg.dp, two.mesh, two.routing.mesh, two.sharding.dp) == (2, Mesh(2, 2, 1), Mesh(2, 2, 1), 2)
     assert two.routing.stages == start.routing.stages and two.cfg.pp == 2 and two.total_steps == 10
