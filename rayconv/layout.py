@@ -14,8 +14,8 @@ Its name is parts joined by ``x``, in the order dp, pp, fs, and an optional ``-g
 
 ``pp2`` leaves the micro-batches unset (``num_microbatches`` None: ``rayconv.run``'s default, 1; the
 bench tries 2, 4 and 8). Names the parser refuses raise ``ConfigError`` with a one-line message that
-says what to write instead. The fields are ``rayconv.config.LayoutFields``, declared once there for
-Config's flags and Layout alike. The module imports only ``config``, ``errors`` and ``mesh``.
+says what to write instead. The fields are ``rayconv.settings.LayoutFields``, declared once there for
+Config's flags and Layout alike. The module imports only ``settings``, ``errors`` and ``mesh``.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from rayconv.config import LayoutFields
 from rayconv.errors import ConfigError
 from rayconv.mesh import Mesh
+from rayconv.settings import LayoutFields
 
 PLAN = "krizhevsky2014"  # the per-layer plan a ``plan<N>`` name stands for
 EXAMPLES = "1gpu, dp2, fs2, fs2c4, pp2, pp2m4, pp2m4-gpipe, pp2m4v2, plan2, dp2xfs2"

@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from rayconv.config import DATA_CHOICES, PRECISION_CHOICES, Config
+from rayconv.choices import DATA_CHOICES, PRECISION_CHOICES
+from rayconv.config import Config
 from rayconv.data_dir import with_data_kind
 from rayconv.errors import ConfigError, DataError
 from rayconv.files import atomic_write

@@ -1,9 +1,10 @@
 """The code's own rules, read from the source with ``ast`` (nothing imported): no import circle among
-rayconv's modules, no module over 400 lines, no module importing another module's underscored name, every
-module named in docs/architecture.md's code map, and no measured figure in a docstring or help string
-(measured figures live in benchmarks/RESULTS.md only, a report of at most 400 lines whose prose names no
-commit: git holds the history); and the tests' own: each test module stands alone (no hook orders the modules,
-none imports another, no test changes what a module-scoped fixture built)."""
+rayconv's modules, no module over 400 lines, no line over 110 characters, no module importing another
+module's underscored name, every module named in docs/architecture.md's code map, and no measured figure in
+a docstring or help string (measured figures live in benchmarks/RESULTS.md only, a report of at most 400
+lines whose prose names no commit: git holds the history); and the tests' own: each test module stands
+alone (no hook orders the modules, none imports another, no test changes what a module-scoped fixture
+built)."""
 
 from __future__ import annotations
 
@@ -111,6 +112,19 @@ def test_no_module_over_400_lines():
     long = {str(p.relative_to(PACKAGE.parent)): n for p in modules().values()
             if (n := p.read_text().count("\n")) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+MAX_WIDTH = 110
+CODE_FOLDERS = ("rayconv", "tests", "benchmarks", "examples")
+
+
+def test_no_line_over_110_characters():
+    """Lines of rayconv/, tests/, benchmarks/ and examples/ stay within 110 characters, so that no
+    statements are joined to pass the 400-line signal."""
+    long = [f"{path.relative_to(REPO)}:{n}" for folder in CODE_FOLDERS
+            for path in sorted((REPO / folder).rglob("*.py"))
+            for n, line in enumerate(path.read_text().splitlines(), 1) if len(line) > MAX_WIDTH]
+    assert not long, f"{len(long)} lines over {MAX_WIDTH} characters (split them): {', '.join(long[:10])}"
 
 
 # What a measured figure looks like in prose: a ratio (0.98x), a rate (6,900 images/s, 290 GB/s

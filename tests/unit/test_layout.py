@@ -46,7 +46,8 @@ def test_layout_fields_are_declared_once():
     """Layout's fields are Config's layout flags (``LayoutFields``), in their order: none of its own."""
     from dataclasses import fields
 
-    from rayconv.config import Config, LayoutFields
+    from rayconv.config import Config
+    from rayconv.settings import LayoutFields
 
     names = [f.name for f in fields(LayoutFields)]
     assert [f.name for f in fields(Layout)] == names
