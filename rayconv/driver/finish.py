@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from rayconv.actor.actor import Actor
