@@ -150,7 +150,7 @@ def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, r
                            parallel=parallel, compiled=compiled, device=device, dtype=dtype,
                            autocast=autocast)
     is_last = stage == mesh.pp - 1
-    batches = Batches(source, sharding, mesh, coord, device, input_dtype, parallel.sharded.batch_gather,
+    batches = Batches(source, sharding, mesh, coord, device, input_dtype, parallel.sliced.batch_gather,
                       mix=(cfg.mixup_alpha, cfg.cutmix_alpha),
                       epochs=run_epochs(cfg, sharding.steps_per_epoch))
     recipe = RecipeStep(cfg, parallel, optimizer, groups, coord, per_layer, device, sharding.steps_per_epoch)
@@ -266,7 +266,7 @@ def _stage_runner(*, routing: Routing, mesh: Mesh, coord: Coord, groups: comm.Gr
                 prev=pp_ranks[(v - 1) % mesh.pp] if v > 0 else None,
                 next=pp_ranks[(v + 1) % mesh.pp] if v < last_v else None,
                 in_shape=_local(routing.stage_in_shape(v), parallel.in_sizes, fs_index),
-                out_shape=_local(routing.stage_out_shape(v), parallel.sharded.out_sizes, fs_index),
+                out_shape=_local(routing.stage_out_shape(v), parallel.sliced.out_sizes, fs_index),
             )
         )
     wire = autocast or dtype  # activations and their gradients: bf16/fp16 under autocast
@@ -286,6 +286,6 @@ def _graphable(cfg) -> bool:
 
 
 def _local(shape: tuple[int, ...], sizes, index: int) -> tuple[int, ...]:
-    """Per-sample shape of this actor's shard of an activation (dim 1 of the batch = dim 0 here)."""
+    """Per-sample shape of this actor's slice of an activation (dim 1 of the batch = dim 0 here)."""
     return shape if sizes is None else (sizes[index], *shape[1:])
 

@@ -83,7 +83,7 @@ class RecipeStep:
         self.skipped = False
         self.overflow_at: Optional[int] = None
         # Clipping: split parameters count on every holder, replicated ones on one holder of the group.
-        split_keys = parallel.sharded.split_dims
+        split_keys = parallel.sliced.split_dims
         self.split, self.whole = [], []
         for name, sub in zip(parallel.names, parallel.part):
             for k, p in sub.named_parameters():

@@ -57,7 +57,7 @@ def weights(a: ActorState, ema: bool) -> Iterator[None]:
 
 def split_dims(a: ActorState) -> dict[str, int]:
     """state_dict keys that filter split cuts, and the dimension (empty without filter split)."""
-    return dict(a.parallel.sharded.split_dims)
+    return dict(a.parallel.sliced.split_dims)
 
 
 def rank_file(a: ActorState) -> bytes:

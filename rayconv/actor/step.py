@@ -155,9 +155,9 @@ def sgd(a: ActorState, step: int, mb: MicroBatches, global_count: int, profile: 
 
 
 def seed(a: ActorState, step: int) -> list[torch.Generator]:
-    """Seed this step's dropout; returns the sharded dropouts' generators (a CUDA graph registers them).
+    """Seed this step's dropout; returns the sliced dropouts' generators (a CUDA graph registers them).
 
-    Each (replica, stage) has its own stream, the same on the actors of its filter split; sharded
+    Each (replica, stage) has its own stream, the same on the actors of its filter split; sliced
     dropouts draw full-width masks from a generator shared by all actors of the split (all actors
     of the run for the per-layer plan's FC part), one stream per layer. (A CUDA graph replay reads
     the generators' seeds as set here.)"""

@@ -17,7 +17,7 @@ everything keyed by parameter name:
   ``actor/step.py``'s ``seed``).
 
 ``cut`` is the inverse for one actor: the slice ``filter_split.split`` gives actor ``index`` of ``n``
-(``mesh.split_sizes`` along the split dimension, as ``_shard_module`` slices). The whole state is a
+(``mesh.split_sizes`` along the split dimension, as ``_slice_module`` slices). The whole state is a
 plain ``torch.save`` of tensors and plain types (``checkpoint.whole_state`` reads a checkpoint folder
 without Ray; ``torch.load(..., weights_only=True)`` reads the bytes ``whole_blob`` makes).
 """

@@ -6,7 +6,7 @@ functions in one commented order):
 
 1. cut: the layers of the actor's pipeline stage (its chunks under interleaved 1F1B), and
 2. split: those layers filter-split over ``fs``, or laid out by Krizhevsky 2014's per-layer plan
-   (``filter_split``). 1 and 2 are one call, ``routing.build_part``: a stage's input shard sizes
+   (``filter_split``). 1 and 2 are one call, ``routing.build_part``: a stage's input slice sizes
    come from the splits of the stages before it;
 3. batch-norm mode: statistics over the global batch (``--sync-batchnorm``: ``nn.SyncBatchNorm``
    over the dp group), or running statistics that advance once per step under micro-batches
@@ -39,15 +39,15 @@ class ParallelPart:
     """One actor's part, ready to train.
 
     ``part``: its modules in order, placed; ``names[i]`` the model layer name of ``part[i]`` (None for
-    an exchange); ``sharded``: what the split made (``split_dims``, ``out_sizes``, ``batch_gather``);
-    ``in_sizes``: shard sizes of the part's input along dim 1 (None when replicated); ``replicated``:
+    an exchange); ``sliced``: what the split made (``split_dims``, ``out_sizes``, ``batch_gather``);
+    ``in_sizes``: slice sizes of the part's input along dim 1 (None when replicated); ``replicated``:
     the modules replicated over the dp group; ``sync``: their gradient all-reduce; ``deferred_bn``: the
     batch-norm layers committed once per step; ``has_buffers``: whether ``replicated`` holds buffers
     (batch-norm statistics broadcast from replica 0 after each step)."""
 
     part: nn.Sequential
     names: list[Optional[str]]
-    sharded: SlicedPart
+    sliced: SlicedPart
     in_sizes: Optional[list[int]]
     replicated: list[nn.Module]
     sync: GradientSync
@@ -62,11 +62,11 @@ def parallelize(routing: Routing, layers: list[tuple[str, nn.Module]], coord: Co
     coordinate ``coord``, in the order of the module docstring. Collective over the dp group (the
     broadcast). Raises LayoutError for a layer that cannot be split."""
     # 1-2. Cut and split.
-    sharded, in_sizes = build_part(routing, layers, coord.pp, coord.fs, groups.axis["fs"], coord.dp,
+    sliced, in_sizes = build_part(routing, layers, coord.pp, coord.fs, groups.axis["fs"], coord.dp,
                                    groups.axis["dp"])
-    replicated_at = [any(m is s for s in sharded.synced) for m in sharded.modules]
+    replicated_at = [any(m is s for s in sliced.synced) for m in sliced.modules]
     # 3. Batch-norm mode.
-    part = nn.Sequential(*batchnorm_mode(sharded.modules, sync_batchnorm, routing.schedule.num_microbatches,
+    part = nn.Sequential(*batchnorm_mode(sliced.modules, sync_batchnorm, routing.schedule.num_microbatches,
                                          groups.axis["dp"]))
     # 4. Placement.
     part.to(device=device, dtype=dtype)
@@ -75,7 +75,7 @@ def parallelize(routing: Routing, layers: list[tuple[str, nn.Module]], coord: Co
     # 5. Data-parallel sync.
     replicated = [m for m, r in zip(part, replicated_at) if r]
     sync = data_parallel(replicated, groups, bucket_mb)
-    return ParallelPart(part=part, names=sharded.names, sharded=sharded, in_sizes=in_sizes,
+    return ParallelPart(part=part, names=sliced.names, sliced=sliced, in_sizes=in_sizes,
                         replicated=replicated, sync=sync,
                         deferred_bn=[m for m in part.modules() if isinstance(m, DeferredBatchNorm)],
                         has_buffers=any(True for m in replicated for _ in m.buffers()))

@@ -101,9 +101,9 @@ def layer_profile(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, 
 
 def build_part(routing: Routing, layers, stage: int, fs_index: int, fs_group, dp_index: int,
                dp_group) -> tuple[SlicedPart, Optional[list[int]]]:
-    """This actor's runnable part (a ``filter_split.SlicedPart``) and the shard sizes of its input
+    """This actor's runnable part (a ``filter_split.SlicedPart``) and the slice sizes of its input
     (None when replicated): the stage's layers, filter-split over fs, or the per-layer plan.
-    Stages before ``stage`` are sharded too (cheap slicing) to learn those sizes. Raises LayoutError for
+    Stages before ``stage`` are sliced too (cheap slicing) to learn those sizes. Raises LayoutError for
     a layer that cannot be split; the driver calls it once with actor 0's coordinates to check."""
     if routing.per_layer_plan == "krizhevsky2014":
         return krizhevsky2014(layers, routing.in_shape, list(routing.out_shapes), dp_index, routing.mesh.dp,

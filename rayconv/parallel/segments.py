@@ -5,7 +5,7 @@ pass, so the data-parallel all-reduce could not start before the whole backward 
 graph splitting does for compiled models (``DDPOptimizer``, Ansel et al., "PyTorch 2", ASPLOS 2024,
 section 6.3), the part is cut into segments at the gradient bucket size: each segment's gradients are
 ready when its own backward ends, and their bucket is all-reduced while earlier segments run.
-Exchange layers (filter-split gathers, the per-layer plan's batch gather) and sharded dropout (its
+Exchange layers (filter-split gathers, the per-layer plan's batch gather) and sliced dropout (its
 generator is shared across a split) stay eager, between segments.
 
 Segments compile with static shapes, and only for the calls of the run's full training step: an epoch's

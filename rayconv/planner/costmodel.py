@@ -13,7 +13,7 @@ Inputs
   elements and parameter count, the first fully connected layer, and the layers a filter split
   gathers before.
 * ``LayerTimes``: forward + backward time (ms) of each layer at a given batch size, whole or as one
-  actor's shard of a filter split over ``fs`` actors (its own exchanges left out), measured on the
+  actor's slice of a filter split over ``fs`` actors (its own exchanges left out), measured on the
   device (``planner.measure.times_at``). The backward is taken as 2/3 of it (the usual 1 : 2
   forward : backward ratio of convolutions and matrix products; Narayanan et al. 2021, section 3.3).
 * ``Links`` (``planner.links``): latency and bandwidth of all-reduce, all-gather and point-to-point
@@ -23,7 +23,7 @@ The step of a layout (Yadan et al. 2013, section 3; Huang et al. 2019; Narayanan
 ----------------------------------------------------------------------------------------------
 * Each pipeline stage (``pp``, times ``virtual_stages`` chunks) runs its schedule's program
   (``parallel.pipeline.make_schedule``), each action taking its chunk's measured time at the micro-batch
-  size (of the ``fs`` shard), plus the filter split's exchanges (an all-gather of the full activation
+  size (of the ``fs`` slice), plus the filter split's exchanges (an all-gather of the full activation
   before each layer that needs all input channels in the forward pass, a reduce-scatter of the same
   size in the backward pass); a forward on a stage waits for the previous virtual stage's output
   plus one point-to-point transfer (``timed_makespan``, through ``parallel.pipeline.simulate.timeline``: the
@@ -125,7 +125,7 @@ class _Chunks:
 
 def _chunk_times(layout: Layout, prof: Profile, t: Sequence[float], links: Links, mb: int, prec: Precision,
                  chunks: Sequence[tuple[int, int]]) -> _Chunks:
-    """``_Chunks`` of ``layout`` at micro-batch ``mb``, ``t`` one filter shard's per-layer ms."""
+    """``_Chunks`` of ``layout`` at micro-batch ``mb``, ``t`` one filter slice's per-layer ms."""
     pp, fs = layout.pp, layout.fs
     mesh = layout.mesh()
     fs_ranks, pp_ranks = mesh.groups("fs")[0], mesh.groups("pp")[0]
@@ -159,7 +159,7 @@ def _predict_mesh(layout: Layout, prof: Profile, times: LayerTimes, links: Links
     if B % dp or (B // dp) % M:
         raise ValueError(f"global batch {B} does not split over dp {dp} x {M} micro-batches")
     mb = B // dp // M
-    t = list(times(mb, fs))  # one filter shard's layers
+    t = list(times(mb, fs))  # one filter slice's layers
     chunks = chunks_of(list(times(mb, 1)), pp * V)  # whole layers' times, as the run's --balance time cuts
     c = _chunk_times(layout, prof, t, links, mb, prec, chunks)
     makespan, ends, busy = timed_makespan(pipeline.make_schedule(layout.schedule, pp, M, V), c.f_ms, c.b_ms,
@@ -172,7 +172,7 @@ def _predict_mesh(layout: Layout, prof: Profile, times: LayerTimes, links: Links
         if dp > 1:
             layers = stage_layers(chunks, pp, s)
             sizes, ready = buckets(layers, [p / fs for p in prof.params], back, prec.param_bytes, bucket_mb)
-            ranks = dp_ranks[s * fs]  # the dp group of stage s, filter shard 0
+            ranks = dp_ranks[s * fs]  # the dp group of stage s, filter slice 0
             step = max(step, ends[s] + exposed_allreduce_ms(sizes, ready, sum(back[i] for i in layers),
                                                             lambda n: links.allreduce_ms(n, ranks)))
     crit = max(range(pp), key=lambda s: busy[s])

@@ -124,14 +124,14 @@ def times_key(batch: int, fs: int) -> str:
 def times_at(cfg_dict: dict, pairs: Sequence[tuple[int, int]]) -> dict:
     """Forward + backward ms per layer at each (batch size, fs): whole layers
     (``planner.layer_timing.measured_costs``, what ``--balance time`` measures) for fs = 1, else one actor's
-    shard of the filter split (``sharded_costs``). Returns {"device": name, "times": {key: [ms, ...]}}."""
+    slice of the filter split (``sliced_costs``). Returns {"device": name, "times": {key: [ms, ...]}}."""
     return {"device": device_name(cfg_dict), "times": {times_key(b, fs): measured_costs(cfg_dict, b)
-                                                       if fs == 1 else sharded_costs(cfg_dict, b, fs)
+                                                       if fs == 1 else sliced_costs(cfg_dict, b, fs)
                                                        for b, fs in pairs}}
 
 
 class LocalGather(nn.Module):
-    """A filter split's gather done locally: the gathered shape, from this shard and zeros."""
+    """A filter split's gather done locally: the gathered shape, from this slice and zeros."""
 
     def __init__(self, dim: int, sizes: list[int]):
         super().__init__()
@@ -144,7 +144,7 @@ class LocalGather(nn.Module):
 
 
 class LocalScatter(nn.Module):
-    """A filter split's scatter done locally: this shard's slice."""
+    """A filter split's scatter done locally: this actor's slice."""
 
     def __init__(self, dim: int, size: int):
         super().__init__()
@@ -154,8 +154,8 @@ class LocalScatter(nn.Module):
         return x.narrow(self.dim, 0, self.size).contiguous()
 
 
-def sharded_costs(cfg_dict: dict, batch: int, fs: int) -> list[float]:
-    """Forward + backward ms of actor 0's shard of each layer under a filter split over ``fs``
+def sliced_costs(cfg_dict: dict, batch: int, fs: int) -> list[float]:
+    """Forward + backward ms of actor 0's slice of each layer under a filter split over ``fs``
     (``filter_split.slice_layers``), at ``batch`` images, on this process's device, one per layer of
     ``models.to_layers``. The split's collectives are timed apart (``planner.links.Links``): here each
     gather is a local copy to the gathered shape and each scatter a local slice, so that the layers
@@ -319,7 +319,7 @@ class Measurements:
             self.log(
                 "planner: measuring forward + backward time per layer on"
                 f" {self.state['device'] or self.device} at {len(missing)} batch"
-                f" size{'s' * (len(missing) > 1)} (/fsK: a filter split's shard):"
+                f" size{'s' * (len(missing) > 1)} (/fsK: a filter split's slice):"
                 f" {', '.join(keys)}{' (one task on the cluster)' if self.use_cluster else ''}"
             )
             t0 = time.perf_counter()

@@ -99,7 +99,7 @@ def test_a_kept_gpu_actor_trains_the_next_run_as_a_new_one(gpu_cluster, tmp_path
 
 @two_gpus
 def test_cuda_graph_replays_dropout_and_learning_rate_as_eager(gpu_cluster, tmp_path):
-    """AlexNet under the per-layer plan (dropout on the gathered batch from the default generator, sharded
+    """AlexNet under the per-layer plan (dropout on the gathered batch from the default generator, sliced
     dropout from a generator shared by the split) with a cosine learning rate: replayed steps equal eager
     steps. A replay that kept the capture's masks or learning rate would differ."""
     kw = dict(model="alexnet", data="synthetic", image_size=64, synthetic_samples=512, global_batch_size=64,

@@ -1,4 +1,4 @@
-"""Pieces of a parallel part without Ray: filter split's sharded dropout masks, compiled segments ending
+"""Pieces of a parallel part without Ray: filter split's sliced dropout masks, compiled segments ending
 at exchanges and bucket sizes and compiling only the full step's shapes, data-parallel gradient buckets
 in a one-rank gloo group, the process-group rendezvous."""
 
@@ -13,7 +13,7 @@ from rayconv.parallel.filter_split.layers import SlicedDropout
 from rayconv.parallel.segments import CompiledSegment, fix_shapes, segments
 
 
-def test_sharded_dropout_shards_make_up_one_full_mask():
+def test_sliced_dropout_slices_make_up_one_full_mask():
     x = torch.ones(4, 6, 3, 3)
     cpu = torch.device("cpu")
     whole = SlicedDropout(0.5, [6], 0)
@@ -25,7 +25,7 @@ def test_sharded_dropout_shards_make_up_one_full_mask():
         d.reseed(123, cpu)
         parts.append(d(x[:, 3 * index:3 * index + 3]))
     assert torch.equal(torch.cat(parts, dim=1), want)
-    assert not torch.equal(parts[0], parts[1])          # the shards do not repeat one mask
+    assert not torch.equal(parts[0], parts[1])          # the slices do not repeat one mask
     assert set(want.unique().tolist()) == {0.0, 2.0}    # inverted dropout scaling
     d.reseed(124, cpu)
     assert not torch.equal(d(x[:, 3:]), parts[1])       # a new step draws new masks

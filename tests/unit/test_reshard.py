@@ -49,7 +49,7 @@ def model_layers() -> list:
 
 
 def parts(name: str, model, layers, **recipe):
-    """Each rank's (coord, config, sharded part, module, optimizer) under layout ``name``, with the
+    """Each rank's (coord, config, sliced part, module, optimizer) under layout ``name``, with the
     Config's ``recipe`` settings (the optimizer and its groups)."""
     dp, pp, fs, extra = LAYOUTS[name]
     cfg = Config(model="convnet_bn", data="digits", dp=dp, pp=pp, fs=fs, global_batch_size=8,
@@ -59,14 +59,14 @@ def parts(name: str, model, layers, **recipe):
     out = []
     for r in range(mesh.world_size):
         c = mesh.coord(r)
-        sharded, _ = build_part(plan, layers, c.pp, c.fs, None, c.dp, None)
-        part = nn.Sequential(*sharded.modules)
-        out.append((c, cfg, plan, sharded, part, build_optimizer(cfg, part)))
+        sliced, _ = build_part(plan, layers, c.pp, c.fs, None, c.dp, None)
+        part = nn.Sequential(*sliced.modules)
+        out.append((c, cfg, plan, sliced, part, build_optimizer(cfg, part)))
     return out
 
 
-def named(sharded, part) -> dict[str, torch.Tensor]:
-    return {(f"{n}.{k}" if n else k): v.detach().clone() for n, sub in zip(sharded.names, part)
+def named(sliced, part) -> dict[str, torch.Tensor]:
+    return {(f"{n}.{k}" if n else k): v.detach().clone() for n, sub in zip(sliced.names, part)
             if n is not None for k, v in sub.state_dict().items()}
 
 
@@ -90,7 +90,7 @@ def saved(name: str, model, layers, **recipe) -> tuple[list[dict], dict]:
     parameter's optimizer state and moving average functions of its values, the groups' learning
     rate the step's (0.37), the average's count 5, the loss scale's state ``scaler_state``."""
     payloads = []
-    for c, cfg, plan, sharded, part, opt in parts(name, model, layers, **recipe):
+    for c, cfg, plan, sliced, part, opt in parts(name, model, layers, **recipe):
         for p in part.parameters():
             opt.state[p] = optimizer_state_of(p, cfg.opt)
         for g in opt.param_groups:
@@ -99,10 +99,10 @@ def saved(name: str, model, layers, **recipe) -> tuple[list[dict], dict]:
         for v in ema.tensors.values():
             v.mul_(3)
         ema.n_averaged = 5
-        payloads.append({"coord": list(c), "model": named(sharded, part),
-                         "split_dims": dict(sharded.split_dims), "optimizer": opt.state_dict(),
-                         "part_names": list(sharded.names),
-                         "optimizer_names": optimizer_param_names(sharded.names, part, opt),
+        payloads.append({"coord": list(c), "model": named(sliced, part),
+                         "split_dims": dict(sliced.split_dims), "optimizer": opt.state_dict(),
+                         "part_names": list(sliced.names),
+                         "optimizer_names": optimizer_param_names(sliced.names, part, opt),
                          "ema": ema.state_dict(), "loss_scale": scaler_state(), "rng": {}})
     dp, pp, fs, _ = LAYOUTS[name]
     layout = {"dp": dp, "pp": pp, "fs": fs, "plan": cfg.plan, "world_size": dp * pp * fs,
@@ -126,10 +126,10 @@ def test_recut_equals_direct_cut(source, target):
     whole = join(payloads, layout)
     torch.testing.assert_close(whole["model"], model.state_dict(), rtol=0, atol=0)
     assert whole["loss_scale"] == scaler_state()
-    for c, cfg, plan, sharded, part, opt in parts(target, model, layers):
+    for c, cfg, plan, sliced, part, opt in parts(target, model, layers):
         index, n = split_position(c, plan.mesh.dp, plan.mesh.fs, plan.per_layer_plan)
-        got = cut_part(whole, sharded.names, part, opt, dict(sharded.split_dims), index, n)
-        want = named(sharded, part)
+        got = cut_part(whole, sliced.names, part, opt, dict(sliced.split_dims), index, n)
+        want = named(sliced, part)
         torch.testing.assert_close(got["model"], want, rtol=0, atol=0)
         opt.load_state_dict(got["optimizer"])  # fits this part's optimizer
         params = [p for g in opt.param_groups for p in g["params"]]
@@ -160,10 +160,10 @@ def test_recipe_state_follows_each_parameter(source, target, recipe):
     model, layers = model_layers()
     payloads, layout = saved(source, model, layers, **RECIPES[recipe])
     whole = join(payloads, layout)
-    for c, cfg, plan, sharded, part, opt in parts(target, model, layers, **RECIPES[recipe]):
+    for c, cfg, plan, sliced, part, opt in parts(target, model, layers, **RECIPES[recipe]):
         want_groups = {g["name"]: {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups}
         index, n = split_position(c, plan.mesh.dp, plan.mesh.fs, plan.per_layer_plan)
-        got = cut_part(whole, sharded.names, part, opt, dict(sharded.split_dims), index, n)
+        got = cut_part(whole, sliced.names, part, opt, dict(sliced.split_dims), index, n)
         opt.load_state_dict(got["optimizer"])
         for g in opt.param_groups:
             assert {k: v for k, v in g.items() if k != "params"} == {**want_groups[g["name"]], "lr": 0.37}

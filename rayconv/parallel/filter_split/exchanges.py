@@ -1,8 +1,8 @@
 """The exchanges of filter split (Krizhevsky et al. 2012, section 3.2): collectives along the split
 dimension as autograd functions, and the gather overlapped with the layer that consumes it.
 
-An activation is either *sharded* (actor f holds slice f of dim 1, or of dim 0 for the per-layer
-plan's batch gather) or *replicated*. ``Gather`` turns sharded into replicated (forward all-gather,
+An activation is either *sliced* (actor f holds slice f of dim 1, or of dim 0 for the per-layer
+plan's batch gather) or *replicated*. ``Gather`` turns sliced into replicated (forward all-gather,
 backward reduce-scatter of the partial input gradients, or the own slice of an identical gradient);
 ``Scatter`` the reverse (keep the own slice; backward all-gather). ``BatchGather`` is Krizhevsky 2014's
 switch from data to model parallelism (the batch gathered along dim 0). ``overlapped_gather`` cuts the
@@ -50,7 +50,7 @@ def _padded_all_gather(x: torch.Tensor, dim: int, sizes: list[int], group) -> to
 
 
 class _Gather(torch.autograd.Function):
-    """sharded -> replicated along ``dim``. Backward: sum over actors then own slice (``split_consumer``),
+    """sliced -> replicated along ``dim``. Backward: sum over actors then own slice (``split_consumer``),
     or own slice of the (identical) full gradient (replicated consumer, e.g. the loss)."""
 
     @staticmethod
@@ -75,7 +75,7 @@ class _Gather(torch.autograd.Function):
 
 
 class _Scatter(torch.autograd.Function):
-    """replicated -> sharded along ``dim`` (keep own slice). Backward: all-gather the slices' gradients."""
+    """replicated -> sliced along ``dim`` (keep own slice). Backward: all-gather the slices' gradients."""
 
     @staticmethod
     def forward(ctx, x, dim, sizes, index, group):
@@ -117,9 +117,9 @@ class Scatter(nn.Module):
 
 
 class BatchGather(nn.Module):
-    """Krizhevsky 2014's switch from data to model parallelism: gather every actor's batch shard
+    """Krizhevsky 2014's switch from data to model parallelism: gather every actor's replica batch
     (dim 0, sizes set per micro-batch by the worker in ``sizes``); backward reduce-scatters the partial
-    gradients to each actor's own shard."""
+    gradients to each actor's own replica batch."""
 
     def __init__(self, index: int, group):
         super().__init__()
@@ -189,7 +189,7 @@ class _Land(torch.autograd.Function):
 
 
 def overlapped_gather(x: torch.Tensor, spec: ExchangeSpec, layer) -> torch.Tensor:
-    """``layer(gather(x))`` for a channel-sharded ``x_NC...`` with the gather overlapped with the layer.
+    """``layer(gather(x))`` for a channel-sliced ``x_NC...`` with the gather overlapped with the layer.
 
     The batch is cut into ``spec.chunks`` pieces (at most N); piece i + 1's all-gather runs while
     ``layer`` computes piece i (the collective runs on the backend's own stream with NCCL, its own

@@ -1,8 +1,8 @@
 """Filter-split layers: what an actor runs in place of a model's layer under filter split.
 
-``SlicedDropout`` draws the full activation's mask and keeps its slice, so the shards together drop
+``SlicedDropout`` draws the full activation's mask and keeps its slice, so the slices together drop
 what one device would; ``GatheredConv2d`` and ``GatheredLinear`` are this actor's filters of a dense
-layer that gathers its own channel-sharded input, overlapped with its compute
+layer that gathers its own channel-sliced input, overlapped with its compute
 (``exchanges.overlapped_gather``). ``COMM_MODULES`` lists every module that communicates (kept
 eager, between compiled segments: ``parallel/segments.py``).
 
@@ -26,10 +26,10 @@ from rayconv.parallel.filter_split.exchanges import (
 
 
 class SlicedDropout(nn.Module):
-    """Dropout on a channel (or unit) shard: the mask is drawn for the whole activation, from a
+    """Dropout on a channel (or unit) slice: the mask is drawn for the whole activation, from a
     generator that every actor of the split seeds alike each step (``reseed``), and each actor keeps
-    its slice, so the shards together drop exactly what one device would draw for the full tensor
-    (independent units, not the same mask repeated in every shard). Successive micro-batches of a
+    its slice, so the slices together drop exactly what one device would draw for the full tensor
+    (independent units, not the same mask repeated in every slice). Successive micro-batches of a
     step continue the generator's stream."""
 
     def __init__(self, p: float, sizes: list[int], index: int):
@@ -59,7 +59,7 @@ class SlicedDropout(nn.Module):
 
 
 class GatheredConv2d(nn.Conv2d):
-    """A filter-split convolution that needs every input channel, with the gather of its channel-sharded
+    """A filter-split convolution that needs every input channel, with the gather of its channel-sliced
     input overlapped with its own compute (``overlapped_gather``). Parameters and state_dict are those of
     ``nn.Conv2d`` (this actor's filters)."""
 
@@ -74,7 +74,7 @@ class GatheredConv2d(nn.Conv2d):
 
 
 class GatheredLinear(nn.Linear):
-    """``GatheredConv2d``'s fully connected counterpart (input ``x_NF`` sharded along F)."""
+    """``GatheredConv2d``'s fully connected counterpart (input ``x_NF`` sliced along F)."""
 
     exchange: ExchangeSpec
 

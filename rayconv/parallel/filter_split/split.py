@@ -3,10 +3,10 @@ today's tensor parallelism): which layers an actor runs, and where the exchanges
 
 Over ``F`` actors, every convolution's filters (output channels) and every fully connected layer's
 units are divided among the actors, sizes as even as possible (``mesh.split_sizes``). Per-channel
-layers (batch norm, activations, pooling, dropout, flatten) run on the shard. A layer that needs every
+layers (batch norm, activations, pooling, dropout, flatten) run on the slice. A layer that needs every
 input channel (a dense conv or a linear layer) is preceded by a gather (``exchanges.Gather``, or its
 own overlapped gather: ``layers.GatheredConv2d``). A grouped convolution whose groups line up with the
-shards needs no exchange: that is Krizhevsky's two-column pattern, where only some layers connect across
+slices needs no exchange: that is Krizhevsky's two-column pattern, where only some layers connect across
 columns (give the single-device model ``groups=2`` in those layers). The last layer's output is
 gathered for the loss, which every actor then computes identically (backward: keep one's slice).
 Batch norm over a channel slice is exact: its statistics are per channel.
@@ -41,7 +41,7 @@ class SlicedPart:
     """One actor's runnable part: ``modules`` in order, ``names[i]`` the model layer name of
     ``modules[i]`` (None for exchanges), ``split_dims`` state_dict keys cut by the split (key -> dim),
     ``synced`` the modules whose parameters are all-reduced (and whose parameters and buffers are
-    broadcast) over the data-parallel group, ``out_sizes`` the shard
+    broadcast) over the data-parallel group, ``out_sizes`` the slice
     sizes of the part's output along dim 1 (None when replicated)."""
 
     modules: list[nn.Module] = field(default_factory=list)
@@ -63,7 +63,7 @@ def _slice_param(p: Optional[torch.Tensor], start: int, size: int) -> Optional[n
     return nn.Parameter(p.detach().narrow(0, start, size).clone(), requires_grad=p.requires_grad)
 
 
-def _shard_module(name: str, m: nn.Module, sizes_out: list[int], index: int, in_local: int,
+def _slice_module(name: str, m: nn.Module, sizes_out: list[int], index: int, in_local: int,
                   part: SlicedPart, exchange: Optional[ExchangeSpec] = None) -> nn.Module:
     """This actor's slice of conv/linear/bn ``m`` (output dimension), registering split keys; with
     ``exchange``, the layer gathers its own input, overlapped (``GatheredConv2d``, ``GatheredLinear``)."""
@@ -102,7 +102,7 @@ def slice_layers(layers: list[tuple[str, nn.Module]], in_shape: tuple[int, ...],
     overlapped with the layer (``overlapped_gather``); 1: one blocking ``Gather`` module.
 
     ``in_shape`` / ``out_shapes``: per-sample shapes of the part's input and each layer's output
-    (from the routing). ``in_sizes``: shard sizes of the input along dim 1, None if replicated.
+    (from the routing). ``in_sizes``: slice sizes of the input along dim 1, None if replicated.
     Raises LayoutError for a layer that cannot be split (with what to change).
     """
     part = SlicedPart()
@@ -112,7 +112,7 @@ def slice_layers(layers: list[tuple[str, nn.Module]], in_shape: tuple[int, ...],
         if isinstance(m, (nn.Conv2d, nn.Linear)):
             sizes = _split_dense(name, m, sizes, index, size, group, exchange_chunks, part)
         elif isinstance(m, PER_CHANNEL) or isinstance(m, ELEMENTWISE):
-            part.add(name, _on_shard(name, m, sizes, index, part))
+            part.add(name, _on_slice(name, m, sizes, index, part))
         elif isinstance(m, nn.Flatten) and m.start_dim == 1:
             if sizes is not None:
                 spatial = math.prod(shape[1:])
@@ -136,8 +136,8 @@ def _split_dense(name: str, m: nn.Module, sizes: Optional[list[int]], index: int
                  group: Optional[dist.ProcessGroup], exchange_chunks: int, part: SlicedPart) -> list[int]:
     """Add this actor's filters of conv or linear layer ``m`` to ``part``, after the exchange its input
     needs (a ``Scatter`` of a replicated input into a column-local grouped conv, a ``Gather`` of a
-    sharded input into a dense layer, or none); ``sizes`` are the input's shard sizes (None when
-    replicated). Returns the output's shard sizes. Raises LayoutError for a layer that cannot be split."""
+    sliced input into a dense layer, or none); ``sizes`` are the input's slice sizes (None when
+    replicated). Returns the output's slice sizes. Raises LayoutError for a layer that cannot be split."""
     cout = m.out_channels if isinstance(m, nn.Conv2d) else m.out_features
     if cout < size:
         raise LayoutError(f"splitting over {size} actors (--fs, or --dp under --plan) exceeds layer {name}'s "
@@ -164,16 +164,16 @@ def _split_dense(name: str, m: nn.Module, sizes: Optional[list[int]], index: int
         elif sizes is not None:
             part.add(None, Gather(1, sizes, index, group, split_consumer=True))
         in_local = cin
-    part.add(name, _shard_module(name, m, sizes_out, index, in_local, part, exchange))
+    part.add(name, _slice_module(name, m, sizes_out, index, in_local, part, exchange))
     return sizes_out
 
 
-def _on_shard(name: str, m: nn.Module, sizes: Optional[list[int]], index: int, part: SlicedPart) -> nn.Module:
+def _on_slice(name: str, m: nn.Module, sizes: Optional[list[int]], index: int, part: SlicedPart) -> nn.Module:
     """A per-channel or elementwise layer as it runs on a channel slice (``sizes``; None: replicated):
-    batch norm sliced, dropout sharded, others as they are. Raises LayoutError for batch norm on a
+    batch norm sliced, dropout sliced, others as they are. Raises LayoutError for batch norm on a
     replicated activation."""
     if isinstance(m, (nn.BatchNorm2d, nn.BatchNorm1d)) and sizes is not None:
-        return _shard_module(name, m, sizes, index, 0, part)
+        return _slice_module(name, m, sizes, index, 0, part)
     if isinstance(m, (nn.BatchNorm2d, nn.BatchNorm1d)):
         raise LayoutError(f"batch norm {name} on a replicated activation cannot be split")
     if isinstance(m, nn.Dropout) and sizes is not None:
