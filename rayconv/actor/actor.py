@@ -172,7 +172,7 @@ class Actor(ActorLifecycle):
         return self.saver.wait()
 
     def load_rank_file(self, blob: bytes, next_step: int) -> None:
-        """``state.load_rank_file``: load a shard written by ``rank_file``; ``next_step`` comes next."""
+        """``state.load_rank_file``: load a rank file written by ``rank_file``; ``next_step`` comes next."""
         self.code.state.load_rank_file(self.a, blob, next_step)
 
     # ------------------------------------------------------------------ metrics, end

@@ -61,14 +61,14 @@ def split_dims(a: ActorState) -> dict[str, int]:
 
 
 def rank_file(a: ActorState) -> bytes:
-    """This actor's shard as ``torch.save`` bytes (``rank_payload``: the whole of it, copied)."""
+    """This actor's rank file as ``torch.save`` bytes (``rank_payload``: the whole of it, copied)."""
     buf = io.BytesIO()
     torch.save(rank_payload(a, copy=True), buf)
     return buf.getvalue()
 
 
 def rank_payload(a: ActorState, copy: bool) -> dict[str, Any]:
-    """This actor's shard: model state (keys as in ``state()``), optimizer state_dict, the fp16 loss
+    """This actor's rank file: model state (keys as in ``state()``), optimizer state_dict, the fp16 loss
     scale's state (``loss_scale``, None without fp16), the moving average's (``ema``, None without
     --model-ema) and RNG states, all tensors and plain types (loads with ``weights_only=True``).
     ``copy`` False: the model's, optimizer's and moving average's tensors are the live ones (on the
@@ -119,7 +119,7 @@ def optimizer_names(a: ActorState) -> list[list[str]]:
 
 
 def load_rank_file(a: ActorState, blob: bytes, next_step: int) -> None:
-    """Load a shard written by ``rank_file`` (this rank's, under the layout it was saved with), or
+    """Load a rank file written by ``rank_file`` (this rank's, under the layout it was saved with), or
     a checkpoint's whole state (``outputs.reshard.join``, under another layout: this part cut from it);
     the next ``train_step`` is ``next_step``. Raises RuntimeError if it does not fit this part (or
     lacks the loss scale or moving average this run keeps)."""
@@ -149,7 +149,7 @@ def _cut_whole(a: ActorState, whole: dict[str, Any]) -> dict[str, Any]:
 
 
 def _load_recipe(a: ActorState, payload: dict[str, Any]) -> None:
-    """The loss scale and the moving average from a shard (those this run keeps)."""
+    """The loss scale and the moving average from a rank file (those this run keeps)."""
     for name, held in (("loss_scale", a.recipe.scaler), ("ema", a.recipe.ema)):
         if held is None:
             continue

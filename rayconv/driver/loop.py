@@ -364,7 +364,7 @@ def export(run: Run, actor_group: ActorGroup, path: Path, ema: bool = False) -> 
 
 
 def _manifest(run: Run, step: int) -> dict[str, Any]:
-    """What a checkpoint records besides the actors' shards: model, layout, data and lr-schedule
+    """What a checkpoint records besides the actors' rank files: model, layout, data and lr-schedule
     position, the settings (``--resume`` takes them over)."""
     cfg, s, mesh = run.cfg, run.resolved, run.resolved.mesh
     epoch, step_in_epoch = divmod(step, s.sharding.steps_per_epoch)

@@ -98,9 +98,9 @@ def start(run: Any, group: ActorGroup, step: int, manifest: dict[str, Any], wait
     settle(run, group)
     out = run.resolved.out
     if os.environ.get(SYNC_ENV) == "1":
-        shards = group.call(Actor.rank_file, timeout_s=run.call_timeout_s)
+        rank_files = group.call(Actor.rank_file, timeout_s=run.call_timeout_s)
         extra = {"metrics.parquet": run.metrics.to_bytes()}
-        folder = write_checkpoint(out, step, shards, manifest, extra=extra, keep=run.cfg.keep_checkpoints)
+        folder = write_checkpoint(out, step, rank_files, manifest, extra=extra, keep=run.cfg.keep_checkpoints)
         _logged(run, folder)
         return folder
     r = route(run, group)

@@ -113,21 +113,21 @@ def prune(out: Place, keep: int) -> None:
             remove(p)
 
 
-def write_checkpoint(out: Place, step: int, shards: list[bytes], manifest: dict[str, Any],
+def write_checkpoint(out: Place, step: int, rank_files: list[bytes], manifest: dict[str, Any],
                      extra: Optional[dict[str, bytes]] = None, keep: int = 0) -> Place:
-    """Write ``checkpoints/step-<step>/`` atomically: ``rank-<r>.pt`` from ``shards[r]``, the ``extra``
+    """Write ``checkpoints/step-<step>/`` atomically: ``rank-<r>.pt`` from ``rank_files[r]``, the ``extra``
     files, then ``manifest.json`` listing them; rename the folder into place (in a store: written in
     place, the manifest last); keep the newest ``keep`` checkpoints (0: all). Returns the checkpoint
     folder."""
     if isinstance(out, Location):
-        return _write_in_store(out, step, shards, manifest, extra, keep)
+        return _write_in_store(out, step, rank_files, manifest, extra, keep)
     root = Path(out) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     files = []
-    for name, data in [*((f"rank-{r}.pt", b) for r, b in enumerate(shards)), *(extra or {}).items()]:
+    for name, data in [*((f"rank-{r}.pt", b) for r, b in enumerate(rank_files)), *(extra or {}).items()]:
         write_synced(tmp / name, data)
         files.append({"name": name, "bytes": len(data), "sha256": sha256(data)})
     write_synced(tmp / MANIFEST, (json.dumps({**manifest, "format": FORMAT, "step": step, "files": files},
@@ -148,7 +148,7 @@ def write_checkpoint(out: Place, step: int, shards: list[bytes], manifest: dict[
     return final
 
 
-def _write_in_store(out: Location, step: int, shards: list[bytes], manifest: dict[str, Any],
+def _write_in_store(out: Location, step: int, rank_files: list[bytes], manifest: dict[str, Any],
                     extra: Optional[dict[str, bytes]], keep: int) -> Location:
     """``write_checkpoint`` into an object store: each object one PUT, the manifest last (module
     docstring)."""
@@ -156,7 +156,7 @@ def _write_in_store(out: Location, step: int, shards: list[bytes], manifest: dic
     with storage_errors(final, "--out", "cannot be written"):
         (final / MANIFEST).unlink(missing_ok=True)   # (the same step written again: incomplete until done)
         files = []
-        for name, data in [*((f"rank-{r}.pt", b) for r, b in enumerate(shards)), *(extra or {}).items()]:
+        for name, data in [*((f"rank-{r}.pt", b) for r, b in enumerate(rank_files)), *(extra or {}).items()]:
             (final / name).write_bytes(data)
             files.append({"name": name, "bytes": len(data), "sha256": sha256(data)})
         whole = {**manifest, "format": FORMAT, "step": step, "files": files}

@@ -38,12 +38,12 @@ def ck_config(out: Path, **kw) -> Config:
     return Config(**base).validate()
 
 
-def shard(ckpt: Path, rank: int) -> dict:
+def rank_file(ckpt: Path, rank: int) -> dict:
     """Rank ``rank``'s whole state, rebuilt from the parts the actors wrote (each tensor once)."""
     return load_checkpoint(ckpt).payloads()[rank]
 
 
-def assert_same_shard(got: dict, want: dict) -> None:
+def assert_same_rank_file(got: dict, want: dict) -> None:
     assert_same_state(got["model"], want["model"], atol=0.0)
     go, wo = got["optimizer"], want["optimizer"]
     assert go["param_groups"] == wo["param_groups"]
@@ -95,7 +95,7 @@ def test_checkpoint_files(straight):
     assert sorted(f["name"] for f in m["files"]) == ["metrics.parquet", "rank-0.pt", "rank-1.pt"]
     for f in m["files"]:
         assert (ckpt / f["name"]).stat().st_size == f["bytes"] and len(f["sha256"]) == 64
-    s = shard(ckpt, 1)  # plain tensors and types: loads with weights_only=True
+    s = rank_file(ckpt, 1)  # plain tensors and types: loads with weights_only=True
     assert s["role"] == "dp1" and {"torch", "numpy_keys", "python"} <= set(s["rng"])
     assert pq.read_table(ckpt / "metrics.parquet").num_rows >= 6
     assert not list((straight / "checkpoints").glob("*.tmp"))
@@ -122,8 +122,8 @@ def test_resume_equals_straight_run(straight, stopped, tmp_path, capsys):
     torch.testing.assert_close(torch.load(branch / "model.pt", weights_only=True),
                                torch.load(straight / "model.pt", weights_only=True), rtol=0, atol=0)
     for r in range(2):
-        assert_same_shard(shard(branch / "checkpoints" / "step-8", r),
-                          shard(straight / "checkpoints" / "step-8", r))
+        assert_same_rank_file(rank_file(branch / "checkpoints" / "step-8", r),
+                              rank_file(straight / "checkpoints" / "step-8", r))
     got = [r for r in pq.read_table(branch / "metrics.parquet").to_pylist() if r["kind"] == "train"]
     want = [r for r in pq.read_table(straight / "metrics.parquet").to_pylist() if r["kind"] == "train"]
     assert [r["step"] for r in got] == list(range(STEPS))
@@ -292,7 +292,7 @@ def test_operations_flags_are_validated(argv, words, tmp_path, capsys):
 @pytest.mark.slow
 def test_interleaved_pipeline_resume_equals_straight_run(ray_cluster, tmp_path):
     """Interleaved 1F1B (2 stages, 2 model chunks each: non-adjacent layers on one actor): each actor's
-    shard holds its chunks' parameters and momentum under the whole model's names; 6 steps + resume + 2
+    rank file holds its chunks' parameters and momentum under the whole model's names; 6 steps + resume + 2
     steps equals 8 steps exactly. The folder resumed is the straight run's cut back to what a run
     stopped after 6 steps leaves (its step-6 checkpoint is written before step 7 runs): no step-8
     checkpoint, no final files, the metrics of the checkpoint (a stopped run's resume:
@@ -311,5 +311,5 @@ def test_interleaved_pipeline_resume_equals_straight_run(ray_cluster, tmp_path):
     torch.testing.assert_close(torch.load(stopped_out / "model.pt", weights_only=True),
                                torch.load(straight_out / "model.pt", weights_only=True), rtol=0, atol=0)
     for r in range(2):
-        assert_same_shard(shard(stopped_out / "checkpoints" / "step-8", r),
-                          shard(straight_out / "checkpoints" / "step-8", r))
+        assert_same_rank_file(rank_file(stopped_out / "checkpoints" / "step-8", r),
+                              rank_file(straight_out / "checkpoints" / "step-8", r))

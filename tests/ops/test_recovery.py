@@ -117,7 +117,7 @@ def test_ctrl_c_stops_cleanly(ray_cluster, tmp_path):
     for role in ("dp0", "dp1"):
         with pytest.raises(ValueError):
             ray.get_actor(f"{pgs[0]['name']}/{role}", namespace="rayconv")
-    # The newest checkpoint is complete and loads (sizes and sha256 verified, shards weights_only).
+    # The newest checkpoint is complete and loads (sizes and sha256 verified, rank files weights_only).
     assert not list((out / "checkpoints").glob("*.tmp"))
     ckpt = load_checkpoint(out)
     import io

@@ -40,7 +40,7 @@ def tree(folder: Path) -> dict[str, bytes]:
 
 def finished_run(folder: Path, steps: int = 8) -> Path:
     """A run folder whose last checkpoint is at its last step (``steps`` of ``steps``): the manifest
-    of the digits run at dp=2 (its shards stand-ins: nothing here loads them)."""
+    of the digits run at dp=2 (stand-ins for its rank files: nothing here loads them)."""
     cfg = Config(steps=steps, dp=2, device="cpu", progress=False, out=str(folder))
     source, _, _, routing = check_before_ray(cfg, None)
     manifest = {
@@ -50,7 +50,7 @@ def finished_run(folder: Path, steps: int = 8) -> Path:
         "layout": {"dp": 2, "pp": 1, "fs": 1, "plan": "none", "stages": [list(s) for s in routing.stages]},
         "config": cfg.to_dict(),
     }
-    write_checkpoint(folder, steps, [b"shard0", b"shard1"], manifest)
+    write_checkpoint(folder, steps, [b"rank0", b"rank1"], manifest)
     (folder / "summary.json").write_text('{"steps": 8, "images_per_s": 1000.0}\n')
     return folder
 
