@@ -8,7 +8,7 @@ to actors sorted by (node, GPU), so the chattiest axis (fs) stays on the fastest
     rank = (d * pp + p) * fs + f
 
 A *group* along an axis is the set of ranks that differ only in that axis' coordinate: the dp group of
-a rank averages gradients of the same shard; the pp group is one pipeline; the fs group splits
+a rank averages gradients of the same part; the pp group is one pipeline; the fs group splits
 filters of the same layers.
 """
 

@@ -2,7 +2,7 @@
 
 The driver has the actor group (``rayconv/cluster/group.py``) create the actors, send each its rank,
 the routing and the train sharding once (``build``), then make one ``train_step`` call per actor
-per step. Inside the step, the actor reads its own data shard, runs its stage program, exchanges
+per step. Inside the step, the actor reads its own replica batch, runs its stage program, exchanges
 activations and gradients with its neighbours and all-reduces gradients with its data-parallel group,
 all through torch.distributed (``parallel/comm.py``): no tensor of the training path passes through
 the driver or the Ray object store.

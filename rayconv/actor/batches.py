@@ -35,7 +35,7 @@ import torch
 
 from rayconv.actor.cuda_graph import StepGraph
 from rayconv.actor.steptime import StepClock
-from rayconv.data.source import Sharding, Source, test_shard, to_device, val_shard
+from rayconv.data.source import Sharding, Source, replica_test_indices, to_device, replica_val_indices
 from rayconv.mesh import Coord, Mesh, split_slices
 from rayconv.parallel.filter_split.exchanges import BatchGather
 from rayconv.recipe.mix import MixDraw, draw_mix, mix_images, mix_targets, partner_positions
@@ -141,8 +141,9 @@ class Batches:
         """Every replica's share of the held-out set (each sample once): the test split, or for
         ``split`` "val" the validation images of the train split (``Sharding.val_indices``)."""
         if split == "val":
-            return [val_shard(self.sharding.val_indices(), self.mesh.dp, r) for r in range(self.mesh.dp)]
-        return [test_shard(self.source.test_size, self.mesh.dp, r) for r in range(self.mesh.dp)]
+            val = self.sharding.val_indices()
+            return [replica_val_indices(val, self.mesh.dp, r) for r in range(self.mesh.dp)]
+        return [replica_test_indices(self.source.test_size, self.mesh.dp, r) for r in range(self.mesh.dp)]
 
     def announce(self, split: str, epoch: int, batches: list[np.ndarray]) -> None:
         """Tell the source the index arrays ``images`` will be asked for next, in order (first stage only:

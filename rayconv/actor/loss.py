@@ -3,7 +3,7 @@
 Each micro-batch's loss is its per-sample cross-entropy summed, divided by the global batch size
 (all replicas' samples: ``recipe.loss.microbatch_loss``), so the gradients accumulated over
 micro-batches and summed over replicas are those of single-device SGD on the global batch's mean loss
-(uneven shards and a last partial batch stay exact). With ``--label-smoothing`` the cross entropy is
+(uneven replica batches and a last partial batch stay exact). With ``--label-smoothing`` the cross entropy is
 torch's smoothed one (Szegedy et al. 2016, section 7); targets may be class indices or probability
 rows (mixup, cutmix). Under float16 loss scaling the back-propagated value is multiplied by the
 scale; the reported sums are not. Loss sum and correct counts stay on the device (no synchronisation

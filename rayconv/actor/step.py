@@ -215,7 +215,7 @@ def evaluate(a: ActorState, split: str = "test") -> dict[str, Any]:
     once), with the weights the part holds now."""
     replica_idx = a.batches.test_indices(split)
     chunk = max(1, a.cfg.global_batch_size // a.mesh.dp)
-    # The same number of chunks on every replica (replica 0's shard is the largest): the per-layer
+    # The same number of chunks on every replica (replica 0's share is the largest): the per-layer
     # plan's batch gather is a collective over all of them.
     n_chunks = max(1, -(-len(replica_idx[0]) // chunk))
     mb = a.batches.evaluate(replica_idx, n_chunks, split)

@@ -1,9 +1,10 @@
 """Training data: what each actor reads, decided by (seed, epoch, step, dp rank) alone.
 
-Modules: ``source`` (the Source interface, TensorSource, Sharding: each replica's slice of every step,
-stable_seed, test_shard), ``order`` (the epoch order: ``--shuffle exact|block``), ``registry`` (``--data``
-name -> Source, loader workers), ``digits``, ``fashion_mnist``, ``synthetic``, ``folders`` (what an image
-folder holds and what is skipped), ``imagefolder`` (torchvision ImageFolder + DataLoader), ``small`` (image
+Modules: ``source`` (the Source interface, TensorSource, Sharding: each replica's share of every
+step, stable_seed, replica_test_indices), ``order`` (the epoch order: ``--shuffle exact|block``),
+``registry`` (``--data`` name -> Source, loader workers), ``digits``, ``fashion_mnist``, ``synthetic``,
+``folders`` (what an image folder holds and what is skipped),
+``imagefolder`` (torchvision ImageFolder + DataLoader), ``small`` (image
 and shard folders decoded once for ``--data-on-device``), ``on_device`` (uint8 image sets held on the actor's
 device, batches made there), ``augment`` (batched crop, flip, normalise and resize of NCHW uint8 tensors),
 ``augment_graph`` (that augmentation replayed as one CUDA graph), ``auto_augment`` (``--auto-augment``

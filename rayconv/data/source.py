@@ -106,12 +106,12 @@ class Sharding:
         return batch[split_slices(len(batch), self.dp)[replica]], len(batch)
 
 
-def val_shard(val: np.ndarray, dp: int, replica: int) -> np.ndarray:
+def replica_val_indices(val: np.ndarray, dp: int, replica: int) -> np.ndarray:
     """The validation indices (``Sharding.val_indices``) evaluated by ``replica``: each once over all."""
     return val[split_slices(len(val), dp)[replica]]
 
 
-def test_shard(test_size: int, dp: int, replica: int) -> np.ndarray:
+def replica_test_indices(test_size: int, dp: int, replica: int) -> np.ndarray:
     """Held-out indices evaluated by ``replica``: every sample exactly once over all replicas."""
     return np.arange(test_size)[split_slices(test_size, dp)[replica]]
 

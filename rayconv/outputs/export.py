@@ -21,7 +21,7 @@ def assemble(states: list[dict[str, torch.Tensor]], split_dims: dict[str, int]) 
     """One state_dict from the parts held by ``states`` (in rank order, one replica's actors).
 
     A key held by several parts is concatenated along ``split_dims[key]`` if it is a filter-split
-    shard, else (replicated) taken from the first holder.
+    slice, else (replicated) taken from the first holder.
     """
     out: dict[str, torch.Tensor] = {}
     keys = dict.fromkeys(k for s in states for k in s)

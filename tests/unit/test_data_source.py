@@ -49,10 +49,10 @@ def test_sharding_is_deterministic_and_depends_on_seed_and_epoch():
 
 
 @pytest.mark.parametrize("n, dp", [(359, 4), (360, 4), (6, 2), (3, 4), (1, 1), (17, 5)])
-def test_test_shard_covers_the_test_set_once(n, dp):
-    shards = [data_mod.test_shard(n, dp, r) for r in range(dp)]
-    assert np.array_equal(np.concatenate(shards), np.arange(n))
-    sizes = [len(s) for s in shards]
+def test_replica_test_indices_cover_the_test_set_once(n, dp):
+    shares = [data_mod.replica_test_indices(n, dp, r) for r in range(dp)]
+    assert np.array_equal(np.concatenate(shares), np.arange(n))
+    sizes = [len(s) for s in shares]
     assert max(sizes) - min(sizes) <= 1
 
 

@@ -15,7 +15,7 @@ import torch
 from rayconv.config import Config
 from rayconv.data.on_device import OnDeviceSource
 from rayconv.data.order import BlockOrder
-from rayconv.data.source import Sharding, TensorSource, val_shard
+from rayconv.data.source import Sharding, TensorSource, replica_val_indices
 from rayconv.data.synthetic import SyntheticSource
 from rayconv.driver.best import Best, load_best, write_best
 from rayconv.driver.loop import eval_figures, evaluates_test, selection_metric
@@ -54,7 +54,7 @@ def test_every_dp_and_a_resumed_run_see_the_same_batches():
         other = Sharding(N, BATCH, dp, seed=7, val_split=0.25)
         for epoch in range(2):
             assert np.array_equal(trained_indices(other, epoch, dp), trained_indices(one, epoch, 1))
-        shares = [val_shard(other.val_indices(), dp, r) for r in range(dp)]
+        shares = [replica_val_indices(other.val_indices(), dp, r) for r in range(dp)]
         assert np.array_equal(np.concatenate(shares), one.val_indices())   # each validation image once
     later = Sharding(N, BATCH, 2, seed=7, val_split=0.25)   # a resumed run: built afresh, mid-epoch 1
     assert np.array_equal(later.global_batch(1, 5), one.global_batch(1, 5))

@@ -1,7 +1,7 @@
-"""Data parallelism: identical start, then gradients summed over the replicas of each shard.
+"""Data parallelism: identical start, then gradients summed over the replicas of each part.
 
 Each replica's loss is ``sum of per-sample losses / global batch size`` (weights by sample count, so
-uneven shards and a last partial batch stay exact), hence the all-reduce is a plain SUM and one step
+uneven replica batches and a last partial batch stay exact), hence the all-reduce is a plain SUM and one step
 equals one single-device SGD step on the global batch (Yadan et al. 2013, section 3.1; the
 bucketing and overlap with the backward pass follow PyTorch DDP, Li et al. VLDB 2020, section 3.2).
 
