@@ -1,4 +1,4 @@
-"""The learning rate the driver hands each step: ``rayconv.recipe.lr_schedule.learning_rate`` on the run's
+"""The learning rate the driver hands each step: ``rayconv.recipe.lr_schedule.schedule_lr`` on the run's
 settings.
 
 ``--lr-warmup-epochs`` counts in epochs, the schedule in optimizer steps: the warm-up is
@@ -14,7 +14,7 @@ from typing import Optional
 
 from rayconv.config import Config
 from rayconv.errors import ConfigError
-from rayconv.recipe.lr_schedule import learning_rate as schedule_lr, scaled_lr
+from rayconv.recipe.lr_schedule import scaled_lr, schedule_lr
 
 
 def total_steps(cfg: Config, steps_per_epoch: int) -> int:

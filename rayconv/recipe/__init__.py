@@ -23,10 +23,10 @@ from rayconv.recipe.mix import (
     soft_targets,
 )
 from rayconv.recipe.optim import NORM_CLASSES, OPTIMIZERS, group_of, make_optimizer, param_groups
-from rayconv.recipe.lr_schedule import SCHEDULES, WARMUP_METHODS, learning_rate, scaled_lr
+from rayconv.recipe.lr_schedule import SCHEDULES, WARMUP_METHODS, scaled_lr, schedule_lr
 
 __all__ = ["DynamicLossScale", "MixDraw", "NORM_CLASSES", "OPTIMIZERS", "SCHEDULES", "PartEMA",
            "WARMUP_METHODS", "clip_", "clip_coefficient", "cross_entropy", "cutmix_box", "draw_mix",
-           "group_of", "learning_rate", "local_overflow", "local_sq_norm", "make_optimizer",
+           "group_of", "local_overflow", "local_sq_norm", "make_optimizer",
            "microbatch_loss", "mix_images", "mix_targets", "param_groups", "partner_positions", "scaled_lr",
-           "soft_targets", "torchvision_ema_decay", "unscale_"]
+           "schedule_lr", "soft_targets", "torchvision_ema_decay", "unscale_"]

@@ -3,7 +3,7 @@
 torchvision's reference recipe (references/classification/train.py: ``--lr-warmup-epochs``,
 ``--lr-warmup-method``, ``--lr-warmup-decay``, ``--lr-scheduler cosineannealinglr``, ``--lr-min``)
 chains ``LinearLR(start_factor=warmup_decay, total_iters=W)`` and ``CosineAnnealingLR(T_max=T - W,
-eta_min=min_lr)`` with ``SequentialLR``; ``learning_rate`` is that chain in closed form, counted in
+eta_min=min_lr)`` with ``SequentialLR``; ``schedule_lr`` is that chain in closed form, counted in
 optimizer steps rather than epochs: Goyal et al. 2017 ("Accurate, Large Minibatch SGD", section 2.2,
 gradual warm-up) raise the rate by a constant amount every iteration. A pure function of the step, so
 the driver can hand each step its rate and a resumed run continues on the same curve.
@@ -19,9 +19,9 @@ SCHEDULES = ("cosine", "constant")
 WARMUP_METHODS = ("linear", "constant")
 
 
-def learning_rate(step: int, total_steps: int, base_lr: float, warmup_steps: int = 0,
-                  warmup_decay: float = 0.01, schedule: str = "cosine", warmup_method: str = "linear",
-                  min_lr: float = 0.0) -> float:
+def schedule_lr(step: int, total_steps: int, base_lr: float, warmup_steps: int = 0,
+                warmup_decay: float = 0.01, schedule: str = "cosine", warmup_method: str = "linear",
+                min_lr: float = 0.0) -> float:
     """The learning rate of optimizer step ``step`` (0-based) in a run of ``total_steps`` steps.
 
     Warm-up, steps ``0 <= step < warmup_steps``: ``linear`` goes from ``base_lr * warmup_decay`` at step 0

@@ -21,7 +21,7 @@ from rayconv.models.convnet import ConvNet
 from rayconv.parallel.batchnorm import defer_batchnorm
 from rayconv.recipe.loss import cross_entropy, microbatch_loss
 from rayconv.recipe.optim import group_of, make_optimizer, param_groups
-from rayconv.recipe.lr_schedule import learning_rate, scaled_lr
+from rayconv.recipe.lr_schedule import scaled_lr, schedule_lr
 
 f64 = torch.float64
 
@@ -39,7 +39,7 @@ def _torch_lrs(schedulers, optimizer, steps: int) -> list[float]:
 
 
 @pytest.mark.parametrize("min_lr", [0.0, 0.003])
-def test_learning_rate_is_torchs_linear_warmup_then_cosine(min_lr: float) -> None:
+def test_schedule_lr_is_torchs_linear_warmup_then_cosine(min_lr: float) -> None:
     base, warm, total, decay = 0.4, 5, 23, 0.01
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=base)
     sched = torch.optim.lr_scheduler.SequentialLR(
@@ -51,44 +51,44 @@ def test_learning_rate_is_torchs_linear_warmup_then_cosine(min_lr: float) -> Non
         milestones=[warm],
     )
     want = _torch_lrs(sched, opt, total + 1)
-    got = [learning_rate(s, total, base, warm, decay, "cosine", min_lr=min_lr) for s in range(total + 1)]
+    got = [schedule_lr(s, total, base, warm, decay, "cosine", min_lr=min_lr) for s in range(total + 1)]
     assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
     assert got[0] == pytest.approx(base * decay) and got[warm] == pytest.approx(base)
-    assert learning_rate(total + 7, total, base, warm, decay, min_lr=min_lr) == pytest.approx(min_lr)
+    assert schedule_lr(total + 7, total, base, warm, decay, min_lr=min_lr) == pytest.approx(min_lr)
 
 
-def test_learning_rate_constant_warmup_and_constant_schedule() -> None:
+def test_schedule_lr_constant_warmup_and_constant_schedule() -> None:
     base, warm, total = 0.1, 4, 10
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=base)
     sched = torch.optim.lr_scheduler.ConstantLR(opt, factor=0.25, total_iters=warm)
     want = _torch_lrs(sched, opt, total)
-    got = [learning_rate(s, total, base, warm, 0.25, "constant", warmup_method="constant")
+    got = [schedule_lr(s, total, base, warm, 0.25, "constant", warmup_method="constant")
            for s in range(total)]
     assert got == pytest.approx(want, rel=1e-15)
-    assert [learning_rate(s, total, base, 0, schedule="constant") for s in range(total)] == [base] * total
+    assert [schedule_lr(s, total, base, 0, schedule="constant") for s in range(total)] == [base] * total
 
 
-def test_learning_rate_without_warmup_is_plain_cosine() -> None:
+def test_schedule_lr_without_warmup_is_plain_cosine() -> None:
     base, total = 0.05, 12
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=base)
     want = _torch_lrs(torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total), opt, total)
-    got = [learning_rate(s, total, base) for s in range(total)]
+    got = [schedule_lr(s, total, base) for s in range(total)]
     assert got == pytest.approx(want, rel=1e-12)
     assert got == pytest.approx([base * 0.5 * (1 + math.cos(math.pi * s / total)) for s in range(total)],
                                 rel=1e-15)
 
 
-def test_learning_rate_refusals() -> None:
+def test_schedule_lr_refusals() -> None:
     with pytest.raises(ConfigError, match="longer than the run"):
-        learning_rate(0, 5, 0.1, warmup_steps=6)
+        schedule_lr(0, 5, 0.1, warmup_steps=6)
     with pytest.raises(ConfigError, match="lr-warmup-decay"):
-        learning_rate(0, 5, 0.1, warmup_steps=2, warmup_decay=0.0)
+        schedule_lr(0, 5, 0.1, warmup_steps=2, warmup_decay=0.0)
     with pytest.raises(ConfigError, match="schedule"):
-        learning_rate(0, 5, 0.1, schedule="step")
+        schedule_lr(0, 5, 0.1, schedule="step")
     with pytest.raises(ConfigError, match="warmup-method"):
-        learning_rate(0, 5, 0.1, warmup_method="exp")
+        schedule_lr(0, 5, 0.1, warmup_method="exp")
     with pytest.raises(ConfigError, match=">= 0"):
-        learning_rate(-1, 5, 0.1)
+        schedule_lr(-1, 5, 0.1)
 
 
 def test_scaled_lr_is_goyals_linear_rule() -> None:

@@ -137,7 +137,7 @@ def test_warmup_epochs_become_steps_and_follow_recipe_schedule(method, sched):
     total = total_steps(cfg, spe)
     assert total == 230 and warmup_steps(cfg, spe) == warm * spe
     got = [learning_rate(cfg, s, total, spe) for s in range(total)]
-    want = [lr_schedule.learning_rate(s, total, 0.2, warm * spe, 0.05, sched, method) for s in range(total)]
+    want = [lr_schedule.schedule_lr(s, total, 0.2, warm * spe, 0.05, sched, method) for s in range(total)]
     assert got == want
     assert got[0] == pytest.approx(0.2 * 0.05) and got[warm * spe] == pytest.approx(0.2)
     if method == "linear":
