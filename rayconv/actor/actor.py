@@ -14,8 +14,8 @@ one ``ActorState`` that ``build`` builds. The rest, one concept a file under ``r
                 renewed or resting between runs, kept for the next command, SIGTERM, its end
     build.py    ``ActorState`` and ``build_actor``: device, process groups, the part of the model,
                 optimizer, compile, CUDA graph, the stage runner and its program
-    step.py     ``train_step`` (the step in the order it runs), ``sgd`` (its captured part), ``flush``,
-                ``evaluate``
+    step.py     ``train_step`` (the step in the order it runs), ``forward_backward_update`` (its captured
+                part), ``flush``, ``evaluate``
     recipe_step.py   the optimizer's groups, fp16 loss scaling, gradient clipping, the moving average
     batches.py  which micro-batches this actor reads, and what it announces to the loader
     loss.py     the loss of the last stage, micro-batch by micro-batch

@@ -38,7 +38,8 @@ class StepLoss:
         self.loss_sum: object = 0.0
         self.correct: object = 0
         self.correct5: object = None
-        self.held: Optional[torch.Tensor] = None   # ``pair()`` made at the end of a GPU step (``step.sgd``)
+        # ``pair()`` made at the end of a GPU step (``step.forward_backward_update``)
+        self.held: Optional[torch.Tensor] = None
 
     def __call__(self, m: int, out: torch.Tensor) -> torch.Tensor:
         logits = out.float() if out.dtype in (torch.bfloat16, torch.float16) else out

@@ -1,10 +1,10 @@
 """One actor's training step, in the order it runs (``train_step``): this step's batches, the dropout
 seeds, forward and backward through the pipeline schedule, the gradient all-reduce, the recipe (loss
-scale, clipping, LARS), the optimizer step, the batch-norm commit, the moving average, the metrics.
-The part from the forward pass to the batch-norm commit (``sgd``) is what a CUDA graph captures and
-replays (``cuda_graph.StepGraph``). Also ``flush`` (the last step's metrics) and ``evaluate``. Which
-micro-batches a step reads is ``batches.py``'s; its loss is ``loss.py``'s; the state it reads is
-``build.ActorState``.
+scale, clipping, LARS), the optimizer step, the batch-norm commit, the moving average, the metrics. The
+part from the forward pass to the batch-norm commit (``forward_backward_update``) is what a CUDA graph
+captures and replays (``cuda_graph.StepGraph``). Also ``flush`` (the last step's metrics) and
+``evaluate``. Which micro-batches a step reads is ``batches.py``'s; its loss is ``loss.py``'s; the state
+it reads is ``build.ActorState``.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def train_step(a: ActorState, step: int, lr: float, profile: bool, t0: float) ->
     loss_scale = a.recipe.loss_scale
     # 3-7. Forward/backward, all-reduce, recipe, update, batch-norm commit: eagerly, or the graph's replay.
     allreduce: dict[str, float] = {}
-    one_step = functools.partial(sgd, a, step, mb, global_count, profile, allreduce)
+    one_step = functools.partial(forward_backward_update, a, step, mb, global_count, profile, allreduce)
     a.runner.profile = profile
     comm.time_exchanges(profile, a.device)
     if profile:
@@ -117,8 +117,8 @@ def train_step(a: ActorState, step: int, lr: float, profile: bool, t0: float) ->
     return out
 
 
-def sgd(a: ActorState, step: int, mb: MicroBatches, global_count: int, profile: bool,
-        allreduce: dict[str, float]) -> tuple[StepResult, StepLoss]:
+def forward_backward_update(a: ActorState, step: int, mb: MicroBatches, global_count: int, profile: bool,
+                            allreduce: dict[str, float]) -> tuple[StepResult, StepLoss]:
     """The captured part of step ``step``: forward and backward of every micro-batch through the
     stage's schedule, the gradient all-reduce, the recipe (fp16 unscale and overflow agreement,
     clipping, LARS: ``recipe.py``), the update unless an overflow skips it (from the device learning
@@ -194,7 +194,8 @@ def _hold_scalars(a: ActorState, current: dict[str, Any], loss: StepLoss, stream
     if a.device.type != "cuda" or not isinstance(loss.loss_sum, torch.Tensor):
         return
     host = torch.empty(2, dtype=torch.float64, pin_memory=True)
-    host.copy_(loss.held, non_blocking=True)   # (made by ``sgd``, or by the capture a replay repeats)
+    # (made by ``forward_backward_update``, or by the capture a replay repeats)
+    host.copy_(loss.held, non_blocking=True)
     event = torch.cuda.Event()
     event.record(stream)
     current.update(loss_sum=host[0], correct=host[1], event=event)
