@@ -253,7 +253,7 @@ def _stage_runner(*, routing: Routing, mesh: Mesh, coord: Coord, groups: comm.Gr
     pp_ranks = groups.ranks["pp"]
     # Compiled segments end at the gradient bucket size, so all-reduce overlaps the backward pass.
     limit = sync.bucket_bytes if sync.group is not None else None
-    virtual, last_v = routing.virtual_stages(stage), mesh.pp * routing.schedule.num_chunks - 1
+    virtual, last_v = routing.virtual_stages(stage), mesh.pp * routing.schedule.virtual_stages - 1
     widths = [len(part)] if len(virtual) == 1 else [routing.stages[v][1] - routing.stages[v][0]
                                                     for v in virtual]
     chunks, offset = [], 0

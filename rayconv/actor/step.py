@@ -222,7 +222,7 @@ def evaluate(a: ActorState, split: str = "test") -> dict[str, Any]:
     mb = a.batches.evaluate(replica_idx, n_chunks, split)
     a.part.eval()
     a.train_mode = False
-    sched = forward_only(a.mesh.pp, n_chunks, a.routing.schedule.num_chunks)
+    sched = forward_only(a.mesh.pp, n_chunks, a.routing.schedule.virtual_stages)
     count = sum(len(r) for r in replica_idx) if a.per_layer else sum(mb.sizes)
     loss = StepLoss(mb.labels, max(1, count), top5=True)
     a.runner.run(sched.programs[a.coord.pp], p2p_posts(sched, a.coord.pp), mb.inputs, loss,

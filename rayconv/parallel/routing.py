@@ -67,7 +67,7 @@ class Routing:
 
     def virtual_stages(self, stage: int) -> list[int]:
         """Indices into ``stages`` of the chunks pipeline stage ``stage`` holds: ``stage + c * P``."""
-        return [stage + c * self.mesh.pp for c in range(self.schedule.num_chunks)]
+        return [stage + c * self.mesh.pp for c in range(self.schedule.virtual_stages)]
 
 
 def layer_profile(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, ...],
@@ -108,7 +108,7 @@ def build_part(routing: Routing, layers, stage: int, fs_index: int, fs_group, dp
     if routing.per_layer_plan == "krizhevsky2014":
         return krizhevsky2014(layers, routing.in_shape, list(routing.out_shapes), dp_index, routing.mesh.dp,
                               dp_group), None
-    if routing.schedule.num_chunks > 1:
+    if routing.schedule.virtual_stages > 1:
         # Interleaved 1F1B: the stage's chunks, one after the other (no filter split: the settings refuse it).
         return whole_part([layer for v in routing.virtual_stages(stage)
                            for layer in layers[routing.stages[v][0]:routing.stages[v][1]]]), None

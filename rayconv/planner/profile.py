@@ -51,11 +51,11 @@ class Profile:
         return self.in_elems if i == 0 else self.out_elems[i - 1]
 
 
-def chunks_of(costs: Sequence[float], num_chunks: int) -> list[tuple[int, int]]:
-    """The [start, end) layer ranges of ``num_chunks`` virtual stages minimising the largest sum of
+def chunks_of(costs: Sequence[float], num_virtual_stages: int) -> list[tuple[int, int]]:
+    """The [start, end) layer ranges of ``num_virtual_stages`` virtual stages minimising the largest sum of
     ``costs`` (one range when 1): the pipeline's own cut (``parallel.pipeline.stages.balance``), so that
     the model cuts where the run cuts. Raises LayoutError for more chunks than layers."""
-    return balance(costs, num_chunks) if num_chunks > 1 else [(0, len(costs))]
+    return balance(costs, num_virtual_stages) if num_virtual_stages > 1 else [(0, len(costs))]
 
 
 def stage_layers(chunks: Sequence[tuple[int, int]], pp: int, stage: int) -> list[int]:

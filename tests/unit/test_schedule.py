@@ -274,7 +274,7 @@ ALL_PLANS = (
 
 
 @pytest.mark.parametrize(
-    "sched", ALL_PLANS, ids=lambda s: f"{s.name}-{s.num_stages}-{s.num_microbatches}-{s.num_chunks}"
+    "sched", ALL_PLANS, ids=lambda s: f"{s.name}-{s.num_stages}-{s.num_microbatches}-{s.virtual_stages}"
 )
 def test_neighbours_batches_mirror_each_other(sched):
     """NCCL runs a group as one unit, so the k-th batch of stage a with stage b must hold exactly the
@@ -332,7 +332,7 @@ INTERLEAVED = [(2, 2, 2), (2, 4, 2), (2, 8, 2), (2, 4, 3), (3, 3, 2), (3, 6, 2),
 def test_interleaved_1f1b_is_valid_and_its_exchanges_complete_unbuffered(P, M, V):
     sched = interleaved_1f1b(P, M, V)
     validate(sched)  # programs, the unit-time simulation and check_exchanges
-    assert sched.num_chunks == V and all(len(p) == 2 * M * V for p in sched.programs)
+    assert sched.virtual_stages == V and all(len(p) == 2 * M * V for p in sched.programs)
 
 
 @pytest.mark.parametrize("P,M,V", [(2, 4, 2), (2, 8, 2), (4, 8, 2), (4, 16, 4)])

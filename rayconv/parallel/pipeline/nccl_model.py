@@ -32,7 +32,7 @@ def action_messages(schedule: Schedule, stage: int,
     ``"act"`` (a forward's output, sent to the next virtual stage), ``"grad"`` (a backward's input
     gradient, sent to the previous)."""
     P = schedule.num_stages
-    last = P * schedule.num_chunks - 1
+    last = P * schedule.virtual_stages - 1
     m, v = action.microbatch, action.chunk * P + stage
     if action.kind == FORWARD:
         recv = ("act", m, (v - 1) % P, stage, v - 1) if v > 0 else None
@@ -88,7 +88,7 @@ def counterparts(schedule: Schedule, events: list[list[tuple]]) -> dict[int, lis
             if a[1] != b[1]:
                 def what(msg: tuple) -> str:
                     return f"{msg[0]} of micro-batch {msg[1]}" + (
-                        f" (virtual stage {msg[4]})" if schedule.num_chunks > 1 else "")
+                        f" (virtual stage {msg[4]})" if schedule.virtual_stages > 1 else "")
                 raise ScheduleError(
                     f"schedule {schedule.name!r}: message {k} from stage {key[0]} to stage {key[1]} is "
                     f"{what(a[1])} but stage {key[1]} expects {what(b[1])}: messages between two stages "

@@ -169,7 +169,7 @@ def _round_posts(schedule: Schedule, stage: int) -> list[Post]:
     """The rounds of ``p2p_posts`` before mirroring: one batch (maybe empty) per action and one after."""
     prog = schedule.programs[stage]
     msgs = [action_messages(schedule, stage, a) for a in prog]
-    if schedule.num_chunks == 1 or not schedule.training:
+    if schedule.virtual_stages == 1 or not schedule.training:
         return [Post((i - 1,) if i > 0 and msgs[i - 1][1] is not None else (),
                      (i,) if i < len(prog) and msgs[i][0] is not None else ()) for i in range(len(prog) + 1)]
     return _InterleavedRounds(schedule, stage, msgs).posts()
@@ -184,7 +184,8 @@ class _InterleavedRounds:
     def __init__(self, schedule: Schedule, stage: int, msgs: list[tuple]):
         self.schedule, self.stage, self.msgs = schedule, stage, msgs
         self.prog = prog = schedule.programs[stage]
-        self.P, self.M, self.V = P, M, V = schedule.num_stages, schedule.num_microbatches, schedule.num_chunks
+        P, M, V = schedule.num_stages, schedule.num_microbatches, schedule.virtual_stages
+        self.P, self.M, self.V = P, M, V
         self.total = M * V
         self.first, self.last = stage == 0, stage == P - 1
         # The actions of each chunk that receive their input, in program order (consumed first in, first out).

@@ -84,7 +84,8 @@ class Schedule:
         num_stages: number of pipeline stages ``P``.
         num_microbatches: number of micro-batches ``M`` per step.
         programs: one tuple of actions per stage (index = stage), in run order.
-        num_chunks: model chunks per stage ``V`` (virtual stages ``P * V``; 1 unless interleaved).
+        virtual_stages: virtual stages (model chunks) per stage ``V`` (``P * V`` in all; 1 unless
+            interleaved).
         training: False for a forward-only program (evaluation: ``forward_only``), which has no ``B``.
 
     Construction does not check consistency; call ``validate`` for that.
@@ -94,7 +95,7 @@ class Schedule:
     num_stages: int
     num_microbatches: int
     programs: tuple[tuple[Action, ...], ...]
-    num_chunks: int = 1
+    virtual_stages: int = 1
     training: bool = True
 
 
@@ -162,7 +163,7 @@ def interleaved_warmup(P: int, M: int, V: int, stage: int) -> int:
     return M * V if M == P else min(M * V, (P - stage - 1) * 2 + (V - 1) * P)
 
 
-def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int = 2) -> Schedule:
+def interleaved_1f1b(num_stages: int, num_microbatches: int, virtual_stages: int = 2) -> Schedule:
     """Interleaved 1F1B (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
     Clusters Using Megatron-LM", section 2.2.2; Megatron-LM's
     ``forward_backward_pipelining_with_interleaving``): each of the ``P`` stages holds ``V`` model
@@ -173,11 +174,11 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int = 2
     ``V`` times as many point-to-point messages.
 
     Raises:
-        ValueError: if ``num_stages < 2``, ``num_microbatches < 1``, ``num_chunks < 2``, or
+        ValueError: if ``num_stages < 2``, ``num_microbatches < 1``, ``virtual_stages < 2``, or
             ``num_microbatches`` is not a multiple of ``num_stages`` (micro-batches enter in groups of P).
     """
     _check_sizes(num_stages, num_microbatches)
-    P, M, V = num_stages, num_microbatches, num_chunks
+    P, M, V = num_stages, num_microbatches, virtual_stages
     if P < 2:
         raise ValueError(f"interleaved 1F1B needs at least 2 pipeline stages (got --pp {P})")
     if not isinstance(V, int) or V < 2:
@@ -200,10 +201,10 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int = 2
             prog.append(action(BACKWARD, k))
         prog.extend(action(BACKWARD, k) for k in range(total - warmup, total))
         programs.append(tuple(prog))
-    return Schedule("interleaved", P, M, tuple(programs), num_chunks=V)
+    return Schedule("interleaved", P, M, tuple(programs), virtual_stages=V)
 
 
-def forward_only(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
+def forward_only(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
     """Evaluation: every stage runs ``F(m)`` of each of its chunks in turn, micro-batch after
     micro-batch (``F0c0 F0c1 F1c0 ...``); no backward.
 
@@ -211,18 +212,18 @@ def forward_only(num_stages: int, num_microbatches: int, num_chunks: int = 1) ->
         ValueError: if a size is below 1.
     """
     _check_sizes(num_stages, num_microbatches)
-    prog = tuple(Action(FORWARD, m, c) for m in range(num_microbatches) for c in range(num_chunks))
-    return Schedule("forward", num_stages, num_microbatches, (prog,) * num_stages, num_chunks=num_chunks,
-                    training=False)
+    prog = tuple(Action(FORWARD, m, c) for m in range(num_microbatches) for c in range(virtual_stages))
+    return Schedule("forward", num_stages, num_microbatches, (prog,) * num_stages,
+                    virtual_stages=virtual_stages, training=False)
 
 
 _BUILDERS: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
 SCHEDULE_NAMES: tuple[str, ...] = tuple(_BUILDERS)
 
 
-def make_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
+def make_schedule(name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
     """Build a schedule by name (one of ``SCHEDULE_NAMES``: ``"gpipe"``, ``"1f1b"``). With
-    ``num_chunks`` V > 1 (model chunks per stage) ``"1f1b"`` is ``interleaved_1f1b``.
+    ``virtual_stages`` V > 1 (model chunks per stage) ``"1f1b"`` is ``interleaved_1f1b``.
 
     Raises:
         ValueError: for an unknown ``name``, ``num_stages < 1``, ``num_microbatches < 1``, chunks with
@@ -230,12 +231,12 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks:
     """
     if name not in _BUILDERS:
         raise ValueError(f"unknown schedule {name!r}; allowed names: {', '.join(SCHEDULE_NAMES)}")
-    if num_chunks != 1:
+    if virtual_stages != 1:
         if name != "1f1b":
             raise ValueError(
-                f"model chunks per stage (got {num_chunks}) need the 1f1b schedule (interleaved), "
+                f"model chunks per stage (got {virtual_stages}) need the 1f1b schedule (interleaved), "
                 f"not {name}")
-        return interleaved_1f1b(num_stages, num_microbatches, num_chunks)
+        return interleaved_1f1b(num_stages, num_microbatches, virtual_stages)
     return _BUILDERS[name](num_stages, num_microbatches)
 
 
@@ -246,7 +247,7 @@ def check_programs(schedule: Schedule) -> None:
         raise ScheduleError(f"num_stages ({P}) and num_microbatches ({M}) must be >= 1")
     if len(schedule.programs) != P:
         raise ScheduleError(f"schedule has {len(schedule.programs)} programs but num_stages={P}")
-    V = schedule.num_chunks
+    V = schedule.virtual_stages
     kinds = (FORWARD, BACKWARD) if schedule.training else (FORWARD,)
     expected = {Action(k, m, c) for k in kinds for m in range(M) for c in range(V)}
     for s, prog in enumerate(schedule.programs):

@@ -37,7 +37,7 @@ def _dependency(schedule: Schedule, stage: int, action: Action) -> tuple[int, Ac
     v = action.chunk * P + stage
     if action.kind == FORWARD and v > 0:
         return (v - 1) % P, Action(FORWARD, action.microbatch, (v - 1) // P)
-    if action.kind == BACKWARD and v < P * schedule.num_chunks - 1:
+    if action.kind == BACKWARD and v < P * schedule.virtual_stages - 1:
         return (v + 1) % P, Action(BACKWARD, action.microbatch, (v + 1) // P)
     return None
 
@@ -67,10 +67,10 @@ def timeline(schedule: Schedule, forward: Optional[Sequence[float]] = None,
     """
     check_programs(schedule)
     P = schedule.num_stages
-    VP = P * schedule.num_chunks
+    VP = P * schedule.virtual_stages
     fwd = [1] * P if forward is None else list(forward)
     bwd = [1] * P if backward is None else list(backward)
-    fwd, bwd = (t * schedule.num_chunks if len(t) == P else t for t in (fwd, bwd))  # per virtual stage
+    fwd, bwd = (t * schedule.virtual_stages if len(t) == P else t for t in (fwd, bwd))  # per virtual stage
     links = [link] * max(VP - 1, 1) if isinstance(link, (int, float)) else list(link)
     assert len(fwd) == len(bwd) == VP and len(links) >= VP - 1, "one time per stage or per virtual stage"
     finish: dict[tuple[int, Action], float] = {}
