@@ -159,11 +159,11 @@ class Actor(ActorLifecycle):
 
     def checkpoint_start(self, step: int, where: Any) -> None:
         """Copy this actor's part of the checkpoint of ``step`` steps to host memory
-        (``state.checkpoint_part``) and return; a background thread writes it to ``where`` (the
+        (``state.checkpoint_rank_file``) and return; a background thread writes it to ``where`` (the
         checkpoint's folder: a ``storage.Location`` or a ``cluster.sink.SinkFolder``) as
         ``rank-<rank>.pt``. Waits first for this actor's previous write, if any."""
         self.saver.wait()
-        header, tensors, copied = self.code.state.checkpoint_part(self.a)
+        header, tensors, copied = self.code.state.checkpoint_rank_file(self.a)
         self.saver.start(step, where / f"rank-{self.a.rank}.pt", header, tensors, copied)
 
     def checkpoint_wait(self) -> Optional[dict[str, Any]]:

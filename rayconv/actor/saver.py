@@ -1,12 +1,14 @@
-"""An actor's checkpoint writes, in the background: the part of a checkpoint it holds
-(``state.checkpoint_part``: copied to host memory at the step boundary) serialised with ``torch.save`` and
-streamed to its place while training continues, with its size and sha256 for the driver's manifest.
+"""An actor's checkpoint writes, in the background: the rank file of a checkpoint it holds
+(``state.checkpoint_rank_file``: copied to host memory at the step boundary) serialised with
+``torch.save`` and streamed to its place while training continues, with its size and sha256 for the
+driver's manifest.
 
-Where a part goes: a ``storage.Location`` (a bucket, or a folder this node sees: written to a temporary
-name and renamed, so whole or absent) or a ``cluster.sink.SinkFolder`` (a writer on the driver's node,
-for a local ``--out`` that this node does not see). A write that fails is tried again (``TRIES`` in all,
-``RETRY_S`` apart, from the same host copy) and then reported as one line; a part written halfway is
-never resumed, since only the driver's manifest, written once every part is in, makes a checkpoint.
+Where a rank file goes: a ``storage.Location`` (a bucket, or a folder this node sees: written to a
+temporary name and renamed, so whole or absent) or a ``cluster.sink.SinkFolder`` (a writer on the
+driver's node, for a local ``--out`` that this node does not see). A write that fails is tried again
+(``TRIES`` in all, ``RETRY_S`` apart, from the same host copy) and then reported as one line; a rank
+file written halfway is never resumed, since only the driver's manifest, written once every rank file is
+in, makes a checkpoint.
 One write at a time: ``start`` waits for the one before (the driver collects each before the next).
 """
 
@@ -73,7 +75,7 @@ def open_stream(where: Any) -> Iterator[BinaryIO]:
     stream.close()
 
 
-def write_part(where: Any, obj: dict[str, Any]) -> dict[str, Any]:
+def write_rank_file(where: Any, obj: dict[str, Any]) -> dict[str, Any]:
     """``torch.save(obj)`` streamed to ``where``; returns {name, bytes, sha256}."""
     with open_stream(where) as f:
         out = _Hashing(f)
@@ -82,7 +84,7 @@ def write_part(where: Any, obj: dict[str, Any]) -> dict[str, Any]:
 
 
 class Saver:
-    """One checkpoint part written at a time by a background thread; its result (``step`` and
+    """One rank file written at a time by a background thread; its result (``step`` and
     ``files`` [{name, bytes, sha256}], or ``step`` and ``error``, one line) is handed over once,
     by ``finished`` (polled with each step's metrics) or ``wait``."""
 
@@ -107,7 +109,7 @@ class Saver:
                 if i:
                     time.sleep(RETRY_S[min(i, len(RETRY_S)) - 1])
                 try:
-                    meta = write_part(where, {**header, "tensors": tensors})
+                    meta = write_rank_file(where, {**header, "tensors": tensors})
                     self._result = {"step": step, "files": [meta], "write_s": time.perf_counter() - t0}
                     return
                 except Exception as e:  # noqa: BLE001 - reported in one line by the driver

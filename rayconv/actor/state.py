@@ -1,8 +1,8 @@
-"""State in and out of an actor: its parameters and buffers (``state``, ``load_state``), the dimensions filter
-split cuts (``split_dims``), its rank file (``rank_file``, ``checkpoint_part``: the part of a checkpoint it
-writes, ``load_rank_file``: model, optimizer, loss-scale, moving-average and RNG states); ``weights`` swaps
-the moving average in (``state``, and ``evaluate`` in ``worker.py``). Each reads the actor's
-``build.ActorState``.
+"""State in and out of an actor: its parameters and buffers (``state``, ``load_state``), the dimensions
+filter split cuts (``split_dims``), its rank file (``rank_file``, ``checkpoint_rank_file``: the rank
+file of a checkpoint it writes, ``load_rank_file``: model, optimizer, loss-scale, moving-average and RNG
+states); ``weights`` swaps the moving average in (``state``, and ``evaluate`` in ``worker.py``). Each
+reads the actor's ``build.ActorState``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from rayconv.actor.build import ActorState
-from rayconv.outputs.parts import part_of, split_payload
+from rayconv.outputs.rank_files import rank_file_of, split_payload
 from rayconv.outputs.reshard import PER_LAYER, cut_part, optimizer_param_names, split_position
 
 
@@ -72,7 +72,7 @@ def rank_payload(a: ActorState, copy: bool) -> dict[str, Any]:
     scale's state (``loss_scale``, None without fp16), the moving average's (``ema``, None without
     --model-ema) and RNG states, all tensors and plain types (loads with ``weights_only=True``).
     ``copy`` False: the model's, optimizer's and moving average's tensors are the live ones (on the
-    device; ``checkpoint_part`` copies those it writes)."""
+    device; ``checkpoint_rank_file`` copies those it writes)."""
     np_state = np.random.get_state()
     rng = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
            "numpy_pos": int(np_state[2]), "numpy_has_gauss": int(np_state[3]),
@@ -92,8 +92,8 @@ def rank_payload(a: ActorState, copy: bool) -> dict[str, Any]:
             "part_names": list(a.parallel.names)}
 
 
-def checkpoint_part(a: ActorState) -> tuple[dict[str, Any], dict[str, torch.Tensor], Any]:
-    """What this actor writes of a checkpoint (``outputs.parts``): (its file's object without the
+def checkpoint_rank_file(a: ActorState) -> tuple[dict[str, Any], dict[str, torch.Tensor], Any]:
+    """What this actor writes of a checkpoint (``outputs.rank_files``): (its file's object without the
     tensors, the tensors dealt to it copied to host memory, pinned on a GPU, and a CUDA event the
     copies are done at, or None). Only the copies are taken here; serialising them is the caller's
     (in the background)."""
@@ -101,7 +101,7 @@ def checkpoint_part(a: ActorState) -> tuple[dict[str, Any], dict[str, torch.Tens
              for k, _ in sub.named_buffers()}
     skeleton, entries = split_payload(rank_payload(a, copy=False), names,
                                       a.routing.per_layer_plan == PER_LAYER and a.mesh.dp > 1)
-    header, mine = part_of(skeleton, entries, a.coord.dp, a.mesh.dp)
+    header, mine = rank_file_of(skeleton, entries, a.coord.dp, a.mesh.dp)
     done = None
     if a.device.type == "cuda":
         host = {e: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)

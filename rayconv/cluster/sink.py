@@ -1,12 +1,12 @@
-"""Checkpoint parts to a local ``--out`` from actors on other nodes: a writer on the driver's node.
+"""Checkpoint rank files to a local ``--out`` from actors on other nodes: a writer on the driver's node.
 
 An ``--out`` that is a plain path (or ``file://``) is the driver node's disk. Actors on the driver's
-node write their parts there themselves; where an actor runs on another node, which may not see that
-folder (no shared file system), its part goes to ``PartSink``, a Ray actor pinned to the driver's node
-(``NodeAffinitySchedulingStrategy``, no CPU reserved), in ``CHUNK_BYTES`` pieces with one in flight,
-so neither side holds the whole part in memory; the sink writes each file to a temporary name, fsyncs
-and renames it (whole or absent). ``needs_sink`` decides which actors use it (the driver's console
-says which); a bucket is written by every actor directly.
+node write their rank files there themselves; where an actor runs on another node, which may not see
+that folder (no shared file system), its rank file goes to ``RankFileSink``, a Ray actor pinned to the
+driver's node (``NodeAffinitySchedulingStrategy``, no CPU reserved), in ``CHUNK_BYTES`` pieces with one
+in flight, so neither side holds the whole rank file in memory; the sink writes each file to a temporary
+name, fsyncs and renames it (whole or absent). ``needs_sink`` decides which actors use it (the driver's
+console says which); a bucket is written by every actor directly.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import ray
 CHUNK_BYTES = 8 << 20
 
 
-class PartSink:
+class RankFileSink:
     """The files being written through this node (``open`` / ``append`` / ``commit`` / ``abort``)."""
 
     def __init__(self) -> None:
@@ -81,7 +81,7 @@ class _Chunks:
 
 @dataclass
 class SinkFolder:
-    """A folder on the driver's node written through ``sink`` (a ``PartSink`` handle); ``/`` names a
+    """A folder on the driver's node written through ``sink`` (a ``RankFileSink`` handle); ``/`` names a
     file in it, whose ``stream()`` is what ``actor.saver.open_stream`` writes to."""
 
     sink: Any
@@ -111,13 +111,13 @@ class SinkFolder:
 
 
 def needs_sink(local: bool, driver_node: str, actor_nodes: Sequence[Optional[str]]) -> list[bool]:
-    """Which actors send their parts through the driver's node: those on another node, where the
+    """Which actors send their rank files through the driver's node: those on another node, where the
     checkpoint's place is ``local`` (a path on the driver's disk); none for a bucket."""
     return [local and node != driver_node for node in actor_nodes]
 
 
 def start_sink(driver_node: str) -> Any:
-    """A ``PartSink`` on the driver's node (no CPU reserved)."""
+    """A ``RankFileSink`` on the driver's node (no CPU reserved)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-    return ray.remote(num_cpus=0)(PartSink).options(
+    return ray.remote(num_cpus=0)(RankFileSink).options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(driver_node, soft=False)).remote()

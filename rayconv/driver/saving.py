@@ -1,21 +1,21 @@
 """Checkpoints written by the actors, in the background; the driver writes each one's manifest, last.
 
-At a checkpoint's step boundary (``start``) every actor copies its part of the state to host memory
+At a checkpoint's step boundary (``start``) every actor copies what its rank file holds to host memory
 (``Actor.checkpoint_start``: one copy of each tensor over the data-parallel replicas,
-``outputs/parts.py``) and returns; training continues while each actor's background thread serialises
-and writes ``rank-<r>.pt`` into ``<out>/checkpoints/step-<k>/`` (``actor/saver.py``). The actors report
-each file's name, size and sha256 with a later step's metrics (``note``, the loop's poll) or when asked
-(``settle``: before the next checkpoint, before the run's end, before a layout change or a test hook);
-once all have, the driver writes ``metrics.parquet`` and then ``manifest.json`` (on a thread of its own
-when the poll completes it, so that the step loop never waits on a disk), which alone makes the
-checkpoint complete (``checkpoint.write_manifest``), and prunes to --keep-checkpoints. No tensor passes
-through the driver. A write that failed (after the actors' retries) is one line; the previous checkpoint
-stays the newest complete one and the parts written are removed at the next checkpoint
+``outputs/rank_files.py``) and returns; training continues while each actor's background thread
+serialises and writes ``rank-<r>.pt`` into ``<out>/checkpoints/step-<k>/`` (``actor/saver.py``). The
+actors report each file's name, size and sha256 with a later step's metrics (``note``, the loop's poll)
+or when asked (``settle``: before the next checkpoint, before the run's end, before a layout change or a
+test hook); once all have, the driver writes ``metrics.parquet`` and then ``manifest.json`` (on a thread
+of its own when the poll completes it, so that the step loop never waits on a disk), which alone makes
+the checkpoint complete (``checkpoint.write_manifest``), and prunes to --keep-checkpoints. No tensor
+passes through the driver. A write that failed (after the actors' retries) is one line; the previous
+checkpoint stays the newest complete one and the rank files written are removed at the next checkpoint
 (``checkpoint.remove_partial``), as are those a stopped run left.
 
-Where the parts go (``route``, said once on the console): a bucket, or a local ``--out`` on the
+Where the rank files go (``route``, said once on the console): a bucket, or a local ``--out`` on the
 driver's disk, which actors on the driver's node write directly; an actor on another node (which may
-not see that disk) streams its part through a writer on the driver's node (``cluster/sink.py``).
+not see that disk) streams its rank file through a writer on the driver's node (``cluster/sink.py``).
 
 ``RAYCONV_SYNC_CHECKPOINTS=1`` keeps the synchronous form (each actor's whole state through the driver,
 written before training continues: format 1), for the benchmark's comparison
@@ -85,7 +85,7 @@ def route(run: Any, group: ActorGroup) -> Route:
     r = Route(group, through, start_sink(driver) if any(through) else None)
     where = describe(out / "checkpoints")
     n = sum(through)
-    run.log(f"rayconv: checkpoints to {where}: each actor writes its own part"
+    run.log(f"rayconv: checkpoints to {where}: each actor writes its own rank file"
             + (f"; {n} actors on other nodes send theirs through a writer on the driver's node (the folder "
                "is this node's disk)" if n else ""))
     run.ckpt_route = r
@@ -105,7 +105,7 @@ def start(run: Any, group: ActorGroup, step: int, manifest: dict[str, Any], wait
         return folder
     r = route(run, group)
     folder = out / "checkpoints" / f"step-{step}"
-    try:   # (parts of checkpoints that never completed; this step's, written again: its manifest first)
+    try:   # (rank files of checkpoints that never completed; this step's, written again: its manifest first)
         remove(folder / "manifest.json")
         remove_partial(out)
         remove(folder)
@@ -131,7 +131,7 @@ def note(run: Any, results: list[dict[str, Any]]) -> None:
         if saved is not None and w is not None and saved["step"] == w.step:
             _take(w, saved)
     if w is not None and len(w.results) + len(w.errors) >= w.world_size:
-        # (on a thread: an fsync of the manifest can wait behind the parts' own writes to the same disk)
+        # (on a thread: an fsync of the manifest can wait behind the rank files' own writes to the same disk)
         run.writing = None
         run.completing = threading.Thread(target=_complete, args=(run, w), name=f"manifest-{w.step}",
                                           daemon=True)
@@ -141,7 +141,7 @@ def note(run: Any, results: list[dict[str, Any]]) -> None:
 def settle(run: Any, group: Optional[ActorGroup], timeout_s: Optional[float] = None,
            quiet: bool = False) -> None:
     """Wait for the checkpoint being written (if ``group``'s actors write it) and complete it; one being
-    written by actors that are gone (a recovery) is dropped, its parts removed at the next checkpoint.
+    written by actors that are gone (a recovery) is dropped, its rank files removed at the next checkpoint.
     ``quiet``: a failure to wait (the actors stopped, ``timeout_s`` passed) drops it instead of raising
     (a run being stopped)."""
     done: Optional[threading.Thread] = getattr(run, "completing", None)
@@ -179,11 +179,11 @@ def _take(w: Writing, saved: dict[str, Any]) -> None:
 
 
 def _complete(run: Any, w: Writing) -> None:
-    """The manifest of ``w`` once every part is in (``metrics.parquet`` first), or its failure's line."""
+    """The manifest of ``w`` once every rank file is in (``metrics.parquet`` first), or its failure's line."""
     out = run.resolved.out
     if not w.errors and len(w.results) < w.world_size:
         missing = w.world_size - len(w.results)
-        w.errors.append(f"{missing} of the {w.world_size} actors' parts were not reported")
+        w.errors.append(f"{missing} of the {w.world_size} actors' rank files were not reported")
     if not w.errors:
         try:
             files = [w.results[f"rank-{r}.pt"] for r in range(w.world_size)]

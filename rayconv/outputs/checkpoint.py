@@ -17,7 +17,7 @@ manifest first.
 
 Two forms of rank files are read (the manifest's ``format``): 2, written by the actors themselves in
 the background (``actor/saver.py``), each holding its actor's skeleton and the tensors dealt to it, one
-copy of each tensor over the data-parallel replicas (``outputs/parts.py``), straight into ``step-<k>/``
+copy of each tensor over the data-parallel replicas (``outputs/rank_files.py``), straight into ``step-<k>/``
 on a disk too, where the driver then writes ``metrics.parquet`` and the manifest (``write_manifest``)
 once every actor reported its file's size and sha256; and 1, whole actor states passed through the
 driver (``write_checkpoint``). A ``step-<k>/`` without a manifest is incomplete on a disk too.
@@ -43,7 +43,7 @@ from rayconv.storage import Location, Place, place, remove, storage_errors
 from rayconv.storage_checks import check_readable
 
 FORMAT = 1          # rank files of whole actor states, written by the driver
-PART_FORMAT = 2     # rank files written by the actors, one copy of each tensor (outputs/parts.py)
+RANK_FILE_FORMAT = 2     # rank files written by the actors, one copy of each tensor (outputs/rank_files.py)
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 _OTHER_LAYOUT: set[Any] = set()  # checkpoint folders check_resumable found saved under another layout
@@ -70,7 +70,7 @@ def latest_checkpoint(out: Place) -> Optional[Place]:
 
 def remove_partial(out: Place, keep: Optional[int] = None) -> list[str]:
     """Delete unfinished checkpoints: ``step-<k>.tmp`` folders, and ``step-<k>`` folders without a
-    manifest (parts written for a checkpoint that never completed: an interrupted write, an upload
+    manifest (rank files written for a checkpoint that never completed: an interrupted write, an upload
     that failed), but step ``keep``'s. Returns the names removed."""
     root = _place(out) / "checkpoints"
     gone = []
@@ -92,7 +92,7 @@ def write_manifest(folder: Place, step: int, manifest: dict[str, Any], files: li
     for name, data in (extra or {}).items():
         _write_whole(folder / name, data)
         listed.append({"name": name, "bytes": len(data), "sha256": sha256(data)})
-    body = {**manifest, "format": PART_FORMAT, "step": step, "files": listed}
+    body = {**manifest, "format": RANK_FILE_FORMAT, "step": step, "files": listed}
     _write_whole(folder / MANIFEST, (json.dumps(body, indent=2) + "\n").encode())
     if isinstance(folder, Path):
         fsync_dir(folder)
@@ -193,7 +193,7 @@ class Checkpoint:
     def payloads(self) -> list[dict[str, Any]]:
         """Every rank's whole state (``actor.state.rank_payload``'s form), in rank order, made once."""
         if self._payloads is None:
-            from rayconv.outputs.parts import payloads_of  # (torch: loaded once a run is set up)
+            from rayconv.outputs.rank_files import payloads_of  # (torch: loaded once a run is set up)
             self._payloads = payloads_of(self.files, self.layout)
         return self._payloads
 
@@ -275,7 +275,7 @@ def load_checkpoint(path: str | Path | Location) -> Checkpoint:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} cannot be read ({e}): resume from another "
                               "checkpoint") from None
-    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, PART_FORMAT) \
+    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, RANK_FILE_FORMAT) \
             or "files" not in manifest:
         raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} is not a rayconv checkpoint manifest (format "
                               f"{FORMAT}): resume from a folder written by --checkpoint-every")

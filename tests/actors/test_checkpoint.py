@@ -39,7 +39,7 @@ def ck_config(out: Path, **kw) -> Config:
 
 
 def rank_file(ckpt: Path, rank: int) -> dict:
-    """Rank ``rank``'s whole state, rebuilt from the parts the actors wrote (each tensor once)."""
+    """Rank ``rank``'s whole state, rebuilt from the rank files the actors wrote (each tensor once)."""
     return load_checkpoint(ckpt).payloads()[rank]
 
 

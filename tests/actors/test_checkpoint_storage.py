@@ -139,7 +139,7 @@ def test_a_server_stopped_mid_run_costs_that_checkpoint_only(s3, tmp_path):
 
 
 def test_a_step_folder_without_manifest_is_never_resumed(stopped, s3, tmp_path):
-    """Parts of a checkpoint whose manifest never came (an upload cut short), on a disk and in the
+    """Rank files of a checkpoint whose manifest never came (an upload cut short), on a disk and in the
     bucket: not listed, not resumed, refused in one line when named, removed at the next checkpoint."""
     from rayconv.errors import CheckpointError
     from rayconv.outputs.checkpoint import find_checkpoint, remove_partial
@@ -158,21 +158,21 @@ def test_a_step_folder_without_manifest_is_never_resumed(stopped, s3, tmp_path):
 
 
 def test_parts_reach_a_local_folder_through_the_drivers_node(s3, tmp_path, monkeypatch):
-    """An actor on another node than a local --out's: its part streams in pieces to a writer on the
+    """An actor on another node than a local --out's: its rank file streams in pieces to a writer on the
     driver's node (cluster/sink.py), whole or absent, with the size and sha256 the manifest lists."""
     import hashlib
     import io
 
     import ray
 
-    from rayconv.actor.saver import write_part
+    from rayconv.actor.saver import write_rank_file
     from rayconv.cluster import sink
     assert sink.needs_sink(True, "a", ["a", "b"]) == [False, True]
     assert sink.needs_sink(False, "a", ["a", "b"]) == [False, False]   # (a bucket: every actor writes)
     monkeypatch.setattr(sink, "CHUNK_BYTES", 1000)   # (many pieces)
     writer = sink.start_sink(ray.get_runtime_context().get_node_id())
     obj = {"tensors": {"w": torch.arange(5000, dtype=torch.float64)}}
-    meta = write_part(sink.SinkFolder(writer, str(tmp_path / "step-2")) / "rank-1.pt", obj)
+    meta = write_rank_file(sink.SinkFolder(writer, str(tmp_path / "step-2")) / "rank-1.pt", obj)
     data = (tmp_path / "step-2" / "rank-1.pt").read_bytes()
     assert meta == {"name": "rank-1.pt", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     assert torch.equal(torch.load(io.BytesIO(data), weights_only=True)["tensors"]["w"], obj["tensors"]["w"])

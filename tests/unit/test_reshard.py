@@ -18,7 +18,7 @@ from rayconv.errors import CheckpointError
 from rayconv.mesh import Mesh
 from rayconv.models import build_model, to_layers
 from rayconv.outputs.checkpoint import Checkpoint, rank_file_for
-from rayconv.outputs.parts import deal, entries_of, part_of, rank_payloads, split_payload
+from rayconv.outputs.rank_files import deal, entries_of, rank_file_of, rank_payloads, split_payload
 from rayconv.outputs.reshard import cut_part, join, optimizer_param_names, split_position, whole_blob
 from rayconv.parallel.routing import build_part, make_routing
 from rayconv.recipe.ema import PartEMA
@@ -208,7 +208,7 @@ def test_rank_file_for_sends_the_whole_state_under_another_layout():
 
 @pytest.mark.parametrize("name", ["dp2xpp2", "krizhevsky2014", "pp2xfs2"])
 def test_parts_hold_each_tensor_once_and_rebuild_every_rank(name):
-    """The actors' checkpoint parts (outputs.parts): the dp replicas of a position write its tensors once
+    """The actors' rank files (outputs.rank_files): the dp replicas of a position write its tensors once
     between them (bytes near one replica's), buffers from replica 0, the per-layer plan's dp slices each
     its own; every rank's payload rebuilt from the files equals its own, and joins to the same whole."""
     model, layers = model_layers()
@@ -218,7 +218,7 @@ def test_parts_hold_each_tensor_once_and_rebuild_every_rank(name):
     files, written = [], 0
     for p in payloads:
         skeleton, entries = split_payload(p, buffers, per_layer)
-        header, mine = part_of(skeleton, entries, p["coord"][0], layout["dp"])
+        header, mine = rank_file_of(skeleton, entries, p["coord"][0], layout["dp"])
         written += sum(t.numel() * t.element_size() for t in mine.values())
         files.append(torch.load(io.BytesIO(_bytes({**header, "tensors": mine})), weights_only=True))
     def size(ps):

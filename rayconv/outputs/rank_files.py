@@ -29,7 +29,7 @@ import torch
 
 from rayconv.errors import CheckpointError
 
-PART_FORMAT = 2
+RANK_FILE_FORMAT = 2
 BUFFER, OWN, SHARED = "buffer", "own", "shared"
 HELD = "\0entry"   # what a skeleton holds in an entry's place
 
@@ -101,23 +101,23 @@ def deal(sizes: dict[str, tuple[int, str]], dp: int) -> dict[str, int]:
     return out
 
 
-def part_of(skeleton: dict[str, Any], entries: dict[str, tuple[torch.Tensor, str]], replica: int,
+def rank_file_of(skeleton: dict[str, Any], entries: dict[str, tuple[torch.Tensor, str]], replica: int,
             dp: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """What replica ``replica`` of ``dp`` writes: (the file's object with its tensors left out, the
     tensors it holds by entry). The tensors are those given (copy them first if they may change)."""
     writer = deal({e: (t.numel() * t.element_size(), kind) for e, (t, kind) in entries.items()}, dp)
     mine = {e: t for e, (t, kind) in entries.items() if kind == OWN or writer.get(e) == replica}
     own = [e for e, (_, kind) in entries.items() if kind == OWN]
-    return {"format": PART_FORMAT, "skeleton": skeleton, "own": own}, mine
+    return {"format": RANK_FILE_FORMAT, "skeleton": skeleton, "own": own}, mine
 
 
 def payloads_of(files: dict[str, bytes], layout: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every rank's payload (``rank_payload``'s form), in rank order, from a checkpoint's verified
-    files (``Checkpoint.files``) of either form: whole states (format 1) as they are, parts (format 2)
-    through ``rank_payloads``."""
+    """Every rank's payload (``rank_payload``'s form), in rank order, from a checkpoint's verified files
+    (``Checkpoint.files``) of either form: whole states (format 1) as they are, dealt rank files (format
+    2) through ``rank_payloads``."""
     loaded = [torch.load(io.BytesIO(files[f"rank-{r}.pt"]), map_location="cpu", weights_only=True)
               for r in range(int(layout["world_size"]))]
-    return rank_payloads(loaded, layout) if loaded and loaded[0].get("format") == PART_FORMAT else loaded
+    return rank_payloads(loaded, layout) if loaded and loaded[0].get("format") == RANK_FILE_FORMAT else loaded
 
 
 def rank_payloads(files: list[dict[str, Any]], layout: dict[str, Any]) -> list[dict[str, Any]]:
