@@ -518,3 +518,49 @@ def test_modules_taking_kept_actors_start_nothing_on_the_cluster_themselves():
              for c in starts_on_the_cluster(p.read_text(), str(p.relative_to(REPO)))]
     assert not found, "takes_kept_actors: its tests make rayconv runs only (or drop the mark): " + \
         "; ".join(found)
+
+
+# Names retired so that each concept has one word (docs/architecture.md's glossary): "shard" is a data
+# file of a prepared folder, a filter split makes slices, a checkpoint holds rank files, a replica
+# reads its share of the batch, "part" is the layers one actor holds, V is ``virtual_stages``.
+RETIRED = {
+    "_shard_module": "_slice_module", "_on_shard": "_on_slice", "sharded": "sliced",
+    "sharded_costs": "sliced_costs", "val_shard": "replica_val_indices",
+    "test_shard": "replica_test_indices", "num_chunks": "virtual_stages", "sgd": "forward_backward_update",
+    "part_of": "rank_file_of", "write_part": "write_rank_file", "checkpoint_part": "checkpoint_rank_file",
+    "PartSink": "RankFileSink", "PART_FORMAT": "RANK_FILE_FORMAT",
+}
+ONE_DEFINITION = ("learning_rate",)   # defined once in rayconv/ (the schedule's closed form: schedule_lr)
+
+
+def retired_names(source: str, where: str = "") -> list[str]:
+    """``where:line: name -> its word`` for every identifier of ``source`` that ``RETIRED`` names
+    (strings and comments are not identifiers: a flag or a quoted choice such as "sgd" stays)."""
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    return [f"{where}:{t.start[0]}: {t.string} -> {RETIRED[t.string]}" for t in tokens
+            if t.type == tokenize.NAME and t.string in RETIRED]
+
+
+def definitions(name: str, root: Path = PACKAGE) -> list[str]:
+    """Where a function or class called ``name`` is defined under ``root``."""
+    return [f"{p.relative_to(root.parent)}:{n.lineno}" for p in sorted(root.rglob("*.py"))
+            for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == name]
+
+
+def test_the_retired_names_check(tmp_path):
+    source = 'OPT = "sgd"  # sharded\ndef sgd(num_chunks):\n    return num_chunks.sharded\n'
+    assert retired_names(source) == [":2: sgd -> forward_backward_update", ":2: num_chunks -> virtual_stages",
+                                     ":3: num_chunks -> virtual_stages", ":3: sharded -> sliced"]
+    (tmp_path / "a.py").write_text("def learning_rate():\n    pass\n")
+    (tmp_path / "b.py").write_text("class learning_rate:\n    pass\n")
+    assert definitions("learning_rate", tmp_path) == [f"{tmp_path.name}/a.py:1", f"{tmp_path.name}/b.py:1"]
+
+
+def test_no_retired_name_and_one_definition_per_word():
+    """rayconv/ uses one word per concept: no identifier ``RETIRED`` names, and a word of
+    ``ONE_DEFINITION`` is defined once."""
+    found = [r for p in modules().values() for r in retired_names(p.read_text(), str(p.relative_to(REPO)))]
+    assert not found, "retired names (use the glossary's word): " + "; ".join(found)
+    twice = {name: where for name in ONE_DEFINITION if len(where := definitions(name)) > 1}
+    assert not twice, f"defined more than once (name them after what each computes): {twice}"
