@@ -21,7 +21,7 @@ index arrays it will ask ``images`` for, in order -- for training the next epoch
 last step is under way (``announce_next``: the next epoch's first batches are read and made while the
 last step computes and the evaluation runs), the rest of the epoch at an actor's first step (after a
 resume) or at an epoch's first step that was not announced ahead, each step's own samples followed
-by their partners' when mixing; for evaluation every chunk. A source that decodes files starts
+by their partners' when mixing; for evaluation every micro-batch. A source that decodes files starts
 decoding them then. ``Batches.announce`` is the one place that announces.
 """
 
@@ -174,16 +174,17 @@ class Batches:
         labels, before_forward = self._labels("train", replica_idx, n_mb, graph, mix)
         return MicroBatches([s.stop - s.start for s in slices], inputs, labels, before_forward)
 
-    def evaluate(self, replica_idx: list[np.ndarray], n_chunks: int, split: str = "test") -> MicroBatches:
-        """The held-out shard of ``split`` ("test", or "val") in ``n_chunks`` chunks, read chunk by
-        chunk (it can be far larger than a batch), announced first."""
+    def evaluate(self, replica_idx: list[np.ndarray], n_microbatches: int,
+                 split: str = "test") -> MicroBatches:
+        """This replica's share of the held-out ``split`` ("test", or "val") in ``n_microbatches``
+        micro-batches, read one at a time (it can be far larger than a batch), announced first."""
         idx = replica_idx[self.coord.dp]
-        slices = split_slices(len(idx), n_chunks)
+        slices = split_slices(len(idx), n_microbatches)
         self.announce(split, 0, [idx[sl] for sl in slices])
         inputs = lambda m: None  # noqa: E731
         if self.is_first:
             inputs = lambda m: self._images(split, idx[slices[m]], 0)  # noqa: E731
-        labels, before_forward = self._labels(split, replica_idx, n_chunks, None)
+        labels, before_forward = self._labels(split, replica_idx, n_microbatches, None)
         return MicroBatches([s.stop - s.start for s in slices], inputs, labels, before_forward)
 
     def _images(self, split: str, idx: np.ndarray, epoch: int) -> torch.Tensor:

@@ -215,14 +215,14 @@ def evaluate(a: ActorState, split: str = "test") -> dict[str, Any]:
     held-out set of ``split`` ("test", or "val": --val-split's images of the train split; each sample
     once), with the weights the part holds now."""
     replica_idx = a.batches.test_indices(split)
-    chunk = max(1, a.cfg.global_batch_size // a.mesh.dp)
-    # The same number of chunks on every replica (replica 0's share is the largest): the per-layer
+    per_microbatch = max(1, a.cfg.global_batch_size // a.mesh.dp)
+    # The same number of micro-batches on every replica (replica 0's share is the largest): the per-layer
     # plan's batch gather is a collective over all of them.
-    n_chunks = max(1, -(-len(replica_idx[0]) // chunk))
-    mb = a.batches.evaluate(replica_idx, n_chunks, split)
+    n_microbatches = max(1, -(-len(replica_idx[0]) // per_microbatch))
+    mb = a.batches.evaluate(replica_idx, n_microbatches, split)
     a.part.eval()
     a.train_mode = False
-    sched = forward_only(a.mesh.pp, n_chunks, a.routing.schedule.virtual_stages)
+    sched = forward_only(a.mesh.pp, n_microbatches, a.routing.schedule.virtual_stages)
     count = sum(len(r) for r in replica_idx) if a.per_layer else sum(mb.sizes)
     loss = StepLoss(mb.labels, max(1, count), top5=True)
     a.runner.run(sched.programs[a.coord.pp], p2p_posts(sched, a.coord.pp), mb.inputs, loss,

@@ -3,7 +3,7 @@
 An ``--out`` that is a plain path (or ``file://``) is the driver node's disk. Actors on the driver's
 node write their rank files there themselves; where an actor runs on another node, which may not see
 that folder (no shared file system), its rank file goes to ``RankFileSink``, a Ray actor pinned to the
-driver's node (``NodeAffinitySchedulingStrategy``, no CPU reserved), in ``CHUNK_BYTES`` pieces with one
+driver's node (``NodeAffinitySchedulingStrategy``, no CPU reserved), in ``PIECE_BYTES`` pieces with one
 in flight, so neither side holds the whole rank file in memory; the sink writes each file to a temporary
 name, fsyncs and renames it (whole or absent). ``needs_sink`` decides which actors use it (the driver's
 console says which); a bucket is written by every actor directly.
@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import ray
 
-CHUNK_BYTES = 8 << 20
+PIECE_BYTES = 8 << 20
 
 
 class RankFileSink:
@@ -54,15 +54,15 @@ class RankFileSink:
             tmp.unlink(missing_ok=True)
 
 
-class _Chunks:
-    """A write-only file that sends what is written to the sink in ``CHUNK_BYTES`` pieces."""
+class _PieceStream:
+    """A write-only file that sends what is written to the sink in ``PIECE_BYTES`` pieces."""
 
     def __init__(self, sink: Any, handle: int):
         self.sink, self.handle, self.buf, self.sent = sink, handle, bytearray(), None
 
     def write(self, data) -> int:
         self.buf += data
-        if len(self.buf) >= CHUNK_BYTES:
+        if len(self.buf) >= PIECE_BYTES:
             self._send()
         return len(data)
 
@@ -100,7 +100,7 @@ class SinkFolder:
     @contextmanager
     def stream(self) -> Iterator[Any]:
         handle = ray.get(self.sink.open.remote(self.path))
-        out = _Chunks(self.sink, handle)
+        out = _PieceStream(self.sink, handle)
         try:
             yield out
             out.close()

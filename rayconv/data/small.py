@@ -6,10 +6,10 @@ device, every image of both splits is decoded once, to exactly the image the loa
 its augmentation (its evaluation crop: for an image folder torchvision's ``Resize(S * 8 // 7)`` +
 ``CenterCrop(S)`` of the PIL image, ``imagefolder.center_transforms``; for shards libjpeg-turbo's decode
 then ``decode.center``; for raw-pixel shards the stored pixels through ``decode.center``), as uint8
-(N, 3, S, S), by ``registry.decode_workers`` processes (a DataLoader over chunks of ``CHUNK`` images). The
-images go to each actor's device as ``OnDeviceSource`` holds them: batches are augmented there by batched
-tensor operations from per-epoch tables drawn from (seed, epoch, index), normalised by ImageNet's mean and std
-as the loader path is.
+(N, 3, S, S), by ``registry.decode_workers`` processes (a DataLoader over blocks of ``DECODE_BLOCK``
+images). The images go to each actor's device as ``OnDeviceSource`` holds them: batches are augmented
+there by batched tensor operations from per-epoch tables drawn from (seed, epoch, index), normalised by
+ImageNet's mean and std as the loader path is.
 
 Rule (``held_on_device``): ``on`` holds the data (refused with ``--augment resized-crop``, whose crop
 needs each image's own size); ``off`` keeps the loader; ``auto`` holds it when the augmentation is
@@ -47,7 +47,7 @@ from rayconv.data.shards import ShardSource
 from rayconv.data.source import Source
 from rayconv.errors import ConfigError, DataError
 
-CHUNK = 256                  # images decoded per task of the decode processes
+DECODE_BLOCK = 256           # images decoded per task of the decode processes
 CPU = torch.device("cpu")
 
 
@@ -151,16 +151,16 @@ class HeldSource(OnDeviceSource):
 
 def decode_into(buffers: dict[str, np.ndarray], center: Callable, workers: int) -> None:
     """Fill each split's buffer (N, 3, S, S) uint8 of ``buffers`` with ``center(split, idx)`` of every
-    sample, ``CHUNK`` at a time, all splits in one pool of ``workers`` forked processes (started once;
+    sample, ``DECODE_BLOCK`` at a time, all splits in one pool of ``workers`` forked processes (started once;
     in this process for 0). Raises DataError naming the file that does not decode."""
     for split in buffers:
         center.open(split)   # (before the fork: the workers share what it lists)
-    chunks = _Chunks(center, {split: len(b) for split, b in buffers.items()})
-    loader = DataLoader(chunks, batch_size=None, num_workers=workers, generator=torch.Generator(),
+    blocks = _DecodeBlocks(center, {split: len(b) for split, b in buffers.items()})
+    loader = DataLoader(blocks, batch_size=None, num_workers=workers, generator=torch.Generator(),
                         multiprocessing_context="fork" if workers else None,
                         prefetch_factor=2 if workers else None)
     it, failed = iter(loader), None
-    for split, k in chunks.items:
+    for split, k in blocks.items:
         try:
             x = next(it)
         except (RuntimeError, DataError) as e:   # a worker's error comes back with its traceback
@@ -169,7 +169,7 @@ def decode_into(buffers: dict[str, np.ndarray], center: Callable, workers: int) 
             failed = named[-1].split("DataError: ", 1)[-1]
             e.__traceback__ = None   # (its frames hold the iterator, in a cycle through the exception)
             break
-        buffers[split][k * CHUNK:k * CHUNK + len(x)] = x.numpy()
+        buffers[split][k * DECODE_BLOCK:k * DECODE_BLOCK + len(x)] = x.numpy()
     # The iterator's last reference: its workers stop now. Held by the worker error's frames, they would
     # stop at a later garbage collection, which may finalise their index queues first and then wait
     # MP_STATUS_CHECK_INTERVAL (5 s) per worker for workers that never got the stop.
@@ -178,20 +178,20 @@ def decode_into(buffers: dict[str, np.ndarray], center: Callable, workers: int) 
         raise DataError(failed)
 
 
-class _Chunks(Dataset):
-    """Item j: the j-th (split, k) of ``items``: samples k * CHUNK ... of that split as ``center`` makes
-    them, uint8 (n, 3, S, S); ``sizes``: each split's sample count."""
+class _DecodeBlocks(Dataset):
+    """Item j: the j-th (split, k) of ``items``: samples k * DECODE_BLOCK ... of that split as
+    ``center`` makes them, uint8 (n, 3, S, S); ``sizes``: each split's sample count."""
 
     def __init__(self, center: Callable, sizes: dict[str, int]):
         self.center, self.sizes = center, sizes
-        self.items = [(split, k) for split, n in sizes.items() for k in range(-(-n // CHUNK))]
+        self.items = [(split, k) for split, n in sizes.items() for k in range(-(-n // DECODE_BLOCK))]
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, j: int) -> torch.Tensor:
         split, k = self.items[j]
-        return self.center(split, np.arange(k * CHUNK, min(self.sizes[split], (k + 1) * CHUNK)))
+        return self.center(split, np.arange(k * DECODE_BLOCK, min(self.sizes[split], (k + 1) * DECODE_BLOCK)))
 
 
 class _ShardCenters:

@@ -169,7 +169,7 @@ def test_parts_reach_a_local_folder_through_the_drivers_node(s3, tmp_path, monke
     from rayconv.cluster import sink
     assert sink.needs_sink(True, "a", ["a", "b"]) == [False, True]
     assert sink.needs_sink(False, "a", ["a", "b"]) == [False, False]   # (a bucket: every actor writes)
-    monkeypatch.setattr(sink, "CHUNK_BYTES", 1000)   # (many pieces)
+    monkeypatch.setattr(sink, "PIECE_BYTES", 1000)   # (many pieces)
     writer = sink.start_sink(ray.get_runtime_context().get_node_id())
     obj = {"tensors": {"w": torch.arange(5000, dtype=torch.float64)}}
     meta = write_rank_file(sink.SinkFolder(writer, str(tmp_path / "step-2")) / "rank-1.pt", obj)

@@ -528,7 +528,8 @@ RETIRED = {
     "sharded_costs": "sliced_costs", "val_shard": "replica_val_indices",
     "test_shard": "replica_test_indices", "num_chunks": "virtual_stages", "sgd": "forward_backward_update",
     "part_of": "rank_file_of", "write_part": "write_rank_file", "checkpoint_part": "checkpoint_rank_file",
-    "PartSink": "RankFileSink", "PART_FORMAT": "RANK_FILE_FORMAT",
+    "PartSink": "RankFileSink", "PART_FORMAT": "RANK_FILE_FORMAT", "CHUNK_BYTES": "PIECE_BYTES",
+    "n_chunks": "n_microbatches",
 }
 ONE_DEFINITION = ("learning_rate",)   # defined once in rayconv/ (the schedule's closed form: schedule_lr)
 
