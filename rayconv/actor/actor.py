@@ -137,13 +137,14 @@ class Actor(ActorLifecycle):
             return self.code.step.evaluate(self.a, split)
 
     # ------------------------------------------------------------------ state (state.py)
-    def state(self, ema: bool = False) -> dict[str, torch.Tensor]:
-        """``state.state``: this actor's parameters and buffers on CPU (``ema``: the moving average's)."""
-        return self.code.state.state(self.a, ema)
+    def model_state(self, ema: bool = False) -> dict[str, torch.Tensor]:
+        """``state.model_state``: this actor's parameters and buffers on CPU (``ema``: the moving
+        average's)."""
+        return self.code.state.model_state(self.a, ema)
 
-    def load_state(self, values: dict[str, torch.Tensor]) -> None:
-        """``state.load_state``: the inverse of ``state()``."""
-        self.code.state.load_state(self.a, values)
+    def load_model_state(self, values: dict[str, torch.Tensor]) -> None:
+        """``state.load_model_state``: the inverse of ``model_state()``."""
+        self.code.state.load_model_state(self.a, values)
 
     def model_keys(self) -> list[tuple[str, tuple[int, ...]]]:
         """The whole model's state_dict keys and shapes as this actor built it (``export.state_keys``)."""

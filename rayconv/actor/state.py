@@ -1,8 +1,8 @@
-"""State in and out of an actor: its parameters and buffers (``state``, ``load_state``), the dimensions
-filter split cuts (``split_dims``), its rank file (``rank_file``, ``checkpoint_rank_file``: the rank
-file of a checkpoint it writes, ``load_rank_file``: model, optimizer, loss-scale, moving-average and RNG
-states); ``weights`` swaps the moving average in (``state``, and ``evaluate`` in ``worker.py``). Each
-reads the actor's ``build.ActorState``.
+"""State in and out of an actor: its parameters and buffers (``model_state``, ``load_model_state``), the
+dimensions filter split cuts (``split_dims``), its rank file (``rank_file``, ``checkpoint_rank_file``:
+the rank file of a checkpoint it writes, ``load_rank_file``: model, optimizer, loss-scale,
+moving-average and RNG states); ``weights`` swaps the moving average in (``model_state``, and
+``evaluate`` in ``worker.py``). Each reads the actor's ``build.ActorState``.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from rayconv.outputs.rank_files import rank_file_of, split_payload
 from rayconv.outputs.reshard import PER_LAYER, cut_part, optimizer_param_names, split_position
 
 
-def state(a: ActorState, ema: bool = False) -> dict[str, torch.Tensor]:
+def model_state(a: ActorState, ema: bool = False) -> dict[str, torch.Tensor]:
     """This actor's parameters and buffers on CPU, keyed by the whole model's state_dict names;
     ``ema``: those of its moving average (--model-ema; RuntimeError without it)."""
     with weights(a, ema):
-        return _state(a)
+        return _model_state(a)
 
 
-def _state(a: ActorState) -> dict[str, torch.Tensor]:
+def _model_state(a: ActorState) -> dict[str, torch.Tensor]:
     out = {}
     for name, sub in zip(a.parallel.names, a.part):
         if name is None:
@@ -68,7 +68,7 @@ def rank_file(a: ActorState) -> bytes:
 
 
 def rank_payload(a: ActorState, copy: bool) -> dict[str, Any]:
-    """This actor's rank file: model state (keys as in ``state()``), optimizer state_dict, the fp16 loss
+    """This actor's rank file: model state (keys as in ``model_state()``), optimizer state_dict, the fp16 loss
     scale's state (``loss_scale``, None without fp16), the moving average's (``ema``, None without
     --model-ema) and RNG states, all tensors and plain types (loads with ``weights_only=True``).
     ``copy`` False: the model's, optimizer's and moving average's tensors are the live ones (on the
@@ -80,7 +80,7 @@ def rank_payload(a: ActorState, copy: bool) -> dict[str, Any]:
     if a.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(a.device)
     keep = _to_cpu if copy else (lambda x: x)
-    model = _state(a) if copy else {f"{n}.{k}" if n else k: v.detach()
+    model = _model_state(a) if copy else {f"{n}.{k}" if n else k: v.detach()
                                     for n, sub in zip(a.parallel.names, a.part)
                                     if n is not None for k, v in sub.state_dict().items()}
     return {"rank": a.rank, "role": a.role, "coord": list(a.coord), "model": model,
@@ -126,7 +126,7 @@ def load_rank_file(a: ActorState, blob: bytes, next_step: int) -> None:
     payload = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     if payload.get("whole"):
         payload = _cut_whole(a, payload)
-    load_state(a, payload["model"])
+    load_model_state(a, payload["model"])
     a.optimizer.load_state_dict(payload["optimizer"])
     _load_recipe(a, payload)
     rng = payload["rng"]
@@ -159,8 +159,8 @@ def _load_recipe(a: ActorState, payload: dict[str, Any]) -> None:
         held.load_state_dict(payload[name])
 
 
-def load_state(a: ActorState, state: dict[str, torch.Tensor]) -> None:
-    """Inverse of ``state()``: copy parameters and buffers into this part (strict: every key of the
+def load_model_state(a: ActorState, state: dict[str, torch.Tensor]) -> None:
+    """Inverse of ``model_state()``: copy parameters and buffers into this part (strict: every key of the
     part present, none left over). Raises RuntimeError naming the keys that do not match."""
     used = set()
     for name, sub in zip(a.parallel.names, a.part):

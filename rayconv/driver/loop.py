@@ -354,7 +354,7 @@ def export(run: Run, actor_group: ActorGroup, path: Path, ema: bool = False) -> 
     # (Under the per-layer plan every actor holds a slice of the FC layers.)
     holders = list(range(mesh.world_size)) if cfg.plan != "none" else \
         [mesh.rank((0, p, f)) for p in range(mesh.pp) for f in range(mesh.fs)]
-    states = actor_group.call(Actor.state, *((True,) if ema else ()), ranks=holders,
+    states = actor_group.call(Actor.model_state, *((True,) if ema else ()), ranks=holders,
                               timeout_s=run.call_timeout_s)
     split_dims: dict[str, int] = {}
     for d in actor_group.call(Actor.split_dims, ranks=holders, timeout_s=run.call_timeout_s):

@@ -1,7 +1,7 @@
 """Checkpoints of a run: find the one ``--resume`` means, read and verify it, write its manifest.
 
 ``<out>/checkpoints/step-<k>/`` holds one file per actor (``rank-<r>.pt``: its parameters and buffers
-keyed as in ``Actor.state()``, its optimizer state_dict with its parameters' names, the keys filter
+keyed as in ``Actor.model_state()``, its optimizer state_dict with its parameters' names, the keys filter
 split sliced, RNG states; ``actor/state.py``), ``metrics.parquet`` (the rows
 so far) and ``manifest.json`` (step, layout, config, data and lr-schedule position, model, files with
 sizes and sha256). It is written into ``step-<k>.tmp/`` and renamed only when every file is written and

@@ -1,7 +1,7 @@
 """Export: assemble the actors' parts into one plain state_dict that the model's builder loads, and save it.
 
 Each actor returns its parameters and buffers keyed by the whole model's ``state_dict`` names
-(``Actor.state``). Pipeline stages hold disjoint keys; data-parallel replicas hold equal copies (the
+(``Actor.model_state``). Pipeline stages hold disjoint keys; data-parallel replicas hold equal copies (the
 first replica's is taken); filter-split slices hold slices along the output dimension, concatenated
 back here in fs order.
 """

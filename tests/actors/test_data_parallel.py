@@ -35,7 +35,7 @@ def test_dp_matches_single_device_sgd(ray_cluster, tmp_path, dp, val_split):
 
     def check_replicas(actor_group, step):
         # After every step, all replicas hold identical parameters and buffers.
-        states = actor_group.call(Actor.state)
+        states = actor_group.call(Actor.model_state)
         for s in states[1:]:
             assert_same_state(s, states[0], atol=0.0)
         replica_states.append(step)

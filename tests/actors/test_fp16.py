@@ -52,7 +52,7 @@ class Recorder:
     def __call__(self, actor_group, step: int) -> None:
         if step == 0:
             actor_group.call(Actor.inject_overflow, INJECT, ranks=[STAGE1])
-        self.states[step] = actor_group.call(Actor.state)
+        self.states[step] = actor_group.call(Actor.model_state)
         self.scales[step] = actor_group.call(Actor.loss_scale_state)
 
 

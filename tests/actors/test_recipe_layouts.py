@@ -70,7 +70,7 @@ def cached_reference(cfg: Config, steps: int) -> tuple:
 
 
 def _without_counts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` less ``num_batches_tracked`` (torch's AveragedModel averages that integer into a
+    """``model_state`` less ``num_batches_tracked`` (torch's AveragedModel averages that integer into a
     truncated float; rayconv's moving average copies it, ``recipe.ema``)."""
     return {k: v for k, v in state.items() if not k.endswith("num_batches_tracked")}
 
