@@ -6,7 +6,7 @@ activations of the micro-batches in flight: what each layer saves for its backwa
 (autograd's saved tensors) x samples in flight (``parallel.pipeline.peak_in_flight``: 1F1B at most ``P - s``
 on stage s, GPipe all ``M``) x activation bytes (2 in bf16), divided by ``fs``. The per-layer plan
 keeps the conv layers' activations of ``B / N`` samples, the FC layers' of ``B`` samples over ``N``
-shards, and the gathered batch. Measured peaks come out lower than predicted (benchmarks/RESULTS.md),
+slices, and the gathered batch. Measured peaks come out lower than predicted (benchmarks/RESULTS.md),
 so a limit it enforces errs on the safe side.
 """
 

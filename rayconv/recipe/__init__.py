@@ -4,8 +4,8 @@ Each module is one flag family of references/classification/train.py, written so
 the mesh (dp x pp x fs) takes the same step as one device: ``schedule`` (``--lr-warmup-*``, cosine,
 the linear scaling rule), ``optim`` (``--opt``, ``--norm-weight-decay``, ``--bias-weight-decay``),
 ``loss`` (``--label-smoothing``, soft targets, the global-batch sum), ``mix`` (``--mixup-alpha``,
-``--cutmix-alpha``, drawn per global batch), ``ema`` (``--model-ema``, per shard), ``clip``
-(``--clip-grad-norm`` over all shards) and ``loss_scale`` (float16 dynamic loss scaling agreed over the
+``--cutmix-alpha``, drawn per global batch), ``ema`` (``--model-ema``, per part), ``clip``
+(``--clip-grad-norm`` over all parts) and ``loss_scale`` (float16 dynamic loss scaling agreed over the
 mesh). No module here communicates: the caller all-reduces what the docstrings name.
 """
 

@@ -1,4 +1,4 @@
-"""Gradient clipping by the global norm over every shard of the model (``--clip-grad-norm``).
+"""Gradient clipping by the global norm over every part of the model (``--clip-grad-norm``).
 
 ``torch.nn.utils.clip_grad_norm_`` scales all gradients by ``min(1, max_norm / (||g|| + 1e-6))``, where
 ``||g||`` is the 2-norm of the whole model's gradient (Pascanu et al. 2013, "On the difficulty of
@@ -9,8 +9,8 @@ caller all-reduces those
 with SUM, then every actor computes the same ``clip_coefficient`` and applies it (``clip_``).
 
 Which group to all-reduce over, and what to count: after the data-parallel all-reduce the replicas of
-a shard hold the same gradient, so the sum runs over the pipeline and filter-split groups (pp x fs),
-not over dp, or each shard would count dp times. Within that group a parameter held by more than one
+a part hold the same gradient, so the sum runs over the pipeline and filter-split groups (pp x fs),
+not over dp, or each part would count dp times. Within that group a parameter held by more than one
 actor (a layer left whole on several actors of the group, such as the data-parallel conv layers of
 ``--plan krizhevsky2014``) must also count once: pass it as ``replicated`` and let only one of its holders
 count it (``count_replicated=True`` on, say, fs rank 0).
@@ -33,7 +33,7 @@ def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 def local_sq_norm(params: Iterable[torch.Tensor], replicated: Iterable[torch.Tensor] = (),
                   count_replicated: bool = True, device: torch.device | None = None) -> torch.Tensor:
-    """The squared 2-norm of the gradients this actor counts: of ``params`` (its shard's own, split
+    """The squared 2-norm of the gradients this actor counts: of ``params`` (its part's own, split
     parameters) plus, when ``count_replicated``, of ``replicated``. A float64 0-dim tensor on the
     gradients' device (``device``, else CPU, when there are none); parameters without a gradient add 0.
     No host synchronisation."""
@@ -56,7 +56,7 @@ def clip_coefficient(total_sq_norm: torch.Tensor, max_norm: float) -> torch.Tens
 
 
 def clip_(params: Iterable[torch.Tensor], coefficient: torch.Tensor) -> None:
-    """Multiply every gradient of ``params`` (shard and replicated parameters alike: every holder
+    """Multiply every gradient of ``params`` (part and replicated parameters alike: every holder
     scales its copy) by ``coefficient``, cast to each gradient's dtype and device, in place."""
     for g in _grads(params):
         g.mul_(coefficient.to(device=g.device, dtype=g.dtype))

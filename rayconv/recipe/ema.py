@@ -1,11 +1,11 @@
-"""An exponential moving average of one actor's shard of the model (``--model-ema``).
+"""An exponential moving average of one actor's part of the model (``--model-ema``).
 
 torchvision's recipe keeps ``ExponentialMovingAverage`` (references/classification/utils.py, an
 ``AveragedModel`` with ``use_buffers=True``): every ``--model-ema-steps`` steps, each parameter and
 buffer ``e`` of the average becomes ``decay * e + (1 - decay) * p`` of the model's ``p``, the first
 update copying; during the learning-rate warm-up train.py resets the count after each update, so the
 average keeps copying the model until the warm-up ends. The update is elementwise, so the average of a
-shard (a pipeline stage, a filter-split slice) is the same slice of the whole model's average: each
+part (a pipeline stage, a filter-split slice) is the same slice of the whole model's average: each
 actor averages what it holds, with no communication, and the checkpoint merges the averages as it
 merges the model. Integer buffers (``num_batches_tracked``) are copied, not averaged (torchvision
 writes the float average back into the integer tensor, truncating it).
@@ -91,7 +91,7 @@ class PartEMA:
         """Restore from ``state_dict()``'s output, copying into the existing tensors (device kept).
         Raises KeyError when its keys differ from this average's."""
         if state["tensors"].keys() != self.tensors.keys():
-            raise KeyError("the checkpoint's EMA holds other tensors than this shard")
+            raise KeyError("the checkpoint's EMA holds other tensors than this part")
         self.decay, self.every, self.n_averaged = state["decay"], state["every"], state["n_averaged"]
         for k, v in state["tensors"].items():
             self.tensors[k].copy_(v)

@@ -13,7 +13,7 @@ momentum SGD with their own decay, as You et al.'s and MLPerf's implementations 
 On a mesh: a pipeline stage holds whole layers, so its ratios need nothing from other stages; a tensor
 split over filter-split slices (or over the data-parallel group under Krizhevsky 2014's per-layer plan)
 has its two squared norms summed over that group before the ratio (the caller's all-reduce between
-``sq_norms`` and ``scale_``), so every shard scales its slice by the whole tensor's ratio. No host
+``sq_norms`` and ``scale_``), so every part scales its slice by the whole tensor's ratio. No host
 synchronisation (it can run inside a captured CUDA graph).
 """
 
@@ -65,7 +65,7 @@ def scale_(params: Sequence[torch.Tensor], weight_decays: Sequence[float], sq: t
            decay_vector: Optional[torch.Tensor] = None) -> None:
     """Replace each ``params[i].grad`` by ``r_i * (grad + weight_decays[i] * param)``, where ``r_i = eta *
     ||w|| / (||g|| + wd * ||w||)`` from the whole tensor's squared norms ``sq[:, i]`` (``sq_norms``,
-    summed over shards), or 1 where either norm is 0. Parameters without a gradient are left alone.
+    summed over parts), or 1 where either norm is 0. Parameters without a gradient are left alone.
     ``decay_vector``: ``weight_decays`` as a float64 tensor on ``sq``'s device, made once by the caller
     so that a step captured as a CUDA graph copies nothing from the host (made here when None)."""
     if not params:

@@ -6,7 +6,7 @@ Precision Training", section 3.2). ``DynamicLossScale`` adapts S as ``torch.amp.
 (same defaults and the same arithmetic as its ``_amp_update_scale_``): start at 2**16, halve it and
 skip the step when any gradient is inf or NaN, double it after 2000 steps in a row without one.
 
-On a mesh every actor must skip the same steps and hold the same S, or replicas and shards drift
+On a mesh every actor must skip the same steps and hold the same S, or replicas and parts drift
 apart. So the overflow flag is an input: each actor computes ``local_overflow`` (or gets it from
 ``unscale_``), the caller all-reduces it with MAX over every actor of the mesh (dp x pp x fs), and every
 actor then calls ``update`` with the agreed flag. One step, in order::

@@ -3,7 +3,7 @@
 ``param_groups`` follows torchvision's ``set_weight_decay`` (references/classification/utils.py, used by
 train.py's ``--norm-weight-decay`` and ``--bias-weight-decay``): a parameter belongs to the group of the
 module that holds it, so the grouping is decided per parameter from its own module's type and its own
-name, never from its position in the model. A model shard (an ``nn.Module`` holding some of the
+name, never from its position in the model. A model part (an ``nn.Module`` holding some of the
 model's layers, as a pipeline stage or a filter-split part does) therefore puts each of its parameters
 in the same group as the whole model would, provided its layers keep a normalisation class (a
 filter-split ``BatchNorm2d``, rayconv's ``DeferredBatchNorm`` and torch's ``SyncBatchNorm`` are all
@@ -54,12 +54,12 @@ def group_of(module: nn.Module, norm_weight_decay: Optional[float] = None,
 
 def param_groups(module: nn.Module, weight_decay: float, norm_weight_decay: Optional[float] = None,
                  bias_weight_decay: Optional[float] = None) -> list[dict[str, Any]]:
-    """``torch.optim`` parameter groups of ``module`` (a whole model or a shard of one).
+    """``torch.optim`` parameter groups of ``module`` (a whole model or a part of one).
 
     Groups, in this order and only when not empty: ``other`` (``weight_decay``), ``norm``
     (``norm_weight_decay``), ``bias`` (``bias_weight_decay``); see ``group_of``. Each group dict holds
     ``params`` (in ``named_parameters`` order), ``weight_decay`` and ``name`` (torch keeps the extra key
-    in ``optimizer.param_groups`` and ``state_dict``, so callers can find a group by name on shards
+    in ``optimizer.param_groups`` and ``state_dict``, so callers can find a group by name on parts
     whose empty groups were left out). Frozen parameters (``requires_grad=False``) are left out, as in
     torchvision. Raises ConfigError for a negative decay.
     """
@@ -88,7 +88,7 @@ def make_optimizer(groups: list[dict[str, Any]], opt: str, lr: float, momentum: 
     scales the gradients before it, ``actor.recipe_step``);
     ``adamw``: ``torch.optim.AdamW(weight_decay)`` (decoupled decay, Loshchilov & Hutter 2019), its
     betas and eps torch's defaults. ``weight_decay`` applies to groups without their own. Every update
-    is elementwise per parameter, so a shard's optimizer moves its slice of a parameter exactly as the
+    is elementwise per parameter, so a part's optimizer moves its slice of a parameter exactly as the
     whole model's optimizer moves that slice. Raises ConfigError for an unknown ``opt``, ``lr <= 0``, a
     negative momentum, or Nesterov without momentum.
     """
