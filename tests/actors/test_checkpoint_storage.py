@@ -157,7 +157,7 @@ def test_a_step_folder_without_manifest_is_never_resumed(stopped, s3, tmp_path):
     assert json.loads((stopped / "checkpoints" / "step-2" / "manifest.json").read_text())["format"] == 2
 
 
-def test_parts_reach_a_local_folder_through_the_drivers_node(s3, tmp_path, monkeypatch):
+def test_rank_files_reach_a_local_folder_through_the_drivers_node(s3, tmp_path, monkeypatch):
     """An actor on another node than a local --out's: its rank file streams in pieces to a writer on the
     driver's node (cluster/sink.py), whole or absent, with the size and sha256 the manifest lists."""
     import hashlib
