@@ -233,7 +233,7 @@ def test_a_failed_resume_in_place_keeps_the_runs_config_json(ray_cluster, tmp_pa
     """--resume in place whose actors fail in their setup (a user's model that raises there): the run's
     config.json stays the one of the run that trained, byte for byte (written once the actors are set up)."""
     flag = tmp_path / "fail-on-actors"
-    model = tmp_path / "net.py"
+    model = tmp_path / "fails_on_actors_net.py"   # (a name no other test imports in this process)
     model.write_text(f"""import pathlib
 
 import ray

@@ -178,6 +178,7 @@ def test_an_import_that_fails_gets_the_advice_of_its_cause(tmp_path, monkeypatch
 
 def test_a_relative_import_in_a_package_names_the_package_spec(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "net", raising=False)   # (another test's model file of that name)
     (tmp_path / "pkg_xyz").mkdir()
     (tmp_path / "pkg_xyz" / "__init__.py").write_text("")
     (tmp_path / "pkg_xyz" / "net.py").write_text("from . import other\ndef build(num_classes): pass\n")
