@@ -302,6 +302,7 @@ def copy_tree(src: Place, dst: Place) -> None:
     (``pyarrow.fs.copy_files``: streamed, server-side within one store where it can)."""
     import pyarrow.fs as pafs
     s, d = (p if isinstance(p, Location) else locate(p) for p in (src, dst))
+    d.fs.create_dir(d.path, recursive=True)   # (copy_files makes only the folders inside the source)
     pafs.copy_files(s.path, d.path, source_filesystem=s.fs, destination_filesystem=d.fs)
 
 

@@ -113,3 +113,12 @@ def test_event_files_reach_the_bucket_at_each_flush(s3):
     events.add_rows([{"kind": "train", "step": 0, "loss": 1.0}, {"kind": "train", "step": 1, "loss": 0.5}])
     events.close()
     assert len((out / "tensorboard" / name).read_bytes()) > len(first) and not events.folder.exists()
+
+
+def test_a_flat_folder_is_copied_to_a_place_whose_folders_do_not_exist_yet(tmp_path):
+    """(pyarrow's copy_files makes only the folders inside the source: a folder of files alone, as a
+    checkpoint is, needs its destination made.)"""
+    (tmp_path / "step-10").mkdir()
+    (tmp_path / "step-10" / "manifest.json").write_text("{}")
+    copy_tree(tmp_path / "step-10", tmp_path / "tune" / "checkpoints" / "step-10")
+    assert (tmp_path / "tune" / "checkpoints" / "step-10" / "manifest.json").read_text() == "{}"
