@@ -114,8 +114,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
     try:
         for flag, folder in (("--out", a.out), ("--convert", a.convert)):
-            if folder is not None and not is_remote(folder):
-                check_writable(folder, flag)   # (a read-only folder, /proc: one line before Ray)
+            if folder is not None:   # (a read-only folder, /proc, a missing bucket: one line before Ray)
+                check_writable(folder, flag)
         if a.convert is not None and a.encoding is not None:
             convert_encoding(a.convert, a.out, a.encoding, a.quality)
             return 0

@@ -166,8 +166,8 @@ class Controller:
         latest = latest_checkpoint(run.resolved.out)
         ckpt = load_checkpoint(latest) if latest is not None else run.resolved.resume
         budget = run.cfg.failure_budget
-        of = "no limit" if budget < 0 else f"{budget}"
-        run.log(f"rayconv: {e}\nrayconv: recovering ({run.failures} of --max-failures {of}): new actors, "
+        of = f"; --max-failures {budget}: no limit" if budget < 0 else f" of --max-failures {budget}"
+        run.log(f"rayconv: {e}\nrayconv: recovering ({run.failures}{of}): new actors, "
                 f"continuing from {ckpt.path if ckpt else 'the start'}")
         if decision.action == "resize":
             return self.resize(run, decision, t_detect, ckpt)

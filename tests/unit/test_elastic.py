@@ -131,7 +131,7 @@ def test_an_elastic_run_recovers_every_loss_by_default_and_a_spent_budget_names_
     run, lines = run_of(Config(dp=4, elastic=2, checkpoint_every=2))
     for _ in range(5):
         assert recover(run) is None   # (no checkpoint written yet: from the start)
-    assert run.failures == 5 and "recovering (5 of --max-failures no limit)" in lines[-1]
+    assert run.failures == 5 and "recovering (5; --max-failures -1: no limit)" in lines[-1]
     capped, _ = run_of(Config(dp=4, elastic=2, checkpoint_every=2, max_failures=1))
     recover(capped)
     with pytest.raises(ClusterError) as e:

@@ -199,6 +199,11 @@ def test_bad_locations_are_one_line_exit_2_before_ray(s3, sets, tmp_path, capsys
     assert "(--stage-dir)" in failing(sets["raw"], "--cache-bytes", "1000")
     from rayconv.data_dir import check_cache_bytes
     check_cache_bytes(sets["raw"], 1000, str(tmp_path / "stage"))   # (--stage-dir: no cache, no refusal)
+    from rayconv import prepare
+    capsys.readouterr()   # prepare into a missing bucket: refused before any image is encoded
+    assert prepare.main([str(tmp_path / "no-images-read"), "--out", "s3://nobucket/shards"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the bucket nobucket does not exist" in err[0], err
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")   # (nothing listens there)
     assert "the storage cannot be read" in failing("s3://b/raw")
     assert not ray.is_initialized() and not (tmp_path / "x").exists()
