@@ -188,8 +188,8 @@ def begin_command(imported: float) -> StartupClock:
     """The clock of ``rayconv.run.main``: from the process's start (``command_origin``) when it runs as a
     command: ``python -m rayconv.run``, the ``rayconv`` console command or a script such as
     ``examples/*.py`` (a main call within ``EXEC_GAP_S`` of ``imported``, the monotonic stamp taken when
-    ``rayconv.run`` was imported); else, called later from Python (an interactive session, a test), from
-    the call ("main call")."""
+    ``rayconv.run`` is imported); else, when Python calls it well after that import (an interactive
+    session, a test), from the call ("main call")."""
     import sys
 
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
