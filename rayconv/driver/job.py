@@ -78,7 +78,8 @@ def train_run(cfg: Config, log=print, on_step=None, on_eval=None, early: Optiona
 
 
 class State(enum.Enum):
-    """The controller's states (the module docstring's diagram)."""
+    """The controller's states (the module docstring's diagram; docs/architecture.md, "The driver: a
+    controller")."""
 
     RESOLVE = "resolve"
     ACQUIRE = "acquire"
