@@ -188,6 +188,8 @@ def _check_recipe(cfg: Any) -> None:
     _need(0 <= cfg.model_ema_decay <= 1, f"--model-ema-decay must be in [0, 1] (got {cfg.model_ema_decay})")
     _need(cfg.bn_momentum is None or 0 < cfg.bn_momentum <= 1,
           f"--bn-momentum must be in (0, 1] (got {cfg.bn_momentum}; leave it out for the model's own)")
+    _need(cfg.precise_bn_batches >= 0,
+          f"--precise-bn-batches must be >= 0 (got {cfg.precise_bn_batches}; 0: off)")
     _need(cfg.mixup_alpha >= 0, f"--mixup-alpha must be >= 0 (got {cfg.mixup_alpha}; 0: off)")
     _need(cfg.cutmix_alpha >= 0, f"--cutmix-alpha must be >= 0 (got {cfg.cutmix_alpha}; 0: off)")
     _need(0 <= cfg.random_erase <= 1,

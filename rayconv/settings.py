@@ -210,6 +210,10 @@ class RecipeSettings:
         "help": "momentum of every batch norm's running statistics, in (0, 1] (torch's BatchNorm momentum: "
                 "the weight of each step's batch statistics; default: the model's own, 0.1 for torch's "
                 "layers)"})
+    precise_bn_batches: int = field(default=0, metadata={
+        "help": "before each evaluation, recompute every batch norm's running statistics as the average "
+                "over the next N training batches (train mode, no gradients; precise BN, Wu and Johnson "
+                "2021, section 3), of the moving average too with --model-ema; >= 0 (default 0: off)"})
     seed: int = field(default=0, metadata={"help": "seed of weights, data order and augmentation"})
 
 

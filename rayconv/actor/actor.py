@@ -20,6 +20,7 @@ one ``ActorState`` that ``build`` builds. The rest, one concept a file under ``r
     batches.py  which micro-batches this actor reads, and what it announces to the loader
     loss.py     the loss of the last stage, micro-batch by micro-batch
     state.py    parameters and rank files in and out; the moving average's weights swapped in
+    precise_bn.py  batch-norm running statistics recomputed over training batches before an evaluation
     report.py   metrics: ``materialise``, the per-actor gauges in Ray's metrics, ``memory``, ``trace``
     cuda_graph.py  the whole step as one CUDA graph (``StepGraph``) and its SGD update
 """
@@ -135,6 +136,12 @@ class Actor(ActorLifecycle):
         RuntimeError for ``ema`` without --model-ema."""
         with self.code.state.weights(self.a, ema):
             return self.code.step.evaluate(self.a, split)
+
+    def recalibrate_bn(self, next_step: int, ema: bool = False) -> int:
+        """``precise_bn.recalibrate``: the batch-norm running statistics recomputed over the
+        --precise-bn-batches training batches from global step ``next_step`` on (``ema``: the moving
+        average's too). Returns the batches averaged."""
+        return self.code.precise_bn.recalibrate(self.a, next_step, ema)
 
     # ------------------------------------------------------------------ state (state.py)
     def model_state(self, ema: bool = False) -> dict[str, torch.Tensor]:

@@ -27,8 +27,9 @@ decoding them then. ``Batches.announce`` is the one place that announces.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -187,6 +188,45 @@ class Batches:
         labels, before_forward = self._labels(split, replica_idx, n_microbatches, None)
         return MicroBatches([s.stop - s.start for s in slices], inputs, labels, before_forward)
 
+    def calibration(self, steps: range, n_mb: int) -> Iterator[tuple[int, MicroBatches]]:
+        """The training batches of global steps ``steps`` as training reads them (augmented as in their
+        epoch, without mixup or cutmix), each in ``n_mb`` micro-batches without labels, for precise BN
+        (``actor/precise_bn.py``), as (step, micro-batches); a batch that leaves some replica no sample
+        is skipped. Each epoch's batches are announced before they are read; once read, the training
+        order is announced again from ``steps.start`` (the next step), as it was before."""
+        spe = self.sharding.steps_per_epoch
+        for epoch, group in itertools.groupby(steps, lambda s: s // spe):
+            group = list(group)
+            batches = [[self.sharding.replica_batch(epoch, s % spe, r)[0] for r in range(self.mesh.dp)]
+                       for s in group]
+            self.announce("train", epoch, [b[self.coord.dp] for b in batches])
+            for step, replica_idx in zip(group, batches):
+                if min(len(r) for r in replica_idx) == 0:
+                    continue
+                idx = replica_idx[self.coord.dp]
+                slices = split_slices(len(idx), n_mb)
+                inputs = lambda m: None  # noqa: E731
+                if self.is_first:
+                    x_all = self._images("train", idx, epoch)
+                    inputs = lambda m, x=x_all, sl=slices: x[sl[m]]  # noqa: E731
+                yield step, MicroBatches([s.stop - s.start for s in slices], inputs, lambda m: None,
+                                         self._gather_sizes(replica_idx, n_mb))
+        epoch, step_in_epoch = divmod(steps.start, spe)
+        if self.epochs is None or epoch < self.epochs:
+            self._announce_epoch(epoch, step_in_epoch)
+
+    def _gather_sizes(self, replica_idx: list[np.ndarray], n_mb: int) -> Optional[Callable[[int], None]]:
+        """Under the per-layer plan, what sets the batch gather to micro-batch m's sizes (one per
+        replica) before its forward; None otherwise."""
+        if self.batch_gather is None:
+            return None
+        per_replica = [split_slices(len(r), n_mb) for r in replica_idx]
+        gather = self.batch_gather
+
+        def set_sizes(m: int) -> None:
+            gather.sizes = [sl[m].stop - sl[m].start for sl in per_replica]
+        return set_sizes
+
     def _images(self, split: str, idx: np.ndarray, epoch: int) -> torch.Tensor:
         x = self.source.images(split, idx, self.device, epoch, dtype=self.input_dtype)
         return (
@@ -215,11 +255,7 @@ class Batches:
             per_replica = [split_slices(len(r), n_mb) for r in replica_idx]
             y = [self._targets(split, r, idx, mix) for r, idx in enumerate(replica_idx)]
             host = lambda m: torch.cat([yr[sl[m]] for yr, sl in zip(y, per_replica)])  # noqa: E731
-            gather = self.batch_gather
-
-            def set_sizes(m: int) -> None:
-                gather.sizes = [sl[m].stop - sl[m].start for sl in per_replica]
-            before_forward = set_sizes
+            before_forward = self._gather_sizes(replica_idx, n_mb)
         elif self.is_last:
             idx = replica_idx[self.coord.dp]
             slices = split_slices(len(idx), n_mb)

@@ -44,6 +44,7 @@ class TrainingCode:
     report: ModuleType     # actor/report.py: memory, trace
     state: ModuleType      # actor/state.py: parameters and rank files in and out
     comm: ModuleType       # parallel/comm.py: the rendezvous, the process groups left
+    precise_bn: ModuleType  # actor/precise_bn.py: batch-norm statistics recomputed before an evaluation
     build_actor: Callable[..., ActorState]
     set_up_cuda_libraries: Callable[..., None]
     read_ahead: Callable[[Config], None]
@@ -54,14 +55,14 @@ class TrainingCode:
     def load() -> "TrainingCode":
         import torch
 
-        from rayconv.actor import report, state, step
+        from rayconv.actor import precise_bn, report, state, step
         from rayconv.actor.build import build_actor, set_up_cuda_libraries
         from rayconv.actor.saver import Saver
         from rayconv.data.registry import read_ahead
         from rayconv.parallel import comm
 
-        return TrainingCode(torch, step, report, state, comm, build_actor, set_up_cuda_libraries, read_ahead,
-                            Saver)
+        return TrainingCode(torch, step, report, state, comm, precise_bn, build_actor, set_up_cuda_libraries,
+                            read_ahead, Saver)
 
 
 class ActorLifecycle:

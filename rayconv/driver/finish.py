@@ -68,6 +68,8 @@ def finish_evaluation(run: Run, actor_group: ActorGroup) -> dict[str, Any]:
     Raises ClusterError when an actor fails."""
     out, cfg = run.resolved.out, run.cfg
     t0 = time.perf_counter()
+    if cfg.precise_bn_batches:   # (--init's statistics recomputed over the first training batches)
+        actor_group.call(Actor.recalibrate_bn, 0, timeout_s=run.call_timeout_s)
     run.last_eval = evaluate(actor_group, run.call_timeout_s)
     run.metrics.add(kind="eval", step=0, epoch=0, time_s=time.perf_counter() - t0, **run.last_eval)
     run.metrics.write(out / "metrics.parquet")

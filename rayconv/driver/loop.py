@@ -6,11 +6,13 @@ step before it, so neither the device nor the actor waits for the driver between
 ``driver_overhead`` measures what is left). Before an evaluation, a checkpoint or the test hook the
 loop lets the actors go quiet (``flush``). Synchronous SGD unchanged (Yadan et al. 2013): every step
 equals one single-device step on the global batch, whatever the layout. Each step's learning rate
-comes from ``driver.lr``; with ``--model-ema`` each evaluation is followed by one of the moving
-average (``evaluate(ema=True)`` on the actors); with ``--target-accuracy`` the first evaluation that
-reaches it is timed (``driver.target``). With ``--val-split`` each evaluation is of the validation
-images (``val_*``), the test split's only at the last step (or every time with ``--eval-test``); the
-target and ``--keep-best`` (``driver.best``) read the validation accuracy. TensorBoard's event files
+comes from ``driver.lr``; with ``--model-ema`` each evaluation is followed by one of the
+moving average (``evaluate(ema=True)`` on the actors); with ``--precise-bn-batches`` each evaluation is
+preceded by the batch-norm statistics' recomputation (``recalibrate_bn`` on the actors); with
+``--target-accuracy`` the first evaluation that reaches it is timed (``driver.target``). With
+``--val-split`` each evaluation is of the validation images (``val_*``), the test split's only at the
+last step (or every time with ``--eval-test``); the target and ``--keep-best`` (``driver.best``) read
+the validation accuracy. TensorBoard's event files
 (``outputs.tensorboard``) follow each write of metrics.parquet.
 """
 
@@ -265,6 +267,9 @@ def _evaluation(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) -> 
     --val-split the validation images, and the test split where ``evaluates_test``."""
     s, cfg = run.resolved, run.cfg
     ev: dict[str, Optional[float]] = {}
+    if cfg.precise_bn_batches:   # (statistics recomputed under the weights evaluated: actor/precise_bn.py)
+        ema = cfg.model_ema and evaluates_test(cfg, step, s.total_steps)
+        actor_group.call(Actor.recalibrate_bn, step + 1, ema, timeout_s=run.call_timeout_s)
     if cfg.val_split > 0:
         ev.update(evaluate(actor_group, run.call_timeout_s, split="val"))
     if evaluates_test(cfg, step, s.total_steps):

@@ -116,6 +116,8 @@ def recipe_line(resolved: ResolvedRun) -> str:
         parts.append("zero-init residual")
     if cfg.bn_momentum is not None:
         parts.append(f"batch-norm momentum {cfg.bn_momentum:g}")
+    if cfg.precise_bn_batches:
+        parts.append(f"precise BN over {cfg.precise_bn_batches} batches")
     if cfg.target_accuracy is not None:
         parts.append(f"target accuracy {cfg.target_accuracy:g}")
     return "rayconv: " + ", ".join(parts)

@@ -25,7 +25,8 @@ Legend: N micro-batch size, C channels; ``x_NC*`` a batch-norm input (``x_NC``, 
 
 from __future__ import annotations
 
-from typing import Iterable
+from contextlib import contextmanager
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -133,3 +134,30 @@ def commit_batchnorm(layers: Iterable[DeferredBatchNorm]) -> None:
     """``commit()`` each layer: the end of a training step (after its last micro-batch's forward)."""
     for m in layers:
         m.commit()
+
+
+def tracking_batchnorms(module: nn.Module) -> list[_BatchNorm]:
+    """Every batch-norm layer in ``module`` that tracks running statistics (``nn.BatchNorm*d``,
+    ``DeferredBatchNorm``, ``nn.SyncBatchNorm``), in module order."""
+    return [m for m in module.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+
+
+@contextmanager
+def averaged_statistics(layers: list[_BatchNorm]) -> Iterator[None]:
+    """Inside the block each layer's running statistics start afresh (mean 0, variance 1, count 0) at
+    ``momentum=None``, so that the batches seen inside (one ``forward`` of ``nn.BatchNorm`` or
+    ``nn.SyncBatchNorm``, or the micro-batches before one ``commit`` of a ``DeferredBatchNorm``, per batch)
+    leave ``running_mean``/``running_var`` at the plain average of the batches' means and unbiased
+    variances: ``torch.optim.swa_utils.update_bn``'s arithmetic (precise BN, Wu and Johnson 2021,
+    section 3). After it, each layer's momentum and ``num_batches_tracked`` are restored and the averaged
+    statistics stay. Everything is changed in place (captured and compiled code keeps its tensors)."""
+    saved = [(m.momentum, m.num_batches_tracked.clone()) for m in layers]
+    for m in layers:
+        m.reset_running_stats()
+        m.momentum = None
+    try:
+        yield
+    finally:
+        for m, (momentum, count) in zip(layers, saved):
+            m.momentum = momentum
+            m.num_batches_tracked.copy_(count)

@@ -40,6 +40,7 @@ BAD = [
     (["--clip-grad-norm", "0"], "--clip-grad-norm"),
     (["--bn-momentum", "0"], "--bn-momentum"),
     (["--bn-momentum", "1.5"], "--bn-momentum"),
+    (["--precise-bn-batches", "-1"], "--precise-bn-batches"),
     (["--model-ema-steps", "0"], "--model-ema-steps"),
     (["--model-ema-decay", "1.01"], "--model-ema-decay"),
     (["--mixup-alpha", "-0.2"], "--mixup-alpha"),
@@ -87,13 +88,14 @@ def test_recipe_flags_parse_and_round_trip_through_config_json(tmp_path):
             "--model-ema-steps", "4", "--model-ema-decay", "0.999", "--zero-init-residual", "--mixup-alpha",
             "0.2", "--cutmix-alpha", "1", "--random-erase", "0.25", "--augment", "resized-crop", "--channels",
             "3", "--target-accuracy", "0.9", "--precision", "fp16", "--image-size", "16", "--bn-momentum",
-            "0.01", "--data", "fashion-mnist"]
+            "0.01", "--data", "fashion-mnist", "--precise-bn-batches", "20"]
     cfg = parse_args(argv)
     assert (cfg.opt, cfg.lr_scaling, cfg.lr_warmup_epochs, cfg.lr_warmup_method) == ("sgd_nesterov", "linear",
                                                                                      5, "constant")
     assert (cfg.norm_weight_decay, cfg.bias_weight_decay, cfg.clip_grad_norm) == (0.0, 0.0, 1.0)
     assert cfg.model_ema and cfg.zero_init_residual and cfg.model_ema_steps == 4 and cfg.channels == 3
     assert cfg.bn_momentum == 0.01 and parse_args([]).bn_momentum is None
+    assert cfg.precise_bn_batches == 20 and parse_args([]).precise_bn_batches == 0
     assert (cfg.precision, cfg.image_size, cfg.target_accuracy, cfg.augmentation) == ("fp16", 16, 0.9,
                                                                                       "resized-crop")
     cfg.to_json(tmp_path / "config.json")
