@@ -86,3 +86,31 @@ def test_under_mixing_and_data_parallel_the_announcements_name_what_is_read():
     made = _run(source, range(0, 2 * spe), epochs=2, dp=2, mix=(0.0, 1.0))
     assert made == [(0, 0), (spe - 1, 1)]
     assert source.unannounced == 0
+
+
+def test_precise_bn_batches_are_announced_and_the_training_order_announced_again():
+    """``Batches.calibration`` (precise BN) between steps 3 and 4 reads steps 4 .. spe + 1 (across the
+    epoch's end), each epoch's batches announced first, then announces the training order again from
+    step 4: every later step reads an announced batch, the same images the calibration read."""
+    source = Recording()
+    cpu = torch.device("cpu")
+    sharding = Sharding(source.train_size, 160, 1, seed=3)
+    spe = sharding.steps_per_epoch
+    batches = Batches(source, sharding, Mesh(), Mesh().coord(0), cpu, torch.float32, None, epochs=2)
+    read = {}
+
+    def step(s):
+        epoch, replica_idx = batches.train_indices(s)
+        read[s] = batches.train(epoch, replica_idx, 1, StepClock(cpu), None).inputs(0)
+        batches.announce_next(s)
+
+    for s in range(4):
+        step(s)
+    calibration = {s: mb.inputs(0) for s, mb in batches.calibration(range(4, spe + 2), 1)}
+    assert list(calibration) == list(range(4, spe + 2)) and source.unannounced == 0
+    assert [(e, len(b)) for _, e, b in source.announced[-3:]] == [(0, spe - 4), (1, 2), (0, spe - 4)]
+    for s in range(4, spe + 2):
+        step(s)
+    assert source.unannounced == 0
+    for s, x in calibration.items():
+        assert torch.equal(x, read[s])
