@@ -148,6 +148,12 @@ def train(a, data, compiled: bool) -> dict:
                 t_first = time.perf_counter() - t0  # the first step holds the compilation
         torch.cuda.synchronize()
         t_train += time.perf_counter() - t0
+        if a.precise_bn_batches:   # rayconv's --precise-bn-batches (evaluation time, as there): update_bn
+            calib = torch.Generator(device="cuda").manual_seed(a.seed + 1_000_003 * (epoch + 1))
+            with torch.autocast("cuda", torch.bfloat16):
+                torch.optim.swa_utils.update_bn(
+                    (recalibration_batch(a, xtr, perm, i % steps_per_epoch, calib, inputs, mean)
+                     for i in range(a.precise_bn_batches)), model)
         model.eval()
         with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
             correct = sum(int((model(inputs(xte[j:j + 1000].float())).argmax(1) == yte[j:j + 1000]).sum())
@@ -162,6 +168,14 @@ def train(a, data, compiled: bool) -> dict:
             "first_step_s": t_first, "train_s": t_train,
             "images_per_s": steps_per_epoch * a.global_batch_size * a.epochs / t_train,
             **({"time_to_target_train_s": None, "time_to_target_wall_s": None} | reached), "curve": curve}
+
+
+def recalibration_batch(a, xtr, perm, i, gen, inputs, mean) -> torch.Tensor:
+    """Batch ``i`` of this epoch's order augmented afresh from ``gen`` (a generator of its own: the
+    training's draws stay as they are), as the model sees it: for ``--precise-bn-batches``."""
+    x, mask = augment(xtr[perm[i * a.global_batch_size:(i + 1) * a.global_batch_size]], a.pad, a.random_erase,
+                      gen)
+    return inputs(x if mask is None else x.masked_fill(mask, float(mean * 255)))
 
 
 def process_age_s():
@@ -196,6 +210,9 @@ def main(argv=None) -> int:
     p.add_argument("--norm-weight-decay", type=float, default=0.0,
                    help="weight decay of batch-norm and bias parameters")
     p.add_argument("--bn-momentum", type=float, default=None, help="batch norms' running-statistics momentum")
+    p.add_argument("--precise-bn-batches", type=int, default=0,
+                   help="before each evaluation, batch norms' statistics recomputed over N training batches "
+                        "(update_bn; 0: off)")
     p.add_argument("--random-erase", type=float, default=0.0, help="probability of erasing a rectangle")
     p.add_argument("--target-accuracy", type=float, default=0.93,
                    help="test accuracy whose first time is reported")
