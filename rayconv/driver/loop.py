@@ -12,8 +12,8 @@ preceded by the batch-norm statistics' recomputation (``recalibrate_bn`` on the 
 ``--target-accuracy`` the first evaluation that reaches it is timed (``driver.target``). With
 ``--val-split`` each evaluation is of the validation images (``val_*``), the test split's only at the
 last step (or every time with ``--eval-test``); the target and ``--keep-best`` (``driver.best``) read
-the validation accuracy. TensorBoard's event files
-(``outputs.tensorboard``) follow each write of metrics.parquet.
+the validation accuracy. TensorBoard's event files (``outputs.tensorboard``) follow each write of
+metrics.parquet.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ The reference is single-device float64 training (``helpers.reference_recipe_sgd`
 recomputed as ``torch.optim.swa_utils.update_bn`` does over dp replica 0's share of the global batches
 of steps STEPS .. STEPS + N - 1 (statistics follow replica 0); under micro-batches each share runs as
 its micro-batches, each normalised by its own statistics, a batch's statistics taken over the share
-(``recalibrated``). ``num_batches_tracked`` keeps counting the training steps.
+(``helpers.recalibrated``). ``num_batches_tracked`` keeps counting the training steps.
 """
 
 from __future__ import annotations
@@ -15,16 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim.swa_utils import update_bn
 
-from support.helpers import assert_same_state, reference_recipe_sgd, reference_source, sgd_config, slow_among
+from support.helpers import assert_same_state, recalibrated, reference_recipe_sgd, sgd_config, slow_among
 from rayconv.config import Config
-from rayconv.data.order import make_order
-from rayconv.data.source import Sharding
 from rayconv.driver.job import train_run
-from rayconv.mesh import split_slices
-from rayconv.models import build_model
 from rayconv.parallel.batchnorm import averaged_statistics, defer_batchnorm
 
 pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's kept actors stay for its runs)
@@ -44,58 +39,6 @@ def run_config(tmp_path, name, **kw) -> Config:
     return sgd_config(tmp_path, name, **{**RUN, **kw})
 
 
-def recalibrated(cfg: Config, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float, float]:
-    """``state`` (the whole model's, float64) with its batch-norm statistics recomputed over dp replica
-    0's share of the global batches of steps STEPS .. STEPS + N - 1: ``update_bn`` itself without
-    micro-batches, else its arithmetic on each share's concatenated micro-batches (each normalised by its
-    own statistics in the forward pass). Returns (state, test loss, test accuracy in eval mode)."""
-    source = reference_source(cfg)
-    model = build_model(cfg.model, source.num_classes, source.sample_shape[0],
-                        source.sample_shape[1]).double()
-    model.load_state_dict(state)
-    sharding = Sharding(source.train_size, cfg.global_batch_size, dp=cfg.dp, seed=cfg.seed,
-                        order=make_order(cfg, source))
-    shares = []
-    for step in range(STEPS, STEPS + N):
-        epoch, s = divmod(step, sharding.steps_per_epoch)
-        shares.append(source.images("train", sharding.replica_batch(epoch, s, 0)[0], torch.device("cpu"),
-                                    epoch).double())
-    bns = [m for m in model.modules() if isinstance(m, _BatchNorm)]
-    counts = [m.num_batches_tracked.clone() for m in bns]
-    if cfg.num_microbatches == 1:
-        update_bn(shares, model)
-    else:
-        seen: dict[nn.Module, list[torch.Tensor]] = {m: [] for m in bns}
-        record = [True]
-        for m in bns:
-            m.register_forward_pre_hook(lambda mod, args: seen[mod].append(args[0]) if record[0] else None)
-            m.reset_running_stats()
-            m.momentum = None
-        model.train()
-        with torch.no_grad():
-            for x in shares:
-                for m in bns:
-                    m.track_running_stats = False
-                record[0] = True
-                for sl in split_slices(len(x), cfg.num_microbatches):
-                    model(x[sl])
-                record[0] = False
-                for m in bns:
-                    m.track_running_stats = True
-                    m(torch.cat(seen[m]))
-                    seen[m].clear()
-    for m, c in zip(bns, counts):
-        m.num_batches_tracked.copy_(c)
-    model.eval()
-    idx = torch.arange(source.test_size).numpy()
-    with torch.no_grad():
-        logits = model(source.images("test", idx, torch.device("cpu")).double())
-    y = source.labels("test", idx)
-    loss = nn.functional.cross_entropy(logits, y, reduction="sum").item() / source.test_size
-    accuracy = (logits.argmax(1) == y).double().mean().item()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, loss, accuracy
-
-
 def _without_counts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """less ``num_batches_tracked`` (torch's AveragedModel averages that integer into a truncated float;
     rayconv's moving average copies it, ``recipe.ema``)."""
@@ -106,8 +49,8 @@ def check_against_reference(cfg: Config, summary: dict) -> None:
     """model.pt and model_ema.pt (written after the last evaluation) hold the reference's recomputed
     statistics (and weights), and the test loss and accuracies are the reference's in eval mode."""
     trained, trained_ema = reference_recipe_sgd(cfg, STEPS)
-    want, loss, accuracy = recalibrated(cfg, trained)
-    want_ema, _, ema_accuracy = recalibrated(cfg, trained_ema)
+    want, loss, accuracy = recalibrated(cfg, trained, range(STEPS, STEPS + N))
+    want_ema, _, ema_accuracy = recalibrated(cfg, trained_ema, range(STEPS, STEPS + N))
     got = torch.load(f"{cfg.out}/model.pt", weights_only=True)
     assert_same_state(got, want, atol=1e-10)
     assert [int(got[k]) for k in got if k.endswith("num_batches_tracked")] == [STEPS] * 3

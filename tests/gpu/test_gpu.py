@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import local_ray
 
-from support.helpers import assert_same_state, reference_microbatch_sgd, reference_sgd
+from support.helpers import assert_same_state, recalibrated, reference_microbatch_sgd, reference_sgd
 from rayconv.config import Config
 from rayconv.driver.job import train_run
 
@@ -76,6 +76,28 @@ def test_cuda_graph_defers_batchnorm_statistics(gpu_cluster, tmp_path, layout):
     got = torch.load(tmp_path / "bn" / "model.pt", weights_only=True)
     assert [int(got[k]) for k in got if k.endswith("num_batches_tracked")] == [5] * 3
     assert_same_state(got, reference_microbatch_sgd(cfg, 5)[0], atol=1e-8)
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(num_microbatches=4),
+                                    pytest.param(dict(pp=2, num_microbatches=2), marks=two_gpus)])
+def test_precise_bn_between_replayed_steps(gpu_cluster, tmp_path, layout):
+    """--precise-bn-batches between steps that replay a CUDA graph (an evaluation after each, the moving
+    average on): the weights equal a run's without it, and the last evaluation's statistics and test loss
+    equal one device's recomputed over the same batches (tests/actors/test_precise_bn.py)."""
+    kw = dict(model="convnet_bn", data="digits", dp=1, global_batch_size=96, steps=5, eval_every=1,
+              precision="fp64", device="cuda", progress=False, balance="flops", model_ema=True,
+              model_ema_steps=1, **layout)
+    states = {}
+    for n in (0, 3):
+        cfg = Config(**kw, precise_bn_batches=n, out=str(tmp_path / str(n))).validate()
+        summary = train_run(cfg, log=print)
+        assert all(a["cuda_graphs"] for a in summary["actors"])
+        states[n] = torch.load(tmp_path / str(n) / "model.pt", weights_only=True)
+    weights = [k for k in states[0] if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))]
+    assert_same_state({k: states[3][k] for k in weights}, {k: states[0][k] for k in weights}, atol=1e-10)
+    want, loss, _ = recalibrated(cfg, reference_microbatch_sgd(cfg, 5)[0], range(5, 8))
+    assert_same_state(states[3], want, atol=1e-8)
+    assert abs(summary["test_loss"] - loss) < 1e-8
 
 
 def test_a_kept_gpu_actor_trains_the_next_run_as_a_new_one(gpu_cluster, tmp_path):

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.optim.swa_utils import AveragedModel
+from torch.optim.swa_utils import AveragedModel, update_bn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from rayconv.config import Config
@@ -233,3 +233,57 @@ def slow_among(values, slow) -> list:
 
     return [pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow) if v in slow else v
             for v in values]
+
+
+def recalibrated(cfg: Config, state: dict[str, torch.Tensor],
+                 steps: range) -> tuple[dict[str, torch.Tensor], float, float]:
+    """``state`` (the whole model's, float64) with its batch-norm statistics recomputed, as
+    ``--precise-bn-batches`` claims, over dp replica 0's share of the global batches of ``steps``:
+    ``torch.optim.swa_utils.update_bn`` itself without micro-batches, else its arithmetic on each share's
+    concatenated micro-batches (each normalised by its own statistics in the forward pass);
+    ``num_batches_tracked`` kept. Returns (state, test loss, test accuracy in eval mode)."""
+    source = reference_source(cfg)
+    model = build_model(cfg.model, source.num_classes, source.sample_shape[0],
+                        source.sample_shape[1]).double()
+    model.load_state_dict(state)
+    sharding = Sharding(source.train_size, cfg.global_batch_size, dp=cfg.dp, seed=cfg.seed,
+                        order=make_order(cfg, source))
+    shares = []
+    for step in steps:
+        epoch, s = divmod(step, sharding.steps_per_epoch)
+        shares.append(source.images("train", sharding.replica_batch(epoch, s, 0)[0], torch.device("cpu"),
+                                    epoch).double())
+    bns = [m for m in model.modules() if isinstance(m, _BatchNorm)]
+    counts = [m.num_batches_tracked.clone() for m in bns]
+    if cfg.num_microbatches == 1:
+        update_bn(shares, model)
+    else:
+        seen: dict[nn.Module, list[torch.Tensor]] = {m: [] for m in bns}
+        record = [True]
+        for m in bns:
+            m.register_forward_pre_hook(lambda mod, args: seen[mod].append(args[0]) if record[0] else None)
+            m.reset_running_stats()
+            m.momentum = None
+        model.train()
+        with torch.no_grad():
+            for x in shares:
+                for m in bns:
+                    m.track_running_stats = False
+                record[0] = True
+                for sl in split_slices(len(x), cfg.num_microbatches):
+                    model(x[sl])
+                record[0] = False
+                for m in bns:
+                    m.track_running_stats = True
+                    m(torch.cat(seen[m]))
+                    seen[m].clear()
+    for m, c in zip(bns, counts):
+        m.num_batches_tracked.copy_(c)
+    model.eval()
+    idx = torch.arange(source.test_size).numpy()
+    with torch.no_grad():
+        logits = model(source.images("test", idx, torch.device("cpu")).double())
+    y = source.labels("test", idx)
+    loss = nn.functional.cross_entropy(logits, y, reduction="sum").item() / source.test_size
+    accuracy = (logits.argmax(1) == y).double().mean().item()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, loss, accuracy
