@@ -337,7 +337,12 @@ def _endpoint(loc: Location) -> str:
 def one_line(e: BaseException, loc: Location, flag: str, doing: str = "cannot be written") -> StorageError:
     """A storage error ``e`` (pyarrow's OSError, an AWS error code in its text) at ``loc`` as one line
     saying what to change: wrong credentials, a missing bucket, an unreachable endpoint, else ``doing``
-    with the error's first line."""
+    with the error's first line (``flag uri: why_not``)."""
+    return StorageError(f"{flag} {loc.uri}: {why_not(e, loc, doing)}")
+
+
+def why_not(e: BaseException, loc: Location, doing: str = "cannot be written") -> str:
+    """``one_line``'s reason for ``e`` at ``loc``, without the flag and the URI."""
     text = str(e).strip()
     first = text.splitlines()[0] if text else type(e).__name__
     bucket = loc.path.split("/", 1)[0]
@@ -351,7 +356,7 @@ def one_line(e: BaseException, loc: Location, flag: str, doing: str = "cannot be
         why = f"the bucket {bucket} does not exist: create it, or name another"
     else:
         why = f"{doing} ({first})"
-    return StorageError(f"{flag} {loc.uri}: {why}")
+    return why
 
 
 @contextlib.contextmanager

@@ -1,5 +1,7 @@
 """The checks a run makes of its storage before it starts: that ``--out`` (or another output flag) can be
-written, that a ``--resume``/``--init``/``--data-dir`` location can be read. On the local disk nothing is
+written, that a ``--resume``/``--init``/``--data-dir`` location can be read (by the driver, before Ray
+starts), and that each node holding actors that will write checkpoints into a store can write there
+(``node_can_write``, run on one actor per node before the first step). On the local disk nothing is
 made; in a store a small probe object is written and deleted. Each failure is one ``StorageError`` line
 (``storage.one_line``): wrong credentials, a missing bucket, an unreachable endpoint, a place that
 cannot be written."""
@@ -9,8 +11,9 @@ from __future__ import annotations
 import os
 import secrets as _random
 import tempfile
+from typing import Optional
 
-from rayconv.storage import Location, StorageError, locate, storage_errors
+from rayconv.storage import Location, StorageError, locate, storage_errors, why_not
 
 
 def check_writable(where: str | os.PathLike | Location, flag: str = "--out") -> Location:
@@ -65,3 +68,23 @@ def check_readable(where: str | os.PathLike | Location, flag: str) -> Location:
                         "--init": "give a model.pt's or a run folder's URI"}.get(flag, "check the URI")
                 raise StorageError(f"{flag} {loc.uri}: nothing is stored there: {hint}")
     return loc
+
+
+def node_can_write(uri: str) -> Optional[str]:
+    """Whether this process (an actor, with its node's environment: credentials, ``AWS_ENDPOINT_URL``)
+    can write into the store's folder ``uri``: a small probe object written directly under it and
+    deleted. Returns None when it can, else why not (one line, without the URI: ``storage.why_not``).
+    No folder is removed, since other nodes probe the same folder at the same time (pyarrow may leave
+    the folder's marker object: the run writes there next, or removes the folder it made)."""
+    try:
+        loc = locate(uri)
+    except StorageError as e:   # (this node's pyarrow cannot open such a URI)
+        return str(e)
+    probe = loc / f".rayconv-probe-{_random.token_hex(6)}"
+    try:
+        with probe.fs.open_output_stream(probe.path) as f:
+            f.write(b"")
+        probe.fs.delete_file(probe.path)
+    except (OSError, ValueError) as e:   # (pyarrow's errors: ArrowIOError, ArrowInvalid)
+        return why_not(e, loc)
+    return None

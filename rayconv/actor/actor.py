@@ -56,6 +56,13 @@ class Actor(ActorLifecycle):
         """host:port of the process-group rendezvous this actor (rank 0) opens (``comm.open_rendezvous``)."""
         return self.code.comm.open_rendezvous(ray.util.get_node_ip_address(), self.cfg.collective_timeout_s)
 
+    def can_write(self, uri: str) -> Optional[str]:
+        """Whether this actor's node can write into the store's folder ``uri`` (where the run's
+        checkpoints go): None, or why not in one line (``storage_checks.node_can_write``)."""
+        from rayconv.storage_checks import node_can_write
+
+        return node_can_write(uri)
+
     def check_model(self, cfg: dict[str, Any], mesh: tuple[int, int, int], num_classes: int,
                     sample_shape: tuple[int, ...], data_channels: int, check: bool = True) -> Routing:
         """``routing.checked_routing`` of run ``cfg``'s model for ``mesh`` (dp, pp, fs), made here for a

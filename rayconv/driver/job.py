@@ -41,6 +41,7 @@ from rayconv.driver.policies import (CONTINUE, Decision, ElasticScaling, Failure
                                      ScalingPolicy)
 from rayconv.driver.progress import kept_names, log_header
 from rayconv.driver.resolve import ResolvedRun, call_timeout_s, resolve_run
+from rayconv.driver.saving import check_nodes
 from rayconv.errors import CallTimeout, ClusterError
 from rayconv.layout import Layout
 from rayconv.mesh import Mesh
@@ -277,9 +278,11 @@ def acquire_actors(run: Run, started: Optional[ActorGroup] = None) -> ActorGroup
 
 
 def build_run(run: Run, actor_group: ActorGroup, ckpt: Optional[Checkpoint]) -> None:
-    """Set the actors up under the run's resolved settings (``build_actors``) and load ``ckpt`` (and its
-    metrics rows) if given. Raises ClusterError."""
+    """Check that the actors' nodes can write the run's checkpoints into its store (``check_nodes``), set
+    the actors up under the run's resolved settings (``build_actors``) and load ``ckpt`` (and its metrics
+    rows) if given. Raises ClusterError, StorageError."""
     s = run.resolved
+    check_nodes(run, actor_group)   # (a node that cannot write the run's checkpoints: one line, exit 2)
     run.actor_reports = build_actors(actor_group, s.mesh, s.routing, s.sharding, run.call_timeout_s, s.cfg)
     mark("actors_set_up")
     run.changes.mark("actors_set_up")

@@ -17,6 +17,10 @@ Where the rank files go (``route``, said once on the console): a bucket, or a lo
 driver's disk, which actors on the driver's node write directly; an actor on another node (which may
 not see that disk) streams its rank file through a writer on the driver's node (``cluster/sink.py``).
 
+Before the first step of a run whose actors will write checkpoints into a store (``check_nodes``), one
+actor on each node writes and deletes a probe object in the run's folder with its node's credentials
+and endpoint: a node that cannot is one line naming it (exit status 2), before anything is written.
+
 ``RAYCONV_SYNC_CHECKPOINTS=1`` keeps the synchronous form (each actor's whole state through the driver,
 written before training continues: format 1), for the benchmark's comparison
 (``benchmarks/checkpoint_stall.py``).
@@ -37,7 +41,7 @@ from rayconv.cluster.group import ActorGroup
 from rayconv.cluster.sink import SinkFolder, needs_sink, start_sink
 from rayconv.outputs.checkpoint import (latest_checkpoint, prune, remove_partial, write_checkpoint,
                                         write_manifest)
-from rayconv.storage import Location, Place, describe, locate, remove
+from rayconv.storage import Location, Place, StorageError, describe, locate, remove
 
 SYNC_ENV = "RAYCONV_SYNC_CHECKPOINTS"
 
@@ -90,6 +94,37 @@ def route(run: Any, group: ActorGroup) -> Route:
                "is this node's disk)" if n else ""))
     run.ckpt_route = r
     return r
+
+
+def check_nodes(run: Any, group: ActorGroup) -> None:
+    """Where ``group``'s actors will write checkpoints into a store (the run's folder is a store's
+    URI, with --checkpoint-every or --elastic's preemption checkpoints): one actor on each node this run
+    has not checked yet writes and deletes a probe object there (``Actor.can_write``), with its node's
+    own environment. Raises StorageError, one line naming the node and what to change."""
+    out, cfg = run.resolved.out, run.cfg
+    if not isinstance(out, Location) or not (cfg.checkpoint_every or cfg.elastic is not None) \
+            or os.environ.get(SYNC_ENV) == "1":
+        return
+    checked: set[str] = getattr(run, "nodes_checked", set())
+    first: dict[str, int] = {}   # node id -> the first rank on it
+    for rank, info in enumerate(group.info):
+        if info.get("node_id") not in checked:
+            first.setdefault(info.get("node_id"), rank)
+    if not first:
+        return
+    ranks = list(first.values())
+    whys = group.call(Actor.can_write, out.uri, ranks=ranks, timeout_s=run.call_timeout_s)
+    bad = [(group.info[r], why) for r, why in zip(ranks, whys) if why]
+    if bad:
+        info, why = bad[0]
+        more = f" (and {len(bad) - 1} other nodes)" if len(bad) > 1 else ""
+        raise StorageError(
+            f"checkpoints to {out.uri}: the actors on node {info.get('ip')} "
+            f"({str(info.get('node_id'))[:8]}){more} cannot write there, though the driver can: {why}; "
+            "every node that holds actors needs the storage's endpoint and credentials (the AWS_* "
+            "environment on each node, as cluster.yaml sets it, or the job's runtime_env env_vars); "
+            "nothing was written")
+    run.nodes_checked = checked | set(first)
 
 
 def start(run: Any, group: ActorGroup, step: int, manifest: dict[str, Any], wait: bool = False) -> Place:
