@@ -3,7 +3,13 @@ resources): a dp=2 x fs=2 job places ranks by node, so each filter-split group s
 a user's ResNet-like model in a file that is not installed trains dp=2 with one actor per node (its
 module shipped to both nodes in Ray's py_modules) as single-device SGD does.
 
-The two-node cluster is conftest's ``two_nodes``, one for the module (no ``ray_cluster`` fixture)."""
+With ``--out`` in a bucket of a real S3-compatible server on loopback (moto), whose endpoint and test
+credentials every node's environment holds (as a cloud cluster's nodes hold theirs): an elastic run
+that loses a node continues from the bucket's checkpoint to single-device SGD's parameters; a node
+whose environment points elsewhere is named in one line before the first step (exit status 2).
+
+The two-node cluster is conftest's ``two_nodes``, one for the module (no ``ray_cluster`` fixture),
+started once the S3 server's environment is set."""
 
 from __future__ import annotations
 
@@ -15,10 +21,37 @@ import pytest
 import ray
 import torch
 
-from support.helpers import assert_same_state, reference_microbatch_sgd, sgd_config
+from support.helpers import assert_same_state, reference_microbatch_sgd, reference_sgd, sgd_config
 from rayconv.config import Config
 from rayconv.driver.job import train_run
 from rayconv.mesh import Mesh
+from tests.support.s3_server import s3_server
+
+
+@pytest.fixture(scope="module")
+def bucket():
+    """The S3 server, its environment set in this process before the nodes start (their actors inherit
+    it)."""
+    with s3_server() as s3:
+        yield s3
+
+
+@pytest.fixture(scope="module")
+def two_nodes(bucket, two_nodes):   # (conftest's, started after ``bucket``)
+    return two_nodes
+
+
+def add_node_b(cluster):
+    """A node like the fixture's second (2 CPUs, ``node_b``), once its resources show as free (the
+    scaling policy reads them)."""
+    import time
+
+    node = cluster.add_node(num_cpus=2, resources={"node_b": 1})
+    cluster.wait_for_nodes()
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("node_b", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return node
 
 
 @pytest.mark.slow
@@ -97,18 +130,12 @@ def test_elastic_dp4_shrinks_grows_and_loses_no_step(two_nodes, tmp_path, monkey
 
     from rayconv.cluster.nodes import draining_nodes
     from rayconv.driver import elastic
-    from support.helpers import reference_sgd
 
     monkeypatch.setattr(elastic, "DRAIN_POLL_S", 0.0)   # (a look at the draining nodes after every step)
     done: dict[str, object] = {}
 
     def add_node():
-        node = two_nodes.add_node(num_cpus=2, resources={"node_b": 1})
-        two_nodes.wait_for_nodes()
-        deadline = time.monotonic() + 30   # (until its resources show as free: the grow check reads them)
-        while ray.available_resources().get("node_b", 0) < 1 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return node
+        return add_node_b(two_nodes)
 
     def events(actor_group, step):
         if step == 2 and "removed" not in done:
@@ -165,3 +192,80 @@ def test_elastic_dp4_shrinks_grows_and_loses_no_step(two_nodes, tmp_path, monkey
                                                         for k in range(10)]
     assert_same_state(torch.load(tmp_path / "elastic" / "model.pt", weights_only=True),
                       reference_sgd(cfg, 10), atol=1e-10)
+
+
+@pytest.mark.slow
+def test_elastic_checkpoints_in_a_bucket(two_nodes, bucket, tmp_path):
+    """--out in the bucket, --dp 4 --elastic 2 --checkpoint-every 2 over the two nodes, 4 steps: the
+    second node is removed after step 2; the run continues on dp2 from the bucket's newest complete
+    checkpoint (step 2's, which the actors of both nodes wrote there) and ends at single-device SGD's
+    parameters (float64, 1e-10); its checkpoints and results are in the bucket, nothing on the disk."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    from rayconv.outputs.checkpoint import list_checkpoints
+    from rayconv.storage import locate
+
+    uri = bucket.uri("multinode", "elastic")
+    done: dict[str, object] = {}
+
+    def events(actor_group, step):
+        if step == 2 and "removed" not in done:
+            done["removed"] = [p.name for p in list_checkpoints(uri)]
+            two_nodes.remove_node(next(iter(two_nodes.worker_nodes)))
+
+    lines: list[str] = []
+    cfg = sgd_config(tmp_path, "unused", dp=4, steps=4, eval_every=4, checkpoint_every=2, elastic=2,
+                     elastic_wait=1.0, max_failures=1, collective_timeout_s=30, loader_workers=0,
+                     keep_checkpoints=0, out=uri)
+    try:
+        summary = train_run(cfg, log=lines.append, on_step=events)
+    finally:   # the cluster as the fixture made it
+        if "removed" in done:
+            add_node_b(two_nodes)
+    assert done["removed"] == ["step-2"]
+    changes = [(c["step"], c["from"], c["to"], c["steps_redone"]) for c in summary["layout_changes"]]
+    assert changes == [(2, "dp4", "dp2", 1)], summary["layout_changes"]
+    assert any(f"continuing from {uri}/checkpoints/step-2" in x for x in lines), lines
+    out = locate(uri)
+    assert [p.name for p in list_checkpoints(out)] == ["step-2", "step-4"]
+    rows = [r for r in pq.read_table(io.BytesIO((out / "metrics.parquet").read_bytes())).to_pylist()
+            if r["kind"] == "train"]
+    assert [(r["step"], r["layout"]) for r in rows] == [(k, "dp4" if k < 2 else "dp2") for k in range(4)]
+    model = torch.load(io.BytesIO((out / "model.pt").read_bytes()), weights_only=True)
+    assert_same_state(model, reference_sgd(cfg, 4), atol=1e-10)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_node_that_cannot_write_the_bucket_is_named_before_the_first_step(two_nodes, bucket, tmp_path,
+                                                                             monkeypatch, capsys):
+    """A third node whose environment sends its actors to an endpoint where nothing listens, while the
+    driver's reaches the bucket: a dp3 run (one actor a node) with checkpoints into the bucket stops
+    before its first step with one line naming that node and what to change, exit status 2, nothing
+    written (in the bucket or on the disk)."""
+    from rayconv.run import main
+    from rayconv.storage import locate
+    from tests.support.ray_head import free_port
+
+    wrong = f"http://127.0.0.1:{free_port()}"
+    node = two_nodes.add_node(num_cpus=2, resources={"node_c": 1}, env_vars={"AWS_ENDPOINT_URL": wrong})
+    two_nodes.wait_for_nodes()
+    uri = bucket.uri("multinode", "refused")
+    monkeypatch.chdir(tmp_path)
+    try:
+        rc = main(["--model", "convnet", "--data", "digits", "--dp", "3", "--num-cpus-per-actor", "2",
+                   "--global-batch-size", "96", "--steps", "2", "--checkpoint-every", "1", "--device", "cpu",
+                   "--no-progress", "--loader-workers", "0", "--keep-actors-s", "0", "--out", uri])
+    finally:
+        two_nodes.remove_node(node)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert f"rayconv: error: checkpoints to {uri}: the actors on node " in err, err
+    assert f"({node.node_id[:8]}) cannot write there, though the driver can" in err, err
+    assert f"cannot reach the storage endpoint {wrong[len('http://'):]}" in err, err
+    assert "AWS_* environment on each node" in err and "nothing was written" in err, err
+    assert not locate(uri).exists()
+    assert list(tmp_path.iterdir()) == []
+
