@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import ray
 import torch
-from PIL import Image
 
 from support.helpers import assert_same_state, reference_sgd
 from rayconv import prepare as prep
@@ -18,6 +17,7 @@ from rayconv.config import Config
 from rayconv.data import cache
 from rayconv.data.shard_writer import on_processes
 from rayconv.driver.job import train_run
+from tests.support.image_folder import write_folder
 from tests.support.s3_server import s3_server
 
 SIZE = 32
@@ -40,15 +40,13 @@ def s3_and_ray():
 @pytest.fixture(scope="module")
 def folders(s3_and_ray, tmp_path_factory):
     """3 classes x 6 train and 2 val PNGs prepared as raw pixels (3 a shard) here and into the bucket."""
-    root = tmp_path_factory.mktemp("src")
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 6), ("val", 2)):
-        for c in "abc":
-            (root / split / c).mkdir(parents=True)
-            for i in range(n):
-                px = rng.integers(0, 90, (SIZE, SIZE, 3)).astype(np.uint8)
-                px[..., "abc".index(c)] += 160
-                Image.fromarray(px).save(root / split / c / f"{i}.png")
+    def tinted(rng, c, i, shape):   # (each class brighter in its own channel)
+        px = rng.integers(0, 90, shape).astype(np.uint8)
+        px[..., c] += 160
+        return px
+
+    root = write_folder(tmp_path_factory.mktemp("src"), train=6, val=2, classes="abc", grey=False,
+                        shape=lambda i: (SIZE, SIZE), pixels=tinted)
     local = tmp_path_factory.mktemp("prepared") / "raw"
     mp = pytest.MonkeyPatch()
     mp.setattr(prep, "_on_ray", lambda args, address: on_processes(args, 1))

@@ -38,6 +38,7 @@ from rayconv.data.shards import ShardSource
 from rayconv.data.small import HeldSource
 from rayconv.data.source import Sharding
 from rayconv.errors import DataError
+from tests.support.image_folder import write_folder
 
 CPU = torch.device("cpu")
 SIZE = 32
@@ -47,19 +48,13 @@ SIZE = 32
 def src(tmp_path_factory) -> Path:
     """3 classes x 6 train and 2 val PNGs: 32 x 32 (stored as they are), and one 40 x 52 a class (resized
     and cropped)."""
-    root = tmp_path_factory.mktemp("src")
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 6), ("val", 2)):
-        for c in "abc":
-            (root / split / c).mkdir(parents=True)
-            for i in range(n):
-                shape = (40, 52, 3) if i == 0 else (SIZE, SIZE, 3)
-                # smooth images (JPEG's error on noise would be large): a gradient plus a little noise
-                yy, xx = np.mgrid[:shape[0], :shape[1]]
-                px = yy[..., None] * 2 + xx[..., None] * (1 + "abc".index(c) % 2) + 30 * np.arange(3) + 4 * i
-                px = (px + rng.integers(0, 4, shape)).astype(np.uint8)
-                Image.fromarray(px).save(root / split / c / f"{i}.png")
-    return root
+    def smooth(rng, c, i, shape):   # (JPEG's error on noise would be large): a gradient, a little noise
+        yy, xx = np.mgrid[:shape[0], :shape[1]]
+        px = yy[..., None] * 2 + xx[..., None] * (1 + c % 2) + 30 * np.arange(3) + 4 * i
+        return (px + rng.integers(0, 4, shape)).astype(np.uint8)
+
+    return write_folder(tmp_path_factory.mktemp("src"), train=6, val=2, classes="abc", grey=False,
+                        shape=lambda i: (40, 52) if i == 0 else (SIZE, SIZE), pixels=smooth)
 
 
 @pytest.fixture(autouse=True)

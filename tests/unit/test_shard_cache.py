@@ -11,7 +11,6 @@ import numpy as np
 import pyarrow.fs as pafs
 import pytest
 import torch
-from PIL import Image
 
 from rayconv import prepare as prep
 from rayconv import run
@@ -20,6 +19,7 @@ from rayconv.data import cache
 from rayconv.data.registry import check_source, first_epoch_order, make_source
 from rayconv.data.shard_writer import on_processes
 from rayconv.errors import DataError
+from tests.support.image_folder import write_folder
 from tests.support.s3_server import s3_server
 
 SIZE = 32
@@ -35,15 +35,9 @@ def s3():
 @pytest.fixture(scope="module")
 def src(tmp_path_factory) -> Path:
     """2 classes x 8 train and 2 val PNGs of 32 x 32."""
-    root = tmp_path_factory.mktemp("src")
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 8), ("val", 2)):
-        for c in "ab":
-            (root / split / c).mkdir(parents=True)
-            for i in range(n):
-                px = rng.integers(0, 256, (SIZE, SIZE, 3)).astype(np.uint8)
-                Image.fromarray(px).save(root / split / c / f"{i}.png")
-    return root
+    return write_folder(tmp_path_factory.mktemp("src"), train=8, val=2, shape=lambda i: (SIZE, SIZE),
+                        pixels=lambda rng, c, i, shape: rng.integers(0, 256, shape).astype(np.uint8),
+                        grey=False)
 
 
 @pytest.fixture(autouse=True)
