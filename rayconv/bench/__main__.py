@@ -8,7 +8,8 @@ measured under the same precision and global batch: plain PyTorch on 1 device an
 devices (``bench.anchor``), each in the fastest of its candidate configurations (eager; compiled, and for DDP
 compile(DDP) and DDP(compile), on GPUs; DDP's bucket settings), the winner named in the row. ``--data
 imagefolder --data-dir DIR`` reads real JPEG files through the loader instead of synthetic data, so that each
-row's input stall shows (the anchors then do not run). Writes into ``--out``:
+row's input stall shows (the anchors then do not run). Writes into ``--out`` (a folder, or a store's URI
+such as ``s3://bucket/prefix``, as ``rayconv.run``'s ``--out``: each file whole or absent):
 
 * ``bench.parquet``: one row per (model, layout): images_per_s, step_ms (and ``step_ms_median``: a mean
   well above the median is a few slow steps, such as epoch ends), speedup over rayconv on 1
@@ -46,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from rayconv.bench.sweeps import main_bench, sweep_batch, training_curve
 from rayconv.cluster.connect import available_devices, connect
@@ -55,6 +55,8 @@ from rayconv.data.registry import make_source
 from rayconv.errors import ClusterError, ConfigError, DataError
 from rayconv.flags import OneLineParser
 from rayconv.layout import Layout
+from rayconv.storage import describe, place
+from rayconv.storage_checks import check_writable
 
 MAX_CALL_TIMEOUT_S = 7 * 24 * 3600.0  # --call-timeout-s: a week (Ray's wait takes no infinite limit)
 
@@ -156,7 +158,9 @@ def _add_modes(p: argparse.ArgumentParser) -> None:
         "--target-accuracy", type=float, default=None, metavar="A",
         help="with --curve: each run also records the time to the first test top-1 accuracy >= A, in "
         "(0, 1] (rayconv.run's --target-accuracy), one row a run in bench.parquet (default: none)")
-    p.add_argument("--out", default="benchmarks/latest", help="folder for the results (default %(default)s)")
+    p.add_argument("--out", default="benchmarks/latest",
+                   help="folder for the results, or a store's URI such as s3://bucket/prefix (default "
+                   "%(default)s)")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -181,8 +185,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def check(args) -> None:
-    """What can be refused before Ray starts: layout names, the call limit, the data settings and folder
-    (as rayconv.run checks them). Raises ConfigError or DataError."""
+    """What can be refused before Ray starts: layout names, the call limit, the data settings and folder,
+    the output folder (written to; a store's: a probe object written and deleted), as rayconv.run checks
+    them. Raises ConfigError (a StorageError among them) or DataError."""
     for name in args.layouts.split(","):
         Layout.parse(name)
     limit = args.call_timeout_s
@@ -199,6 +204,7 @@ def check(args) -> None:
         make_source(Config(data=args.data, data_dir=args.data_dir, loader_workers=args.loader_workers,
                            data_on_device=args.data_on_device,
                            decode=args.decode, image_size=args.image_size, device=args.device).validate())
+    check_writable(args.out, "--out")
 
 
 def main(argv=None) -> int:
@@ -206,7 +212,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         check(args)
-        Path(args.out).mkdir(parents=True, exist_ok=True)
+        args.out = place(args.out, flag="--out")   # (a Path, or a storage.Location in a store)
+        args.out.mkdir(parents=True, exist_ok=True)
         connect(args.address)
         args.device_kind, _ = available_devices(args.device)
         if args.sweep:
@@ -214,13 +221,13 @@ def main(argv=None) -> int:
         elif args.curve:
             training_curve(args)
         elif not any(r.get("images_per_s") for r in main_bench(args)):
-            print(f"rayconv.bench: error: no layout was measured (the note column of {args.out}/bench.md "
-                  "says why)", file=sys.stderr)
+            print("rayconv.bench: error: no layout was measured (the note column of "
+                  f"{describe(args.out / 'bench.md')} says why)", file=sys.stderr)
             return 1
     except (ConfigError, DataError, ClusterError) as e:
         print(f"rayconv.bench: error: {e}", file=sys.stderr)
         return 2
-    print(f"results in {args.out}")
+    print(f"results in {describe(args.out)}")
     return 0
 
 

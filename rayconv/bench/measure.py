@@ -29,6 +29,7 @@ from rayconv.errors import CallTimeout, ClusterError
 from rayconv.files import atomic_write
 from rayconv.layout import Layout
 from rayconv.parallel.pipeline import bubble_fraction
+from rayconv.storage import Place
 
 
 # The bench calls each step itself, as many as it times: its run has no end the actors should see (they
@@ -87,7 +88,7 @@ def warmup_steps(warmup: int, sharding, graphs: bool = False) -> int:
 
 
 def measure(cfg: Config, warmup: int, steps: int, profile_steps: int = 3, trace_steps: int = 0,
-            trace_to: Optional[Path] = None, call_timeout_s: Optional[float] = None) -> dict[str, Any]:
+            trace_to: Optional[Place] = None, call_timeout_s: Optional[float] = None) -> dict[str, Any]:
     """Images/s and step time of ``cfg`` over ``steps`` timed steps after ``warmup`` steps (or the first
     epoch: ``warmup_steps``), then a
     profiled split, then (``trace_steps`` > 0) a torch.profiler trace of rank 0 written as a table to
@@ -176,7 +177,7 @@ def _profiled(calls: _Calls, first: int, n: int) -> list:
     return prof
 
 
-def _trace(calls: _Calls, first: int, trace_steps: int, trace_to: Optional[Path]) -> Optional[float]:
+def _trace(calls: _Calls, first: int, trace_steps: int, trace_to: Optional[Place]) -> Optional[float]:
     """Trace ``trace_steps`` steps of rank 0; write its table to ``trace_to``; the device's busy share."""
     tr = calls.call("trace", Actor.trace, first, trace_steps, calls.lr)[0]
     if trace_to is not None:

@@ -4,16 +4,15 @@ anchors), the batch and memory sweeps (``sweep_batch``) and the training curve (
 A layout that fails (out of memory, an actor's error, a call past ``--call-timeout-s``) keeps its
 row, with nulls where nothing was measured and ``note`` naming the phase and the error; the loop
 goes on with the next layout. Rows are written after each layout (or batch), so that a run cut
-short keeps what it measured.
+short keeps what it measured. ``args.out`` is where they go: a ``storage.Place`` (a folder, or a
+``storage.Location`` in a store), each file whole or absent.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import sys
-from pathlib import Path
 from typing import Any, Optional
 
 import pyarrow as pa
@@ -29,6 +28,8 @@ from rayconv.errors import ClusterError
 from rayconv.files import atomic_write
 from rayconv.layout import Layout
 from rayconv.outputs.charts import error_against_time
+from rayconv.outputs.metrics import read_rows
+from rayconv.storage import place, remove
 
 PP_MICROBATCH_TRIES = (2, 4, 8)  # a pipeline named without micro-batches (pp2): each tried, the fastest kept
 
@@ -36,7 +37,7 @@ PP_MICROBATCH_TRIES = (2, 4, 8)  # a pipeline named without micro-batches (pp2):
 def main_bench(args) -> list[dict[str, Any]]:
     """One row per (model, global batch, layout) of ``args``, each compared with the anchors; the
     rows are written to ``args.out`` after every layout (``bench.table.write_table``)."""
-    out = Path(args.out)
+    out = args.out
     rows: list[dict[str, Any]] = []
     jobs = [(m, b, name) for m in args.models.split(",") for b in args.global_batch_size
             for name in args.layouts.split(",")]
@@ -83,7 +84,7 @@ def _fastest(args, model: str, name: str, lay: Layout, gb: int,
         try:
             tag = f"{model}-{name}{'' if t is lay else 'm' + str(t.num_microbatches)}-B{gb}"
             r = measure(base_config(args, model, t, gb), args.warmup, args.steps, trace_steps=args.trace,
-                        trace_to=Path(args.out) / f"trace-{tag}.txt" if args.trace else None,
+                        trace_to=args.out / f"trace-{tag}.txt" if args.trace else None,
                         call_timeout_s=args.call_timeout_s)
         except (ClusterError, ValueError) as e:
             row["note"] = str(e).splitlines()[0][:200]
@@ -129,7 +130,7 @@ def sweep_batch(args, until_largest: bool) -> list[dict[str, Any]]:
     ``sweep_memory.parquet`` after every batch."""
     if until_largest and args.max_batch == 1024:
         args.max_batch = 65536
-    path = Path(args.out) / ("sweep_memory.parquet" if until_largest else "sweep_batch.parquet")
+    path = args.out / ("sweep_memory.parquet" if until_largest else "sweep_batch.parquet")
     rows: list[dict[str, Any]] = []
     for model in args.models.split(","):
         for name in args.layouts.split(","):
@@ -164,7 +165,7 @@ def training_curve(args) -> list[dict[str, Any]]:
     Writes ``curve.parquet`` and ``curve.png``; each run's own folder is ``curve-<layout>[-B<batch>]``.
     With ``--target-accuracy A`` each run also times the first evaluation reaching A, one bench row a
     run (``bench.parquet``, ``bench.md``: ``target_row``)."""
-    out = Path(args.out)
+    out = args.out
     rows, bench_rows = [], []
     for gb, name in [(b, name) for b in args.curve_batches for name in args.layouts.split(",")]:
         label = name if gb is None else f"{name} B={gb}"
@@ -174,12 +175,12 @@ def training_curve(args) -> list[dict[str, Any]]:
                                out=str(out / f"curve-{name}" if gb is None else out / f"curve-{name}-B{gb}")),
                         **({} if gb is None else {"global_batch_size": gb}),
                         **Layout.parse(name).to_config_fields()}).validate()
-        shutil.rmtree(cfg.out, ignore_errors=True)
+        remove(place(cfg.out))
         summary = train_run(cfg, log=lambda *_: None)
         if args.target_accuracy is not None:
             bench_rows.append(target_row(name, cfg, summary))
             write_table(bench_rows, out)
-        table = pq.read_table(Path(cfg.out) / "metrics.parquet").to_pylist()
+        table = read_rows((place(cfg.out) / "metrics.parquet").read_bytes())
         evals = [
             {
                 "layout": name,

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 
 from rayconv.files import atomic_write
 from rayconv.outputs.charts import pyplot
+from rayconv.storage import Place
 
 # bench.parquet's columns. Every row has all of them: a layout that failed keeps its row, with nulls
 # where nothing was measured and ``note`` saying why. (Inferred from the rows instead, the columns
@@ -64,9 +65,10 @@ def bench_table(rows: list[dict[str, Any]]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=BENCH_SCHEMA)
 
 
-def write_table(rows: list[dict[str, Any]], out: Path) -> None:
-    """Write ``bench.parquet``, ``bench.md`` and (with matplotlib) ``speedup.png`` into ``out``,
-    each atomically. Raises ValueError as ``bench_table``."""
+def write_table(rows: list[dict[str, Any]], out: Place) -> None:
+    """Write ``bench.parquet``, ``bench.md`` and (with matplotlib) ``speedup.png`` into ``out`` (a
+    folder, or a ``storage.Location`` in a store), each whole or absent. Raises ValueError as
+    ``bench_table``."""
     table = bench_table(rows)
     atomic_write(out / "bench.parquet", lambda tmp: pq.write_table(table, tmp))
     lines = ["| " + " | ".join(MD_COLUMNS) + " |", "|" + "---|" * len(MD_COLUMNS)]
@@ -82,7 +84,7 @@ def _cell(v: Any) -> str:
         f"{v:.0f}" if isinstance(v, float) else str(v))
 
 
-def speedup_chart(rows: list[dict[str, Any]], path: Path) -> None:
+def speedup_chart(rows: list[dict[str, Any]], path: Place) -> None:
     """Bars of each row's speedup over rayconv on 1 device; without such rows, no chart (an older
     run's is removed). Nothing without matplotlib."""
     plt = pyplot()
@@ -101,7 +103,7 @@ def speedup_chart(rows: list[dict[str, Any]], path: Path) -> None:
     size = rows[0].get("image_size", 224)
     ax.set_title(f"rayconv speedups (same run, synthetic {size}x{size})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     plt.close(fig)
 
 

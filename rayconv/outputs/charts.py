@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
+from rayconv.files import atomic_write
+
 
 def pyplot():
     """matplotlib.pyplot on the file-only Agg backend, or None without matplotlib (charts skipped)."""
@@ -21,7 +23,8 @@ def pyplot():
 def error_against_time(rows: Sequence[dict[str, Any]], key: str, title: str, path: Path) -> None:
     """Test error (log scale) against wall-clock time (s), one line per distinct ``row[key]``, in the
     rows' order (the paper's Figure 1): each row has ``time_s`` and ``test_error``. Writes ``path``
-    (PNG); does nothing without matplotlib."""
+    (PNG, whole or absent: a Path, or a ``storage.Location`` in a store); does nothing without
+    matplotlib."""
     plt = pyplot()
     if plt is None:
         return
@@ -35,5 +38,5 @@ def error_against_time(rows: Sequence[dict[str, Any]], key: str, title: str, pat
     ax.legend()
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     plt.close(fig)

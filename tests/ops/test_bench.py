@@ -205,6 +205,43 @@ def test_bench_on_an_image_folder_reports_input_stall(ray_cluster, tmp_path):
     assert bench.main(["--data", "imagefolder", "--layouts", "1gpu", "--out", str(tmp_path / "x")]) == 2
 
 
+@pytest.mark.slow
+def test_bench_and_curve_write_into_a_bucket(ray_cluster, tmp_path, monkeypatch, capsys):
+    """``--out s3://...`` (a real S3-compatible server on loopback, moto): the layout table and the
+    training curve go to the bucket, each file whole, nothing to the working folder; a bucket that does
+    not exist is refused in one line before any layout runs (exit status 2)."""
+    import io
+
+    from rayconv.storage import locate
+    from tests.support.s3_server import s3_server
+
+    monkeypatch.chdir(tmp_path)
+    with s3_server() as s3:
+        uri = s3.uri("bench", "b1")
+        rc = bench.main(["--models", "convnet", "--layouts", "1gpu", "--image-size", "32",
+                         "--global-batch-size", "32", "--steps", "2", "--warmup", "1", "--device", "cpu",
+                         "--precision", "fp32", "--no-anchors", "--out", uri])
+        assert rc == 0 and f"results in {uri}" in capsys.readouterr().out
+        rc = bench.main(["--curve", "--curve-epochs", "1", "--layouts", "1gpu", "--global-batch-size", "512",
+                         "--device", "cpu", "--precision", "fp32", "--out", uri])
+        assert rc == 0
+        where = locate(uri)
+        assert {"bench.parquet", "bench.md", "speedup.png", "curve.parquet", "curve.png",
+                "curve-1gpu-B512"} <= set(where.listdir()), where.listdir()
+        rows = pq.read_table(io.BytesIO((where / "bench.parquet").read_bytes())).to_pylist()
+        assert [r["layout"] for r in rows] == ["1gpu"] and rows[0]["images_per_s"] > 0
+        assert (where / "speedup.png").read_bytes()[:4] == b"\x89PNG"
+        curve = pq.read_table(io.BytesIO((where / "curve.parquet").read_bytes())).to_pylist()
+        assert curve and curve[-1]["step"] + 1 == -(-1437 // 512)
+        assert (where / "curve-1gpu-B512" / "metrics.parquet").is_file()
+        capsys.readouterr()
+        assert bench.main(["--layouts", "1gpu", "--out", "s3://no-such-bucket/b1"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == ("rayconv.bench: error: --out s3://no-such-bucket/b1: the bucket no-such-bucket "
+                       "does not exist: create it, or name another"), err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_anchor_candidates_and_the_pick_of_the_fastest():
     ddp = anchor.default_configs(True, True)
     assert {"compile(ddp) bucket 25MB", "ddp(compile) bucket 25MB", "ddp bucket 25MB"} <= set(ddp)
