@@ -117,13 +117,15 @@ def check_nodes(run: Any, group: ActorGroup) -> None:
     bad = [(group.info[r], why) for r, why in zip(ranks, whys) if why]
     if bad:
         info, why = bad[0]
-        more = f" (and {len(bad) - 1} other nodes)" if len(bad) > 1 else ""
+        n = len(bad) - 1
+        more = f" (and {n} other node{'s' if n > 1 else ''})" if n else ""
         raise StorageError(
             f"checkpoints to {out.uri}: the actors on node {info.get('ip')} "
             f"({str(info.get('node_id'))[:8]}){more} cannot write there, though the driver can: {why}; "
-            "every node that holds actors needs the storage's endpoint and credentials (the AWS_* "
-            "environment on each node, as cluster.yaml sets it, or the job's runtime_env env_vars); "
-            "nothing was written")
+            "every node that holds actors needs the storage's endpoint and credentials (a role that may "
+            "write there, or AWS_* variables in the environment of each node's ray start); "
+            + ("nothing was written" if not checked else
+               f"the run stops: --resume {out.uri} continues it once they can"))
     run.nodes_checked = checked | set(first)
 
 

@@ -110,3 +110,16 @@ def test_a_write_that_fails_mid_run_is_one_line(s3, monkeypatch):
         (locate(loc.uri) / "summary.json").write_bytes(b"{}")
     assert isinstance(e.value, StorageError) and "\n" not in str(e.value)
     assert str(e.value).startswith(f"writing {loc.uri}/summary.json: cannot reach the storage endpoint")
+
+
+def test_a_nodes_probe_says_why_it_cannot_write(s3, monkeypatch):
+    """What one actor on each node runs before the first step (``storage_checks.node_can_write``), here
+    in this process: None where it can write (its probe object deleted), else the reason in one line."""
+    from rayconv.storage_checks import node_can_write
+    uri = s3.uri("probes", "node")
+    assert node_can_write(uri) is None and locate(uri).listdir() == []
+    assert node_can_write("s3://no-such-bucket/r1") == ("the bucket no-such-bucket does not exist: create it, "
+                                                        "or name another")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    why = node_can_write(uri)
+    assert why.startswith("cannot reach the storage endpoint 127.0.0.1:") and "\n" not in why, why
