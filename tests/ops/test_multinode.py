@@ -23,6 +23,7 @@ import torch
 
 from support.helpers import assert_same_state, reference_microbatch_sgd, reference_sgd, sgd_config
 from rayconv.config import Config
+from rayconv.cluster import pool
 from rayconv.driver.job import train_run
 from rayconv.mesh import Mesh
 from tests.support.s3_server import s3_server
@@ -207,6 +208,7 @@ def test_elastic_checkpoints_in_a_bucket(two_nodes, bucket, tmp_path):
     from rayconv.outputs.checkpoint import list_checkpoints
     from rayconv.storage import locate
 
+    pool.release()   # (the CPUs that actors kept by the module's earlier runs hold)
     uri = bucket.uri("multinode", "elastic")
     done: dict[str, object] = {}
 
@@ -249,6 +251,7 @@ def test_a_node_that_cannot_write_the_bucket_is_named_before_the_first_step(two_
     from rayconv.storage import locate
     from tests.support.ray_head import free_port
 
+    pool.release()
     wrong = f"http://127.0.0.1:{free_port()}"
     node = two_nodes.add_node(num_cpus=2, resources={"node_c": 1}, env_vars={"AWS_ENDPOINT_URL": wrong})
     two_nodes.wait_for_nodes()
