@@ -118,8 +118,8 @@ def test_a_nodes_probe_says_why_it_cannot_write(s3, monkeypatch):
     from rayconv.storage_checks import node_can_write
     uri = s3.uri("probes", "node")
     assert node_can_write(uri) is None and locate(uri).listdir() == []
-    assert node_can_write("s3://no-such-bucket/r1") == ("the bucket no-such-bucket does not exist: create it, "
-                                                        "or name another")
+    assert node_can_write("s3://no-such-bucket/r1") == ("the bucket no-such-bucket does not exist: "
+                                                        "create it, or name another")
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     why = node_can_write(uri)
     assert why.startswith("cannot reach the storage endpoint 127.0.0.1:") and "\n" not in why, why
