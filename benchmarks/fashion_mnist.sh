@@ -15,7 +15,7 @@ DATA=${2:-/usr/share/datasets/fashion-mnist}
 PY=${PY:-python3}
 SIZE=${SIZE:-128}; EPOCHS=${EPOCHS:-30}; BATCH=${BATCH:-512}; LR=${LR:-0.2}; ERASE=${ERASE:-0.5}
 BN_MOMENTUM=${BN_MOMENTUM:-}; BN=${BN_MOMENTUM:+--bn-momentum $BN_MOMENTUM}  # e.g. BN_MOMENTUM=0.01; default: the model's own
-PRECISE_BN=${PRECISE_BN:-}; BN="$BN${PRECISE_BN:+ --precise-bn-batches $PRECISE_BN}"  # e.g. PRECISE_BN=20
+PRECISE_BN=${PRECISE_BN-20}; BN="$BN${PRECISE_BN:+ --precise-bn-batches $PRECISE_BN}"  # the recipe's 20; PRECISE_BN= for none
 ANCHOR_COMPILE=${ANCHOR_COMPILE:-both}  # the anchor's modes: off (eager), on (compiled) or both; eager reaches the target sooner
 COMPILE=${COMPILE:-off}  # rayconv's --compile: off reaches the target sooner (no compile of the step or the evaluation)
 mkdir -p "$OUT_DIR"

@@ -6,7 +6,9 @@
 set -uo pipefail
 OUT_DIR=${1:?usage: recipe_seeds.sh OUT_DIR DATA_DIR NAME=FLAGS ...}; DATA=${2:?DATA_DIR}; shift 2
 PY=${PY:-python3}; SEEDS=${SEEDS:-0}
-BN_MOMENTUM=${BN_MOMENTUM:-}; BN=${BN_MOMENTUM:+--bn-momentum $BN_MOMENTUM}  # e.g. BN_MOMENTUM=0.01; default: the model's own
+PRECISE_BN=${PRECISE_BN-20}  # the recipe's --precise-bn-batches 20; PRECISE_BN= for none
+BN_MOMENTUM=${BN_MOMENTUM:-}  # e.g. BN_MOMENTUM=0.01; default: the model's own
+BN="${BN_MOMENTUM:+--bn-momentum $BN_MOMENTUM}${PRECISE_BN:+ --precise-bn-batches $PRECISE_BN}"
 RECIPE="--data fashion-mnist --model resnet18 --image-size ${SIZE:-128} --epochs ${EPOCHS:-30} --global-batch-size 512
   --lr ${LR:-0.2} $BN --lr-warmup-epochs 2 --opt sgd_nesterov --label-smoothing 0.1 --norm-weight-decay 0 --bias-weight-decay 0
   --augment pad-crop --random-erase 0.5 --precision bf16 --compile off --target-accuracy 0.93"
