@@ -124,8 +124,9 @@ def with_data_kind(values: dict) -> dict:
 
 
 def check_cache_bytes(uri: str, budget, stage_dir=None) -> None:
-    """Refuse, before Ray, a set in object storage larger than a given ``--cache-bytes`` (each node's
-    cache holds the set whole: ``rayconv.data.cache``). Raises ConfigError (one line saying what to
+    """Refuse, before Ray, a set in object storage that cannot stream through a given ``--cache-bytes``
+    (a shard larger than it: ``rayconv.data.shard_stream``; the batch's window is checked by the
+    driver's ``ManifestSource``). Raises ConfigError (one line saying what to
     change); a budget not given, or not a positive int (refused by the settings' checks), is left, as is
     a set copied to ``--stage-dir`` (read from there, not through the cache)."""
     from rayconv.storage import is_remote
@@ -135,6 +136,6 @@ def check_cache_bytes(uri: str, budget, stage_dir=None) -> None:
     from rayconv.data.cache import ShardCache
     from rayconv.errors import DataError
     try:
-        ShardCache(uri, budget=budget).check_fits(budget)
+        ShardCache(uri, budget=budget).check_streams(budget)
     except DataError as e:
         raise ConfigError(str(e)) from None

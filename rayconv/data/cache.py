@@ -167,6 +167,21 @@ class ShardCache:
                             "--cache-bytes to at least the set (on a disk that has the room: --cache-dir), "
                             "or copy the set to every node's disk first (--stage-dir)")
 
+    def check_streams(self, budget: int, window: Optional[tuple[int, int]] = None) -> None:
+        """Raise DataError (one line, saying what to change) when a set larger than ``budget`` cannot
+        stream through it either (``shard_stream``): its largest shard, or ``window`` = (bytes, shards)
+        that one batch reads, is larger than ``budget``."""
+        if self.set_bytes <= budget:
+            return
+        big = max((int(e["bytes"]) for e in self.entries.values()), default=0)
+        need, shards = window if window is not None and window[0] > big else (big, 1)
+        if need > budget:
+            block = "" if window is None else ", use --shuffle block (a batch reads one window of shards)"
+            raise DataError(f"--data-dir {self.uri} holds {_size(self.set_bytes)}, more than --cache-bytes "
+                            f"{budget}, and streams through the cache only where it holds the {shards} "
+                            f"shard(s) one batch reads ({_size(need)}): raise --cache-bytes to at least "
+                            f"{need}{block}, or copy the set to every node's disk first (--stage-dir)")
+
     def used(self) -> int:
         """Bytes the cache's folders hold now (every set's)."""
         return sum(p.stat().st_size for p in self.root.glob("*/*") if p.is_file())

@@ -5,9 +5,10 @@ The driver (the head node, often without GPUs and with a small disk) only checks
 class count, the sample counts, the images' shape, the manifest (``--shuffle block``'s order) and
 whether the actors hold the data on the device (``--data-on-device auto``). The shards are fetched only
 by the nodes whose actors read them (``cache.ShardCache``, from ``registry.make_source``).
-``--cache-bytes``, where given and without ``--stage-dir``, is checked here against the set's size
-(every node's cache holds the set whole), so that a set too large is refused before Ray starts; the
-default budget depends on each node's own disk and is checked where the set is fetched.
+``--cache-bytes``, where given and without ``--stage-dir``, is checked here: a set larger than it streams
+(``shard_stream``) and is refused before Ray starts only where the shards one replica's batch of epoch 0
+reads do not fit it (``shard_stream.min_window``); the default budget depends on each node's own disk
+and is checked where the set is read.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from rayconv.data.folders import SPLITS
 from rayconv.data.on_device import augment_words, pad_for
 from rayconv.data.raw_shards import augmentation_words as raw_words
 from rayconv.data.shard_files import encoding
+from rayconv.data.shard_stream import min_window
 from rayconv.data.shards import augmentation_words as jpeg_words
 from rayconv.data.small import held_on_device, held_words
 from rayconv.data.source import Source
@@ -32,13 +34,11 @@ class ManifestSource(Source):
     ``sample_shape`` (3, S, S), ``train_size``, ``test_size``, ``manifest``, ``augmentation`` (the words
     of the source the actors open) and ``held`` (whether the actors hold it on the device:
     ``small.held_on_device``). ``images`` and ``labels`` raise DataError: nothing is read here. Raises
-    StorageError / DataError as ``cache.remote_manifest``, and DataError for a set larger than a given
-    ``--cache-bytes`` or a split without images."""
+    StorageError / DataError as ``cache.remote_manifest``, and DataError for a set that cannot stream
+    through a given ``--cache-bytes`` or a split without images."""
 
     def __init__(self, cfg: Config):
         shards = ShardCache(cfg.data_dir or "", cfg.cache_dir, cfg.cache_bytes)   # (the manifest only)
-        if cfg.cache_bytes is not None and not cfg.stage_dir:   # (--stage-dir: read from there, no cache)
-            shards.check_fits(cfg.cache_bytes)
         self.uri, self.manifest, self.name = shards.uri, shards.manifest, "shards"
         self.classes = list(self.manifest["classes"])
         self.num_classes = len(self.classes)
@@ -50,6 +50,9 @@ class ManifestSource(Source):
         if self.train_size == 0 or self.test_size == 0:
             raise DataError(f"{self.uri} holds {self.train_size} train and {self.test_size} val images: "
                             "both splits need images")
+        # (--stage-dir: read from there, no cache)
+        if cfg.cache_bytes is not None and not cfg.stage_dir and shards.set_bytes > cfg.cache_bytes:
+            shards.check_streams(cfg.cache_bytes, min_window(cfg, self))
         if cfg.auto_augment:
             aa.make_transform(cfg.auto_augment)   # (raises ConfigError for an unknown policy, as the actors')
         augment, erase, auto = cfg.augmentation, cfg.random_erase, cfg.auto_augment

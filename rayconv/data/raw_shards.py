@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -95,9 +95,10 @@ class RawShardSource(Source):
     holds JPEGs; ConfigError for an unknown ``augment``."""
 
     def __init__(self, root: str, image_size: int, seed: int, augment: str = "pad-crop",
-                 random_erase: float = 0.0, auto_augment: Optional[str] = None):
-        self.root = Path(root)
-        self.manifest = read_manifest(self.root)
+                 random_erase: float = 0.0, auto_augment: Optional[str] = None, stream: Optional[Any] = None):
+        self.stream = stream   # a set in object storage larger than the cache (shard_stream.ShardStream)
+        self.root = Path(root) if stream is None else stream.folder
+        self.manifest = read_manifest(self.root) if stream is None else stream.manifest
         if encoding(self.manifest) != "raw":
             raise DataError(f"{self.root} holds JPEG shards, not raw pixels: read it with ShardSource")
         if augment not in ("pad-crop", "resized-crop", "none"):
@@ -119,15 +120,16 @@ class RawShardSource(Source):
         self.shards: dict[str, list[OpenShard]] = {}
         self.starts: dict[str, np.ndarray] = {}
         self.targets: dict[str, torch.Tensor] = {}
-        self.gathers: dict[str, RowGather] = {}
+        self.gathers: dict[str, Optional[RowGather]] = {}
         for split, folder in SPLITS.items():
             entries = self.manifest["splits"][folder]["shards"]
-            self.shards[split] = [OpenShard(self.root / e["file"], int(e["rows"])) for e in entries]
+            self.shards[split] = ([OpenShard(self.root / e["file"], int(e["rows"])) for e in entries]
+                                  if stream is None else stream.handles(folder))
             labels = [sh.columns(["label"])["label"] for sh in self.shards[split]]
             self.targets[split] = torch.from_numpy(np.concatenate(labels).astype(np.int64) if labels
                                                    else np.zeros(0, np.int64))
             self.starts[split] = np.cumsum([0] + [sh.rows for sh in self.shards[split]])
-            self.gathers[split] = RowGather(self.shards[split])
+            self.gathers[split] = RowGather(self.shards[split]) if stream is None else None
         self.train_size, self.test_size = len(self.targets["train"]), len(self.targets["test"])
         if self.train_size == 0 or self.test_size == 0:
             raise DataError(f"{self.root} holds {self.train_size} train and {self.test_size} val images: "
@@ -155,12 +157,47 @@ class RawShardSource(Source):
         p = self.stored
         if out is None:
             out = torch.empty((len(idx), p, p, 3), dtype=torch.uint8, pin_memory=pin)
+        if self.stream is not None:
+            self._streamed(split, idx, out.view(len(idx), p * p * 3).numpy())
+            return out
         gather = self.gathers[split]
         at, touched = gather.locate(idx)
         for s in touched.tolist():
             self.shards[split][s].check(CHECK_S)
         gather.copy(at, out.view(len(idx), p * p * 3))
         return out
+
+    def _streamed(self, split: str, idx: np.ndarray, out: np.ndarray) -> None:
+        """Rows ``idx`` of a streamed set into ``out`` (len(idx), P * P * 3): one stream read of their
+        shards (fetched ahead, mapped while copied). IndexError for a sample outside the split."""
+        starts = self.starts[split]
+        if len(idx) and (idx.min() < 0 or idx.max() >= starts[-1]):
+            bad = idx[(idx < 0) | (idx >= starts[-1])][0]
+            raise IndexError(f"sample {bad} is outside the split's {starts[-1]} rows")
+        shard = np.searchsorted(starts, idx, side="right") - 1
+        shards = self.shards[split]
+        touched = np.unique(shard)
+        with self.stream.read(split, frozenset(shards[s].name for s in touched)) as opened:
+            for s in touched.tolist():
+                at = np.flatnonzero(shard == s)
+                rows = idx[at] - starts[s]
+                sh = opened[shards[s].name]
+                piece = np.searchsorted(sh.starts, rows, side="right") - 1
+                for k in np.unique(piece).tolist():
+                    sel = piece == k
+                    first, data, _ = sh.pieces[k]
+                    out[at[sel]] = data[rows[sel] - first]
+
+    def files(self, split: str, idx: np.ndarray) -> frozenset:
+        """The names of the shard files samples ``idx`` of ``split`` lie in."""
+        shard = np.searchsorted(self.starts[split], np.asarray(idx), side="right") - 1
+        return frozenset(self.shards[split][s].name for s in np.unique(shard))
+
+    def foresee(self, split: str, epoch: int, batches: list[np.ndarray]) -> None:
+        """The batches of ``split`` after those announced (streamed sets: they order the cache's
+        evictions; nothing is read)."""
+        if self.stream is not None:
+            self.stream.foresee(split, [self.files(split, b) for b in batches if len(b)])
 
     def read_ahead(self, split: str, idx: np.ndarray) -> None:
         """Ask the kernel to read the pixel bytes of samples ``idx`` from disk now (``madvise(WILLNEED)``
@@ -193,6 +230,8 @@ class RawShardSource(Source):
         if self._reader is not None:
             self._reader.close()
             self._reader = None
+        if self.stream is not None:
+            self.stream.close()   # (a later read starts it again)
         self._pending.clear()
         self._ready.clear()
         self._aside_on.clear()
@@ -202,7 +241,14 @@ class RawShardSource(Source):
         process now, into the split's ring, one more as each is taken. The pages are asked of the kernel
         here, the split's whole shards when they fit (``_read_ahead_whole``), else by the reader process
         for each batch ``READ_AHEAD`` further on and for the first batches now. On a GPU, where the split's
-        batches were made on the side stream before, the first announced batch is made there now."""
+        batches were made on the side stream before, the first announced batch is made there now.
+        A streamed set's batches are announced to its stream (fetched ahead) and read on the step
+        thread (``uint8``)."""
+        if self.stream is not None:
+            self._ready.pop(split, None)
+            self._drop_pending(split)
+            self.stream.announce(split, [self.files(split, b) for b in batches if len(b)])
+            return
         reader = self.reader()
         self._ready.pop(split, None)
         self._drop_pending(split)

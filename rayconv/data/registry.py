@@ -25,7 +25,8 @@ from rayconv.data.fashion_mnist import load_fashion_mnist, read_ahead as read_fa
 from rayconv.data.imagefolder import ImageFolderSource
 from rayconv.data.manifest_source import ManifestSource
 from rayconv.data.raw_shards import RawShardSource
-from rayconv.data.shard_files import folder_encoding
+from rayconv.data.shard_files import encoding, folder_encoding
+from rayconv.data.shard_stream import open_stream
 from rayconv.data.shards import ShardSource, is_prepared
 from rayconv.data.small import maybe_hold
 from rayconv.data.source import Source
@@ -106,14 +107,21 @@ def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
     elif cfg.data == "synthetic":
         src = SyntheticSource(cfg.data_image_size, cfg.num_classes or 1000, cfg.synthetic_samples, cfg.seed)
     elif cfg.data in ("imagefolder", "shards"):
-        if cfg.data_dir and is_uri(cfg.data_dir):   # a bucket: read from this node's cache (data/cache.py)
+        stream = None   # a bucket's set larger than --cache-bytes: streamed (data/shard_stream.py)
+        if cfg.data_dir and is_remote(cfg.data_dir):
+            stream = open_stream(cfg)
+        if stream is None and cfg.data_dir and is_uri(cfg.data_dir):   # a bucket: this node's cache
             cfg = dataclasses.replace(cfg, data_dir=local_folder(cfg, lambda m: first_epoch_order(cfg, m)))
-        if (cfg.data == "shards" or is_prepared(cfg.data_dir)) and folder_encoding(cfg.data_dir) == "raw":
+        raw = stream is not None and encoding(stream.manifest) == "raw"
+        if raw or (stream is None and (cfg.data == "shards" or is_prepared(cfg.data_dir))
+                   and folder_encoding(cfg.data_dir) == "raw"):
             src = RawShardSource(cfg.data_dir or "", cfg.data_image_size, cfg.seed, augment=augment,
-                                 random_erase=erase, auto_augment=cfg.auto_augment)   # raw pixels: no decode
-        elif cfg.data == "shards" or is_prepared(cfg.data_dir):  # a prepared folder is read as shards
+                                 random_erase=erase, auto_augment=cfg.auto_augment,
+                                 stream=stream)   # raw pixels: no decode
+        elif stream is not None or cfg.data == "shards" or is_prepared(cfg.data_dir):   # read as shards
             src = ShardSource(cfg.data_dir or "", cfg.data_image_size, cfg.seed, loader_workers(cfg),
-                              cfg.decode, augment=augment, random_erase=erase, auto_augment=cfg.auto_augment)
+                              cfg.decode, augment=augment, random_erase=erase, auto_augment=cfg.auto_augment,
+                              stream=stream)
         else:
             src = ImageFolderSource(cfg.data_dir or "", cfg.data_image_size, cfg.seed, loader_workers(cfg),
                                     augment=augment, random_erase=erase, auto_augment=cfg.auto_augment)

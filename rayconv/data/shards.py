@@ -66,11 +66,14 @@ class ShardSource(Source):
 
     def __init__(self, root: str, image_size: int, seed: int, workers: int, decode: str = "auto",
                  augment: str = "resized-crop", random_erase: float = 0.0,
-                 auto_augment: Optional[str] = None):
-        self.root = Path(root)
+                 auto_augment: Optional[str] = None, stream: Optional[Any] = None):
+        self.stream = stream   # a set in object storage larger than the cache (shard_stream.ShardStream)
+        self.root = Path(root) if stream is None else stream.folder
         # (the policy's transform)
         self.auto_augment = aa.make_transform(auto_augment) if auto_augment else None
-        self.manifest = read_manifest(self.root)
+        self.manifest = read_manifest(self.root) if stream is None else stream.manifest
+        if stream is not None:
+            workers = 0   # (the batch's bytes are read on the actor's thread, through the stream)
         if encoding(self.manifest) != "jpeg":
             raise DataError(f"{self.root} holds raw pixels, not JPEGs: read it with "
                             "raw_shards.RawShardSource (make_source picks it)")
@@ -86,7 +89,8 @@ class ShardSource(Source):
         self.shards: dict[str, list[OpenShard]] = {}
         self.starts: dict[str, np.ndarray] = {}   # per split: first sample of each shard, then the total
         for split, entries in self.entries.items():
-            opened = [OpenShard(self.root / e["file"], int(e["rows"])) for e in entries]
+            opened = ([OpenShard(self.root / e["file"], int(e["rows"])) for e in entries] if stream is None
+                      else stream.handles(SPLITS[split]))
             cols = [sh.columns(["label", "height", "width"]) for sh in opened]
             col = lambda name: np.concatenate([c[name] for c in cols]) if cols \
                 else np.zeros(0, np.int32)  # noqa: E731
@@ -127,8 +131,14 @@ class ShardSource(Source):
     def jpegs(self, split: str, idx: np.ndarray) -> list[torch.Tensor]:
         """The JPEG bytes of samples ``idx`` of ``split``: 1-D uint8 CPU tensors (views of one copy of
         the batch's bytes, read from the memory-mapped shards after ``check``)."""
-        self.check(split, idx)
         shard, row = self._locate(split, idx)
+        if self.stream is not None:   # (the shards mapped while the bytes are copied)
+            shards = self.shards[split]
+            with self.stream.read(split, frozenset(shards[s].name for s in np.unique(shard))):
+                pieces = [shards[s].jpeg(int(r)) for s, r in zip(shard, row)]
+                flat = torch.from_numpy(np.concatenate(pieces))
+            return list(torch.split(flat, [len(p) for p in pieces]))
+        self.check(split, idx)
         pieces = [self.shards[split][s].jpeg(int(r)) for s, r in zip(shard, row)]
         flat = torch.from_numpy(np.concatenate(pieces))
         return list(torch.split(flat, [len(p) for p in pieces]))
@@ -160,6 +170,8 @@ class ShardSource(Source):
         workers; GPU decode launches each when the one before it is taken. The bytes of the first
         ``READ_AHEAD`` batches are requested from the disk at once (``read_ahead``)."""
         batches = [np.asarray(b) for b in batches if len(b)]
+        if self.stream is not None:
+            self.stream.announce(split, [self.files(split, b) for b in batches])
         self._pending[split] = {"epoch": epoch, "queue": deque(batches), "loader": None, "launched": None}
         for b in batches[:READ_AHEAD]:
             self.read_ahead(split, b)
@@ -235,7 +247,20 @@ class ShardSource(Source):
             event.record(self._stream)
         return x, event
 
+    def files(self, split: str, idx: np.ndarray) -> frozenset:
+        """The names of the shard files samples ``idx`` of ``split`` lie in."""
+        return frozenset(self.entries[split][s]["file"] for s in np.unique(self._locate(split, idx)[0]))
+
+    def foresee(self, split: str, epoch: int, batches: list[np.ndarray]) -> None:
+        """The batches of ``split`` after those announced (streamed sets: they order the cache's
+        evictions; nothing is decoded)."""
+        if self.stream is not None:
+            self.stream.foresee(split, [self.files(split, np.asarray(b)) for b in batches if len(b)])
+
     def _take_cpu(self, split: str, pending: dict) -> torch.Tensor:
+        if self.stream is not None:   # (one read of the batch's shards, decoded on this thread)
+            idx = pending["queue"].popleft()
+            return self.uint8_batch(split, idx, pending["epoch"], torch.device("cpu"))
         if pending["loader"] is None:   # forked workers share the shards' mappings
             sampler = _BatchSampler(list(pending["queue"]), pending["epoch"])
             workers = self.workers

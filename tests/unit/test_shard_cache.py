@@ -223,3 +223,69 @@ def test_a_shard_gone_from_the_cache_is_fetched_again(sets, tmp_path):
     again = cache.ShardCache(sets["raw"], str(tmp_path))
     assert again.ready() == folder and again.fetched == ["train-00002.arrow"]
     cache.release()
+
+
+def _next_use(reads: list[frozenset], at: int, name: str) -> float:
+    return next((j for j in range(at, len(reads)) if name in reads[j]), float("inf"))
+
+
+@pytest.mark.parametrize("kind", ["raw", "jpeg"])
+def test_a_set_larger_than_the_cache_streams_within_cache_bytes_in_belady_order(sets, tmp_path, kind):
+    from rayconv.data.source import Sharding
+
+    local_cfg = _cfg(sets["local"], tmp_path, augment="pad-crop")
+    local = make_source(local_cfg) if kind == "raw" else None
+    whole = make_source(_cfg(sets[kind], tmp_path / "whole", augment="pad-crop"))   # fetched whole
+    one = cache.ShardCache(sets[kind], str(tmp_path))
+    budget = one.set_bytes // 2   # about 4 of the 8 shards: a batch of 2 reads at most 2
+    src = make_source(_cfg(sets[kind], tmp_path / "cache", cache_bytes=budget, augment="pad-crop"))
+    stream = src.stream
+    assert stream is not None and stream.share() == budget
+    sharding = Sharding(src.train_size, 2, 1, 0)
+    steps = sharding.steps_per_epoch
+    epochs = [[sharding.replica_batch(e, s, 0)[0] for s in range(steps)] for e in (0, 1)]
+    reads, seen = [], []
+    for epoch, batches in enumerate(epochs):   # as actor.batches announces: this epoch, the next foreseen
+        src.prefetch("train", epoch, batches)
+        if epoch == 0:
+            src.foresee("train", 1, epochs[1])
+        for idx in batches:
+            reads.append(src.files("train", idx))
+            x = src.images("train", idx, CPU, epoch=epoch)
+            assert torch.equal(x, whole.images("train", idx, CPU, epoch=epoch))
+            if local is not None:
+                assert torch.equal(x, local.images("train", idx, CPU, epoch=epoch))
+            assert stream.used() <= budget
+            seen.append(len(stream.events))
+    assert torch.equal(src.labels("train", np.arange(16)), whole.labels("train", np.arange(16)))
+    kinds = [e[0] for e in stream.events]
+    assert kinds.count("evict") >= 4 and kinds.count("fetch") > len(stream.shards)   # fetched again
+    for what, name, used, done, candidates in stream.events:
+        assert used <= budget, (what, name, used)
+        if what == "evict":   # the furthest next use of those it could evict (Belady)
+            assert name in candidates
+            assert _next_use(reads, done, name) == max(_next_use(reads, done, c) for c in candidates)
+    assert all(sh.open is None for sh in stream.shards.values() if sh.name not in reads[-1])
+    for sh in stream.shards.values():   # every fetched file as in the bucket
+        if (stream.folder / sh.name).is_file():
+            assert (stream.folder / sh.name).read_bytes() == (whole.root / sh.name).read_bytes()
+    for s in (src, whole, local):
+        getattr(s, "close", lambda: None)()
+    cache.release()
+
+
+def test_a_batch_larger_than_the_cache_is_refused_in_one_line(sets, tmp_path):
+    from rayconv.driver.resolve import check_before_ray
+
+    one = cache.ShardCache(sets["raw"], str(tmp_path))
+    big = max(int(e["bytes"]) for e in one.entries.values())
+    cfg = _cfg(sets["raw"], tmp_path / "cache", cache_bytes=2 * big, global_batch_size=8, model="convnet",
+               steps=2)
+    with pytest.raises(DataError, match=r"raise --cache-bytes to at least \d+, use --shuffle block") as e:
+        check_before_ray(cfg, None)
+    assert "\n" not in str(e.value) and not list((tmp_path / "cache").rglob("*.arrow"))
+    src = make_source(cfg)   # an actor's own check, where the driver's did not run
+    with pytest.raises(DataError, match=r"one batch reads \d shards .* raise --cache-bytes"):
+        src.prefetch("train", 0, [np.arange(8)])
+    src.close()
+    cache.release()
