@@ -401,14 +401,15 @@ def _node_lock(path: Path):
 def _remove_if_free(folder: Path) -> None:
     """Remove ``folder`` when no process holds its shared lock (nor its set's fetch lock)."""
     fds = []
+    lock = folder.parent / f".{folder.name}.lock"   # (a whole set's fetch lock; a stream has none)
     try:
-        for path in (folder.parent / f".{folder.name}.lock", folder):
-            fds.append(os.open(path, os.O_RDWR | os.O_CREAT if path != folder else os.O_RDONLY, 0o644))
+        for path in ((lock, folder) if lock.exists() else (folder,)):
+            fds.append(os.open(path, os.O_RDWR if path != folder else os.O_RDONLY))
             fcntl.flock(fds[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return
     finally:
-        free = len(fds) == 2
+        free = len(fds) == (2 if lock.exists() else 1)
         for fd in fds:
             os.close(fd)
     if free:
