@@ -90,8 +90,8 @@ class DataSettings:
         "help": "--data shards: first copy the shards to this folder on each node's local disk "
                 "(sha256-checked, skipped when there) and read them there"})
     cache_bytes: Optional[int] = field(default=None, metadata={"help": "--data-dir in object storage "
-        "(s3://, gs://): bytes of shards each node's cache keeps (other sets evicted first); default: half "
-        "the cache disk's free space"})
+        "(s3://, gs://): bytes of shards each node's cache keeps (other sets evicted first; a larger set "
+        "streams through it: docs/data.md); default: half the cache disk's free space"})
     cache_dir: Optional[str] = field(default=None, metadata={"help": "--data-dir in object storage: each "
         "node's cache folder; default: shards/ in rayconv's cache ($RAYCONV_CACHE_DIR, ~/.cache/rayconv)"})
     loader_workers: Optional[int] = field(default=None, metadata={

@@ -22,7 +22,7 @@ last step is under way (``announce_next``: the next epoch's first batches are re
 last step computes and the evaluation runs), the rest of the epoch at an actor's first step (after a
 resume) or at an epoch's first step that was not announced ahead, each step's own samples followed
 by their partners' when mixing; for evaluation every micro-batch. A source that decodes files starts
-decoding them then. ``Batches.announce`` is the one place that announces. A source with ``foresee``
+decoding them then. ``Batches.announce`` is the one place that announces. A source with a ``stream``
 (shards streamed from object storage: ``data/shard_stream.py``) is also told the next epoch's batches
 with each epoch's announcement, which order its cache's evictions.
 """
@@ -123,7 +123,8 @@ class Batches:
                                        for s in range(step_in_epoch, self.sharding.steps_per_epoch)])
         self.announced = epoch
         foresee = getattr(self.source, "foresee", None)   # (a streamed set: the next epoch orders its cache)
-        if foresee is not None and (self.epochs is None or epoch + 1 < self.epochs):
+        streamed = getattr(self.source, "stream", None) is not None
+        if streamed and foresee is not None and (self.epochs is None or epoch + 1 < self.epochs):
             steps = self.sharding.steps_per_epoch
             foresee("train", epoch + 1, [self._read("train", epoch + 1, s, self.step_mix(first + steps + s))
                                          for s in range(steps)])

@@ -19,11 +19,12 @@ a set holds a shared ``flock`` on its folder, so that eviction (which takes both
 waiting) never removes a folder in use.
 
 ``--cache-bytes`` bounds what the cache holds: before fetching, the folders of other sets are removed
-(least recently used first, never one in use) until this set fits; a set larger than the budget is
-refused in one line (the sources map every shard at open: nothing is streamed through a smaller cache),
-before Ray starts where ``--cache-bytes`` is given (``data_dir.check_cache_bytes``). Default: half of
-what the cache's disk has free, with what the cache already holds. The sample order never depends on
-the cache: the readers take the same rows of the same files as from a local folder.
+(least recently used first, never one in use) until this set fits. A set larger than the budget is not
+fetched whole: it streams (``shard_stream``: shards fetched ahead in the read order, evicted by furthest
+next read); ``check_streams`` refuses in one line a budget that cannot hold one batch's shards, before Ray
+starts where ``--cache-bytes`` is given (``data_dir.check_cache_bytes``, ``manifest_source``). Default:
+half of what the cache's disk has free, with what the cache already holds. The sample order never
+depends on the cache: the readers take the same rows of the same files as from a local folder.
 
 ``python -m rayconv.prepare DIR --out s3://...`` prepares into a local folder of the cache
 (``staging_folder``, where a stopped prepare resumes) and then ``upload_prepared``: the manifest at the

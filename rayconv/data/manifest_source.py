@@ -7,7 +7,7 @@ whether the actors hold the data on the device (``--data-on-device auto``). The 
 by the nodes whose actors read them (``cache.ShardCache``, from ``registry.make_source``).
 ``--cache-bytes``, where given and without ``--stage-dir``, is checked here: a set larger than it streams
 (``shard_stream``) and is refused before Ray starts only where the shards one replica's batch of epoch 0
-reads do not fit it (``shard_stream.min_window``); the default budget depends on each node's own disk
+reads do not fit it (``shard_remote.min_window``); the default budget depends on each node's own disk
 and is checked where the set is read.
 """
 
@@ -22,7 +22,7 @@ from rayconv.data.folders import SPLITS
 from rayconv.data.on_device import augment_words, pad_for
 from rayconv.data.raw_shards import augmentation_words as raw_words
 from rayconv.data.shard_files import encoding
-from rayconv.data.shard_stream import min_window
+from rayconv.data.shard_remote import min_window
 from rayconv.data.shards import augmentation_words as jpeg_words
 from rayconv.data.small import held_on_device, held_words
 from rayconv.data.source import Source

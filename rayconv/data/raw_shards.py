@@ -45,6 +45,7 @@ from rayconv.data.on_device import OnDeviceSource, augment_words, pad_for
 from rayconv.data.raw_gather import RowGather
 from rayconv.data.raw_reader import CHECK_S, ReaderProcess
 from rayconv.data.shard_files import OpenShard, encoding, read_manifest
+from rayconv.data.shard_remote import StreamReads, copy_rows, files_of
 from rayconv.data.source import Source, to_device
 from rayconv.errors import ConfigError, DataError
 
@@ -86,7 +87,7 @@ def augmentation_words(augment: str, image_size: int, random_erase: float, auto_
         " (on the device)", f" (raw pixels {stored}x{stored}, no decode)")
 
 
-class RawShardSource(Source):
+class RawShardSource(Source, StreamReads):
     """A raw-pixel shard folder (``root``): labels read at open, pixels gathered per batch.
 
     ``images`` -> float (len(idx), 3, S, S) of ``dtype``, S = ``image_size``, normalised by ImageNet's
@@ -170,34 +171,10 @@ class RawShardSource(Source):
     def _streamed(self, split: str, idx: np.ndarray, out: np.ndarray) -> None:
         """Rows ``idx`` of a streamed set into ``out`` (len(idx), P * P * 3): one stream read of their
         shards (fetched ahead, mapped while copied). IndexError for a sample outside the split."""
-        starts = self.starts[split]
-        if len(idx) and (idx.min() < 0 or idx.max() >= starts[-1]):
-            bad = idx[(idx < 0) | (idx >= starts[-1])][0]
-            raise IndexError(f"sample {bad} is outside the split's {starts[-1]} rows")
-        shard = np.searchsorted(starts, idx, side="right") - 1
-        shards = self.shards[split]
-        touched = np.unique(shard)
-        with self.stream.read(split, frozenset(shards[s].name for s in touched)) as opened:
-            for s in touched.tolist():
-                at = np.flatnonzero(shard == s)
-                rows = idx[at] - starts[s]
-                sh = opened[shards[s].name]
-                piece = np.searchsorted(sh.starts, rows, side="right") - 1
-                for k in np.unique(piece).tolist():
-                    sel = piece == k
-                    first, data, _ = sh.pieces[k]
-                    out[at[sel]] = data[rows[sel] - first]
-
-    def files(self, split: str, idx: np.ndarray) -> frozenset:
-        """The names of the shard files samples ``idx`` of ``split`` lie in."""
-        shard = np.searchsorted(self.starts[split], np.asarray(idx), side="right") - 1
-        return frozenset(self.shards[split][s].name for s in np.unique(shard))
-
-    def foresee(self, split: str, epoch: int, batches: list[np.ndarray]) -> None:
-        """The batches of ``split`` after those announced (streamed sets: they order the cache's
-        evictions; nothing is read)."""
-        if self.stream is not None:
-            self.stream.foresee(split, [self.files(split, b) for b in batches if len(b)])
+        shards, starts = self.shards[split], self.starts[split]
+        inside = idx[(idx >= 0) & (idx < starts[-1])]   # (copy_rows names a sample outside)
+        with self.stream.read(split, files_of(shards, starts, inside)) as opened:
+            copy_rows(shards, starts, idx, opened, out)
 
     def read_ahead(self, split: str, idx: np.ndarray) -> None:
         """Ask the kernel to read the pixel bytes of samples ``idx`` from disk now (``madvise(WILLNEED)``

@@ -125,7 +125,9 @@ def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
         else:
             src = ImageFolderSource(cfg.data_dir or "", cfg.data_image_size, cfg.seed, loader_workers(cfg),
                                     augment=augment, random_erase=erase, auto_augment=cfg.auto_augment)
-        src = maybe_hold(cfg, src, decode_workers(cfg))   # --data-on-device: small data held on the device
+        # --data-on-device: small data held on the device (a streamed set read in this process: its
+        # fetcher thread is not in forked workers)
+        src = maybe_hold(cfg, src, decode_workers(cfg) if stream is None else 0)
     else:
         raise ConfigError(f"unknown --data {cfg.data!r}")
     return checked(cfg, src)

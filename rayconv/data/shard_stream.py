@@ -30,11 +30,11 @@ number of reads ended before it.
 The budget must hold the shards of one read: a read that touches more than this process's share is
 refused in one line (DataError) saying what to change: a larger ``--cache-bytes``, or ``--shuffle
 block`` (a batch then reads one window of ``--shuffle-window`` shards); the driver refuses, before Ray,
-a budget below one replica's batch of epoch 0 (``min_window``).
+a budget below one replica's batch of epoch 0 (``shard_remote.min_window``).
 
 Labels (and JPEG shards' image sizes) are read at open from each shard's Arrow footer and those
-columns' buffers alone (``pyarrow.ipc`` with ``included_fields``: a few KB a shard, ``THREADS`` at a
-time); a fetched shard's labels are compared with them when it is first mapped.
+columns' buffers alone (``shard_remote.read_columns``: a few KB a shard); a fetched shard's labels are
+compared with them when it is first mapped.
 
 Files: ``<cache>/<set key>.s<pid>/`` per process (held by a shared ``flock`` while the process reads it;
 a folder no process holds is removed by the next stream of the node, as are other sets' folders not in
@@ -57,6 +57,7 @@ import numpy as np
 
 from rayconv.data.cache import PART, ShardCache, default_budget
 from rayconv.data.shard_files import OpenShard, encoding
+from rayconv.data.shard_remote import StreamedShard, read_columns
 from rayconv.errors import DataError
 from rayconv.storage import StorageError
 
@@ -93,33 +94,6 @@ class _Read:
         self.split, self.files, self.ahead = split, files, ahead
 
 
-class StreamedShard:
-    """A shard of a stream as a source holds it: ``name``, ``rows``, ``columns(names)`` (read at open),
-    ``open`` (its ``OpenShard`` while a read maps it, else None); ``jpeg``, ``check`` and the read-ahead
-    calls as ``OpenShard``'s (no-ops while unmapped: the stream checks what it fetches)."""
-
-    def __init__(self, name: str, rows: int, cols: dict[str, np.ndarray], path: Path):
-        self.name, self.rows, self.cols, self.path = name, rows, cols, path
-        self.open: Optional[OpenShard] = None
-
-    def columns(self, names: list[str]) -> dict[str, np.ndarray]:
-        return {n: self.cols[n] for n in names}
-
-    def jpeg(self, row: int) -> np.ndarray:
-        assert self.open is not None, f"{self.name} is read outside a stream read"
-        return self.open.jpeg(row)
-
-    def check(self, max_age_s: float = 0.0) -> None:
-        if self.open is not None:
-            self.open.check(max_age_s)
-
-    def will_need(self, rows: np.ndarray) -> None:
-        """(fetched and mapped by the stream when read)"""
-
-    def will_need_ranges(self, ranges) -> None:
-        """(fetched and mapped by the stream when read)"""
-
-
 class ShardStream:
     """This process's stream of the remote set ``cache`` describes, within ``budget`` bytes on the node
     (module docstring). ``handles(split_folder)``: the ``StreamedShard`` of that folder's shards;
@@ -134,7 +108,7 @@ class ShardStream:
         self.folder = self.root / f"{self.key}.s{os.getpid()}"
         self.lock_path = self.root / f".{self.key}.stream.lock"
         self.sizes = {name: int(e["bytes"]) for name, e in cache.entries.items()}
-        self.cols = _read_columns(cache, columns)
+        self.cols = read_columns(cache, columns)
         self.shards = {name: StreamedShard(name, int(e["rows"]), self.cols[name], self.folder / name)
                        for name, e in cache.entries.items()}
         self.plan: list[_Read] = []
@@ -366,9 +340,9 @@ class ShardStream:
                         out.write(chunk)
                         written += len(chunk)
             except OSError as e:
-                text = str(e).strip().splitlines()
-                raise StorageError(f"--data-dir {self.uri}: reading {name} failed "
-                                   f"({text[0] if text else type(e).__name__}): run again (or --resume)") from None
+                text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise StorageError(f"--data-dir {self.uri}: reading {name} failed ({text}): run again "
+                                   "(or --resume)") from None
             if written != size or digest.hexdigest() != self.cache.entries[name]["sha256"]:
                 raise DataError(f"--data-dir {self.uri}: {name} does not match its size and sha256 in "
                                 f"manifest.json: run `python -m rayconv.prepare` again with --out {self.uri} "
@@ -414,59 +388,3 @@ def _remove_if_free(folder: Path) -> None:
             os.close(fd)
     if free:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _read_columns(cache: ShardCache, names: list[str]) -> dict[str, dict[str, np.ndarray]]:
-    """Per shard file, the columns ``names`` as numpy arrays, read from the storage: the Arrow footer
-    and those columns' buffers alone. Raises StorageError / DataError (one line)."""
-    import pyarrow as pa
-    import pyarrow.ipc as ipc
-
-    files = list(cache.entries)
-
-    def one(name: str) -> dict[str, np.ndarray]:
-        src = cache.location / name
-        try:
-            with src.fs.open_input_file(src.path) as f:
-                schema = ipc.open_file(f).schema
-                fields = [schema.get_field_index(n) for n in names]
-                if min(fields, default=0) < 0:
-                    raise DataError(f"--data-dir {cache.uri}: {name} lacks a column of {names}: prepare the "
-                                    "folder again")
-                reader = ipc.open_file(f, options=ipc.IpcReadOptions(included_fields=fields))
-                batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
-        except (OSError, pa.ArrowException) as e:
-            text = str(e).strip().splitlines()
-            raise StorageError(f"--data-dir {cache.uri}: reading {name}'s columns failed "
-                               f"({text[0] if text else type(e).__name__}): run again") from None
-        out = {n: np.concatenate([b.column(n).to_numpy() for b in batches]) if batches
-               else np.zeros(0, np.int32) for n in names}
-        rows = int(cache.entries[name]["rows"])
-        if any(len(v) != rows for v in out.values()):
-            raise DataError(f"--data-dir {cache.uri}: {name} holds other than its {rows} rows: prepare the "
-                            "folder again")
-        return out
-
-    with ThreadPoolExecutor(THREADS) as pool:
-        return dict(zip(files, pool.map(one, files)))
-
-
-def min_window(cfg: Any, source: Any) -> tuple[int, int]:
-    """(bytes, shards) of the largest set of shards one replica's batch of epoch 0 touches: the least
-    ``--cache-bytes`` a streamed set needs (one reading actor a node). ``source``: the driver's
-    ``ManifestSource``."""
-    from rayconv.data.order import make_order
-    from rayconv.data.source import Sharding
-
-    train = source.manifest["splits"]["train"]["shards"]
-    sizes = np.asarray([int(e["bytes"]) for e in train], np.int64)
-    starts = np.cumsum([0] + [int(e["rows"]) for e in train])
-    sharding = Sharding(source.train_size, cfg.global_batch_size, cfg.dp or 1, cfg.seed,
-                        make_order(cfg, source), cfg.val_split)
-    best = (0, 0)
-    for step in range(sharding.steps_per_epoch):
-        for r in range(sharding.dp):
-            idx = sharding.replica_batch(0, step, r)[0]
-            touched = np.unique(np.searchsorted(starts, idx, side="right") - 1)
-            best = max(best, (int(sizes[touched].sum()), len(touched)))
-    return best

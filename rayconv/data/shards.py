@@ -30,6 +30,7 @@ from rayconv.data.augment import erase, erase_params
 from rayconv.data.folders import SPLITS
 from rayconv.data.on_device import pad_for
 from rayconv.data.shard_files import FORMAT, MANIFEST, OpenShard, encoding, is_prepared, read_manifest
+from rayconv.data.shard_remote import StreamReads
 from rayconv.data.source import Source, stable_seed
 from rayconv.errors import DataError
 
@@ -48,7 +49,7 @@ def augmentation_words(augment: str, image_size: int, random_erase: float, auto_
         + (f", random erasing p={random_erase:g}" if random_erase > 0 else "") + f" (decode {decode})"
 
 
-class ShardSource(Source):
+class ShardSource(Source, StreamReads):
     """A prepared folder: labels read at once, JPEG bytes on first use, decoded per batch.
 
     ``decode``: ``gpu`` (batched nvJPEG on the actor's GPU, then crop, flip and normalise there, on a
@@ -246,16 +247,6 @@ class ShardSource(Source):
             event = torch.cuda.Event()
             event.record(self._stream)
         return x, event
-
-    def files(self, split: str, idx: np.ndarray) -> frozenset:
-        """The names of the shard files samples ``idx`` of ``split`` lie in."""
-        return frozenset(self.entries[split][s]["file"] for s in np.unique(self._locate(split, idx)[0]))
-
-    def foresee(self, split: str, epoch: int, batches: list[np.ndarray]) -> None:
-        """The batches of ``split`` after those announced (streamed sets: they order the cache's
-        evictions; nothing is decoded)."""
-        if self.stream is not None:
-            self.stream.foresee(split, [self.files(split, np.asarray(b)) for b in batches if len(b)])
 
     def _take_cpu(self, split: str, pending: dict) -> torch.Tensor:
         if self.stream is not None:   # (one read of the batch's shards, decoded on this thread)

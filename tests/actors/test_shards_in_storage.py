@@ -118,7 +118,8 @@ def test_dp2_streams_a_set_larger_than_cache_bytes_to_single_device_sgd(folders,
     shards = sum(p.stat().st_size for p in folders["local"].iterdir())
     budget = 3 * shards // 4   # the set does not fit: each of the two actors streams through half of this
     kw = dict(shuffle="block", shuffle_window=1, steps=6)
-    cfg = _cfg(folders["bucket"], tmp_path / "run", cache_dir=str(tmp_path / "cache"), cache_bytes=budget, **kw)
+    cfg = _cfg(folders["bucket"], tmp_path / "run", cache_dir=str(tmp_path / "cache"), cache_bytes=budget,
+               **kw)
     train_run(cfg, log=lambda *_: None)
     got = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     assert_same_state(got, reference_sgd(_cfg(folders["local"], tmp_path / "ref", dp=1, **kw), 6), atol=1e-10)
