@@ -18,7 +18,11 @@ environment): moto's S3 server (``moto.server.ThreadedMotoServer``) on a free lo
 * cold cache: a run with an empty cache: its first step's time from the command's start (summary.json
   ``startup.phases.first_step``) less the warm run's, against the time ``copy_files`` takes for the
   shards the first ``READ_AHEAD`` batches read (``raw_shards.READ_AHEAD``; under the exact order every
-  batch reads from every shard: the window is the whole set).
+  batch reads from every shard: the window is the whole set);
+* streamed (with ``--cache-bytes N``, a budget smaller than the set): a pair of runs under ``--shuffle
+  block --shuffle-window`` ``--window``, one reading the local folder, one the bucket streamed through a
+  cache of N bytes (``rayconv.data.shard_stream``; a new cache folder: cold), images/s each and their
+  ratio, and the largest bytes the cache held at the run's end.
 
 Writes ``report.md`` and ``rows.json`` into ``--out``.
 """
@@ -52,6 +56,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=40, help="steps a training run (default %(default)s)")
     p.add_argument("--batch", type=int, default=64, help="global batch size (default %(default)s)")
     p.add_argument("--repeats", type=int, default=2, help="pairs of local, bucket runs (default %(default)s)")
+    p.add_argument("--cache-bytes", type=int, default=None,
+                   help="also a streamed pair of runs through a cache of this many bytes (below the set's)")
+    p.add_argument("--window", type=int, default=2, help="--shuffle-window of the streamed pair (default "
+                   "%(default)s)")
     a = p.parse_args(argv)
 
     import logging
@@ -97,11 +105,11 @@ def main(argv=None) -> int:
                             "cache_MBps": set_bytes / fill_s / 1e6,
                             "ratio": copy_s / fill_s}
 
-            def cfg(data_dir, name: str, cache_dir: Path) -> Config:
+            def cfg(data_dir, name: str, cache_dir: Path, **kw) -> Config:
                 return Config(model="resnet18", data="shards", data_dir=str(data_dir), image_size=32, dp=1,
                               global_batch_size=a.batch, steps=a.steps, lr=0.1, momentum=0.9, device="cpu",
                               data_on_device="off", progress=False, eval_every=10**6, compile="off",
-                              out=str(work / "runs" / name), cache_dir=str(cache_dir)).validate()
+                              out=str(work / "runs" / name), cache_dir=str(cache_dir), **kw).validate()
 
             ray.init(num_cpus=2, include_dashboard=False, namespace="rayconv", log_to_driver=False,
                      configure_logging=True, logging_level="WARNING")
@@ -138,6 +146,17 @@ def main(argv=None) -> int:
                             "added_s": cold_first - warm_first, "window_shards": len(window),
                             "train_shards": len(manifest["splits"]["train"]["shards"]),
                             "window_copy_files_s": window_s}
+            if a.cache_bytes is not None:   # streamed: a cache smaller than the set, --shuffle block
+                block = dict(shuffle="block", shuffle_window=a.window)
+                streamed = {}
+                budget = {"cache_bytes": a.cache_bytes}
+                for kind, where, kw in (("local", local, {}), ("bucket", uri, budget)):
+                    s = train_run(cfg(where, f"{kind}-block", work / "cache-stream", **block, **kw),
+                                  log=lambda *_: None)
+                    streamed[kind] = s["images_per_s"]
+                held = sum(p.stat().st_size for p in (work / "cache-stream").glob("*/*") if p.is_file())
+                rows["streamed"] = {**streamed, "ratio": streamed["bucket"] / streamed["local"],
+                                    "cache_bytes": a.cache_bytes, "held_at_end": held, "set_bytes": set_bytes}
             ray.shutdown()
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -158,6 +177,13 @@ def main(argv=None) -> int:
         f"added {c['added_s']:.1f} s) |",
         f"| first read-ahead window ({c['window_shards']} of {c['train_shards']} train shards), copy_files | "
         f"{c['window_copy_files_s']:.2f} s |", ""])
+    if "streamed" in rows:
+        st = rows["streamed"]
+        report += "\n".join([
+            f"| streamed, --shuffle block --shuffle-window {a.window}: images/s local / bucket through "
+            f"--cache-bytes {st['cache_bytes']} (set {st['set_bytes']} B) | {st['local']:.1f} / "
+            f"{st['bucket']:.1f} (ratio {st['ratio']:.3f}; cache held {st['held_at_end']} B at the end) |",
+            ""])
     (out / "report.md").write_text(report)
     print(report)
     return 0
