@@ -1,11 +1,16 @@
 """The pieces of a prepared set in object storage that a stream reads without fetching the set whole
 (``shard_stream``): each shard's small columns read from the storage (``read_columns``), a shard as the
 sources hold it (``StreamedShard``), what a source's batches read (``StreamReads``), the rows of a batch
-copied from mapped raw shards (``copy_rows``), and the least budget a streamed set needs (``min_window``).
+copied from mapped raw shards (``copy_rows``), the least budget a streamed set needs (``min_window``),
+and the node's locks a stream takes (``node_lock``, ``remove_if_free``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
@@ -142,3 +147,32 @@ def min_window(cfg: Any, source: Any) -> tuple[int, int]:
             touched = np.unique(np.searchsorted(starts, idx, side="right") - 1)
             best = max(best, (int(sizes[touched].sum()), len(touched)))
     return best
+
+
+@contextlib.contextmanager
+def node_lock(path: Path):
+    """Hold an exclusive ``flock`` on the file ``path`` (made when missing) while the block runs."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def remove_if_free(folder: Path) -> None:
+    """Remove ``folder`` when no process holds its shared lock (nor its set's fetch lock)."""
+    fds = []
+    lock = folder.parent / f".{folder.name}.lock"   # (a whole set's fetch lock; a stream has none)
+    try:
+        for path in ((lock, folder) if lock.exists() else (folder,)):
+            fds.append(os.open(path, os.O_RDWR if path != folder else os.O_RDONLY))
+            fcntl.flock(fds[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return
+    finally:
+        free = len(fds) == (2 if lock.exists() else 1)
+        for fd in fds:
+            os.close(fd)
+    if free:
+        shutil.rmtree(folder, ignore_errors=True)

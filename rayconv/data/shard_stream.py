@@ -1,44 +1,38 @@
-"""A prepared set in object storage larger than ``--cache-bytes``, streamed through the node's cache.
+"""A prepared set in object storage larger than ``--cache-bytes``, streamed through the node's cache
+(a set that fits is fetched whole once per node and reused: ``cache.ShardCache.ready``).
 
-A set that fits the budget is fetched whole once per node and reused (``cache.ShardCache.ready``). A
-larger one is read through a ``ShardStream`` of each process that reads images (an actor of the first
-pipeline stage): the shards its reads need, in the order it reads them, fetched ahead by a background
-thread, at most ``--cache-bytes`` on the node's disk.
+The order. Each process that reads images (an actor of the first pipeline stage) has a stream. Its
+source announces the index arrays it will read (``Source.prefetch``: the rest of an epoch, each
+evaluation; ``foresee``: the next epoch); each read is one ``plan`` entry, the shard files it touches.
+A new announcement of a split replaces that split's entries and goes before the other splits'. The
+order comes from (seed, epoch) alone (``data.order``), never from where the bytes are: the batches,
+the equality with single-device SGD and resume are those of a local folder.
 
-The order. The source announces the index arrays it will read (``Source.prefetch``: the rest of an
-epoch, the next epoch during the last step, each evaluation); each read is one ``plan`` entry, the set
-of shard files it touches. A new announcement of a split replaces that split's entries and goes before
-the other splits' (an evaluation is read before the training that resumes after it). The order comes
-from (seed, epoch) alone (``data.order``), never from where the bytes are: the batches, their
-augmentation, the equality with single-device SGD and resume are those of a local folder.
-
-Fetches. The thread walks the plan from its front and fetches each shard not on disk, ``THREADS``
-at a time, each object one whole read through ``pyarrow.fs`` (``open_input_stream``) into a file
-made to its full size first (so that the disk holds what is reserved), hashed as it is written, checked
-against the manifest's size and sha256 and renamed over its name (DataError naming a shard that does
-not match; StorageError when the storage fails: the read that waits for it raises).
+Fetches. A background thread walks the plan from its front and fetches each shard not on disk,
+``THREADS`` at a time, each object one whole read through ``pyarrow.fs`` into a file made to its full
+size first (the disk holds what is reserved), hashed as written, checked against the manifest's size
+and sha256 and renamed into place (DataError naming a shard that does not match; StorageError when the
+storage fails: the read that waits for it raises).
 
 Evictions (Belady's rule: the future reads are known). Before a fetch, while the node's cache plus the
-shard would exceed the budget, or this process's files its share (the budget divided among the
-streams of the set on the node), the shard on disk whose next read lies furthest ahead (never read
-again: first) is removed, if that read lies after the read the fetch is for; otherwise the fetch waits
-for the reads to move on. A shard being read, or mapped, is never removed: a read maps its shards
-(``OpenShard``) after they are on disk and unmaps those the next read does not touch when it ends.
-Every fetch and eviction is recorded in ``events`` with the bytes the cache holds after it and the
-number of reads ended before it.
+shard would exceed the budget, or this stream's files its share (the budget divided among the set's
+streams on the node), the shard on disk whose next read lies furthest ahead (never read again: first)
+is removed, if that read lies after the read the fetch is for; otherwise the fetch waits for the reads
+to move on. A shard being read or mapped is never removed: a read maps its shards (``OpenShard``) once
+they are on disk and unmaps, when it ends, those the next read does not touch. ``events`` records every
+fetch and eviction with the bytes the cache holds after it and the reads ended before it.
 
-The budget must hold the shards of one read: a read that touches more than this process's share is
-refused in one line (DataError) saying what to change: a larger ``--cache-bytes``, or ``--shuffle
-block`` (a batch then reads one window of ``--shuffle-window`` shards); the driver refuses, before Ray,
-a budget below one replica's batch of epoch 0 (``shard_remote.min_window``).
+The budget must hold one read's shards: a larger read is refused in one line (DataError) saying what to
+change (``--cache-bytes``, ``--shuffle block``); the driver refuses before Ray a budget below one
+replica's batch of epoch 0 (``shard_remote.min_window``). Labels (and JPEG image sizes) are read at
+open from the shards' footers and those columns alone (``shard_remote.read_columns``), and compared
+with a fetched shard's when it is first mapped.
 
-Labels (and JPEG shards' image sizes) are read at open from each shard's Arrow footer and those
-columns' buffers alone (``shard_remote.read_columns``: a few KB a shard); a fetched shard's labels are
-compared with them when it is first mapped.
-
-Files: ``<cache>/<set key>.s<pid>/`` per process (held by a shared ``flock`` while the process reads it;
-a folder no process holds is removed by the next stream of the node, as are other sets' folders not in
-use), the accounting under an exclusive ``flock`` on ``<cache>/.<set key>.stream.lock``.
+Files: ``<cache>/<set key>.s<pid>-<n>/`` per stream (a shared ``flock`` held while open; removed at
+``close`` or when the stream is collected; a folder no process holds is removed by the next stream of
+the node, as are other sets' folders not in use); the accounting under an exclusive ``flock`` on
+``<cache>/.<set key>.stream.lock``. The fetcher walks the plan again when it changed here, else every
+``RETRY_S`` seconds (other streams may have freed room).
 """
 
 from __future__ import annotations
@@ -46,7 +40,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import itertools
 import os
+import time
+import weakref
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -57,12 +54,15 @@ import numpy as np
 
 from rayconv.data.cache import PART, ShardCache, default_budget
 from rayconv.data.shard_files import OpenShard, encoding
-from rayconv.data.shard_remote import StreamedShard, read_columns
+from rayconv.data.shard_remote import StreamedShard, node_lock, read_columns, remove_if_free
 from rayconv.errors import DataError
 from rayconv.storage import StorageError
 
 THREADS = 4       # concurrent whole-object reads per stream
-POLL_S = 0.05     # seconds a waiting fetcher or read sleeps before looking again
+POLL_S = 0.05     # seconds a waiting read sleeps before looking again
+RETRY_S = 0.5     # seconds a fetcher with nothing changed here waits before looking again (other streams)
+
+_STREAMS = itertools.count()   # (each stream of this process a folder of its own)
 
 
 def open_stream(cfg: Any) -> Optional["ShardStream"]:
@@ -105,7 +105,7 @@ class ShardStream:
         self.manifest = cache.manifest
         self.root = _root(cache)
         self.key = cache.folder.name
-        self.folder = self.root / f"{self.key}.s{os.getpid()}"
+        self.folder = self.root / f"{self.key}.s{os.getpid()}-{next(_STREAMS)}"
         self.lock_path = self.root / f".{self.key}.stream.lock"
         self.sizes = {name: int(e["bytes"]) for name, e in cache.entries.items()}
         self.cols = read_columns(cache, columns)
@@ -122,10 +122,12 @@ class ShardStream:
         self.events: list[tuple[str, str, int, int, tuple]] = []
         self.done = 0   # reads ended
         self.fetched: list[str] = []
-        self._fd: Optional[int] = None
+        self._held: list[int] = []   # (the fd holding the folder's shared lock)
+        self._ended: Optional[weakref.finalize] = None
         self._thread: Optional[threading.Thread] = None
         self._pool: Optional[ThreadPoolExecutor] = None
         self._stop = False
+        self._version = 0
 
     # ------------------------------------------------------------------ the source's side
     def handles(self, folder_split: str) -> list[StreamedShard]:
@@ -159,7 +161,7 @@ class ShardStream:
             self._check_fits(files)
         with self.cond:
             self.plan = [_Read(split, f) for f in reads] + [r for r in self.plan if r.split != split]
-            self.cond.notify_all()
+            self._changed()
 
     def foresee(self, split: str, reads: list[frozenset]) -> None:
         """The reads of ``split`` after those announced (the next epoch's, known from (seed, epoch)):
@@ -171,7 +173,7 @@ class ShardStream:
             plan = [r for r in self.plan if not (r.split == split and r.ahead)]
             at = max((i + 1 for i, r in enumerate(plan) if r.split == split), default=0)
             self.plan = plan[:at] + [_Read(split, f, ahead=True) for f in reads] + plan[at:]
-            self.cond.notify_all()
+            self._changed()
 
     @contextlib.contextmanager
     def read(self, split: str, files: frozenset) -> Iterator[dict[str, OpenShard]]:
@@ -189,7 +191,7 @@ class ShardStream:
             self.plan.insert(0, entry)
             for f in files:
                 self.reading[f] = self.reading.get(f, 0) + 1
-            self.cond.notify_all()
+            self._changed()
             try:
                 while not files <= self.present:
                     if self.error is not None:
@@ -229,37 +231,47 @@ class ShardStream:
             for sh in self.shards.values():
                 if sh.open is not None and sh.name not in keep and sh.name not in self.reading:
                     sh.open = None   # (unmapped as its last reference goes)
-            self.cond.notify_all()
+            self._changed()
 
     # ------------------------------------------------------------------ the fetcher
     def _start(self) -> None:
         if self._thread is not None:
             return
-        with _node_lock(self.lock_path):
+        with node_lock(self.lock_path):
             self.folder.mkdir(exist_ok=True)
-            self._fd = os.open(self.folder, os.O_RDONLY)
-            fcntl.flock(self._fd, fcntl.LOCK_SH)
+            self._held = [os.open(self.folder, os.O_RDONLY)]
+            fcntl.flock(self._held[0], fcntl.LOCK_SH)
             for other in self.root.iterdir():   # (stale streams, other sets: removed where not in use)
                 if other.is_dir() and other != self.folder:
-                    _remove_if_free(other)
+                    remove_if_free(other)
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="rayconv-fetch")
-        self._thread = threading.Thread(target=self._run, name="rayconv-stream", daemon=True)
+        # (the thread holds the stream weakly, so that a source no longer used ends its stream: the
+        # finaliser stops the thread and removes the folder)
+        self._thread = threading.Thread(target=_run, args=(weakref.ref(self),), name="rayconv-stream",
+                                        daemon=True)
+        self._ended = weakref.finalize(self, _end, self._held, self.folder, self.lock_path, self._pool)
         self._thread.start()
 
     def close(self) -> None:
-        """Stop the fetcher (the files stay until another stream of the node removes them; a later
-        announcement or read starts it again)."""
+        """Stop the fetcher and remove this stream's folder (a later announcement or read starts it
+        again, empty)."""
         self._stop = True
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
         for sh in self.shards.values():
             sh.open = None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        self._thread, self._pool, self._stop = None, None, False
+        if self._ended is not None:
+            with self.cond:
+                self._ended()   # (the pool's fetches end first)
+                self.present.clear()
+                self.flight.clear()
+                self.checked.clear()
+        self._thread, self._pool, self._ended, self._stop = None, None, None, False
+
+    def _changed(self) -> None:
+        """(under ``cond``) The plan, the reads or the files changed: the fetcher looks again."""
+        self._version += 1
+        self.cond.notify_all()
 
     def used(self) -> int:
         """Bytes the node's cache holds now (every set's and stream's files, reservations included)."""
@@ -268,21 +280,20 @@ class ShardStream:
     def _own(self) -> int:
         return self.need(self.present | self.flight)
 
-    def _run(self) -> None:
-        while not self._stop:
-            with self.cond:
-                if self.error is not None:
-                    return
-                try:
-                    name = self._next_fetch()
-                except BaseException as e:   # (a full disk, a failed eviction)
-                    self.error = e
-                    self.cond.notify_all()
-                    return
-                if name is None:
-                    self.cond.wait(POLL_S)
-                    continue
-            self._pool.submit(self._fetch, name)
+    def _look(self, seen: int, looked: float) -> tuple[Optional[str], int, float]:
+        """One look of the fetcher (``_run``): (a file to fetch now or None, the plan's version seen,
+        when it looked)."""
+        with self.cond:
+            if seen == self._version and time.monotonic() - looked < RETRY_S:
+                return None, seen, looked   # (nothing changed here: the plan is not walked again)
+            seen, looked = self._version, time.monotonic()
+            try:
+                name = self._next_fetch()
+            except BaseException as e:   # (a full disk, a failed eviction)
+                self.error = e
+                self._changed()
+                return None, seen, looked
+            return name, (-1 if name else seen), looked
 
     def _next_fetch(self) -> Optional[str]:
         """The next file to fetch, its bytes reserved on disk (evicting by Belady's rule), or None."""
@@ -291,7 +302,7 @@ class ShardStream:
             for f in r.files:
                 nxt.setdefault(f, i)
         never = len(self.plan)
-        with _node_lock(self.lock_path):
+        with node_lock(self.lock_path):
             share = self.share()
             while self._own() > share and self._evict(nxt, never, 0):
                 pass   # (more streams came: this one gives back what it reads later)
@@ -353,38 +364,37 @@ class ShardStream:
                 self.present.add(name)
                 self.fetched.append(name)
                 self.events.append(("fetch", name, self.used(), self.done, ()))
-                self.cond.notify_all()
+                self._changed()
         except BaseException as e:
             tmp.unlink(missing_ok=True)
             with self.cond:
                 self.flight.discard(name)
                 self.error = e
-                self.cond.notify_all()
+                self._changed()
 
 
-@contextlib.contextmanager
-def _node_lock(path: Path):
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+def _run(ref: "weakref.ref[ShardStream]") -> None:
+    """The fetcher thread: looks, hands each file to fetch to the pool, waits; ends with its stream
+    (stopped, failed or collected)."""
+    seen, looked = -1, 0.0
+    while True:
+        stream = ref()
+        if stream is None or stream._stop or stream.error is not None:
+            return
+        name, seen, looked = stream._look(seen, looked)
+        if name is not None:
+            stream._pool.submit(stream._fetch, name)
+            continue
+        cond = stream.cond
+        del stream   # (not held while waiting)
+        with cond:
+            cond.wait(POLL_S)
 
 
-def _remove_if_free(folder: Path) -> None:
-    """Remove ``folder`` when no process holds its shared lock (nor its set's fetch lock)."""
-    fds = []
-    lock = folder.parent / f".{folder.name}.lock"   # (a whole set's fetch lock; a stream has none)
-    try:
-        for path in ((lock, folder) if lock.exists() else (folder,)):
-            fds.append(os.open(path, os.O_RDWR if path != folder else os.O_RDONLY))
-            fcntl.flock(fds[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return
-    finally:
-        free = len(fds) == (2 if lock.exists() else 1)
-        for fd in fds:
-            os.close(fd)
-    if free:
+def _end(held: list, folder: Path, lock_path: Path, pool: ThreadPoolExecutor) -> None:
+    """A stream's end: its fetches finished, its folder's lock given back and the folder removed."""
+    pool.shutdown(wait=True)
+    while held:
+        os.close(held.pop())
+    with node_lock(lock_path):
         shutil.rmtree(folder, ignore_errors=True)
