@@ -315,6 +315,9 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+size_text = _size   # ``n`` bytes in MiB or GiB, for other modules' messages
+
+
 def local_folder(cfg: Any, order=None) -> Optional[str]:
     """The local folder ``cfg.data_dir`` is read from: a plain path itself, a ``file://`` URI's path, a
     remote URI's cache folder made ready now (``ShardCache.ready``; ``order(manifest)``: the sample

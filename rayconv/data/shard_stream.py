@@ -1,12 +1,10 @@
 """A prepared set in object storage larger than ``--cache-bytes``, streamed through the node's cache
 (a set that fits is fetched whole once per node and reused: ``cache.ShardCache.ready``).
 
-The order. Each process that reads images (an actor of the first pipeline stage) has a stream. Its
-source announces the index arrays it will read (``Source.prefetch``: the rest of an epoch, each
-evaluation; ``foresee``: the next epoch); each read is one ``plan`` entry, the shard files it touches.
-A new announcement of a split replaces that split's entries and goes before the other splits'. The
-order comes from (seed, epoch) alone (``data.order``), never from where the bytes are: the batches,
-the equality with single-device SGD and resume are those of a local folder.
+The order. Each process that reads images (the first pipeline stage) has a stream, told the reads to
+come (``Source.prefetch``: the rest of an epoch, each evaluation; ``foresee``: the next epoch): a
+``plan`` of the shard files each read touches, a split's new announcement replacing its entries and
+going first. The order comes from (seed, epoch) alone (``data.order``), never from where the bytes are.
 
 Fetches. A background thread walks the plan from its front and fetches each shard not on disk,
 ``THREADS`` at a time, each object one whole read through ``pyarrow.fs`` into a file made to its full
@@ -18,9 +16,8 @@ Evictions (Belady's rule: the future reads are known). Before a fetch, while the
 shard would exceed the budget, or this stream's files its share (the budget divided among the set's
 streams on the node), the shard on disk whose next read lies furthest ahead (never read again: first)
 is removed, if that read lies after the read the fetch is for; otherwise the fetch waits for the reads
-to move on. A shard being read or mapped is never removed: a read maps its shards (``OpenShard``) once
-they are on disk and unmaps, when it ends, those the next read does not touch. ``events`` records every
-fetch and eviction with the bytes the cache holds after it and the reads ended before it.
+to move on. A shard being read or mapped is never removed (a read maps its shards once on disk and
+unmaps at its end those the next read does not touch). ``events``: every fetch and eviction.
 
 The budget must hold one read's shards: a larger read is refused in one line (DataError) saying what to
 change (``--cache-bytes``, ``--shuffle block``); the driver refuses before Ray a budget below one
@@ -28,11 +25,10 @@ replica's batch of epoch 0 (``shard_remote.min_window``). Labels (and JPEG image
 open from the shards' footers and those columns alone (``shard_remote.read_columns``), and compared
 with a fetched shard's when it is first mapped.
 
-Files: ``<cache>/<set key>.s<pid>-<n>/`` per stream (a shared ``flock`` held while open; removed at
-``close`` or when the stream is collected; a folder no process holds is removed by the next stream of
-the node, as are other sets' folders not in use); the accounting under an exclusive ``flock`` on
-``<cache>/.<set key>.stream.lock``. The fetcher walks the plan again when it changed here, else every
-``RETRY_S`` seconds (other streams may have freed room).
+Files: ``<cache>/<set key>.s<pid>-<n>/`` a stream (under a shared ``flock``; removed at ``close``, when
+collected, or, held by no process, by the next stream of the node), the accounting under a ``flock`` on
+``<cache>/.<set key>.stream.lock``. The fetcher looks again when the plan changed, else every
+``RETRY_S`` s.
 """
 
 from __future__ import annotations
@@ -52,7 +48,7 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from rayconv.data.cache import PART, ShardCache, default_budget
+from rayconv.data.cache import PART, ShardCache, default_budget, size_text
 from rayconv.data.shard_files import OpenShard, encoding
 from rayconv.data.shard_remote import StreamedShard, node_lock, read_columns, remove_if_free
 from rayconv.errors import DataError
@@ -61,6 +57,7 @@ from rayconv.storage import StorageError
 THREADS = 4       # concurrent whole-object reads per stream
 POLL_S = 0.05     # seconds a waiting read sleeps before looking again
 RETRY_S = 0.5     # seconds a fetcher with nothing changed here waits before looking again (other streams)
+STALL_S = 600.0   # seconds a read waits, nothing being fetched, before it names what holds the cache
 
 _STREAMS = itertools.count()   # (each stream of this process a folder of its own)
 
@@ -69,20 +66,12 @@ def open_stream(cfg: Any) -> Optional["ShardStream"]:
     """The stream of ``cfg.data_dir`` (a remote URI) for this process, or None when the set fits
     ``--cache-bytes`` (then it is fetched whole: ``cache.local_folder``)."""
     cache = ShardCache(cfg.data_dir, cfg.cache_dir, cfg.cache_bytes)
-    budget = cfg.cache_bytes if cfg.cache_bytes is not None else default_budget(_root(cache))
+    cache.root.mkdir(parents=True, exist_ok=True)
+    budget = cfg.cache_bytes if cfg.cache_bytes is not None else default_budget(cache.root)
     if cache.set_bytes <= budget:
         return None
     raw = encoding(cache.manifest) == "raw"   # (the columns its source reads at open)
     return ShardStream(cache, budget, ["label"] if raw else ["label", "height", "width"])
-
-
-def _root(cache: ShardCache) -> Path:
-    cache.root.mkdir(parents=True, exist_ok=True)
-    return cache.root
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 class _Read:
@@ -103,7 +92,8 @@ class ShardStream:
     def __init__(self, cache: ShardCache, budget: int, columns: list[str]):
         self.cache, self.budget, self.uri = cache, budget, cache.uri
         self.manifest = cache.manifest
-        self.root = _root(cache)
+        self.root = cache.root
+        self.root.mkdir(parents=True, exist_ok=True)
         self.key = cache.folder.name
         self.folder = self.root / f"{self.key}.s{os.getpid()}-{next(_STREAMS)}"
         self.lock_path = self.root / f".{self.key}.stream.lock"
@@ -121,7 +111,6 @@ class ShardStream:
         # (fetch | evict, file, bytes the cache holds after, reads ended before, the files it could evict)
         self.events: list[tuple[str, str, int, int, tuple]] = []
         self.done = 0   # reads ended
-        self.fetched: list[str] = []
         self._held: list[int] = []   # (the fd holding the folder's shared lock)
         self._ended: Optional[weakref.finalize] = None
         self._thread: Optional[threading.Thread] = None
@@ -141,15 +130,16 @@ class ShardStream:
     def need(self, files) -> int:
         return sum(self.sizes[f] for f in files)
 
-    def _check_fits(self, files: frozenset) -> None:
-        need, share = self.need(files), self.share()
+    def _check_fits(self, reads: list[frozenset]) -> None:
+        share = self.share()
+        need, files = max(((self.need(f), f) for f in reads), key=lambda x: x[0], default=(0, frozenset()))
         if need > share:
             streams = self.budget // max(1, share)
             raise DataError(
-                f"--cache-bytes {self.budget}: one batch reads {len(files)} shards ({_size(need)}) of "
-                f"--data-dir {self.uri}, more than this actor's share of the node's cache ({_size(share)}, "
-                f"{streams} reading actor(s) on the node): raise --cache-bytes to at least "
-                f"{need * streams}, or use --shuffle block (a batch then reads one window of "
+                f"--cache-bytes {self.budget}: one batch reads {len(files)} shards ({size_text(need)}) "
+                f"of --data-dir {self.uri}, more than this actor's share of the node's cache "
+                f"({size_text(share)}, {streams} reading actor(s) on the node): raise --cache-bytes to at "
+                f"least {need * streams}, or use --shuffle block (a batch then reads one window of "
                 "--shuffle-window shards)")
 
     def announce(self, split: str, reads: list[frozenset]) -> None:
@@ -157,8 +147,7 @@ class ShardStream:
         split's earlier ones and go before the other splits'. Raises DataError for a read larger than
         this process's share (``_check_fits``)."""
         self._start()
-        for files in reads:
-            self._check_fits(files)
+        self._check_fits(reads)
         with self.cond:
             self.plan = [_Read(split, f) for f in reads] + [r for r in self.plan if r.split != split]
             self._changed()
@@ -167,8 +156,7 @@ class ShardStream:
         """The reads of ``split`` after those announced (the next epoch's, known from (seed, epoch)):
         they replace the split's earlier foreseen reads and follow its announced ones; they order the
         evictions and, with room left, the fetches."""
-        for files in reads:
-            self._check_fits(files)
+        self._check_fits(reads)
         with self.cond:
             plan = [r for r in self.plan if not (r.split == split and r.ahead)]
             at = max((i + 1 for i, r in enumerate(plan) if r.split == split), default=0)
@@ -181,7 +169,7 @@ class ShardStream:
         it matches, else a read of its own), map them and yield {file: OpenShard}; at the end unmap
         those the next read does not touch."""
         self._start()
-        self._check_fits(files)
+        self._check_fits([files])
         with self.cond:
             entry = next((r for r in self.plan if r.split == split), None)
             if entry is not None and entry.files == files:
@@ -193,9 +181,15 @@ class ShardStream:
                 self.reading[f] = self.reading.get(f, 0) + 1
             self._changed()
             try:
+                since = time.monotonic()
                 while not files <= self.present:
                     if self.error is not None:
                         raise self.error
+                    if time.monotonic() - since > STALL_S and not self.flight:
+                        raise DataError(f"--cache-dir {self.root}: {size_text(self.used())} held by other "
+                                        f"sets or streams in use, {size_text(self.need(files))} needed for "
+                                        f"one batch of {self.uri}: raise --cache-bytes or wait for the "
+                                        "other runs")
                     self.cond.wait(POLL_S)
             except BaseException:
                 self._end_read(entry)
@@ -297,10 +291,15 @@ class ShardStream:
 
     def _next_fetch(self) -> Optional[str]:
         """The next file to fetch, its bytes reserved on disk (evicting by Belady's rule), or None."""
-        nxt: dict[str, int] = {}
+        nxt: dict[str, int] = {}   # (the next read of each file on disk: the plan walked until all are found)
+        left = len(self.present)
         for i, r in enumerate(self.plan):
             for f in r.files:
-                nxt.setdefault(f, i)
+                if f not in nxt:
+                    nxt[f] = i
+                    left -= f in self.present
+            if not left:
+                break
         never = len(self.plan)
         with node_lock(self.lock_path):
             share = self.share()
@@ -362,7 +361,6 @@ class ShardStream:
                 os.replace(tmp, self.folder / name)
                 self.flight.discard(name)
                 self.present.add(name)
-                self.fetched.append(name)
                 self.events.append(("fetch", name, self.used(), self.done, ()))
                 self._changed()
         except BaseException as e:
