@@ -289,3 +289,26 @@ def test_a_batch_larger_than_the_cache_is_refused_in_one_line(sets, tmp_path):
         src.prefetch("train", 0, [np.arange(8)])
     src.close()
     cache.release()
+
+
+def test_two_streams_of_a_node_share_cache_bytes_and_end_with_their_sources(sets, tmp_path):
+    budget = cache.ShardCache(sets["raw"], str(tmp_path)).set_bytes // 2
+    cfg = _cfg(sets["raw"], tmp_path / "cache", cache_bytes=budget)
+    a, b, whole = make_source(cfg), make_source(cfg), make_source(_cfg(sets["raw"], tmp_path / "whole"))
+    order = [np.array([i]) for i in range(16)]
+    a.prefetch("train", 0, order)
+    b.prefetch("train", 0, order[::-1])
+    assert a.stream.share() == b.stream.share() == budget // 2   # two streams of the set on this node
+    for x, y in zip(order, order[::-1]):
+        assert torch.equal(a.images("train", x, CPU), whole.images("train", x, CPU))
+        assert torch.equal(b.images("train", y, CPU), whole.images("train", y, CPU))
+        assert a.stream.used() <= budget
+    assert all(e[2] <= budget for e in a.stream.events + b.stream.events)
+    folder = a.stream.folder
+    del a
+    import gc
+    gc.collect()
+    assert not folder.exists() and b.stream.folder.exists()   # a source collected: its stream's folder goes
+    b.close()
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    cache.release()
