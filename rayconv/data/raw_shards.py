@@ -88,12 +88,12 @@ def augmentation_words(augment: str, image_size: int, random_erase: float, auto_
 
 
 class RawShardSource(Source, StreamReads):
-    """A raw-pixel shard folder (``root``): labels read at open, pixels gathered per batch.
-
-    ``images`` -> float (len(idx), 3, S, S) of ``dtype``, S = ``image_size``, normalised by ImageNet's
-    mean and std (as JPEG shards). ``uint8(split, idx)`` -> the stored pixels, uint8 (len(idx), P, P, 3),
-    P the prepare size. Raises DataError for a folder whose manifest does not match its files or that
-    holds JPEGs; ConfigError for an unknown ``augment``."""
+    """A raw-pixel shard folder (``root``; or ``stream``: a set streamed from object storage,
+    ``shard_stream``): labels read at open, pixels gathered per batch. ``images`` -> float (len(idx), 3,
+    S, S) of ``dtype``, S = ``image_size``, normalised by ImageNet's mean and std (as JPEG shards).
+    ``uint8(split, idx)`` -> the stored pixels, uint8 (len(idx), P, P, 3), P the prepare size. Raises
+    DataError for a folder whose manifest does not match its files or that holds JPEGs; ConfigError for
+    an unknown ``augment``."""
 
     def __init__(self, root: str, image_size: int, seed: int, augment: str = "pad-crop",
                  random_erase: float = 0.0, auto_augment: Optional[str] = None, stream: Optional[Any] = None):

@@ -57,7 +57,8 @@ class ShardSource(Source, StreamReads):
     libjpeg-turbo, crop and flip; the actor normalises on its device) or ``auto`` (cpu: on a GPU, gpu's decode
     and crops take GPU time from the model, and ResNet-50 trains closer to its synthetic-data rate with
     cpu; benchmarks/RESULTS.md, Real image files). Raises DataError for
-    a folder whose manifest does not match its files.
+    a folder whose manifest does not match its files. ``stream``: a set streamed from object storage
+    (``shard_stream``; ``root`` unused): each batch's bytes read through it, decoded on the actor's thread.
 
     Overlap on GPUs: when batch k is taken, batch k + 1 is decoded and cropped on a side stream; the
     caller's stream waits on an event before using batch k. torchvision's batched nvJPEG call returns
