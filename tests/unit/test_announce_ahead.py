@@ -114,3 +114,28 @@ def test_precise_bn_batches_are_announced_and_the_training_order_announced_again
     assert source.unannounced == 0
     for s, x in calibration.items():
         assert torch.equal(x, read[s])
+
+
+class Foreseeing(Recording):
+    """A source streamed from object storage (``stream`` set): also told the next epoch's batches."""
+
+    stream = object()
+
+    def __init__(self):
+        super().__init__()
+        self.foreseen: list[tuple[int, list[np.ndarray]]] = []
+
+    def foresee(self, split, epoch, batches):
+        assert split == "train"
+        self.foreseen.append((epoch, [np.asarray(b).copy() for b in batches]))
+
+
+def test_a_streamed_source_foresees_each_next_epoch_as_it_is_later_announced():
+    source = Foreseeing()
+    spe = Sharding(source.train_size, 160, 2, seed=3).steps_per_epoch
+    _run(source, range(0, 3 * spe), epochs=3, dp=2, mix=(0.0, 1.0))
+    assert [e for e, _ in source.foreseen] == [1, 2]   # none past the run's last epoch
+    for epoch, batches in source.foreseen:   # what was foreseen is what was announced for that epoch
+        announced = next(b for _, e, b in source.announced if e == epoch)
+        assert len(batches) == len(announced) and all(map(np.array_equal, batches, announced))
+    assert source.unannounced == 0
