@@ -35,7 +35,7 @@ UNREAD = frozenset((
     "cudnn_benchmark bucket_mb address collective_timeout_s keep_actors_s out eval_every val_split eval_test "
     "keep_best tensorboard log_images target_accuracy log_every progress metrics checkpoint_every "
     "keep_checkpoints resume max_failures max_wait elastic elastic_wait loader_workers cache_bytes cache_dir "
-    "stage_dir shuffle shuffle_window"
+    "stage_dir shuffle shuffle_window precise_bn_batches"
 ).split())
 FOLDER = "model-checks"
 

@@ -79,3 +79,4 @@ def test_settings_whose_model_checks_passed_are_remembered_without_what_the_chec
     assert passed.passed(dataclasses.replace(cfg, steps=50, lr=0.3, seed=4, out="elsewhere"))
     for other in ({"fs": 2}, {"pp": 2}, {"model": "convnet_bn"}, {"data": "synthetic"}):
         assert not passed.passed(dataclasses.replace(cfg, **other)), other
+    assert passed.UNREAD <= {f.name for f in dataclasses.fields(Config)}   # (each a setting's name)
