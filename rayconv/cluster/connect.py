@@ -2,10 +2,10 @@
 
 ``connect`` finds or starts the cluster (``probe`` refuses, in one line, an address where no Ray
 answers; ``cluster_origin`` says which it did, ``cluster_outlives_process`` whether it stays after
-this process); ``available_devices`` counts the slots an actor can
-take (GPUs, or CPUs); ``node_memory_share`` the memory CPU actors share on a node; ``visible_index``
-maps the GPU id Ray assigned to torch's device index; ``exception_summary`` and ``first_line`` turn
-Ray's multi-line errors into the one line a user reads.
+this process, ``cli_address`` what a Ray command line needs to reach it); ``available_devices`` counts
+the slots an actor can take (GPUs, or CPUs); ``node_memory_share`` the memory CPU actors share on a node;
+``visible_index`` maps the GPU id Ray assigned to torch's device index; ``exception_summary`` and
+``first_line`` turn Ray's multi-line errors into the one line a user reads.
 """
 
 from __future__ import annotations
@@ -141,6 +141,23 @@ def _gcs_address() -> Optional[str]:
         return ray.get_runtime_context().gcs_address
     except Exception:  # noqa: BLE001 - Ray Client has no GCS client in the driver
         return None
+
+
+def cli_address() -> Optional[str]:
+    """The connected cluster's GCS address (``HOST:PORT``) where a Ray command line on this host (``ray
+    list actors``, ``ray status``) needs it to reach that cluster: as RAY_ADDRESS, which those commands take
+    before their own ``--address``; None where their own search finds it (RAY_ADDRESS, Ray's address file,
+    the one Ray running here) and under Ray Client."""
+    gcs = _gcs_address()
+    if gcs is None:
+        return None
+    services = ray._private.services
+    try:   # (as the command line resolves none: host:port, a local host written as this node's IP)
+        found = services.canonicalize_bootstrap_address_or_die(None)
+        same = found == services.canonicalize_bootstrap_address(gcs)
+    except (ConnectionError, ValueError):   # none found, or several Rays here: Ray asks for an address
+        same = False
+    return None if same else gcs
 
 
 def dashboard_url() -> Optional[str]:

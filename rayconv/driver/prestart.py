@@ -32,6 +32,7 @@ from rayconv import startup
 from rayconv.cluster.connect import available_devices, cluster_origin, cluster_size, connect
 from rayconv.config import Config
 from rayconv.driver.early import EarlyActors, needs_devices
+from rayconv.driver.passed import passed
 from rayconv.errors import CheckpointError, ConfigError
 from rayconv.mesh import Mesh
 from rayconv.model_names import check_known
@@ -56,10 +57,11 @@ def start_first(cfg: Config, log=print) -> EarlyActors:
     folder (named: ``with_output_folder``) checked, Ray connected (the start-up clock's ``ray``), the layout
     resolved, the actors started without waiting for them. Else, or when the layout does not fit (the run
     refuses it after its checks, as it would; or the cluster lacks the devices yet: the run waits for them as
-    it would), an ``EarlyActors`` holding none. Raises ConfigError / FileExistsError (the output folder),
-    ClusterError (Ray)."""
+    it would), an ``EarlyActors`` holding none: also where the model's checks have not passed for these
+    settings on this machine (``driver.passed``: the run checks its model before Ray). Raises ConfigError /
+    FileExistsError (the output folder), ClusterError (Ray)."""
     early = EarlyActors()
-    if not can_start_first(cfg):
+    if not can_start_first(cfg) or not passed(cfg):
         return early
     # (a torchvision model's name, where this machine listed them: the actors check the rest)
     check_known(cfg.model)

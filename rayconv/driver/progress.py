@@ -17,7 +17,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from rayconv.cluster.connect import cluster_origin, dashboard_url
+from rayconv.cluster.connect import cli_address, cluster_origin, dashboard_url
 from rayconv.config import Config, batch_split_problem
 from rayconv.driver.lr import peak_lr, warmup_steps
 from rayconv.driver.prestart import ray_job
@@ -73,12 +73,14 @@ def run_line(resolved: ResolvedRun) -> str:
 def kept_names(names: list[str], run_name: str) -> str:
     """What the reuse line adds for kept actors named ``names`` (rank order): Ray renames no named actor,
     so they keep the names of the run that started them, not ``rayconv/<run_name>/<role>``; the
-    line says which, and how to list them."""
+    line says which, and how to list them (the cluster's address given as RAY_ADDRESS where Ray's command
+    line would not find it by itself: ``cluster.connect.cli_address``)."""
     if not names or names[0].startswith(f"rayconv/{run_name}/"):
         return ""
-    prefix = names[0].rsplit("/", 1)[0]
+    prefix, address = names[0].rsplit("/", 1)[0], cli_address()
+    at = f"RAY_ADDRESS={address} " if address else ""
     return (f"; on the cluster they keep the names {prefix}/<role> of the run that started them "
-            f"(`ray list actors --filter \"name={names[0]}\"`)")
+            f"(`{at}ray list actors --filter \"name={names[0]}\"`)")
 
 
 def images_line(resolved: ResolvedRun) -> str:

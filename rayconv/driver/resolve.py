@@ -6,7 +6,8 @@ milliseconds. The checks that need no
 cluster but take longer (the model name, ``--max-memory-gib``, the data, the model's training output,
 the learning-rate warm-up against the run's length, the layout against the model, the checkpoint
 against the run) come before Ray too when nothing is to start meanwhile (``resolve_on_cluster``
-without ``on_layout``); a run (``resolve_run`` with ``on_layout``) first connects Ray and resolves the
+without ``on_layout``) or when the model's checks have not passed for these settings on this machine
+(``driver.passed``); else a run (``resolve_run`` with ``on_layout``) first connects Ray and resolves the
 device and ``dp``, has its actors started (``driver.early``: their processes import torch meanwhile),
 then checks. Then the routing (``parallel.routing.make_routing``) is built for the resolved mesh. Each
 resolution makes a new, validated ``Config`` (``dataclasses.replace``); the result is one frozen
@@ -34,6 +35,7 @@ from rayconv.data.small import decide_auto, held_bytes, is_held
 from rayconv.data.source import Sharding, Source
 from rayconv.driver.early import needs_devices
 from rayconv.driver.lr import check_schedule, total_steps
+from rayconv.driver.passed import passed, remember
 from rayconv.driver.prestart import (check_output_folder, connect_run, new_run_name, output_place,
                                      resolve_layout, with_output_folder)
 
@@ -158,7 +160,8 @@ def resolve_on_cluster(cfg: Config, log=print, resume: Optional[Checkpoint] = No
     The checks that need no cluster (``check_before_ray``: the data's folders and metadata, the model's
     name, image shape and training output, the layout against the model with --dp as given, 1 when
     the cluster decides it, and ``resume``'s checkpoint against the run) come before Ray, or, with
-    ``on_layout`` and where the actors may start early (``driver.early.needs_devices``), right after
+    ``on_layout``, where the actors may start early (``driver.early.needs_devices``) and the model's checks
+    passed for these settings on this machine before (``driver.passed``), right after
     the layout is resolved and ``on_layout(cfg, mesh)`` was called (the actors start meanwhile); where
     the cluster lacks the layout's devices then, before the wait for them (--max-wait). With
     --stage-dir, the shards are then copied to the nodes (``cluster.local_copy``).
@@ -166,7 +169,7 @@ def resolve_on_cluster(cfg: Config, log=print, resume: Optional[Checkpoint] = No
     resolved; mesh; source; routing; the train sharding over the mesh's replicas, which the actors read
     by). Raises ConfigError / DataError / LayoutError / CheckpointError / ClusterError
     before any actor's setup."""
-    early = on_layout is not None and not needs_devices(cfg)
+    early = on_layout is not None and not needs_devices(cfg) and passed(cfg)
     given = cfg
     if not early:
         source, sharding, reference, checked = check_before_ray(cfg, resume)
@@ -284,6 +287,7 @@ def check_before_ray(cfg: Config, resume: Optional[Checkpoint], warm: Optional[W
             warm = None
     if warm is None:
         reference, routing = checked_routing(cfg, mesh, *data)
+    remember(cfg)   # (the model's checks passed: the next run with these settings may start its actors first)
     clock = startup.current()
     if clock is not None:
         clock.model_check = "driver" if warm is None else warm.who

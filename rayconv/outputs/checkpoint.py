@@ -46,11 +46,18 @@ FORMAT = 1          # rank files of whole actor states, written by the driver
 RANK_FILE_FORMAT = 2     # rank files written by the actors, one copy of each tensor (outputs/rank_files.py)
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
+WHOLE_STATE_ARG = "whole_state's path"   # (how a checkpoint's messages name whole_state's argument)
 _OTHER_LAYOUT: set[Any] = set()  # checkpoint folders check_resumable found saved under another layout
 
 
-def _place(p: str | Path | Location) -> Place:
-    return p if isinstance(p, (Path, Location)) else place(p, flag="--resume")
+def _place(p: str | Path | Location, flag: str = "--resume") -> Place:
+    return p if isinstance(p, (Path, Location)) else place(p, flag=flag)
+
+
+def _another(flag: str) -> str:
+    """What a refused checkpoint's message asks for: of ``--resume``, another checkpoint to resume from;
+    of a Python caller's argument (``flag``: ``whole_state's path``), another checkpoint to pass."""
+    return "resume from another checkpoint" if flag == "--resume" else "give another checkpoint"
 
 
 def list_checkpoints(out: Place) -> list[Place]:
@@ -216,35 +223,37 @@ class Checkpoint:
         return self._whole
 
 
-def find_checkpoint(path: str | Path | Location) -> Place:
+def find_checkpoint(path: str | Path | Location, flag: str = "--resume") -> Place:
     """The checkpoint folder that ``--resume path`` means: ``path`` (a local path, or a URI:
     ``s3://bucket/runs/r1``) itself if it holds a manifest, else the newest complete checkpoint of the
-    run folder ``path``. Raises CheckpointError, StorageError (a store that cannot be read)."""
-    p = _place(path)
+    run folder ``path``. ``flag``: how the messages name the argument (a Python caller's: ``whole_state's
+    path``). Raises CheckpointError, StorageError (a store that cannot be read)."""
+    p = _place(path, flag)
     if isinstance(p, Location):
-        check_readable(p, "--resume")
-        with storage_errors(p, "--resume"):
-            return _find(p, path)
-    return _find(p, path)
+        check_readable(p, flag)
+        with storage_errors(p, flag):
+            return _find(p, path, flag)
+    return _find(p, path, flag)
 
 
-def _find(p: Place, path: Any) -> Place:
+def _find(p: Place, path: Any, flag: str) -> Place:
     if not p.exists():
-        raise CheckpointError(f"--resume {path}: no such folder: give a run folder (with checkpoints/) "
+        raise CheckpointError(f"{flag} {path}: no such folder: give a run folder (with checkpoints/) "
                               "or one of its checkpoints/step-<k> folders")
     if not p.is_dir():
         raise CheckpointError(
-            f"--resume {path} is a file: give a run folder or a checkpoints/step-<k> folder")
+            f"{flag} {path} is a file: give a run folder or a checkpoints/step-<k> folder")
     if (p / MANIFEST).is_file():
         return p
     if STEP_DIR.match(p.name[:-4] if p.name.endswith(".tmp") else p.name):
-        raise CheckpointError(f"--resume {path} is a checkpoint that was never finished (no {MANIFEST}): "
-                              f"resume from its run folder {p.parent.parent} instead")
+        again = "resume from" if flag == "--resume" else "give"
+        raise CheckpointError(f"{flag} {path} is a checkpoint that was never finished (no {MANIFEST}): "
+                              f"{again} its run folder {p.parent.parent} instead")
     newest = latest_checkpoint(p)
     if newest is None:
-        raise CheckpointError(f"--resume {path} holds no complete checkpoint (no "
-                              f"checkpoints/step-<k>/{MANIFEST}): train with --checkpoint-every N to write "
-                              "some")
+        raise CheckpointError(f"{flag} {path} holds no complete checkpoint (no "
+                              f"checkpoints/step-<k>/{MANIFEST}): a run writes them with --checkpoint-every "
+                              "N")
     return newest
 
 
@@ -259,38 +268,39 @@ def saved_config(resume: str) -> dict[str, Any]:
                           "resume from another checkpoint") from None
 
 
-def _read(f: Place) -> bytes:
+def _read(f: Place, flag: str = "--resume") -> bytes:
     if isinstance(f, Location):
-        with storage_errors(f, "--resume"):
+        with storage_errors(f, flag):
             return f.read_bytes()
     return f.read_bytes()
 
 
-def load_checkpoint(path: str | Path | Location) -> Checkpoint:
+def load_checkpoint(path: str | Path | Location, flag: str = "--resume") -> Checkpoint:
     """Find, read and verify a checkpoint (every listed file present, of its size and sha256), on
-    the disk or in a store (a URI). Raises CheckpointError naming the file at fault, StorageError."""
-    ckpt = find_checkpoint(path)
+    the disk or in a store (a URI); ``flag`` as ``find_checkpoint``'s. Raises CheckpointError naming the
+    file at fault, StorageError."""
+    ckpt = find_checkpoint(path, flag)
+    another = _another(flag)
     try:
-        manifest = json.loads(_read(ckpt / MANIFEST).decode())
+        manifest = json.loads(_read(ckpt / MANIFEST, flag).decode())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} cannot be read ({e}): resume from another "
-                              "checkpoint") from None
+        raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} cannot be read ({e}): {another}") from None
     if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, RANK_FILE_FORMAT) \
             or "files" not in manifest:
         raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} is not a rayconv checkpoint manifest (format "
-                              f"{FORMAT}): resume from a folder written by --checkpoint-every")
+                              f"{FORMAT}): {another}, one written by --checkpoint-every")
     files: dict[str, bytes] = {}
     for entry in manifest["files"]:
         f = ckpt / entry["name"]
         if not f.is_file():
-            raise CheckpointError(f"checkpoint file {f} is missing: resume from another checkpoint")
-        data = _read(f)
+            raise CheckpointError(f"checkpoint file {f} is missing: {another}")
+        data = _read(f, flag)
         if len(data) != entry["bytes"]:
             raise CheckpointError(f"checkpoint file {f} is truncated or damaged ({len(data)} bytes, the "
-                                  f"manifest says {entry['bytes']}): resume from another checkpoint")
+                                  f"manifest says {entry['bytes']}): {another}")
         if sha256(data) != entry["sha256"]:
             raise CheckpointError(f"checkpoint file {f} is corrupt (sha256 differs from the manifest): "
-                                  "resume from another checkpoint")
+                                  f"{another}")
         files[entry["name"]] = data
     return Checkpoint(ckpt, manifest, files)
 
@@ -300,10 +310,12 @@ def whole_state(path: str | Path | Location) -> dict[str, Any]:
     or a URI such as ``s3://bucket/runs/r1``), every file
     verified: ``["model"]`` is the model's state_dict (``load_state_dict`` of the model's builder),
     ``["optimizer"]["state"]`` each parameter's optimizer state by its name, ``["ema"]`` the moving
-    average or None (``reshard.join``). Needs no Ray. Raises CheckpointError."""
+    average or None (``reshard.join``). Needs no Ray. Raises CheckpointError (its message names the
+    argument as ``whole_state's path``), StorageError."""
     import io
     import torch
-    return torch.load(io.BytesIO(load_checkpoint(path).whole()), map_location="cpu", weights_only=True)
+    ckpt = load_checkpoint(path, flag=WHOLE_STATE_ARG)
+    return torch.load(io.BytesIO(ckpt.whole()), map_location="cpu", weights_only=True)
 
 
 def check_resumable(ckpt: Checkpoint, cfg: Any, mesh: Any, stages: list, num_classes: int,

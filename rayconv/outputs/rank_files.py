@@ -140,7 +140,7 @@ def rank_payloads(files: list[dict[str, Any]], layout: dict[str, Any]) -> list[d
             if t is None:
                 role = layout["roles"][r] if "roles" in layout else r
                 raise CheckpointError(f"the checkpoint's rank files hold no {entry} for rank {r} ({role}): "
-                                      "resume from another checkpoint")
+                                      "use another checkpoint")
             holder, key = _slot(payload, entry)
             holder[key] = t
         out.append(payload)

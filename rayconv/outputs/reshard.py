@@ -60,7 +60,7 @@ def join_tensors(pieces: list[tuple[int, dict[str, int], dict[str, torch.Tensor]
             by_index.setdefault(i, v)
         if sorted(by_index) != list(range(n)):
             raise CheckpointError(f"the checkpoint's slices of {key} cover split indices {sorted(by_index)} "
-                                  "only: resume from another checkpoint")
+                                  "only: use another checkpoint")
         out[key] = torch.cat([by_index[i] for i in range(n)], dim=dims[key])
     return out
 

@@ -82,20 +82,46 @@ def test_imagefolder_without_data_dir(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------- on the test cluster
+def _new_groups(before: set, out: Path) -> list[dict]:
+    """The placement groups made since ``before`` (ids) for a run whose folder is ``out``."""
+    return [pg for k, pg in ray.util.placement_group_table().items()
+            if k not in before and pg["name"].startswith(f"rayconv/{out.name}-")]
+
+
+def _checked_before(argv: list[str]) -> None:
+    """The model's checks of ``argv``'s settings passed on this machine (``driver.passed``): a run with
+    them starts its actors first and checks meanwhile."""
+    from rayconv.driver.resolve import check_before_ray
+    from rayconv.run import parse_command_line
+
+    check_before_ray(parse_command_line(argv), None)
+
+
 def test_unknown_model(ray_cluster, tmp_path, capsys, monkeypatch):
-    """Refused by the check that runs while the run's actors start (``driver.early``; this machine's
-    listing of torchvision's models, which would refuse it before Ray, left out): one line; with
-    ``--keep-actors-s 0`` nothing is left on the cluster: their placement group reserved and removed,
-    their actors gone, every CPU free again."""
+    """Refused by the model's check before Ray is asked for anything (this machine's listing of
+    torchvision's models, which would refuse it sooner, left out): one line, no placement group."""
     monkeypatch.setenv("RAYCONV_CACHE_DIR", str(tmp_path / "no-listing"))
     out = tmp_path / "unknown-model"
     before = set(ray.util.placement_group_table())
     line = run_failing([*BASE, "--model", "resnet1000", "--keep-actors-s", "0", "--out", str(out)], capsys)
     assert "--model" in line and "resnet1000" in line and "resnet18" in line  # suggests close names
+    assert not out.exists() and not _new_groups(before, out)
+
+
+def test_a_refusal_while_the_actors_start_leaves_nothing(ray_cluster, tmp_path, capsys, monkeypatch):
+    """Settings whose model checks passed before start their actors first (``driver.early``); a check
+    made meanwhile that refuses the run (a warm-up longer than the run) gives one line, and with
+    ``--keep-actors-s 0`` nothing is left on the cluster: their placement group reserved and removed,
+    their actors gone, every CPU free again."""
+    monkeypatch.setenv("RAYCONV_CACHE_DIR", str(tmp_path / "cache"))
+    _checked_before(BASE)
+    out = tmp_path / "long-warm-up"
+    before = set(ray.util.placement_group_table())
+    line = run_failing([*BASE, "--lr-warmup-epochs", "50", "--keep-actors-s", "0", "--out", str(out)], capsys)
+    assert "--lr-warmup-epochs 50" in line and "longer than the run" in line, line
     assert not out.exists()
-    pgs = [pg for k, pg in ray.util.placement_group_table().items()
-           if k not in before and pg["name"].startswith(f"rayconv/{out.name}-")]
-    assert pgs, "the actors did not start while the model was checked"
+    pgs = _new_groups(before, out)
+    assert pgs, "the actors did not start while the run was checked"
     assert all(pg["state"] == "REMOVED" for pg in pgs), pgs
     deadline = time.monotonic() + 10   # (ray.kill ends the processes asynchronously)
     while ray.available_resources().get("CPU") != 4 and time.monotonic() < deadline:
@@ -113,8 +139,9 @@ def test_the_corrected_run_takes_the_refused_runs_actors(ray_cluster, tmp_path, 
     from rayconv.api import release_actors
     from rayconv.cluster import pool
 
-    monkeypatch.setenv("RAYCONV_CACHE_DIR", str(tmp_path / "no-listing"))
-    run_failing([*BASE, "--model", "resnet1000", "--out", str(tmp_path / "refused")], capsys)
+    monkeypatch.setenv("RAYCONV_CACHE_DIR", str(tmp_path / "cache"))
+    _checked_before(BASE)
+    run_failing([*BASE, "--lr-warmup-epochs", "50", "--out", str(tmp_path / "refused")], capsys)
     kept = pool.kept_group()
     assert kept is not None and len(kept.actors) == 2, "the refused run's actors were not kept"
     pids = ray.get([a.whereami.remote() for a in kept.actors])

@@ -14,6 +14,7 @@ import torch
 
 from support.helpers import assert_same_state, reference_sgd, sgd_config
 from rayconv.cluster import pool
+from rayconv.cluster.connect import cli_address
 from rayconv.driver.job import train_run
 
 STEPS = 6
@@ -94,7 +95,8 @@ def test_a_run_that_does_not_fit_beside_a_larger_kept_group_takes_its_first_acto
     # (Ray renames no named actor: the line names those the cluster lists, the first run's)
     first = json.loads((tmp_path / "four" / "summary.json").read_text())["run_name"]
     assert f'keep the names rayconv/{first}/<role> of the run that started them' in line, line
-    assert f'`ray list actors --filter "name=rayconv/{first}/dp0"`' in line, line
+    at = f"RAY_ADDRESS={cli_address()} " if cli_address() else ""   # (other Rays on the host: named)
+    assert f'`{at}ray list actors --filter "name=rayconv/{first}/dp0"`' in line, line
     assert_same_state(torch.load(tmp_path / "two" / "model.pt", weights_only=True), reference_sgd(two, 3),
                       atol=1e-10)
     assert [len(g.actors) for g in pool.kept_groups()] == [4] and not pool.kept_groups()[0].spare

@@ -189,7 +189,7 @@ KINDS = [
     ("run here", lambda a: a[:2] == ["python", "-c"], run_python_c),
     ("run here (test_the_shared_host_ray_start)", lambda a: a[:2] == ["ray", "start"], lambda a: None),
     ("the environment test_the_shared_host_ray_start gives the commands after the head",
-     lambda a: a == ["export", "RAY_TMPDIR=/tmp/ray-$USER"], lambda a: None),
+     lambda a: a == ["export", "RAY_TMPDIR=/tmp/ray-$(id -un)"], lambda a: None),
     ("parsed", lambda a: a[:3] == ["python", "-m", "rayconv.run"], lambda a: parse_run(a[3:])),
     ("parsed", lambda a: a[:1] == ["rayconv"], lambda a: parse_run(a[1:])),
     ("parsed", lambda a: a[:3] == ["python", "-m", "rayconv.plan"], lambda a: parse_plan(a[3:])),

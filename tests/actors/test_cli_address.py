@@ -1,0 +1,25 @@
+"""The ``ray list actors`` command the reuse line prints for kept actors names the cluster (as RAY_ADDRESS,
+which Ray's state commands take before their ``--address``) where Ray's command line, searching by itself
+(RAY_ADDRESS, Ray's address file, the one Ray running on the host), would not reach the cluster this run
+is attached to (``cluster.connect.cli_address``)."""
+
+from __future__ import annotations
+
+import ray
+
+from rayconv.cluster.connect import cli_address
+from rayconv.driver.progress import kept_names
+
+
+def test_the_list_command_names_the_cluster_where_ray_would_find_another(ray_cluster, monkeypatch):
+    gcs = ray.get_runtime_context().gcs_address
+    names = ["rayconv/r0-7c1d2e/dp0", "rayconv/r0-7c1d2e/dp1"]
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")   # (another cluster: Ray's command line goes there)
+    assert cli_address() == gcs
+    assert f'(`RAY_ADDRESS={gcs} ray list actors --filter "name=rayconv/r0-7c1d2e/dp0"`)' in \
+        kept_names(names, "r1-3f9a2c")
+    monkeypatch.setenv("RAY_ADDRESS", gcs)   # (Ray's command line finds this one by itself)
+    assert cli_address() is None
+    assert kept_names(names, "r1-3f9a2c").endswith(
+        '(`ray list actors --filter "name=rayconv/r0-7c1d2e/dp0"`)')
+    assert kept_names(names, "r0-7c1d2e") == ""   # (the run's own names: nothing to add)
