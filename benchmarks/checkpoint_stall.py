@@ -1,40 +1,66 @@
 """Training time lost per checkpoint: the synchronous checkpoint through the driver against the actors'
 own background writes (to a local folder and to an S3-compatible bucket on loopback), in one process.
 
-    python benchmarks/checkpoint_stall.py [--steps 60] [--every 10] [--batch 32] [--window 6] [--json OUT]
+    python benchmarks/checkpoint_stall.py [--steps 60] [--checkpoint-every 10] [--rounds 1] [--out DIR]
 
-Each mode is one run of resnet18 on synthetic 32 px images, dp2 on CPU (float32), ``--checkpoint-every
-10``, evaluation only at the end: ``sync`` (``RAYCONV_SYNC_CHECKPOINTS=1``: every actor's whole state
-through the driver, written before training continues, to a local folder), ``async-local`` and
-``async-s3`` (moto's server on loopback in a process of its own, as a bucket's server is not in the
-driver, started before Ray so that the actors inherit its endpoint).
+The CPU form (the defaults): resnet18 on synthetic 32 px images, 10 classes, dp2 on CPU (fp32), global
+batch 32, 60 steps, ``--checkpoint-every 10``. The GPU form (one GPU, the S3 server started separately
+or by the script):
+
+    python benchmarks/checkpoint_stall.py --device cuda --dp 1 --model resnet50 --image-size 224 \\
+        --num-classes 1000 --global-batch-size 256 --precision bf16 --steps 300 --checkpoint-every 50 \\
+        --modes sync,async-s3 [--s3-endpoint http://127.0.0.1:PORT] --out DIR
+
+Modes, each one run of the same configuration, evaluation only at the end: ``sync``
+(``RAYCONV_SYNC_CHECKPOINTS=1``: every actor's whole state through the driver, written before training
+continues, to a local folder: the anchor), ``async-local`` and ``async-s3`` (the actors' background
+writes to a local folder, to a bucket). The bucket's server: ``--s3-endpoint`` (a running S3-compatible
+server, e.g. ``python -m moto.server -H 127.0.0.1 -p PORT``; its bucket made here; keys from
+``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, else moto's test keys), else moto's server started here
+on a free loopback port in a process of its own, put at the lowest CPU priority (nice 19) once it
+answers (it stands for remote storage, whose CPU is not the training machine's), before Ray so that the
+actors inherit its endpoint. moto is needed (and looked for) only when ``async-s3`` runs without ``--s3-endpoint``.
+``--rounds N`` runs the modes N times, interleaved (sync, async-local, async-s3, sync, ...), each round's
+ratios against that round's ``sync``.
+
 From metrics.parquet, each train step's driver clock (``time_s``): the interval between consecutive
-steps' results; the median interval away from checkpoints is the step; the time lost at a checkpoint is
-the sum over the ``--window`` intervals after it of (interval - median step) (a background write shows
-in the steps after the checkpoint, a synchronous one in the first). Also the time the step loop was
-blocked in the checkpoint call itself (``blocked``: the copy to host memory and the call's round trip
-for the background writes; everything for the synchronous one). The run's last checkpoint (at its
-last step, no steps after) is left out. Prints per mode the median time lost per checkpoint, the ratio
-to ``sync``'s, the bytes of rank files per checkpoint against one replica's state, and the bytes the
+steps' results; the median interval away from checkpoints (and after ``--warmup`` steps) is the step; the
+time lost at a checkpoint is the sum over the ``--window`` intervals after it (default: 0.6 of
+``--checkpoint-every``) of (interval - median step) (a background write shows in the steps after the
+checkpoint, a synchronous one in the first). Also the time the step loop was blocked in the checkpoint
+call itself (``blocked``: the copy to host memory and the call's round trip for the background writes;
+everything for the synchronous one). The run's last checkpoint (at its last step, no steps after) is
+left out. Per mode and round: the median time lost per checkpoint and its ratio to ``sync``'s, the same
+for ``blocked``, the bytes of rank files per checkpoint against one replica's state, and the bytes the
 driver received per checkpoint (``sync``: the rank files; the actors' writes: their files' names, sizes
 and sha256, as the manifest lists them).
+
+Output: one JSON row per run on stdout as it ends, then one line per mode (the medians over rounds, the
+rounds' range in brackets); with ``--out DIR``, ``DIR/rows.json`` (every row, with the configuration and
+the load average before and after each run). Bad flags: one line, exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from pathlib import Path
+from typing import Iterator, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+MODES = ("sync", "async-local", "async-s3")
+BUCKET = "rayconv-bench"
 
 
 def run_mode(mode: str, out: str, args) -> dict:
@@ -47,11 +73,11 @@ def run_mode(mode: str, out: str, args) -> dict:
         os.environ[SYNC_ENV] = "1"
     else:
         os.environ.pop(SYNC_ENV, None)
-    cfg = Config(model="resnet18", data="synthetic", image_size=32, num_classes=10, dp=2,
-                 global_batch_size=args.batch, steps=args.steps, precision="fp32", device="cpu",
-                 progress=False,
-                 eval_every=10 ** 6, out=out, checkpoint_every=args.every, keep_checkpoints=0,
-                 loader_workers=0, synthetic_samples=args.batch * args.steps).validate()
+    cfg = Config(model=args.model, data="synthetic", image_size=args.image_size, num_classes=args.num_classes,
+                 dp=args.dp, global_batch_size=args.global_batch_size, steps=args.steps,
+                 precision=args.precision, device=args.device, progress=False,
+                 eval_every=10 ** 6, out=out, checkpoint_every=args.checkpoint_every, keep_checkpoints=0,
+                 loader_workers=0, synthetic_samples=args.global_batch_size * args.steps).validate()
     import rayconv.driver.loop as loop
     blocked, inner = [], loop.checkpoint
 
@@ -63,20 +89,22 @@ def run_mode(mode: str, out: str, args) -> dict:
             blocked.append(time.perf_counter() - t)
 
     loop.checkpoint = timed
+    load_before = os.getloadavg()
     t0 = time.perf_counter()
     try:
         train_run(cfg, log=lambda *_: None)
     finally:
         loop.checkpoint = inner
     wall = time.perf_counter() - t0
+    every, window = args.checkpoint_every, args.window
     rows = [r for r in _read_metrics(out).to_pylist() if r["kind"] == "train"]
     t = {r["step"]: r["time_s"] for r in rows}
     steps = sorted(t)
     d = {k: t[k] - t[k - 1] for k in steps[1:]}
-    ck_after = [k for k in steps if (k + 1) % args.every == 0 and k + 1 < args.steps]   # (the last left out)
-    near = {k + j for k in ck_after for j in range(1, args.window + 1)}
-    base = statistics.median(v for k, v in d.items() if k not in near and k > 2)
-    lost = [sum(d[k + j] - base for j in range(1, args.window + 1) if k + j in d) for k in ck_after]
+    ck_after = [k for k in steps if (k + 1) % every == 0 and k + 1 < args.steps]   # (the last left out)
+    near = {k + j for k in ck_after for j in range(1, window + 1)}
+    base = statistics.median(v for k, v in d.items() if k not in near and k > args.warmup)
+    lost = [sum(d[k + j] - base for j in range(1, window + 1) if k + j in d) for k in ck_after]
     ckpts = list_checkpoints(out)
     c = load_checkpoint(ckpts[0])
     parts = sum(f["bytes"] for f in c.manifest["files"] if f["name"].startswith("rank-"))
@@ -90,7 +118,8 @@ def run_mode(mode: str, out: str, args) -> dict:
             "median_blocked_s": round(statistics.median(blocked[:-1]), 3),
             "rank_file_bytes": parts, "one_replica_bytes": one, "bytes_ratio": round(parts / one, 4),
             "driver_bytes_per_checkpoint": through, "checkpoints": [str(p) for p in ckpts],
-            "format": c.manifest["format"]}
+            "format": c.manifest["format"],
+            "load_average": [round(x, 2) for x in (*load_before, *os.getloadavg())]}
 
 
 def _read_metrics(out: str):
@@ -102,60 +131,169 @@ def _read_metrics(out: str):
     return pq.read_table(io.BytesIO(locate(out.rstrip("/") + "/metrics.parquet").read_bytes()))
 
 
+def _client_env(endpoint: str) -> dict[str, str]:
+    """What this process and the Ray cluster started after it need to reach the server at ``endpoint``
+    (keys already in the environment are kept; moto takes any)."""
+    return {"AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": os.environ.get("AWS_ACCESS_KEY_ID", "testing"),
+            "AWS_SECRET_ACCESS_KEY": os.environ.get("AWS_SECRET_ACCESS_KEY", "testing"),
+            "AWS_REGION": os.environ.get("AWS_REGION", "us-east-1"),
+            "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+def _make_bucket(endpoint: str, bucket: str, wait_s: float) -> None:
+    """Make ``bucket`` at ``endpoint`` (already there: fine), trying for ``wait_s`` seconds while the
+    server starts. Raises OSError when it cannot be reached."""
+    import pyarrow.fs as pafs
+    ep = urllib.parse.urlsplit(endpoint)
+    env = _client_env(endpoint)
+    fs = pafs.S3FileSystem(endpoint_override=ep.netloc, scheme=ep.scheme or "http",
+                           access_key=env["AWS_ACCESS_KEY_ID"], secret_key=env["AWS_SECRET_ACCESS_KEY"],
+                           region=env["AWS_REGION"], allow_bucket_creation=True)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fs.create_dir(bucket)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 @contextlib.contextmanager
-def moto_process():
-    """moto's S3 server in a child process on a free loopback port, a bucket made, the client
-    environment set in this process (and so in the Ray cluster started after it)."""
-    from support.ray_head import free_port
-    from support.s3_server import S3Server
-    s3 = S3Server(free_port(), "rayconv-bench")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3.port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def bucket_server(endpoint: Optional[str], bucket: str) -> Iterator[str]:
+    """The S3 endpoint to write to, its bucket made and the client environment set in this process (and
+    so in the Ray cluster started after it): ``endpoint`` as given, else moto's server in a child process
+    on a free loopback port, at nice 19 once it answers (ended on exit)."""
+    proc = None
+    if endpoint is None:
+        from support.ray_head import free_port
+        port = free_port()
+        endpoint = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        for _ in range(100):
-            try:
-                s3.filesystem().create_dir(s3.bucket)
-                break
-            except OSError:
-                time.sleep(0.2)
-        os.environ.update(s3.env)
-        yield s3
+        _make_bucket(endpoint, bucket, 60.0 if proc is not None else 2.0)
+        if proc is not None:   # (once up: the threads it starts for requests inherit its main thread's)
+            os.setpriority(os.PRIO_PROCESS, proc.pid, 19)
+        os.environ.update(_client_env(endpoint))
+        yield endpoint
     finally:
-        proc.terminate()
-        proc.wait()
+        if proc is not None:
+            proc.terminate()
+            proc.wait()
 
 
-def main() -> None:
+def _bad(message: str) -> None:
+    print(f"checkpoint_stall: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--num-classes", type=int, default=10)
+    p.add_argument("--dp", type=int, default=2)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--precision", default="fp32")
+    p.add_argument("--global-batch-size", type=int, default=32)
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--every", type=int, default=10)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--window", type=int, default=6)
-    p.add_argument("--modes", default="sync,async-local,async-s3")
-    p.add_argument("--json", default=None)
-    args = p.parse_args()
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--window", type=int, default=None,
+                   help="intervals after a checkpoint counted as its cost "
+                        "(default: 0.6 of --checkpoint-every)")
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the median step")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--num-cpus", type=int, default=4, help="the local Ray cluster's logical CPUs")
+    p.add_argument("--s3-endpoint", default=None,
+                   help="a running S3-compatible server (http://host:port); default: moto started here")
+    p.add_argument("--bucket", default=BUCKET)
+    p.add_argument("--out", default=None, help="a folder for rows.json")
+    args = p.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        _bad(f"--modes: {','.join(bad) or 'none'} unknown; choose from {','.join(MODES)}")
+    args.modes = modes
+    if args.window is None:
+        args.window = max(1, math.ceil(0.6 * args.checkpoint_every))
+    if args.checkpoint_every < 2 or args.window >= args.checkpoint_every:
+        _bad(f"--window ({args.window}) must be below --checkpoint-every ({args.checkpoint_every}), "
+                "which must be >= 2, so that steps away from checkpoints give the median step")
+    if args.steps < 2 * args.checkpoint_every:
+        _bad(f"--steps ({args.steps}) must be >= 2 x --checkpoint-every ({args.checkpoint_every}): "
+                "the last checkpoint has no steps after it, so it is left out")
+    if args.rounds < 1:
+        _bad(f"--rounds must be >= 1 (got {args.rounds})")
+    if "async-s3" in modes and args.s3_endpoint is None and importlib.util.find_spec("moto") is None:
+        _bad("async-s3 needs an S3 server: moto is not installed here (pip install 'moto[server]'); "
+                "or give --s3-endpoint of a running one")
+    scheme = urllib.parse.urlsplit(args.s3_endpoint or "http://").scheme
+    if scheme not in ("http", "https"):
+        _bad(f"--s3-endpoint {args.s3_endpoint}: give http://host:port or https://host:port")
+    return args
+
+
+def summary(results: list[dict]) -> list[str]:
+    """One line per mode: the medians over rounds of the step, the time lost and blocked per checkpoint
+    (and their ratios to the same round's sync), with the rounds' range."""
+    sync = {r["round"]: r for r in results if r["mode"] == "sync"}
+
+    def spread(xs: list[float], unit: str, digits: int = 3) -> str:
+        m = statistics.median(xs)
+        rng = f" [{min(xs):.{digits}f}-{max(xs):.{digits}f}]" if len(xs) > 1 else ""
+        return f"{m:.{digits}f}{unit}{rng}"
+
+    lines = []
+    for mode in dict.fromkeys(r["mode"] for r in results):
+        rs = [r for r in results if r["mode"] == mode]
+        text = (f"{mode}: step {spread([r['median_step_s'] for r in rs], ' s')}, "
+                f"lost per checkpoint {spread([r['median_lost_s'] for r in rs], ' s')}")
+        paired = [(r, sync[r["round"]]) for r in rs if r["round"] in sync]
+        if paired and mode != "sync":
+            lost = [r["median_lost_s"] / s["median_lost_s"] for r, s in paired if s["median_lost_s"] > 0]
+            held = [r["median_blocked_s"] / s["median_blocked_s"] for r, s in paired
+                    if s["median_blocked_s"] > 0]
+            text += f" ({spread(lost, 'x')} of sync's)" if lost else " (sync lost nothing)"
+            text += f", blocked {spread([r['median_blocked_s'] for r in rs], ' s')}"
+            text += f" ({spread(held, 'x')} of sync's)" if held else ""
+        else:
+            text += f", blocked {spread([r['median_blocked_s'] for r in rs], ' s')}"
+        text += (f", bytes {spread([r['bytes_ratio'] for r in rs], 'x', 4)} one replica's state, "
+                 f"driver {statistics.median(r['driver_bytes_per_checkpoint'] for r in rs):,.0f} B "
+                 "per checkpoint, "
+                 f"{len(rs)} round(s)")
+        lines.append(text)
+    return lines
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse(argv)
     from conftest import local_ray   # (a local Ray cluster as the tests start it)
 
     results = []
-    with tempfile.TemporaryDirectory(prefix="ckstall-") as tmp, moto_process() as s3:
-        for _ in local_ray(4):
-            for mode in args.modes.split(","):
-                out = s3.uri("stall", mode) if mode == "async-s3" else f"{tmp}/{mode}"
-                r = run_mode(mode, out, args)
-                results.append(r)
-                print(json.dumps(r), flush=True)
-    sync = next((r for r in results if r["mode"] == "sync"), None)
-    print(f"\n{'mode':12} {'step s':>8} {'lost/ckpt s':>12} {'vs sync':>8} {'blocked s':>10} {'vs sync':>8} "
-          f"{'bytes/replica':>14} {'driver bytes':>13}")
-    for r in results:
-        ok = sync is not None and sync["median_lost_s"] > 0
-        ratio = r["median_lost_s"] / sync["median_lost_s"] if ok else float("nan")
-        held = r["median_blocked_s"] / sync["median_blocked_s"] if sync else float("nan")
-        print(f"{r['mode']:12} {r['median_step_s']:8.3f} {r['median_lost_s']:12.3f} {ratio:8.3f} "
-              f"{r['median_blocked_s']:10.3f} {held:8.3f} "
-              f"{r['bytes_ratio']:14.3f} {r['driver_bytes_per_checkpoint']:13,}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    config = {k: v for k, v in vars(args).items() if k not in ("out",)}
+    s3 = "async-s3" in args.modes
+    with tempfile.TemporaryDirectory(prefix="ckstall-") as tmp, \
+            (bucket_server(args.s3_endpoint, args.bucket) if s3 else contextlib.nullcontext()):
+        for _ in local_ray(args.num_cpus):
+            for i in range(args.rounds):
+                for mode in args.modes:
+                    out = (f"s3://{args.bucket}/stall/{i}/{mode}" if mode == "async-s3"
+                           else f"{tmp}/{i}/{mode}")
+                    r = {"round": i, **run_mode(mode, out, args)}
+                    results.append(r)
+                    print(json.dumps(r), flush=True)
+    print()
+    for line in summary(results):
+        print(line)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        rows = json.dumps({"config": config, "rows": results}, indent=2)
+        (Path(args.out) / "rows.json").write_text(rows + "\n")
 
 
 if __name__ == "__main__":

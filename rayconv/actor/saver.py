@@ -10,12 +10,22 @@ driver's node, for a local ``--out`` that this node does not see). A write that 
 file written halfway is never resumed, since only the driver's manifest, written once every rank file is
 in, makes a checkpoint.
 One write at a time: ``start`` waits for the one before (the driver collects each before the next).
+
+What the write costs the step: the thread runs at the lowest CPU priority (``lowest_priority``: nice 19,
+Linux's per-thread niceness), so that on a busy machine it takes the CPU the step leaves; it runs no
+torch operator (``torch.save`` of host tensors only walks their storages), so no intra-op thread pool
+is started for it; the bytes go from the host copies to the storage as ``torch.save`` hands them over,
+hashed as they pass (no whole file in memory); a bucket is written through pyarrow's output stream with
+the uploads made by this thread itself (``foreground``: S3's ``background_writes`` off), so that their
+CPU (request signing, checksums, HTTP) runs at its priority too and no pyarrow I/O thread is started
+at it (a thread inherits its starter's niceness, and those threads later read the data).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -25,6 +35,34 @@ import torch
 
 TRIES = 3
 RETRY_S = (0.5, 2.0)   # seconds before the second and third try
+NICE = 19   # the writer thread's niceness: the lowest CPU priority
+
+
+def lowest_priority() -> bool:
+    """Put the calling thread (and threads it starts later) at the lowest CPU priority (nice ``NICE``):
+    Linux gives each thread its own niceness; elsewhere (one niceness per process) nothing is changed.
+    Returns whether it was set."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+    except OSError:   # (a sandbox without setpriority: the thread keeps its priority)
+        return False
+    return True
+
+
+def foreground(fs: Any) -> Any:
+    """``fs`` with its uploads made by the thread that writes: an ``S3FileSystem`` rebuilt with the same
+    options and ``background_writes`` off (pyarrow then sends each part, 10 MB or a larger single
+    write, in the writing thread, one at a time, instead of on its I/O threads); any other file
+    system as it is."""
+    import pyarrow.fs as pafs
+    if not isinstance(fs, pafs.S3FileSystem):
+        return fs
+    rebuild, (options,) = fs.__reduce__()
+    if not options.get("background_writes", True):
+        return fs
+    return rebuild({**options, "background_writes": False})
 
 
 class _Hashing:
@@ -65,7 +103,7 @@ def open_stream(where: Any) -> Iterator[BinaryIO]:
         finally:
             tmp.unlink(missing_ok=True)
         return
-    stream = where.fs.open_output_stream(where.path)
+    stream = foreground(where.fs).open_output_stream(where.path)
     try:
         yield stream
     except BaseException:
@@ -102,6 +140,7 @@ class Saver:
 
         def run() -> None:
             t0 = time.perf_counter()
+            lowest_priority()
             if copied is not None:
                 copied.synchronize()
             error = ""

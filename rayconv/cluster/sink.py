@@ -37,7 +37,7 @@ class RankFileSink:
         self.files[self.next] = (open(tmp, "wb"), tmp, final)
         return self.next
 
-    def append(self, handle: int, data: bytes) -> None:
+    def append(self, handle: int, data: bytes | bytearray) -> None:
         self.files[handle][0].write(data)
 
     def commit(self, handle: int) -> None:
@@ -69,7 +69,8 @@ class _PieceStream:
     def _send(self) -> None:
         if self.sent is not None:
             ray.get(self.sent)   # (one piece in flight)
-        self.sent = self.sink.append.remote(self.handle, bytes(self.buf))
+        # (the piece itself, not a bytes copy of it: Ray serialises a bytearray out of band)
+        self.sent = self.sink.append.remote(self.handle, self.buf)
         self.buf = bytearray()
 
     def close(self) -> None:
