@@ -19,7 +19,8 @@ server, e.g. ``python -m moto.server -H 127.0.0.1 -p PORT``; its bucket made her
 ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, else moto's test keys), else moto's server started here
 on a free loopback port in a process of its own, put at the lowest CPU priority (nice 19) once it
 answers (it stands for remote storage, whose CPU is not the training machine's), before Ray so that the
-actors inherit its endpoint. moto is needed (and looked for) only when ``async-s3`` runs without ``--s3-endpoint``.
+actors inherit its endpoint. moto is needed (and looked for) only when ``async-s3`` runs without
+``--s3-endpoint``.
 ``--rounds N`` runs the modes N times, interleaved (sync, async-local, async-s3, sync, ...), each round's
 ratios against that round's ``sync``.
 
@@ -37,7 +38,8 @@ and sha256, as the manifest lists them).
 
 Output: one JSON row per run on stdout as it ends, then one line per mode (the medians over rounds, the
 rounds' range in brackets); with ``--out DIR``, ``DIR/rows.json`` (every row, with the configuration and
-the load average before and after each run). Bad flags: one line, exit status 2.
+the load average before and after each run, and every step's interval: ``interval_s``, by step).
+Bad flags: one line, exit status 2.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def run_mode(mode: str, out: str, args) -> dict:
             "median_blocked_s": round(statistics.median(blocked[:-1]), 3),
             "rank_file_bytes": parts, "one_replica_bytes": one, "bytes_ratio": round(parts / one, 4),
             "driver_bytes_per_checkpoint": through, "checkpoints": [str(p) for p in ckpts],
-            "format": c.manifest["format"],
+            "format": c.manifest["format"], "interval_s": {k: round(v, 4) for k, v in d.items()},
             "load_average": [round(x, 2) for x in (*load_before, *os.getloadavg())]}
 
 

@@ -18,7 +18,8 @@ is started for it; the bytes go from the host copies to the storage as ``torch.s
 hashed as they pass (no whole file in memory); a bucket is written through pyarrow's output stream with
 the uploads made by this thread itself (``foreground``: S3's ``background_writes`` off), so that their
 CPU (request signing, checksums, HTTP) runs at its priority too and no pyarrow I/O thread is started
-at it (a thread inherits its starter's niceness, and those threads later read the data).
+at it (a thread inherits its starter's niceness, and the process's other pyarrow I/O can run on those
+threads).
 """
 
 from __future__ import annotations
