@@ -15,11 +15,10 @@ What the write costs the step: the thread runs at the lowest CPU priority (``low
 Linux's per-thread niceness), so that on a busy machine it takes the CPU the step leaves; it runs no
 torch operator (``torch.save`` of host tensors only walks their storages), so no intra-op thread pool
 is started for it; the bytes go from the host copies to the storage as ``torch.save`` hands them over,
-hashed as they pass (no whole file in memory); a bucket is written through pyarrow's output stream with
-the uploads made by this thread itself (``foreground``: S3's ``background_writes`` off), so that their
-CPU (request signing, checksums, HTTP) runs at its priority too and no pyarrow I/O thread is started
-at it (a thread inherits its starter's niceness, and the process's other pyarrow I/O can run on those
-threads).
+hashed as they pass (no whole file in memory); a bucket is written through pyarrow's output stream,
+whose I/O threads upload the parts (10 MB each) several at a time while this thread goes on handing
+over bytes: at the rate of a checkpoint every few seconds the upload's rate decides whether the next
+checkpoint waits for this one.
 """
 
 from __future__ import annotations
@@ -50,20 +49,6 @@ def lowest_priority() -> bool:
     except OSError:   # (a sandbox without setpriority: the thread keeps its priority)
         return False
     return True
-
-
-def foreground(fs: Any) -> Any:
-    """``fs`` with its uploads made by the thread that writes: an ``S3FileSystem`` rebuilt with the same
-    options and ``background_writes`` off (pyarrow then sends each part, 10 MB or a larger single
-    write, in the writing thread, one at a time, instead of on its I/O threads); any other file
-    system as it is."""
-    import pyarrow.fs as pafs
-    if not isinstance(fs, pafs.S3FileSystem):
-        return fs
-    rebuild, (options,) = fs.__reduce__()
-    if not options.get("background_writes", True):
-        return fs
-    return rebuild({**options, "background_writes": False})
 
 
 class _Hashing:
@@ -104,7 +89,7 @@ def open_stream(where: Any) -> Iterator[BinaryIO]:
         finally:
             tmp.unlink(missing_ok=True)
         return
-    stream = foreground(where.fs).open_output_stream(where.path)
+    stream = where.fs.open_output_stream(where.path)
     try:
         yield stream
     except BaseException:

@@ -124,20 +124,16 @@ def test_a_flat_folder_is_copied_to_a_place_whose_folders_do_not_exist_yet(tmp_p
     assert (tmp_path / "tune" / "checkpoints" / "step-10" / "manifest.json").read_text() == "{}"
 
 
-def test_a_rank_file_is_uploaded_by_the_writing_thread_whole_and_hashed_as_written(s3):
-    """actor/saver.py writes to a bucket with pyarrow's uploads in the writing thread (the same endpoint and
-    options, ``background_writes`` off): the object is ``torch.save``'s bytes in several parts, listed
-    with its size and sha256."""
+def test_a_rank_file_is_uploaded_whole_in_parts_and_hashed_as_written(s3):
+    """actor/saver.py writes to a bucket through pyarrow's output stream: the object is ``torch.save``'s
+    bytes in several parts, listed with its size and sha256."""
     import hashlib
     import io
 
     import torch
 
-    from rayconv.actor.saver import foreground, write_rank_file
+    from rayconv.actor.saver import write_rank_file
     where = locate(s3.uri("saver-unit", "step-2")) / "rank-0.pt"
-    options = where.fs.__reduce__()[1][0]
-    fg = foreground(where.fs)
-    assert fg.__reduce__()[1][0] == {**options, "background_writes": False} and foreground(fg) is fg
     obj = {"format": 2, "tensors": {"w": torch.arange(1_500_000, dtype=torch.float64)}}   # (12 MB)
     meta = write_rank_file(where, obj)
     data, want = where.read_bytes(), io.BytesIO()
