@@ -45,7 +45,6 @@ generators' own lines go to stderr).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -91,7 +90,9 @@ def jpeg_set(out: Path, images: int, size: int, shard_size: int) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python benchmarks/bucket_data.py", description=__doc__.split("\n")[0])
+    from rayconv.flags import OneLineParser
+
+    p = OneLineParser(prog="python benchmarks/bucket_data.py", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="folder of report.md and rows.json")
     p.add_argument("--images", type=int, default=20000, help="train images (default %(default)s)")
     p.add_argument("--shard-size", type=int, default=None,
@@ -121,6 +122,20 @@ def main(argv=None) -> int:
                     ("--batch", a.batch), ("--repeats", a.repeats), ("--image-size", a.image_size)):
         if v < 1:
             p.error(f"{flag} must be at least 1 (got {v})")
+    from rayconv.config import Config, ConfigError
+
+    try:   # (a model, size or precision the runs would refuse: refused here, before the set is written)
+        Config(model=a.model, data="shards", data_dir="s3://bucket/set", image_size=a.image_size, dp=1,
+               global_batch_size=a.batch, steps=a.steps, device=a.device, precision=a.precision,
+               data_on_device="off", compile=a.compile).validate()
+        import torchvision
+
+        from rayconv.model_names import RAYCONV_MODELS, unknown_model
+        names = [*RAYCONV_MODELS, *torchvision.models.list_models(module=torchvision.models)]
+        if ":" not in a.model and a.model not in names:
+            raise unknown_model(a.model, names)
+    except ConfigError as e:
+        p.error(str(e))
 
     import logging
 
@@ -130,7 +145,6 @@ def main(argv=None) -> int:
     logging.getLogger("werkzeug").setLevel(logging.ERROR)   # (the S3 server's request lines)
 
     from make_raw_shards import generate
-    from rayconv.config import Config
     from rayconv.data import cache
     from rayconv.data.raw_shards import READ_AHEAD
     from rayconv.data.registry import first_epoch_order
