@@ -10,7 +10,7 @@ LayoutError, CheckpointError) at once. ``model`` may also be a callable (a funct
 ``nn.Module``): one importable by its module and name runs as ``module:qualname``; any other (a lambda,
 a local function) is pickled to the actors with Ray's serializer, and refused in one line when it
 cannot be. A run that ended normally leaves its actors for --keep-actors-s seconds (default 60), so that
-the next ``fit`` of this process that needs the same actors starts at once (``rayconv.cluster.pool``);
+the next ``fit`` of this process that needs the same actors starts at once (``rayconv.cluster.acquire``);
 ``release_actors()`` stops them sooner. This module imports neither torch nor Ray until ``fit`` is called.
 """
 
@@ -61,13 +61,15 @@ def start_and_train(cfg: Config, log=print, **kw: Any) -> dict[str, Any]:
     not taken by the run are stopped."""
     from rayconv.driver.prestart import start_first  # (Ray; not torch)
 
-    early = start_first(cfg, log)
+    run_name = start_first(cfg, log)   # (the run's name on the cluster, where its actors started)
     try:
         from rayconv.driver.job import train_run  # (torch and the training code: seconds)
     except BaseException:
-        early.kill()
+        from rayconv.cluster.acquire import release_started
+
+        release_started(run_name)
         raise
-    return train_run(cfg, log=log, early=early, **kw)
+    return train_run(cfg, log=log, run_name=run_name, **kw)
 
 
 def release_actors() -> None:
@@ -75,6 +77,6 @@ def release_actors() -> None:
     their resources now (safe to repeat; nothing when none are kept)."""
     import sys
 
-    pool = sys.modules.get("rayconv.cluster.pool")   # (not imported: no run kept anything)
-    if pool is not None:
-        pool.release()
+    seam = sys.modules.get("rayconv.cluster.acquire")   # (not imported: no run kept anything)
+    if seam is not None:
+        seam.release_kept()

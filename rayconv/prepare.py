@@ -33,10 +33,11 @@ def _on_ray(args: dict[str, tuple], address: Optional[str]) -> Iterator[tuple[st
     naming the shard whose task failed (the others are cancelled)."""
     import ray   # (Ray's import takes seconds: not for --help or a bad argument)
 
-    from rayconv.cluster import connect as cluster, pool  # (imports Ray, as above)
+    from rayconv.cluster import connect as cluster  # (imports Ray, as above)
+    from rayconv.cluster.acquire import release_kept
 
     cluster.connect(address)
-    pool.release()   # (actors a run of this process kept would hold CPUs the tasks need)
+    release_kept()   # (actors a run of this process kept would hold CPUs the tasks need)
     print(f"prepare: Ray: {cluster.cluster_origin()}")
     task = ray.remote(num_cpus=1)(write_shard)
     refs = {task.remote(*a): name for name, a in args.items()}

@@ -52,9 +52,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         from rayconv.driver.prestart import with_output_folder
 
         if argv is None:   # the command (not a Python caller's main(argv)): actors may stay on the cluster
-            from rayconv.cluster import across
+            from rayconv.cluster.acquire import keep_across_commands
 
-            across.leave_on_cluster()
+            keep_across_commands()
 
         cfg = with_output_folder(cfg)  # named before the run starts, so that a failure's hint can name it
         start_and_train(cfg)

@@ -128,7 +128,7 @@ class ActorLifecycle:
     def rest(self) -> None:
         """Drop the previous run's state (as ``renew`` does first) and wait, unused, in its placement
         group until ``renew`` or the group's end: the spare actors of a kept group whose first actors a
-        smaller run took (``cluster.pool.take_larger``, ``ActorGroup.park``)."""
+        smaller run took (``cluster.pool.take``, ``ActorGroup.rest_after``)."""
         self._warm.join()
         self.shutdown()
         self.rss.stop()

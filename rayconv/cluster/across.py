@@ -6,10 +6,11 @@ each command pays again for its actors' processes (Ray starting them, torch, tor
 torchvision imported, on a GPU the CUDA context). So a command connected to a cluster it did not
 start (``--address``, RAY_ADDRESS, or a running local cluster found: ``connect.cluster_outlives_process``)
 starts its actors and their placement group detached (Ray's ``lifetime="detached"``: they outlive
-the driver), and a run of it that ended normally leaves them there for ``--keep-actors-s`` seconds
-(``leave``); the next command that needs the same actors (``pool.actors_key``: class, count, bundle,
+the driver), and a run of it that ended normally keeps them there for ``--keep-actors-s`` seconds
+(``keep``); the next command that needs the same actors (``pool.actors_key``: class, count, bundle,
 runtime environment, and the rayconv code and torch/torchvision/Ray versions the actors run,
-``watch.code_hash``) claims them (``claim``) and renews them as ``pool.take`` does in one process.
+``watch.code_hash``) claims them (``claim``) and renews them as ``pool.take`` does in one process;
+the run reaches this module through ``cluster.acquire``.
 
 The registry of kept groups is Ray's key-value store (namespace ``rayconv``), one entry per group,
 ``kept/<hash of the key>/<placement group's name>``: its actors' names (named actors of the ``rayconv``
@@ -47,8 +48,9 @@ _MODE = {"command": False}
 _log = logging.getLogger("rayconv")
 
 
-def leave_on_cluster() -> None:
-    """This process is a command (``python -m rayconv.run``): its runs' actors may outlive it."""
+def keep_across_commands() -> None:
+    """This process is a command (``python -m rayconv.run``): its runs' actors may outlive it, kept on
+    the cluster for the next command."""
     _MODE["command"] = True
 
 
@@ -141,9 +143,9 @@ def sweep() -> None:
             _del(entry)
 
 
-def leave(group: Any, keep_s: float) -> bool:
-    """Leave ``group`` (an ActorGroup of a run that ended normally, detached: ``enabled``) on the
-    cluster for ``keep_s`` seconds, for the next command; True when left (``group`` is then empty: its
+def keep(group: Any, keep_s: float) -> bool:
+    """Keep ``group`` (an ActorGroup of a run that ended normally, detached: ``enabled``) on the
+    cluster for ``keep_s`` seconds, for the next command; True when kept (``group`` is then empty: its
     ``kill`` does nothing). False (the caller stops it) when ``keep_s`` is 0, it does not own its
     placement group, an actor does not answer, or an actor runs other code than this driver."""
     if keep_s <= 0 or not group.owns_pg or group.starting is not None or not group.actors or not group.names:

@@ -9,12 +9,11 @@ last bundles and leave the group to its owner. The actor class is the caller's
 (``rayconv.actor.actor.Actor`` for a training run): this module only places and calls it. A user's
 model (``--model MODULE:FUNCTION``) reaches the actors through Ray's runtime environment
 (``user_model.actor_runtime_env``: its modules in ``py_modules``, uploaded by ``with_uploads``), on
-every node.
+every node. Which actors a run gets (new ones from here, or kept ones) is ``cluster.acquire``'s.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -50,10 +49,10 @@ class ActorGroup:
     # deadline, the start-up limit to name); ``wait_started`` collects it into ``info``
     starting: Optional[tuple[Any, float, float]] = None
     key: str = ""   # what another run's actors must match to reuse these (``pool.actors_key``)
-    reused: bool = False   # kept from a previous run (of this process: ``pool.take``; or ``across``)
+    reused: bool = False   # kept from a previous run (of this process: ``pool.take``; or ``across.claim``)
     names: list[str] = field(default_factory=list)   # the actors' names (namespace ``rayconv``), rank order
     across: bool = False   # kept on the cluster by a previous command (``across.claim``)
-    # actors of this placement group the run does not use (a kept group larger than the run: ``park``),
+    # actors of this placement group the run does not use (a kept group larger than the run: ``rest_after``),
     # with their ``names`` and ``info``; they rejoin ``actors`` when the group is kept again (``hand_over``)
     spare: list[Any] = field(default_factory=list)
     spare_names: list[str] = field(default_factory=list)
@@ -124,7 +123,7 @@ class ActorGroup:
         return ray.get(refs)
 
     def wait_started(self) -> None:
-        """Wait until the actors of a start not waited for (``start_group(wait=False)``) run, and fill
+        """Wait until the actors of a start not waited for (``create_actors(wait=False)``) run, and fill
         ``info``; nothing when there is none. Raises ClusterError past the start-up limit (the actors
         and the placement group are removed)."""
         if self.starting is None:
@@ -143,9 +142,9 @@ class ActorGroup:
     def __exit__(self, *exc) -> None:
         self.kill()
 
-    def park(self, n: int) -> None:
-        """Use the first ``n`` actors (rank order: the bundles first_bundle .. first_bundle + n - 1) and
-        set the others aside as ``spare``, each told to ``rest`` (drop its previous run's state)."""
+    def rest_after(self, n: int) -> None:
+        """Use the first ``n`` actors (rank order: the bundles first_bundle .. first_bundle + n - 1); the
+        others ``rest`` (each drops its previous run's state) as ``spare``."""
         assert not self.spare and 0 < n <= len(self.actors)
         self.spare, self.spare_names, self.spare_info = self.actors[n:], self.names[n:], self.info[n:]
         self.actors, self.names, self.info = self.actors[:n], self.names[:n], self.info[:n]
@@ -154,7 +153,8 @@ class ActorGroup:
 
     def hand_over(self) -> "ActorGroup":
         """A new ActorGroup holding these actors (the spare ones back among them, in rank order) and the
-        placement group; this one is left empty (its ``kill`` does nothing), for ``pool.keep``."""
+        placement group; this one is left empty (its ``kill`` does nothing): ``pool.keep``,
+        ``across.keep``."""
         other = ActorGroup(self.actors + self.spare, self.roles, self.pg, self.info + self.spare_info,
                            self.first_bundle, self.owns_pg, starting=self.starting, key=self.key,
                            names=self.names + self.spare_names)
@@ -177,44 +177,6 @@ class ActorGroup:
             pass
 
 
-def start_group(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, timeout_s: float = 120.0,
-                wait: bool = True) -> ActorGroup:
-    """Reserve one bundle per actor, start the actors (``actor_cls``, see ``create_actors``), named
-    ``rayconv/<run>/<role>`` in rank order.
-
-    ``timeout_s`` (``--max-wait``) bounds the whole start-up: reserving the bundles (waiting for free
-    resources) and the actors' processes starting and importing torch. ``wait`` False: return once
-    the actors are created, their processes still starting (``ActorGroup.wait_started`` waits, within
-    the same limit). Raises ClusterError saying which of the two ran out and that --max-wait raises
-    it, or naming a Ray error at start (one line)."""
-    deadline = time.monotonic() + timeout_s
-    given = given_group(cfg, mesh)
-    env = actors_env(cfg, mesh)
-    if given is not None:   # a Tune trial's group: its bundles are this run's
-        return in_given_group(actor_cls, cfg, mesh, run_name, given, timeout_s, wait, env)
-    kept = reuse_kept(actor_cls, cfg, mesh, run_name, env)
-    if kept is not None:
-        return kept
-    pg = reserve(cfg, mesh, run_name, timeout_s)
-    return create_actors(actor_cls, cfg, mesh, run_name, pg, max(0.0, deadline - time.monotonic()),
-                         limit_s=timeout_s, wait=wait, env=env)
-
-
-def in_given_group(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, given: tuple[Any, int],
-                   timeout_s: float, wait: bool, env: Optional[dict[str, Any]]) -> ActorGroup:
-    """The actors of a run inside a placement group it was given (``given_group``: a Tune trial's): those
-    the trial's process kept from its last run there (``pool``: Tune handed the process and its placement
-    group to this trial), renewed, or new ones in its bundles (see ``create_actors``)."""
-    pg, first = given
-    kept = pool.take(pool.actors_key(actor_cls, mesh.world_size, actor_bundle(cfg), env, pg.id.hex()),
-                     cfg.to_dict(), run_name, [mesh.role(r) for r in range(mesh.world_size)])
-    if kept is not None:
-        return kept
-    pool.release()   # (groups kept in this placement group hold the bundles the new actors need)
-    return create_actors(actor_cls, cfg, mesh, run_name, pg, timeout_s, first_bundle=first, wait=wait,
-                         env=env)
-
-
 def actors_env(cfg: Config, mesh: Mesh) -> Optional[dict[str, Any]]:
     """The actors' runtime environment: a user's modules (uploaded: ``with_uploads``) and the GPU
     visibility setting (``--all-gpus-visible``) where there are NCCL peers: a mesh of one actor sees its
@@ -223,30 +185,6 @@ def actors_env(cfg: Config, mesh: Mesh) -> Optional[dict[str, Any]]:
     when there is nothing."""
     sees_all = cfg.device == "cuda" and cfg.all_gpus_visible and mesh.world_size > 1
     return with_uploads(actor_runtime_env(cfg.model, ALL_GPUS_VISIBLE_ENV if sees_all else {}))
-
-
-def reuse_kept(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str,
-               env: Optional[dict[str, Any]]) -> Optional[ActorGroup]:
-    """The actors a previous run of this process left (``pool``, ``--keep-actors-s``), or a previous
-    command left on the cluster (``across``), renewed for this run, when they are the ones it needs
-    (``env``: ``actors_env(cfg, mesh)``); failing those, where the run does not fit beside the kept
-    groups, the first actors of a larger kept group (``pool.take_larger``); else None."""
-    key = pool.actors_key(actor_cls, mesh.world_size, actor_bundle(cfg), env)
-    roles = [mesh.role(r) for r in range(mesh.world_size)]
-    group = pool.take(key, cfg.to_dict(), run_name, roles)
-    if group is not None:
-        return group
-    try:
-        claimed = across.claim(key, mesh.world_size)
-    except Exception as e:  # noqa: BLE001 - the registry unreadable: the run starts its own
-        logging.getLogger("rayconv").info("rayconv: no kept actors looked up on the cluster (%s)",
-                                          exception_summary(e))
-        return None
-    if claimed is None:
-        return pool.take_larger(key, group_need(cfg, mesh), cfg.to_dict(), run_name, roles)
-    actors, names, pg, info = claimed
-    group = ActorGroup(actors, list(roles), pg, info, key=key, names=names, across=True)
-    return group if pool.renew(group, cfg.to_dict(), run_name, roles) else None
 
 
 def actor_bundle(cfg: Config) -> dict[str, float]:

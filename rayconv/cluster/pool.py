@@ -14,17 +14,18 @@ process and placement group for the next trial: ``TuneConfig(reuse_actors=True)`
 Several groups are kept side by side (a loop over layouts of 1, 2 and 4 actors, trials of several
 sizes), each for ``--keep-actors-s`` seconds from its run's end (a timer thread): a run that needs other
 actors leaves them kept while its placement group fits beside them; where it does not, it takes the
-first actors of the smallest larger kept group of its kind on one node (``take_larger``: the others rest
-in that group's placement group until it is kept again), and otherwise stops kept groups, the longest
-unused first, until the cluster's free resources hold it (``make_room``; all of them where the group
-still waits a moment later, as a PACK group that must fit one node may). Whatever else of rayconv
-asks the cluster for resources (a task that measures a device, ``rayconv.prepare``'s tasks) and
-``rayconv.release_actors()`` stop them all. A run that ended normally leaves its actors, and so does a
-run its checks refused after its actors started early (``driver.early``: unused, perhaps still
-starting); a failed, stopped or interrupted run's are killed. A command-line run on a cluster that
-outlives it (``ray start --head``, then commands with ``--address`` or none) leaves its actors on the
-cluster instead, for the next command (``cluster.across``: a run that ended normally only); on a
-cluster it started itself they end with its process.
+first actors of the smallest larger kept group of its kind on one node (``take`` with the run's
+``need``: the others rest in that group's placement group until it is kept again), and otherwise
+stops kept groups, the longest unused first, until the cluster's free resources hold it
+(``make_room``; all of them where the group still waits a moment later, as a PACK group that must fit
+one node may). Whatever else of rayconv asks the cluster for resources (a task that measures a device,
+``rayconv.prepare``'s tasks) and ``rayconv.release_actors()`` stop them all. A run that ended normally
+keeps its actors, and so does a run its checks refused after its actors started early (unused,
+perhaps still starting); a failed, stopped or interrupted run's are killed. A command-line run on a
+cluster that outlives it (``ray start --head``, then commands with ``--address`` or none) keeps its
+actors on the cluster instead, for the next command (``cluster.across``: a run that ended normally
+only); on a cluster it started itself they end with its process. The run reaches this module only
+through ``cluster.acquire`` (``acquire``, ``release``).
 """
 
 from __future__ import annotations
@@ -98,12 +99,22 @@ def keep(group: Any, key: str, keep_s: float) -> bool:
     return True
 
 
-def take(key: str, cfg_dict: dict[str, Any], run_name: str, roles: list[str]) -> Optional[Any]:
+def take(key: str, cfg_dict: dict[str, Any], run_name: str, roles: list[str],
+         need: Optional[dict[str, float]] = None) -> Optional[Any]:
     """The kept group that matches ``key`` on this cluster (the last kept of several), its actors renewed
     for the run ``run_name`` (``Actor.renew(cfg_dict, run_name, role)``, in rank order) and its roles
     set; else None. The other kept groups stay kept; those of another cluster connection are dropped. A
     kept actor that does not renew (gone, failed) makes it None too, its group stopped: the run starts
-    its own."""
+    its own.
+
+    ``need`` (the run's placement group in all), given: where the cluster's free resources do not hold
+    it, the smallest kept group of more such actors (``key`` but for the count), all on one node and in
+    a placement group of its own, with its first ``len(roles)`` actors renewed for the run and the others
+    resting in it as ``spare`` (``ActorGroup.rest_after``) until it is kept again; else None. Such a run
+    holds the larger group's resources while it runs, instead of those being freed for new actors of its
+    size (which would cost each a process start)."""
+    if need is not None:
+        return _take_larger(key, need, cfg_dict, run_name, roles)
     here = _cluster()
     with _LOCK:
         gone = [k for k in _KEPT if k.cluster != here]
@@ -128,14 +139,9 @@ def _renewed(kept: _Kept, cfg_dict: dict[str, Any], run_name: str, roles: list[s
     return kept.group
 
 
-def take_larger(key: str, need: dict[str, float], cfg_dict: dict[str, Any], run_name: str,
-                roles: list[str]) -> Optional[Any]:
-    """Where the cluster's free resources do not hold ``need`` (the run's placement group in all) and no
-    kept group is the run's size: the smallest kept group of more such actors (``key`` but for the
-    count), all on one node and in a placement group of its own, with its first ``len(roles)`` actors
-    renewed for the run and the others resting in it as ``spare`` (``ActorGroup.park``) until it is kept
-    again; else None. Such a run holds the larger group's resources while it runs, instead of those
-    being freed for new actors of its size (which would cost each a process start)."""
+def _take_larger(key: str, need: dict[str, float], cfg_dict: dict[str, Any], run_name: str,
+                 roles: list[str]) -> Optional[Any]:
+    """``take`` of the first actors of a larger kept group (its docstring)."""
     if fits(ray.available_resources(), need):
         return None   # (new actors fit beside the kept ones)
     here, kind = _cluster(), _kind(key)
@@ -155,7 +161,7 @@ def take_larger(key: str, need: dict[str, float], cfg_dict: dict[str, Any], run_
         with _LOCK:
             _KEPT.insert(min(place, len(_KEPT)), match)
         return None
-    match.group.park(len(roles))
+    match.group.rest_after(len(roles))
     return _renewed(match, cfg_dict, run_name, roles)
 
 

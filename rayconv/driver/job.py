@@ -7,7 +7,7 @@
                  +------------------+-> restart | resize ------+
 
 - resolve: checks, data, model, layout, routing: one frozen ``ResolvedRun`` (resolve.py);
-- acquire: the actors, started early (early.py), kept by a previous run, or new (cluster/);
+- acquire: the actors (``cluster.acquire``: started early, kept by a previous run or command, or new);
 - build: each actor's part of the model cut from the routing, its optimizer, the checkpoint loaded;
 - train: one call per actor per step, two in flight (loop.py), until the last step or a resize;
 - checkpoint: a preemption notice's checkpoint at the step boundary (no finished step lost);
@@ -29,11 +29,11 @@ import time
 from typing import Any, Optional
 
 from rayconv.actor.actor import Actor
-from rayconv.cluster import across, pool
-from rayconv.cluster.group import ActorGroup, start_group
+from rayconv.cluster.acquire import ActorSpec, acquire, release, release_started
+from rayconv.cluster.group import ActorGroup
 from rayconv.config import Config
 from rayconv.data.source import Sharding
-from rayconv.driver.early import REFUSALS, EarlyActors
+from rayconv.driver.early import REFUSALS, start_early
 from rayconv.driver.elastic import cluster_free, continue_mesh, first_words, memory_fits, wait_for_devices
 from rayconv.driver.finish import finish, finish_evaluation, held_decode, recording_stop, writing_into
 from rayconv.driver.loop import Run, checkpoint, train
@@ -52,15 +52,15 @@ from rayconv.signals import sigterm_as_interrupt
 from rayconv.startup import claim, mark
 
 
-def train_run(cfg: Config, log=print, on_step=None, on_eval=None, early: Optional[EarlyActors] = None,
+def train_run(cfg: Config, log=print, on_step=None, on_eval=None, run_name: Optional[str] = None,
               ) -> dict[str, Any]:
     """Train as ``cfg`` says; write config.json, metrics.parquet, summary.json and model.pt into the
     output folder (and checkpoints/ every ``cfg.checkpoint_every`` steps); return the summary.
     ``on_step(actor_group, step)``, if given, is called after each step (tests use it to inspect every actor);
     ``on_eval(row, total_steps)`` after each evaluation, with its metrics row (``step``, ``test_accuracy``,
     ... and the last ``train_loss``): raising ``errors.RunStopped`` there stops the run as Ctrl-C does.
-    ``early``: the actors ``driver.prestart`` started before torch was imported (else they start once
-    the layout is known, ``driver.early``).
+    ``run_name``: the name the run's actors started under before torch was imported (``driver.prestart``;
+    else they start once the layout is known, ``driver.early``, under a new name).
     Raises ConfigError / DataError / LayoutError / CheckpointError before anything is written,
     ClusterError if an actor fails more than ``cfg.failure_budget`` times. A run stopped by Ctrl-C or
     SIGTERM after a step keeps its folder: config.json, metrics.parquet of the steps done, summary.json
@@ -68,14 +68,14 @@ def train_run(cfg: Config, log=print, on_step=None, on_eval=None, early: Optiona
     made it and it holds no result yet (a checkpoint or metrics.parquet); results are never deleted.
     """
     claim().mark("imports")                            # the start-up clock (rayconv.startup)
-    early = early or EarlyActors()   # started once the layout is known, while slower checks run (early.py)
+    controller = Controller(cfg, run_name, log, on_step, on_eval)
     try:
-        return Controller(cfg, early, log, on_step, on_eval).run()
-    except REFUSALS:
-        early.keep(cfg.keep_actors_s)   # (unused: the corrected run of this process takes them)
+        return controller.run()
+    except REFUSALS:   # (the actors started early, unused: the corrected run of this process takes them)
+        release_started(controller.run_name, keep=cfg.keep_actors_s)
         raise
     finally:
-        early.kill()        # (any other failure before the run took them: nothing is left on the cluster)
+        release_started(controller.run_name)   # (any other failure before the run took them: none left)
 
 
 class State(enum.Enum):
@@ -95,8 +95,9 @@ class State(enum.Enum):
 class Controller:
     """One run through the states of the module docstring. ``states``: every state entered, in order."""
 
-    def __init__(self, cfg: Config, early: EarlyActors, log, on_step, on_eval):
-        self.cfg, self.early, self.log, self.on_step, self.on_eval = cfg, early, log, on_step, on_eval
+    def __init__(self, cfg: Config, run_name: Optional[str], log, on_step, on_eval):
+        self.cfg, self.log, self.on_step, self.on_eval = cfg, log, on_step, on_eval
+        self.run_name = run_name   # the actors' name on the cluster: given, or the one the actors start under
         self.states: list[State] = []
         self.start: Optional[ResolvedRun] = None   # the run as resolved: --elastic's starting layout
         self.config_written = False   # config.json: once the first actors are set up
@@ -106,8 +107,9 @@ class Controller:
 
     def run(self) -> dict[str, Any]:
         self.to(State.RESOLVE)
-        self.start = resolved = resolve_run(self.cfg, self.log, on_layout=self.early.start,
-                                            run_name=self.early.run_name)
+        self.start = resolved = resolve_run(self.cfg, self.log, on_layout=self.start_early,
+                                            run_name=self.run_name)
+        self.run_name = resolved.run_name
         run = Run(resolved, self.log, self.on_step, self.on_eval, scaling=scaling_policy(resolved))
         failure = FailurePolicy(resolved.cfg.failure_budget, elastic=run.scaling.watches_cluster)
         # SIGTERM stops the run as Ctrl-C does; a stop leaves the steps' metrics and a summary saying how
@@ -127,13 +129,18 @@ class Controller:
                 written = load_checkpoint(latest_checkpoint(run.resolved.out))   # (the boundary's)
                 ckpt = self.resize(run, decision, time.monotonic(), written)
 
+    def start_early(self, cfg: Config, mesh: Mesh, run_name: str) -> Optional[ActorGroup]:
+        """The actors started while resolve still checks (``early.start_early``), under ``run_name``."""
+        self.run_name = run_name
+        return start_early(cfg, mesh, run_name)
+
     def attempt(self, run: Run, ckpt: Optional[Checkpoint]) -> tuple[Optional[dict[str, Any]], Decision]:
         """acquire -> build -> train -> finish (the summary), or -> checkpoint (a preemption) until a
         resize (the scaling policy's decision); the actors stopped or kept on the way out. Raises
         ClusterError when actors are lost."""
         self.to(State.ACQUIRE)
         # (Ctrl-C is recorded before the actors are stopped: that can wait on a cluster going down too)
-        with acquire_actors(run, self.early.take(run.resolved.mesh)) as actor_group, \
+        with acquire_actors(run) as actor_group, \
                 recording_stop(run, KeyboardInterrupt):
             self.to(State.BUILD)
             build_run(run, actor_group, ckpt)
@@ -238,30 +245,21 @@ def with_timeout_hint(e: ClusterError) -> ClusterError:
 
 
 def kept_after(run: Run, actor_group: ActorGroup, summary: dict[str, Any]) -> dict[str, Any]:
-    """``summary``, once the actors of the run that ended are kept (--keep-actors-s) instead of stopped:
-    on the cluster for the next command where they may outlive this one (``cluster.across``), else for
-    the next run of this process (``cluster.pool``)."""
-    if across.enabled():
-        n = len(actor_group.actors)
-        if across.leave(actor_group, run.cfg.keep_actors_s):
-            run.log(f"rayconv: {n} actors stay on the cluster for {run.cfg.keep_actors_s:g} s, for the next "
-                    "command that needs them (--keep-actors-s 0: stopped at the end instead)")
-    else:
-        pool.keep(actor_group, actor_group.key, run.cfg.keep_actors_s)
+    """``summary``, once the actors of the run that ended are kept (--keep-actors-s) instead of stopped
+    (``cluster.acquire.release``): on the cluster for the next command where they may outlive this one,
+    else for the next run of this process."""
+    n = len(actor_group.actors)
+    if release(actor_group, keep=run.cfg.keep_actors_s) == "cluster":
+        run.log(f"rayconv: {n} actors stay on the cluster for {run.cfg.keep_actors_s:g} s, for the next "
+                "command that needs them (--keep-actors-s 0: stopped at the end instead)")
     return summary
 
 
-def acquire_actors(run: Run, started: Optional[ActorGroup] = None) -> ActorGroup:
-    """The run's actors, alive (within --max-wait): ``started`` (those started early, ``driver.early``,
-    or kept), else new ones. Raises ClusterError; the actors are stopped on any failure."""
+def acquire_actors(run: Run) -> ActorGroup:
+    """The run's actors, alive (within --max-wait): ``cluster.acquire.acquire`` (started early, kept, or
+    new). Raises ClusterError; the actors are stopped on any failure."""
     s = run.resolved
-    actor_group = started if started is not None else \
-        start_group(Actor, s.cfg, s.mesh, s.run_name, timeout_s=s.cfg.max_wait)
-    try:
-        actor_group.wait_started()
-    except BaseException:
-        actor_group.kill()
-        raise
+    actor_group = acquire(ActorSpec(Actor, s.cfg, s.mesh, s.run_name))
     mark("actors_alive")
     if actor_group.across:
         run.log(f"rayconv: {len(actor_group.actors)} actors kept on the cluster by a previous command, "
@@ -315,7 +313,7 @@ def launch(cfg: Config, mesh: Mesh, routing: Routing, sharding: Sharding, run_na
     """Start the actors of ``cfg`` (resolved, with mesh, routing and sharding as
     ``resolve.resolve_on_cluster`` returns them) and set them up, for a caller with its own step loop (the
     bench). Returns (actor_group, setup reports). Raises ClusterError."""
-    actor_group = start_group(Actor, cfg, mesh, run_name, timeout_s=timeout_s)
+    actor_group = acquire(ActorSpec(Actor, cfg, mesh, run_name, timeout_s))
     try:
         return actor_group, build_actors(actor_group, mesh, routing, sharding, call_timeout_s(cfg))
     except BaseException:

@@ -4,7 +4,7 @@
 where the run's actors can start before the driver's checks (``can_start_first``: no ``--resume``, no user's
 model or ``--init`` file, no ``--layout auto``, and ``driver.early``'s conditions), it checks the output
 folder (named by the caller: ``with_output_folder``), connects Ray (``connect_run``), resolves the device and
-``dp`` (``resolve_layout``) and starts the actors (``driver.early.EarlyActors``), all without torch; only then
+``dp`` (``resolve_layout``) and starts the actors (``driver.early.start_early``), all without torch; only then
 does the driver import torch and the training code (seconds) while the actors' processes start and import
 theirs. ``train_run`` then resolves the run as it would (``driver.resolve``: the same checks, in the same
 order after the layout), reusing the connection, the run name and the actors. Where the actors cannot start
@@ -31,7 +31,7 @@ import ray
 from rayconv import startup
 from rayconv.cluster.connect import available_devices, cluster_origin, cluster_size, connect
 from rayconv.config import Config
-from rayconv.driver.early import EarlyActors, needs_devices
+from rayconv.driver.early import needs_devices, start_early
 from rayconv.driver.passed import passed
 from rayconv.errors import CheckpointError, ConfigError
 from rayconv.mesh import Mesh
@@ -51,18 +51,18 @@ def can_start_first(cfg: Config) -> bool:
     )
 
 
-def start_first(cfg: Config, log=print) -> EarlyActors:
+def start_first(cfg: Config, log=print) -> Optional[str]:
     """The run's actors started before torch is imported, when ``can_start_first``: the model's name
     checked against this machine's listing of torchvision's models (``model_names.check_known``), the output
     folder (named: ``with_output_folder``) checked, Ray connected (the start-up clock's ``ray``), the layout
-    resolved, the actors started without waiting for them. Else, or when the layout does not fit (the run
-    refuses it after its checks, as it would; or the cluster lacks the devices yet: the run waits for them as
-    it would), an ``EarlyActors`` holding none: also where the model's checks have not passed for these
-    settings on this machine (``driver.passed``: the run checks its model before Ray). Raises ConfigError /
-    FileExistsError (the output folder), ClusterError (Ray)."""
-    early = EarlyActors()
+    resolved, the actors started without waiting for them (``early.start_early``). Returns the run's name
+    they started under; None where none started (not ``can_start_first``, or the layout does not fit: the
+    run refuses it after its checks, as it would; or the cluster lacks the devices yet: the run waits for
+    them as it would; also where the model's checks have not passed for these settings on this machine:
+    ``driver.passed``, the run checks its model before Ray). Raises ConfigError / FileExistsError (the
+    output folder), ClusterError (Ray)."""
     if not can_start_first(cfg) or not passed(cfg):
-        return early
+        return None
     # (a torchvision model's name, where this machine listed them: the actors check the rest)
     check_known(cfg.model)
     out = output_place(cfg)
@@ -71,9 +71,9 @@ def start_first(cfg: Config, log=print) -> EarlyActors:
     try:
         resolved, mesh = resolve_layout(cfg, log, wait=False)
     except ConfigError:   # (too few devices yet, or a layout the run refuses once its checks say why)
-        return early
-    early.start(resolved, mesh, new_run_name(out))
-    return early
+        return None
+    run_name = new_run_name(out)
+    return run_name if start_early(resolved, mesh, run_name) is not None else None
 
 
 def connect_run(cfg: Config) -> None:

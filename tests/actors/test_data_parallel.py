@@ -27,7 +27,7 @@ def dp_config(tmp_path, dp: int, **kw) -> Config:
 
 # dp=2 holds out --val-split 0.1 (143 digits): 1295 train, 13 steps an epoch, the same batches as the
 # single-device reference (which draws the split from the seed as well). The largest first: the smaller
-# runs after it take its first actors (``cluster.pool.take_larger``).
+# runs after it take its first actors (``cluster.pool.take``).
 @pytest.mark.parametrize("dp, val_split", slow_among([(4, 0.0), (2, 0.1), (1, 0.0)], [(1, 0.0), (4, 0.0)]))
 def test_dp_matches_single_device_sgd(ray_cluster, tmp_path, dp, val_split):
     cfg = dp_config(tmp_path, dp, val_split=val_split)

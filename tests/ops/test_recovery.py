@@ -24,6 +24,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from rayconv.actor.actor import Actor
 from rayconv.cluster import group as cluster
+from rayconv.cluster.acquire import ActorSpec, acquire
 from rayconv.errors import ClusterError
 from rayconv.config import Config
 from rayconv.driver.job import train_run
@@ -236,7 +237,7 @@ def test_ray_error_at_start_is_one_line(ray_cluster, tmp_path):
     taken = placement_group([{"CPU": 1}], name="rayconv/taken-run")
     try:
         with pytest.raises(ClusterError) as e:
-            cluster.start_group(Actor, cfg_for(tmp_path / "x"), Mesh(1, 1, 1), "taken-run", timeout_s=30)
+            acquire(ActorSpec(Actor, cfg_for(tmp_path / "x"), Mesh(1, 1, 1), "taken-run", timeout_s=30))
     finally:
         remove_placement_group(taken)
     msg = str(e.value)

@@ -111,7 +111,6 @@ def test_an_elastic_run_recovers_every_loss_by_default_and_a_spent_budget_names_
     the budget ends the run in one line naming --max-failures."""
     from types import SimpleNamespace
 
-    from rayconv.driver.early import EarlyActors
     from rayconv.driver.job import Controller, decide_after_loss
     from rayconv.driver.policies import FailurePolicy
     from rayconv.errors import ClusterError
@@ -126,7 +125,7 @@ def test_an_elastic_run_recovers_every_loss_by_default_and_a_spent_budget_names_
     def recover(run) -> object:   # the controller's step after a loss, as without --elastic (a restart)
         policy = FailurePolicy(run.cfg.failure_budget)
         e, decision = decide_after_loss(lost, run, policy)
-        return Controller(run.cfg, EarlyActors(), run.log, None, None).after_loss(run, e, decision)
+        return Controller(run.cfg, None, run.log, None, None).after_loss(run, e, decision)
 
     run, lines = run_of(Config(dp=4, elastic=2, checkpoint_every=2))
     for _ in range(5):
