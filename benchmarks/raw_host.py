@@ -56,10 +56,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     src = RawShardSource(args.dir, args.image_size, seed=0, augment="pad-crop")
-    sh = Sharding(src.train_size, args.batch, 1, 0)
+    sh = Sharding(src.train_size, args.batch, 0)
     spe = sh.steps_per_epoch
     if args.reader_alone:
-        batches = [sh.replica_batch(e, k, 0)[0] for e in range(2) for k in range(spe)][:args.steps]
+        batches = [sh.replica_batch(e, k, 0, 1)[0] for e in range(2) for k in range(spe)][:args.steps]
         # (the reader process started and the pages mapped in it, one pass, before the clock starts)
         chunks = np.array_split(np.arange(src.train_size), max(1, src.train_size // args.batch))
         src.prefetch("train", 0, chunks)
@@ -93,8 +93,8 @@ def main() -> None:
     for step in range(args.steps):
         epoch, s = divmod(step, spe)
         if s == 0:
-            src.prefetch("train", epoch, [sh.replica_batch(epoch, k, 0)[0] for k in range(spe)])
-        idx = sh.replica_batch(epoch, s, 0)[0]
+            src.prefetch("train", epoch, [sh.replica_batch(epoch, k, 0, 1)[0] for k in range(spe)])
+        idx = sh.replica_batch(epoch, s, 0, 1)[0]
         q = src._pending.get("train")
         hits += bool(q) and np.array_equal(q[0][0], idx)
         t = time.perf_counter()

@@ -100,7 +100,8 @@ class Batches:
         epoch, step_in_epoch = divmod(step, self.sharding.steps_per_epoch)
         if step == self.first_step or (step_in_epoch == 0 and self.announced != epoch):
             self._announce_epoch(epoch, step_in_epoch)
-        replica_idx = [self.sharding.replica_batch(epoch, step_in_epoch, r)[0] for r in range(self.mesh.dp)]
+        replica_idx = [self.sharding.replica_batch(epoch, step_in_epoch, r, self.mesh.dp)[0]
+                       for r in range(self.mesh.dp)]
         self.mix = self.step_mix(step)
         return epoch, replica_idx
 
@@ -143,7 +144,7 @@ class Batches:
     def _read(self, split: str, epoch: int, step_in_epoch: int, mix: Optional[StepMix]) -> np.ndarray:
         """The sample indices this replica asks ``images`` for at a step: its own, then (mixing) its
         samples' partners."""
-        own = self.sharding.replica_batch(epoch, step_in_epoch, self.coord.dp)[0]
+        own = self.sharding.replica_batch(epoch, step_in_epoch, self.coord.dp, self.mesh.dp)[0]
         return own if mix is None else np.concatenate([own, mix.partners(self.coord.dp)])
 
     def test_indices(self, split: str = "test") -> list[np.ndarray]:
@@ -205,7 +206,8 @@ class Batches:
         spe = self.sharding.steps_per_epoch
         for epoch, group in itertools.groupby(steps, lambda s: s // spe):
             group = list(group)
-            batches = [[self.sharding.replica_batch(epoch, s % spe, r)[0] for r in range(self.mesh.dp)]
+            dp = self.mesh.dp
+            batches = [[self.sharding.replica_batch(epoch, s % spe, r, dp)[0] for r in range(dp)]
                        for s in group]
             self.announce("train", epoch, [b[self.coord.dp] for b in batches])
             for step, replica_idx in zip(group, batches):

@@ -138,12 +138,13 @@ def min_window(cfg: Any, source: Any) -> tuple[int, int]:
     train = source.manifest["splits"]["train"]["shards"]
     sizes = np.asarray([int(e["bytes"]) for e in train], np.int64)
     starts = np.cumsum([0] + [int(e["rows"]) for e in train])
-    sharding = Sharding(source.train_size, cfg.global_batch_size, cfg.dp or 1, cfg.seed,
-                        make_order(cfg, source), cfg.val_split)
+    sharding = Sharding(source.train_size, cfg.global_batch_size, cfg.seed, make_order(cfg, source),
+                        cfg.val_split)
+    dp = cfg.dp or 1
     best = (0, 0)
     for step in range(sharding.steps_per_epoch):
-        for r in range(sharding.dp):
-            idx = sharding.replica_batch(0, step, r)[0]
+        for r in range(dp):
+            idx = sharding.replica_batch(0, step, r, dp)[0]
             touched = np.unique(np.searchsorted(starts, idx, side="right") - 1)
             best = max(best, (int(sizes[touched].sum()), len(touched)))
     return best

@@ -36,7 +36,8 @@ def stable_seed(*parts: object) -> int:
 class Sharding:
     """Which train samples each replica reads at each step.
 
-    ``train_size`` samples in the source's train split, ``global_batch_size`` per step, ``dp`` replicas;
+    ``train_size`` samples in the source's train split, ``global_batch_size`` per step, split over the
+    mesh's ``dp`` replicas (``replica_batch``: dp is the mesh's, passed in, not held here);
     ``steps_per_epoch`` counts the last partial batch. ``order``: the epoch order
     (``data.order.make_order``); None: ExactOrder. ``val_split``: the fraction of the train split held
     out for validation (``val_indices``), never in a training batch.
@@ -44,7 +45,6 @@ class Sharding:
 
     train_size: int
     global_batch_size: int
-    dp: int
     seed: int
     order: Optional[BlockOrder] = None
     val_split: float = 0.0
@@ -100,10 +100,11 @@ class Sharding:
         start = step_in_epoch * self.global_batch_size
         return self.epoch_permutation(epoch)[start:start + self.global_batch_size]
 
-    def replica_batch(self, epoch: int, step_in_epoch: int, replica: int) -> tuple[np.ndarray, int]:
-        """(this replica's sample indices, number of samples in the global batch)."""
+    def replica_batch(self, epoch: int, step_in_epoch: int, replica: int, dp: int) -> tuple[np.ndarray, int]:
+        """(replica ``replica``'s sample indices of the global batch split over ``dp`` replicas (the mesh's),
+        number of samples in the global batch)."""
         batch = self.global_batch(epoch, step_in_epoch)
-        return batch[split_slices(len(batch), self.dp)[replica]], len(batch)
+        return batch[split_slices(len(batch), dp)[replica]], len(batch)
 
 
 def replica_val_indices(val: np.ndarray, dp: int, replica: int) -> np.ndarray:

@@ -29,6 +29,7 @@ from typing import Any, Optional
 from rayconv import startup
 from rayconv.actor.actor import Actor
 from rayconv.cluster.group import ActorGroup, Pending
+from rayconv.config import Config
 from rayconv.driver import saving
 from rayconv.driver.best import Best, load_best, write_best
 from rayconv.driver.elastic import DrainWatch, LayoutChanges, cluster_free
@@ -54,7 +55,7 @@ class Run:
 
     def __init__(self, resolved: ResolvedRun, log=print, on_step=None, on_eval=None,
                  scaling: Optional[ScalingPolicy] = None):
-        self.resolved, self.cfg, self.log, self.on_step = resolved, resolved.cfg, log, on_step
+        self.resolved, self.log, self.on_step = resolved, log, on_step
         self.on_eval = on_eval  # on_eval(row, total_steps) after each evaluation (job.train_run)
         self.call_timeout_s = call_timeout_s(resolved.cfg)
         self.metrics = MetricsLog()
@@ -88,7 +89,12 @@ class Run:
 
     def use(self, resolved: ResolvedRun) -> None:
         """Continue on another layout (--elastic): ``resolved`` with its mesh, routing and sharding."""
-        self.resolved, self.cfg = resolved, resolved.cfg
+        self.resolved = resolved
+
+    @property
+    def cfg(self) -> Config:
+        """The run's settings on its current layout (``ResolvedRun.cfg``: dp the mesh's)."""
+        return self.resolved.cfg
 
     @property
     def layout_name(self) -> str:

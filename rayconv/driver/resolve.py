@@ -17,6 +17,7 @@ resolution makes a new, validated ``Config`` (``dataclasses.replace``); the resu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -58,11 +59,12 @@ from rayconv.planner.search import choose_layout, memory_check, predicted_peak_g
 
 @dataclass(frozen=True)
 class ResolvedRun:
-    """What one run is, resolved once: the settings (device, ``dp``, pipeline cut and output folder
-    filled in), the mesh, the routing every actor cuts its part from, the data, the step counts."""
+    """What one run is, resolved once: the settings (device, pipeline cut and output folder filled in),
+    the routing every actor cuts its part from (its ``mesh`` is the run's: the one place of ``dp``), the
+    data, the step counts. ``cfg`` is ``settings`` with the mesh's ``dp``; the train ``sharding`` holds
+    no dp (its ``replica_batch`` takes the mesh's)."""
 
-    cfg: Config
-    mesh: Mesh
+    settings: Config           # their dp is the mesh's: stored as None here, read through ``cfg``
     routing: Routing
     source: Source
     sharding: Sharding
@@ -76,23 +78,30 @@ class ResolvedRun:
     data_dir: Optional[str] = None  # --data-dir as given (cfg.data_dir is --stage-dir's copy when staged)
 
     def __post_init__(self) -> None:
-        # dp is the mesh's: the settings, the routing and the sharding the actors read carry copies of it
-        copies = (self.cfg.dp, self.routing.mesh.dp, self.sharding.dp)
-        if any(dp != self.mesh.dp for dp in copies) or self.routing.mesh != self.mesh:
-            raise ValueError(f"a run's dp is its mesh's ({self.mesh}): settings, routing, sharding have "
-                             f"{copies}")
+        if self.settings.dp is not None:
+            object.__setattr__(self, "settings", dataclasses.replace(self.settings, dp=None))
+
+    @property
+    def mesh(self) -> Mesh:
+        """The run's ``dp x pp x fs`` mesh: the routing's."""
+        return self.routing.mesh
+
+    @functools.cached_property
+    def cfg(self) -> Config:
+        """The run's settings with the mesh's ``dp``: what the actors, the checkpoints and config.json get."""
+        return dataclasses.replace(self.settings, dp=self.mesh.dp)
 
     def on_mesh(self, mesh: Mesh) -> "ResolvedRun":
-        """This run on ``mesh`` (--elastic: another dp, the same pp and fs): the settings, the routing
-        and the sharding rebuilt for its dp; the pipeline cut, the schedule and the rest stay (the
-        routing's stages do not depend on dp). Raises ConfigError for a dp the settings refuse."""
+        """This run on ``mesh`` (--elastic: another dp, the same pp and fs): the routing on ``mesh``; the
+        pipeline cut, the schedule and the rest stay (the routing's stages do not depend on dp), and so
+        the settings and the sharding, which read dp from the mesh. Raises ConfigError for a dp the
+        settings refuse."""
         if mesh == self.mesh:
             return self
         if (mesh.pp, mesh.fs) != (self.mesh.pp, self.mesh.fs):
             raise ValueError(f"a run changes only its dp: {self.mesh} -> {mesh}")
-        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, dp=mesh.dp).validate(), mesh=mesh,
-                                   routing=dataclasses.replace(self.routing, mesh=mesh),
-                                   sharding=dataclasses.replace(self.sharding, dp=mesh.dp))
+        dataclasses.replace(self.settings, dp=mesh.dp).validate()   # (the batch split over dp, ...)
+        return dataclasses.replace(self, routing=dataclasses.replace(self.routing, mesh=mesh))
 
     def saved_config(self) -> Config:
         """The settings config.json and a checkpoint record: the resolved ones, ``data_dir`` as given (a
@@ -123,7 +132,8 @@ def resolve_run(cfg: Config, log=print, on_layout=None, run_name: Optional[str] 
     cfg, mesh, source, routing, sharding = resolve_on_cluster(cfg, log, resume, on_layout=started)
     steps = total_steps(cfg, sharding.steps_per_epoch)
     cfg = with_cudnn_benchmark(cfg, steps)
-    return ResolvedRun(cfg=cfg, mesh=mesh, routing=routing, source=source, sharding=sharding,
+    assert routing.mesh == mesh and cfg.dp == mesh.dp
+    return ResolvedRun(settings=cfg, routing=routing, source=source, sharding=sharding,
                        total_steps=steps, eval_every=cfg.eval_every or sharding.steps_per_epoch, out=out,
                        run_name=run_name, resume=resume, predicted=predicted, t_start=t_start,
                        data_dir=data_dir)
@@ -166,8 +176,8 @@ def resolve_on_cluster(cfg: Config, log=print, resume: Optional[Checkpoint] = No
     the cluster lacks the layout's devices then, before the wait for them (--max-wait). With
     --stage-dir, the shards are then copied to the nodes (``cluster.local_copy``).
     Returns (the settings with device, ``dp``, a balanced pipeline cut and a staged ``data_dir``
-    resolved; mesh; source; routing; the train sharding over the mesh's replicas, which the actors read
-    by). Raises ConfigError / DataError / LayoutError / CheckpointError / ClusterError
+    resolved; mesh; source; routing; the train sharding, which the actors read by over the mesh's
+    replicas). Raises ConfigError / DataError / LayoutError / CheckpointError / ClusterError
     before any actor's setup."""
     early = on_layout is not None and not needs_devices(cfg) and passed(cfg)
     given = cfg
@@ -197,8 +207,8 @@ def resolve_on_cluster(cfg: Config, log=print, resume: Optional[Checkpoint] = No
     if not dp_given:
         memory_check(cfg)  # (with --dp from the cluster: before any actor starts)
     cfg, routing = resolve_routing(cfg, mesh, checked, reference, source, log)
-    # (the order made once, before Ray; only the replica count is the cluster's)
-    return cfg, mesh, source, routing, dataclasses.replace(sharding, dp=mesh.dp)
+    # (the order made once, before Ray; the replica count is the mesh's)
+    return cfg, mesh, source, routing, sharding
 
 
 class ActorCheckLost(Exception):
@@ -259,8 +269,8 @@ class WarmCheck:
 
 def check_before_ray(cfg: Config, resume: Optional[Checkpoint], warm: Optional[WarmCheck] = None
                      ) -> tuple[Source, Sharding, Any, Routing]:
-    """The checks that need no cluster; returns (source, its train sharding over ``dp`` as given or 1,
-    the whole model as one device runs it (or ``warm``, which checks and routes it in one of the run's
+    """The checks that need no cluster; returns (source, its train sharding (split over the mesh's dp when
+    read), the whole model as one device runs it (or ``warm``, which checks and routes it in one of the run's
     actors), the routing for that ``dp``). Raises ConfigError / DataError / LayoutError / CheckpointError."""
     if is_user_model(cfg.model):
         resolve(cfg.model)  # the module and function found: raises ConfigError before the data is read
@@ -270,8 +280,8 @@ def check_before_ray(cfg: Config, resume: Optional[Checkpoint], warm: Optional[W
     if cfg.dp is not None:
         memory_check(cfg)  # --max-memory-gib: refused before Ray starts
     source = check_source(cfg)   # (a set in a bucket: its manifest alone, no shard fetched here)
-    sharding = Sharding(source.train_size, cfg.global_batch_size, cfg.dp or 1, cfg.seed,
-                        make_order(cfg, source), val_split=cfg.val_split)
+    sharding = Sharding(source.train_size, cfg.global_batch_size, cfg.seed, make_order(cfg, source),
+                        val_split=cfg.val_split)
     sharding.val_indices()  # (raises ConfigError for a --val-split that holds out no image)
     check_schedule(cfg, sharding.steps_per_epoch)
     if resume is not None:

@@ -43,11 +43,11 @@ def test_the_block_order_is_the_one_trained_on(prepared, tmp_path):
     """The reference follows the block order (windows of two shards), which differs from the exact one."""
     cfg = block_config(prepared, tmp_path / "x")
     source = make_source(cfg)
-    sh = Sharding(source.train_size, 6, 1, cfg.seed, make_order(cfg, source))
+    sh = Sharding(source.train_size, 6, cfg.seed, make_order(cfg, source))
     windows = make_order(cfg, source).windows(0)
     first_window = set(np.concatenate([np.arange(4 * s, 4 * s + 4) for s in windows[0]]).tolist())
     assert set(sh.global_batch(0, 0).tolist()) <= first_window   # the first batch: samples of window 0 only
-    exact = Sharding(source.train_size, 6, 1, cfg.seed)
+    exact = Sharding(source.train_size, 6, cfg.seed)
     assert not np.array_equal(sh.global_batch(0, 0), exact.global_batch(0, 0))
 
 

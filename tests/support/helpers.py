@@ -58,7 +58,7 @@ def reference_sgd(cfg: Config, steps: int, mix_batch=None) -> dict[str, torch.Te
     model = build_model(cfg.model, source.num_classes, source.sample_shape[0],
                         source.sample_shape[1]).double()
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    sharding = Sharding(source.train_size, cfg.global_batch_size, dp=1, seed=cfg.seed,
+    sharding = Sharding(source.train_size, cfg.global_batch_size, seed=cfg.seed,
                         order=make_order(cfg, source), val_split=cfg.val_split)
     for step in range(steps):
         epoch, s = divmod(step, sharding.steps_per_epoch)
@@ -124,7 +124,7 @@ def _reference_run(cfg: Config, steps: int, source) -> tuple[nn.Module, Optional
     model = build_model(cfg.model, source.num_classes, source.sample_shape[0],
                         source.sample_shape[1]).double()
     opt = _reference_optimizer(cfg, model)
-    sharding = Sharding(source.train_size, cfg.global_batch_size, dp=cfg.dp, seed=cfg.seed,
+    sharding = Sharding(source.train_size, cfg.global_batch_size, seed=cfg.seed,
                         order=make_order(cfg, source))
     ema = _reference_ema(cfg, model, sharding.steps_per_epoch)
     bns = [m for m in model.modules() if isinstance(m, _BatchNorm)]
@@ -138,7 +138,7 @@ def _reference_run(cfg: Config, steps: int, source) -> tuple[nn.Module, Optional
         )
     for step in range(steps):
         epoch, s = divmod(step, sharding.steps_per_epoch)
-        replicas = [sharding.replica_batch(epoch, s, r)[0] for r in range(cfg.dp)]
+        replicas = [sharding.replica_batch(epoch, s, r, cfg.dp)[0] for r in range(cfg.dp)]
         count = sum(len(r) for r in replicas)
         for g in opt.param_groups:
             g["lr"] = learning_rate(cfg, step, steps, sharding.steps_per_epoch)
@@ -246,13 +246,13 @@ def recalibrated(cfg: Config, state: dict[str, torch.Tensor],
     model = build_model(cfg.model, source.num_classes, source.sample_shape[0],
                         source.sample_shape[1]).double()
     model.load_state_dict(state)
-    sharding = Sharding(source.train_size, cfg.global_batch_size, dp=cfg.dp, seed=cfg.seed,
+    sharding = Sharding(source.train_size, cfg.global_batch_size, seed=cfg.seed,
                         order=make_order(cfg, source))
     shares = []
     for step in steps:
         epoch, s = divmod(step, sharding.steps_per_epoch)
-        shares.append(source.images("train", sharding.replica_batch(epoch, s, 0)[0], torch.device("cpu"),
-                                    epoch).double())
+        own = sharding.replica_batch(epoch, s, 0, cfg.dp)[0]
+        shares.append(source.images("train", own, torch.device("cpu"), epoch).double())
     bns = [m for m in model.modules() if isinstance(m, _BatchNorm)]
     counts = [m.num_batches_tracked.clone() for m in bns]
     if cfg.num_microbatches == 1:

@@ -42,7 +42,7 @@ def _run(source: Recording, steps: range, epochs, dp: int = 1, mix=(0.0, 0.0)) -
     """Steps as ``actor.step`` runs them (indices, the batch read, then ``announce_next``): (step, epoch
     announced) for each announcement made at that step."""
     cpu = torch.device("cpu")
-    sharding = Sharding(source.train_size, 160, dp, seed=3)
+    sharding = Sharding(source.train_size, 160, seed=3)
     batches = Batches(source, sharding, Mesh(dp=dp), Mesh(dp=dp).coord(0), cpu, torch.float32, None,
                       mix=mix, epochs=epochs)
     batches.first_step = steps.start
@@ -58,7 +58,7 @@ def _run(source: Recording, steps: range, epochs, dp: int = 1, mix=(0.0, 0.0)) -
 
 def test_the_next_epoch_is_announced_at_the_last_step_of_this_one():
     source = Recording()
-    spe = Sharding(source.train_size, 160, 1, seed=3).steps_per_epoch
+    spe = Sharding(source.train_size, 160, seed=3).steps_per_epoch
     assert source.train_size % 160, "the digits' epoch should end in a partial batch"
     made = _run(source, range(0, 3 * spe), epochs=3)
     # epoch 0 at the run's first step; 1 and 2 at the last step of the epoch before; none past epoch 2
@@ -66,13 +66,13 @@ def test_the_next_epoch_is_announced_at_the_last_step_of_this_one():
     assert source.unannounced == 0
     for _, epoch, batches in source.announced:
         assert len(batches) == spe and sum(len(b) for b in batches) == source.train_size
-        want = Sharding(source.train_size, 160, 1, seed=3).epoch_permutation(epoch)
+        want = Sharding(source.train_size, 160, seed=3).epoch_permutation(epoch)
         assert np.array_equal(np.concatenate(batches), want)
 
 
 def test_a_run_of_unknown_length_announces_every_next_epoch_and_a_resume_its_rest():
     source = Recording()
-    spe = Sharding(source.train_size, 160, 1, seed=3).steps_per_epoch
+    spe = Sharding(source.train_size, 160, seed=3).steps_per_epoch
     made = _run(source, range(spe + 2, 3 * spe), epochs=None)
     assert made == [(spe + 2, 1), (2 * spe - 1, 2), (3 * spe - 1, 3)]
     assert len(source.announced[0][2]) == spe - 2   # the resumed epoch: from its third step on
@@ -82,7 +82,7 @@ def test_a_run_of_unknown_length_announces_every_next_epoch_and_a_resume_its_res
 def test_under_mixing_and_data_parallel_the_announcements_name_what_is_read():
     """Replica 0 of 2 with cutmix: each announced batch is its samples then their partners'."""
     source = Recording()
-    spe = Sharding(source.train_size, 160, 2, seed=3).steps_per_epoch
+    spe = Sharding(source.train_size, 160, seed=3).steps_per_epoch
     made = _run(source, range(0, 2 * spe), epochs=2, dp=2, mix=(0.0, 1.0))
     assert made == [(0, 0), (spe - 1, 1)]
     assert source.unannounced == 0
@@ -94,7 +94,7 @@ def test_precise_bn_batches_are_announced_and_the_training_order_announced_again
     step 4: every later step reads an announced batch, the same images the calibration read."""
     source = Recording()
     cpu = torch.device("cpu")
-    sharding = Sharding(source.train_size, 160, 1, seed=3)
+    sharding = Sharding(source.train_size, 160, seed=3)
     spe = sharding.steps_per_epoch
     batches = Batches(source, sharding, Mesh(), Mesh().coord(0), cpu, torch.float32, None, epochs=2)
     read = {}
@@ -132,7 +132,7 @@ class Foreseeing(Recording):
 
 def test_a_streamed_source_foresees_each_next_epoch_as_it_is_later_announced():
     source = Foreseeing()
-    spe = Sharding(source.train_size, 160, 2, seed=3).steps_per_epoch
+    spe = Sharding(source.train_size, 160, seed=3).steps_per_epoch
     _run(source, range(0, 3 * spe), epochs=3, dp=2, mix=(0.0, 1.0))
     assert [e for e, _ in source.foreseen] == [1, 2]   # none past the run's last epoch
     for epoch, batches in source.foreseen:   # what was foreseen is what was announced for that epoch

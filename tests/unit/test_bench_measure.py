@@ -6,7 +6,7 @@ from rayconv.data.source import Sharding
 
 
 def sharding(train_size: int, batch: int, val_split: float = 0.0) -> Sharding:
-    return Sharding(train_size=train_size, global_batch_size=batch, dp=1, seed=0, val_split=val_split)
+    return Sharding(train_size=train_size, global_batch_size=batch, seed=0, val_split=val_split)
 
 
 def test_an_epoch_ending_in_a_partial_batch_is_warmed_up_whole():

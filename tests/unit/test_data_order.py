@@ -46,7 +46,7 @@ def test_block_order_depends_on_seed_and_epoch_only():
 def test_exact_order_is_todays_permutation():
     assert np.array_equal(ExactOrder(500, 3).epoch_order(2),
                           np.random.default_rng([3, 2, 0x5EED]).permutation(500))
-    a = Sharding(500, 32, 4, seed=3)
+    a = Sharding(500, 32, seed=3)
     assert np.array_equal(a.global_batch(2, 1), ExactOrder(500, 3).epoch_order(2)[32:64])
 
 
@@ -54,10 +54,10 @@ def test_sharding_over_block_order_splits_consecutive_chunks():
     order = BlockOrder(ROWS, 2, seed=0)
     epoch = order.epoch_order(1)
     for dp in (1, 2, 3):
-        sh = Sharding(64, 12, dp, seed=0, order=order)
+        sh = Sharding(64, 12, seed=0, order=order)
         assert sh.steps_per_epoch == 6
         for s in range(6):
-            parts = [sh.replica_batch(1, s, r)[0] for r in range(dp)]
+            parts = [sh.replica_batch(1, s, r, dp)[0] for r in range(dp)]
             assert np.array_equal(np.concatenate(parts), epoch[12 * s:12 * s + 12])
 
 

@@ -17,7 +17,7 @@ SHARDINGS = [(1438, 102, 4), (1438, 64, 2), (10, 3, 3), (7, 7, 2), (5, 8, 2), (1
 
 @pytest.mark.parametrize("n, batch, dp", SHARDINGS)
 def test_each_epoch_covers_every_train_sample_once(n, batch, dp):
-    sh = Sharding(n, batch, dp, seed=3)
+    sh = Sharding(n, batch, seed=3)
     assert sh.steps_per_epoch == -(-n // batch)
     for epoch in range(3):
         batches = [sh.global_batch(epoch, s) for s in range(sh.steps_per_epoch)]
@@ -28,11 +28,11 @@ def test_each_epoch_covers_every_train_sample_once(n, batch, dp):
 
 @pytest.mark.parametrize("n, batch, dp", SHARDINGS)
 def test_replica_slices_split_the_global_batch(n, batch, dp):
-    sh = Sharding(n, batch, dp, seed=5)
+    sh = Sharding(n, batch, seed=5)
     for epoch in range(2):
         for s in range(sh.steps_per_epoch):
             whole = sh.global_batch(epoch, s)
-            parts = [sh.replica_batch(epoch, s, r) for r in range(dp)]
+            parts = [sh.replica_batch(epoch, s, r, dp) for r in range(dp)]
             assert all(count == len(whole) for _, count in parts)
             idx = [p for p, _ in parts]
             assert np.array_equal(np.concatenate(idx), whole)         # disjoint, cover, in order
@@ -41,11 +41,11 @@ def test_replica_slices_split_the_global_batch(n, batch, dp):
 
 
 def test_sharding_is_deterministic_and_depends_on_seed_and_epoch():
-    a, b = Sharding(500, 32, 4, seed=1), Sharding(500, 32, 4, seed=1)
+    a, b = Sharding(500, 32, seed=1), Sharding(500, 32, seed=1)
     for epoch, s, r in [(0, 0, 0), (0, 15, 3), (2, 7, 1)]:
-        assert np.array_equal(a.replica_batch(epoch, s, r)[0], b.replica_batch(epoch, s, r)[0])
+        assert np.array_equal(a.replica_batch(epoch, s, r, 4)[0], b.replica_batch(epoch, s, r, 4)[0])
     assert not np.array_equal(a.global_batch(0, 0), a.global_batch(1, 0))                        # reshuffled
-    assert not np.array_equal(a.global_batch(0, 0), Sharding(500, 32, 4, seed=2).global_batch(0, 0))
+    assert not np.array_equal(a.global_batch(0, 0), Sharding(500, 32, seed=2).global_batch(0, 0))
 
 
 @pytest.mark.parametrize("n, dp", [(359, 4), (360, 4), (6, 2), (3, 4), (1, 1), (17, 5)])

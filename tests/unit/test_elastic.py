@@ -81,8 +81,8 @@ def test_a_changes_phases_read_as_the_seconds_each_took():
 
 
 def test_the_run_on_another_layout_is_rebuilt_with_one_dp(tmp_path):
-    """``ResolvedRun.on_mesh``: the settings, routing and sharding on the new mesh's dp, the pipeline cut
-    and the rest kept; a description whose parts disagree on dp, or a change of pp, is refused."""
+    """``ResolvedRun.on_mesh``: the run on the new mesh, whose dp the settings and the sharding read
+    (dp is stored once: the mesh); the pipeline cut and the rest kept; a change of pp is refused."""
     import dataclasses
 
     from rayconv.data.source import Sharding
@@ -91,18 +91,19 @@ def test_the_run_on_another_layout_is_rebuilt_with_one_dp(tmp_path):
     cfg = Config(steps=10, dp=4, pp=2, device="cpu", progress=False, global_batch_size=64, num_microbatches=2,
                  loader_workers=0, out=str(tmp_path)).validate()
     source, _, _, routing = check_before_ray(cfg, None)
-    sharding = Sharding(source.train_size, cfg.global_batch_size, 4, cfg.seed)
-    start = ResolvedRun(cfg=cfg, mesh=routing.mesh, routing=routing, source=source, sharding=sharding,
+    sharding = Sharding(source.train_size, cfg.global_batch_size, cfg.seed)
+    start = ResolvedRun(settings=cfg, routing=routing, source=source, sharding=sharding,
                         total_steps=10, eval_every=5, out=tmp_path, run_name="r-1", resume=None,
                         predicted=None, t_start=0.0)
+    assert start.settings.dp is None and start.cfg == cfg and start.mesh == Mesh(4, 2, 1)
+    assert "dp" not in {f.name for f in dataclasses.fields(Sharding)}
     two = start.on_mesh(Mesh(2, 2, 1))
-    assert (two.cfg.dp, two.mesh, two.routing.mesh, two.sharding.dp) == (2, Mesh(2, 2, 1), Mesh(2, 2, 1), 2)
+    assert (two.cfg.dp, two.mesh, two.routing.mesh) == (2, Mesh(2, 2, 1), Mesh(2, 2, 1))
+    assert two.sharding is start.sharding and two.settings is start.settings
     assert two.routing.stages == start.routing.stages and two.cfg.pp == 2 and two.total_steps == 10
     assert start.on_mesh(Mesh(4, 2, 1)) is start and two.on_mesh(Mesh(4, 2, 1)).cfg == start.cfg
     with pytest.raises(ValueError, match="only its dp"):
         start.on_mesh(Mesh(4, 1, 1))
-    with pytest.raises(ValueError, match="dp is its mesh's"):
-        dataclasses.replace(start, sharding=dataclasses.replace(sharding, dp=2))
 
 
 def test_an_elastic_run_recovers_every_loss_by_default_and_a_spent_budget_names_max_failures(tmp_path):

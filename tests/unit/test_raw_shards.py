@@ -157,7 +157,7 @@ def test_block_and_exact_orders_give_the_same_samples_as_jpeg_shards(folders):
     assert paths["raw"] == paths["jpeg"]
     for shuffle in ("block", "exact"):
         cfg = Config(data="shards", data_dir="x", shuffle=shuffle, shuffle_window=2, seed=3).validate()
-        orders = {e: Sharding(s.train_size, 8, 1, 3, make_order(cfg, s)).epoch_permutation(1)
+        orders = {e: Sharding(s.train_size, 8, 3, make_order(cfg, s)).epoch_permutation(1)
                   for e, s in sources.items()}
         assert np.array_equal(orders["raw"], orders["jpeg"])
         assert torch.equal(sources["raw"].labels("train", orders["raw"]),

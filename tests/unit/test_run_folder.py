@@ -147,7 +147,7 @@ def header_setup(**kw) -> SimpleNamespace:
     return SimpleNamespace(cfg=cfg, mesh=Mesh(2, 1, 1), total_steps=230, out=Path("runs/r1"),
                            run_name="r1-abc123",
                            source=SimpleNamespace(train_size=1438, test_size=359, num_classes=10),
-                           sharding=Sharding(1438, cfg.global_batch_size, 2, cfg.seed))
+                           sharding=Sharding(1438, cfg.global_batch_size, cfg.seed))
 
 
 def test_header_names_the_output_folder_in_full(tmp_path, monkeypatch):
@@ -176,11 +176,11 @@ def setup_of(tmp_path_factory):
     """A real ResolvedRun of the digits run (data, model, routing; no cluster), for a given folder."""
     cfg = Config(steps=100, dp=2, device="cpu", progress=False, global_batch_size=64, loader_workers=0)
     source, _, _, routing = check_before_ray(cfg, None)
-    sharding = Sharding(source.train_size, cfg.global_batch_size, 2, cfg.seed)
+    sharding = Sharding(source.train_size, cfg.global_batch_size, cfg.seed)
 
     def make(out: Path) -> ResolvedRun:
-        return ResolvedRun(cfg=dataclasses.replace(cfg, out=str(out)), mesh=routing.mesh, routing=routing,
-                           source=source, sharding=sharding, total_steps=100, eval_every=23, out=out,
+        return ResolvedRun(settings=dataclasses.replace(cfg, out=str(out)), routing=routing, source=source,
+                           sharding=sharding, total_steps=100, eval_every=23, out=out,
                            run_name="r-1", resume=None, predicted=None, t_start=time.perf_counter())
     return make
 

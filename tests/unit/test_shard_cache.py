@@ -241,9 +241,9 @@ def test_a_set_larger_than_the_cache_streams_within_cache_bytes_in_belady_order(
     src = make_source(_cfg(sets[kind], tmp_path / "cache", cache_bytes=budget, augment="pad-crop"))
     stream = src.stream
     assert stream is not None and stream.share() == budget
-    sharding = Sharding(src.train_size, 2, 1, 0)
+    sharding = Sharding(src.train_size, 2, 0)
     steps = sharding.steps_per_epoch
-    epochs = [[sharding.replica_batch(e, s, 0)[0] for s in range(steps)] for e in (0, 1)]
+    epochs = [[sharding.replica_batch(e, s, 0, 1)[0] for s in range(steps)] for e in (0, 1)]
     reads, seen = [], []
     for epoch, batches in enumerate(epochs):   # as actor.batches announces: this epoch, the next foreseen
         src.prefetch("train", epoch, batches)

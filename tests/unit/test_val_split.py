@@ -29,41 +29,41 @@ N, BATCH = 1438, 102
 
 def trained_indices(sh: Sharding, epoch: int, dp: int) -> np.ndarray:
     """Every replica's samples of every step of ``epoch``, in order."""
-    return np.concatenate([sh.replica_batch(epoch, s, r)[0] for s in range(sh.steps_per_epoch)
+    return np.concatenate([sh.replica_batch(epoch, s, r, dp)[0] for s in range(sh.steps_per_epoch)
                            for r in range(dp)])
 
 
 def test_held_out_images_come_from_the_seed_and_never_train():
-    sh = Sharding(N, BATCH, 1, seed=3, val_split=0.1)
+    sh = Sharding(N, BATCH, seed=3, val_split=0.1)
     val = sh.val_indices()
     assert len(val) == 143 and np.array_equal(val, np.unique(val)) and val.dtype == np.int64
     # batch, dp: no matter
-    assert np.array_equal(val, Sharding(N, 64, 4, seed=3, val_split=0.1).val_indices())
-    assert not np.array_equal(val, Sharding(N, BATCH, 1, seed=4, val_split=0.1).val_indices())
+    assert np.array_equal(val, Sharding(N, 64, seed=3, val_split=0.1).val_indices())
+    assert not np.array_equal(val, Sharding(N, BATCH, seed=4, val_split=0.1).val_indices())
     assert sh.train_samples == N - 143 and sh.steps_per_epoch == -(-(N - 143) // BATCH) == 13
     for epoch in range(2):
         seen = trained_indices(sh, epoch, 1)
         assert len(seen) == N - 143 and not np.isin(seen, val).any()
         assert np.array_equal(np.sort(np.concatenate([seen, val])), np.arange(N))
-    assert len(Sharding(N, BATCH, 1, seed=3).val_indices()) == 0   # default: none held out
+    assert len(Sharding(N, BATCH, seed=3).val_indices()) == 0   # default: none held out
 
 
 def test_every_dp_and_a_resumed_run_see_the_same_batches():
-    one = Sharding(N, BATCH, 1, seed=7, val_split=0.25)
+    one = Sharding(N, BATCH, seed=7, val_split=0.25)
     for dp in (2, 4):
-        other = Sharding(N, BATCH, dp, seed=7, val_split=0.25)
+        other = Sharding(N, BATCH, seed=7, val_split=0.25)
         for epoch in range(2):
             assert np.array_equal(trained_indices(other, epoch, dp), trained_indices(one, epoch, 1))
         shares = [replica_val_indices(other.val_indices(), dp, r) for r in range(dp)]
         assert np.array_equal(np.concatenate(shares), one.val_indices())   # each validation image once
-    later = Sharding(N, BATCH, 2, seed=7, val_split=0.25)   # a resumed run: built afresh, mid-epoch 1
+    later = Sharding(N, BATCH, seed=7, val_split=0.25)   # a resumed run: built afresh, mid-epoch 1
     assert np.array_equal(later.global_batch(1, 5), one.global_batch(1, 5))
 
 
 def test_block_order_leaves_the_held_out_images_out_and_keeps_its_windows():
     rows = (7, 7, 7, 7, 7, 5, 7, 7, 7, 3)
     order = BlockOrder(rows, 3, seed=2)
-    sh = Sharding(sum(rows), 12, 2, seed=2, order=order, val_split=0.2)
+    sh = Sharding(sum(rows), 12, seed=2, order=order, val_split=0.2)
     val, full = sh.val_indices(), order.epoch_order(1)
     got = sh.epoch_permutation(1)
     assert np.array_equal(got, full[~np.isin(full, val)])   # the block order's, less the held-out images
@@ -72,7 +72,7 @@ def test_block_order_leaves_the_held_out_images_out_and_keeps_its_windows():
 
 def test_a_split_that_holds_out_nothing_and_bad_flags_are_refused():
     with pytest.raises(ConfigError, match="--val-split 0.0001 holds out no image"):
-        Sharding(100, 10, 1, seed=0, val_split=1e-4).val_indices()
+        Sharding(100, 10, seed=0, val_split=1e-4).val_indices()
     for bad, match in [(dict(val_split=1.0), "--val-split must be a fraction in"),
                        (dict(val_split=-0.1), "--val-split must be a fraction in"),
                        (dict(eval_test=True), "--eval-test applies to a run with a validation split"),
