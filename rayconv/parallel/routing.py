@@ -174,7 +174,7 @@ def checked_routing(cfg: Config, mesh: Mesh, num_classes: int, sample_shape: tup
     the model first checked (``check``) to train on the data: its forward maps (C, H, W) =
     ``sample_shape`` images to ``num_classes`` scores (``check_trainable``; ``data_channels``: the data's
     own channel count, before grey is repeated). Run by the driver, or for it by a kept actor
-    (``driver.early.WarmCheck``). Raises ConfigError / LayoutError naming what to change."""
+    (``driver.resolve.WarmCheck``). Raises ConfigError / LayoutError naming what to change."""
     data = SimpleNamespace(num_classes=num_classes, sample_shape=tuple(sample_shape))
     model = run_model(cfg, data)   # (with --init: its keys and shapes checked, its weights loaded)
     if check:
