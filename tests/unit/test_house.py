@@ -108,6 +108,23 @@ def test_no_import_circle():
     assert found is None, "import circle: " + " -> ".join(found)
 
 
+def test_actors_are_got_and_given_back_only_through_the_seam():
+    """Outside rayconv/cluster/, no module imports the kept actors' machinery (``cluster.pool``,
+    ``cluster.across``) or starts actors itself (``reserve``, ``create_actors``): a run gets and gives
+    back its actors through ``cluster.acquire`` alone (docs/architecture.md, "Getting actors")."""
+    behind, starts = {"rayconv.cluster.pool", "rayconv.cluster.across"}, {"reserve", "create_actors"}
+    found = []
+    for name, imports in import_graph().items():
+        if name == "rayconv.cluster" or name.startswith("rayconv.cluster."):
+            continue
+        found += [f"{name} imports {m}" for m in sorted(imports & behind)]
+        path = modules()[name]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and absolute(name, path, node).startswith("rayconv.cluster"):
+                found += [f"{name} imports {a.name}" for a in node.names if a.name in starts]
+    assert not found, "; ".join(found)
+
+
 def test_no_module_over_400_lines():
     long = {str(p.relative_to(PACKAGE.parent)): n for p in modules().values()
             if (n := p.read_text().count("\n")) > MAX_LINES}
