@@ -13,7 +13,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -87,3 +87,15 @@ def cache_dir() -> Path:
     """The folder of what rayconv keeps across runs (the planner's measurements, torchvision's model
     names): ``$RAYCONV_CACHE_DIR``, else ``~/.cache/rayconv``. Not made here."""
     return Path(os.environ.get("RAYCONV_CACHE_DIR") or Path.home() / ".cache" / "rayconv")
+
+
+@contextlib.contextmanager
+def node_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the file ``path`` (made when missing) while the block runs: one
+    process of the node at a time (the shard cache's fetcher, a stream's accounting)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

@@ -51,7 +51,7 @@ import numpy as np
 
 from rayconv.data.shard_files import FORMATS
 from rayconv.errors import DataError
-from rayconv.files import atomic_write, cache_dir
+from rayconv.files import atomic_write, cache_dir, node_lock
 from rayconv.storage import Location, StorageError, locate
 
 MANIFEST = "manifest.json"   # rayconv.data.shard_files.MANIFEST
@@ -144,7 +144,7 @@ class ShardCache:
             raise DataError(f"--cache-dir {self.root}: cannot make the folder ({e.strerror or e})") from None
         budget = self.budget if self.budget is not None else default_budget(self.root)
         self.check_fits(budget)
-        with _locked(self.root / f".{self.folder.name}.lock"):   # (one fetcher of this set per node)
+        with node_lock(self.root / f".{self.folder.name}.lock"):   # (one fetcher of this set per node)
             self.folder.mkdir(exist_ok=True)
             todo = [f for f in (order or list(self.entries)) if not self._complete(f)]
             todo += [f for f in self.entries if f not in todo and not self._complete(f)]
@@ -274,17 +274,6 @@ class ShardCache:
         fd = os.open(self.folder, os.O_RDONLY)
         fcntl.flock(fd, fcntl.LOCK_SH)
         _HELD[str(self.folder)] = fd
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    """Hold an exclusive ``flock`` on the file ``path`` (made when missing) while the block runs."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -2,12 +2,11 @@
 (``shard_stream``): each shard's small columns read from the storage (``read_columns``), a shard as the
 sources hold it (``StreamedShard``), what a source's batches read (``StreamReads``), the rows of a batch
 copied from mapped raw shards (``copy_rows``), the least budget a streamed set needs (``min_window``),
-and the node's locks a stream takes (``node_lock``, ``remove_if_free``).
+and the removal of a stream's folder no process holds (``remove_if_free``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import shutil
@@ -148,17 +147,6 @@ def min_window(cfg: Any, source: Any) -> tuple[int, int]:
             touched = np.unique(np.searchsorted(starts, idx, side="right") - 1)
             best = max(best, (int(sizes[touched].sum()), len(touched)))
     return best
-
-
-@contextlib.contextmanager
-def node_lock(path: Path):
-    """Hold an exclusive ``flock`` on the file ``path`` (made when missing) while the block runs."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def remove_if_free(folder: Path) -> None:

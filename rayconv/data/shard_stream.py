@@ -50,8 +50,9 @@ import numpy as np
 
 from rayconv.data.cache import PART, ShardCache, default_budget, size_text
 from rayconv.data.shard_files import OpenShard, encoding
-from rayconv.data.shard_remote import StreamedShard, node_lock, read_columns, remove_if_free
+from rayconv.data.shard_remote import StreamedShard, read_columns, remove_if_free
 from rayconv.errors import DataError
+from rayconv.files import node_lock
 from rayconv.storage import StorageError
 
 THREADS = 4       # concurrent whole-object reads per stream
