@@ -268,6 +268,10 @@ def locate(where: str | os.PathLike, *, flag: str = "path") -> Location:
         fs, path = pafs.FileSystem.from_uri(_endpoint_from_env(s))
     except (ValueError, OSError, NotImplementedError) as e:  # pyarrow: ArrowInvalid, ArrowIOError, ...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if any(k in str(e) for k in UNREACHABLE):   # (pyarrow asks the store for an S3 bucket's region)
+            raise StorageError(f"{flag} {s}: cannot reach the storage to open it ({first}): check the "
+                               "network and AWS_ENDPOINT_URL, or give the region in the URI "
+                               "(s3://bucket/prefix?region=REGION), which skips the lookup") from None
         raise StorageError(f"{flag} {s}: cannot be opened ({first}); give a local path or a URI such as "
                            "s3://bucket/prefix, gs://bucket/prefix or file:///abs/path") from None
     return Location(s, fs, path)
@@ -331,7 +335,7 @@ UNREACHABLE = ("NETWORK_CONNECTION", "curlCode", "Could not connect", "Couldn't 
 
 def _endpoint(loc: Location) -> str:
     query = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(_endpoint_from_env(loc.uri)).query))
-    return query.get("endpoint_override") or "the storage's default endpoint"
+    return query.get("endpoint_override") or "(the provider's default)"
 
 
 def one_line(e: BaseException, loc: Location, flag: str, doing: str = "cannot be written") -> StorageError:

@@ -177,7 +177,7 @@ def test_a_shard_that_does_not_match_its_manifest_is_named(s3, sets, tmp_path):
 
 def test_bad_locations_are_one_line_exit_2_before_ray(s3, sets, tmp_path, capsys, monkeypatch):
     import ray
-    if ray.is_initialized():   # (a cluster an earlier module of this process left: the check below is of these)
+    if ray.is_initialized():   # (an earlier module's cluster: the check below is of these commands)
         ray.shutdown()
 
     def failing(data_dir: str, *flags: str) -> str:
