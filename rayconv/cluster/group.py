@@ -8,7 +8,7 @@ Tune trial's, whose resources are the run's bundles: ``rayconv.tune``), the acto
 last bundles and leave the group to its owner. The actor class is the caller's
 (``rayconv.actor.actor.Actor`` for a training run): this module only places and calls it. A user's
 model (``--model MODULE:FUNCTION``) reaches the actors through Ray's runtime environment
-(``user_model.actor_runtime_env``: its modules in ``py_modules``, uploaded by ``with_uploads``), on
+(``user_model.actor_runtime_env``: its modules in ``py_modules``, uploaded by ``connect.with_uploads``), on
 every node. Which actors a run gets (new ones from here, or kept ones) is ``cluster.acquire``'s.
 """
 
@@ -26,11 +26,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rayconv.cluster import across, pool
 from rayconv.cluster.calls import Method, Pending, is_collective_failure, is_lost
 from rayconv.cluster.connect import (ALL_GPUS_VISIBLE_ENV, NAMESPACE, actor_error, exception_summary,
-                                     first_line)
+                                     first_line, with_uploads)
 from rayconv.config import Config
 from rayconv.errors import CallTimeout, ClusterError
 from rayconv.mesh import Mesh
-from rayconv.user_model import actor_runtime_env, with_uploads
+from rayconv.user_model import actor_runtime_env
 
 LOST_GRACE_S = 2.0  # after an actor error, how long to look for a lost actor that caused it
 

@@ -17,9 +17,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayconv.cluster import across, pool
-from rayconv.cluster.connect import ALL_GPUS_VISIBLE_ENV, exception_summary, visible_index
+from rayconv.cluster.connect import ALL_GPUS_VISIBLE_ENV, exception_summary, visible_index, with_uploads
 from rayconv.errors import ClusterError
-from rayconv.user_model import actor_runtime_env, with_uploads
+from rayconv.user_model import actor_runtime_env
 
 
 def _on_device(fn, gpu: bool, *args) -> Any:
