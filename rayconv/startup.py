@@ -189,7 +189,7 @@ def begin_command(imported: float) -> StartupClock:
     command: ``python -m rayconv.run``, the ``rayconv`` console command or a script such as
     ``examples/*.py`` (a main call within ``EXEC_GAP_S`` of ``imported``, the monotonic stamp taken when
     ``rayconv.run`` is imported); else, when Python calls it well after that import (an interactive
-    session, a test), from the call ("main call")."""
+    interpreter, a test), from the call ("main call")."""
     import sys
 
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)

@@ -95,5 +95,5 @@ def test_the_clock_of_a_main_call_that_is_the_command_starts_with_the_process():
     clock = startup.begin_command(time.monotonic())
     assert clock.since in ("process start", "rayconv import", "rayconv.run import"), clock.since
     assert startup.after(clock.since) != "after rayconv.run.main was called"
-    # a call from Python well after the import (an interactive session) counts from the call
+    # a call from Python well after the import (an interactive interpreter) counts from the call
     assert startup.begin_command(time.monotonic() - 60).since == "main call"
