@@ -136,40 +136,32 @@ def keep_across_commands() -> None:
 def _start_early(spec: ActorSpec) -> Optional[ActorGroup]:
     if spec.run_name in _STARTED:
         return _STARTED[spec.run_name][1]
-    t0, cfg, mesh = time.monotonic(), spec.cfg, spec.mesh
     try:
-        given = given_group(cfg, mesh)
-        if given is not None:   # a Tune trial's group: its bundles are this run's
-            group = _in_given_group(spec, given, spec.limit_s, wait=False)
-        else:
-            group = _kept(spec)
-            if group is None:
-                pg = reserve(cfg, mesh, spec.run_name, min(spec.limit_s, RESERVE_S))
-                group = create_actors(spec.actor_cls, cfg, mesh, spec.run_name, pg,
-                                      max(0.0, spec.limit_s - (time.monotonic() - t0)), limit_s=spec.limit_s,
-                                      wait=False, env=spec.env)
+        group = _start(spec, wait=False)
     except (ClusterError, ConfigError, DataError):
         return None   # (nothing stays reserved: reserve and create_actors remove what they made)
-    _STARTED[spec.run_name] = (mesh, group)
+    _STARTED[spec.run_name] = (spec.mesh, group)
     return group
 
 
-def _start(spec: ActorSpec) -> ActorGroup:
+def _start(spec: ActorSpec, *, wait: bool = True) -> ActorGroup:
     """Kept actors, else new ones: one bundle per actor reserved, the actors started in rank order
     (``group.create_actors``). ``spec.limit_s`` bounds the whole start-up: reserving the bundles (waiting
-    for free resources) and the actors' processes starting and importing torch. Raises ClusterError
-    saying which of the two ran out and that --max-wait raises it, or naming a Ray error at start."""
-    deadline = time.monotonic() + spec.limit_s
-    cfg, mesh = spec.cfg, spec.mesh
+    for free resources) and the actors' processes starting and importing torch. ``wait`` False (the early
+    start): the reservation waits at most ``RESERVE_S`` and the actors are not waited for. Raises
+    ClusterError saying which of the two ran out and that --max-wait raises it, or naming a Ray error at
+    start."""
+    t0, cfg, mesh = time.monotonic(), spec.cfg, spec.mesh
     given = given_group(cfg, mesh)
     if given is not None:   # a Tune trial's group: its bundles are this run's
-        return _in_given_group(spec, given, spec.limit_s, wait=True)
+        return _in_given_group(spec, given, spec.limit_s, wait=wait)
     kept = _kept(spec)
     if kept is not None:
         return kept
-    pg = reserve(cfg, mesh, spec.run_name, spec.limit_s)
-    return create_actors(spec.actor_cls, cfg, mesh, spec.run_name, pg, max(0.0, deadline - time.monotonic()),
-                         limit_s=spec.limit_s, wait=True, env=spec.env)
+    pg = reserve(cfg, mesh, spec.run_name, spec.limit_s if wait else min(spec.limit_s, RESERVE_S))
+    return create_actors(spec.actor_cls, cfg, mesh, spec.run_name, pg,
+                         max(0.0, spec.limit_s - (time.monotonic() - t0)), limit_s=spec.limit_s, wait=wait,
+                         env=spec.env)
 
 
 def _in_given_group(spec: ActorSpec, given: tuple[Any, int], timeout_s: float, wait: bool) -> ActorGroup:
