@@ -260,11 +260,15 @@ class ShardCache:
         entry = self.entries[name]
         if tmp.stat().st_size != int(entry["bytes"]) or sha256_file(tmp) != entry["sha256"]:
             tmp.unlink(missing_ok=True)
-            raise DataError(f"--data-dir {self.uri}: {name} does not match its size and sha256 in "
-                            f"{MANIFEST}: run `python -m rayconv.prepare` again with --out {self.uri} (it "
-                            "rewrites bad shards)")
+            raise self.mismatch(name)
         os.replace(tmp, self.folder / name)
         self.fetched.append(name)
+
+    def mismatch(self, name: str) -> DataError:
+        """The error for a fetched shard ``name`` whose size or sha256 is not the manifest's."""
+        return DataError(f"--data-dir {self.uri}: {name} does not match its size and sha256 in "
+                         f"{MANIFEST}: run `python -m rayconv.prepare` again with --out {self.uri} (it "
+                         "rewrites bad shards)")
 
     # ------------------------------------------------------------------ in use
     def _hold(self) -> None:

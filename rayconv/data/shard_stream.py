@@ -355,9 +355,7 @@ class ShardStream:
                 raise StorageError(f"--data-dir {self.uri}: reading {name} failed ({text}): run again "
                                    "(or --resume)") from None
             if written != size or digest.hexdigest() != self.cache.entries[name]["sha256"]:
-                raise DataError(f"--data-dir {self.uri}: {name} does not match its size and sha256 in "
-                                f"manifest.json: run `python -m rayconv.prepare` again with --out {self.uri} "
-                                "(it rewrites bad shards)")
+                raise self.cache.mismatch(name)
             with self.cond:
                 os.replace(tmp, self.folder / name)
                 self.flight.discard(name)
