@@ -26,9 +26,13 @@ ratios against that round's ``sync``.
 
 From metrics.parquet, each train step's driver clock (``time_s``): the interval between consecutive
 steps' results; the median interval away from checkpoints (and after ``--warmup`` steps) is the step; the
-time lost at a checkpoint is the sum over the ``--window`` intervals after it (default: 0.6 of
-``--checkpoint-every``) of (interval - median step) (a background write shows in the steps after the
-checkpoint, a synchronous one in the first). Also the time the step loop was blocked in the checkpoint
+time lost at a checkpoint is the sum over the boundary step's interval and the ``--window`` intervals
+after it (default: 0.6 of ``--checkpoint-every``) of (interval - median step): the wall-clock from the
+last result before the boundary to the window's end against as many median steps (a background write
+shows in the steps after the checkpoint, a synchronous one in the first). The boundary's own interval
+counts because a step's result returns with the next step's call: on a CPU the call computes its step
+first, so the boundary's flush returns right after the step before (an interval near 0) and the first
+step after the checkpoint reports only once the second has run (one step more). Also the time the step loop was blocked in the checkpoint
 call itself (``blocked``: the copy to host memory and the call's round trip for the background writes;
 everything for the synchronous one). The run's last checkpoint (at its last step, no steps after) is
 left out. Per mode and round: the median time lost per checkpoint and its ratio to ``sync``'s, the same
@@ -104,9 +108,9 @@ def run_mode(mode: str, out: str, args) -> dict:
     steps = sorted(t)
     d = {k: t[k] - t[k - 1] for k in steps[1:]}
     ck_after = [k for k in steps if (k + 1) % every == 0 and k + 1 < args.steps]   # (the last left out)
-    near = {k + j for k in ck_after for j in range(1, window + 1)}
+    near = {k + j for k in ck_after for j in range(0, window + 1)}   # (the boundary's interval too)
     base = statistics.median(v for k, v in d.items() if k not in near and k > args.warmup)
-    lost = [sum(d[k + j] - base for j in range(1, window + 1) if k + j in d) for k in ck_after]
+    lost = [sum(d[k + j] - base for j in range(0, window + 1) if k + j in d) for k in ck_after]
     ckpts = list_checkpoints(out)
     c = load_checkpoint(ckpts[0])
     parts = sum(f["bytes"] for f in c.manifest["files"] if f["name"].startswith("rank-"))
