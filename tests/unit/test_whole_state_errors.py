@@ -36,3 +36,9 @@ def test_a_damaged_checkpoint_asks_for_another(tmp_path):
     (ckpt / "rank-0.pt").write_bytes(b"rank fil!")
     assert refusal(tmp_path / "r1").endswith("is corrupt (sha256 differs from the manifest): give another "
                                              "checkpoint")
+
+
+def test_the_package_names_it():
+    import rayconv
+
+    assert rayconv.whole_state is whole_state and "whole_state" in rayconv.__all__
