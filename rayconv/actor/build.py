@@ -34,6 +34,7 @@ from rayconv.parallel.segments import compile_part
 from rayconv.parallel.pipeline.p2p import Post, p2p_posts
 from rayconv.parallel.pipeline.runner import Chunk, StageRunner
 from rayconv.parallel.pipeline.schedules import Action
+from rayconv.settings import ClusterSettings, ExecutionSettings
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.float32, "fp16": torch.float32, "fp64": torch.float64}
 # --precision -> autocast dtype (parameters float32)
@@ -173,7 +174,7 @@ def build_actor(cfg: Config, run_name: str, role: str, rank: int, master: str, r
         startup={"model_built": built_s, "optimizer_built": optimizer_s, "data_on_device": data_s})
 
 
-def pick_device(cfg: Config) -> torch.device:
+def pick_device(cfg: ClusterSettings) -> torch.device:
     if cfg.device != "cuda":
         return torch.device("cpu")
     index = assigned_gpu_index()
@@ -181,7 +182,8 @@ def pick_device(cfg: Config) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _precision(cfg: Config, device: torch.device) -> tuple[torch.dtype, Optional[torch.dtype], torch.dtype]:
+def _precision(cfg: ExecutionSettings,
+               device: torch.device) -> tuple[torch.dtype, Optional[torch.dtype], torch.dtype]:
     """(parameter dtype, autocast dtype, the images' dtype) from ``--precision``: bf16 and fp16 keep
     float32 parameters and autocast the forward pass (fp16 with dynamic loss scaling, ``recipe.py``;
     CPU autocast runs float16 convolutions and matrix products too)."""

@@ -39,9 +39,10 @@ from rayconv.recipe.ema import PartEMA, torchvision_ema_decay
 from rayconv.recipe.lars import adapted_params, lars_param_groups, scale_, sq_norms
 from rayconv.recipe.loss_scale import DynamicLossScale, unscale_
 from rayconv.recipe.optim import make_optimizer, param_groups
+from rayconv.settings import RecipeSettings
 
 
-def build_optimizer(cfg: Config, part: nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(cfg: RecipeSettings, part: nn.Module) -> torch.optim.Optimizer:
     """``cfg.opt`` over ``part``'s parameter groups (``recipe.optim``). A part without parameters (a
     stage of pooling alone) gets one empty group, so the optimizer's state_dict has a fixed shape."""
     make_groups = lars_param_groups if cfg.opt == "lars" else param_groups
@@ -51,7 +52,7 @@ def build_optimizer(cfg: Config, part: nn.Module) -> torch.optim.Optimizer:
     return make_optimizer(groups, cfg.opt, cfg.lr, cfg.momentum, cfg.weight_decay)
 
 
-def run_epochs(cfg: Config, steps_per_epoch: int) -> int:
+def run_epochs(cfg: RecipeSettings, steps_per_epoch: int) -> int:
     """The epochs the run spans, for the EMA decay adjustment: ``--steps`` rounded up to whole epochs
     when given (it overrides ``--epochs``), else ``--epochs`` (10 when neither is given)."""
     if cfg.steps:
@@ -59,7 +60,7 @@ def run_epochs(cfg: Config, steps_per_epoch: int) -> int:
     return cfg.epochs or 10
 
 
-def ema_decay(cfg: Config, steps_per_epoch: int) -> float:
+def ema_decay(cfg: RecipeSettings, steps_per_epoch: int) -> float:
     """The per-update decay of the moving average: ``--model-ema-decay`` adjusted as torchvision's
     train.py adjusts it for the global batch, ``--model-ema-steps`` and the run's epochs."""
     return torchvision_ema_decay(cfg.model_ema_decay, cfg.global_batch_size, cfg.model_ema_steps,

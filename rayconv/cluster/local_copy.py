@@ -47,6 +47,7 @@ from rayconv.data.cache import remote_manifest
 from rayconv.data.shards import MANIFEST
 from rayconv.errors import ClusterError, DataError
 from rayconv.files import atomic_write, folder_lock, sha256_file
+from rayconv.settings import ClusterSettings
 from rayconv.storage import is_remote
 
 SHARD_NAME = re.compile(r"^(train|val)-\d+\.(parquet|arrow)$")  # what prepare names its shards
@@ -83,7 +84,7 @@ def copy_to_nodes(cfg: Config, log=print) -> Config:
     return dataclasses.replace(cfg, data_dir=cfg.stage_dir)
 
 
-def actor_nodes(cfg: Config) -> list[str]:
+def actor_nodes(cfg: ClusterSettings) -> list[str]:
     """Node ids of the alive nodes with the resources of one actor of ``cfg`` (device resolved)."""
     need = ("GPU", 1) if cfg.device == "cuda" else ("CPU", cfg.num_cpus_per_actor)
     return [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(need[0], 0) >= need[1]]

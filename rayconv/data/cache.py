@@ -52,6 +52,7 @@ import numpy as np
 from rayconv.data.shard_files import FORMATS
 from rayconv.errors import DataError
 from rayconv.files import atomic_write, cache_dir, node_lock
+from rayconv.settings import DataSettings
 from rayconv.storage import Location, StorageError, locate
 
 MANIFEST = "manifest.json"   # rayconv.data.shard_files.MANIFEST
@@ -311,7 +312,7 @@ def _size(n: int) -> str:
 size_text = _size   # ``n`` bytes in MiB or GiB, for other modules' messages
 
 
-def local_folder(cfg: Any, order=None) -> Optional[str]:
+def local_folder(cfg: DataSettings, order=None) -> Optional[str]:
     """The local folder ``cfg.data_dir`` is read from: a plain path itself, a ``file://`` URI's path, a
     remote URI's cache folder made ready now (``ShardCache.ready``; ``order(manifest)``: the sample
     order of epoch 0, which orders the fetch); None without a data_dir."""

@@ -31,6 +31,7 @@ from rayconv.data.shards import ShardSource, is_prepared
 from rayconv.data.small import maybe_hold
 from rayconv.data.source import Source
 from rayconv.models.channels import user_model_channels
+from rayconv.settings import DataSettings
 from rayconv.user_model import is_user_model, takes_in_channels
 from rayconv.data.synthetic import SyntheticSource
 from rayconv.storage import is_remote, is_uri
@@ -78,7 +79,7 @@ def decode_workers(cfg: Config) -> int:
     return max(2, cores // max(1, torch.cuda.device_count()))
 
 
-def read_ahead(cfg: Config) -> None:
+def read_ahead(cfg: DataSettings) -> None:
     """Read now what ``make_source(cfg)`` reads whole from files before it returns (fashion-mnist's four
     idx files and their statistics), so that a later ``make_source`` of the same files in this process
     finds them read: an actor calls it on a thread of its own while it imports and the driver checks.

@@ -44,7 +44,7 @@ import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -53,6 +53,7 @@ from rayconv.data.shard_files import OpenShard, encoding
 from rayconv.data.shard_remote import StreamedShard, read_columns, remove_if_free
 from rayconv.errors import DataError
 from rayconv.files import node_lock
+from rayconv.settings import DataSettings
 from rayconv.storage import StorageError
 
 THREADS = 4       # concurrent whole-object reads per stream
@@ -63,7 +64,7 @@ STALL_S = 600.0   # seconds a read waits, nothing being fetched, before it names
 _STREAMS = itertools.count()   # (each stream of this process a folder of its own)
 
 
-def open_stream(cfg: Any) -> Optional["ShardStream"]:
+def open_stream(cfg: DataSettings) -> Optional["ShardStream"]:
     """The stream of ``cfg.data_dir`` (a remote URI) for this process, or None when the set fits
     ``--cache-bytes`` (then it is fetched whole: ``cache.local_folder``)."""
     cache = ShardCache(cfg.data_dir, cfg.cache_dir, cfg.cache_bytes)

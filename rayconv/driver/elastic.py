@@ -39,12 +39,13 @@ from rayconv.mesh import Mesh
 from rayconv.outputs.checkpoint import latest_checkpoint
 from rayconv.planner.search import memory_check
 from rayconv.driver.policies import ScalingPolicy
+from rayconv.settings import ClusterSettings
 
 DRAIN_POLL_S = 5.0   # seconds between two looks at the cluster's draining nodes
 POLL_S = 0.1         # seconds between two looks at the free devices while waiting
 
 
-def cluster_free(cfg: Config) -> int:
+def cluster_free(cfg: ClusterSettings) -> int:
     """The connected cluster's free actor slots for ``cfg``'s device, draining nodes left out."""
     return free_slots(cfg.device, cfg.num_cpus_per_actor)
 

@@ -12,17 +12,17 @@ from __future__ import annotations
 
 from typing import Optional
 
-from rayconv.config import Config
 from rayconv.errors import ConfigError
 from rayconv.recipe.lr_schedule import scaled_lr, schedule_lr
+from rayconv.settings import RecipeSettings
 
 
-def total_steps(cfg: Config, steps_per_epoch: int) -> int:
+def total_steps(cfg: RecipeSettings, steps_per_epoch: int) -> int:
     """Optimizer steps of the run: ``--steps``, else ``--epochs`` (10 when neither is given) epochs."""
     return cfg.steps or (cfg.epochs or 10) * steps_per_epoch
 
 
-def warmup_steps(cfg: Config, steps_per_epoch: Optional[int]) -> int:
+def warmup_steps(cfg: RecipeSettings, steps_per_epoch: Optional[int]) -> int:
     """Steps of the learning-rate warm-up: ``--lr-warmup-epochs`` x ``steps_per_epoch`` (which is only
     needed when there is a warm-up)."""
     if cfg.lr_warmup_epochs == 0:
@@ -31,13 +31,13 @@ def warmup_steps(cfg: Config, steps_per_epoch: Optional[int]) -> int:
     return cfg.lr_warmup_epochs * steps_per_epoch
 
 
-def peak_lr(cfg: Config) -> float:
+def peak_lr(cfg: RecipeSettings) -> float:
     """The rate after the warm-up, before any decay: ``--lr``, or with ``--lr-scaling linear`` ``--lr``
     per 256 images scaled to the global batch."""
     return scaled_lr(cfg.lr, cfg.global_batch_size) if cfg.lr_scaling == "linear" else cfg.lr
 
 
-def learning_rate(cfg: Config, step: int, total: int, steps_per_epoch: Optional[int] = None) -> float:
+def learning_rate(cfg: RecipeSettings, step: int, total: int, steps_per_epoch: Optional[int] = None) -> float:
     """The learning rate of ``step`` (0-based) of a run of ``total`` steps: the warm-up, then cosine
     decay to 0 at ``total`` (Loshchilov & Hutter 2017) or the constant peak. Without a warm-up this is
     ``lr x (1 + cos(pi x step / total)) / 2`` (cosine) or ``lr`` (constant). Raises ConfigError when
@@ -46,7 +46,7 @@ def learning_rate(cfg: Config, step: int, total: int, steps_per_epoch: Optional[
                        cfg.lr_schedule, cfg.lr_warmup_method)
 
 
-def check_schedule(cfg: Config, steps_per_epoch: int) -> None:
+def check_schedule(cfg: RecipeSettings, steps_per_epoch: int) -> None:
     """Refuse a warm-up longer than the run (before any actor starts). Raises ConfigError."""
     total, warm = total_steps(cfg, steps_per_epoch), warmup_steps(cfg, steps_per_epoch)
     if warm > total:

@@ -25,6 +25,7 @@ from rayconv.driver.resolve import ResolvedRun
 from rayconv.mesh import Mesh
 from rayconv.parallel.routing import Routing
 from rayconv.parallel.pipeline.simulate import bubble_fraction, format_grid
+from rayconv.settings import OutputSettings
 from rayconv.storage import describe
 
 RATE_WINDOW = 20  # steps: the progress line's images/s is over the wall-clock of the last 20
@@ -148,7 +149,7 @@ class Progress:
     compiles, left out once 4 more came back). With two steps in flight a result's wall time can hold
     its neighbour's step (or none, just after an evaluation); over several it evens out."""
 
-    def __init__(self, cfg: Config, total_steps: int, start: int, log=print):
+    def __init__(self, cfg: OutputSettings, total_steps: int, start: int, log=print):
         self.cfg, self.total_steps, self.log = cfg, total_steps, log
         self.window: deque = deque(maxlen=RATE_WINDOW)
         # A progress bar on a terminal; plain progress lines every --log-every steps otherwise (a log file).
