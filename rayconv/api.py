@@ -48,7 +48,7 @@ def fit(config: Optional[Config] = None, /, *, log=print, on_eval=None, **settin
         values["model"] = model_name(values["model"])
     cfg = from_mapping(values).validate()
     # The driver imports Ray, then torch (seconds), only once the settings are known to be good; the
-    # actors start before torch where they can (driver.prestart).
+    # actors start before torch where they can (driver.early).
     from rayconv.driver.prestart import with_output_folder
 
     return start_and_train(with_output_folder(cfg), log=log, on_eval=on_eval)
@@ -56,10 +56,10 @@ def fit(config: Optional[Config] = None, /, *, log=print, on_eval=None, **settin
 
 def start_and_train(cfg: Config, log=print, **kw: Any) -> dict[str, Any]:
     """``driver.job.train_run(cfg, log, **kw)`` with the actors started before the driver imports
-    torch where they can (``driver.prestart``); ``cfg`` has its output folder named (``with_output_folder``:
-    the actors' run name is made from it). Raises what ``train_run`` raises; actors started here and
-    not taken by the run are stopped."""
-    from rayconv.driver.prestart import start_first  # (Ray; not torch)
+    torch where they can (``driver.early.start_first``); ``cfg`` has its output folder named
+    (``with_output_folder``: the actors' run name is made from it). Raises what ``train_run`` raises;
+    actors started here and not taken by the run are stopped."""
+    from rayconv.driver.early import start_first  # (Ray; not torch)
 
     run_name = start_first(cfg, log)   # (the run's name on the cluster, where its actors started)
     try:

@@ -47,7 +47,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         cfg = parse_command_line(argv)
         # The driver imports Ray, then torch (seconds), only once the arguments are known to be good;
-        # the actors start before torch where they can (driver.prestart).
+        # the actors start before torch where they can (driver.early).
         from rayconv.api import start_and_train
         from rayconv.driver.prestart import with_output_folder
 

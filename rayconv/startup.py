@@ -11,7 +11,7 @@ device) and their CUDA-graph capture are placed on the driver's clock from what 
                 /proc is absent: the monotonic stamp taken when ``rayconv.run`` was imported)
     phases      name -> seconds since the origin at which the phase ended, in the order they ended:
                 ray (connected or started; ``ray`` says which), imports (the driver's modules: after ray
-                where the actors start first, ``driver.prestart``; else before it), data
+                where the actors start first, ``driver.early``; else before it), data
                 (the driver's checks: the data's metadata, the model, the plan; before ray where the
                 actors cannot start during them, ``driver.early``; ``model_checked`` before it where an actor
                 checked the model: the driver's wait for that actor's imports and check), actors_alive (their

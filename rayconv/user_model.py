@@ -17,7 +17,7 @@ can fix raise ConfigError in one line naming ``--model``.
 
 This module imports torch only to build a model or to check one given to ``rayconv.fit``: the driver
 names the model and sets up the actors' runtime environment (``actor_runtime_env``) before it imports
-torch (``driver.prestart``).
+torch (``driver.early.start_first``).
 """
 
 from __future__ import annotations

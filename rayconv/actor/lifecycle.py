@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 class TrainingCode:
     """The actor's training code, imported in the actor's own process (``load``, from its ``__init__``):
     the driver only names ``Actor`` to Ray, so it can start the actors before it imports torch itself
-    (``driver.prestart``), and their imports run meanwhile."""
+    (``driver.early.start_first``), and their imports run meanwhile."""
 
     torch: ModuleType
     step: ModuleType       # actor/step.py: train_step, flush, evaluate

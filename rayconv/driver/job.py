@@ -33,7 +33,7 @@ from rayconv.cluster.acquire import ActorSpec, acquire, release, release_started
 from rayconv.cluster.group import ActorGroup
 from rayconv.config import Config
 from rayconv.data.source import Sharding
-from rayconv.driver.early import REFUSALS, start_early
+from rayconv.driver.early import REFUSALS
 from rayconv.driver.elastic import cluster_free, continue_mesh, first_words, memory_fits, wait_for_devices
 from rayconv.driver.finish import finish, finish_evaluation, held_decode, recording_stop, writing_into
 from rayconv.driver.loop import Run, checkpoint, train
@@ -59,8 +59,9 @@ def train_run(cfg: Config, log=print, on_step=None, on_eval=None, run_name: Opti
     ``on_step(actor_group, step)``, if given, is called after each step (tests use it to inspect every actor);
     ``on_eval(row, total_steps)`` after each evaluation, with its metrics row (``step``, ``test_accuracy``,
     ... and the last ``train_loss``): raising ``errors.RunStopped`` there stops the run as Ctrl-C does.
-    ``run_name``: the name the run's actors started under before torch was imported (``driver.prestart``;
-    else they start once the layout is known, ``driver.early``, under a new name).
+    ``run_name``: the name the run's actors started under before torch was imported
+    (``driver.early.start_first``; else they start once the layout is known, ``driver.early``, under a new
+    name).
     Raises ConfigError / DataError / LayoutError / CheckpointError before anything is written,
     ClusterError if an actor fails more than ``cfg.failure_budget`` times. A run stopped by Ctrl-C or
     SIGTERM after a step keeps its folder: config.json, metrics.parquet of the steps done, summary.json
@@ -130,9 +131,9 @@ class Controller:
                 ckpt = self.resize(run, decision, time.monotonic(), written)
 
     def start_early(self, cfg: Config, mesh: Mesh, run_name: str) -> Optional[ActorGroup]:
-        """The actors started while resolve still checks (``early.start_early``), under ``run_name``."""
+        """The actors started while resolve still checks (``driver.early``), under ``run_name``."""
         self.run_name = run_name
-        return start_early(cfg, mesh, run_name)
+        return acquire(ActorSpec(Actor, cfg, mesh, run_name), early=True)
 
     def attempt(self, run: Run, ckpt: Optional[Checkpoint]) -> tuple[Optional[dict[str, Any]], Decision]:
         """acquire -> build -> train -> finish (the summary), or -> checkpoint (a preemption) until a

@@ -5,7 +5,7 @@ The checks that need only the model's description (``resolve.check_before_ray``:
 meta device or traced on the CPU, its image size and class count against the data's, ``--pp`` against its
 layers, ``--fs`` against its channels) refuse a run before Ray is connected. They need torch in the driver
 (seconds; a torchvision model, torchvision too), which the actors started early import meanwhile
-(``driver.early``, ``driver.prestart``). So a run checks first, before Ray, unless the same settings passed
+(``driver.early``). So a run checks first, before Ray, unless the same settings passed
 these checks on this machine before (``passed``): then its actors start first and the same checks run
 while they start, as they would pass again. ``remember`` records a pass: one empty file per settings'
 key in ``$RAYCONV_CACHE_DIR/model-checks/`` (default ``~/.cache/rayconv/``).
@@ -14,7 +14,7 @@ The key (``key``) is every setting except those the model's checks never read (`
 the run's length, its outputs and operation) and the installed rayconv, torch and torchvision versions.
 Only passes are kept, so a key that stays the same while something it leaves out changed (a user's model
 file, the images under ``--data-dir``) only moves a refusal after Ray starts, where the checks run still.
-No torch or Ray here (``driver.prestart`` imports it before torch).
+No torch or Ray here (``driver.early`` imports it before torch).
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""What a run resolves before the driver imports torch, and its actors started from there.
+"""What a run resolves before the driver imports torch: its output folder named and checked, Ray
+connected, its layout resolved against the cluster's devices.
 
-``start_first`` runs before the command and ``rayconv.fit`` import ``driver.job`` (``api.start_and_train``):
-where the run's actors can start before the driver's checks (``can_start_first``: no ``--resume``, no user's
-model or ``--init`` file, no ``--layout auto``, and ``driver.early``'s conditions), it checks the output
-folder (named by the caller: ``with_output_folder``), connects Ray (``connect_run``), resolves the device and
-``dp`` (``resolve_layout``) and starts the actors (``driver.early.start_early``), all without torch; only then
-does the driver import torch and the training code (seconds) while the actors' processes start and import
-theirs. ``train_run`` then resolves the run as it would (``driver.resolve``: the same checks, in the same
-order after the layout), reusing the connection, the run name and the actors. Where the actors cannot start
-first, ``train_run`` runs as it is.
-
-The output folder's checks and the layout against the cluster live here so that this module imports
-neither torch nor anything that does (a test imports it in a fresh process and checks).
+``driver.early.start_first`` resolves these before the command and ``rayconv.fit`` import ``driver.job``,
+to start the run's actors first; ``driver.resolve`` resolves them again as every run does (the same
+checks, in the same order after the layout), reusing the connection. They live here so that this
+module imports neither torch nor anything that does (a test imports it in a fresh process and checks).
 """
 
 from __future__ import annotations
@@ -31,49 +24,12 @@ import ray
 from rayconv import startup
 from rayconv.cluster.connect import available_devices, cluster_origin, cluster_size, connect
 from rayconv.config import Config
-from rayconv.driver.early import needs_devices, start_early
-from rayconv.driver.passed import passed
 from rayconv.errors import CheckpointError, ConfigError
 from rayconv.mesh import Mesh
-from rayconv.model_names import check_known
 from rayconv.outputs.checkpoint import Checkpoint, find_checkpoint, list_checkpoints
 from rayconv.storage import Place, is_uri, place
 from rayconv.storage_checks import check_writable
-from rayconv.user_model import is_user_model, model_label
-
-
-def can_start_first(cfg: Config) -> bool:
-    """Whether ``cfg``'s actors may start before the driver imports torch: nothing the driver checks
-    before the layout needs torch (no ``--resume`` checkpoint, user's model, ``--init`` file or
-    ``--layout auto`` plan) and nothing after it needs the cluster's devices (``early.needs_devices``)."""
-    return not (
-        cfg.resume or cfg.init or cfg.layout == "auto" or is_user_model(cfg.model) or needs_devices(cfg)
-    )
-
-
-def start_first(cfg: Config, log=print) -> Optional[str]:
-    """The run's actors started before torch is imported, when ``can_start_first``: the model's name
-    checked against this machine's listing of torchvision's models (``model_names.check_known``), the output
-    folder (named: ``with_output_folder``) checked, Ray connected (the start-up clock's ``ray``), the layout
-    resolved, the actors started without waiting for them (``early.start_early``). Returns the run's name
-    they started under; None where none started (not ``can_start_first``, or the layout does not fit: the
-    run refuses it after its checks, as it would; or the cluster lacks the devices yet: the run waits for
-    them as it would; also where the model's checks have not passed for these settings on this machine:
-    ``driver.passed``, the run checks its model before Ray). Raises ConfigError / FileExistsError (the
-    output folder), ClusterError (Ray)."""
-    if not can_start_first(cfg) or not passed(cfg):
-        return None
-    # (a torchvision model's name, where this machine listed them: the actors check the rest)
-    check_known(cfg.model)
-    out = output_place(cfg)
-    check_output_folder(out, None)
-    connect_run(cfg)
-    try:
-        resolved, mesh = resolve_layout(cfg, log, wait=False)
-    except ConfigError:   # (too few devices yet, or a layout the run refuses once its checks say why)
-        return None
-    run_name = new_run_name(out)
-    return run_name if start_early(resolved, mesh, run_name) is not None else None
+from rayconv.user_model import model_label
 
 
 def connect_run(cfg: Config) -> None:
@@ -83,7 +39,8 @@ def connect_run(cfg: Config) -> None:
     clock = startup.current()
     if clock is not None and "ray" in clock.phases and ray.is_initialized():
         return
-    how = connect(cfg.address, min_cpus=cluster_cpus(cfg))
+    min_cpus = cluster_cpus(cfg)
+    how = connect(cfg.address, min_cpus=min_cpus)
     startup.mark("ray")
     if clock is not None:
         clock.ray = how

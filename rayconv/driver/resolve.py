@@ -113,7 +113,7 @@ def resolve_run(cfg: Config, log=print, on_layout=None, run_name: Optional[str] 
     """Check and resolve everything a run needs before its actors' setup (see the module docstring).
     ``on_layout(cfg, mesh, run_name)``, if given, is called once the device and the mesh are known,
     before the checks that take longer (``resolve_on_cluster``); ``run_name``: the name the actors
-    started under (``driver.prestart``), else a new one. Nothing is written. Raises
+    started under (``driver.early.start_first``), else a new one. Nothing is written. Raises
     ConfigError / DataError / LayoutError / CheckpointError / FileExistsError (the settings and the
     output folder's before Ray starts), ClusterError when the cluster cannot be reached."""
     t_start = time.perf_counter()
@@ -185,7 +185,7 @@ def resolve_on_cluster(cfg: Config, log=print, resume: Optional[Checkpoint] = No
         source, sharding, reference, checked = check_before_ray(cfg, resume)
         startup.mark("data")
     dp_given = cfg.dp is not None
-    connect_run(cfg)   # (nothing when driver.prestart connected this run)
+    connect_run(cfg)   # (nothing when driver.early.start_first connected this run)
     try:
         cfg, mesh = resolve_layout(cfg, log, wait=not early)
     except ConfigError:

@@ -42,10 +42,10 @@ def test_a_run_of_rayconvs_own_model_does_not_import_torchvision():
 
 
 def test_the_actors_start_before_the_driver_imports_torch():
-    """What the driver runs up to starting a run's actors (``driver.prestart``: the output folder, Ray,
-    the layout, ``driver.early`` and the actor class named to Ray) imports no torch, so the actors'
+    """What the driver runs up to starting a run's actors (``driver.early.start_first``; ``driver.prestart``:
+    the output folder, Ray, the layout; the actor class named to Ray) imports no torch, so the actors'
     processes start and import it while the driver imports its own."""
-    code = ("import sys; import rayconv.run, rayconv.api; from rayconv.driver import prestart; "
+    code = ("import sys; import rayconv.run, rayconv.api; from rayconv.driver import early, prestart; "
             "from rayconv.actor.actor import Actor; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", (out.stdout, out.stderr[-2000:])
@@ -61,11 +61,11 @@ def test_digits_read_without_scikit_learn_equal_load_digits():
 
 
 def test_runs_that_need_torch_before_their_layout_start_their_actors_after_it():
-    """``driver.prestart.can_start_first``: a resumed run (its checkpoint's steps), a user's model (its
+    """``driver.early.can_start_first``: a resumed run (its checkpoint's steps), a user's model (its
     module imports torch), an ``--init`` file, ``--layout auto`` (the planner) and runs whose checks
     need the cluster's devices start their actors once the driver has imported torch."""
     from rayconv.config import Config
-    from rayconv.driver.prestart import can_start_first
+    from rayconv.driver.early import can_start_first
 
     assert can_start_first(Config().validate()) and can_start_first(Config(model="resnet18", dp=2).validate())
     for settings in ({"resume": "runs/x"}, {"model": "mymodels:build"}, {"init": "weights.pt"},
