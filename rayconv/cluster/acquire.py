@@ -195,4 +195,4 @@ def _kept(spec: ActorSpec) -> Optional[ActorGroup]:
         return pool.take(key, settings, spec.run_name, roles, need=group_need(spec.cfg, spec.mesh))
     actors, names, pg, info = claimed
     group = ActorGroup(actors, roles, pg, info, key=key, names=names, across=True)
-    return group if pool.renew(group, settings, spec.run_name, roles) else None
+    return group if group.renew(settings, spec.run_name, roles) else None

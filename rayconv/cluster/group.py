@@ -14,6 +14,7 @@ every node. Which actors a run gets (new ones from here, or kept ones) is ``clus
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -33,6 +34,7 @@ from rayconv.mesh import Mesh
 from rayconv.user_model import actor_runtime_env
 
 LOST_GRACE_S = 2.0  # after an actor error, how long to look for a lost actor that caused it
+RENEW_S = 30.0  # how long kept actors may take to renew before new ones are started instead
 
 
 @dataclass
@@ -135,6 +137,23 @@ class ActorGroup:
             raise ClusterError(f"the {len(self.actors)} actors did not start within {limit_s:g} s "
                                "(--max-wait; their processes start and import torch, slowly on a loaded "
                                "machine): raise --max-wait") from None
+
+    def renew(self, settings: dict[str, Any], run_name: str, roles: list[str]) -> bool:
+        """Renew the actors of a kept group for the run ``run_name`` (``Actor.renew(settings, run_name,
+        role)``, in rank order, within RENEW_S seconds, plus what is left of the start-up limit of actors
+        still starting) and set its roles; False when one does not (gone, failed: the group is then
+        stopped, ``collect`` kills it, and the run starts its own)."""
+        left_s = 0.0 if self.starting is None else max(0.0, self.starting[1] - time.monotonic())
+        try:
+            renewing = self.submit_each(pool.KeptActor.renew, [(settings, run_name, r) for r in roles])
+            self.collect(renewing, timeout_s=RENEW_S + left_s)
+        except Exception as e:  # noqa: BLE001 - stopped (collect kills it): the run starts its own
+            logging.getLogger("rayconv").info("kept actors did not renew (%s): starting new ones",
+                                              exception_summary(e))
+            self.kill()
+            return False
+        self.roles, self.reused = list(roles), True
+        return True
 
     def __enter__(self) -> "ActorGroup":
         return self

@@ -3,9 +3,9 @@
 An actor's process costs seconds to start: Ray starts it, it imports torch and torch._dynamo (and on a
 GPU makes its CUDA context). A second ``rayconv.fit`` in the same process (a notebook, a script's loop
 over settings, the test suite) that needs the same actors takes the kept ones instead: the same
-placement group, the same processes, each ``renew``-ed (its previous run's state dropped, its process
-groups left, torch.compile's caches reset) before the new run's ``build``. This is Ray Tune's
-``reuse_actors`` (``TuneConfig``) for rayconv's gangs of actors.
+placement group, the same processes, each renewed (``ActorGroup.renew``: its previous run's state
+dropped, its process groups left, torch.compile's caches reset) before the new run's ``build``. This is
+Ray Tune's ``reuse_actors`` (``TuneConfig``) for rayconv's gangs of actors.
 
 "The same actors": the same actor class, count, bundle (CPUs, GPU share), runtime environment (a
 user's modules by the content hash of their upload, a pickled model) and cluster connection; for the
@@ -32,16 +32,12 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
 import ray
 
-from rayconv.cluster.connect import exception_summary
 from rayconv.cluster.watch import code_hash
-
-RENEW_S = 30.0  # how long kept actors may take to renew before new ones are started instead
 
 
 class KeptActor(Protocol):
@@ -102,10 +98,10 @@ def keep(group: Any, key: str, keep_s: float) -> bool:
 def take(key: str, cfg_dict: dict[str, Any], run_name: str, roles: list[str],
          need: Optional[dict[str, float]] = None) -> Optional[Any]:
     """The kept group that matches ``key`` on this cluster (the last kept of several), its actors renewed
-    for the run ``run_name`` (``Actor.renew(cfg_dict, run_name, role)``, in rank order) and its roles
-    set; else None. The other kept groups stay kept; those of another cluster connection are dropped. A
-    kept actor that does not renew (gone, failed) makes it None too, its group stopped: the run starts
-    its own.
+    for the run ``run_name`` (``ActorGroup.renew``: ``Actor.renew(cfg_dict, run_name, role)``, in rank
+    order) and its roles set; else None. The other kept groups stay kept; those of another cluster
+    connection are dropped. A kept actor that does not renew (gone, failed) makes it None too, its group
+    stopped: the run starts its own.
 
     ``need`` (the run's placement group in all), given: where the cluster's free resources do not hold
     it, the smallest kept group of more such actors (``key`` but for the count), all on one node and in
@@ -130,10 +126,10 @@ def take(key: str, cfg_dict: dict[str, Any], run_name: str, roles: list[str],
 
 def _renewed(kept: _Kept, cfg_dict: dict[str, Any], run_name: str, roles: list[str]) -> Optional[Any]:
     """``kept``'s group, taken out of the pool (its timer stopped) and renewed for the run ``run_name``
-    (``renew``); None when it does not renew, its group then stopped."""
+    (``ActorGroup.renew``); None when it does not renew, its group then stopped."""
     if kept.timer is not None:
         kept.timer.cancel()
-    if not renew(kept.group, cfg_dict, run_name, roles):
+    if not kept.group.renew(cfg_dict, run_name, roles):
         _stop(kept)
         return None
     return kept.group
@@ -211,26 +207,6 @@ def _held(group: Any) -> dict[str, float]:
 def _add(total: dict[str, float], more: dict[str, float]) -> None:
     for r, v in more.items():
         total[r] = total.get(r, 0.0) + v
-
-
-def renew(group: Any, cfg_dict: dict[str, Any], run_name: str, roles: list[str]) -> bool:
-    """Renew the actors of a kept ``group`` for the run ``run_name`` (``Actor.renew(cfg_dict, run_name,
-    role)``, in rank order, within RENEW_S seconds, plus what is left of the start-up limit of actors
-    still starting) and set its roles; False when one does not (gone, failed: the group is then
-    stopped, ``collect`` kills it, and the run starts its own)."""
-    left_s = 0.0 if group.starting is None else max(0.0, group.starting[1] - time.monotonic())
-    try:
-        renewing = group.submit_each(KeptActor.renew, [(cfg_dict, run_name, r) for r in roles])
-        group.collect(renewing, timeout_s=RENEW_S + left_s)
-    except Exception as e:  # noqa: BLE001 - the group is stopped (collect kills it); the run starts its own
-        import logging
-
-        logging.getLogger("rayconv").info("kept actors did not renew (%s): starting new ones",
-                                          exception_summary(e))
-        group.kill()
-        return False
-    group.roles, group.reused = list(roles), True
-    return True
 
 
 def release() -> None:
