@@ -13,8 +13,9 @@
     keep_across_commands()   this process is a command: its actors may be kept on the cluster
 
 ``ActorSpec`` is what the layout needs of its actors: their count and roles (the mesh), each one's
-resources (``group.actor_bundle``), where they go (one placement group, PACK; a Tune trial's given
-one), and the code they run (the actor class, the runtime environment, the code hash: ``pool.actors_key``).
+resources (``actor_bundle``), where they go (one placement group, PACK; a Tune trial's given one:
+``given_group``), and the code they run (the actor class, the runtime environment: ``actors_env``, the
+code hash: ``pool.actors_key``). This module works them out: ``group`` is handed plain values.
 """
 
 from __future__ import annotations
@@ -25,16 +26,34 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ray.util.placement_group import get_current_placement_group
+
 from rayconv.cluster import across, pool
-from rayconv.cluster.connect import exception_summary
-from rayconv.cluster.group import (ActorGroup, actor_bundle, actors_env, create_actors, given_group,
-                                   group_need, reserve)
+from rayconv.cluster.connect import ALL_GPUS_VISIBLE_ENV, exception_summary, with_uploads
+from rayconv.cluster.group import ActorGroup, create_actors, reserve
 from rayconv.config import Config
 from rayconv.errors import ClusterError, ConfigError, DataError
 from rayconv.mesh import Mesh
+from rayconv.user_model import actor_runtime_env
 
 RESERVE_S = 2.0  # how long an early start waits for free bundles before leaving the start for later
 _STARTED: dict[str, tuple[Mesh, ActorGroup]] = {}   # actors started early, by run name, not yet acquired
+
+
+def actor_bundle(cfg: Config) -> dict[str, float]:
+    """What one actor of ``cfg`` (device resolved) reserves: on GPUs 1 CPU and ``--gpus-per-actor`` of a
+    GPU, on CPU ``--num-cpus-per-actor`` CPUs."""
+    return {"CPU": 1, "GPU": cfg.gpus_per_actor} if cfg.device == "cuda" else {"CPU": cfg.num_cpus_per_actor}
+
+
+def actors_env(cfg: Config, mesh: Mesh) -> Optional[dict[str, Any]]:
+    """The actors' runtime environment: a user's modules (uploaded: ``with_uploads``) and the GPU
+    visibility setting (``--all-gpus-visible``) where there are NCCL peers: a mesh of one actor sees its
+    GPU alone, which is the same to it, and without an environment of its own it starts in one of the
+    worker processes Ray starts for the job when it connects, not in a new one (seconds sooner). None
+    when there is nothing."""
+    sees_all = cfg.device == "cuda" and cfg.all_gpus_visible and mesh.world_size > 1
+    return with_uploads(actor_runtime_env(cfg.model, ALL_GPUS_VISIBLE_ENV if sees_all else {}))
 
 
 @dataclass(frozen=True)
@@ -57,15 +76,43 @@ class ActorSpec:
     def roles(self) -> list[str]:
         return [self.mesh.role(r) for r in range(self.mesh.world_size)]
 
+    @property
+    def bundle(self) -> dict[str, float]:
+        """What each actor reserves (``actor_bundle``)."""
+        return actor_bundle(self.cfg)
+
+    @property
+    def need(self) -> dict[str, float]:
+        """What the run's placement group reserves in all: ``bundle`` once per actor."""
+        return {r: v * self.mesh.world_size for r, v in self.bundle.items()}
+
     @functools.cached_property
     def env(self) -> Optional[dict[str, Any]]:
-        """The actors' runtime environment (``group.actors_env``: a user's modules uploaded once)."""
+        """The actors' runtime environment (``actors_env``: a user's modules uploaded once)."""
         return actors_env(self.cfg, self.mesh)
 
     def key(self, given_pg: Optional[str] = None) -> str:
-        """What kept actors must match to serve this spec (``pool.actors_key``)."""
-        return pool.actors_key(self.actor_cls, self.mesh.world_size, actor_bundle(self.cfg), self.env,
-                               given_pg)
+        """What kept actors must match to serve this spec (``pool.actors_key``); ``given_pg``: the id of
+        the placement group the run was given (``given_group``)."""
+        return pool.actors_key(self.actor_cls, self.mesh.world_size, self.bundle, self.env, given_pg)
+
+
+def given_group(spec: ActorSpec) -> Optional[tuple[Any, int]]:
+    """(placement group, index of the first of its last ``mesh.world_size`` bundles) when this process
+    runs inside a placement group (``get_current_placement_group``: a Ray Tune trial's), else None. Raises
+    ClusterError when that group's last bundles cannot each hold one actor of ``spec``."""
+    pg = get_current_placement_group()
+    if pg is None:
+        return None
+    bundles = [dict(b) for b in pg.bundle_specs]
+    mesh, need = spec.mesh, spec.bundle
+    first = len(bundles) - mesh.world_size
+    mine = bundles[max(0, first):]
+    if first < 0 or any(b.get(k, 0) + 1e-9 < v for b in mine for k, v in need.items()):
+        raise ClusterError(f"this run is inside a placement group of bundles {bundles}, which does not end "
+                           f"in {mesh.world_size} x {need} (layout {mesh.describe()}): give the group one "
+                           "such bundle per actor (rayconv.tune does), or start the run outside it")
+    return pg, first
 
 
 def acquire(spec: ActorSpec, *, early: bool = False) -> Optional[ActorGroup]:
@@ -151,30 +198,32 @@ def _start(spec: ActorSpec, *, wait: bool = True) -> ActorGroup:
     start): the reservation waits at most ``RESERVE_S`` and the actors are not waited for. Raises
     ClusterError saying which of the two ran out and that --max-wait raises it, or naming a Ray error at
     start."""
-    t0, cfg, mesh = time.monotonic(), spec.cfg, spec.mesh
-    given = given_group(cfg, mesh)
+    t0 = time.monotonic()
+    given = given_group(spec)
     if given is not None:   # a Tune trial's group: its bundles are this run's
         return _in_given_group(spec, given, spec.limit_s, wait=wait)
     kept = _kept(spec)
     if kept is not None:
         return kept
-    pg = reserve(cfg, mesh, spec.run_name, spec.limit_s if wait else min(spec.limit_s, RESERVE_S))
-    return create_actors(spec.actor_cls, cfg, mesh, spec.run_name, pg,
-                         max(0.0, spec.limit_s - (time.monotonic() - t0)), limit_s=spec.limit_s, wait=wait,
-                         env=spec.env)
+    pg = reserve(spec.bundle, spec.mesh.world_size, spec.run_name,
+                 spec.limit_s if wait else min(spec.limit_s, RESERVE_S))
+    return create_actors(spec.actor_cls, spec.cfg.to_dict(), spec.roles, spec.run_name, pg,
+                         max(0.0, spec.limit_s - (time.monotonic() - t0)), bundle=spec.bundle, env=spec.env,
+                         key=spec.key(), limit_s=spec.limit_s, wait=wait)
 
 
 def _in_given_group(spec: ActorSpec, given: tuple[Any, int], timeout_s: float, wait: bool) -> ActorGroup:
-    """The actors of a run inside a placement group it was given (``group.given_group``: a Tune trial's):
+    """The actors of a run inside a placement group it was given (``given_group``: a Tune trial's):
     those the trial's process kept from its last run there (Tune handed the process and its placement
     group to this trial), renewed, or new ones in its bundles (``group.create_actors``)."""
     pg, first = given
-    kept = pool.take(spec.key(pg.id.hex()), spec.cfg.to_dict(), spec.run_name, spec.roles)
+    key = spec.key(pg.id.hex())
+    kept = pool.take(key, spec.cfg.to_dict(), spec.run_name, spec.roles)
     if kept is not None:
         return kept
     pool.release()   # (groups kept in this placement group hold the bundles the new actors need)
-    return create_actors(spec.actor_cls, spec.cfg, spec.mesh, spec.run_name, pg, timeout_s,
-                         first_bundle=first, wait=wait, env=spec.env)
+    return create_actors(spec.actor_cls, spec.cfg.to_dict(), spec.roles, spec.run_name, pg, timeout_s,
+                         bundle=spec.bundle, env=spec.env, key=key, first_bundle=first, wait=wait)
 
 
 def _kept(spec: ActorSpec) -> Optional[ActorGroup]:
@@ -192,7 +241,7 @@ def _kept(spec: ActorSpec) -> Optional[ActorGroup]:
                                           exception_summary(e))
         return None
     if claimed is None:
-        return pool.take(key, settings, spec.run_name, roles, need=group_need(spec.cfg, spec.mesh))
+        return pool.take(key, settings, spec.run_name, roles, need=spec.need)
     actors, names, pg, info = claimed
     group = ActorGroup(actors, roles, pg, info, key=key, names=names, across=True)
     return group if group.renew(settings, spec.run_name, roles) else None

@@ -9,7 +9,9 @@ last bundles and leave the group to its owner. The actor class is the caller's
 (``rayconv.actor.actor.Actor`` for a training run): this module only places and calls it. A user's
 model (``--model MODULE:FUNCTION``) reaches the actors through Ray's runtime environment
 (``user_model.actor_runtime_env``: its modules in ``py_modules``, uploaded by ``connect.with_uploads``), on
-every node. Which actors a run gets (new ones from here, or kept ones) is ``cluster.acquire``'s.
+every node. What each actor reserves, its runtime environment and roles are the run's ``ActorSpec``'s,
+handed here as plain values; which actors a run gets (new ones from here, or kept ones, renewed here:
+``ActorGroup.renew``) is ``cluster.acquire``'s.
 """
 
 from __future__ import annotations
@@ -20,18 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import ray
-from ray.util.placement_group import (get_current_placement_group, placement_group, placement_group_table,
-                                      remove_placement_group)
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayconv.cluster import across, pool
 from rayconv.cluster.calls import Method, Pending, is_collective_failure, is_lost
-from rayconv.cluster.connect import (ALL_GPUS_VISIBLE_ENV, NAMESPACE, actor_error, exception_summary,
-                                     first_line, with_uploads)
-from rayconv.config import Config
+from rayconv.cluster.connect import NAMESPACE, actor_error, exception_summary, first_line
 from rayconv.errors import CallTimeout, ClusterError
-from rayconv.mesh import Mesh
-from rayconv.user_model import actor_runtime_env
 
 LOST_GRACE_S = 2.0  # after an actor error, how long to look for a lost actor that caused it
 RENEW_S = 30.0  # how long kept actors may take to renew before new ones are started instead
@@ -196,57 +193,18 @@ class ActorGroup:
             pass
 
 
-def actors_env(cfg: Config, mesh: Mesh) -> Optional[dict[str, Any]]:
-    """The actors' runtime environment: a user's modules (uploaded: ``with_uploads``) and the GPU
-    visibility setting (``--all-gpus-visible``) where there are NCCL peers: a mesh of one actor sees its
-    GPU alone, which is the same to it, and without an environment of its own it starts in one of the
-    worker processes Ray starts for the job when it connects, not in a new one (seconds sooner). None
-    when there is nothing."""
-    sees_all = cfg.device == "cuda" and cfg.all_gpus_visible and mesh.world_size > 1
-    return with_uploads(actor_runtime_env(cfg.model, ALL_GPUS_VISIBLE_ENV if sees_all else {}))
-
-
-def actor_bundle(cfg: Config) -> dict[str, float]:
-    """What one actor of ``cfg`` (device resolved) reserves: on GPUs 1 CPU and ``--gpus-per-actor`` of a
-    GPU, on CPU ``--num-cpus-per-actor`` CPUs."""
-    return {"CPU": 1, "GPU": cfg.gpus_per_actor} if cfg.device == "cuda" else {"CPU": cfg.num_cpus_per_actor}
-
-
-def group_need(cfg: Config, mesh: Mesh) -> dict[str, float]:
-    """What the run's placement group reserves in all: ``actor_bundle(cfg)`` once per actor of ``mesh``."""
-    return {r: v * mesh.world_size for r, v in actor_bundle(cfg).items()}
-
-
-def given_group(cfg: Config, mesh: Mesh) -> Optional[tuple[Any, int]]:
-    """(placement group, index of the first of its last ``mesh.world_size`` bundles) when this process
-    runs inside a placement group (``get_current_placement_group``: a Ray Tune trial's), else None. Raises
-    ClusterError when that group's last bundles cannot each hold one actor of ``cfg``."""
-    pg = get_current_placement_group()
-    if pg is None:
-        return None
-    bundles = [dict(b) for b in pg.bundle_specs]
-    need, first = actor_bundle(cfg), len(bundles) - mesh.world_size
-    mine = bundles[max(0, first):]
-    if first < 0 or any(b.get(k, 0) + 1e-9 < v for b in mine for k, v in need.items()):
-        raise ClusterError(f"this run is inside a placement group of bundles {bundles}, which does not end "
-                           f"in {mesh.world_size} x {need} (layout {mesh.describe()}): give the group one "
-                           "such bundle per actor (rayconv.tune does), or start the run outside it")
-    return pg, first
-
-
-def reserve(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float) -> Any:
-    """The run's placement group ``rayconv/<run>``, one bundle per actor (PACK), ready within ``timeout_s``
-    seconds; detached where its actors may be kept on the cluster for the next command (``across``).
-    Raises ClusterError (nothing stays reserved)."""
-    bundle = actor_bundle(cfg)
+def reserve(bundle: dict[str, float], count: int, run_name: str, timeout_s: float) -> Any:
+    """The run's placement group ``rayconv/<run>``, ``count`` bundles ``bundle`` (one per actor, PACK), ready
+    within ``timeout_s`` seconds; detached where its actors may be kept on the cluster for the next
+    command (``across``). Raises ClusterError (nothing stays reserved)."""
     # (groups a previous run kept, not the ones this run needs: stopped where this run does not fit beside
     # them)
-    pool.make_room(group_need(cfg, mesh))
+    pool.make_room({r: v * count for r, v in bundle.items()})
     across.sweep()   # (placement groups of commands that died before their actors existed)
     name = f"rayconv/{run_name}"
     deadline = time.monotonic() + timeout_s
     try:
-        pg = placement_group([dict(bundle) for _ in range(mesh.world_size)], strategy="PACK", name=name,
+        pg = placement_group([dict(bundle) for _ in range(count)], strategy="PACK", name=name,
                              lifetime="detached" if across.enabled() else None)
         across.pending(name)   # (until its actors exist and watch it: create_actors)
     except ray.exceptions.RayError as e:
@@ -263,7 +221,7 @@ def reserve(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float) -> Any:
         ActorGroup([], [], pg, []).kill()  # removes the placement group
         across.created(name)
         if isinstance(e, ray.exceptions.GetTimeoutError):
-            raise ClusterError(f"could not reserve {mesh.world_size} x {bundle} within {timeout_s:g} s "
+            raise ClusterError(f"could not reserve {count} x {bundle} within {timeout_s:g} s "
                                "(--max-wait): the cluster is busy or too small; free resources, lower the "
                                "layout or raise --max-wait") from None
         if isinstance(e, ray.exceptions.RayError):
@@ -273,54 +231,52 @@ def reserve(cfg: Config, mesh: Mesh, run_name: str, timeout_s: float) -> Any:
     return pg
 
 
-def create_actors(actor_cls: type, cfg: Config, mesh: Mesh, run_name: str, pg: Any, timeout_s: float,
-                 limit_s: Optional[float] = None, first_bundle: Optional[int] = None, wait: bool = True,
-                 env: Optional[dict[str, Any]] = None) -> ActorGroup:
-    """Start one ``actor_cls`` actor per bundle of ``pg`` (from ``first_bundle`` on, when given: a group
-    this run does not own, left to its owner) and wait up to ``timeout_s`` seconds for them
-    to run (part of the start-up limit ``limit_s``, named in the error; ``wait`` False: that wait is
-    ``wait_started``'s). ``actor_cls(cfg.to_dict(), run_name, role)`` makes an actor; it must have
-    ``whereami()``. Raises ClusterError; on failure the actors and ``pg`` are removed."""
-    gpu, bundle = cfg.device == "cuda", actor_bundle(cfg)
+def create_actors(actor_cls: type, settings: dict[str, Any], roles: list[str], run_name: str, pg: Any,
+                  timeout_s: float, *, bundle: dict[str, float], env: Optional[dict[str, Any]], key: str,
+                  limit_s: Optional[float] = None, first_bundle: Optional[int] = None,
+                  wait: bool = True) -> ActorGroup:
+    """Start one ``actor_cls`` actor per role of ``roles`` (rank order), each in a bundle ``bundle`` of ``pg``
+    (from ``first_bundle`` on, when given: a group this run does not own, left to its owner), in the
+    runtime environment ``env``, and wait up to ``timeout_s`` seconds for them to run (part of the start-up
+    limit ``limit_s``, named in the error; ``wait`` False: that wait is ``wait_started``'s).
+    ``actor_cls(settings, run_name, role)`` makes an actor; it must have ``whereami()``. ``key``: what
+    another run's actors must match to reuse these (``pool.actors_key``). Raises ClusterError; on failure
+    the actors and ``pg`` are removed."""
     owns, first_bundle = first_bundle is None, first_bundle or 0
     deadline = time.monotonic() + timeout_s
     actors: list[Any] = []
-    roles: list[str] = []
+    started: list[str] = []
     try:
         # Rank order: by node (in order of first appearance), then bundle index.
         nodes = placement_group_table(pg)["bundles_to_node_id"]
         node_order: dict[str, int] = {}
-        mine = range(first_bundle, first_bundle + mesh.world_size)
+        mine = range(first_bundle, first_bundle + len(roles))
         for b in mine:
             node_order.setdefault(nodes[b], len(node_order))
         bundles = sorted(mine, key=lambda b: (node_order[nodes[b]], b))
-        env = actors_env(cfg, mesh) if env is None else env
         remote = ray.remote(actor_cls)
-        names = [f"rayconv/{run_name}/{mesh.role(r)}" for r in range(mesh.world_size)]
+        names = [f"rayconv/{run_name}/{role}" for role in roles]
         _wait_names_free(names, max(0.0, deadline - time.monotonic()))
         # (detached, each watching this driver, where they may be kept on the cluster: across)
         options, kwargs = across.actor_options() if owns else ({}, {})
         for rank, b in enumerate(bundles):
-            role = mesh.role(rank)
             actors.append(remote.options(
                 name=names[rank], namespace=NAMESPACE, num_cpus=bundle["CPU"],
-                num_gpus=bundle["GPU"] if gpu else 0, max_restarts=0, runtime_env=env,
+                num_gpus=bundle.get("GPU", 0), max_restarts=0, runtime_env=env,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
                 **options,
-            ).remote(cfg.to_dict(), run_name, role, **kwargs))
-            roles.append(role)
+            ).remote(settings, run_name, roles[rank], **kwargs))
+            started.append(roles[rank])
     except BaseException as e:
         # Nothing stays reserved when the start fails (a busy cluster, a name in use, Ctrl-C).
-        ActorGroup(actors, roles, pg, [], first_bundle, owns).kill()
+        ActorGroup(actors, started, pg, [], first_bundle, owns).kill()
         if isinstance(e, ray.exceptions.RayError):
             raise ClusterError(f"Ray could not start the actors of run {run_name}: {first_line(e)}") from None
         raise
     finally:
         if owns:
             across.created(f"rayconv/{run_name}")
-    actor_group = ActorGroup(
-        actors, roles, pg, [], first_bundle, owns, names=names,
-        key=pool.actors_key(actor_cls, mesh.world_size, bundle, env, None if owns else pg.id.hex()))
+    actor_group = ActorGroup(actors, list(roles), pg, [], first_bundle, owns, names=names, key=key)
     actor_group.starting = (actor_group.submit(pool.KeptActor.whereami), deadline, limit_s or timeout_s)
     if wait:
         actor_group.wait_started()

@@ -11,7 +11,7 @@ it, before Tune removes the trial's placement group.
 
 Resources (``trial_resources``): the trial's process takes none (an empty head bundle); its
 placement group holds one bundle per actor of its layout, which the run's actors take
-(``cluster.group.given_group``). Tune so starts a trial only once its whole layout fits, and ending the
+(``cluster.acquire.given_group``). Tune so starts a trial only once its whole layout fits, and ending the
 trial frees it all. Except under PBT, Tune hands a trial's process and placement group to the next
 trial of the same resources (``reuse_actors``, ``reset_config``), and the actors of a run that finished
 stay there for the next trial's run (``cluster.pool``: renewed, not started again).
@@ -40,7 +40,7 @@ from typing import Any, Optional
 from ray import tune
 
 from rayconv.cluster.connect import available_devices
-from rayconv.cluster.group import actor_bundle
+from rayconv.cluster.acquire import actor_bundle
 from rayconv.config import Config
 from rayconv.errors import RunStopped
 from rayconv.files import write_json

@@ -220,10 +220,11 @@ def test_start_without_resources_names_max_wait(ray_cluster, tmp_path):
 def test_slow_actor_start_names_max_wait(ray_cluster, tmp_path):
     """Actors still starting (a new process importing torch) when --max-wait runs out: said so, not
     blamed on a stuck actor or collective."""
-    cfg, mesh = cfg_for(tmp_path / "slow"), Mesh(2, 1, 1)
-    pg = cluster.reserve(cfg, mesh, "slow-start", timeout_s=60)  # resources are there: only the start is slow
+    spec = ActorSpec(Actor, cfg_for(tmp_path / "slow"), Mesh(2, 1, 1), "slow-start")
+    pg = cluster.reserve(spec.bundle, 2, "slow-start", timeout_s=60)  # (the resources are there)
     with pytest.raises(ClusterError) as e:
-        cluster.create_actors(Actor, cfg, mesh, "slow-start", pg, timeout_s=0.3, limit_s=20)
+        cluster.create_actors(Actor, spec.cfg.to_dict(), spec.roles, "slow-start", pg, timeout_s=0.3,
+                              bundle=spec.bundle, env=spec.env, key=spec.key(), limit_s=20)
     msg = str(e.value)
     assert (
         msg.startswith("the 2 actors did not start within 20 s (--max-wait;") and "raise --max-wait" in msg

@@ -46,12 +46,12 @@ def test_visible_index_maps_ray_gpu_ids_to_torch_indices():
 
 
 def test_only_actors_with_nccl_peers_get_the_all_gpus_visible_environment():
-    """``group.actors_env``: GPU actors of a mesh of two or more see every GPU of their node
+    """``acquire.actors_env``: GPU actors of a mesh of two or more see every GPU of their node
     (``--all-gpus-visible``, an environment variable of their runtime environment); a mesh of one actor,
     CPU actors and ``--no-all-gpus-visible`` get no runtime environment, so Ray starts them in the worker
     processes it starts for the job ahead."""
     from rayconv.cluster.connect import ALL_GPUS_VISIBLE_ENV
-    from rayconv.cluster.group import actors_env
+    from rayconv.cluster.acquire import actors_env
     from rayconv.config import Config
     from rayconv.mesh import Mesh
 
