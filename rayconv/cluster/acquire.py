@@ -15,7 +15,8 @@
 ``ActorSpec`` is what the layout needs of its actors: their count and roles (the mesh), each one's
 resources (``actor_bundle``), where they go (one placement group, PACK; a Tune trial's given one:
 ``given_group``), and the code they run (the actor class, the runtime environment: ``actors_env``, the
-code hash: ``pool.actors_key``). This module works them out: ``group`` is handed plain values.
+code hash: ``pool.actors_key``). This module works them out and asks ``pool``, ``across`` and ``group``
+in that order, each in one place (``_start``), with plain values.
 """
 
 from __future__ import annotations
@@ -124,16 +125,19 @@ def acquire(spec: ActorSpec, *, early: bool = False) -> Optional[ActorGroup]:
     stopped). Returns the actors started early for ``spec.run_name`` (again, where started already),
     or None where they cannot start at once: the run acquires after its checks, where the error is met
     again and reported."""
-    if early:
-        return _start_early(spec)
-    started = _STARTED.pop(spec.run_name, None)
-    group = None
-    if started is not None and started[0] == spec.mesh:
-        group = started[1]
-    elif started is not None:
-        started[1].kill()
+    if early and spec.run_name in _STARTED:
+        return _STARTED[spec.run_name][1]
+    group = _taken_early(spec)   # (none for an early start)
     if group is None:
-        group = _start(spec)
+        try:
+            group = _start(spec, wait=not early)
+        except (ClusterError, ConfigError, DataError):
+            if not early:
+                raise
+            return None   # (nothing stays reserved: reserve and create_actors remove what they made)
+    if early:
+        _STARTED[spec.run_name] = (spec.mesh, group)
+        return group
     try:
         group.wait_started()
     except BaseException:
@@ -180,68 +184,57 @@ def keep_across_commands() -> None:
     across.keep_across_commands()
 
 
-def _start_early(spec: ActorSpec) -> Optional[ActorGroup]:
-    if spec.run_name in _STARTED:
-        return _STARTED[spec.run_name][1]
-    try:
-        group = _start(spec, wait=False)
-    except (ClusterError, ConfigError, DataError):
-        return None   # (nothing stays reserved: reserve and create_actors remove what they made)
-    _STARTED[spec.run_name] = (spec.mesh, group)
-    return group
+def _taken_early(spec: ActorSpec) -> Optional[ActorGroup]:
+    """The actors started early for ``spec.run_name``, taken where they have its mesh (else stopped)."""
+    started = _STARTED.pop(spec.run_name, None)
+    if started is None:
+        return None
+    mesh, group = started
+    if mesh == spec.mesh:
+        return group
+    group.kill()
+    return None
 
 
 def _start(spec: ActorSpec, *, wait: bool = True) -> ActorGroup:
-    """Kept actors, else new ones: one bundle per actor reserved, the actors started in rank order
-    (``group.create_actors``). ``spec.limit_s`` bounds the whole start-up: reserving the bundles (waiting
-    for free resources) and the actors' processes starting and importing torch. ``wait`` False (the early
-    start): the reservation waits at most ``RESERVE_S`` and the actors are not waited for. Raises
-    ClusterError saying which of the two ran out and that --max-wait raises it, or naming a Ray error at
-    start."""
-    t0 = time.monotonic()
+    """Kept actors, else new ones (the module docstring's order 2 to 4), each place asked once: the
+    pool (the same kind, else, where the run does not fit beside the kept groups, the first actors of a
+    larger one; else kept groups stopped until it fits), the cluster's registry (``across``), then the
+    group (a claimed group renewed; else one bundle per actor reserved and the actors started in rank
+    order). Inside a placement group the run was given (``given_group``: a Tune trial's), only the
+    actors the trial's process kept from its last run there (Tune handed the process and its placement
+    group to this trial), else new ones in its last bundles. ``spec.limit_s`` bounds the whole start-up:
+    reserving the bundles (waiting for free resources) and the actors' processes starting and importing
+    torch. ``wait`` False (the early start): the reservation waits at most ``RESERVE_S`` and the actors
+    are not waited for. Raises ClusterError saying which of the two ran out and that --max-wait raises
+    it, or naming a Ray error at start."""
+    t0, limit_s = time.monotonic(), spec.limit_s
     given = given_group(spec)
-    if given is not None:   # a Tune trial's group: its bundles are this run's
-        return _in_given_group(spec, given, spec.limit_s, wait=wait)
-    kept = _kept(spec)
+    key = spec.key(None if given is None else given[0].id.hex())
+    roles, settings = spec.roles, spec.cfg.to_dict()
+    need = spec.need if given is None else None   # (a given group: its own bundles, no larger group's)
+    kept = pool.take(key, settings, spec.run_name, roles, need=need)
     if kept is not None:
         return kept
-    pg = reserve(spec.bundle, spec.mesh.world_size, spec.run_name,
-                 spec.limit_s if wait else min(spec.limit_s, RESERVE_S))
-    return create_actors(spec.actor_cls, spec.cfg.to_dict(), spec.roles, spec.run_name, pg,
-                         max(0.0, spec.limit_s - (time.monotonic() - t0)), bundle=spec.bundle, env=spec.env,
-                         key=spec.key(), limit_s=spec.limit_s, wait=wait)
-
-
-def _in_given_group(spec: ActorSpec, given: tuple[Any, int], timeout_s: float, wait: bool) -> ActorGroup:
-    """The actors of a run inside a placement group it was given (``given_group``: a Tune trial's):
-    those the trial's process kept from its last run there (Tune handed the process and its placement
-    group to this trial), renewed, or new ones in its bundles (``group.create_actors``)."""
-    pg, first = given
-    key = spec.key(pg.id.hex())
-    kept = pool.take(key, spec.cfg.to_dict(), spec.run_name, spec.roles)
-    if kept is not None:
-        return kept
-    pool.release()   # (groups kept in this placement group hold the bundles the new actors need)
-    return create_actors(spec.actor_cls, spec.cfg.to_dict(), spec.roles, spec.run_name, pg, timeout_s,
-                         bundle=spec.bundle, env=spec.env, key=key, first_bundle=first, wait=wait)
-
-
-def _kept(spec: ActorSpec) -> Optional[ActorGroup]:
-    """The actors a previous run of this process kept (``pool.take``: the same kind; where the run does
-    not fit beside the kept groups, the first actors of a larger one), or a previous command kept on
-    the cluster (``across.claim``), renewed for this run; else None."""
-    key, roles, settings = spec.key(), spec.roles, spec.cfg.to_dict()
-    group = pool.take(key, settings, spec.run_name, roles)
-    if group is not None:
-        return group
-    try:
-        claimed = across.claim(key, spec.mesh.world_size)
-    except Exception as e:  # noqa: BLE001 - the registry unreadable: the run starts its own
-        logging.getLogger("rayconv").info("rayconv: no kept actors looked up on the cluster (%s)",
-                                          exception_summary(e))
-        return None
-    if claimed is None:
-        return pool.take(key, settings, spec.run_name, roles, need=spec.need)
-    actors, names, pg, info = claimed
-    group = ActorGroup(actors, roles, pg, info, key=key, names=names, across=True)
-    return group if group.renew(settings, spec.run_name, roles) else None
+    if given is not None:
+        pool.release()   # (groups kept in this placement group hold the bundles the new actors need)
+        pg, first = given
+        timeout_s = limit_s
+    else:
+        pool.make_room(spec.need)   # (kept groups of other kinds: stopped where the run does not fit)
+        try:
+            claimed = across.claim(key, spec.mesh.world_size)
+        except Exception as e:  # noqa: BLE001 - the registry unreadable: the run starts its own
+            logging.getLogger("rayconv").info("rayconv: no kept actors looked up on the cluster (%s)",
+                                              exception_summary(e))
+            claimed = None
+        if claimed is not None:
+            actors, names, pg, info = claimed
+            group = ActorGroup(actors, roles, pg, info, key=key, names=names, across=True)
+            if group.renew(settings, spec.run_name, roles):
+                return group
+        pg, first = reserve(spec.bundle, spec.mesh.world_size, spec.run_name,
+                            limit_s if wait else min(limit_s, RESERVE_S)), None
+        timeout_s = max(0.0, limit_s - (time.monotonic() - t0))
+    return create_actors(spec.actor_cls, settings, roles, spec.run_name, pg, timeout_s, bundle=spec.bundle,
+                         env=spec.env, key=key, limit_s=limit_s, first_bundle=first, wait=wait)

@@ -196,10 +196,9 @@ class ActorGroup:
 def reserve(bundle: dict[str, float], count: int, run_name: str, timeout_s: float) -> Any:
     """The run's placement group ``rayconv/<run>``, ``count`` bundles ``bundle`` (one per actor, PACK), ready
     within ``timeout_s`` seconds; detached where its actors may be kept on the cluster for the next
-    command (``across``). Raises ClusterError (nothing stays reserved)."""
-    # (groups a previous run kept, not the ones this run needs: stopped where this run does not fit beside
-    # them)
-    pool.make_room({r: v * count for r, v in bundle.items()})
+    command (``across``). Kept groups the free resources leave no room beside are the caller's to stop
+    first (``pool.make_room``); those still in the way once it waits a moment are stopped here
+    (``pool.release``, ``across.make_room``). Raises ClusterError (nothing stays reserved)."""
     across.sweep()   # (placement groups of commands that died before their actors existed)
     name = f"rayconv/{run_name}"
     deadline = time.monotonic() + timeout_s

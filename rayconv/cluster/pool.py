@@ -103,14 +103,20 @@ def take(key: str, cfg_dict: dict[str, Any], run_name: str, roles: list[str],
     connection are dropped. A kept actor that does not renew (gone, failed) makes it None too, its group
     stopped: the run starts its own.
 
-    ``need`` (the run's placement group in all), given: where the cluster's free resources do not hold
-    it, the smallest kept group of more such actors (``key`` but for the count), all on one node and in
-    a placement group of its own, with its first ``len(roles)`` actors renewed for the run and the others
-    resting in it as ``spare`` (``ActorGroup.rest_after``) until it is kept again; else None. Such a run
-    holds the larger group's resources while it runs, instead of those being freed for new actors of its
-    size (which would cost each a process start)."""
-    if need is not None:
-        return _take_larger(key, need, cfg_dict, run_name, roles)
+    ``need`` (the run's placement group in all), given: where no group matches and the cluster's free
+    resources do not hold ``need``, the smallest kept group of more such actors (``key`` but for the
+    count), all on one node and in a placement group of its own, with its first ``len(roles)`` actors
+    renewed for the run and the others resting in it as ``spare`` (``ActorGroup.rest_after``) until it is
+    kept again; else None. Such a run holds the larger group's resources while it runs, instead of those
+    being freed for new actors of its size (which would cost each a process start)."""
+    same = _take_same(key, cfg_dict, run_name, roles)
+    if same is not None or need is None:
+        return same
+    return _take_larger(key, need, cfg_dict, run_name, roles)
+
+
+def _take_same(key: str, cfg_dict: dict[str, Any], run_name: str, roles: list[str]) -> Optional[Any]:
+    """``take`` of a kept group that matches ``key`` (its docstring)."""
     here = _cluster()
     with _LOCK:
         gone = [k for k in _KEPT if k.cluster != here]
