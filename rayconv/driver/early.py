@@ -32,10 +32,10 @@ from typing import Optional
 
 from rayconv.actor.actor import Actor
 from rayconv.cluster.acquire import ActorSpec, acquire
+from rayconv.cluster.capacity import resolve_layout
 from rayconv.config import Config
 from rayconv.driver.passed import passed
-from rayconv.driver.prestart import (check_output_folder, connect_run, new_run_name, output_place,
-                                     resolve_layout)
+from rayconv.driver.prestart import check_output_folder, connect_run, new_run_name, output_place
 from rayconv.errors import ConfigError, DataError, LayoutError, ScheduleError
 from rayconv.model_names import check_known
 from rayconv.user_model import is_user_model

@@ -26,6 +26,7 @@ from typing import Any, Optional
 import ray
 
 from rayconv.choices import SMALL_DATA_BYTES
+from rayconv.cluster.capacity import resolve_layout
 from rayconv.cluster.connect import node_memory_share
 from rayconv.cluster.local_copy import copy_to_nodes
 from rayconv.cluster.tasks import gpu_free_bytes, gpu_total_bytes, run_on_device
@@ -38,7 +39,7 @@ from rayconv.driver.early import needs_devices
 from rayconv.driver.lr import check_schedule, total_steps
 from rayconv.driver.passed import passed, remember
 from rayconv.driver.prestart import (check_output_folder, connect_run, new_run_name, output_place,
-                                     resolve_layout, with_output_folder)
+                                     with_output_folder)
 
 from rayconv import startup
 # --cudnn-benchmark auto: on for runs at least this long
