@@ -53,3 +53,11 @@ class CheckpointError(ConfigError):
 
 class DataError(ValueError):
     """The data cannot be read (missing folder, empty class list, a file that does not decode)."""
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message (the error's type name where it has none), without the
+    ``System error: `` prefix Ray puts before a system error's message: what a one-line error says of
+    an error it passes on."""
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    return lines[0].removeprefix("System error: ")

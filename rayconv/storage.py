@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
-from rayconv.errors import ConfigError
+from rayconv.errors import ConfigError, first_line
 
 # Query parameters of pyarrow's S3/GCS URIs that hold a secret (pyarrow.fs.S3FileSystem, GcsFileSystem).
 SECRET_PARAMS = frozenset({"access_key", "secret_key", "session_token", "access_token", "credentials",
@@ -267,7 +267,7 @@ def locate(where: str | os.PathLike, *, flag: str = "path") -> Location:
     try:
         fs, path = pafs.FileSystem.from_uri(_endpoint_from_env(s))
     except (ValueError, OSError, NotImplementedError) as e:  # pyarrow: ArrowInvalid, ArrowIOError, ...
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         if any(k in str(e) for k in UNREACHABLE):   # (pyarrow asks the store for an S3 bucket's region)
             raise StorageError(f"{flag} {s}: cannot reach the storage to open it ({first}): check the "
                                "network and AWS_ENDPOINT_URL, or give the region in the URI "
@@ -348,7 +348,7 @@ def one_line(e: BaseException, loc: Location, flag: str, doing: str = "cannot be
 def why_not(e: BaseException, loc: Location, doing: str = "cannot be written") -> str:
     """``one_line``'s reason for ``e`` at ``loc``, without the flag and the URI."""
     text = str(e).strip()
-    first = text.splitlines()[0] if text else type(e).__name__
+    first = first_line(e)
     bucket = loc.path.split("/", 1)[0]
     if any(k in text for k in UNREACHABLE):
         why = (f"cannot reach the storage endpoint {_endpoint(loc)}: check AWS_ENDPOINT_URL (or the URI's "

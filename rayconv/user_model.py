@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from rayconv.errors import ConfigError
+from rayconv.errors import ConfigError, first_line
 
 if TYPE_CHECKING:
     from torch import nn
@@ -157,7 +157,7 @@ def _import(spec: ModelSpec) -> types.ModuleType:
                 )
             )
         raise ConfigError(f"--model {spec.text}: importing {spec.path or spec.module} raised "
-                          f"{type(e).__name__}: {_first_line(e)}{relative}") from None
+                          f"{type(e).__name__}: {first_line(e)}{relative}") from None
 
 
 def _missing_advice(spec: ModelSpec, missing: str) -> str:
@@ -195,7 +195,7 @@ def build_user_model(name: str, num_classes: int, in_channels: int, image_size: 
     except Exception as e:  # noqa: BLE001 - the user's builder raised
         args = ", ".join(f"{k}={v}" for k, v in kwargs.items())
         raise ConfigError(
-            f"--model {name}: {_label(fn)}({args}) raised {type(e).__name__}: {_first_line(e)}") from None
+            f"--model {name}: {_label(fn)}({args}) raised {type(e).__name__}: {first_line(e)}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"--model {name}: {_label(fn)} returned {type(model).__name__}, not an nn.Module: "
                           "name a function or class that builds the model")
@@ -272,7 +272,7 @@ def _pickled(fn: Callable, name: str) -> tuple[bytes, set[str]]:
     except Exception as e:  # noqa: BLE001 - any pickling failure is the user's to fix
         raise ConfigError(
             f"model={name}: the callable cannot be pickled for the actors ({type(e).__name__}: "
-            f"{_first_line(e)}): define it at the top level of a module and give that") from None
+            f"{first_line(e)}): define it at the top level of a module and give that") from None
     if buf.tell() > MAX_PICKLE_BYTES:
         raise ConfigError(f"model={name}: the callable pickles to {buf.tell() // 1024} KiB (over "
                           f"{MAX_PICKLE_BYTES // 1024} KiB: it holds data): define it in a module and give "
@@ -357,7 +357,3 @@ def model_label(name: str) -> str:
 
 def _label(fn: Callable) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__name__
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]

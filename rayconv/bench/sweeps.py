@@ -24,7 +24,7 @@ from rayconv.bench.measure import base_config, measure
 from rayconv.bench.table import write_table
 from rayconv.config import Config
 from rayconv.driver.job import train_run
-from rayconv.errors import ClusterError
+from rayconv.errors import ClusterError, first_line
 from rayconv.files import atomic_write
 from rayconv.layout import Layout
 from rayconv.outputs.charts import error_against_time
@@ -87,7 +87,7 @@ def _fastest(args, model: str, name: str, lay: Layout, gb: int,
                         trace_to=args.out / f"trace-{tag}.txt" if args.trace else None,
                         call_timeout_s=args.call_timeout_s)
         except (ClusterError, ValueError) as e:
-            row["note"] = str(e).splitlines()[0][:200]
+            row["note"] = first_line(e)[:200]
             continue
         if best is None or r["images_per_s"] > best["images_per_s"]:
             best = r
@@ -147,7 +147,7 @@ def sweep_batch(args, until_largest: bool) -> list[dict[str, Any]]:
                                  "peak_gib_max": r["peak_gib_max"], "note": None})
                 except (ClusterError, ValueError) as e:
                     rows.append({**row, "fits": False, "images_per_s": None, "peak_gib_max": None,
-                                 "note": str(e).splitlines()[0][:200]})
+                                 "note": first_line(e)[:200]})
                     break
                 finally:  # after every batch: a cut-short sweep keeps what it measured
                     if rows:

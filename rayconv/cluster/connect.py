@@ -4,8 +4,8 @@
 answers; ``cluster_origin`` says which it did, ``cluster_outlives_process`` whether it stays after
 this process, ``cli_address`` what a Ray command line needs to reach it); ``available_devices`` counts
 the slots an actor can take (GPUs, or CPUs); ``node_memory_share`` the memory CPU actors share on a node;
-``visible_index`` maps the GPU id Ray assigned to torch's device index; ``exception_summary`` and
-``first_line`` turn Ray's multi-line errors into the one line a user reads.
+``visible_index`` maps the GPU id Ray assigned to torch's device index; ``exception_summary`` turns Ray's
+multi-line errors into the one line a user reads (``errors.first_line``: their first line).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import ray
 
-from rayconv.errors import ClusterError, ConfigError, DataError, LayoutError
+from rayconv.errors import ClusterError, ConfigError, DataError, LayoutError, first_line
 
 NAMESPACE = "rayconv"
 # Actors and tasks with this see every GPU of their node (and select theirs by ``visible_index``).
@@ -315,12 +315,6 @@ def exception_summary(e: BaseException) -> str:
     """The one-line message of the innermost user-facing error in ``e`` (``innermost``)."""
     cause = innermost(e)
     return f"{type(cause).__name__}: {cause}"
-
-
-def first_line(e: BaseException) -> str:
-    """The first line of a Ray error, without Ray's ``System error:`` prefix."""
-    lines = str(e).strip().splitlines() or [type(e).__name__]
-    return lines[0].removeprefix("System error: ")
 
 
 def with_uploads(env: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:

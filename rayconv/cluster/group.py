@@ -27,8 +27,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayconv.cluster import across, pool
 from rayconv.cluster.calls import Method, Pending, is_collective_failure, is_lost
-from rayconv.cluster.connect import NAMESPACE, actor_error, exception_summary, first_line
-from rayconv.errors import CallTimeout, ClusterError
+from rayconv.cluster.connect import NAMESPACE, actor_error, exception_summary
+from rayconv.errors import CallTimeout, ClusterError, first_line
 
 LOST_GRACE_S = 2.0  # after an actor error, how long to look for a lost actor that caused it
 RENEW_S = 30.0  # how long kept actors may take to renew before new ones are started instead

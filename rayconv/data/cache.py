@@ -50,7 +50,7 @@ from typing import Any, Optional
 import numpy as np
 
 from rayconv.data.shard_files import FORMATS
-from rayconv.errors import DataError
+from rayconv.errors import DataError, first_line
 from rayconv.files import atomic_write, cache_dir, node_lock
 from rayconv.settings import DataSettings
 from rayconv.storage import Location, StorageError, locate
@@ -61,11 +61,6 @@ PART = 8 << 20               # bytes per range read of a large shard
 BUDGET_SHARE = 0.5           # the default --cache-bytes: this share of the disk's free bytes (and its own)
 
 _HELD: dict[str, int] = {}   # cache folder -> fd holding its shared lock (this process reads it)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def remote_manifest(uri: str, flag: str = "--data-dir") -> tuple[Location, bytes, dict[str, Any]]:
@@ -83,7 +78,7 @@ def remote_manifest(uri: str, flag: str = "--data-dir") -> tuple[Location, bytes
         raise DataError(f"{flag} {uri} has no {MANIFEST}: give a folder written by python -m rayconv.prepare "
                         f"(prepare one there with `python -m rayconv.prepare DIR --out {uri}`)") from None
     except OSError as e:
-        raise StorageError(f"{flag} {uri}: the storage cannot be read ({_first_line(e)}): check the endpoint "
+        raise StorageError(f"{flag} {uri}: the storage cannot be read ({first_line(e)}): check the endpoint "
                            "(AWS_ENDPOINT_URL) and the credentials") from None
     try:
         manifest = json.loads(data)
@@ -244,7 +239,7 @@ class ShardCache:
             with src.fs.open_input_file(src.path) as f:
                 data = f.read_at(length, offset)
         except OSError as e:
-            raise StorageError(f"--data-dir {self.uri}: reading {name} failed ({_first_line(e)}); the shards "
+            raise StorageError(f"--data-dir {self.uri}: reading {name} failed ({first_line(e)}); the shards "
                                "fetched so far stay in the cache: run again") from None
         if len(data) != length:
             raise DataError(f"--data-dir {self.uri}: {name} is shorter than its {MANIFEST} says: run "
@@ -368,7 +363,7 @@ def upload_prepared(folder: Path, uri: str, log=print) -> None:
                 (dest / stale).delete()
         (dest / MANIFEST).write_bytes((folder / MANIFEST).read_bytes())
     except OSError as e:
-        raise StorageError(f"--out {uri}: uploading the shards failed ({_first_line(e)}); they stay in "
+        raise StorageError(f"--out {uri}: uploading the shards failed ({first_line(e)}); they stay in "
                            f"{folder}: run the same command again") from None
     log(f"prepare: {len(names)} shards and {MANIFEST} uploaded to {uri}")
     shutil.rmtree(folder, ignore_errors=True)

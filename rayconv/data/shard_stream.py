@@ -51,7 +51,7 @@ import numpy as np
 from rayconv.data.cache import PART, ShardCache, default_budget, size_text
 from rayconv.data.shard_files import OpenShard, encoding
 from rayconv.data.shard_remote import StreamedShard, read_columns, remove_if_free
-from rayconv.errors import DataError
+from rayconv.errors import DataError, first_line
 from rayconv.files import node_lock
 from rayconv.settings import DataSettings
 from rayconv.storage import StorageError
@@ -352,9 +352,8 @@ class ShardStream:
                         out.write(chunk)
                         written += len(chunk)
             except OSError as e:
-                text = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise StorageError(f"--data-dir {self.uri}: reading {name} failed ({text}): run again "
-                                   "(or --resume)") from None
+                raise StorageError(f"--data-dir {self.uri}: reading {name} failed ({first_line(e)}): "
+                                   "run again (or --resume)") from None
             if written != size or digest.hexdigest() != self.cache.entries[name]["sha256"]:
                 raise self.cache.mismatch(name)
             with self.cond:

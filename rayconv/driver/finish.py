@@ -14,7 +14,7 @@ from typing import Any, Iterator, Optional
 from rayconv.actor.actor import Actor
 from rayconv.cluster.group import ActorGroup
 from rayconv.driver.loop import Run, evaluate, export
-from rayconv.errors import ConfigError, RunStopped
+from rayconv.errors import ConfigError, RunStopped, first_line
 from rayconv.files import write_json
 from rayconv.outputs.checkpoint import list_checkpoints, remove_partial
 from rayconv.planner.search import compare
@@ -161,7 +161,7 @@ def record_stop(run: Run, e: BaseException) -> None:
         elif interrupted:
             summary["signal"] = stopped_by()
         else:
-            summary["error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+            summary["error"] = first_line(e)
         write_json(out / "summary.json", summary)
     except Exception as err:  # (a full disk: the run's own error is the one to report)
         run.log(f"rayconv: could not record the stopped run in {out}: {err}")

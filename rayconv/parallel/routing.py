@@ -25,7 +25,7 @@ from rayconv.parallel.filter_split.split import SlicedPart, slice_layers, whole_
 from rayconv.parallel.pipeline.schedules import Schedule, make_schedule
 from rayconv.parallel.pipeline.stages import balance, parse_stages
 from rayconv.parallel.pipeline.checks import validate
-from rayconv.errors import ConfigError, LayoutError
+from rayconv.errors import ConfigError, LayoutError, first_line
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def layer_profile(layers: list[tuple[str, nn.Module]], sample_shape: tuple[int, 
                     x = m(x)
             except RuntimeError as e:
                 raise LayoutError(f"the model cannot take {tuple(sample_shape)} images "
-                                  f"({str(e).splitlines()[0]}): pick a model for small images (convnet), or "
+                                  f"({first_line(e)}): pick a model for small images (convnet), or "
                                   "larger images (--image-size; digits are never resized: --data "
                                   "fashion-mnist)") from None
             m.train(was_training)

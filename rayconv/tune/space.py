@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rayconv.config import Config
-from rayconv.errors import ConfigError
+from rayconv.errors import ConfigError, first_line
 from rayconv.flags import flag, from_mapping
 
 KINDS = ("grid", "choice", "uniform", "loguniform", "randint")
@@ -49,7 +49,7 @@ def read_space(text: str) -> dict[str, Any]:
             try:
                 space = yaml.safe_load(text)
             except yaml.YAMLError as e:
-                raise ConfigError(f"--space {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+                raise ConfigError(f"--space {path} is not valid YAML ({first_line(e)})") from None
             return _object(space, str(path))
     try:
         space = json.loads(text)

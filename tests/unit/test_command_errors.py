@@ -93,3 +93,11 @@ def test_a_diverged_run_exits_2(error, said, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr("rayconv.api.start_and_train", diverge)
     assert main(["--out", str(tmp_path / "x"), "--steps", "4"]) == 2
     assert capsys.readouterr().err == f"rayconv: error: {error}\n" and said in str(error)
+
+
+def test_an_errors_first_line():
+    from rayconv.errors import first_line
+
+    assert first_line(RuntimeError("System error: the node died\nTraceback ...")) == "the node died"
+    assert first_line(OSError("\n  no such file\nmore")) == "no such file"
+    assert first_line(KeyError()) == "KeyError"   # (no message: its type)
