@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import ray
 
+from rayconv.cluster import host
 from rayconv.errors import ClusterError, ConfigError, DataError, LayoutError, first_line
 
 NAMESPACE = "rayconv"
@@ -66,9 +67,9 @@ def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] 
         where = found or "a local cluster"
         raise ClusterError(f"cannot connect to Ray at {where} ({e}): check --address / RAY_ADDRESS, "
                            "or run `ray start --head` first") from None
-    node = getattr(ray._private.worker, "_global_node", None)  # (the head node's when ray.init started it)
-    _HOW["last"] = "started" if getattr(node, "head", False) else "connected"
+    _HOW["last"] = "started" if kw["address"] == "local" else "connected"   # ("local": Ray starts one)
     _HOW["outlives"] = _gcs_address() if _HOW["last"] == "connected" else None
+    _HOW["started"] = _gcs_address() if _HOW["last"] == "started" else None
     return _HOW["last"]
 
 
@@ -104,13 +105,9 @@ def find_cluster(address: Optional[str]) -> tuple[Optional[str], str]:
 
 
 def other_clusters() -> list[str]:
-    """The GCS addresses of the Ray clusters running on this host other than the connected one (Ray's
-    own search of the process table, the one ``ray.init(address="auto")`` falls back to)."""
-    try:
-        found = ray._private.services.find_gcs_addresses()
-    except Exception:  # noqa: BLE001 - the process table unreadable: nothing to name
-        return []
-    return sorted(set(found) - {_gcs_address()})
+    """The GCS addresses of the Ray clusters with a node on this host other than the connected one (the
+    process table: ``host.gcs_addresses``, where Ray's ``ray.init(address="auto")`` looks too)."""
+    return sorted(host.gcs_addresses() - {_gcs_address()})
 
 
 def _import_ahead() -> None:
@@ -123,7 +120,7 @@ def _import_ahead() -> None:
 
 
 # how the last ``connect`` of this process reached the cluster; "outlives": the GCS address of the
-# cluster it last connected to without starting it
+# cluster it last connected to without starting it; "started": of the one it started
 _HOW: dict[str, Optional[str]] = {}
 
 
@@ -141,6 +138,16 @@ def _gcs_address() -> Optional[str]:
         return ray.get_runtime_context().gcs_address
     except Exception:  # noqa: BLE001 - Ray Client has no GCS client in the driver
         return None
+
+
+def started_here() -> bool:
+    """Whether this process started the connected cluster (it ends with this process): ``connect``
+    started it, or, connected before, this process's ``ray.init`` did (a node of it is this process's
+    child: ``host.started_by``)."""
+    gcs = _gcs_address()
+    if gcs is None or _HOW.get("outlives") == gcs:
+        return False
+    return _HOW.get("started") == gcs or host.started_by(os.getpid(), gcs)
 
 
 def cli_address() -> Optional[str]:
@@ -187,14 +194,13 @@ def cluster_origin() -> str:
     cluster at HOST:PORT`` and how it was found (``--address``, RAY_ADDRESS, Ray's address file), or
     ``started a local cluster at HOST:PORT`` (it ends with this process), where none was found (and the
     other Ray clusters running on this host, which ``--address`` joins); then its CPUs and GPUs. Told by
-    whether this process runs the head."""
-    node = getattr(ray._private.worker, "_global_node", None)   # (set by ray.init; None under Ray Client)
+    whether this process started the cluster (``started_here``)."""
     try:
         address = ray.get_runtime_context().gcs_address
     except Exception:  # noqa: BLE001 - Ray Client has no GCS client in the driver
         address = os.environ.get("RAY_ADDRESS") or "a Ray Client server"
     has = cluster_size()
-    if getattr(node, "head", False):
+    if started_here():
         if _HOW.get("last") == "reused":
             return (f"reusing the local cluster this process started at {address} ({has}; it stops when this "
                     "process ends)")
