@@ -153,18 +153,41 @@ def started_here() -> bool:
 def cli_address() -> Optional[str]:
     """The connected cluster's GCS address (``HOST:PORT``) where a Ray command line on this host (``ray
     list actors``, ``ray status``) needs it to reach that cluster: as RAY_ADDRESS, which those commands take
-    before their own ``--address``; None where their own search finds it (RAY_ADDRESS, Ray's address file,
-    the one Ray running here) and under Ray Client."""
+    before their own ``--address``; None where their own search finds it (``cli_cluster``) and under Ray
+    Client."""
     gcs = _gcs_address()
     if gcs is None:
         return None
-    services = ray._private.services
-    try:   # (as the command line resolves none: host:port, a local host written as this node's IP)
-        found = services.canonicalize_bootstrap_address_or_die(None)
-        same = found == services.canonicalize_bootstrap_address(gcs)
-    except (ConnectionError, ValueError):   # none found, or several Rays here: Ray asks for an address
-        same = False
-    return None if same else gcs
+    return None if cli_cluster() == _canonical(gcs) else gcs
+
+
+def cli_cluster() -> Optional[str]:
+    """The cluster a Ray command line on this host reaches when given no address, as Ray's own search
+    finds it: RAY_ADDRESS, else the address file of Ray's default temp dir (the last ``ray start
+    --head``: ``address_files``' first), else the one cluster with a node on this host
+    (``host.gcs_addresses``); ``HOST:PORT`` with a local host written as this node's IP. None where it
+    finds none, several, or an address that is not ``HOST:PORT`` (``ray://``, a dashboard's URL)."""
+    found = os.environ.get("RAY_ADDRESS") or None
+    if found in (None, "auto"):
+        try:
+            found = address_files()[0].read_text().strip() or None
+        except OSError:
+            found = None
+    if found is None:
+        running = host.gcs_addresses()
+        found = next(iter(running)) if len(running) == 1 else None
+    return _canonical(found) if found else None
+
+
+def _canonical(address: str) -> Optional[str]:
+    """``address`` (``HOST:PORT``) with a local host (localhost, 127.0.0.1, ::1) written as this node's IP,
+    as Ray writes the addresses it finds; None for one of another form."""
+    host_, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return None
+    if host_.strip("[]") in ("localhost", "127.0.0.1", "::1"):
+        host_ = ray.util.get_node_ip_address()
+    return f"{host_}:{port}"
 
 
 def dashboard_url() -> Optional[str]:

@@ -1,13 +1,16 @@
 """Which cluster a command joins (``cluster.connect.find_cluster``), without Ray running: ``--address``,
 then RAY_ADDRESS, then the address file a running ``ray start --head`` wrote, in Ray's default temp dir
 (where ``ray.init()`` looks) or in the ``--temp-dir`` that RAY_TMPDIR names (docs/operations.md's shared
-host); none: a local cluster is started."""
+host); none: a local cluster is started. And which one Ray's command line reaches by itself
+(``cluster.connect.cli_cluster``): RAY_ADDRESS, Ray's default temp dir's address file, the one cluster on
+the host."""
 
 from __future__ import annotations
 
 import ray
 
-from rayconv.cluster.connect import address_files, find_cluster
+from rayconv.cluster import host
+from rayconv.cluster.connect import address_files, cli_cluster, find_cluster
 
 
 def _clean(monkeypatch, tmp_path):
@@ -40,3 +43,21 @@ def test_the_default_temp_dir_is_rays(monkeypatch, tmp_path):
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         assert str(address_files()[0].parent) == ray._common.utils.get_default_ray_temp_dir(), env
+
+
+def test_the_cluster_rays_command_line_finds_by_itself(monkeypatch, tmp_path):
+    _clean(monkeypatch, tmp_path)
+    running = {"10.0.0.5:6379"}
+    monkeypatch.setattr(host, "gcs_addresses", lambda: set(running))   # (this host's process table, given)
+    assert cli_cluster() == "10.0.0.5:6379"              # the one cluster running here
+    running.add("10.0.0.5:41234")
+    assert cli_cluster() is None                         # several: Ray's command line asks for an address
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("10.0.0.6:6379\n")
+    assert cli_cluster() == "10.0.0.6:6379"              # the last `ray start --head`'s, before those
+    (tmp_path / "ray_current_cluster").write_text("10.0.0.8:6379")   # (not Ray's default temp dir: unread)
+    assert cli_cluster() == "10.0.0.6:6379"
+    monkeypatch.setenv("RAY_ADDRESS", "localhost:6390")  # RAY_ADDRESS first, a local host as this node's IP
+    assert cli_cluster() == f"{ray.util.get_node_ip_address()}:6390"
+    monkeypatch.setenv("RAY_ADDRESS", "ray://10.0.0.5:10001")   # (Ray Client's: not a GCS address)
+    assert cli_cluster() is None
