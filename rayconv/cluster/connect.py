@@ -62,7 +62,7 @@ def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] 
     extra: dict[str, Any] = {"num_cpus": min_cpus} if (
         found is None and min_cpus and min_cpus > (os.cpu_count() or 1)) else {}
     try:
-        ray.init(**kw, **extra)
+        context = ray.init(**kw, **extra)
     except (ConnectionError, TimeoutError, RuntimeError, ValueError) as e:
         where = found or "a local cluster"
         raise ClusterError(f"cannot connect to Ray at {where} ({e}): check --address / RAY_ADDRESS, "
@@ -70,6 +70,7 @@ def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] 
     _HOW["last"] = "started" if kw["address"] == "local" else "connected"   # ("local": Ray starts one)
     _HOW["outlives"] = _gcs_address() if _HOW["last"] == "connected" else None
     _HOW["started"] = _gcs_address() if _HOW["last"] == "started" else None
+    use_dashboard(context.dashboard_url)
     return _HOW["last"]
 
 
@@ -190,25 +191,36 @@ def _canonical(address: str) -> Optional[str]:
     return f"{host_}:{port}"
 
 
+# the connected cluster's Ray dashboard (``host:port``, "" for none) by its GCS address, as the process that
+# connected was told (``use_dashboard``)
+_DASHBOARD: dict[str, str] = {}
+
+
+def use_dashboard(url: Optional[str]) -> None:
+    """Record ``url`` (``host:port`` or ``http://host:port``; None or "": none runs) as the connected
+    cluster's Ray dashboard: the one ``ray.init`` returned to the process that connected (``connect``), and
+    that process passes on to its workers that print it (a Tune trial's run: ``tune.trial.Trial``)."""
+    gcs = _gcs_address()
+    if gcs is not None:
+        _DASHBOARD[gcs] = url or ""
+
+
 def dashboard_url() -> Optional[str]:
-    """The connected cluster's Ray dashboard (``http://host:port``), None when it runs none or under Ray
-    Client: the address the dashboard recorded in the cluster's key-value store when it started, which
-    every process of the cluster reads alike; failing that, this process's node's record. (A worker
-    process's node record holds the dashboard address the raylet was given, the default port even where
-    the dashboard took another because that one was in use: a Tune trial's header would name another
-    Ray's dashboard.)"""
-    if not ray.is_initialized():
+    """The connected cluster's Ray dashboard (``http://host:port``), None when it runs none, under Ray
+    Client, and in an actor not told it (``use_dashboard``): as ``ray.init`` returned it to the process
+    that connected (``connect``; a driver connected by its own ``ray.init`` asks Ray for that context
+    again). An actor's own context holds the dashboard address its node's raylet was given, the default
+    port even where the dashboard took another because that one was in use: another Ray's dashboard, so
+    an actor names none it was not told."""
+    from ray.util.client import ray as client
+
+    if not ray.is_initialized() or client.is_connected():
         return None
-    try:
-        url = ray._private.services.get_webui_url_from_internal_kv()
-    except Exception:  # noqa: BLE001 - no key-value store here (Ray Client): the node's record
-        url = None
-    if not url:
-        node = getattr(ray._private.worker, "_global_node", None)
-        try:
-            url = getattr(node, "webui_url", None)
-        except Exception:  # noqa: BLE001 - not readable from this node: no line
-            return None
+    gcs = _gcs_address()
+    if gcs not in _DASHBOARD and ray.get_runtime_context().get_actor_id() is None:
+        # (configure_logging=False: a second ray.init would set Ray's logging again)
+        use_dashboard(ray.init(ignore_reinit_error=True, configure_logging=False).dashboard_url)
+    url = _DASHBOARD.get(gcs or "")
     return (url if "://" in url else f"http://{url}") if url else None
 
 

@@ -118,7 +118,7 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
     from ray import tune
 
     from rayconv.api import release_actors
-    from rayconv.cluster.connect import connect
+    from rayconv.cluster.connect import connect, dashboard_url
     from rayconv.tune.trial import (END_STATES, EndStates, Trial, resolved_base, trial_resources,
                                     trial_settings)
 
@@ -141,7 +141,9 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
 
     callbacks = [CSVLoggerCallback(), JsonLoggerCallback(), EndStates(str(search_dir)), *callbacks]
     CURRENT["search_dir"] = str(search_dir)
-    trainable = tune.with_resources(tune.with_parameters(Trial, base=base_r, search_dir=str(search_dir)),
+    # (each trial's run names the cluster's dashboard as this process was told it: dashboard_url)
+    trainable = tune.with_resources(tune.with_parameters(Trial, base=base_r, search_dir=str(search_dir),
+                                                         dashboard=dashboard_url()),
                                     trial_resources(base_r))
     # (a search in a store: Tune writes there through the same pyarrow file system, credentials and all)
     storage = {"storage_path": str(search_dir)} if isinstance(search_dir, Path) else \

@@ -39,7 +39,7 @@ from typing import Any, Optional
 
 from ray import tune
 
-from rayconv.cluster.connect import available_devices
+from rayconv.cluster.connect import available_devices, use_dashboard
 from rayconv.cluster.acquire import actor_bundle
 from rayconv.config import Config
 from rayconv.errors import RunStopped
@@ -92,9 +92,12 @@ def trial_index(trial_id: str) -> int:
 
 class Trial(tune.Trainable):
     """A rayconv run as a Tune trial (module docstring). ``config``: the sampled settings; ``base``: the
-    search's settings under them; ``search_dir``: the search folder."""
+    search's settings under them; ``search_dir``: the search folder; ``dashboard``: the cluster's Ray
+    dashboard as the search's process was told it (its run's header names it: ``connect.use_dashboard``)."""
 
-    def setup(self, config: dict[str, Any], base: dict[str, Any] = None, search_dir: str = ""):
+    def setup(self, config: dict[str, Any], base: dict[str, Any] = None, search_dir: str = "",
+              dashboard: Optional[str] = None):
+        use_dashboard(dashboard)
         self.sample, self.base, self.search_dir = dict(config), dict(base or {}), search_dir
         self.folder = place(search_dir, flag="--out") / f"trial-{trial_index(self.trial_id)}"
         self.log_path = place(search_dir, flag="--out") / "logs" / f"{self.folder.name}.log"
@@ -228,7 +231,7 @@ class Trial(tune.Trainable):
         the new trial's id): the last trial's run stopped if it is still going, then set up as a new
         trial. Its actors, kept when its run finished (``cluster.pool``), serve the new trial's run."""
         self.cleanup()
-        self.setup(new_config)   # (``tune.with_parameters`` passes base and search_dir again)
+        self.setup(new_config)   # (``tune.with_parameters`` passes base, search_dir and dashboard again)
         return True
 
     def cleanup(self) -> None:

@@ -1,6 +1,7 @@
 """The dashboard a run's header names is the attached cluster's, in every process of it: a Tune trial's
-run (a worker process) reads the address the dashboard recorded, not its raylet's default, which is
-another Ray's where the default port was taken (``cluster.connect.dashboard_url``)."""
+run (a worker process) names the one the search's process was told by Ray, never its raylet's default,
+which is another Ray's where the default port was taken; an actor told none names none
+(``cluster.connect.dashboard_url``)."""
 
 from __future__ import annotations
 
@@ -18,15 +19,17 @@ REPO = Path(__file__).resolve().parents[2]
 # A local cluster whose dashboard finds the default port (8265) taken: held here when free, as another
 # user's Ray would hold it; Ray then moves its dashboard to the next free port.
 SCRIPT = """
-import json, socket
+import json, socket, sys
+from pathlib import Path
 held = socket.socket()
 try:
     held.bind(("0.0.0.0", 8265)); held.listen()
 except OSError:
     pass   # (taken already: the same case)
 import ray
+from rayconv import tune
 from rayconv.cluster.connect import dashboard_url
-ray.init(num_cpus=1, include_dashboard=True, log_to_driver=False, configure_logging=True,
+ray.init(num_cpus=2, include_dashboard=True, log_to_driver=False, configure_logging=True,
          logging_level="ERROR")
 
 @ray.remote(num_cpus=0)
@@ -34,18 +37,24 @@ class Worker:
     def url(self):
         return dashboard_url()
 
-print(json.dumps({"driver": dashboard_url(), "worker": ray.get(Worker.remote().url.remote())}))
+out = Path(sys.argv[1])
+tune.search({"seed": {"grid": [0]}}, {"dp": 1, "steps": 2, "eval_every": 2, "global_batch_size": 32,
+            "out": str(out), "metrics": False, "progress": False}, scheduler="fifo", log=lambda line: None)
+trial = [x for x in (out / "logs" / "trial-0.log").read_text().splitlines() if "Ray dashboard:" in x]
+print(json.dumps({"driver": dashboard_url(), "worker": ray.get(Worker.remote().url.remote()),
+                  "trial": trial}))
 """
 
 
 @pytest.mark.slow
-def test_a_worker_process_names_the_clusters_dashboard():
+def test_a_trials_run_names_the_clusters_dashboard():
     temp_dir = tempfile.mkdtemp(prefix="rc-dash-", dir="/tmp")   # (short: Ray's socket paths are limited)
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_TMPDIR": temp_dir}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300,
-                          env=env)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, f"{temp_dir}/search"], capture_output=True,
+                          text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     urls = json.loads(proc.stdout.strip().splitlines()[-1])
     assert urls["driver"] and not urls["driver"].endswith(":8265"), urls
-    assert urls["worker"] == urls["driver"], urls
+    assert urls["trial"] == [f"rayconv: Ray dashboard: {urls['driver']}"], urls
+    assert urls["worker"] is None, urls   # (told none: its raylet's address would be another Ray's)
