@@ -41,7 +41,7 @@ from ray.util.placement_group import get_placement_group, remove_placement_group
 
 from rayconv.cluster.connect import NAMESPACE, cluster_outlives_process, exception_summary
 from rayconv.cluster.pool import KeptActor
-from rayconv.cluster.watch import KV_NAMESPACE, code_hash, current_job, job_alive
+from rayconv.cluster.watch import KV_NAMESPACE, code_hash, current_job, job_alive, mark_alive
 
 CLAIM_S = 10.0   # how long a kept actor may take to answer a claim or a keep before it counts as gone
 _MODE = {"command": False}
@@ -56,8 +56,9 @@ def keep_across_commands() -> None:
 
 def enabled() -> bool:
     """Whether this run's actors start detached, to be kept on the cluster for the next command: a
-    command on a cluster it did not start."""
-    return _MODE["command"] and ray.is_initialized() and cluster_outlives_process()
+    command on a cluster it did not start, whose job has its life marker (``watch.mark_alive``: by it
+    the actors and other commands tell that it runs)."""
+    return _MODE["command"] and ray.is_initialized() and cluster_outlives_process() and mark_alive()
 
 
 def actor_options() -> tuple[dict[str, Any], dict[str, Any]]:

@@ -12,8 +12,13 @@ thread polling every ``POLL_S`` seconds:
 
 ``_end`` removes the group's placement group (every actor of the group tries: safe to repeat; the
 removal stops the group's other actors too), drops the group's entry in Ray's key-value store
-(``cluster.across``'s registry of kept groups) and ends the process. Whether a job is alive is the GCS
-job table's ``is_dead`` (the one Ray's own autoscaler reads); a failed query counts as alive.
+(``cluster.across``'s registry of kept groups) and ends the process.
+
+Whether a job is alive is told by its life marker (``mark_alive``): a placement group the job's driver
+makes once, named ``rayconv-job/<job>`` and not detached, which Ray removes when the job ends (its
+driver exited, was killed, or lost its node) as it removes every placement group a job owns. It holds one
+byte of Ray's ``memory`` resource, so that it is placed at once and takes nothing a run needs; a lookup
+that fails (the GCS not answering) counts as alive.
 """
 
 from __future__ import annotations
@@ -52,20 +57,40 @@ def code_hash() -> str:
     return _CODE["h"]
 
 
-def job_alive(job: str) -> bool:
-    """Whether the Ray job ``job`` (hex id) runs: its driver has not ended. True when the GCS cannot
-    be asked (the actor does not end on a hiccup)."""
-    try:
-        from ray._private.worker import global_worker
+LIFE_PREFIX = "rayconv-job/"   # + a job's hex id: the name of its life marker (the module docstring)
+_MARKERS: dict[tuple[str, str], object] = {}   # (cluster's GCS address, job) -> the job's life marker
 
-        jobs = global_worker.gcs_client.get_all_job_info(job_or_submission_id=job,
-                                                         skip_submission_job_info_field=True,
-                                                         skip_is_running_tasks_field=True, timeout=10)
+
+def mark_alive() -> bool:
+    """Make this driver's job's life marker (once per job; the module docstring), which ``job_alive``
+    looks up: a driver makes it before it names its job to a watchdog or in the registry. False when Ray
+    refuses it (such a driver keeps nothing on the cluster)."""
+    from ray.util.placement_group import placement_group
+
+    where = (ray.get_runtime_context().gcs_address, current_job())
+    if where not in _MARKERS:
+        try:
+            _MARKERS[where] = placement_group([{"memory": 1}], name=f"{LIFE_PREFIX}{where[1]}")
+        except Exception:  # noqa: BLE001 - refused: the caller keeps nothing on the cluster
+            logging.getLogger("rayconv").info("rayconv: no life marker for job %s", where[1], exc_info=True)
+            return False
+    return True
+
+
+def job_alive(job: str) -> bool:
+    """Whether the Ray job ``job`` (hex id) runs: its driver has not ended (its life marker is there:
+    the module docstring). True when Ray cannot be asked (the actor does not end on a hiccup) and for an
+    empty id."""
+    if not job or not ray.is_initialized():
+        return True
+    from ray.util import get_placement_group
+
+    try:
+        get_placement_group(f"{LIFE_PREFIX}{job}")
+    except ValueError:   # (no placement group of that name: removed with its job)
+        return False
     except Exception:  # noqa: BLE001 - unknown: alive
         return True
-    for job_id, info in jobs.items():
-        if job_id.hex() == job:
-            return not info.is_dead
     return True
 
 
