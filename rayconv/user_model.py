@@ -9,8 +9,9 @@ import block`` imports ``layers.py`` beside it); other imports must be installed
 
 The actors need not have the user's code installed: ``actor_runtime_env`` names, for Ray's runtime
 environment, the user's modules to ship (``py_modules``: a package's folder or a single ``.py`` file,
-uploaded once and put on every actor's ``sys.path``, on every node; for a file given by its path, the
-modules imported from its folder too: a node need not share the driver's file system) and, for a callable that
+shipped once and put on every actor's ``sys.path``, on every node: ``cluster.ship``; for a file given by
+its path, the modules imported from its folder too: a node need not share the driver's file system) and, for
+a callable that
 cannot be imported by name (a lambda, a local function, one of ``__main__``), its cloudpickle in an
 environment variable. Every process then builds the model from the same string (``resolve``). Errors a user
 can fix raise ConfigError in one line naming ``--model``.

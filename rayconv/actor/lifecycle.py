@@ -23,6 +23,7 @@ import ray
 
 from rayconv.actor.rss import RssSampler
 from rayconv.cluster.connect import assigned_gpu_index
+from rayconv.cluster.ship import unpack
 from rayconv.cluster.watch import Watch
 from rayconv.config import Config
 from rayconv.model_names import is_torchvision_model
@@ -69,11 +70,13 @@ class ActorLifecycle:
     """The life of one actor's process (the module docstring); ``Actor`` is the class Ray runs.
     ``a`` is its ``build.ActorState`` (None until ``build``)."""
 
-    def __init__(self, cfg: dict[str, Any], run_name: str, role: str, watch: Optional[str] = None):
+    def __init__(self, cfg: dict[str, Any], run_name: str, role: str, watch: Optional[str] = None,
+                 modules: Optional[bytes] = None):
         # ``watch``: the Ray job (hex id) of the driver, for an actor that may outlive it (detached, kept
         # on the cluster for the next command: ``cluster.across``), which then ends itself once that
         # driver is gone, or once kept too long (``cluster.watch``); started before anything slow
         self.watch = Watch(watch) if watch is not None else None
+        unpack(modules)   # (a user's modules, first on sys.path before anything imports them: cluster.ship)
         # wall-clock stamps (time.time(), this node's clock) of this process's start-up, for the run's
         # start-up record: the process started, __init__ entered, the training code imported, __init__
         # returned (alive), the warm-up done, build called and returned

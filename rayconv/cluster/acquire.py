@@ -30,8 +30,9 @@ from typing import Any, Optional
 from ray.util.placement_group import get_current_placement_group
 
 from rayconv.cluster import across, pool
-from rayconv.cluster.connect import ALL_GPUS_VISIBLE_ENV, exception_summary, with_uploads
+from rayconv.cluster.connect import ALL_GPUS_VISIBLE_ENV, exception_summary
 from rayconv.cluster.group import ActorGroup, create_actors, reserve
+from rayconv.cluster.ship import with_modules
 from rayconv.config import Config
 from rayconv.errors import ClusterError, ConfigError, DataError
 from rayconv.mesh import Mesh
@@ -48,13 +49,13 @@ def actor_bundle(cfg: Config) -> dict[str, float]:
 
 
 def actors_env(cfg: Config, mesh: Mesh) -> Optional[dict[str, Any]]:
-    """The actors' runtime environment: a user's modules (uploaded: ``with_uploads``) and the GPU
+    """The actors' runtime environment: a user's modules (shipped: ``ship.with_modules``) and the GPU
     visibility setting (``--all-gpus-visible``) where there are NCCL peers: a mesh of one actor sees its
     GPU alone, which is the same to it, and without an environment of its own it starts in one of the
     worker processes Ray starts for the job when it connects, not in a new one (seconds sooner). None
     when there is nothing."""
     sees_all = cfg.device == "cuda" and cfg.all_gpus_visible and mesh.world_size > 1
-    return with_uploads(actor_runtime_env(cfg.model, ALL_GPUS_VISIBLE_ENV if sees_all else {}))
+    return with_modules(actor_runtime_env(cfg.model, ALL_GPUS_VISIBLE_ENV if sees_all else {}))
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class ActorSpec:
 
     @functools.cached_property
     def env(self) -> Optional[dict[str, Any]]:
-        """The actors' runtime environment (``actors_env``: a user's modules uploaded once)."""
+        """The actors' runtime environment (``actors_env``: a user's modules shipped once)."""
         return actors_env(self.cfg, self.mesh)
 
     def key(self, given_pg: Optional[str] = None) -> str:

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import ray
 
 from rayconv.cluster import host
-from rayconv.errors import ClusterError, ConfigError, DataError, LayoutError, first_line
+from rayconv.errors import ClusterError, ConfigError, DataError, LayoutError
 
 NAMESPACE = "rayconv"
 # Actors and tasks with this see every GPU of their node (and select theirs by ``visible_index``).
@@ -357,24 +357,3 @@ def exception_summary(e: BaseException) -> str:
     cause = innermost(e)
     return f"{type(cause).__name__}: {cause}"
 
-
-def with_uploads(env: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """``env`` with the local paths of its ``py_modules`` uploaded to the cluster and replaced by their
-    ``gcs://`` URIs (named by content: uploaded once, fetched by each node that starts an actor).
-    Ray uploads local paths itself only for the job's runtime environment (``ray.init``); an actor's
-    must name URIs, so this does what ``ray.init`` does (Ray's ``upload_py_modules_if_needed``).
-    Raises ClusterError when the upload fails."""
-    if not env or not env.get("py_modules"):
-        return env
-    import logging
-    import tempfile
-
-    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
-
-    try:
-        with tempfile.TemporaryDirectory(prefix="rayconv-upload-") as scratch:
-            return upload_py_modules_if_needed(dict(env), include_gitignore=True, scratch_dir=scratch,
-                                               logger=logging.getLogger("rayconv"))
-    except Exception as e:  # noqa: BLE001 - any failure to upload is reported in one line
-        raise ClusterError(
-            f"could not ship {', '.join(env['py_modules'])} to the cluster: {first_line(e)}") from None

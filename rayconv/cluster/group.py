@@ -7,8 +7,8 @@ every actor joins the torch.distributed process group at once. Run inside a plac
 Tune trial's, whose resources are the run's bundles: ``rayconv.tune``), the actors take that group's
 last bundles and leave the group to its owner. The actor class is the caller's
 (``rayconv.actor.actor.Actor`` for a training run): this module only places and calls it. A user's
-model (``--model MODULE:FUNCTION``) reaches the actors through Ray's runtime environment
-(``user_model.actor_runtime_env``: its modules in ``py_modules``, uploaded by ``connect.with_uploads``), on
+model (``--model MODULE:FUNCTION``) reaches the actors through their runtime environment
+(``user_model.actor_runtime_env``: its modules, shipped through Ray's object store by ``cluster.ship``), on
 every node. What each actor reserves, its runtime environment and roles are the run's ``ActorSpec``'s,
 handed here as plain values; which actors a run gets (new ones from here, or kept ones, renewed here:
 ``ActorGroup.renew``) is ``cluster.acquire``'s.
@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rayconv.cluster import across, pool
 from rayconv.cluster.calls import Method, Pending, is_collective_failure, is_lost
 from rayconv.cluster.connect import NAMESPACE, actor_error, exception_summary
+from rayconv.cluster.ship import modules
 from rayconv.errors import CallTimeout, ClusterError, first_line
 
 LOST_GRACE_S = 2.0  # after an actor error, how long to look for a lost actor that caused it
@@ -238,7 +239,8 @@ def create_actors(actor_cls: type, settings: dict[str, Any], roles: list[str], r
     (from ``first_bundle`` on, when given: a group this run does not own, left to its owner), in the
     runtime environment ``env``, and wait up to ``timeout_s`` seconds for them to run (part of the start-up
     limit ``limit_s``, named in the error; ``wait`` False: that wait is ``wait_started``'s).
-    ``actor_cls(settings, run_name, role)`` makes an actor; it must have ``whereami()``. ``key``: what
+    ``actor_cls(settings, run_name, role)`` makes an actor (with ``modules=``, the zip of a user's modules,
+    where ``env`` ships some: ``ship.unpack``); it must have ``whereami()``. ``key``: what
     another run's actors must match to reuse these (``pool.actors_key``). Raises ClusterError; on failure
     the actors and ``pg`` are removed."""
     owns, first_bundle = first_bundle is None, first_bundle or 0
@@ -258,6 +260,8 @@ def create_actors(actor_cls: type, settings: dict[str, Any], roles: list[str], r
         _wait_names_free(names, max(0.0, deadline - time.monotonic()))
         # (detached, each watching this driver, where they may be kept on the cluster: across)
         options, kwargs = across.actor_options() if owns else ({}, {})
+        shipped = modules(env)   # (a user's modules: the actor unpacks them first, ``ship.unpack``)
+        kwargs = {**kwargs, "modules": shipped} if shipped is not None else kwargs
         for rank, b in enumerate(bundles):
             actors.append(remote.options(
                 name=names[rank], namespace=NAMESPACE, num_cpus=bundle["CPU"],

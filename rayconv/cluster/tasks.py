@@ -17,13 +17,16 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayconv.cluster import across, pool
-from rayconv.cluster.connect import ALL_GPUS_VISIBLE_ENV, exception_summary, visible_index, with_uploads
+from rayconv.cluster.connect import ALL_GPUS_VISIBLE_ENV, exception_summary, visible_index
+from rayconv.cluster.ship import modules, unpack, with_modules
 from rayconv.errors import ClusterError
 from rayconv.user_model import actor_runtime_env
 
 
-def _on_device(fn, gpu: bool, *args) -> Any:
-    """Body of ``run_on_device``'s task: select the GPU Ray assigned (all GPUs visible), run ``fn``."""
+def _on_device(fn, gpu: bool, shipped: Optional[bytes], *args) -> Any:
+    """Body of ``run_on_device``'s task: a user's modules unpacked (``shipped``: ``ship.unpack``), the
+    GPU Ray assigned selected (all GPUs visible), ``fn`` run."""
+    unpack(shipped)
     if gpu:
         import torch
 
@@ -52,15 +55,15 @@ def run_on_device(fn, args: Sequence[Any], gpu: bool, timeout_s: float = 300.0, 
     its result.
     With all GPUs of the node visible, the task uses the one Ray assigned. ``model`` (a ``--model``
     name) gives the task the runtime environment a run's actors get for it: a user's modules shipped
-    in ``py_modules``, a pickled callable. Raises ClusterError naming the task's error, the timeout,
-    or a failed upload."""
+    (``cluster.ship``), a pickled callable. Raises ClusterError naming the task's error, the timeout,
+    or a failed shipping."""
     pool.release()   # (actors kept for reuse would hold the device or CPU the task needs)
     across.make_room_for({"GPU": num_gpus if gpu else 0.0, "CPU": 1.0})   # (... or kept for another command)
-    env = actor_runtime_env(model or "", ALL_GPUS_VISIBLE_ENV if gpu else {})
+    env = with_modules(actor_runtime_env(model or "", ALL_GPUS_VISIBLE_ENV if gpu else {}))
     # max_calls=1: the worker process exits afterwards, releasing its CUDA context and cached memory.
     ref = ray.remote(max_calls=1)(_on_device).options(
         num_gpus=num_gpus if gpu else 0, num_cpus=1, max_retries=0,
-        runtime_env=with_uploads(env)).remote(fn, gpu, *args)
+        runtime_env=env).remote(fn, gpu, modules(env), *args)
     try:
         return ray.get(ref, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
