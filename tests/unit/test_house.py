@@ -260,6 +260,50 @@ def test_no_module_imports_another_modules_underscored_name():
         "; ".join(found)
 
 
+# --- Ray through its public API only ----------------------------------------------------------------------
+
+RAY_PRIVATE = ("_private", "_raylet")   # Ray's internals: they change between releases without notice
+
+
+def ray_private_uses(root: Path = PACKAGE) -> list[str]:
+    """``path:line: name`` for each use of Ray's private modules under ``root``: an import of
+    ``ray._private...`` / ``ray._raylet`` (any form) or an attribute ``ray._private`` / ``ray._raylet``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                    node.value.id == "ray":
+                names = [f"ray.{node.attr}"]
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "ray" and len(parts) > 1 and parts[1] in RAY_PRIVATE:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno}: {'.'.join(parts[:2])}")
+                    break
+    return sorted(set(found))
+
+
+def test_the_ray_private_check_finds_every_form(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("import ray\nfrom ray.util import placement_group\nray.get_runtime_context()\n"
+                              "from ray.experimental.internal_kv import _internal_kv_get\n")
+    assert ray_private_uses(pkg) == []
+    (pkg / "a.py").write_text("import ray\nimport ray._private.services\nfrom ray._raylet import GcsClient\n"
+                              "from ray import _private\nray._private.worker.global_worker\n")
+    assert ray_private_uses(pkg) == ["pkg/a.py:2: ray._private", "pkg/a.py:3: ray._raylet",
+                                     "pkg/a.py:4: ray._private", "pkg/a.py:5: ray._private"]
+
+
+def test_ray_is_used_through_its_public_api_only():
+    found = ray_private_uses()
+    assert not found, "Ray's private modules change without notice; use Ray's public API: " + "; ".join(found)
+
+
 # --- every module in architecture.md's code map ---------------------------------------------------------
 
 def code_map(text: str) -> dict[str, str]:
