@@ -312,7 +312,7 @@ def actor_runtime_env(name: str, env_vars: Optional[dict[str, str]] = None) -> O
 def beside(folder: Path) -> set[str]:
     """The top-level modules imported in this process from ``folder`` (a ``.py`` file or a package there)."""
     found = set()
-    for name, mod in list(sys.modules.items()):
+    for name, mod in sys.modules.copy().items():   # (a copy taken at once: other threads import)
         if "." in name or mod is None:
             continue
         paths = list(getattr(mod, "__path__", None) or [])  # (a package: its folders; a module: its file)
