@@ -325,7 +325,7 @@ def visible_index(gpu_id: Any, visible: Optional[str] = None) -> int:
 
 def assigned_gpu_index() -> int:
     """torch's device index of the GPU Ray assigned this actor: found by ``visible_index`` where the actor
-    sees every GPU of its node (its environment has ``ALL_GPUS_VISIBLE_ENV``: ``group.actors_env``), else
+    sees every GPU of its node (its environment has ``ALL_GPUS_VISIBLE_ENV``: ``acquire.actors_env``), else
     0 (Ray narrowed CUDA_VISIBLE_DEVICES to it). Raises RuntimeError where Ray assigned none."""
     ids = ray.get_gpu_ids()
     if not ids:
