@@ -310,12 +310,14 @@ def whole_state(path: str | Path | Location) -> dict[str, Any]:
     or a URI such as ``s3://bucket/runs/r1``), every file
     verified: ``["model"]`` is the model's state_dict (``load_state_dict`` of the model's builder),
     ``["optimizer"]["state"]`` each parameter's optimizer state by its name, ``["ema"]`` the moving
-    average or None (``reshard.join``). Needs no Ray. Raises CheckpointError (its message names the
-    argument as ``whole_state's path``), StorageError."""
+    average or None (``reshard.join``), ``["step"]`` the steps done when it was written. Needs no Ray.
+    Raises CheckpointError (its message names the argument as ``whole_state's path``), StorageError."""
     import io
     import torch
     ckpt = load_checkpoint(path, flag=WHOLE_STATE_ARG)
-    return torch.load(io.BytesIO(ckpt.whole()), map_location="cpu", weights_only=True)
+    state = torch.load(io.BytesIO(ckpt.whole()), map_location="cpu", weights_only=True)
+    state["step"] = ckpt.step
+    return state
 
 
 def check_resumable(ckpt: Checkpoint, cfg: Any, mesh: Any, stages: list, num_classes: int,

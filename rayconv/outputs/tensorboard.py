@@ -59,8 +59,8 @@ class EventFiles:
     def __init__(self, out: Any, start: int = 0, enabled: bool = True, log: Callable[[str], None] = print):
         from rayconv.storage import Location
         self.remote = out / "tensorboard" if isinstance(out, Location) else None   # (uploaded to)
-        self.folder = Path(tempfile.mkdtemp(prefix="rayconv-tensorboard-")) if self.remote is not None and \
-            enabled else Path(out) / "tensorboard"
+        # (for a store: a local folder made at the first write, so that a run stopped before it leaves none)
+        self.folder: Optional[Path] = None if self.remote is not None else Path(out) / "tensorboard"
         self.start, self.enabled, self.log = start, enabled, log
         self.writer: Any = None
         self.written: dict[str, int] = {}   # row kind -> last step written
@@ -76,6 +76,8 @@ class EventFiles:
                 self.log(f"rayconv: no TensorBoard event files ({why}): pip install tensorboard, or pass "
                          "--tensorboard off")
                 return None
+            if self.folder is None:
+                self.folder = Path(tempfile.mkdtemp(prefix="rayconv-tensorboard-"))
             names = self.remote.listdir() if self.remote is not None else \
                 [p.name for p in self.folder.glob("*")] if self.folder.is_dir() else []
             resumed = any(n.startswith("events.out.tfevents.") for n in names)
@@ -102,7 +104,7 @@ class EventFiles:
 
     def _upload(self) -> None:
         """--out in a store: each local event file -> one object of the same name (whole)."""
-        if self.remote is not None:
+        if self.remote is not None and self.folder is not None:
             for f in sorted(self.folder.glob("events.out.tfevents.*")):
                 (self.remote / f.name).upload(f)
 
@@ -125,8 +127,9 @@ class EventFiles:
             self.writer.close()
             self.writer = None
             self._upload()
-        if self.remote is not None:
+        if self.remote is not None and self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
 
 
 def first_images(source: Any, batch: Any, n: int) -> Optional[Any]:

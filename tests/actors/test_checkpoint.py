@@ -212,6 +212,7 @@ def dp2_pp2(ray_cluster, tmp_path_factory) -> tuple[Path, dict]:
     want = torch.load(out / "model.pt", weights_only=True)
     # the checkpoint read without Ray: the rank files joined into the model's state_dict
     whole = whole_state(out / "checkpoints" / "step-4")
+    assert whole["step"] == 4 and whole_state(out)["step"] == 4   # (a run folder: its newest)
     assert_same_state(whole["model"], want, atol=0)
     assert_same_state(whole["ema"]["tensors"], torch.load(out / "model_ema.pt", weights_only=True), atol=0)
     return out, want

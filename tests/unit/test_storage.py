@@ -106,13 +106,17 @@ def test_results_in_a_bucket_are_whole(s3):
 def test_event_files_reach_the_bucket_at_each_flush(s3):
     pytest.importorskip("tensorboard")
     out = place(s3.uri("storage-unit", "tb"))
+    unused = EventFiles(out)   # (a run stopped before its first write: no local folder made, none left)
+    unused.close()
+    assert unused.folder is None
     events = EventFiles(out)
     events.add_rows([{"kind": "train", "step": 0, "loss": 1.0}])
+    local = events.folder
     (name,) = (out / "tensorboard").listdir()
     first = (out / "tensorboard" / name).read_bytes()
     events.add_rows([{"kind": "train", "step": 0, "loss": 1.0}, {"kind": "train", "step": 1, "loss": 0.5}])
     events.close()
-    assert len((out / "tensorboard" / name).read_bytes()) > len(first) and not events.folder.exists()
+    assert len((out / "tensorboard" / name).read_bytes()) > len(first) and not local.exists()
 
 
 def test_a_flat_folder_is_copied_to_a_place_whose_folders_do_not_exist_yet(tmp_path):
