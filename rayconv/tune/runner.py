@@ -118,11 +118,12 @@ def search(space: dict[str, Any], base: Optional[dict[str, Any]] = None, *, num_
     from ray import tune
 
     from rayconv.api import release_actors
-    from rayconv.cluster.connect import connect, dashboard_url
+    from rayconv.cluster.connect import cluster_origin, connect, dashboard_url
     from rayconv.tune.trial import (END_STATES, EndStates, Trial, resolved_base, trial_resources,
                                     trial_settings)
 
     connect(base.get("address"))
+    log(f"rayconv.tune: Ray: {cluster_origin()}")
     release_actors()   # (actors a run of this process kept would hold what the trials need)
     base_r = resolved_base(base)
     _check_fits(base_r, checked, trial_settings, ray.cluster_resources())

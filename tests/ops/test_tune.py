@@ -45,6 +45,7 @@ def test_search_asha_failure_resume(ray_cluster, tmp_path, capfd):
     assert lines[-1].startswith("rayconv.tune: interrupted: ") and lines[-1].endswith(
         f"continue with `python -m rayconv.tune --resume {first.search_dir}`"), lines
     assert not any(x.startswith("best:") for x in lines), lines
+    assert lines[0].startswith("rayconv.tune: Ray: ") and " cluster " in lines[0], lines   # (which cluster)
     # (trials not yet made when the search stopped are no rows yet)
     assert len(first.rows) < 4 or any(r["status"] == "not run" or r["status"].startswith("interrupted at")
                                       for r in first.rows), first.rows
