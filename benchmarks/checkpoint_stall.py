@@ -24,21 +24,22 @@ actors inherit its endpoint. moto is needed (and looked for) only when ``async-s
 ``--rounds N`` runs the modes N times, interleaved (sync, async-local, async-s3, sync, ...), each round's
 ratios against that round's ``sync``.
 
-From metrics.parquet, each train step's driver clock (``time_s``): the interval between consecutive steps'
-results; the median interval away from checkpoints (and after ``--warmup`` steps) is the step; the time lost
-at a checkpoint is the sum over the boundary step's interval and the ``--window`` intervals after it (default:
-0.6 of ``--checkpoint-every``) of (interval - median step): the wall-clock from the last result before the
-boundary to the window's end against as many median steps (a background write shows in the steps after the
-checkpoint, a synchronous one in the first). The boundary's own interval counts because a step's result
-returns with the next step's call: on a CPU the call computes its step first, so the boundary's flush returns
-right after the step before (an interval near 0) and the first step after the checkpoint reports only once the
-second has run (one step more). Also the time the step loop was blocked in the checkpoint call itself
-(``blocked``: the copy to host memory and the call's round trip for the background writes; everything for the
-synchronous one). The run's last checkpoint (at its last step, no steps after) is left out. Per mode and
-round: the median time lost per checkpoint and its ratio to ``sync``'s, the same for ``blocked``, the bytes of
-rank files per checkpoint against one replica's state, and the bytes the driver received per checkpoint
-(``sync``: the rank files; the actors' writes: their files' names, sizes and sha256, as the manifest lists
-them).
+From metrics.parquet, each train step's driver clock (``time_s``): the interval between consecutive
+steps' results; the median interval away from checkpoints (and after ``--warmup`` steps) is the step; the
+time lost at a checkpoint is the sum over the boundary step's interval and the ``--window`` intervals
+after it (default: 0.6 of ``--checkpoint-every``) of (interval - median step): the wall-clock from the
+last result before the boundary to the window's end against as many median steps (a background write
+shows in the steps after the checkpoint, a synchronous one in the first). The boundary's own interval
+counts because a step's result returns with the next step's call: on a CPU the call computes its step
+first, so at a boundary where the actors go quiet (``sync``'s) the flush returns right after the step
+before (an interval near 0) and the first step after the checkpoint reports only once the second has run
+(one step more); the background writes' checkpoints are queued behind their step, no flush. Also the time
+the step loop was blocked in the checkpoint call itself (``blocked``: queueing the calls for the
+background writes; everything for the synchronous one). The run's last checkpoint (at its last step, no
+steps after) is left out. Per mode and round: the median time lost per checkpoint and its ratio to
+``sync``'s, the same for ``blocked``, the bytes of rank files per checkpoint against one replica's state,
+and the bytes the driver received per checkpoint (``sync``: the rank files; the actors' writes: their
+files' names, sizes and sha256, as the manifest lists them).
 
 Output: one JSON row per run on stdout as it ends, then one line per mode (the medians over rounds, the
 rounds' range in brackets); with ``--out DIR``, ``DIR/rows.json`` (every row, with the configuration and

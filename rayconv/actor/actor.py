@@ -110,12 +110,13 @@ class Actor(ActorLifecycle):
 
     def _marked(self, out: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
         """A step's metrics with ``preempted`` (this actor's role) once it took SIGTERM (``_take_sigterm``),
-        and ``saved`` once its checkpoint part is written (``saver.Saver.finished``: the driver's poll)."""
+        and ``saved``, the results of its checkpoint parts written since the last handed over (a list,
+        oldest first: ``saver.Saver.finished``, the driver's poll)."""
         if out is not None and self.preempted:
             out["preempted"] = self.role
         if out is not None:
             saved = self.saver.finished()
-            if saved is not None:
+            if saved:
                 out["saved"] = saved
         return out
 
@@ -176,14 +177,15 @@ class Actor(ActorLifecycle):
         """Copy this actor's part of the checkpoint of ``step`` steps to host memory
         (``state.checkpoint_rank_file``) and return; a background thread writes it to ``where`` (the
         checkpoint's folder: a ``storage.Location`` or a ``cluster.sink.SinkFolder``) as
-        ``rank-<rank>.pt``. Waits first for this actor's previous write, if any."""
-        self.saver.wait()
+        ``rank-<rank>.pt``. Waits first for this actor's previous write, if any, whose result is kept
+        for the driver (``saver.Saver``): the driver may begin a checkpoint before it has the one before."""
+        self.saver.join()   # (one host copy at a time)
         header, tensors, copied = self.code.state.checkpoint_rank_file(self.a)
         self.saver.start(step, where / f"rank-{self.a.rank}.pt", header, tensors, copied)
 
-    def checkpoint_wait(self) -> Optional[dict[str, Any]]:
-        """The last checkpoint part's result (``saver.Saver``: step and files, or step and error), once
-        written; None when this actor wrote none."""
+    def checkpoint_wait(self) -> list[dict[str, Any]]:
+        """The results of the checkpoint parts written and not handed over yet (``saver.Saver``: step and
+        files, or step and error; oldest first), once the last is written; [] when there are none."""
         return self.saver.wait()
 
     def load_rank_file(self, blob: bytes, next_step: int) -> None:

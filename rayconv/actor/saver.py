@@ -9,7 +9,8 @@ driver's node, for a local ``--out`` that this node does not see). A write that 
 (``TRIES`` in all, ``RETRY_S`` apart, from the same host copy) and then reported as one line; a rank
 file written halfway is never resumed, since only the driver's manifest, written once every rank file is
 in, makes a checkpoint.
-One write at a time: ``start`` waits for the one before (the driver collects each before the next).
+One write at a time: ``start`` waits for the one before, whose result it keeps until handed over
+(the driver may begin the next checkpoint before it has the previous one's results).
 
 What the write costs the step: the thread runs at the lowest CPU priority (``lowest_priority``: nice 19,
 Linux's per-thread niceness), so that on a busy machine it takes the CPU the step leaves; it runs no
@@ -108,21 +109,21 @@ def write_rank_file(where: Any, obj: dict[str, Any]) -> dict[str, Any]:
 
 
 class Saver:
-    """One rank file written at a time by a background thread; its result (``step`` and
-    ``files`` [{name, bytes, sha256}], or ``step`` and ``error``, one line) is handed over once,
-    by ``finished`` (polled with each step's metrics) or ``wait``."""
+    """One rank file written at a time by a background thread; each write's result (``step`` and
+    ``files`` [{name, bytes, sha256}], or ``step`` and ``error``, one line) is kept until it is handed
+    over, once, by ``finished`` (polled with each step's metrics) or ``wait``, oldest first."""
 
     def __init__(self) -> None:
         self._thread: Optional[threading.Thread] = None
-        self._result: Optional[dict[str, Any]] = None
-        self._handed = True
+        self._result: Optional[dict[str, Any]] = None   # the running (or last) write's, set by its thread
+        self._kept: list[dict[str, Any]] = []   # results of finished writes not handed over yet
 
     def start(self, step: int, where: Any, header: dict[str, Any], tensors: dict[str, torch.Tensor],
               copied: Any = None) -> None:
         """Write ``{**header, "tensors": tensors}`` to ``where`` in the background (after the CUDA
-        event ``copied``, where the host copies were made asynchronously)."""
-        self.wait()
-        self._result, self._handed = None, False
+        event ``copied``, where the host copies were made asynchronously), once the write before it is
+        done (its result kept)."""
+        self._join(wait=True)
 
         def run() -> None:
             t0 = time.perf_counter()
@@ -145,17 +146,29 @@ class Saver:
         self._thread = threading.Thread(target=run, name=f"checkpoint-{step}", daemon=True)
         self._thread.start()
 
-    def finished(self) -> Optional[dict[str, Any]]:
-        """The result of the last write if it is done and not handed over yet, else None."""
-        if self._handed or self._thread is None or self._thread.is_alive():
-            return None
-        self._handed = True
-        return self._result
+    def join(self) -> None:
+        """Wait for the write under way, if any; its result is kept for ``finished`` or ``wait``."""
+        self._join(wait=True)
 
-    def wait(self) -> Optional[dict[str, Any]]:
-        """The result of the last write (waiting for it), or None when there is none."""
-        if self._thread is None:
-            return None
+    def finished(self) -> list[dict[str, Any]]:
+        """The results of the writes done and not handed over yet (none: []), oldest first."""
+        self._join(wait=False)
+        return self._hand_over()
+
+    def wait(self) -> list[dict[str, Any]]:
+        """As ``finished``, once the last write is done (waiting for it)."""
+        self._join(wait=True)
+        return self._hand_over()
+
+    def _join(self, wait: bool) -> None:
+        """The last write's result into the kept ones once it is done (``wait``: waiting for it)."""
+        if self._thread is None or (not wait and self._thread.is_alive()):
+            return
         self._thread.join()
-        self._handed = True
-        return self._result
+        if self._result is not None:
+            self._kept.append(self._result)
+        self._thread, self._result = None, None
+
+    def _hand_over(self) -> list[dict[str, Any]]:
+        out, self._kept = self._kept, []
+        return out

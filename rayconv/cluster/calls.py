@@ -26,6 +26,11 @@ class Pending:
     ranks: list[int]
     refs: list[Any]
 
+    def done(self) -> bool:
+        """Whether every actor's call has returned (or raised), without waiting."""
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
 
 def is_lost(e: BaseException) -> bool:
     """An actor that is gone (process killed, node lost), rather than one that raised."""

@@ -41,7 +41,7 @@ from rayconv.driver.policies import (CONTINUE, Decision, ElasticScaling, Failure
                                      ScalingPolicy)
 from rayconv.driver.progress import kept_names, log_header
 from rayconv.driver.resolve import ResolvedRun, call_timeout_s, resolve_run
-from rayconv.driver.saving import check_nodes
+from rayconv.driver.saving import check_nodes, settle
 from rayconv.errors import CallTimeout, ClusterError
 from rayconv.layout import Layout
 from rayconv.mesh import Mesh
@@ -173,6 +173,7 @@ class Controller:
         checkpoint: the new actors load it and export."""
         t_detect = time.monotonic()
         run.failures += 1
+        settle(run, None)   # (the lost actors' checkpoints dropped; a manifest being written, written)
         latest = latest_checkpoint(run.resolved.out)
         ckpt = load_checkpoint(latest) if latest is not None else run.resolved.resume
         budget = run.cfg.failure_budget

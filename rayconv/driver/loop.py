@@ -3,17 +3,18 @@ checkpoints between steps.
 
 Step k+1 is queued on the actors before step k's call returns, and each call returns the metrics of the
 step before it, so neither the device nor the actor waits for the driver between steps (the bench's
-``driver_overhead`` measures what is left). Before an evaluation, a checkpoint or the test hook the
-loop lets the actors go quiet (``flush``). Synchronous SGD unchanged (Yadan et al. 2013): every step
-equals one single-device step on the global batch, whatever the layout. Each step's learning rate
-comes from ``driver.lr``; with ``--model-ema`` each evaluation is followed by one of the
-moving average (``evaluate(ema=True)`` on the actors); with ``--precise-bn-batches`` each evaluation is
-preceded by the batch-norm statistics' recomputation (``recalibrate_bn`` on the actors); with
-``--target-accuracy`` the first evaluation that reaches it is timed (``driver.target``). With
-``--val-split`` each evaluation is of the validation images (``val_*``), the test split's only at the
-last step (or every time with ``--eval-test``); the target and ``--keep-best`` (``driver.best``) read
-the validation accuracy. TensorBoard's event files (``outputs.tensorboard``) follow each write of
-metrics.parquet.
+``driver_overhead`` measures what is left). Before an evaluation, the test hook, a preemption's or the
+scaling policy's decision and the last step the loop lets the actors go quiet (``flush``); a checkpoint
+that needs none of these is queued behind its step (``Run.drains``, ``driver.saving``). Synchronous SGD
+unchanged (Yadan et al. 2013): every step equals one single-device step on the global batch, whatever the
+layout. Each step's learning rate comes from ``driver.lr``; with ``--model-ema`` each evaluation is
+followed by one of the moving average (``evaluate(ema=True)`` on the actors); with
+``--precise-bn-batches`` each evaluation is preceded by the batch-norm statistics' recomputation
+(``recalibrate_bn`` on the actors); with ``--target-accuracy`` the first evaluation that reaches it is
+timed (``driver.target``). With ``--val-split`` each evaluation is of the validation images (``val_*``),
+the test split's only at the last step (or every time with ``--eval-test``); the target and
+``--keep-best`` (``driver.best``) read the validation accuracy. TensorBoard's event files
+(``outputs.tensorboard``) follow each write of metrics.parquet.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import math
 import time
 import weakref
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
@@ -35,7 +35,7 @@ from rayconv.driver.best import Best, load_best, write_best
 from rayconv.driver.elastic import DrainWatch, LayoutChanges, cluster_free
 from rayconv.driver.policies import CONTINUE, Decision, FixedScaling, ScalingPolicy
 from rayconv.driver.progress import Progress
-from rayconv.driver.lr import learning_rate, peak_lr, warmup_steps
+from rayconv.driver.lr import learning_rate
 from rayconv.driver.resolve import ResolvedRun, call_timeout_s
 from rayconv.driver.target import Target, train_seconds
 from rayconv.layout import Layout
@@ -82,6 +82,7 @@ class Run:
         # boundary, where the scaling policy decides.
         self.preempted: Optional[str] = None
         self.changes = LayoutChanges()   # summary.json's ``layout_changes``, and the change under way
+        self.checkpoints: saving.Checkpoints = saving.Checkpoints()   # ``driver.saving``
 
     @property
     def layout_changes(self) -> list[dict[str, Any]]:
@@ -142,6 +143,16 @@ class Run:
         return (self.evaluation_due(done) or self.checkpoint_due(done) or self.on_step is not None
                 or self.preempted is not None)
 
+    def drains(self, step: int) -> bool:
+        """Whether the boundary after this step lets the actors go quiet (``flush``): all but a checkpoint
+        that nothing else needs them quiet for (no evaluation, test hook, preemption mark or scaling policy
+        that watches the cluster; not the last step; not ``RAYCONV_SYNC_CHECKPOINTS=1``), whose calls are
+        queued behind the step (``driver.saving``)."""
+        done = step + 1
+        return self.boundary(step) and (
+            not self.checkpoint_due(done) or self.evaluation_due(done) or self.on_step is not None
+            or self.preempted is not None or self.scaling.watches_cluster or saving.synchronous())
+
 
 @dataclass
 class _Attempt:
@@ -152,6 +163,7 @@ class _Attempt:
     t_train: float = field(default_factory=time.perf_counter)
     t_last: float = 0.0  # when the previous result came back
     lrs: dict[int, float] = field(default_factory=dict)  # submitted steps' learning rates
+    write_at: int = -1   # the step whose row completes the metrics written at a checkpoint not drained
     drain: Optional[DrainWatch] = None   # (--elastic: the actors' nodes, looked at for a drain)
 
 
@@ -168,6 +180,7 @@ def train(run: Run, actor_group: ActorGroup, start: int) -> Decision:
         att.drain = DrainWatch({i["node_id"] for i in actor_group.info})
     att.t_last = att.t_train
     log, run.log = run.log, att.progress.console(run.log)   # (lines printed while the bar shows: not onto it)
+    saving.begin_attempt(run, actor_group)
     try:
         in_flight: Optional[Pending] = None
         for step in range(start, total):
@@ -175,17 +188,20 @@ def train(run: Run, actor_group: ActorGroup, start: int) -> Decision:
                 in_flight = _submit(run, actor_group, att, step)
             current, in_flight = in_flight, None
             # (decided before the result: a SIGTERM mark in it makes the next step the boundary)
-            boundary = run.boundary(step)
-            if not boundary:  # queue the next step before waiting for this one
+            drains = run.drains(step)
+            if run.boundary(step) and not drains:   # a checkpoint only: its calls queued behind the step
+                checkpoint(run, actor_group, step + 1, queued=True)
+                att.write_at = step
+            if not drains:  # queue the next step before waiting for this one
                 in_flight = _submit(run, actor_group, att, step + 1)
             _record(run, att, actor_group.collect(current, timeout_s=run.call_timeout_s))
-            decision = _between_steps(run, actor_group, att, step) if boundary else CONTINUE
+            decision = _between_steps(run, actor_group, att, step) if drains else CONTINUE
             if decision.action != "continue":
                 saving.settle(run, actor_group)   # (the checkpoint complete before these actors stop)
                 return decision
         saving.settle(run, actor_group)   # (the run ends once its last checkpoint is complete)
         return CONTINUE
-    except KeyboardInterrupt:   # (a stop keeps the checkpoint the actors are writing, if they can finish it)
+    except KeyboardInterrupt:   # (a stop keeps the checkpoints being written, if they can be finished)
         saving.settle(run, actor_group, timeout_s=run.call_timeout_s, quiet=True)
         raise
     finally:
@@ -201,12 +217,16 @@ def _submit(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) -> Pend
 
 
 def _record(run: Run, att: _Attempt, results: list) -> None:
-    """Log the step whose metrics came back (a call that returned none is skipped). Raises
-    FloatingPointError when its loss is not finite."""
+    """Log the step whose metrics came back (a call that returned none is skipped), then the poll of
+    the checkpoints (``saving.note``: the parts written came with them). Raises FloatingPointError when
+    its loss is not finite."""
     results = [x for x in results if x is not None]
-    saving.note(run, results)   # (the poll: checkpoint parts written, with the step's metrics)
-    if not results:
-        return
+    if results:
+        _row(run, att, results)
+    saving.note(run, results)
+
+
+def _row(run: Run, att: _Attempt, results: list) -> None:
     marks = [x["preempted"] for x in results if x.get("preempted")]
     if marks and run.preempted is None:
         run.preempted = f"actor {marks[0]} got SIGTERM"
@@ -235,6 +255,8 @@ def _record(run: Run, att: _Attempt, results: list) -> None:
         raise FloatingPointError(f"loss is {r['loss']} at step {k}: lower --lr (now {run.cfg.lr})")
     att.progress.step(k, epoch, r["loss"], run.metrics.rows[-1]["lr"], ips, run.last_eval)
     _startup(run, k, results)
+    if k == att.write_at:   # (the progress so far, with a checkpoint not drained: written in the background)
+        run.metrics.write_soon(run.resolved.out / "metrics.parquet")
 
 
 def _startup(run: Run, k: int, results: list) -> None:
@@ -349,11 +371,11 @@ def log_images(run: Run) -> None:
     run.events.add_image_grid(x)
 
 
-def checkpoint(run: Run, actor_group: ActorGroup, step: int, wait: bool = False) -> Any:
+def checkpoint(run: Run, actor_group: ActorGroup, step: int, wait: bool = False, queued: bool = False) -> Any:
     """Start checkpoints/step-<step>/ (``step`` steps done): the actors write their parts in the
-    background; its manifest, written once all are in, completes it (``driver.saving``). ``wait``:
-    complete on return. Returns its folder."""
-    return saving.start(run, actor_group, step, _manifest(run, step), wait=wait)
+    background; its manifest, written once all are in, completes it (``driver.saving``). ``queued``: its
+    calls queued behind the step in flight; ``wait``: complete on return. Returns its folder."""
+    return saving.start(run, actor_group, step, saving.manifest_of(run, step), wait=wait, queued=queued)
 
 
 def export(run: Run, actor_group: ActorGroup, path: Path, ema: bool = False) -> None:
@@ -372,27 +394,3 @@ def export(run: Run, actor_group: ActorGroup, path: Path, ema: bool = False) -> 
         split_dims.update(d)
     keys = actor_group.call(Actor.model_keys, ranks=holders[:1], timeout_s=run.call_timeout_s)[0]
     export_model(path, assemble(states, split_dims), keys)
-
-
-def _manifest(run: Run, step: int) -> dict[str, Any]:
-    """What a checkpoint records besides the actors' rank files: model, layout, data and lr-schedule
-    position, the settings (``--resume`` takes them over)."""
-    cfg, s, mesh = run.cfg, run.resolved, run.resolved.mesh
-    epoch, step_in_epoch = divmod(step, s.sharding.steps_per_epoch)
-    return {
-        "model": cfg.model, "num_classes": s.source.num_classes,
-        "sample_shape": list(s.source.sample_shape), "precision": cfg.precision,
-        "layout": {"dp": mesh.dp, "pp": mesh.pp, "fs": mesh.fs, "plan": cfg.plan,
-                   "world_size": mesh.world_size, "stages": [list(st) for st in s.routing.stages],
-                   "roles": [mesh.role(r) for r in range(mesh.world_size)]},
-        "data": {"data": cfg.data, "next_step": step, "epoch": epoch, "step_in_epoch": step_in_epoch,
-                 "steps_per_epoch": s.sharding.steps_per_epoch, "seed": cfg.seed,
-                 "global_batch_size": cfg.global_batch_size},
-        "lr_schedule": {"schedule": cfg.lr_schedule, "lr": cfg.lr, "peak_lr": peak_lr(cfg),
-                        "warmup_steps": warmup_steps(cfg, s.sharding.steps_per_epoch),
-                        "total_steps": s.total_steps, "next_step": step,
-                        "next_lr": learning_rate(cfg, step, s.total_steps, s.sharding.steps_per_epoch)
-                        if step < s.total_steps else None},
-        "config": s.saved_config().to_dict(),
-        "written": datetime.now().isoformat(timespec="seconds"),
-    }

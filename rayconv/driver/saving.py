@@ -1,17 +1,35 @@
 """Checkpoints written by the actors, in the background; the driver writes each one's manifest, last.
 
-At a checkpoint's step boundary (``start``) every actor copies what its rank file holds to host memory
-(``Actor.checkpoint_start``: one copy of each tensor over the data-parallel replicas,
-``outputs/rank_files.py``) and returns; training continues while each actor's background thread
-serialises and writes ``rank-<r>.pt`` into ``<out>/checkpoints/step-<k>/`` (``actor/saver.py``). The
-actors report each file's name, size and sha256 with a later step's metrics (``note``, the loop's poll)
-or when asked (``settle``: before the next checkpoint, before the run's end, before a layout change or a
-test hook); once all have, the driver writes ``metrics.parquet`` and then ``manifest.json`` (on a thread
-of its own when the poll completes it, so that the step loop never waits on a disk), which alone makes
-the checkpoint complete (``checkpoint.write_manifest``), and prunes to --keep-checkpoints. No tensor
+What is written when. At the step boundary of a checkpoint of k steps (``start``) the driver calls
+``Actor.checkpoint_start`` on every actor: each copies what its rank file holds to host memory (one copy
+of each tensor over the data-parallel replicas, ``outputs/rank_files.py``) and returns, and a background
+thread of the actor serialises it and writes ``rank-<r>.pt`` into ``<out>/checkpoints/step-<k>/``
+(``actor/saver.py``) while training continues. Where nothing else needs the actors quiet at that
+boundary (``Run.drains``: no evaluation, test hook or preemption mark, a scaling policy that does not
+watch the cluster, not the run's last step) the call is queued right behind step k-1's ``train_step``
+and step k's is queued behind it, nothing waited for: Ray runs an actor's calls in the order they were
+submitted, so the copy is of the state after k steps; the calls are collected later (``note``: a failure
+raised there as any actor call's). At the other boundaries the loop lets the actors go quiet first
+(``flush``) and waits for the calls.
+
+The actors report each rank file's name, size and sha256 with a later step's metrics (``note``, the
+loop's poll) or when asked (``settle``: before the run's end, a layout change, the test hook, a stop).
+Once all have, and the metrics row of step k-1 is in (a step's row comes back with the next step's
+call), the driver takes the rows of the steps before k for the checkpoint's ``metrics.parquet`` and, on
+a thread of its own (``Checkpoints.completing``: the step loop never waits on a disk or a bucket),
+writes it and then ``manifest.json``, which alone makes the checkpoint complete
+(``checkpoint.write_manifest``), prunes to --keep-checkpoints, and removes the rank files of older
+checkpoints that never completed (``checkpoint.remove_partial``: a failed write, a stopped run's).
+Checkpoints complete in the order they began. Each actor's ``checkpoint_start`` waits for its own
+previous write and keeps that write's result until handed over, so a checkpoint may begin before the
+driver has the results of the one before: two can be open at once (``Checkpoints.open``). No tensor
 passes through the driver. A write that failed (after the actors' retries) is one line; the previous
-checkpoint stays the newest complete one and the rank files written are removed at the next checkpoint
-(``checkpoint.remove_partial``), as are those a stopped run left.
+checkpoint stays the newest complete one.
+
+A step folder that was there when the attempt began (``Checkpoints.listed``, one listing: a run resumed
+in its own folder or recovered, writing a step again) is emptied on the step loop, its manifest first,
+before any actor writes into it, so that no manifest lists a rank file it did not see written; no other
+checkpoint costs the step loop a request to the storage.
 
 Where the rank files go (``route``, said once on the console): a bucket, or a local ``--out`` on the
 driver's disk, which actors on the driver's node write directly; an actor on another node (which may
@@ -22,8 +40,8 @@ actor on each node writes and deletes a probe object in the run's folder with it
 and endpoint: a node that cannot is one line naming it (exit status 2), before anything is written.
 
 ``RAYCONV_SYNC_CHECKPOINTS=1`` keeps the synchronous form (each actor's whole state through the driver,
-written before training continues: format 1), for the benchmark's comparison
-(``benchmarks/checkpoint_stall.py``).
+written before training continues, at a boundary where the actors are quiet: format 1), for the
+benchmark's comparison (``benchmarks/checkpoint_stall.py``).
 """
 
 from __future__ import annotations
@@ -31,34 +49,48 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
 import ray
 
 from rayconv.actor.actor import Actor
+from rayconv.cluster.calls import Pending
 from rayconv.cluster.group import ActorGroup
 from rayconv.cluster.sink import SinkFolder, needs_sink, start_sink
-from rayconv.outputs.checkpoint import (latest_checkpoint, prune, remove_partial, write_checkpoint,
-                                        write_manifest)
+from rayconv.driver.lr import learning_rate, peak_lr, warmup_steps
+from rayconv.outputs.checkpoint import (latest_checkpoint, prune, remove_partial, step_folders,
+                                        write_checkpoint, write_manifest)
 from rayconv.storage import Location, Place, StorageError, describe, locate, remove
 
 SYNC_ENV = "RAYCONV_SYNC_CHECKPOINTS"
 
 
+def synchronous() -> bool:
+    """Whether checkpoints take the synchronous form (``RAYCONV_SYNC_CHECKPOINTS=1``)."""
+    return os.environ.get(SYNC_ENV) == "1"
+
+
 @dataclass
 class Writing:
-    """A checkpoint the actors are writing: its step, folder, the manifest and metrics rows as of the
-    step, the actor group writing it and the results in so far (file name -> result)."""
+    """A checkpoint begun and not complete: its step, folder, the manifest as of the step, the actor
+    group writing it, its ``checkpoint_start`` calls while not collected, the results in so far (file
+    name -> result) and the metrics rows taken for it (``metrics.parquet``'s bytes) once complete."""
 
     step: int
     folder: Place
     manifest: dict[str, Any]
-    metrics: bytes
     group: ActorGroup
     world_size: int
+    started: Optional[Pending] = None
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    metrics: bytes = b""
+
+    @property
+    def reported(self) -> bool:
+        return len(self.results) + len(self.errors) >= self.world_size
 
 
 @dataclass
@@ -75,10 +107,39 @@ class Route:
         return folder if isinstance(folder, Location) else locate(str(folder))
 
 
+@dataclass
+class Checkpoints:
+    """The run's checkpoints as the driver keeps them (``Run.checkpoints``), across its attempts."""
+
+    route: Optional[Route] = None   # the current actor group's (``route``)
+    open: list[Writing] = field(default_factory=list)   # begun, not complete: oldest first
+    completing: Optional[threading.Thread] = None   # the manifest written last, or being written
+    newest: Optional[Place] = None   # the last this run completed
+    nodes_checked: set[str] = field(default_factory=set)   # node ids (``check_nodes``)
+    listed: Optional[set[int]] = None   # step folders there at the attempt's start (None: not known)
+
+
+def begin_attempt(run: Any, group: ActorGroup) -> None:
+    """Before an attempt's first step: the manifests written so far waited for, the checkpoints of
+    actors that are gone dropped (their rank files removed after the next manifest), and the step
+    folders there now listed (module docstring)."""
+    ck: Checkpoints = run.checkpoints
+    _drop_others(ck, group)
+    if ck.completing is not None:
+        ck.completing.join()
+    ck.listed = None
+    if run.cfg.checkpoint_every or run.cfg.elastic is not None:
+        try:
+            ck.listed = step_folders(run.resolved.out)
+        except OSError:
+            pass   # (not known: every step folder emptied before its checkpoint)
+
+
 def route(run: Any, group: ActorGroup) -> Route:
     """How ``group``'s actors reach the run's checkpoints (module docstring), decided once per group
     and said on the console."""
-    old = getattr(run, "ckpt_route", None)
+    ck: Checkpoints = run.checkpoints
+    old = ck.route
     if old is not None and old.group is group:
         return old
     if old is not None and old.sink is not None:
@@ -92,7 +153,7 @@ def route(run: Any, group: ActorGroup) -> Route:
     run.log(f"rayconv: checkpoints to {where}: each actor writes its own rank file"
             + (f"; {n} actors on other nodes send theirs through a writer on the driver's node (the folder "
                "is this node's disk)" if n else ""))
-    run.ckpt_route = r
+    ck.route = r
     return r
 
 
@@ -103,9 +164,9 @@ def check_nodes(run: Any, group: ActorGroup) -> None:
     own environment. Raises StorageError, one line naming the node and what to change."""
     out, cfg = run.resolved.out, run.cfg
     if not isinstance(out, Location) or not (cfg.checkpoint_every or cfg.elastic is not None) \
-            or os.environ.get(SYNC_ENV) == "1":
+            or synchronous():
         return
-    checked: set[str] = getattr(run, "nodes_checked", set())
+    checked = run.checkpoints.nodes_checked
     first: dict[str, int] = {}   # node id -> the first rank on it
     for rank, info in enumerate(group.info):
         if info.get("node_id") not in checked:
@@ -126,87 +187,139 @@ def check_nodes(run: Any, group: ActorGroup) -> None:
             "write there, or AWS_* variables in the environment of each node's ray start); "
             + ("nothing was written" if not checked else
                f"the run stops: --resume {out.uri} continues it once they can"))
-    run.nodes_checked = checked | set(first)
+    checked.update(first)
 
 
-def start(run: Any, group: ActorGroup, step: int, manifest: dict[str, Any], wait: bool = False) -> Place:
-    """Begin the checkpoint of ``step`` steps (module docstring); with ``wait`` (or under
-    ``RAYCONV_SYNC_CHECKPOINTS=1``) it is complete on return. Returns its folder."""
-    settle(run, group)
-    out = run.resolved.out
-    if os.environ.get(SYNC_ENV) == "1":
+def start(run: Any, group: ActorGroup, step: int, manifest: dict[str, Any], wait: bool = False,
+          queued: bool = False) -> Place:
+    """Begin the checkpoint of ``step`` steps (module docstring): ``queued``, its calls queued behind
+    the step in flight and collected later (the actors not quiet), else waited for; with ``wait`` (or
+    under ``RAYCONV_SYNC_CHECKPOINTS=1``) it is complete on return. Returns its folder."""
+    out, ck = run.resolved.out, run.checkpoints
+    if synchronous():
+        settle(run, group)
         rank_files = group.call(Actor.rank_file, timeout_s=run.call_timeout_s)
         extra = {"metrics.parquet": run.metrics.to_bytes()}
         folder = write_checkpoint(out, step, rank_files, manifest, extra=extra, keep=run.cfg.keep_checkpoints)
         _logged(run, folder)
         return folder
+    _drop_others(ck, group)
     r = route(run, group)
     folder = out / "checkpoints" / f"step-{step}"
-    try:   # (rank files of checkpoints that never completed; this step's, written again: its manifest first)
-        remove(folder / "manifest.json")
-        remove_partial(out)
-        remove(folder)
-    except OSError:
-        pass   # (the storage unreachable: the actors' writes say so, in one line)
+    if ck.listed is None or step in ck.listed:   # (written again: emptied, its manifest first)
+        try:
+            remove(folder / "manifest.json")
+            remove(folder)
+        except OSError:
+            pass   # (the storage unreachable: the actors' writes say so, in one line)
+        if ck.listed is not None:
+            ck.listed.discard(step)
     if isinstance(folder, Path):
         folder.mkdir(parents=True, exist_ok=True)
     world = len(group.actors)
-    group.call_each(Actor.checkpoint_start, [(step, r.target(rank, folder)) for rank in range(world)],
-                    timeout_s=run.call_timeout_s)
-    run.writing = Writing(step, folder, manifest, run.metrics.to_bytes(), group, world)
+    w = Writing(step, folder, manifest, group, world)
+    w.started = group.submit_each(Actor.checkpoint_start, [(step, r.target(rank, folder))
+                                                           for rank in range(world)])
+    ck.open.append(w)
+    if not queued:
+        _collect_started(run, w)
     if wait:
         settle(run, group)
     return folder
 
 
+def manifest_of(run: Any, step: int) -> dict[str, Any]:
+    """What a checkpoint records besides the actors' rank files: model, layout, data and lr-schedule
+    position, the settings (``--resume`` takes them over)."""
+    cfg, s, mesh = run.cfg, run.resolved, run.resolved.mesh
+    epoch, step_in_epoch = divmod(step, s.sharding.steps_per_epoch)
+    return {
+        "model": cfg.model, "num_classes": s.source.num_classes,
+        "sample_shape": list(s.source.sample_shape), "precision": cfg.precision,
+        "layout": {"dp": mesh.dp, "pp": mesh.pp, "fs": mesh.fs, "plan": cfg.plan,
+                   "world_size": mesh.world_size, "stages": [list(st) for st in s.routing.stages],
+                   "roles": [mesh.role(r) for r in range(mesh.world_size)]},
+        "data": {"data": cfg.data, "next_step": step, "epoch": epoch, "step_in_epoch": step_in_epoch,
+                 "steps_per_epoch": s.sharding.steps_per_epoch, "seed": cfg.seed,
+                 "global_batch_size": cfg.global_batch_size},
+        "lr_schedule": {"schedule": cfg.lr_schedule, "lr": cfg.lr, "peak_lr": peak_lr(cfg),
+                        "warmup_steps": warmup_steps(cfg, s.sharding.steps_per_epoch),
+                        "total_steps": s.total_steps, "next_step": step,
+                        "next_lr": learning_rate(cfg, step, s.total_steps, s.sharding.steps_per_epoch)
+                        if step < s.total_steps else None},
+        "config": s.saved_config().to_dict(),
+        "written": datetime.now().isoformat(timespec="seconds"),
+    }
+
+
 def note(run: Any, results: list[dict[str, Any]]) -> None:
-    """The poll: the ``saved`` results that came back with a step's metrics; completes the checkpoint
-    once every actor's is in."""
-    w: Optional[Writing] = getattr(run, "writing", None)
+    """The poll, after a step's metrics are recorded: the ``saved`` results that came back with them,
+    the ``checkpoint_start`` calls that returned (collected: a failure raised as any call's), and the
+    checkpoints complete once every actor's result and their last step's metrics row are in."""
+    ck: Checkpoints = run.checkpoints
     for x in results:
-        saved = x.get("saved")
-        if saved is not None and w is not None and saved["step"] == w.step:
-            _take(w, saved)
-    if w is not None and len(w.results) + len(w.errors) >= w.world_size:
-        # (on a thread: an fsync of the manifest can wait behind the rank files' own writes to the same disk)
-        run.writing = None
-        run.completing = threading.Thread(target=_complete, args=(run, w), name=f"manifest-{w.step}",
-                                          daemon=True)
-        run.completing.start()
+        for saved in x.get("saved", ()):
+            _take(ck, saved)
+    for w in ck.open:
+        if w.started is not None and w.started.done():
+            _collect_started(run, w)
+    while ck.open and ck.open[0].reported and _rows_in(run, ck.open[0]):
+        w = ck.open.pop(0)
+        _collect_started(run, w)   # (returned: each actor's result came after it)
+        _finish(run, w)
 
 
 def settle(run: Any, group: Optional[ActorGroup], timeout_s: Optional[float] = None,
            quiet: bool = False) -> None:
-    """Wait for the checkpoint being written (if ``group``'s actors write it) and complete it; one being
-    written by actors that are gone (a recovery) is dropped, its rank files removed at the next checkpoint.
-    ``quiet``: a failure to wait (the actors stopped, ``timeout_s`` passed) drops it instead of raising
-    (a run being stopped)."""
-    done: Optional[threading.Thread] = getattr(run, "completing", None)
-    if done is not None:
-        done.join()
-        run.completing = None
-    w: Optional[Writing] = getattr(run, "writing", None)
-    if w is None:
-        return
-    if w.group is not group:
-        run.writing = None
-        return
-    if len(w.results) + len(w.errors) < w.world_size:
+    """Wait for the checkpoints being written (if ``group``'s actors write them) and complete them, in
+    order; those being written by actors that are gone (a recovery) are dropped, their rank files removed
+    after the next manifest. ``quiet``: a failure to wait (the actors stopped, ``timeout_s`` passed)
+    drops them instead of raising (a run being stopped)."""
+    ck: Checkpoints = run.checkpoints
+    _drop_others(ck, group)
+    if group is not None and not all(w.reported for w in ck.open):
         try:
+            for w in ck.open:
+                _collect_started(run, w, timeout_s)
             waited = group.call(Actor.checkpoint_wait, timeout_s=timeout_s)
         except Exception:  # noqa: BLE001 - quiet: the run is stopping anyway
             if not quiet:
                 raise
-            run.writing = None
-            return
-        for saved in waited:
-            if saved is not None and saved["step"] == w.step:
-                _take(w, saved)
-    run.writing = None
-    _complete(run, w)
+            waited, ck.open = [], []
+        for results in waited:
+            for saved in results:
+                _take(ck, saved)
+    while ck.open:
+        w = ck.open.pop(0)
+        _collect_started(run, w, timeout_s)   # (returned, where its results came: they follow it)
+        if not w.errors and not _rows_in(run, w):
+            w.errors.append(f"the metrics of step {w.step - 1} did not come back before the run stopped")
+        _finish(run, w)
+    if ck.completing is not None:
+        ck.completing.join()
+        ck.completing = None
 
 
-def _take(w: Writing, saved: dict[str, Any]) -> None:
+def _drop_others(ck: Checkpoints, group: Optional[ActorGroup]) -> None:
+    ck.open = [w for w in ck.open if w.group is group]
+
+
+def _collect_started(run: Any, w: Writing, timeout_s: Optional[float] = None) -> None:
+    if w.started is not None:
+        started, w.started = w.started, None
+        w.group.collect(started, timeout_s=run.call_timeout_s if timeout_s is None else timeout_s)
+
+
+def _rows_in(run: Any, w: Writing) -> bool:
+    """Whether the metrics row of the checkpoint's last step is in (it comes with the next step's call)."""
+    last = run.metrics.last("train", "step")
+    return last is not None and last >= w.step - 1
+
+
+def _take(ck: Checkpoints, saved: dict[str, Any]) -> None:
+    w = next((w for w in ck.open if w.step == saved["step"]), None)
+    if w is None:
+        return
     if "error" in saved:
         if saved["error"] not in w.errors:
             w.errors.append(saved["error"])
@@ -215,8 +328,22 @@ def _take(w: Writing, saved: dict[str, Any]) -> None:
             w.results[f["name"]] = f
 
 
-def _complete(run: Any, w: Writing) -> None:
-    """The manifest of ``w`` once every rank file is in (``metrics.parquet`` first), or its failure's line."""
+def _finish(run: Any, w: Writing) -> None:
+    """``w``'s metrics rows taken (those of the steps before it, here on the driver's thread), its
+    manifest written on a thread after the one before it (an fsync can wait behind the rank files' own
+    writes to the same disk)."""
+    ck: Checkpoints = run.checkpoints
+    w.metrics = run.metrics.to_bytes(before=w.step)
+    ck.completing = threading.Thread(target=_complete, args=(run, w, ck.completing),
+                                     name=f"manifest-{w.step}", daemon=True)
+    ck.completing.start()
+
+
+def _complete(run: Any, w: Writing, before: Optional[threading.Thread] = None) -> None:
+    """The manifest of ``w`` once every rank file is in (``metrics.parquet`` first) and the older rank
+    files of checkpoints that never completed removed, or its failure's line; after ``before``."""
+    if before is not None:
+        before.join()
     out = run.resolved.out
     if not w.errors and len(w.results) < w.world_size:
         missing = w.world_size - len(w.results)
@@ -227,10 +354,15 @@ def _complete(run: Any, w: Writing) -> None:
             write_manifest(w.folder, w.step, w.manifest, files, extra={"metrics.parquet": w.metrics})
             prune(out, run.cfg.keep_checkpoints)
             _logged(run, w.folder)
-            return
         except Exception as e:  # noqa: BLE001 - a storage error of any kind: the one line below
             w.errors.append(f"the manifest was not written ({type(e).__name__}: {str(e).strip()[:200]})")
-    newest = getattr(run, "ckpt_newest", None)   # (the last this run completed: a failing store not listed)
+        else:
+            try:
+                remove_partial(out, below=w.step)
+            except OSError:
+                pass   # (left for the next manifest, or the run's end)
+            return
+    newest = run.checkpoints.newest   # (the last this run completed: a failing store not listed)
     if newest is None:
         try:
             newest = latest_checkpoint(out)
@@ -241,6 +373,6 @@ def _complete(run: Any, w: Writing) -> None:
 
 
 def _logged(run: Any, folder: Place) -> None:
-    run.ckpt_newest = folder
+    run.checkpoints.newest = folder
     if not run.cfg.progress:
         run.log(f"checkpoint {describe(folder)}")

@@ -75,19 +75,29 @@ def latest_checkpoint(out: Place) -> Optional[Place]:
     return found[-1] if found else None
 
 
-def remove_partial(out: Place, keep: Optional[int] = None) -> list[str]:
+def remove_partial(out: Place, below: Optional[int] = None) -> list[str]:
     """Delete unfinished checkpoints: ``step-<k>.tmp`` folders, and ``step-<k>`` folders without a
     manifest (rank files written for a checkpoint that never completed: an interrupted write, an upload
-    that failed), but step ``keep``'s. Returns the names removed."""
+    that failed), only those of steps below ``below`` where given (a newer one may be being written).
+    Returns the names removed."""
     root = _place(out) / "checkpoints"
     gone = []
     if root.is_dir():
         for p in root.iterdir():
             m = STEP_DIR.match(p.name)
-            if p.name.endswith(".tmp") or (m and int(m.group(1)) != keep and not (p / MANIFEST).is_file()):
+            if p.name.endswith(".tmp") or (m and (below is None or int(m.group(1)) < below)
+                                           and not (p / MANIFEST).is_file()):
                 remove(p)
                 gone.append(p.name)
     return gone
+
+
+def step_folders(out: Place) -> set[int]:
+    """The steps of every ``step-<k>`` folder of ``out``'s checkpoints, complete or not (one listing)."""
+    root = _place(out) / "checkpoints"
+    if not root.is_dir():
+        return set()
+    return {int(m.group(1)) for p in root.iterdir() if (m := STEP_DIR.match(p.name))}
 
 
 def write_manifest(folder: Place, step: int, manifest: dict[str, Any], files: list[dict[str, Any]],

@@ -135,13 +135,15 @@ class MetricsLog:
         if self.on_write is not None:
             self.on_write(self.rows[:n])
 
-    def to_bytes(self) -> bytes:
-        """The rows as a Parquet file's bytes (stored in checkpoints)."""
+    def to_bytes(self, before: Optional[int] = None) -> bytes:
+        """The rows (those of steps below ``before`` where given) as a Parquet file's bytes (stored in
+        checkpoints)."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
+        rows = self.rows if before is None else [r for r in self.rows if r["step"] < before]
         sink = pa.BufferOutputStream()
-        pq.write_table(self.table(), sink)
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema()), sink)
         return sink.getvalue().to_pybytes()
 
     def last(self, kind: str, key: str) -> Optional[float]:
