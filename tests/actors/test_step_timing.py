@@ -18,8 +18,9 @@ pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's 
 
 @pytest.mark.slow
 def test_rows_time_their_own_step_across_evaluation_and_checkpoint_boundaries(ray_cluster, tmp_path):
-    # Evaluation every 2 steps and a checkpoint every 3: the driver waits for the actors after those
-    # steps, so the driver's wall time between two results is one step's or two steps' or almost none.
+    # Evaluation every 2 steps and a checkpoint every 3: the driver waits for the actors after the
+    # evaluations' steps (the checkpoint of step 3 is queued behind its step), so the driver's wall time
+    # between two results is one step's or two steps' or almost none.
     out = tmp_path / "run"
     lines: list[str] = []
     cfg = Config(model="resnet18", data="synthetic", image_size=32, synthetic_samples=128,
