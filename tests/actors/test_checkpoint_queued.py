@@ -1,9 +1,10 @@
-"""Checkpoints queued behind their step (driver/saving.py), on a real local Ray cluster (float64, dp=2):
-at a boundary where nothing else needs the actors quiet the driver lets none go quiet (no ``flush``: the
-actors' calls run ``train_step``, ``checkpoint_start``, ``train_step``), each checkpoint's metrics.parquet
-holds exactly the steps before it, and a run resumed from each ends at the uninterrupted run's
-parameters; a checkpoint begun while the one before it is still being written (a write that fails and
-is tried again: actor/saver.py) completes after it, every checkpoint in order."""
+"""Checkpoints queued behind their step (driver/saving.py), on a real local Ray cluster (float64, dp=2): at
+a boundary where nothing else needs the actors quiet the driver lets none go quiet (no ``flush``: the
+actors' calls run ``train_step``, ``checkpoint_start``, ``train_step``), each checkpoint's
+metrics.parquet holds exactly the steps before it, and a run resumed from each ends at the uninterrupted
+run's parameters (resumed in its own folder, a step folder written again is emptied first); a checkpoint
+begun while the one before it is still being written (a write that fails and is tried again:
+actor/saver.py) completes after it, every checkpoint in order."""
 
 from __future__ import annotations
 
@@ -92,6 +93,30 @@ def test_resumed_from_each_queued_checkpoint_a_run_ends_where_the_run_did(queued
     assert_same_state(torch.load(branch / "model.pt", weights_only=True),
                       torch.load(out / "model.pt", weights_only=True), atol=1e-10)
     assert [r["step"] for r in rows((branch / "metrics.parquet").read_bytes())] == list(range(STEPS))
+
+
+@pytest.mark.slow
+def test_resumed_in_its_folder_a_run_empties_a_step_folder_it_writes_again(queued, tmp_path):
+    """Resumed in place from step 2, with step 4's and 6's manifests gone (checkpoints that never
+    completed), a rank file of another layout in step-4 and a step-3 that never completed: step-4 is
+    emptied before the actors write into it (it was there when the run started), step-3 removed once a
+    later manifest is written; the run ends where the uninterrupted one did."""
+    out, _ = queued
+    branch = tmp_path / "branch"
+    shutil.copytree(out, branch)
+    ck = branch / "checkpoints"
+    for k in (4, 6):
+        (ck / f"step-{k}" / "manifest.json").unlink()
+    (ck / "step-4" / "rank-2.pt").write_bytes(b"stale")
+    (ck / "step-3").mkdir()
+    (ck / "step-3" / "rank-0.pt").write_bytes(b"stale")
+    assert main(["--resume", str(ck / "step-2")]) == 0
+    assert sorted(p.name for p in ck.iterdir()) == ["step-2", "step-4", "step-6"]
+    assert sorted(p.name for p in (ck / "step-4").iterdir()) == ["manifest.json", "metrics.parquet",
+                                                                 "rank-0.pt", "rank-1.pt"]
+    assert load_checkpoint(ck / "step-4").step == 4   # (sizes and sha256 checked)
+    assert_same_state(torch.load(branch / "model.pt", weights_only=True),
+                      torch.load(out / "model.pt", weights_only=True), atol=1e-10)
 
 
 def test_a_checkpoint_begun_while_the_one_before_is_written_completes_after_it(ray_cluster, want, tmp_path):
