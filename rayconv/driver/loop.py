@@ -137,8 +137,8 @@ class Run:
         return bool(every) and (done % every == 0 or done == self.resolved.total_steps)
 
     def boundary(self, step: int) -> bool:
-        """After this step the driver needs the actors quiet (evaluation, checkpoint, test hook, an
-        actor's SIGTERM mark)."""
+        """After this step something is due (evaluation, checkpoint, test hook, an actor's SIGTERM mark;
+        ``drains``: whether the actors go quiet for it)."""
         done = step + 1
         return (self.evaluation_due(done) or self.checkpoint_due(done) or self.on_step is not None
                 or self.preempted is not None)
@@ -217,9 +217,8 @@ def _submit(run: Run, actor_group: ActorGroup, att: _Attempt, step: int) -> Pend
 
 
 def _record(run: Run, att: _Attempt, results: list) -> None:
-    """Log the step whose metrics came back (a call that returned none is skipped), then the poll of
-    the checkpoints (``saving.note``: the parts written came with them). Raises FloatingPointError when
-    its loss is not finite."""
+    """The step whose metrics came back (``_row``; a call that returned none is skipped), then the
+    checkpoints' poll (``saving.note``: the parts written came with them)."""
     results = [x for x in results if x is not None]
     if results:
         _row(run, att, results)
@@ -227,6 +226,8 @@ def _record(run: Run, att: _Attempt, results: list) -> None:
 
 
 def _row(run: Run, att: _Attempt, results: list) -> None:
+    """Log the step of ``results``: its metrics row, progress and gauges. Raises FloatingPointError when
+    its loss is not finite."""
     marks = [x["preempted"] for x in results if x.get("preempted")]
     if marks and run.preempted is None:
         run.preempted = f"actor {marks[0]} got SIGTERM"
