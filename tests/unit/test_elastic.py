@@ -114,13 +114,14 @@ def test_an_elastic_run_recovers_every_loss_by_default_and_a_spent_budget_names_
 
     from rayconv.driver.job import Controller, decide_after_loss
     from rayconv.driver.policies import FailurePolicy
+    from rayconv.driver.saving import Checkpoints
     from rayconv.errors import ClusterError
 
     lost = ClusterError("actor dp1 (rank 1) was lost (process or node died) in train_step", recoverable=True)
 
     def run_of(cfg: Config):
         lines: list[str] = []
-        return SimpleNamespace(cfg=cfg.validate(), failures=0, log=lines.append,
+        return SimpleNamespace(cfg=cfg.validate(), failures=0, log=lines.append, checkpoints=Checkpoints(),
                                resolved=SimpleNamespace(out=tmp_path, resume=None)), lines
 
     def recover(run) -> object:   # the controller's step after a loss, as without --elastic (a restart)
