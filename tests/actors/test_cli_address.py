@@ -34,4 +34,6 @@ def test_the_cluster_this_process_started_is_found_on_the_host(ray_cluster):
     assert gcs in host.gcs_addresses()
     assert host.started_by(os.getpid(), gcs) and not host.started_by(os.getppid(), gcs)
     assert started_here()   # (ray.init of this process, not rayconv's connect, started it)
-    assert cluster_origin().startswith(f"started a local cluster at {gcs} (")
+    origin = cluster_origin()   # (the second form once a connect of this process reused it: other modules)
+    assert origin.startswith((f"started a local cluster at {gcs} (",
+                              f"reusing the local cluster this process started at {gcs} (")), origin
