@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import rayconv.driver.loop as loop
-from support.helpers import assert_same_state, reference_sgd
+from support.helpers import assert_same_state, checkpoint_config, reference_sgd
 from rayconv.cluster.group import ActorGroup
 from rayconv.config import Config
 from rayconv.driver.job import train_run
@@ -31,11 +31,7 @@ STEPS = 6
 
 
 def config(out, **kw) -> Config:
-    base = dict(model="convnet", data="digits", dp=2, global_batch_size=64, steps=STEPS, lr=0.05,
-                precision="fp64", device="cpu", progress=False, eval_every=100, out=str(out),
-                checkpoint_every=2, keep_checkpoints=0, loader_workers=0)
-    base.update(kw)
-    return Config(**base).validate()
+    return checkpoint_config(out, steps=kw.pop("steps", STEPS), **kw)
 
 
 def rows(parquet: bytes, kind: str = "train") -> list[dict]:

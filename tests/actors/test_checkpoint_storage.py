@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from conftest import local_ray
-from support.helpers import assert_same_state, reference_sgd
+from support.helpers import assert_same_state, checkpoint_config, reference_sgd
 from rayconv.config import Config
 from rayconv.driver.job import train_run
-from rayconv.outputs.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from rayconv.outputs.checkpoint import list_checkpoints, load_checkpoint
 from rayconv.run import main
 from rayconv.storage import locate
 from tests.support.s3_server import s3_server
@@ -29,11 +29,7 @@ class Stop(Exception):
 
 
 def config(out, **kw) -> Config:
-    base = dict(model="convnet", data="digits", dp=2, global_batch_size=64, steps=STEPS, lr=0.05,
-                precision="fp64", device="cpu", progress=False, eval_every=100, out=str(out),
-                checkpoint_every=2, keep_checkpoints=0, loader_workers=0)
-    base.update(kw)
-    return Config(**base).validate()
+    return checkpoint_config(out, steps=kw.pop("steps", STEPS), **kw)
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,16 @@ def sgd_config(tmp_path, name: str, **kw) -> Config:
     return Config(**base).validate()
 
 
+def checkpoint_config(out, *, steps: int, **kw) -> Config:
+    """A dp2 convnet run on digits in float64 of ``steps`` steps, a checkpoint every 2 (all kept), ``out``
+    its folder; ``kw`` overrides."""
+    base = dict(model="convnet", data="digits", dp=2, global_batch_size=64, steps=steps, lr=0.05,
+                precision="fp64", device="cpu", progress=False, eval_every=100, out=str(out),
+                checkpoint_every=2, keep_checkpoints=0, loader_workers=0)
+    base.update(kw)
+    return Config(**base).validate()
+
+
 def reference_source(cfg: Config):
     """``cfg``'s data source decoded in this process (no loader workers): a sample's pixels depend on
     (seed, epoch, index) alone, not on which process decodes it, and each unannounced batch of a loader
