@@ -119,6 +119,11 @@ class Location:
     def remote(self) -> bool:
         return self.local is None
 
+    @property
+    def relative(self) -> bool:
+        """Whether it was given as a plain relative path (made absolute against this process's folder)."""
+        return not is_uri(self.uri) and not Path(self.uri).expanduser().is_absolute()
+
     def exists(self) -> bool:
         import pyarrow.fs as pafs
         return self.fs.get_file_info(self.path).type != pafs.FileType.NotFound

@@ -1,8 +1,8 @@
 """The layout against the cluster's devices: how many actors of ``--gpus-per-actor`` GPUs or
 ``--num-cpus-per-actor`` CPUs the connected cluster holds, ``dp`` where the settings leave it to the cluster,
 and what to change where the layout does not fit (a smaller layout, or more devices), after waiting up to
-``--max-wait`` for nodes to join a cluster that can grow. No torch here (``driver.prestart`` and
-``driver.early`` call it before the driver imports torch).
+``--max-wait`` for nodes to join a cluster that can grow. No torch here (``driver.early`` and
+``driver.resolve`` call it before the driver imports torch).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Connecting to a Ray cluster and asking it what it has; the small Ray helpers the rest of cluster/ shares.
 
-``connect`` finds or starts the cluster (``probe`` refuses, in one line, an address where no Ray
+``connect`` finds or starts the cluster (``connect_run``: for a run, with the logical CPUs its layout
+needs) (``probe`` refuses, in one line, an address where no Ray
 answers; ``cluster_origin`` says which it did, ``cluster_outlives_process`` whether it stays after
 this process, ``cli_address`` what a Ray command line needs to reach it); ``available_devices`` counts
 the slots an actor can take (GPUs, or CPUs); ``node_memory_share`` the memory CPU actors share on a node;
@@ -14,12 +15,16 @@ import os
 import socket
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import ray
 
+from rayconv import startup
 from rayconv.cluster import host
 from rayconv.errors import ClusterError, ConfigError, DataError, LayoutError
+
+if TYPE_CHECKING:
+    from rayconv.config import Config
 
 NAMESPACE = "rayconv"
 # Actors and tasks with this see every GPU of their node (and select theirs by ``visible_index``).
@@ -75,6 +80,27 @@ def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] 
 
 
 ADDRESS_FILE = "ray_current_cluster"   # what `ray start --head` writes into its temp dir: the GCS address
+
+
+def connect_run(cfg: Config) -> None:
+    """Connect Ray for the run in progress (``connect``, with ``cluster_cpus``) and mark the start-up
+    clock's ``ray`` with how; nothing when this run connected already (``driver.early.start_first``,
+    then ``driver.resolve``). Raises ConfigError / ClusterError as ``connect`` does."""
+    clock = startup.current()
+    if clock is not None and "ray" in clock.phases and ray.is_initialized():
+        return
+    how = connect(cfg.address, min_cpus=cluster_cpus(cfg))
+    startup.mark("ray")
+    if clock is not None:
+        clock.ray = how
+
+
+def cluster_cpus(cfg: Config) -> Optional[int]:
+    """The logical CPUs a local cluster started for ``cfg`` gets at least (``connect``'s ``min_cpus``):
+    one slot per CPU actor (``--dp`` left to the cluster: one replica); None for GPU runs."""
+    if cfg.device == "cuda":
+        return None
+    return (cfg.dp or 1) * cfg.pp * cfg.fs * cfg.num_cpus_per_actor
 
 
 def address_files() -> list[Path]:

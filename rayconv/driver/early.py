@@ -33,9 +33,10 @@ from typing import Optional
 from rayconv.actor.actor import Actor
 from rayconv.cluster.acquire import ActorSpec, acquire
 from rayconv.cluster.capacity import resolve_layout
+from rayconv.cluster.connect import connect_run
 from rayconv.config import Config
 from rayconv.driver.passed import passed
-from rayconv.driver.prestart import check_output_folder, connect_run, new_run_name, output_place
+from rayconv.driver.prestart import open_output
 from rayconv.errors import ConfigError, DataError, LayoutError, ScheduleError
 from rayconv.model_names import check_known
 from rayconv.user_model import is_user_model
@@ -66,7 +67,8 @@ def can_start_first(cfg: Config) -> bool:
 def start_first(cfg: Config, log=print) -> Optional[str]:
     """The run's actors started before torch is imported, when ``can_start_first``: the model's name
     checked against this machine's listing of torchvision's models (``model_names.check_known``), the output
-    folder (named: ``prestart.with_output_folder``) checked, Ray connected (the start-up clock's ``ray``),
+    folder (named: ``prestart.with_output_folder``) checked and the run's name made from it
+    (``prestart.open_output``), Ray connected (``connect_run``: the start-up clock's ``ray``),
     the layout resolved, the actors started without waiting for them
     (``acquire(spec, early=True)``). Returns the run's name they started under; None where none started (not
     ``can_start_first``, or the layout does not fit: the run refuses it after its checks, as it would; or
@@ -77,9 +79,7 @@ def start_first(cfg: Config, log=print) -> Optional[str]:
         return None
     # (a torchvision model's name, where this machine listed them: the actors check the rest)
     check_known(cfg.model)
-    out = output_place(cfg)
-    check_output_folder(out, None)
-    run_name = new_run_name(out)
+    _, run_name = open_output(cfg)
     connect_run(cfg)
     try:
         resolved, mesh = resolve_layout(cfg, log, wait=False)

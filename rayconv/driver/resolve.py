@@ -27,7 +27,7 @@ import ray
 
 from rayconv.choices import SMALL_DATA_BYTES
 from rayconv.cluster.capacity import resolve_layout
-from rayconv.cluster.connect import node_memory_share
+from rayconv.cluster.connect import connect_run, node_memory_share
 from rayconv.cluster.local_copy import copy_to_nodes
 from rayconv.cluster.tasks import gpu_free_bytes, gpu_total_bytes, run_on_device
 from rayconv.config import Config
@@ -38,8 +38,7 @@ from rayconv.data.source import Sharding, Source
 from rayconv.driver.early import needs_devices
 from rayconv.driver.lr import check_schedule, total_steps
 from rayconv.driver.passed import passed, remember
-from rayconv.driver.prestart import (check_output_folder, connect_run, new_run_name, output_place,
-                                     with_output_folder)
+from rayconv.driver.prestart import open_output, with_output_folder
 
 from rayconv import startup
 # --cudnn-benchmark auto: on for runs at least this long
@@ -50,7 +49,7 @@ from rayconv.model_names import is_torchvision_model
 from rayconv.models import build_model, model_names
 from rayconv.user_model import is_user_model, resolve
 from rayconv.models.weights import init_file
-from rayconv.outputs.checkpoint import Checkpoint, check_resumable, load_checkpoint
+from rayconv.outputs.checkpoint import Checkpoint, check_resumable, check_resumes_newest, load_checkpoint
 from rayconv.parallel.routing import Routing, checked_routing, make_routing
 from rayconv.storage import Place
 from rayconv.planner.layer_timing import measured_costs
@@ -121,14 +120,16 @@ def resolve_run(cfg: Config, log=print, on_layout=None, run_name: Optional[str] 
     cfg.validate()  # (a Config made in Python: refused here, before Ray starts)
     resume = load_checkpoint(cfg.resume) if cfg.resume else None
     cfg = with_output_folder(cfg, resume)
-    out = output_place(cfg)  # (a local folder in full: the header, the summary and the messages name it)
-    check_output_folder(out, resume)
+    # (a local folder in full: the header, the summary and the messages name it)
+    out, new_name = open_output(cfg, None if resume is None else resume.run_dir)
+    if resume is not None:
+        check_resumes_newest(resume, out)
     check_named(cfg, resume)
     predicted = None
     if cfg.layout == "auto":
         cfg, predicted = choose_layout(cfg, log)
     data_dir = cfg.data_dir
-    run_name = run_name or new_run_name(out)
+    run_name = run_name or new_name
     started = None if on_layout is None else (lambda c, m: on_layout(c, m, run_name))
     cfg, mesh, source, routing, sharding = resolve_on_cluster(cfg, log, resume, on_layout=started)
     steps = total_steps(cfg, sharding.steps_per_epoch)

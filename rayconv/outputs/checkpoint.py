@@ -70,6 +70,19 @@ def list_checkpoints(out: Place) -> list[Place]:
     return [p for _, p in sorted(found)]
 
 
+def check_resumes_newest(resume: Checkpoint, out: Place) -> None:
+    """Refuse resuming in place from a checkpoint older than the run folder's newest: ``out`` being
+    ``resume``'s run folder, the run would write steps that checkpoints after ``resume.step`` hold.
+    Raises CheckpointError naming what to give instead."""
+    if out.resolve() != resume.run_dir.resolve():
+        return
+    newer = [p.name for p in list_checkpoints(out) if int(p.name.split("-")[1]) > resume.step]
+    if newer:
+        raise CheckpointError(f"--resume {resume.path} is older than {', '.join(newer)} of the same run: "
+                              "resume from the newest, or give --out NEW to branch off from step "
+                              f"{resume.step}")
+
+
 def latest_checkpoint(out: Place) -> Optional[Place]:
     found = list_checkpoints(out)
     return found[-1] if found else None

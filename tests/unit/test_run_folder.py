@@ -21,12 +21,12 @@ from rayconv.config import Config
 from rayconv.driver.finish import done_line, recording_stop, writing_into
 from rayconv.driver.loop import Run
 from rayconv.driver.progress import run_line
-from rayconv.driver.prestart import check_job_output, ray_job
+from rayconv.driver.prestart import open_output, ray_job
 from rayconv.driver.resolve import ResolvedRun, check_before_ray, check_steps_left
 from rayconv.errors import CheckpointError, ConfigError
 from rayconv.data.source import Sharding
 from rayconv.mesh import Mesh
-from rayconv.outputs.checkpoint import load_checkpoint, write_checkpoint
+from rayconv.outputs.checkpoint import check_resumes_newest, load_checkpoint, write_checkpoint
 from rayconv.run import main
 from rayconv.signals import sigterm_as_interrupt, stopped_by
 
@@ -113,6 +113,26 @@ def test_raised_steps_pass_the_checks_before_ray(tmp_path):
     check_before_ray(dataclasses.replace(cfg, steps=12), ckpt)
 
 
+def test_resuming_in_place_from_an_older_checkpoint_is_refused_before_ray(tmp_path, capsys, silent_address):
+    """A run folder whose newest checkpoint is step 8, resumed in place from step 4: the run would write
+    over steps that step 8 holds; refused in one line naming the newer one, nothing rewritten, no Ray.
+    Branching off into another folder is taken."""
+    address, contacts = silent_address
+    run = finished_run(tmp_path / "r1")
+    manifest = json.loads((run / "checkpoints" / "step-8" / "manifest.json").read_text())
+    write_checkpoint(run, 4, [b"rank0", b"rank1"], {k: v for k, v in manifest.items() if k != "files"})
+    before = tree(run)
+    older = run / "checkpoints" / "step-4"
+    assert main(["--address", address, "--resume", str(older), "--steps", "12"]) == 2
+    line = one_error_line(capsys)
+    assert "is older than step-8 of the same run" in line and "--out NEW" in line, line
+    assert tree(run) == before and not contacts
+    ckpt = load_checkpoint(older)
+    check_resumes_newest(ckpt, tmp_path / "branch")   # (another folder: nothing newer there)
+    with pytest.raises(CheckpointError, match="older than step-8"):
+        check_resumes_newest(ckpt, run)
+
+
 def test_relative_out_is_refused_under_a_ray_job(tmp_path, capsys, silent_address, monkeypatch):
     address, contacts = silent_address
     monkeypatch.chdir(tmp_path)
@@ -126,20 +146,22 @@ def test_relative_out_is_refused_under_a_ray_job(tmp_path, capsys, silent_addres
         ), line
         assert str(tmp_path) in line
     assert not contacts and not (tmp_path / "runs").exists()
-    check_job_output(str(tmp_path / "r1"))  # an absolute --out is taken
+    out, _ = open_output(Config(out=str(tmp_path / "r1")))  # an absolute --out is taken
+    assert out == tmp_path / "r1"
 
 
 def test_ray_job_is_told_by_its_environment_or_working_folder(tmp_path, monkeypatch):
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
     monkeypatch.chdir(tmp_path)
     assert ray_job() is None
-    check_job_output("runs/r1")  # not a Ray job: a relative --out is the user's own folder
+    out, _ = open_output(Config(out="runs/r1"))  # not a Ray job: a relative --out is the user's own folder
+    assert out == tmp_path / "runs" / "r1"
     unpacked = tmp_path / "session_x" / "runtime_resources" / "working_dir_files" / "_ray_pkg_0123"
     unpacked.mkdir(parents=True)
     monkeypatch.chdir(unpacked)
     assert ray_job() == ""
     with pytest.raises(ConfigError, match="under a Ray job it would be made in the job's working folder"):
-        check_job_output("runs/r1")
+        open_output(Config(out="runs/r1"))
 
 
 def header_setup(**kw) -> SimpleNamespace:
