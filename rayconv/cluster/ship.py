@@ -9,12 +9,17 @@ and cluster (``ray.put``: the driver's process owns it), and named in the runtim
 hash of its content (``MODULES_ENV``: other content, another environment, so another worker process and
 another ``pool.actors_key``). The actor or task, handed the zip (``modules``: Ray fetches it to its
 node), unpacks it once per node and content into ``<temp dir>/rayconv-modules/<hash>/`` and puts that
-folder first on ``sys.path`` (``unpack``) before it imports the user's model. ``__pycache__`` and
-``.git`` folders are left out.
+folder first on ``sys.path`` (``unpack``) before it imports the user's model.
+
+Left out of a packed folder, as Ray's own ``working_dir`` upload leaves them: ``__pycache__`` and ``.git``
+folders, and what a ``.gitignore`` or ``.rayignore`` in the folder or a subfolder names (data, virtual
+environments, checkpoints beside the model's code; ``ignored``). More than ``MAX_BYTES`` to ship is
+refused in one line naming the biggest files.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import importlib
 import io
@@ -28,29 +33,74 @@ from typing import Any, Optional
 
 import ray
 
-from rayconv.errors import ClusterError, first_line
+from rayconv.errors import ClusterError, ConfigError, first_line
 
 MODULES_ENV = "RAYCONV_MODULES"   # the hash of the shipped modules' content (an actor's environment)
 SKIP = {"__pycache__", ".git"}
+IGNORE_FILES = (".gitignore", ".rayignore")   # their patterns leave files out of a packed folder
+MAX_BYTES = 100 * 2**20   # the most a zip may hold (uncompressed): larger, it is data, not modules
 _PUT: dict[tuple[str, str], Any] = {}   # (cluster's GCS address, hash) -> the zip's ObjectRef
+
+
+def ignored(path: Path, rules: list[tuple[Path, str]]) -> bool:
+    """Whether ``rules`` ((folder of the ignore file, pattern) pairs) leave out ``path``. The patterns
+    are gitignore's common forms: ``name`` or ``*.glob`` matches a name at any depth below its folder;
+    one with a ``/`` inside or in front (``/build``, ``data/*.bin``) a path from that folder; a trailing
+    ``/`` matches folders only; ``**/`` in front is any depth. ``!`` (re-including) is not supported:
+    such a line is skipped (what an earlier line left out stays out)."""
+    for folder, pattern in rules:
+        if pattern.endswith("/") and not path.is_dir():
+            continue
+        pattern = pattern.rstrip("/")
+        pattern = pattern[3:] if pattern.startswith("**/") else pattern
+        target = path.relative_to(folder).as_posix() if "/" in pattern else path.name
+        if fnmatch.fnmatchcase(target, pattern.lstrip("/")):
+            return True
+    return False
+
+
+def _files(folder: Path, rules: list[tuple[Path, str]]) -> list[Path]:
+    """The files under ``folder`` to ship, in path order: not in ``SKIP`` folders nor left out by
+    ``rules`` or the ignore files of ``folder`` and its subfolders (``ignored``)."""
+    for name in IGNORE_FILES:
+        if (folder / name).is_file():
+            lines = (line.strip() for line in (folder / name).read_text(errors="replace").splitlines())
+            rules = rules + [(folder, line) for line in lines if line and line[0] not in "#!"]
+    out = []
+    for entry in sorted(folder.iterdir()):
+        if entry.name in SKIP or ignored(entry, rules):
+            continue
+        if entry.is_dir() and not entry.is_symlink():   # (as rglob: a link to a folder is not followed)
+            out += _files(entry, rules)
+        elif entry.is_file():
+            out.append(entry)
+    return out
 
 
 def pack(paths: list[str]) -> tuple[str, bytes]:
     """(hash of the content, zip) of ``paths`` (folders and ``.py`` files), each under its own name: the
-    same files give the same hash (names and bytes, in a fixed order), whatever their times."""
+    same files give the same hash (names and bytes, in a fixed order), whatever their times. Raises
+    ConfigError when the files to ship hold more than ``MAX_BYTES``, naming the biggest."""
+    files = []   # (name in the zip, file)
+    for path in sorted(Path(p) for p in paths):
+        files += [(path.name, path)] if path.is_file() else [
+            (f"{path.name}/{f.relative_to(path).as_posix()}", f) for f in _files(path, [])]
+    sizes = {name: f.stat().st_size for name, f in files}
+    if sum(sizes.values()) > MAX_BYTES:
+        big = sorted(sizes, key=sizes.__getitem__, reverse=True)[:3]
+        listed = ", ".join(f"{n} ({sizes[n] / 2**20:.1f} MB)" for n in big)
+        raise ConfigError(f"{sum(sizes.values()) / 2**20:.0f} MB to ship, over {MAX_BYTES / 2**20:.0f} MB; "
+                          f"biggest: {listed}: add them to a .gitignore in their folder, or move them out "
+                          "of the model's folder")
     h = hashlib.sha256()
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-        for path in sorted(Path(p) for p in paths):
-            files = [path] if path.is_file() else sorted(
-                f for f in path.rglob("*") if f.is_file() and not SKIP & set(f.relative_to(path).parts))
-            for f in files:
-                name = path.name if f == path else f"{path.name}/{f.relative_to(path).as_posix()}"
-                data = f.read_bytes()
-                h.update(name.encode() + b"\0" + data + b"\0")
-                info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
-                info.compress_type, info.external_attr = zipfile.ZIP_DEFLATED, 0o644 << 16
-                z.writestr(info, data)
+        for name, f in files:
+            data = f.read_bytes()
+            h.update(name.encode() + b"\0" + data + b"\0")
+            info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+            info.compress_type, info.external_attr = zipfile.ZIP_DEFLATED, 0o644 << 16
+            z.writestr(info, data)
     return h.hexdigest()[:16], buf.getvalue()
 
 

@@ -4,10 +4,15 @@ per node and content, first on ``sys.path``; the runtime environment names the c
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import sys
+import zipfile
+
+import pytest
 
 from rayconv.cluster import ship
+from rayconv.errors import ClusterError
 
 
 def test_the_zip_is_named_by_its_content_and_unpacks_importable(tmp_path, monkeypatch):
@@ -46,3 +51,37 @@ def test_an_environment_without_modules_is_left_as_it_is():
     assert ship.with_modules(None) is None
     env = {"env_vars": {"X": "1"}}
     assert ship.with_modules(env) is env and ship.modules(env) is None
+
+
+def test_what_a_gitignore_names_is_left_out(tmp_path):
+    """As Ray's own upload of a working_dir: a .gitignore (or .rayignore) in the packed folder or a subfolder
+    leaves out what it names, folders (``data/``) and globs (``*.pt``) at any depth; the rest is shipped
+    and hashed as before."""
+    pkg = tmp_path / "model_pkg"
+    for name in ("data/train.bin", "data/sub/more.bin", "nets/data/ok.py", "ckpt.pt", "nets/best.pt",
+                 "nets/venv/lib.py", "__init__.py", "nets/__init__.py", "nets/block.py", "nets/data.pt.txt"):
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(name)
+    (pkg / ".gitignore").write_text("# the data beside the code\ndata/\n*.pt\n")
+    (pkg / "nets" / ".rayignore").write_text("/venv\n")
+    digest, data = ship.pack([str(pkg)])
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        assert sorted(z.namelist()) == ["model_pkg/.gitignore", "model_pkg/__init__.py",
+                                        "model_pkg/nets/.rayignore", "model_pkg/nets/__init__.py",
+                                        "model_pkg/nets/block.py", "model_pkg/nets/data.pt.txt"]
+    (pkg / "data" / "train.bin").write_text("other data")
+    assert ship.pack([str(pkg)])[0] == digest   # (what is left out does not change the hash)
+
+
+def test_too_much_to_ship_is_refused_naming_the_biggest_files(tmp_path, monkeypatch):
+    pkg = tmp_path / "heavy_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "weights.bin").write_bytes(bytes(3000))
+    monkeypatch.setattr(ship, "MAX_BYTES", 2000)
+    with pytest.raises(ClusterError) as e:
+        ship.with_modules({"py_modules": [str(pkg)]})
+    msg = str(e.value)
+    assert "\n" not in msg and "heavy_pkg/weights.bin" in msg and ".gitignore" in msg
+    (pkg / ".gitignore").write_text("*.bin\n")
+    assert ship.pack([str(pkg)])[1]   # (left out, it fits)
