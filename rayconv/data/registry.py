@@ -21,7 +21,8 @@ from rayconv.config import Config, ConfigError
 from rayconv.data.cache import local_folder
 from rayconv.data.digits import load_digits
 from rayconv.data.order import BlockOrder, ExactOrder
-from rayconv.data.fashion_mnist import load_fashion_mnist, read_ahead as read_fashion_mnist_ahead
+from rayconv.data.fashion_mnist import HeaderSource, load_fashion_mnist
+from rayconv.data.fashion_mnist import read_ahead as read_fashion_mnist_ahead
 from rayconv.data.imagefolder import ImageFolderSource
 from rayconv.data.manifest_source import ManifestSource
 from rayconv.data.raw_shards import RawShardSource
@@ -137,9 +138,14 @@ def make_source(cfg: Config, num_classes: Optional[int] = None) -> Source:
 def check_source(cfg: Config) -> Source:
     """The source the driver's checks read: ``make_source``'s, except that a prepared folder in object
     storage is described from its manifest alone (``ManifestSource``: no shard fetched; the nodes whose
-    actors read the set fetch it). Raises DataError / ConfigError / StorageError."""
+    actors read the set fetch it) and Fashion-MNIST from its idx headers (``fashion_mnist.HeaderSource``:
+    no image file decompressed; the actors read the files). Raises DataError / ConfigError /
+    StorageError."""
     if cfg.data in ("imagefolder", "shards") and cfg.data_dir and is_remote(cfg.data_dir):
         return checked(cfg, ManifestSource(cfg))
+    if cfg.data == "fashion-mnist":
+        return checked(cfg, HeaderSource(cfg.data_dir, cfg.seed, cfg.image_size, cfg.augmentation,
+                                         cfg.random_erase, cfg.auto_augment))
     return make_source(cfg)
 
 

@@ -14,16 +14,18 @@ import torch.nn.functional as F
 
 from rayconv.config import Config
 from rayconv.data.augment import normalize, random_crop_flip
+from rayconv.data import fashion_mnist
 from rayconv.data.fashion_mnist import (
     DEBIAN_DIR,
     FILES,
     PAD,
+    HeaderSource,
     fashion_mnist_arrays,
     load_fashion_mnist,
     read_ahead,
 )
 from rayconv.data.on_device import OnDeviceSource, channel_stats
-from rayconv.data.registry import make_source
+from rayconv.data.registry import check_source, make_source
 from rayconv.errors import DataError
 
 CPU = torch.device("cpu")
@@ -66,6 +68,52 @@ def test_the_real_files_give_the_published_split():
     assert got.dtype == torch.float32 and got.shape == (3, 1, 28, 28)
     assert torch.equal(got, normalize(torch.from_numpy(xt[idx]), src.mean, src.std))   # test: not augmented
     assert torch.equal(src.labels("train", idx), torch.from_numpy(y[idx]))
+
+
+def metadata(src) -> tuple:
+    return (src.name, src.num_classes, src.sample_shape, src.expanded_from, src.train_size, src.test_size,
+            src.augmentation, src.describe())
+
+
+@real
+def test_the_drivers_check_reads_the_headers_and_describes_the_data_as_the_full_load():
+    """The driver's check (``check_source``) describes the files as the actors' full load does, from the
+    idx headers and the labels: no image file read whole (nothing in the files-read cache)."""
+    cfg = Config(data="fashion-mnist").validate()
+    fashion_mnist._READ.clear()
+    seen = check_source(cfg)
+    assert isinstance(seen, HeaderSource) and not fashion_mnist._READ
+    assert fashion_mnist.fashion_mnist_meta() == {"train": (60000, 28, 28), "test": (10000, 28, 28)}
+    assert metadata(seen) == metadata(make_source(cfg))
+
+
+@pytest.mark.parametrize("flags", [{}, {"image_size": 32, "channels": 3, "val_split": 0.1},
+                                   {"augment": "none", "random_erase": 0.25, "auto_augment": "ta_wide"}])
+def test_the_header_source_gives_what_the_actors_source_gives(small, flags):
+    """Sizes, shape, channels, augmentation in words, and (for --log-images' first batch) the images and
+    labels themselves, read when first asked for."""
+    cfg = Config(data="fashion-mnist", data_dir=str(small), global_batch_size=8, **flags).validate()
+    seen, full = check_source(cfg), make_source(cfg)
+    assert isinstance(seen, HeaderSource) and metadata(seen) == metadata(full)
+    idx = np.array([3, 0, 31])
+    split = "val" if cfg.val_split else "train"
+    assert torch.equal(seen.images(split, idx, CPU, epoch=1), full.images(split, idx, CPU, epoch=1))
+    assert torch.equal(seen.labels(split, idx), full.labels(split, idx))
+
+
+@pytest.mark.parametrize("images", [FILES["train"][0] + ".gz", FILES["test"][0]])
+def test_a_truncated_image_file_is_refused_by_the_check_as_by_the_load(small, tmp_path, images):
+    for f in small.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    data = (tmp_path / images).read_bytes()
+    (tmp_path / images).write_bytes(data[:-100])
+    cfg = Config(data="fashion-mnist", data_dir=str(tmp_path)).validate()
+    with pytest.raises(DataError) as checked:
+        check_source(cfg)
+    with pytest.raises(DataError) as loaded:
+        fashion_mnist_arrays(str(tmp_path))
+    msg = str(checked.value)
+    assert msg == str(loaded.value) and "\n" not in msg and images in msg
 
 
 def test_missing_files_name_the_package_in_one_line(tmp_path):
