@@ -108,7 +108,7 @@ def with_modules(env: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     """``env`` (a runtime environment) with its ``py_modules`` (local paths) shipped: packed, put in the
     object store (once per content and cluster) and named by ``MODULES_ENV`` in its ``env_vars``
     instead; ``modules(env)`` is then what the actor is handed. Raises ClusterError when a path cannot
-    be read or the object store refuses the zip."""
+    be read, the files to ship exceed ``MAX_BYTES`` or the object store refuses the zip."""
     if not env or not env.get("py_modules"):
         return env
     paths = list(env["py_modules"])
