@@ -39,7 +39,11 @@ background writes; everything for the synchronous one). The run's last checkpoin
 steps after) is left out. Per mode and round: the median time lost per checkpoint and its ratio to
 ``sync``'s, the same for ``blocked``, the bytes of rank files per checkpoint against one replica's state,
 and the bytes the driver received per checkpoint (``sync``: the rank files; the actors' writes: their
-files' names, sizes and sha256, as the manifest lists them).
+files' names, sizes and sha256, as the manifest lists them). Where moto's server runs here (``async-s3``
+without ``--s3-endpoint``), the CPU seconds that server spent per checkpoint (``/proc``: its user and
+system time over the run, by the checkpoints written), beside the CPU seconds the machine has between two
+checkpoints (its cores times ``--checkpoint-every`` median steps): on a machine whose cores the training
+fills, the server's own work is taken from the training, whatever the writers do.
 
 Output: one JSON row per run on stdout as it ends, then one line per mode (the medians over rounds, the
 rounds' range in brackets); with ``--out DIR``, ``DIR/rows.json`` (every row, with the configuration and
@@ -68,6 +72,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 MODES = ("sync", "async-local", "async-s3")
 BUCKET = "rayconv-bench"
+SERVER: dict[str, Optional[int]] = {"pid": None}   # moto's server process, where started here
 
 
 def run_mode(mode: str, out: str, args) -> dict:
@@ -129,6 +134,12 @@ def run_mode(mode: str, out: str, args) -> dict:
             "load_average": [round(x, 2) for x in (*load_before, *os.getloadavg())]}
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its threads so far (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _read_metrics(out: str):
     import io
 
@@ -174,7 +185,7 @@ def bucket_server(endpoint: Optional[str], bucket: str) -> Iterator[str]:
     so in the Ray cluster started after it): ``endpoint`` as given, else moto's server in a child process
     on a free loopback port, at nice 19 once it answers (ended on exit)."""
     proc = None
-    if endpoint is None:
+    if endpoint is None:   # (the process is kept in SERVER, for its CPU seconds)
         from support.ray_head import free_port
         port = free_port()
         endpoint = f"http://127.0.0.1:{port}"
@@ -185,6 +196,7 @@ def bucket_server(endpoint: Optional[str], bucket: str) -> Iterator[str]:
         if proc is not None:   # (once up: the threads it starts for requests inherit its main thread's)
             os.setpriority(os.PRIO_PROCESS, proc.pid, 19)
         os.environ.update(_client_env(endpoint))
+        SERVER["pid"] = proc.pid if proc is not None else None
         yield endpoint
     finally:
         if proc is not None:
@@ -269,6 +281,10 @@ def summary(results: list[dict]) -> list[str]:
             text += f" ({spread(held, 'x')} of sync's)" if held else ""
         else:
             text += f", blocked {spread([r['median_blocked_s'] for r in rs], ' s')}"
+        if "server_cpu_s_per_checkpoint" in rs[0]:
+            text += (f", the server's CPU {spread([r['server_cpu_s_per_checkpoint'] for r in rs], ' s')} "
+                     "per checkpoint (the machine's between two: "
+                     f"{spread([r['machine_cpu_s_between_checkpoints'] for r in rs], ' s')})")
         text += (f", bytes {spread([r['bytes_ratio'] for r in rs], 'x', 4)} one replica's state, "
                  f"driver {statistics.median(r['driver_bytes_per_checkpoint'] for r in rs):,.0f} B "
                  "per checkpoint, "
@@ -291,7 +307,14 @@ def main(argv: Optional[list[str]] = None) -> None:
                 for mode in args.modes:
                     out = (f"s3://{args.bucket}/stall/{i}/{mode}" if mode == "async-s3"
                            else f"{tmp}/{i}/{mode}")
+                    pid = SERVER["pid"] if mode == "async-s3" else None
+                    cpu0 = cpu_seconds(pid) if pid else 0.0
                     r = {"round": i, **run_mode(mode, out, args)}
+                    if pid:
+                        r["server_cpu_s_per_checkpoint"] = round((cpu_seconds(pid) - cpu0)
+                                                                 / len(r["checkpoints"]), 3)
+                        r["machine_cpu_s_between_checkpoints"] = round(
+                            os.cpu_count() * args.checkpoint_every * r["median_step_s"], 3)
                     results.append(r)
                     print(json.dumps(r), flush=True)
     print()
