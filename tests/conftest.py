@@ -13,10 +13,13 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
-# Actors must not oversubscribe the 2 cores of CI machines (they inherit this environment); this process's
-# own torch, which computes the single-device references while the actors wait, uses every core.
+# Actors must not oversubscribe the 2 cores of CI machines (they inherit this environment), and neither
+# does this process's own torch, which computes the single-device references: its threads share the cores
+# with the actors, kept ones and pytest-xdist's other worker, and a second thread that waits on a busy
+# core makes these small float64 steps many times slower (40 steps of the digits' convnet: 78 s with two
+# threads on a loaded 2-core machine, 5 s with one).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-torch.set_num_threads(len(os.sched_getaffinity(0)))
+torch.set_num_threads(1)
 # One temporary folder of this test process, in the environment every cluster's workers inherit:
 # - Ray's temp folder (short: Ray's socket paths have a length limit). It holds ray_current_cluster, which
 #   a Ray started without an address looks for first, so no test here attaches to another process's
