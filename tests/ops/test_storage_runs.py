@@ -1,8 +1,9 @@
 """Runs whose folder is a bucket of a real S3-compatible server on loopback (moto), on a Ray head of
 this module's own that has the server's environment (as a cloud cluster's nodes have their
 credentials): a dp2 x pp2 driver SIGKILLed mid-run continues with ``--resume s3://...`` from another
-working folder, under another layout, to single-device SGD's parameters (float64, 1e-10), and under
-its own layout from an older checkpoint to the killed run's own checkpoint, bit for bit; the results
+working folder, under another layout (dp4), to single-device SGD's parameters (float64, 1e-10), and
+under its own layout from an older checkpoint to the killed run's own checkpoint, bit for bit (on the
+four actors the dp4 command kept on the head: the same count and bundle); the results
 (config.json, metrics.parquet, summary.json, model.pt, checkpoints) are in the bucket and nothing is
 written to the working folders."""
 
@@ -80,7 +81,7 @@ def test_a_lost_driver_continues_from_the_bucket(cluster, tmp_path):
     assert killed_at[-1] < STEPS
 
     # (a) resumed from the bucket in another working folder, under another layout: single-device SGD
-    out = run(tmp_path / "second", command(address, "--resume", r1, "--dp", "2", "--pp", "1"))
+    out = run(tmp_path / "second", command(address, "--resume", r1, "--dp", "4", "--pp", "1"))
     assert f"-> {r1}" in out and "resuming from" in out
     want = reference_sgd(sgd_config(tmp_path, "ref", steps=STEPS), STEPS)
     assert_same_state(model(r1), want, atol=1e-10)
@@ -90,10 +91,12 @@ def test_a_lost_driver_continues_from_the_bucket(cluster, tmp_path):
     assert (locate(r1) / "metrics.parquet").is_file()
 
     # (c) under its own layout, from the killed run's older checkpoint, into another folder: its next
-    # checkpoint is the killed run's, bit for bit (read from the bucket without Ray)
+    # checkpoint is the killed run's, bit for bit (read from the bucket without Ray); its actors are the
+    # ones (a) kept, stopped at its end (the search's trial needs the CPUs)
     r2 = s3.uri("storage-runs", "r2")
     older, newer = killed_at[:2]
-    run(tmp_path / "third", command(address, "--resume", f"{r1}/checkpoints/step-{older}", "--out", r2))
+    out = run(tmp_path / "third", command(address, "--resume", f"{r1}/checkpoints/step-{older}", "--out", r2,
+                                          "--keep-actors-s", "0"))
     got, was = whole_state(f"{r2}/checkpoints/step-{newer}"), whole_state(f"{r1}/checkpoints/step-{newer}")
     assert_same_state(got["model"], was["model"], atol=0)
     assert_same_state(model(r2), want, atol=1e-10)
