@@ -21,7 +21,17 @@ STEPS = 4  # global batch 96 of the 1438 digits: 4 full steps
 # plan
 # over 4 is tests/actors/test_large_layouts.py's; an even filter split over 2 is dp2-fs2's, and interleaved
 # with as many micro-batches as stages dp2-pp2-interleaved-v2's.)
-LAYOUTS = {  # (in order of actors: a run takes the actors the run before it kept, --keep-actors-s)
+LAYOUTS = {  # (the most actors first: a run that has no room beside the actors kept by the run before it
+    # (--keep-actors-s) takes the first of them, so the 4 actors of the first run serve every run after it)
+    "dp2-pp2-interleaved-v2": dict(dp=2, pp=2, virtual_stages=2, num_microbatches=2),
+    "dp2-fs2": dict(dp=2, fs=2),
+    "dp2-pp2": dict(dp=2, pp=2, num_microbatches=2, stages="8"),  # (a cut of CUTS)
+    "pp2-fs2": dict(pp=2, fs=2, num_microbatches=2, schedule="gpipe"),
+    "fs3-uneven": dict(fs=3),                      # 32/64/10 channels over 3 actors: 11,11,10 ...
+    # each gather in 5 overlapped batch pieces (32 per replica: 7,7,6,6,6), channels uneven over 3 actors
+    "fs3-overlapped-exchanges": dict(fs=3, exchange_chunks=5),
+    "pp3-1f1b-m4": dict(pp=3, schedule="1f1b", num_microbatches=4),
+    "pp3-interleaved-v2-m6": dict(pp=3, virtual_stages=2, num_microbatches=6),
     "fs2-batchnorm": dict(fs=2, model="convnet_bn"),  # batch norm over a channel slice is exact
     "fs2-two-column": dict(fs=2, model="convnet2col"),  # grouped conv2 needs no exchange
     "pp2-gpipe-m1": dict(pp=2, schedule="gpipe", num_microbatches=1, stages="4"),  # (a cut of CUTS)
@@ -29,15 +39,6 @@ LAYOUTS = {  # (in order of actors: a run takes the actors the run before it kep
     # interleaved 1F1B: each stage holds non-adjacent model chunks (virtual stages s, s + P, ...)
     "pp2-interleaved-v3-m4": dict(pp=2, virtual_stages=3, num_microbatches=4),
     "plan-krizhevsky2014-dp2": dict(dp=2, plan="krizhevsky2014"),
-    "fs3-uneven": dict(fs=3),                      # 32/64/10 channels over 3 actors: 11,11,10 ...
-    # each gather in 5 overlapped batch pieces (32 per replica: 7,7,6,6,6), channels uneven over 3 actors
-    "fs3-overlapped-exchanges": dict(fs=3, exchange_chunks=5),
-    "pp3-1f1b-m4": dict(pp=3, schedule="1f1b", num_microbatches=4),
-    "pp3-interleaved-v2-m6": dict(pp=3, virtual_stages=2, num_microbatches=6),
-    "dp2-pp2-interleaved-v2": dict(dp=2, pp=2, virtual_stages=2, num_microbatches=2),
-    "dp2-fs2": dict(dp=2, fs=2),
-    "dp2-pp2": dict(dp=2, pp=2, num_microbatches=2, stages="8"),  # (a cut of CUTS)
-    "pp2-fs2": dict(pp=2, fs=2, num_microbatches=2, schedule="gpipe"),
     "pp2-balanced-by-time": dict(pp=2, balance="time", num_microbatches=2),  # stages cut by measured times
 }
 
@@ -54,26 +55,6 @@ SUMMARY_LAYOUT = {
 
 def layout_config(tmp_path, name, **kw) -> Config:
     return sgd_config(tmp_path, name, **{"steps": STEPS, "eval_every": STEPS, **kw})
-
-
-# Whatever cut balancing picks (by measured time it varies from run to run): a second stage that
-# starts with a ReLU (1), with pooling (4, parameter-free), with flatten (8) or holds only the
-# last layer (11) trains as single-device SGD does (cuts at a convolution are every other layout's).
-# The cut changes only which layers each stage holds (its first layer, the activation shape on the
-# wire, each stage's parameters), not the schedule's path: cuts 1, 4 and 8 are given to three pp=2
-# layouts above (their runs check them), 11 runs here.
-CUTS = (1, 4, 8, 11)
-
-
-@pytest.mark.parametrize("cut", slow_among(
-    [c for c in CUTS if not any(kw.get("stages") == str(c) for kw in LAYOUTS.values())], {11}))
-def test_two_stage_cuts_match_single_device_sgd(ray_cluster, tmp_path, cut):
-    """A two-stage pipeline cut at ``cut`` (1f1b, 2 micro-batches) trains as single-device SGD does."""
-    cfg = layout_config(tmp_path, f"cut{cut}", pp=2, num_microbatches=2, stages=str(cut))
-    summary = train_run(cfg, log=lambda *_: None)
-    assert [list(x) for x in summary["layout"]["stages"]] == [[0, cut], [cut, 12]]
-    got = torch.load(tmp_path / f"cut{cut}" / "model.pt", weights_only=True)
-    assert_same_state(got, reference_sgd(cfg, STEPS), atol=1e-10)
 
 
 @pytest.mark.parametrize("name", slow_among(LAYOUTS,
@@ -103,3 +84,23 @@ def test_layout_matches_single_device_sgd(ray_cluster, tmp_path, name):
     if cfg.plan == "none" and cfg.pp * cfg.fs > 1:
         assert sum(params) == total * cfg.dp
         assert max(params) < total
+
+
+# Whatever cut balancing picks (by measured time it varies from run to run): a second stage that
+# starts with a ReLU (1), with pooling (4, parameter-free), with flatten (8) or holds only the
+# last layer (11) trains as single-device SGD does (cuts at a convolution are every other layout's).
+# The cut changes only which layers each stage holds (its first layer, the activation shape on the
+# wire, each stage's parameters), not the schedule's path: cuts 1, 4 and 8 are given to three pp=2
+# layouts above (their runs check them), 11 runs here.
+CUTS = (1, 4, 8, 11)
+
+
+@pytest.mark.parametrize("cut", slow_among(
+    [c for c in CUTS if not any(kw.get("stages") == str(c) for kw in LAYOUTS.values())], {11}))
+def test_two_stage_cuts_match_single_device_sgd(ray_cluster, tmp_path, cut):
+    """A two-stage pipeline cut at ``cut`` (1f1b, 2 micro-batches) trains as single-device SGD does."""
+    cfg = layout_config(tmp_path, f"cut{cut}", pp=2, num_microbatches=2, stages=str(cut))
+    summary = train_run(cfg, log=lambda *_: None)
+    assert [list(x) for x in summary["layout"]["stages"]] == [[0, cut], [cut, 12]]
+    got = torch.load(tmp_path / f"cut{cut}" / "model.pt", weights_only=True)
+    assert_same_state(got, reference_sgd(cfg, STEPS), atol=1e-10)
