@@ -1,5 +1,6 @@
 """A small prepared shard folder for the tests of ``--shuffle block`` and ``--stage-dir``: real JPEGs
-written with PIL, two classes, prepared by ``python -m rayconv.prepare`` (needs a Ray cluster)."""
+written with PIL, two classes, prepared in this process (``shard_writer.prepare``, the shards
+``python -m rayconv.prepare`` writes with Ray tasks, without starting a Ray worker per task)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from rayconv import prepare as prep
+from rayconv.data.shard_writer import prepare
 
 CLASSES = ("cat", "dog")
 
@@ -27,6 +28,5 @@ def make_prepared(root: Path, train_per_class: int = 8, val_per_class: int = 2, 
                 px[..., c] += 160
                 Image.fromarray(px).save(d / f"{name}{i}.jpg", quality=90)
     out = root / "shards"
-    assert prep.main([str(root / "src"), "--out", str(out), "--size", "40", "--shard-size",
-                      str(shard_size)]) == 0
+    prepare(str(root / "src"), str(out), size=40, shard_size=shard_size, processes=1, log=lambda *_: None)
     return out
