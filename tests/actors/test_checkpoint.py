@@ -110,6 +110,18 @@ def test_failed_run_keeps_its_checkpoints(stopped):
     assert [r["step"] for r in rows if r["kind"] == "eval"] == [2]
 
 
+# (before the other resumes: the stopped run's actors end with it, and the dp2 runs after this one take
+# two of its four, kept)
+@pytest.mark.slow
+def test_resume_with_more_replicas(straight, stopped, tmp_path):
+    """Pure data parallelism: a dp=2 checkpoint continues on dp=4 (every replica holds the whole model)."""
+    out = tmp_path / "dp4"
+    assert main(["--resume", str(stopped), "--dp", "4", "--out", str(out)]) == 0
+    assert_same_state(torch.load(out / "model.pt", weights_only=True),
+                      torch.load(straight / "model.pt", weights_only=True), atol=1e-10)
+    assert json.loads((out / "summary.json").read_text())["layout"]["dp"] == 4
+
+
 @pytest.mark.slow
 def test_resume_equals_straight_run(straight, stopped, tmp_path, capsys):
     """k steps, stop, ``--resume RUN`` for the other k: identical parameters, momentum and metrics."""
@@ -130,16 +142,6 @@ def test_resume_equals_straight_run(straight, stopped, tmp_path, capsys):
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
     summary = json.loads((branch / "summary.json").read_text())
     assert summary["resumed_from"].endswith("step-4")
-
-
-@pytest.mark.slow
-def test_resume_with_more_replicas(straight, stopped, tmp_path):
-    """Pure data parallelism: a dp=2 checkpoint continues on dp=4 (every replica holds the whole model)."""
-    out = tmp_path / "dp4"
-    assert main(["--resume", str(stopped), "--dp", "4", "--out", str(out)]) == 0
-    assert_same_state(torch.load(out / "model.pt", weights_only=True),
-                      torch.load(straight / "model.pt", weights_only=True), atol=1e-10)
-    assert json.loads((out / "summary.json").read_text())["layout"]["dp"] == 4
 
 
 def run_failing(argv, capsys) -> str:
