@@ -130,9 +130,6 @@ def _refused(proc: subprocess.Popen) -> None:
 
 def test_the_actors_check_a_torchvision_model_for_the_driver(head, tmp_path):
     tv = ("--model", "resnet18", "--steps", "2", "--eval-every", "2")   # (digits: 8x8 images)
-    # (vit_b_16: a transformer made for 224 px) refused by the driver before any actor starts
-    _refused(_command(head, tmp_path / "v", *tv, "--model", "vit_b_16"))
-    assert not _run_names(tmp_path / "v") and not (tmp_path / "v").exists()
     # Settings whose model checks passed on this machine (``driver.passed``; here in this process, which
     # shares the commands' cache folder) start their actors first, and an actor checks the model.
     from rayconv.driver.resolve import check_before_ray
@@ -149,8 +146,11 @@ def test_the_actors_check_a_torchvision_model_for_the_driver(head, tmp_path):
     b = _summary(tmp_path / "b")
     assert b["startup"]["model_check"] == "kept actor" and "renewed" in b["startup"]["actor_process"]
     assert b["steps_done"] == 2 and b["status"] == "finished"
+    # (vit_b_16: a transformer made for 224 px) refused by the driver before any actor starts: no output
+    # folder, no actor of its own, and the kept actors unclaimed: they end after 3 s
     _refused(_command(head, tmp_path / "c", *tv, "--model", "vit_b_16"))
-    assert _gone(b["run_name"], within_s=15)   # (unclaimed by the refused run: they end after 3 s)
+    assert not _run_names(tmp_path / "c") and not (tmp_path / "c").exists()
+    assert _gone(b["run_name"], within_s=15)
 
 
 def test_a_killed_command_leaves_no_actor_nor_placement_group(head, tmp_path):
