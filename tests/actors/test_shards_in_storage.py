@@ -90,6 +90,24 @@ def test_dp2_from_a_bucket_equals_single_device_sgd_cold_and_warm(folders, tmp_p
 
 
 @pytest.mark.slow
+def test_dp2_streams_a_set_larger_than_cache_bytes_to_single_device_sgd(folders, tmp_path):
+    shards = sum(p.stat().st_size for p in folders["local"].iterdir())
+    budget = 3 * shards // 4   # the set does not fit: each of the two actors streams through half of this
+    kw = dict(shuffle="block", shuffle_window=1, steps=6)
+    cfg = _cfg(folders["bucket"], tmp_path / "run", cache_dir=str(tmp_path / "cache"), cache_bytes=budget,
+               **kw)
+    train_run(cfg, log=lambda *_: None)
+    got = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    assert_same_state(got, reference_sgd(_cfg(folders["local"], tmp_path / "ref", dp=1, **kw), 6), atol=1e-10)
+    # one stream a reading actor (kept with the actor until its next run), nothing fetched whole
+    folders = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    assert len(folders) == 2 and all(".s" in p.name for p in folders), folders
+    held = [p for p in (tmp_path / "cache").glob("*/*") if p.is_file()]
+    assert sum(p.stat().st_size for p in held) <= budget and len(held) < 8
+
+
+# (last: its run fails, which ends the actors that the runs before it kept for each other)
+@pytest.mark.slow
 def test_a_bad_shard_found_by_an_actor_stops_the_run_in_one_line(s3_and_ray, folders, tmp_path, capsys):
     import pyarrow.fs as pafs
 
@@ -111,20 +129,3 @@ def test_a_bad_shard_found_by_an_actor_stops_the_run_in_one_line(s3_and_ray, fol
     assert rc != 0 and len(err) == 1, err
     assert "train-00001.arrow does not match its size and sha256" in err[0] and "failed in build" in err[0]
     assert not list((tmp_path / "cache").glob("*/train-00001.arrow"))   # nothing unchecked under its name
-
-
-@pytest.mark.slow
-def test_dp2_streams_a_set_larger_than_cache_bytes_to_single_device_sgd(folders, tmp_path):
-    shards = sum(p.stat().st_size for p in folders["local"].iterdir())
-    budget = 3 * shards // 4   # the set does not fit: each of the two actors streams through half of this
-    kw = dict(shuffle="block", shuffle_window=1, steps=6)
-    cfg = _cfg(folders["bucket"], tmp_path / "run", cache_dir=str(tmp_path / "cache"), cache_bytes=budget,
-               **kw)
-    train_run(cfg, log=lambda *_: None)
-    got = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
-    assert_same_state(got, reference_sgd(_cfg(folders["local"], tmp_path / "ref", dp=1, **kw), 6), atol=1e-10)
-    # one stream a reading actor (kept with the actor until its next run), nothing fetched whole
-    folders = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
-    assert len(folders) == 2 and all(".s" in p.name for p in folders), folders
-    held = [p for p in (tmp_path / "cache").glob("*/*") if p.is_file()]
-    assert sum(p.stat().st_size for p in held) <= budget and len(held) < 8
