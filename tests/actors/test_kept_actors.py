@@ -17,7 +17,7 @@ from rayconv.cluster import pool
 from rayconv.cluster.connect import cli_address
 from rayconv.driver.job import train_run
 
-STEPS = 6
+STEPS = 3   # (a few steps: each run is compared to the bit with another run or single-device SGD)
 
 
 def _run(cfg, seen: dict, name: str) -> dict:
