@@ -22,7 +22,7 @@ from rayconv.recipe.optim import make_optimizer, param_groups
 
 pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's kept actors stay for its runs)
 
-STEPS = 7  # global batch 480 of the 1438 digits: 3 steps an epoch (the last 478), the warm-up the first
+STEPS = 6  # global batch 480 of the 1438 digits: 3 steps an epoch (the last 478), the warm-up the first
 
 # Every element of the recipe on. clip 0.5 is below every step's gradient norm (0.59 to 0.70), so every
 # step clips; the EMA updates at batches 0 and 2 of each epoch, copying during the warm-up epoch.
