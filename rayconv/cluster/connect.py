@@ -32,14 +32,18 @@ ALL_GPUS_VISIBLE_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 # Seconds ``probe`` gives a cluster address to accept a connection, then to answer a gRPC call.
 PROBE_TIMEOUT_S = 5.0
 PROBE_METHOD = "/rayconv.Probe/Handshake"   # (no such method: a gRPC server answers UNIMPLEMENTED)
+NO_GPUS = "--device cuda but the Ray cluster has no GPUs: use --device cpu (or auto)"
 
 
-def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] = None) -> str:
+def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] = None,
+            gpus: bool = False) -> str:
     """Connect to the cluster ``find_cluster`` names (``--address``, RAY_ADDRESS, Ray's address file of a
     running ``ray start --head``), else start a local one (dashboard on 127.0.0.1). A local one started
     here gets at least ``min_cpus`` logical CPUs, so that a layout with more CPU actors than cores
     (``--dp 2 --fs 2`` on a 2-core laptop) still runs, oversubscribed. Raises ConfigError for an address
-    where no Ray cluster answers, ClusterError when Ray cannot connect. Returns how: "reused" (this
+    where no Ray cluster answers, and, with ``gpus`` (the run needs GPUs), before a local cluster starts on
+    a host without GPUs (``host.has_nvidia_gpu``; a cluster connected to is asked: ``available_devices``);
+    ClusterError when Ray cannot connect. Returns how: "reused" (this
     process was connected already: the connection is kept, and a cluster it started runs until the
     process exits, Ray's own atexit), "connected" or "started" (a local cluster of this process)."""
     if ray.is_initialized():
@@ -57,6 +61,8 @@ def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] 
             found, source = None, ""
     else:
         probe(found)
+    if found is None and address != "auto" and gpus and not host.has_nvidia_gpu():
+        raise ConfigError(NO_GPUS)   # (before Ray starts one: seconds, a minute on a loaded host)
     _HOW["source"] = source
     kw = dict(address=found or ("auto" if address == "auto" else "local"), namespace=NAMESPACE,
               log_to_driver=not quiet, configure_logging=True, logging_level="WARNING")
@@ -89,7 +95,7 @@ def connect_run(cfg: Config) -> None:
     clock = startup.current()
     if clock is not None and "ray" in clock.phases and ray.is_initialized():
         return
-    how = connect(cfg.address, min_cpus=cluster_cpus(cfg))
+    how = connect(cfg.address, min_cpus=cluster_cpus(cfg), gpus=cfg.device == "cuda")
     startup.mark("ray")
     if clock is not None:
         clock.ray = how
@@ -321,7 +327,7 @@ def available_devices(device: str) -> tuple[str, int]:
     res = ray.cluster_resources()
     gpus = int(res.get("GPU", 0))
     if device == "cuda" and gpus == 0:
-        raise ConfigError("--device cuda but the Ray cluster has no GPUs: use --device cpu (or auto)")
+        raise ConfigError(NO_GPUS)
     kind = "cuda" if device == "cuda" or (device == "auto" and gpus > 0) else "cpu"
     return kind, gpus if kind == "cuda" else int(res.get("CPU", 0))
 

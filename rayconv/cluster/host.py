@@ -6,13 +6,15 @@ for it there too) and whose parent is the process that started the node: a drive
 started a local cluster (it ends with that driver), or, for ``ray start``, which exits, the process
 that adopted it. Where there is no ``/proc`` (not Linux) nothing is found: ``gcs_addresses`` is empty
 and ``started_by`` False.
+
+``has_nvidia_gpu`` says whether a Ray node started on this host would have GPUs, without torch or NVML.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 PROC = "/proc"
 GCS_FLAG = "--gcs-address="
@@ -59,3 +61,26 @@ def started_by(pid: int, gcs: Optional[str], proc: str = PROC) -> bool:
     """Whether process ``pid`` started a node of the cluster at ``gcs`` on this host (its raylet is that
     process's child): a local cluster that ``ray.init`` started in it, which ends with it."""
     return gcs is not None and any(parent == pid and address == gcs for parent, address in raylets(proc))
+
+
+def has_nvidia_gpu(env: Optional[Mapping[str, str]] = None, proc: str = PROC,
+                   dev: str = "/dev") -> bool:
+    """Whether a Ray node started here by this process may count an NVIDIA GPU, by Ray's rule (the
+    driver's device count, cut to the ids CUDA_VISIBLE_DEVICES lists where it is set) read without NVML
+    or torch. False where CUDA_VISIBLE_DEVICES (of ``env``, default os.environ) lists none ("",
+    "NoDevFiles", or first "-1", after which CUDA reads no more), or where the driver lists no GPU (no
+    entry in ``proc``/driver/nvidia/gpus/) and no device file ``dev``/nvidia0, nvidia1, ... exists; else
+    True (a GPU may be there: the cluster started is asked, ``connect.available_devices``)."""
+    visible = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and (visible.strip() in ("", "NoDevFiles")
+                                or visible.split(",")[0].strip() == "-1"):
+        return False
+    try:
+        listed = any((Path(proc) / "driver" / "nvidia" / "gpus").iterdir())
+    except OSError:
+        listed = False
+    try:
+        files = any(f.name[len("nvidia"):].isdigit() for f in Path(dev).glob("nvidia[0-9]*"))
+    except OSError:
+        files = False
+    return listed or files

@@ -1,11 +1,16 @@
 """What the model alone rules out is refused before Ray is reached: a layout the model's layers or channels
 cannot be split into, a model that cannot take the data's images, also under ``--resume`` (one line, exit
 2, the cluster's address never contacted, nothing written); a run whose settings passed the model's checks
-on this machine before starts its actors first and checks meanwhile (``driver.passed``)."""
+on this machine before starts its actors first and checks meanwhile (``driver.passed``). --device cuda
+for a local cluster on a host without GPUs is refused before Ray starts one."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -80,3 +85,42 @@ def test_settings_whose_model_checks_passed_are_remembered_without_what_the_chec
     for other in ({"fs": 2}, {"pp": 2}, {"model": "convnet_bn"}, {"data": "synthetic"}):
         assert not passed.passed(dataclasses.replace(cfg, **other)), other
     assert passed.UNREAD <= {f.name for f in dataclasses.fields(Config)}   # (each a setting's name)
+
+
+def test_device_cuda_on_a_host_without_gpus_is_refused_before_a_local_cluster_starts(tmp_path):
+    """A command that would start its own local cluster (no --address, no RAY_ADDRESS, none running under
+    its Ray temp dir) for --device cuda on a host with no GPU (CUDA_VISIBLE_DEVICES empty: none, whatever
+    the host has) refuses in one line before Ray starts: nothing written under that temp dir."""
+    with tempfile.TemporaryDirectory(prefix="rc-", dir="/tmp") as ray_tmp:   # (short: Ray's socket paths)
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env.update(RAY_TMPDIR=ray_tmp, TMPDIR=ray_tmp, CUDA_VISIBLE_DEVICES="",
+                   RAYCONV_CACHE_DIR=str(tmp_path / "cache"))
+        out = subprocess.run([sys.executable, "-m", "rayconv.run", "--device", "cuda", "--steps", "2",
+                              "--out", str(tmp_path / "run")], capture_output=True, text=True, env=env,
+                             timeout=300)
+        started = sorted(p.name for p in Path(ray_tmp).iterdir())
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == ["rayconv: error: --device cuda but the Ray cluster has no "
+                                               "GPUs: use --device cpu (or auto)"], out.stderr
+    assert started == [], f"Ray started under its temp dir: {started}"
+
+
+def test_a_host_has_a_gpu_where_its_driver_or_device_files_show_one_and_cuda_may_see_it(tmp_path):
+    from rayconv.cluster.host import has_nvidia_gpu
+
+    proc, dev = tmp_path / "proc", tmp_path / "dev"
+    (proc / "driver" / "nvidia" / "gpus").mkdir(parents=True)
+    dev.mkdir()
+    (dev / "nvidiactl").write_text("")
+
+    def has(visible=None):
+        env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+        return has_nvidia_gpu(env, str(proc), str(dev))
+
+    assert not has()   # (driver loaded, no GPU listed, no nvidiaN device file)
+    (dev / "nvidia0").write_text("")
+    assert has() and has("0") and has("GPU-5c1e")
+    assert not has("") and not has("-1") and not has("-1,0") and not has("NoDevFiles")
+    (dev / "nvidia0").unlink()
+    (proc / "driver" / "nvidia" / "gpus" / "0000:01:00.0").mkdir()
+    assert has() and not has("")
