@@ -43,9 +43,9 @@ def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] 
     (``--dp 2 --fs 2`` on a 2-core laptop) still runs, oversubscribed. Raises ConfigError for an address
     where no Ray cluster answers, and, with ``gpus`` (the run needs GPUs), before a local cluster starts on
     a host without GPUs (``host.has_nvidia_gpu``; a cluster connected to is asked: ``available_devices``);
-    ClusterError when Ray cannot connect. Returns how: "reused" (this
-    process was connected already: the connection is kept, and a cluster it started runs until the
-    process exits, Ray's own atexit), "connected" or "started" (a local cluster of this process)."""
+    ClusterError when Ray cannot connect. Returns how: "reused" (this process was connected already: the
+    connection is kept, and a cluster it started runs until the process exits, Ray's own atexit),
+    "connected" or "started" (a local cluster of this process)."""
     if ray.is_initialized():
         if address and address not in ("auto", "local") and not address.startswith("ray://") \
                 and address != _gcs_address():
@@ -62,7 +62,7 @@ def connect(address: Optional[str], quiet: bool = True, min_cpus: Optional[int] 
     else:
         probe(found)
     if found is None and address != "auto" and gpus and not host.has_nvidia_gpu():
-        raise ConfigError(NO_GPUS)   # (before Ray starts one: seconds, a minute on a loaded host)
+        raise ConfigError(NO_GPUS)   # (before Ray starts a local cluster: seconds, a minute on a loaded host)
     _HOW["source"] = source
     kw = dict(address=found or ("auto" if address == "auto" else "local"), namespace=NAMESPACE,
               log_to_driver=not quiet, configure_logging=True, logging_level="WARNING")
@@ -89,9 +89,9 @@ ADDRESS_FILE = "ray_current_cluster"   # what `ray start --head` writes into its
 
 
 def connect_run(cfg: Config) -> None:
-    """Connect Ray for the run in progress (``connect``, with ``cluster_cpus``) and mark the start-up
-    clock's ``ray`` with how; nothing when this run connected already (``driver.early.start_first``,
-    then ``driver.resolve``). Raises ConfigError / ClusterError as ``connect`` does."""
+    """Connect Ray for the run in progress (``connect``: ``cluster_cpus``, ``gpus`` for --device cuda) and
+    mark the start-up clock's ``ray`` with how; nothing when this run connected already (``driver.early``'s
+    ``start_first``, then ``driver.resolve``). Raises ConfigError / ClusterError as ``connect`` does."""
     clock = startup.current()
     if clock is not None and "ray" in clock.phases and ray.is_initialized():
         return
@@ -223,18 +223,17 @@ def _canonical(address: str) -> Optional[str]:
     return f"{host_}:{port}"
 
 
-# the connected cluster's Ray dashboard (``host:port``, "" for none) by its GCS address, as the process that
-# connected was told (``use_dashboard``)
-_DASHBOARD: dict[str, str] = {}
+_DASHBOARD: dict[str, Optional[str]] = {}   # GCS address -> the cluster's dashboard (``use_dashboard``)
 
 
 def use_dashboard(url: Optional[str]) -> None:
-    """Record ``url`` (``host:port`` or ``http://host:port``; None or "": none runs) as the connected
+    """Record ``url`` (``host:port`` or ``http://host:port``; "": none runs; None: Ray could not start it,
+    as ``ray.init`` returns it then, where one that runs none by choice returns "") as the connected
     cluster's Ray dashboard: the one ``ray.init`` returned to the process that connected (``connect``), and
     that process passes on to its workers that print it (a Tune trial's run: ``tune.trial.Trial``)."""
     gcs = _gcs_address()
     if gcs is not None:
-        _DASHBOARD[gcs] = url or ""
+        _DASHBOARD[gcs] = url
 
 
 def dashboard_url() -> Optional[str]:
@@ -244,16 +243,25 @@ def dashboard_url() -> Optional[str]:
     again). An actor's own context holds the dashboard address its node's raylet was given, the default
     port even where the dashboard took another because that one was in use: another Ray's dashboard, so
     an actor names none it was not told."""
+    return (url if "://" in url else f"http://{url}") if (url := _told_dashboard()) else None
+
+
+def dashboard_failed() -> bool:
+    """Whether Ray could not start the connected cluster's dashboard (``ray.init`` returned None, logged why);
+    False where none runs by choice (include_dashboard off, no dashboard packages: ""), under Ray Client."""
+    return _told_dashboard() is None
+
+
+def _told_dashboard() -> Optional[str]:
     from ray.util.client import ray as client
 
     if not ray.is_initialized() or client.is_connected():
-        return None
+        return ""
     gcs = _gcs_address()
     if gcs not in _DASHBOARD and ray.get_runtime_context().get_actor_id() is None:
         # (configure_logging=False: a second ray.init would set Ray's logging again)
         use_dashboard(ray.init(ignore_reinit_error=True, configure_logging=False).dashboard_url)
-    url = _DASHBOARD.get(gcs or "")
-    return (url if "://" in url else f"http://{url}") if url else None
+    return _DASHBOARD.get(gcs or "", "")
 
 
 def cluster_origin() -> str:

@@ -1,10 +1,10 @@
 """What a run prints: the header, then a progress bar on a terminal or plain lines in a log file.
 
 The header names the model, data, layout, device, batch, steps and output folder; how Ray was reached
-(attached to a running cluster, or a local one started) and its dashboard's address; the images (channels
-and side as the source gives them, the augmentation) and the recipe (optimizer, learning rate and its
-warm-up, the other recipe settings that are on); for a pipeline, its stages and schedule grid, with a
-note when too few micro-batches leave the stages taking turns.
+(attached to a running cluster, or a local one started) and its dashboard's address (or that Ray could not
+start it); the images (channels and side as the source gives them, the augmentation) and the recipe
+(optimizer, learning rate and its warm-up, the other recipe settings that are on); for a pipeline, its
+stages and schedule grid, with a note when too few micro-batches leave the stages taking turns.
 During training a tqdm bar shows loss, images/s and the last test accuracy when stderr is a terminal
 and ``--progress`` is on; otherwise a line every ``--log-every`` steps and one per evaluation.
 """
@@ -17,7 +17,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from rayconv.cluster.connect import cli_address, cluster_origin, dashboard_url
+from rayconv.cluster.connect import cli_address, cluster_origin, dashboard_failed, dashboard_url
 from rayconv.config import Config, batch_split_problem
 from rayconv.driver.lr import peak_lr, warmup_steps
 from rayconv.driver.prestart import ray_job
@@ -36,9 +36,9 @@ def log_header(resolved: ResolvedRun, log=print) -> None:
     cfg, mesh = resolved.cfg, resolved.mesh
     log(run_line(resolved))
     log(f"rayconv: Ray: {cluster_origin()}")
-    dashboard = dashboard_url()
+    dashboard = dashboard_line(dashboard_url(), dashboard_failed())
     if dashboard:
-        log(f"rayconv: Ray dashboard: {dashboard}")
+        log(dashboard)
     log(images_line(resolved))
     log(recipe_line(resolved))
     if resolved.resume is not None:
@@ -53,6 +53,15 @@ def log_header(resolved: ResolvedRun, log=print) -> None:
         note = overlap_note(cfg, mesh, resolved.routing)
         if note:
             log(note)
+
+
+def dashboard_line(url: Optional[str], failed: bool) -> Optional[str]:
+    """The header's line on the cluster's Ray dashboard: its address ``url``; where there is none, that none
+    runs when Ray could not start it (``failed``: Ray printed why); None (no line) where none runs by
+    choice (``connect.dashboard_failed``)."""
+    if url:
+        return f"rayconv: Ray dashboard: {url}"
+    return "rayconv: Ray dashboard: not running (Ray could not start it; the run goes on)" if failed else None
 
 
 def run_line(resolved: ResolvedRun) -> str:

@@ -97,7 +97,7 @@ class Trial(tune.Trainable):
 
     def setup(self, config: dict[str, Any], base: dict[str, Any] = None, search_dir: str = "",
               dashboard: Optional[str] = None):
-        use_dashboard(dashboard)
+        use_dashboard(dashboard or "")   # (None: the search's process knew none)
         self.sample, self.base, self.search_dir = dict(config), dict(base or {}), search_dir
         self.folder = place(search_dir, flag="--out") / f"trial-{trial_index(self.trial_id)}"
         self.log_path = place(search_dir, flag="--out") / "logs" / f"{self.folder.name}.log"

@@ -1,7 +1,7 @@
 """The dashboard a run's header names is the attached cluster's, in every process of it: a Tune trial's
 run (a worker process) names the one the search's process was told by Ray, never its raylet's default,
 which is another Ray's where the default port was taken; an actor told none names none
-(``cluster.connect.dashboard_url``)."""
+(``cluster.connect.dashboard_url``); a dashboard Ray could not start is named as not running."""
 
 from __future__ import annotations
 
@@ -58,3 +58,20 @@ def test_a_trials_run_names_the_clusters_dashboard():
     assert urls["driver"] and not urls["driver"].endswith(":8265"), urls
     assert urls["trial"] == [f"rayconv: Ray dashboard: {urls['driver']}"], urls
     assert urls["worker"] is None, urls   # (told none: its raylet's address would be another Ray's)
+
+
+@pytest.mark.slow
+def test_a_dashboard_ray_could_not_start_is_named_in_the_header(tmp_path):
+    """A local cluster whose dashboard does not answer within Ray's start-up wait (a loaded host; here a
+    wait of 0 s): Ray logs its error and the run goes on, its header saying that no dashboard runs."""
+    temp_dir = tempfile.mkdtemp(prefix="rc-dash-", dir="/tmp")   # (short: Ray's socket paths are limited)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_TMPDIR": temp_dir,
+           "RAY_DASHBOARD_STARTUP_TIMEOUT_S": "0", "RAYCONV_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-m", "rayconv.run", "--device", "cpu", "--dp", "1", "--steps",
+                           "2", "--eval-every", "2", "--no-progress", "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("rayconv: Ray dashboard:")]
+    assert lines == ["rayconv: Ray dashboard: not running (Ray could not start it; the run goes on)"], \
+        proc.stdout[-3000:]
