@@ -1,12 +1,13 @@
 """The command-line and JSON form of :class:`rayconv.config.Config`: one flag per field.
 
 ``build_parser`` makes ``--global-batch-size`` of ``global_batch_size`` (booleans as ``--x/--no-x``),
-with each field's help text and choices; ``read_settings`` puts the flags over a ``--config`` JSON
-file; ``from_mapping`` checks each value's type against its field (JSON gives any type) and builds the
-Config; ``parse_args`` validates it. ``resumed_settings`` picks what a ``--resume`` run takes over from
-its checkpoint. Errors a user can cause raise ConfigError naming the flag; argparse's own errors are
-one line and exit 2 (``OneLineParser``). Imports only ``config``, ``data_dir`` and ``errors``, so the
-command lines stay free of torch and Ray until their arguments are known to be good.
+with each field's help text and choices, its usage naming the command as started (``command_name``);
+``read_settings`` puts the flags over a ``--config`` JSON file; ``from_mapping`` checks each value's type
+against its field (JSON gives any type) and builds the Config; ``parse_args`` validates it.
+``resumed_settings`` picks what a ``--resume`` run takes over from its checkpoint. Errors a user can cause
+raise ConfigError naming the flag; argparse's own errors are one line and exit 2 (``OneLineParser``).
+Imports only ``config``, ``data_dir`` and ``errors``, so the command lines stay free of torch and Ray
+until their arguments are known to be good.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import sys
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Optional
@@ -63,9 +65,18 @@ def closest_flags(unknown: list[str], known: list[str]) -> str:
     return f"; did you mean {', '.join(close)}?" if close else ""
 
 
+def command_name(argv0: Optional[str] = None) -> str:
+    """The command as the user typed it, for the usage line: ``rayconv`` where ``argv0`` (default
+    ``sys.argv[0]``) is the console script (pyproject.toml's ``[project.scripts]``: ``.../bin/rayconv``),
+    else ``python -m rayconv.run`` (the module, also a script or a Python caller of ``run.main``)."""
+    name = Path(sys.argv[0] if argv0 is None else argv0).name
+    return "rayconv" if name in ("rayconv", "rayconv.exe") else "python -m rayconv.run"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """An argparse parser with one flag per Config field (defaults left unset to detect what was given)."""
-    p = OneLineParser(prog="python -m rayconv.run", error_name="rayconv",
+    """An argparse parser with one flag per Config field (defaults left unset to detect what was given),
+    its usage line naming the command as started (``command_name``)."""
+    p = OneLineParser(prog=command_name(), error_name="rayconv",
                       description="Train a ConvNet with synchronous SGD across Ray actors (data parallel, "
                                   "pipeline, filter split).", argument_default=argparse.SUPPRESS)
     p.add_argument("--config", help="JSON file of settings (e.g. a run's config.json); flags override it")

@@ -1,5 +1,5 @@
 """Refusals before Ray starts: every error line of a command starts with the same name, argparse's
-included, and a model with lazy modules is told what to change."""
+included, and a model with lazy modules is told what to change; the usage names the command as started."""
 
 from __future__ import annotations
 
@@ -101,3 +101,24 @@ def test_an_errors_first_line():
     assert first_line(RuntimeError("System error: the node died\nTraceback ...")) == "the node died"
     assert first_line(OSError("\n  no such file\nmore")) == "no such file"
     assert first_line(KeyError()) == "KeyError"   # (no message: its type)
+
+
+def test_the_usage_names_the_command_as_it_was_started(tmp_path):
+    """``rayconv --help`` (the console script pip writes for ``[project.scripts]``, here one of the same
+    form in a folder of its own) and ``python -m rayconv.run --help`` each name themselves."""
+    script = tmp_path / "bin" / "rayconv"
+    script.parent.mkdir()
+    script.write_text(f"#!{sys.executable}\nimport re\nimport sys\nfrom rayconv.run import main\n"
+                      "if __name__ == '__main__':\n"
+                      "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
+                      "    sys.exit(main())\n")
+    script.chmod(0o755)
+    for command, name in (([str(script)], "rayconv"), ([sys.executable, "-m", "rayconv.run"],
+                                                         "python -m rayconv.run")):
+        out = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith(f"usage: {name} [-h]"), out.stdout[:200]
+    from rayconv.flags import command_name
+
+    assert command_name("/home/u/.venv/bin/rayconv") == "rayconv"
+    assert command_name("/home/u/rayconv/rayconv/run.py") == "python -m rayconv.run"   # (-m's argv[0])
