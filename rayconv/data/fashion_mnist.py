@@ -27,7 +27,7 @@ from typing import Optional
 
 import numpy as np
 
-from rayconv.data.on_device import OnDeviceSource, augment_words, channel_stats, pad_for
+from rayconv.data.on_device import OnDeviceSource, augmentation_of, channel_stats
 from rayconv.data.source import Source
 from rayconv.errors import DataError
 
@@ -181,10 +181,15 @@ def load_fashion_mnist(data_dir: Optional[str], seed: int, image_size: Optional[
     probability ``random_erase``, keyed by (``seed``, epoch, sample). Raises DataError when the files are
     missing or malformed."""
     arrays, (mean, std) = _read(data_dir)
-    size = None if image_size in (None, 28) else image_size
-    return OnDeviceSource(arrays["train"], arrays["test"], num_classes=10, seed=seed, image_size=size,
+    return OnDeviceSource(arrays["train"], arrays["test"], num_classes=10, seed=seed,
+                          image_size=_side(image_size),
                           augment=augment, random_erase=random_erase, name="fashion-mnist",
                           auto_augment=auto_augment, mean=mean, std=std)
+
+
+def _side(image_size: Optional[int]) -> Optional[int]:
+    """The side the images are resized to (None: kept at 28)."""
+    return None if image_size in (None, 28) else image_size
 
 
 class HeaderSource(Source):
@@ -199,12 +204,11 @@ class HeaderSource(Source):
         self.args = (data_dir, seed, image_size, augment, random_erase, auto_augment)
         meta = fashion_mnist_meta(data_dir)
         (self.train_size, rows, cols), self.test_size = meta["train"], meta["test"][0]
-        side = None if image_size in (None, 28) else image_size
+        side = _side(image_size)
         self.name, self.num_classes = "fashion-mnist", 10
         self.sample_shape = (1, rows, cols) if side is None else (1, side, side)
-        pad, flip = (pad_for(self.sample_shape[1]), True) if augment == "pad-crop" else \
-            (0, augment == "resized-crop")
-        self.augmentation = augment_words(augment, pad, flip, random_erase, auto_augment)
+        self.augmentation = augmentation_of(self.sample_shape[1], augment, random_erase=random_erase,
+                                            auto_augment=auto_augment)[3]
         self._val, self._loaded = False, None
 
     def _source(self) -> OnDeviceSource:

@@ -75,16 +75,10 @@ class OnDeviceSource(Source):
         self.sample_shape = (c, h, w) if image_size is None else (c, image_size, image_size)
         self.num_classes, self.name = num_classes, name
         self.train_size, self.test_size = len(train[0]), len(test[0])
-        if augment is None:
-            augment = "pad-crop" if pad or flip else "none"
-        elif augment == "pad-crop":
-            pad, flip = pad or pad_for(self.sample_shape[1]), True
-        if augment not in AUGMENTS:
-            raise ConfigError(f"unknown --augment {augment!r}: choose one of {', '.join(AUGMENTS)}")
-        self.seed, self.augment, self.random_erase = seed, augment, random_erase
-        self.pad, self.flip = (pad, flip) if augment == "pad-crop" else (0, augment == "resized-crop")
+        self.seed, self.random_erase = seed, random_erase
+        self.augment, self.pad, self.flip, self.augmentation = augmentation_of(
+            self.sample_shape[1], augment, pad, flip, random_erase, auto_augment)
         self.auto_augment = aa.make_transform(auto_augment) if auto_augment else None
-        self.augmentation = augment_words(augment, self.pad, self.flip, random_erase, auto_augment)
         if mean is None or std is None:
             mean, std = channel_stats(train[0])
         self.mean, self.std = list(mean), list(std)
@@ -200,6 +194,22 @@ class OnDeviceSource(Source):
 
     def add_val_split(self) -> None:
         self.host["val"], self.targets["val"] = self.host["train"], self.targets["train"]   # (not augmented)
+
+
+def augmentation_of(side: int, augment: Optional[str], pad: int = 0, flip: bool = False,
+                    random_erase: float = 0.0,
+                    auto_augment: Optional[str] = None) -> tuple[str, int, bool, str]:
+    """(augment, pad, flip, in words) of ``OnDeviceSource``'s training samples of ``side`` pixels given
+    its arguments (None: pad-crop by ``pad`` and mirrored where ``flip``, nothing when both are off;
+    pad-crop: by ``pad`` or ``pad_for(side)``, mirrored). Raises ConfigError for an unknown ``augment``."""
+    if augment is None:
+        augment = "pad-crop" if pad or flip else "none"
+    elif augment == "pad-crop":
+        pad, flip = pad or pad_for(side), True
+    if augment not in AUGMENTS:
+        raise ConfigError(f"unknown --augment {augment!r}: choose one of {', '.join(AUGMENTS)}")
+    pad, flip = (pad, flip) if augment == "pad-crop" else (0, augment == "resized-crop")
+    return augment, pad, flip, augment_words(augment, pad, flip, random_erase, auto_augment)
 
 
 def augment_words(augment: str, pad: int, flip: bool, random_erase: float,
