@@ -1,9 +1,9 @@
 """Connecting to a Ray cluster and asking it what it has; the small Ray helpers the rest of cluster/ shares.
 
-``connect`` finds or starts the cluster (``connect_run``: for a run, with the logical CPUs its layout
-needs) (``probe`` refuses, in one line, an address where no Ray
-answers; ``cluster_origin`` says which it did, ``cluster_outlives_process`` whether it stays after
-this process, ``cli_address`` what a Ray command line needs to reach it); ``available_devices`` counts
+``connect`` finds or starts the cluster, ``connect_run`` for a run with the logical CPUs its layout needs
+(``probe`` refuses, in one line, an address where no Ray answers; ``cluster_origin`` says which it did,
+``cluster_outlives_process`` whether it stays after this process, ``cli_address`` what a Ray command
+line needs to reach it); ``available_devices`` counts
 the slots an actor can take (GPUs, or CPUs); ``node_memory_share`` the memory CPU actors share on a node;
 ``visible_index`` maps the GPU id Ray assigned to torch's device index; ``exception_summary`` turns Ray's
 multi-line errors into the one line a user reads (``errors.first_line``: their first line).

@@ -454,12 +454,12 @@ def fixture_changes(source: str, where: str = "") -> list[str]:
     assigned or deleted; names bound to a part of it (``out, rec = built``) count as it."""
     tree = ast.parse(source)
     functions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    built = {f.name for f in functions if fixture_scope(f) in ("module", "package", "session")}
+    shared = {f.name for f in functions if fixture_scope(f) in ("module", "package", "session")}
     found = []
     for f in functions:
-        if f.name in built:
+        if f.name in shared:
             continue
-        roots = {a.arg for a in f.args.args} & built
+        roots = {a.arg for a in f.args.args} & shared
         changed = True
         while changed:   # names bound from a root are roots
             changed = False
