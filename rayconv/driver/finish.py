@@ -20,7 +20,7 @@ from rayconv.outputs.checkpoint import list_checkpoints, remove_partial
 from rayconv.planner.search import compare
 from rayconv.signals import stopped_by
 from rayconv.startup import after
-from rayconv.storage import Place, describe, remove
+from rayconv.storage import Place, StorageError, describe, remove
 
 
 def finish(run: Run, actor_group: ActorGroup) -> dict[str, Any]:
@@ -178,6 +178,22 @@ def recording_stop(run: Run, only: type = BaseException) -> Iterator[None]:
             run.stop_recorded = True
             record_stop(run, e)
         raise
+
+
+@contextmanager
+def events_closed(run: Run) -> Iterator[None]:
+    """TensorBoard's event files closed when the body ends, however it ends (for ``--out`` in a store:
+    uploaded, the local copy removed), after a stop's last rows (``recording_stop`` inside it) and before
+    the output folder's own clean-up (``writing_into`` around it); not left to the run object's garbage
+    collection, which a traceback holding the run delays. A failed last upload is one line, not the run's
+    failure: metrics.parquet holds the same rows."""
+    try:
+        yield
+    finally:
+        try:
+            run.events.close()
+        except StorageError as e:
+            run.log(f"rayconv: TensorBoard's event files not all written: {e}")
 
 
 @contextmanager

@@ -35,7 +35,8 @@ from rayconv.config import Config
 from rayconv.data.source import Sharding
 from rayconv.driver.early import REFUSALS
 from rayconv.driver.elastic import cluster_free, continue_mesh, first_words, memory_fits, wait_for_devices
-from rayconv.driver.finish import finish, finish_evaluation, held_decode, recording_stop, writing_into
+from rayconv.driver.finish import (events_closed, finish, finish_evaluation, held_decode, recording_stop,
+                                  writing_into)
 from rayconv.driver.loop import Run, checkpoint, train
 from rayconv.driver.policies import (CONTINUE, Decision, ElasticScaling, FailurePolicy, FixedScaling,
                                      ScalingPolicy)
@@ -115,7 +116,8 @@ class Controller:
         failure = FailurePolicy(resolved.cfg.failure_budget, elastic=run.scaling.watches_cluster)
         # SIGTERM stops the run as Ctrl-C does; a stop leaves the steps' metrics and a summary saying how
         # the run ended; on failure only results stay (checkpoints, metrics), not a bare config.json.
-        with sigterm_as_interrupt(), writing_into(resolved.out, self.log), recording_stop(run):
+        with (sigterm_as_interrupt(), writing_into(resolved.out, self.log), events_closed(run),
+              recording_stop(run)):
             log_header(resolved, self.log)
             ckpt = resolved.resume
             while True:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import time
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -73,7 +72,6 @@ class Run:
                                  enabled=resolved.cfg.tensorboard == "on", log=log)
         self.metrics.on_write = self.events.add_rows
         import_writers(self.events.enabled)   # (pyarrow's and TensorBoard's, while the actors set up)
-        weakref.finalize(self, self.events.close)   # (each write is flushed; the writer closed with the run)
         self.images_logged = not resolved.cfg.log_images   # (--log-images: once, before the first step)
         self.startup = startup.current() or startup.begin(None, "fit call")  # (rayconv.startup)
         # Asked at each step boundary whether to go on (--elastic: ``policies.ElasticScaling``).

@@ -7,6 +7,7 @@ continue to single-device SGD's parameters; a server that stops mid-run costs th
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,25 @@ def test_a_server_stopped_mid_run_costs_that_checkpoint_only(s3, tmp_path):
     assert main(["--resume", uri, "--out", str(out)]) == 0
     want = reference_sgd(config("unused", dp=1, steps=5), 5)
     assert_same_state(torch.load(out / "model.pt", weights_only=True), want, atol=1e-10)
+
+
+def test_a_failed_runs_event_files_are_in_the_bucket_and_not_on_the_disk(s3, tmp_path, monkeypatch):
+    """A run into the bucket stopped by an error after its checkpoint of step 2: when the error reaches
+    the caller, whose traceback still holds the run, TensorBoard's event file is in the bucket and its
+    local copy (a temporary folder) is gone."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))   # (where the local copy is made)
+    uri = s3.uri("runs", "events")
+
+    def crash(actor_group, step):
+        if step == 1:
+            raise Stop()
+
+    with pytest.raises(Stop) as caught:
+        train_run(config(uri, steps=3), log=lambda *_: None, on_step=crash)
+    assert caught.tb is not None
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("rayconv-tensorboard-")] == []
+    events = locate(uri + "/tensorboard").listdir()
+    assert len(events) == 1 and events[0].startswith("events.out.tfevents."), events
 
 
 def test_a_step_folder_without_manifest_is_never_resumed(stopped, s3, tmp_path):

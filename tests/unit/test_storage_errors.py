@@ -27,13 +27,14 @@ def s3():
 
 
 @pytest.fixture
-def auth_checked(monkeypatch):
-    """The server checks every request's credentials (moto: no request goes unchecked); this process's
-    keys are ones it does not know."""
-    from moto import settings
-    monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+def auth_checked(s3, monkeypatch):
+    """The server checks every request's credentials (no request goes unchecked); this process's keys
+    are ones it does not know."""
+    s3.check_credentials(True)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEY")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
+    yield
+    s3.check_credentials(False)
 
 
 def one_line(argv, capsys, tmp_path, monkeypatch) -> str:
