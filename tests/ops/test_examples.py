@@ -1,7 +1,9 @@
 """The examples: each passes its layout to ``rayconv.run`` as its docstring says, with flags that
 validate; two of them (the simplest and the one with every pipeline-and-replica part) run end to end
-with their smoke flag (3 steps) on the local CPU cluster. Every layout the examples use is checked
-against single-device SGD in test_data_parallel, test_model_parallel and test_large_layouts."""
+with their smoke flag (3 steps) on the local CPU cluster, the pipeline-and-replica one first: the
+simplest one's dp2 run then takes two of the four actors it kept (``--keep-actors-s``). Every layout the
+examples use is checked against single-device SGD in test_data_parallel, test_model_parallel and
+test_large_layouts."""
 
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from support.helpers import slow_among
 
 EXAMPLES = sorted(p for p in (Path(__file__).parents[2] / "examples").glob("*.py")
                   if not p.name.startswith("_"))
-RUN_FULLY = ("data_parallel", "hybrid_pipeline")
+RUN_FULLY = ("hybrid_pipeline", "data_parallel")   # (in this order: the second takes the first's actors)
+
+pytestmark = pytest.mark.takes_kept_actors   # (conftest: the previous module's kept actors stay for its runs)
 
 
 def test_there_is_an_example_per_layout():
@@ -54,7 +58,8 @@ def test_example_passes_the_layout_its_docstring_gives(tmp_path, monkeypatch, pa
 @pytest.mark.parametrize(
     "path",
     slow_among(
-        [p for p in EXAMPLES if p.stem in RUN_FULLY], [p for p in EXAMPLES if p.stem == "hybrid_pipeline"]
+        [p for name in RUN_FULLY for p in EXAMPLES if p.stem == name],
+        [p for p in EXAMPLES if p.stem == "hybrid_pipeline"],
     ),
     ids=lambda p: p.stem,
 )
