@@ -1,7 +1,12 @@
 """The benchmark's plumbing on CPU actors: layouts measured, anchors run, files written (no timing asserted).
 
 The runs here use ``--precision fp32``: the bench's default bf16 autocast makes CPU convolutions about
-ten times slower on CPUs without bf16 units, and nothing checked here depends on the precision."""
+ten times slower on CPUs without bf16 units, and nothing checked here depends on the precision.
+
+A layout the bench measures takes actors that a training run of this process kept (``--keep-actors-s``:
+the same count) where there are any, and stops them when it is measured; the tests run in an order where
+the curve's runs keep theirs for the layouts of the call-limit test, and the bucket test's curve run its
+actor for the sweep's first batch. Each test starts the actors it needs where none are kept."""
 
 from __future__ import annotations
 
@@ -34,6 +39,27 @@ def test_parse_layout():
         Layout.parse("pp2c4")  # overlapped pieces belong to filter split
     with pytest.raises(ConfigError, match="zero count"):
         Layout.parse("fs2c0")
+
+
+@pytest.mark.slow
+def test_training_curve_writes_error_against_time(ray_cluster, tmp_path, capsys):
+    out = tmp_path / "curve"
+    rc = bench.main(["--curve", "--curve-epochs", "1", "--layouts", "1gpu,dp2", "--global-batch-size",
+                     "128,256", "--device", "cpu", "--precision", "fp32", "--out", str(out)])
+    assert rc == 0
+    rows = pq.read_table(out / "curve.parquet").to_pylist()
+    assert {(r["layout"], r["global_batch_size"]) for r in rows} == {(n, b) for n in ("1gpu", "dp2")
+                                                                     for b in (128, 256)}
+    for name in ("1gpu", "dp2"):
+        for b in (128, 256):
+            pts = [r for r in rows if r["layout"] == name and r["global_batch_size"] == b]
+            times = [r["time_s"] for r in pts]
+            assert times == sorted(times) and times[0] > 0
+            assert pts[-1]["step"] + 1 == -(-1437 // b)  # one epoch of the 1,437 training digits
+        assert all(0 <= r["test_error"] <= 1 for r in rows)
+    assert (out / "curve.png").stat().st_size > 1000
+    printed = capsys.readouterr().out
+    assert "CURVE 1gpu B=128: test error" in printed and "CURVE dp2 B=256: test error" in printed
 
 
 _BENCH: dict[str, Path] = {}
@@ -122,90 +148,6 @@ def test_bench_writes_table_chart_and_anchor_ratios(ray_cluster, tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_sweep_stops_at_max(ray_cluster, tmp_path):
-    out = tmp_path / "sweep"
-    rc = bench.main(["--models", "convnet", "--layouts", "1gpu", "--image-size", "32", "--sweep", "batch",
-                     "--max-batch", "32", "--steps", "2", "--device", "cpu", "--precision", "fp32",
-                     "--no-anchors", "--out", str(out)])
-    assert rc == 0
-    rows = pq.read_table(out / "sweep_batch.parquet").to_pylist()
-    assert [r["batch_per_device"] for r in rows] == [16, 32] and all(r["fits"] for r in rows)
-
-
-def test_a_failed_first_layout_keeps_the_measured_columns_of_the_rows_after_it(tmp_path):
-    rows = [
-        {"model": "m", "layout": "1gpu", "global_batch_size": 8, "note": "out of memory"},
-        {
-            "model": "m",
-            "layout": "dp2",
-            "global_batch_size": 8,
-            "note": "",
-            "images_per_s": 10.5,
-            "world_size": 2,
-        },
-    ]
-    write_table(rows, tmp_path)
-    back = pq.read_table(tmp_path / "bench.parquet").to_pylist()
-    assert [r["images_per_s"] for r in back] == [None, 10.5] and [r["world_size"] for r in back] == [None, 2]
-    assert back[0]["note"] == "out of memory"
-    with pytest.raises(ValueError, match="missing from BENCH_SCHEMA: \\['new_metric'\\]"):
-        write_table([{**rows[1], "new_metric": 1.0}], tmp_path)
-
-
-@pytest.mark.parametrize("limit", ["0", "-5", "nan", "inf", "1e20"])
-def test_bench_refuses_a_call_limit_it_cannot_keep(tmp_path, capsys, limit):
-    assert bench.main(["--layouts", "1gpu", "--call-timeout-s", limit, "--out", str(tmp_path / "x")]) == 2
-    assert (
-        f"--call-timeout-s {float(limit):g}: give a positive number of seconds up to 604800"
-        in capsys.readouterr().err
-    )
-    assert not (tmp_path / "x").exists()
-
-
-@pytest.mark.slow
-def test_training_curve_writes_error_against_time(ray_cluster, tmp_path, capsys):
-    out = tmp_path / "curve"
-    rc = bench.main(["--curve", "--curve-epochs", "1", "--layouts", "1gpu,dp2", "--global-batch-size",
-                     "64,256", "--device", "cpu", "--precision", "fp32", "--out", str(out)])
-    assert rc == 0
-    rows = pq.read_table(out / "curve.parquet").to_pylist()
-    assert {(r["layout"], r["global_batch_size"]) for r in rows} == {(n, b) for n in ("1gpu", "dp2")
-                                                                     for b in (64, 256)}
-    for name in ("1gpu", "dp2"):
-        for b in (64, 256):
-            pts = [r for r in rows if r["layout"] == name and r["global_batch_size"] == b]
-            times = [r["time_s"] for r in pts]
-            assert times == sorted(times) and times[0] > 0
-            assert pts[-1]["step"] + 1 == -(-1437 // b)  # one epoch of the 1,437 training digits
-        assert all(0 <= r["test_error"] <= 1 for r in rows)
-    assert (out / "curve.png").stat().st_size > 1000
-    printed = capsys.readouterr().out
-    assert "CURVE 1gpu B=64: test error" in printed and "CURVE dp2 B=256: test error" in printed
-
-
-def test_bench_on_an_image_folder_reports_input_stall(ray_cluster, tmp_path):
-    # A JPEG folder written by benchmarks/make_images.py, read through the real loader.
-    root = tmp_path / "images"
-    subprocess.run([sys.executable, str(Path(__file__).parents[2] / "benchmarks" / "make_images.py"),
-                    str(root), "--classes", "2", "--train-per-class", "8", "--val-per-class", "1", "--width",
-                    "50", "--height", "40", "--processes", "1"], check=True)
-    files = sorted((root / "train").rglob("*.JPEG"))
-    assert len(files) == 16 and files[0].read_bytes()[:2] == b"\xff\xd8"
-    out = tmp_path / "bench"
-    rc = bench.main(["--data", "imagefolder", "--data-dir", str(root), "--loader-workers", "0",
-                     "--data-on-device", "off", "--models", "convnet", "--layouts", "1gpu", "--image-size",
-                     "32", "--global-batch-size", "8", "--steps", "2", "--warmup", "1", "--device", "cpu",
-                     "--precision", "fp32", "--out", str(out)])
-    assert rc == 0
-    row = pq.read_table(out / "bench.parquet").to_pylist()[0]
-    assert row["data"] == "imagefolder" and row["images_per_s"] > 0
-    assert 0 < row["input_stall_ms"] < row["step_ms"]  # (decoding in the actor: no loader processes)
-    assert row["input_stall_fraction"] == pytest.approx(row["input_stall_ms"] / row["step_ms"])
-    assert row["vs_plain_pytorch"] is None  # the anchors read synthetic data only
-    assert bench.main(["--data", "imagefolder", "--layouts", "1gpu", "--out", str(tmp_path / "x")]) == 2
-
-
-@pytest.mark.slow
 def test_bench_and_curve_write_into_a_bucket(ray_cluster, tmp_path, monkeypatch, capsys):
     """``--out s3://...`` (a real S3-compatible server on loopback, moto): the layout table and the
     training curve go to the bucket, each file whole, nothing to the working folder; a bucket that does
@@ -242,6 +184,69 @@ def test_bench_and_curve_write_into_a_bucket(ray_cluster, tmp_path, monkeypatch,
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
+def test_bench_sweep_stops_at_max(ray_cluster, tmp_path):
+    out = tmp_path / "sweep"
+    rc = bench.main(["--models", "convnet", "--layouts", "1gpu", "--image-size", "32", "--sweep", "batch",
+                     "--max-batch", "32", "--steps", "2", "--device", "cpu", "--precision", "fp32",
+                     "--no-anchors", "--out", str(out)])
+    assert rc == 0
+    rows = pq.read_table(out / "sweep_batch.parquet").to_pylist()
+    assert [r["batch_per_device"] for r in rows] == [16, 32] and all(r["fits"] for r in rows)
+
+
+def test_bench_on_an_image_folder_reports_input_stall(ray_cluster, tmp_path):
+    # A JPEG folder written by benchmarks/make_images.py, read through the real loader.
+    root = tmp_path / "images"
+    subprocess.run([sys.executable, str(Path(__file__).parents[2] / "benchmarks" / "make_images.py"),
+                    str(root), "--classes", "2", "--train-per-class", "8", "--val-per-class", "1", "--width",
+                    "50", "--height", "40", "--processes", "1"], check=True)
+    files = sorted((root / "train").rglob("*.JPEG"))
+    assert len(files) == 16 and files[0].read_bytes()[:2] == b"\xff\xd8"
+    out = tmp_path / "bench"
+    rc = bench.main(["--data", "imagefolder", "--data-dir", str(root), "--loader-workers", "0",
+                     "--data-on-device", "off", "--models", "convnet", "--layouts", "1gpu", "--image-size",
+                     "32", "--global-batch-size", "8", "--steps", "2", "--warmup", "1", "--device", "cpu",
+                     "--precision", "fp32", "--out", str(out)])
+    assert rc == 0
+    row = pq.read_table(out / "bench.parquet").to_pylist()[0]
+    assert row["data"] == "imagefolder" and row["images_per_s"] > 0
+    assert 0 < row["input_stall_ms"] < row["step_ms"]  # (decoding in the actor: no loader processes)
+    assert row["input_stall_fraction"] == pytest.approx(row["input_stall_ms"] / row["step_ms"])
+    assert row["vs_plain_pytorch"] is None  # the anchors read synthetic data only
+    assert bench.main(["--data", "imagefolder", "--layouts", "1gpu", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_a_failed_first_layout_keeps_the_measured_columns_of_the_rows_after_it(tmp_path):
+    rows = [
+        {"model": "m", "layout": "1gpu", "global_batch_size": 8, "note": "out of memory"},
+        {
+            "model": "m",
+            "layout": "dp2",
+            "global_batch_size": 8,
+            "note": "",
+            "images_per_s": 10.5,
+            "world_size": 2,
+        },
+    ]
+    write_table(rows, tmp_path)
+    back = pq.read_table(tmp_path / "bench.parquet").to_pylist()
+    assert [r["images_per_s"] for r in back] == [None, 10.5] and [r["world_size"] for r in back] == [None, 2]
+    assert back[0]["note"] == "out of memory"
+    with pytest.raises(ValueError, match="missing from BENCH_SCHEMA: \\['new_metric'\\]"):
+        write_table([{**rows[1], "new_metric": 1.0}], tmp_path)
+
+
+@pytest.mark.parametrize("limit", ["0", "-5", "nan", "inf", "1e20"])
+def test_bench_refuses_a_call_limit_it_cannot_keep(tmp_path, capsys, limit):
+    assert bench.main(["--layouts", "1gpu", "--call-timeout-s", limit, "--out", str(tmp_path / "x")]) == 2
+    assert (
+        f"--call-timeout-s {float(limit):g}: give a positive number of seconds up to 604800"
+        in capsys.readouterr().err
+    )
+    assert not (tmp_path / "x").exists()
+
+
 def test_anchor_candidates_and_the_pick_of_the_fastest():
     ddp = anchor.default_configs(True, True)
     assert {"compile(ddp) bucket 25MB", "ddp(compile) bucket 25MB", "ddp bucket 25MB"} <= set(ddp)
@@ -254,7 +259,6 @@ def test_anchor_candidates_and_the_pick_of_the_fastest():
     with pytest.raises(SystemExit) as e:
         anchor.main(["--configs", "compile(ddp) bucket 25MB", "--device", "cpu"])  # a DDP one without --ddp
     assert e.value.code == 2
-
 
 
 def test_paper_report_tables_from_a_run_folder(tmp_path):
