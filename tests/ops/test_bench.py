@@ -264,9 +264,7 @@ def test_anchor_candidates_and_the_pick_of_the_fastest():
 def test_paper_report_tables_from_a_run_folder(tmp_path):
     # benchmarks/report.py: the RQ tables of RESULTS.md from the parts' raw rows; a part not run says so,
     # and a multi-GPU row's speedup comes from the speed part's 1-GPU row when its own run had none.
-    import subprocess
-    import sys
-    from pathlib import Path
+    import runpy
 
     import pyarrow as pa
 
@@ -316,10 +314,10 @@ def test_paper_report_tables_from_a_run_folder(tmp_path):
         ),
         run / "batch" / "sweep_batch.parquet",
     )
+    # (its main, in this process: the same code as the command, without a second interpreter's imports)
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, str(root / "benchmarks" / "report.py"), "report", str(run)],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
+    report = runpy.run_path(str(root / "benchmarks" / "report.py"), run_name="report")
+    assert report["main"](["report", str(run)]) == 0
     text = (run / "report.md").read_text()
     assert (
         "| alexnet | dp2 | 2 | 256 | 1500 | 1.5 | not measured | not measured | not measured | ddp bucket"
