@@ -72,7 +72,7 @@ def stopped(s3, tmp_path_factory) -> Path:
 
 
 # (first: the run of the ``stopped`` fixture ends in an error, which stops the two actors it started; the
-# runs after it, of one, two or four actors, take actors of the dp4 run's four, kept: --keep-actors-s)
+# dp4 run's four actors, kept (--keep-actors-s), then serve each later run, of one or two actors)
 def test_a_dp2_checkpoint_holds_each_tensor_once(stopped):
     ckpt = load_checkpoint(stopped)
     assert ckpt.step == 2 and ckpt.manifest["format"] == 2
