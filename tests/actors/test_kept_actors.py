@@ -63,9 +63,9 @@ def test_kept_actors_train_the_next_run_exactly_and_other_runs_get_their_own(ray
     _run(sgd_config(tmp_path, "f", dp=2, steps=STEPS, eval_every=STEPS), seen, "f")
     assert seen["f"] == (seen["d"][0], True)
     assert [len(g.actors) for g in pool.kept_groups()] == [1, 2]
-    # A run that needs all 4 CPUs stops both kept groups (their placement groups removed), the longest
-    # unused first; with --keep-actors-s 0 it leaves nothing: every CPU is free again.
-    _run(sgd_config(tmp_path, "g", dp=2, num_cpus_per_actor=2, steps=2, eval_every=2, keep_actors_s=0), seen,
+    # A run that needs all 4 CPUs (one actor of 4) stops both kept groups (their placement groups removed),
+    # the longest unused first; with --keep-actors-s 0 it leaves nothing: every CPU is free again.
+    _run(sgd_config(tmp_path, "g", dp=1, num_cpus_per_actor=4, steps=2, eval_every=2, keep_actors_s=0), seen,
          "g")
     assert not seen["g"][1] and _pg_state(d["run_name"]) == _pg_state(e["run_name"]) == "REMOVED"
     assert pool.kept_group() is None
@@ -76,48 +76,37 @@ def test_kept_actors_train_the_next_run_exactly_and_other_runs_get_their_own(ray
 
 
 def test_a_run_that_does_not_fit_beside_a_larger_kept_group_takes_its_first_actors(ray_cluster, tmp_path):
-    # Four kept actors hold the cluster's 4 CPUs: a run of two takes the first two (the same processes,
-    # single-device SGD still), the other two rest in the placement group and are kept with them again,
-    # so the next run of four takes all four and trains as the first did, to the bit.
+    # --dp from the cluster (4 CPUs, 2 per actor: 2 replicas) reads the cluster's totals, which kept actors
+    # do not change. The pair's two kept actors hold the cluster's 4 CPUs: a run of one actor of 2 CPUs
+    # takes the first (the same process, single-device SGD still), the other rests in the placement group
+    # and is kept with it again, so the next run with --dp from the cluster (2 replicas again) takes both
+    # and trains as the first did, to the bit.
     pool.release()
     seen: dict = {}
     logged: list[str] = []
-    _run(sgd_config(tmp_path, "four", dp=4, steps=2, eval_every=2), seen, "four")
-    two = sgd_config(tmp_path, "two", dp=2, steps=3, eval_every=3)
+    _run(sgd_config(tmp_path, "pair", dp=None, num_cpus_per_actor=2, steps=2, eval_every=2), seen, "pair")
+    assert len(seen["pair"][0]) == 2 and not seen["pair"][1] and pool.kept_group() is not None
+    one = sgd_config(tmp_path, "one", dp=1, num_cpus_per_actor=2, steps=3, eval_every=3)
     train_run(
-        two,
+        one,
         log=logged.append,
         on_step=lambda g, k: k
-        or seen.setdefault("two", ([i["pid"] for i in g.info], g.reused, len(g.spare))),
+        or seen.setdefault("one", ([i["pid"] for i in g.info], g.reused, len(g.spare))),
     )
-    assert seen["two"] == (seen["four"][0][:2], True, 2)
-    [line] = [x for x in logged if "2 of the 4 actors kept from this process's previous run, reused" in x]
+    assert seen["one"] == (seen["pair"][0][:1], True, 1)
+    [line] = [x for x in logged if "1 of the 2 actors kept from this process's previous run, reused" in x]
     # (Ray renames no named actor: the line names those the cluster lists, the first run's)
-    first = json.loads((tmp_path / "four" / "summary.json").read_text())["run_name"]
+    first = json.loads((tmp_path / "pair" / "summary.json").read_text())["run_name"]
     assert f'keep the names rayconv/{first}/<role> of the run that started them' in line, line
     at = f"RAY_ADDRESS={cli_address()} " if cli_address() else ""   # (other Rays on the host: named)
     assert f'`{at}ray list actors --filter "name=rayconv/{first}/dp0"`' in line, line
-    assert_same_state(torch.load(tmp_path / "two" / "model.pt", weights_only=True), reference_sgd(two, 3),
+    assert_same_state(torch.load(tmp_path / "one" / "model.pt", weights_only=True), reference_sgd(one, 3),
                       atol=1e-10)
-    assert [len(g.actors) for g in pool.kept_groups()] == [4] and not pool.kept_groups()[0].spare
-    _run(sgd_config(tmp_path, "again", dp=4, steps=2, eval_every=2), seen, "again")
-    assert seen["again"] == (seen["four"][0], True)
+    assert [len(g.actors) for g in pool.kept_groups()] == [2] and not pool.kept_groups()[0].spare
+    _run(sgd_config(tmp_path, "again", dp=None, num_cpus_per_actor=2, steps=2, eval_every=2), seen, "again")
+    assert seen["again"] == (seen["pair"][0], True)
     assert_same_state(torch.load(tmp_path / "again" / "model.pt", weights_only=True),
-                      torch.load(tmp_path / "four" / "model.pt", weights_only=True), atol=0.0)
-    pool.release()
-
-
-@pytest.mark.slow
-def test_a_run_with_dp_left_to_the_cluster_reuses_the_actors_it_is_given_again(ray_cluster, tmp_path):
-    # --dp from the cluster (4 CPUs, 2 per actor: 2 replicas) reads the cluster's totals, which kept
-    # actors do not change: the second run takes the first's actors and trains the same to the bit.
-    seen: dict = {}
-    _run(sgd_config(tmp_path, "f", dp=None, num_cpus_per_actor=2, steps=STEPS, eval_every=STEPS), seen, "f")
-    assert len(seen["f"][0]) == 2 and not seen["f"][1] and pool.kept_group() is not None
-    _run(sgd_config(tmp_path, "g", dp=None, num_cpus_per_actor=2, steps=STEPS, eval_every=STEPS), seen, "g")
-    assert seen["g"] == (seen["f"][0], True)
-    assert_same_state(torch.load(tmp_path / "g" / "model.pt", weights_only=True),
-                      torch.load(tmp_path / "f" / "model.pt", weights_only=True), atol=0.0)
+                      torch.load(tmp_path / "pair" / "model.pt", weights_only=True), atol=0.0)
     pool.release()
 
 
