@@ -94,32 +94,6 @@ def _summary(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
-def test_the_next_command_reuses_the_actors_and_unclaimed_they_end(head, tmp_path):
-    first = _finish(_command(head, tmp_path / "a"))
-    a = _summary(tmp_path / "a")
-    assert "kept on the cluster" not in first
-    assert "rayconv: 1 actors stay on the cluster for 60 s, for the next command that needs them" in first
-    assert len(_alive(a["run_name"])) == 1 and _pg_states(a["run_name"]) == ["CREATED"]   # (kept, 60 s)
-    second = _finish(_command(head, tmp_path / "b", "--keep-actors-s", "3"))
-    b = _summary(tmp_path / "b")
-    assert "rayconv: 1 actors kept on the cluster by a previous command, reused (--keep-actors-s)" in second
-    # (its address where Ray's command line would not find this head by itself: other Rays run here)
-    listed = rf'\(`(RAY_ADDRESS=\S+:{head.rpartition(":")[2]} )?ray list actors --filter "name=rayconv/' \
-        rf'{a["run_name"]}/dp0"`\)'
-    assert re.search(listed, second), second
-    assert "renewed" in b["startup"]["actor_process"] \
-        and "process_started" not in b["startup"]["actor_process"]
-    assert "process_started" in a["startup"]["actor_process"]
-    # The same actors, kept again (now for 3 s: said by the command, as on a loaded machine they may end
-    # before this process could look at them)
-    assert "rayconv: 1 actors stay on the cluster for 3 s, for the next command that needs them" in second
-    print(f"to step 0: first command {a['startup']['phases']['first_step']:.2f} s, "
-          f"second {b['startup']['phases']['first_step']:.2f} s")
-    # Unclaimed, they end after --keep-actors-s (3 s, the watchdog polls every second), their placement group
-    # removed.
-    assert _gone(a["run_name"], within_s=15)
-
-
 def _refused(proc: subprocess.Popen) -> None:
     """``proc`` ended with exit status 2 and one line naming ``--model vit_b_16``, no traceback."""
     out, _ = proc.communicate(timeout=120)
@@ -128,7 +102,8 @@ def _refused(proc: subprocess.Popen) -> None:
     assert "--model vit_b_16" in last and "Traceback" not in out, out
 
 
-def test_the_actors_check_a_torchvision_model_for_the_driver(head, tmp_path):
+def test_the_next_command_reuses_the_actors_which_check_a_torchvision_model_and_unclaimed_they_end(
+        head, tmp_path):
     tv = ("--model", "resnet18", "--steps", "2", "--eval-every", "2")   # (digits: 8x8 images)
     # Settings whose model checks passed on this machine (``driver.passed``; here in this process, which
     # shares the commands' cache folder) start their actors first, and an actor checks the model.
@@ -136,21 +111,36 @@ def test_the_actors_check_a_torchvision_model_for_the_driver(head, tmp_path):
     from rayconv.run import parse_command_line
 
     check_before_ray(parse_command_line([*RUN, *tv]), None)
-    _finish(_command(head, tmp_path / "a", *tv))
+    first = _finish(_command(head, tmp_path / "a", *tv))
     a = _summary(tmp_path / "a")
+    assert "kept on the cluster" not in first
+    assert "rayconv: 1 actors stay on the cluster for 60 s, for the next command that needs them" in first
+    assert len(_alive(a["run_name"])) == 1 and _pg_states(a["run_name"]) == ["CREATED"]   # (kept, 60 s)
     assert a["startup"]["model_check"] == "actor" and "process_started" in a["startup"]["actor_process"]
     phases = list(a["startup"]["phases"])
     # (the actor's part named)
     assert phases.index("imports") < phases.index("model_checked") < phases.index("data")
-    _finish(_command(head, tmp_path / "b", *tv, "--keep-actors-s", "3"))
+    second = _finish(_command(head, tmp_path / "b", *tv, "--keep-actors-s", "3"))
     b = _summary(tmp_path / "b")
-    assert b["startup"]["model_check"] == "kept actor" and "renewed" in b["startup"]["actor_process"]
-    assert b["steps_done"] == 2 and b["status"] == "finished"
+    assert "rayconv: 1 actors kept on the cluster by a previous command, reused (--keep-actors-s)" in second
+    # (its address where Ray's command line would not find this head by itself: other Rays run here)
+    listed = rf'\(`(RAY_ADDRESS=\S+:{head.rpartition(":")[2]} )?ray list actors --filter "name=rayconv/' \
+        rf'{a["run_name"]}/dp0"`\)'
+    assert re.search(listed, second), second
+    assert "renewed" in b["startup"]["actor_process"] \
+        and "process_started" not in b["startup"]["actor_process"]
+    assert b["startup"]["model_check"] == "kept actor" and b["steps_done"] == 2 and b["status"] == "finished"
+    # The same actors, kept again (now for 3 s: said by the command, as on a loaded machine they may end
+    # before this process could look at them)
+    assert "rayconv: 1 actors stay on the cluster for 3 s, for the next command that needs them" in second
+    print(f"to step 0: first command {a['startup']['phases']['first_step']:.2f} s, "
+          f"second {b['startup']['phases']['first_step']:.2f} s")
     # (vit_b_16: a transformer made for 224 px) refused by the driver before any actor starts: no output
-    # folder, no actor of its own, and the kept actors unclaimed: they end after 3 s
+    # folder, no actor of its own, and the kept actors unclaimed: they end after --keep-actors-s (3 s, the
+    # watchdog polls every second), their placement group removed
     _refused(_command(head, tmp_path / "c", *tv, "--model", "vit_b_16"))
     assert not _run_names(tmp_path / "c") and not (tmp_path / "c").exists()
-    assert _gone(b["run_name"], within_s=15)
+    assert _gone(a["run_name"], within_s=15) and _gone(b["run_name"], within_s=15)
 
 
 def test_a_killed_command_leaves_no_actor_nor_placement_group(head, tmp_path):
