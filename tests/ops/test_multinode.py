@@ -55,33 +55,7 @@ def add_node_b(cluster):
     return node
 
 
-@pytest.mark.slow
-def test_ranks_by_node_and_fs_groups_inside_a_node(two_nodes, tmp_path):
-    nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
-    assert len(nodes) == 2 and sum(r["CPU"] for r in nodes.values()) == 4
-    seen = {}
-
-    def look(actor_group, step):
-        seen["info"] = list(actor_group.info)
-        seen["roles"] = list(actor_group.roles)
-
-    cfg = Config(model="convnet", data="digits", dp=2, fs=2, global_batch_size=64, steps=2, device="cpu",
-                 progress=False, out=str(tmp_path / "two-nodes"), loader_workers=0).validate()
-    summary = train_run(cfg, log=lambda *_: None, on_step=look)
-    assert summary["layout"]["world_size"] == 4
-    node_of = [i["node_id"] for i in seen["info"]]
-    assert len(set(node_of)) == 2, "the job should span both nodes (2 CPUs each, 4 actors)"
-    # Ranks are ordered by node: each node's ranks are contiguous (node ids non-decreasing in the order
-    # of first appearance).
-    order = list(dict.fromkeys(node_of))
-    assert [order.index(n) for n in node_of] == sorted(order.index(n) for n in node_of)
-    # Every filter-split group (the innermost, chattiest axis) is inside one node.
-    for group in Mesh(2, 1, 2).groups("fs"):
-        assert len({node_of[r] for r in group}) == 1, (group, node_of)
-    # Each node holds one of the two custom resources it was started with.
-    assert sorted(k for r in nodes.values() for k in r if k.startswith("node_")) == ["node_a", "node_b"]
-
-
+# (before the ranks test: the four actors that test keeps serve the elastic test's first layout)
 def test_users_model_from_a_file_trains_dp2_across_the_nodes(two_nodes, tmp_path, monkeypatch):
     """ResNetish (tests/support/fixtures/resnetish.py) copied to a folder no worker runs in, given by a
     relative path: each of the two actors (2 CPUs each, one per node) imports it from py_modules. Batch norm
@@ -108,6 +82,33 @@ def _train_the_copy(tmp_path) -> None:
     assert_same_state(torch.load(tmp_path / "users" / "model.pt", weights_only=True), want, atol=1e-10)
     assert abs(summary["test_loss"] - test_loss) < 1e-10
 
+
+
+@pytest.mark.slow
+def test_ranks_by_node_and_fs_groups_inside_a_node(two_nodes, tmp_path):
+    nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+    assert len(nodes) == 2 and sum(r["CPU"] for r in nodes.values()) == 4
+    seen = {}
+
+    def look(actor_group, step):
+        seen["info"] = list(actor_group.info)
+        seen["roles"] = list(actor_group.roles)
+
+    cfg = Config(model="convnet", data="digits", dp=2, fs=2, global_batch_size=64, steps=2, device="cpu",
+                 progress=False, out=str(tmp_path / "two-nodes"), loader_workers=0).validate()
+    summary = train_run(cfg, log=lambda *_: None, on_step=look)
+    assert summary["layout"]["world_size"] == 4
+    node_of = [i["node_id"] for i in seen["info"]]
+    assert len(set(node_of)) == 2, "the job should span both nodes (2 CPUs each, 4 actors)"
+    # Ranks are ordered by node: each node's ranks are contiguous (node ids non-decreasing in the order
+    # of first appearance).
+    order = list(dict.fromkeys(node_of))
+    assert [order.index(n) for n in node_of] == sorted(order.index(n) for n in node_of)
+    # Every filter-split group (the innermost, chattiest axis) is inside one node.
+    for group in Mesh(2, 1, 2).groups("fs"):
+        assert len({node_of[r] for r in group}) == 1, (group, node_of)
+    # Each node holds one of the two custom resources it was started with.
+    assert sorted(k for r in nodes.values() for k in r if k.startswith("node_")) == ["node_a", "node_b"]
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from tests.support.ray_head import own_head
 from tests.support.s3_server import s3_server
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS, EVERY = 40, 4
+STEPS, EVERY = 20, 4
 RUN = ["--model", "convnet", "--data", "digits", "--global-batch-size", "96", "--lr", "0.05",
        "--momentum", "0.9", "--weight-decay", "5e-4", "--precision", "fp64", "--device", "cpu",
        "--no-progress", "--loader-workers", "0", "--steps", str(STEPS), "--eval-every", "1000",
