@@ -5,7 +5,7 @@ mocked: rayconv talks to it over HTTP through ``pyarrow.fs.S3FileSystem`` as it 
 
 The server has its own process (as a store has its own machine) so that its answers never wait on the
 test process: a driver that runs in the test process (``rayconv.run.main``) holds the interpreter lock
-for seconds at a time (imports, the float64 references), and a server thread beside it then answered
+for seconds at a time (imports, the float64 references), and a server thread beside it would answer
 past the client's request timeout on a busy machine. The process keeps the buckets between ``stop`` and
 ``start`` (moto's backends live in it), and ends when the test process closes its stdin or ends."""
 
