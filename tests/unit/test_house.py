@@ -454,7 +454,8 @@ def fixture_changes(source: str, where: str = "") -> list[str]:
     assigned or deleted; names bound to a part of it (``out, rec = built``) count as it."""
     tree = ast.parse(source)
     functions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    shared = {f.name for f in functions if fixture_scope(f) in ("module", "package", "session")}
+    # fixtures that outlive one test (scopes wider than function and class): built once, shared
+    shared = {f.name for f in functions if fixture_scope(f) not in (None, "function", "class")}
     found = []
     for f in functions:
         if f.name in shared:
